@@ -1,0 +1,185 @@
+"""A typed async client for one participant's ParticipantService."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import grpc
+from google.protobuf import timestamp_pb2
+from grpc import aio
+
+from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
+from rollout_checkpoint.v1 import types_pb2
+
+from .errors import ControlError
+
+T = TypeVar("T")
+
+TRANSPORT_SLACK_SECONDS = 5.0
+"""The RPC timeout runs this long past the request's deadline, so the participant (which
+knows what happened) reports a missed deadline rather than the transport (which does not)."""
+
+MIN_TIMEOUT_SECONDS = 5.0
+
+
+def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def episode_message(episode: EpisodeId) -> types_pb2.EpisodeId:
+    return types_pb2.EpisodeId(rollout_id=episode.rollout_id, attempt=episode.attempt)
+
+
+def scope_message(episodes: Iterable[EpisodeId]) -> types_pb2.EpisodeScope:
+    return types_pb2.EpisodeScope(episodes=[episode_message(e) for e in sorted(set(episodes))])
+
+
+class ParticipantClient:
+    """One participant at one address. Failures raise `ControlError` with the server's reason.
+
+    The token travels as `authorization` metadata on every call (per call, because gRPC's
+    call credentials are silently dropped on plaintext channels).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.address = address
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._timeout = timeout
+        self._clock = clock
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        if credentials is None:
+            self._channel = aio.insecure_channel(address, options=options)
+        else:
+            self._channel = aio.secure_channel(address, credentials, options=options)
+        self._stub = pb_grpc.ParticipantServiceStub(self._channel)  # type: ignore[no-untyped-call]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _timeout_for(self, deadline: float | None) -> float:
+        if deadline is None:
+            return self._timeout
+        return max(MIN_TIMEOUT_SECONDS, deadline - self._clock() + TRANSPORT_SLACK_SECONDS)
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except aio.AioRpcError as error:
+            raise ControlError.from_rpc_error(error) from None
+
+    # -- read-only ----------------------------------------------------------------------
+
+    async def get_participant(self) -> pb.GetParticipantResponse:
+        return await self._call(self._stub.GetParticipant(pb.GetParticipantRequest(), metadata=self._metadata, timeout=self._timeout))
+
+    async def get_status(self) -> pb.GetStatusResponse:
+        return await self._call(self._stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata, timeout=self._timeout))
+
+    async def list_episodes(self, page_size: int = 0, page_token: str = "") -> pb.ListEpisodesResponse:
+        request = pb.ListEpisodesRequest(page_size=page_size, page_token=page_token)
+        return await self._call(self._stub.ListEpisodes(request, metadata=self._metadata, timeout=self._timeout))
+
+    async def all_episodes(self, page_size: int = 0) -> list[types_pb2.Episode]:
+        episodes: list[types_pb2.Episode] = []
+        token = ""
+        while True:
+            page = await self.list_episodes(page_size, token)
+            episodes.extend(page.episodes)
+            token = page.next_page_token
+            if not token:
+                return episodes
+
+    # -- checkpoint ---------------------------------------------------------------------
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> AsyncIterator[pb.PrepareResponse]:
+        """Yield the Prepare stream's messages; the last has `final` set."""
+        request = pb.PrepareRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
+        call: Any = self._stub.Prepare(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        try:
+            async for message in call:
+                yield message
+        except aio.AioRpcError as error:
+            raise ControlError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
+
+    async def prepare_until_final(
+        self, checkpoint_id: str, deadline: float, on_update: Callable[[pb.PrepareResponse], None] | None = None
+    ) -> pb.PrepareResponse:
+        """Read the Prepare stream to its final message and return that message."""
+        final: pb.PrepareResponse | None = None
+        async for message in self.prepare(checkpoint_id, deadline):
+            if on_update is not None:
+                on_update(message)
+            if message.final:
+                final = message
+        if final is None:
+            raise ControlError(grpc.StatusCode.UNAVAILABLE, "the Prepare stream ended without a final message")
+        return final
+
+    async def renew(self, checkpoint_id: str, deadline: float) -> pb.RenewResponse:
+        request = pb.RenewRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
+        return await self._call(self._stub.Renew(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+
+    async def commit(
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeId] | None = None,
+    ) -> pb.CommitResponse:
+        """Commit; `scope=None` is unscoped (every live episode), an empty iterable is none."""
+        request = pb.CommitRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline), checkpoint_dir=checkpoint_dir)
+        if scope is not None:
+            request.scope.CopyFrom(scope_message(scope))
+        return await self._call(self._stub.Commit(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+
+    async def restore(
+        self, checkpoint_id: str, deadline: float, checkpoint_dir: str, scope: Iterable[EpisodeId]
+    ) -> pb.RestoreResponse:
+        request = pb.RestoreRequest(
+            checkpoint_id=checkpoint_id,
+            deadline=timestamp(deadline),
+            checkpoint_dir=checkpoint_dir,
+            scope=scope_message(scope),
+        )
+        return await self._call(self._stub.Restore(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+
+    async def resume(self, checkpoint_id: str, deadline: float) -> pb.ResumeResponse:
+        request = pb.ResumeRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
+        return await self._call(self._stub.Resume(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+
+    async def retire(self, checkpoint_id: str, deadline: float, episodes: Iterable[EpisodeId]) -> pb.RetireResponse:
+        request = pb.RetireRequest(
+            checkpoint_id=checkpoint_id,
+            deadline=timestamp(deadline),
+            episodes=[episode_message(e) for e in episodes],
+        )
+        return await self._call(self._stub.Retire(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+
+    async def forget(self, checkpoint_id: str, deadline: float, rollout_ids: Iterable[str]) -> pb.ForgetResponse:
+        request = pb.ForgetRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline), rollout_ids=list(rollout_ids))
+        return await self._call(self._stub.Forget(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))

@@ -1,0 +1,81 @@
+"""Bearer-token authentication for the control services.
+
+Every ParticipantService and CoordinatorService call needs `authorization: Bearer <token>`;
+health (the kubelet sends no token) and reflection (off unless configured) are exempt. The
+comparison is constant-time so a caller cannot learn the token byte by byte from timings, and
+the token never appears in a log line or a status message.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from .errors import CheckpointError, Reason
+from .rpc_status import to_grpc_status
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def token_matches(presented: str, expected: str) -> bool:
+    return hmac.compare_digest(presented.encode(), expected.encode())
+
+
+class BearerTokenInterceptor(aio.ServerInterceptor):
+    def __init__(self, token: str, exempt_prefixes: Collection[str] = EXEMPT_PREFIXES) -> None:
+        if not token:
+            raise ValueError("a control token is required")
+        self._token = token
+        self._exempt = tuple(exempt_prefixes)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method or ""
+        if method.startswith(self._exempt) or self._authorized(handler_call_details):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None  # type: ignore[return-value]
+        return _refusing_handler(handler)
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        presented = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str):
+                presented = value
+                break
+        scheme, _, token = presented.partition(" ")
+        # Compare even when the scheme is wrong, so timing says nothing about which part failed.
+        matches = token_matches(token.strip(), self._token)
+        return scheme.lower() == "bearer" and matches
+
+
+_REFUSAL = CheckpointError(Reason.TOKEN_INVALID, "missing or invalid bearer token")
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that refuses with TOKEN_INVALID before reading anything."""
+
+    async def refuse_unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort_with_status(to_grpc_status(_REFUSAL))
+
+    async def refuse_stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort_with_status(to_grpc_status(_REFUSAL))
+        yield  # pragma: no cover - makes this an async generator
+
+    deserializer = handler.request_deserializer
+    serializer = handler.response_serializer
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse_unary, deserializer, serializer)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
+    return grpc.unary_unary_rpc_method_handler(refuse_unary, deserializer, serializer)

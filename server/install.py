@@ -1,0 +1,134 @@
+"""Install checkpointing into a Starlette or FastAPI app, from one settings object.
+
+Off by default: with `enabled: false` nothing at all is installed (no sidecar, no lifespan
+change, no state), so a server behaves exactly as without this project.
+
+The sidecar starts and stops inside the app's lifespan, on uvicorn's own loop: grpc.aio
+objects are bound to the loop that creates them, and uvicorn re-raises SIGTERM after `serve()`
+returns, so code placed after `serve()` would never run. Health turns NOT_SERVING from the
+signal handler itself, before uvicorn drains HTTP connections, so the kubelet and the
+controller learn of the shutdown at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
+from typing import Any
+
+from starlette.applications import Starlette
+
+from .clock import Clock
+from .control_plane import ControlPlane
+from .participant import Participant
+from .settings import CheckpointSettings
+from .sidecar import Sidecar
+from .storage import CheckpointStorage
+
+log = logging.getLogger(__name__)
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class CheckpointRuntime:
+    """What `install_checkpointing` put into the app (also at `app.state.checkpoint`)."""
+
+    def __init__(self, control: ControlPlane, settings: CheckpointSettings) -> None:
+        self.control = control
+        self.settings = settings
+        self.sidecar = Sidecar(control, settings)
+        self._previous_handlers: dict[int, SignalHandler] = {}
+        self._shutdown_task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int | None:
+        return self.sidecar.port
+
+    @property
+    def address(self) -> str:
+        return self.sidecar.address
+
+    async def start(self) -> None:
+        await self.sidecar.start()
+        self._hook_signals()
+
+    async def stop(self) -> None:
+        self._unhook_signals()
+        await self.sidecar.stop()
+
+    def _hook_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if self._shutdown_task is None:
+                self._shutdown_task = loop.create_task(self.sidecar.begin_shutdown())
+            previous = self._previous_handlers.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+            else:  # nobody else handles it: behave as if we were not here
+                signal.signal(signum, previous or signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous_handlers[signum] = signal.getsignal(signum)
+                signal.signal(signum, on_signal)
+            except ValueError:  # not the main thread (e.g. tests running the app in a thread)
+                self._previous_handlers.pop(signum, None)
+
+    def _unhook_signals(self) -> None:
+        for signum, previous in self._previous_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signum, previous)  # type: ignore[arg-type]
+        self._previous_handlers.clear()
+
+
+def install_checkpointing(
+    app: Starlette,
+    participant: Participant,
+    settings: CheckpointSettings | None,
+    *,
+    clock: Clock | None = None,
+    storage: CheckpointStorage | None = None,
+) -> CheckpointRuntime | None:
+    """Wire a participant's control plane and sidecar into `app`'s lifespan.
+
+    Returns None, and touches nothing, when checkpointing is off.
+    """
+    if settings is None or not settings.enabled:
+        return None
+    if settings.instance:
+        participant.instance = settings.instance
+    control = ControlPlane(participant, settings.control_settings(), storage=storage, clock=clock)
+    runtime = CheckpointRuntime(control, settings)
+    app.state.checkpoint = runtime
+    original = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(lifespan_app: Any) -> AsyncIterator[Any]:
+        async with original(lifespan_app) as state:
+            await runtime.start()
+            try:
+                yield state
+            finally:
+                await runtime.stop()
+
+    app.router.lifespan_context = lifespan
+    return runtime
+
+
+def serve(app: Starlette, host: str, port: int, *, workers: int = 1, graceful_seconds: float = 10.0) -> None:
+    """Run `app` under uvicorn with one worker (the sidecar lives in that one process)."""
+    import uvicorn
+
+    if workers != 1:
+        raise SystemExit(
+            f"rollout-checkpoint: {workers} workers configured, but a participant runs in exactly "
+            "one worker process (its gRPC sidecar lives there); set workers to 1"
+        )
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds)
+    uvicorn.Server(config).run()

@@ -1,0 +1,430 @@
+"""Storage of one participant's part of a checkpoint.
+
+    <checkpoint_dir>/participants/<kind>/<instance>/records-<sha256>.jsonl
+    <checkpoint_dir>/participants/<kind>/<instance>/manifest.json
+
+A part is complete if and only if its manifest exists, and a directory with a manifest never
+changes. Everything here blocks (file I/O, fsync, hashing): callers run it in a thread.
+
+The ordering exists for crashes. Records are written to a temporary file and fsynced before
+they get their digest name, so a crash never leaves a torn file under a published name. The
+manifest comes last and is hard-linked into place, never renamed over: `link` fails when the
+name exists, so of two racing writers exactly one publishes and a published manifest is never
+replaced. The directory is fsynced last, so a manifest that survives a crash names a records
+file that survived too.
+
+Every file operation goes through directory descriptors opened with O_NOFOLLOW, so a symlink
+planted anywhere under the checkpoint directory cannot redirect a write outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from .errors import (
+    CheckpointError,
+    Reason,
+    corrupt_checkpoint,
+    invalid_request,
+    rejected_checkpoint,
+)
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+RECORDS_NAME = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StoredManifest:
+    schema_version: int
+    kind: str
+    instance: str
+    checkpoint_id: str
+    records_file: str
+    records_sha256: str
+    record_count: int
+    bytes: int
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True, indent=2) + "\n").encode()
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedPart:
+    manifest: StoredManifest
+    manifest_sha256: str
+
+
+class StopRequested(Exception):
+    """The write was stopped (a Resume) before it began to publish."""
+
+
+CrashHook = Callable[[str], None]
+"""Called with the name of each step of a write; fault tests kill the writer there."""
+
+
+class CheckpointStorage(Protocol):
+    """Where parts live. The local filesystem is the default; an object store fits here."""
+
+    def write_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        lines: Iterable[bytes],
+        stop: threading.Event,
+    ) -> PublishedPart: ...
+
+    def read_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        select: Callable[[dict[str, Any]], bool],
+    ) -> tuple[StoredManifest, list[dict[str, Any]]]: ...
+
+
+def validate_checkpoint_dir(raw: str, allowed_roots: Sequence[str]) -> str:
+    """Check a requested checkpoint directory and return its real path.
+
+    Refused (INVALID_REQUEST, field `checkpoint_dir`): a relative path, one that is not
+    normalized, one with a `..` component, and one that resolves outside every allowed root.
+    Blocks (realpath): run it in a thread.
+    """
+    field = "checkpoint_dir"
+    if not raw:
+        raise invalid_request(field, "must not be empty")
+    if "\x00" in raw:
+        raise invalid_request(field, "must not contain NUL")
+    if not os.path.isabs(raw):
+        raise invalid_request(field, "must be an absolute path")
+    if ".." in raw.split("/"):
+        raise invalid_request(field, "must not contain a '..' component")
+    if os.path.normpath(raw) != raw:
+        raise invalid_request(field, "must be a normalized path")
+    real = os.path.realpath(raw)
+    if allowed_roots and not any(_is_within(real, root) for root in allowed_roots):
+        raise invalid_request(field, "lies outside the allowed checkpoint roots")
+    return real
+
+
+def _is_within(path: str, root: str) -> bool:
+    real_root = os.path.realpath(root)
+    return path == real_root or path.startswith(real_root.rstrip("/") + "/")
+
+
+def _storage_error(exc: OSError, path: str) -> CheckpointError:
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return CheckpointError(
+        Reason.STORAGE_FAILED,
+        f"storage failed: {exc.strerror or exc}",
+        code="RESOURCE_EXHAUSTED" if full else "UNAVAILABLE",
+        metadata={"path": path, "errno": errno.errorcode.get(exc.errno or 0, str(exc.errno))},
+    )
+
+
+class LocalStorage:
+    """Parts on a local (or mounted) POSIX filesystem."""
+
+    def __init__(self, crash_hook: CrashHook | None = None) -> None:
+        self._crash_hook = crash_hook
+
+    def _step(self, name: str) -> None:
+        if self._crash_hook is not None:
+            self._crash_hook(name)
+
+    # -- write ---------------------------------------------------------------------------
+
+    def write_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        lines: Iterable[bytes],
+        stop: threading.Event,
+    ) -> PublishedPart:
+        part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
+        try:
+            part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
+        except OSError as exc:
+            raise _storage_error(exc, part_path) from exc
+        try:
+            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, stop)
+        except OSError as exc:
+            raise _storage_error(exc, part_path) from exc
+        finally:
+            os.close(part_fd)
+
+    def _write_in(
+        self,
+        part_fd: int,
+        part_path: str,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        lines: Iterable[bytes],
+        stop: threading.Event,
+    ) -> PublishedPart:
+        temporaries: list[str] = []
+        try:
+            records_tmp = f".records-{secrets.token_hex(8)}.tmp"
+            temporaries.append(records_tmp)
+            digest, count, size = self._write_records(part_fd, records_tmp, lines, stop)
+            records_file = f"records-{digest}.jsonl"
+            self._step("before_rename")
+            os.rename(records_tmp, records_file, src_dir_fd=part_fd, dst_dir_fd=part_fd)
+            temporaries.remove(records_tmp)
+            self._step("after_rename")
+            manifest = StoredManifest(
+                SCHEMA_VERSION, kind, instance, checkpoint_id, records_file, digest, count, size
+            )
+            manifest_bytes = manifest.to_bytes()
+            manifest_tmp = f".manifest-{secrets.token_hex(8)}.tmp"
+            temporaries.append(manifest_tmp)
+            _write_file(part_fd, manifest_tmp, manifest_bytes)
+            if stop.is_set():
+                raise StopRequested()
+            # From here on the publication is under way: a Resume waits for it instead of
+            # stopping it, because a half-linked manifest is not a thing that can exist.
+            self._step("before_manifest_link")
+            try:
+                os.link(
+                    manifest_tmp,
+                    MANIFEST_NAME,
+                    src_dir_fd=part_fd,
+                    dst_dir_fd=part_fd,
+                    follow_symlinks=False,
+                )
+            except FileExistsError:
+                return self._settle_existing(part_fd, part_path, manifest, manifest_bytes)
+            self._step("after_manifest_link")
+            os.unlink(manifest_tmp, dir_fd=part_fd)
+            temporaries.remove(manifest_tmp)
+            self._step("before_dir_fsync")
+            os.fsync(part_fd)
+            return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
+        finally:
+            for name in temporaries:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=part_fd)
+
+    def _write_records(
+        self, part_fd: int, name: str, lines: Iterable[bytes], stop: threading.Event
+    ) -> tuple[str, int, int]:
+        hasher = hashlib.sha256()
+        count = size = 0
+        fd = os.open(
+            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+            dir_fd=part_fd,
+        )
+        with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
+            for line in lines:
+                if stop.is_set():
+                    raise StopRequested()
+                self._step("before_record")
+                data = line + b"\n"
+                out.write(data)
+                hasher.update(data)
+                count += 1
+                size += len(data)
+                self._step("after_record")
+            if stop.is_set():
+                raise StopRequested()
+            out.flush()
+            os.fsync(out.fileno())
+            self._step("after_fsync")
+        return hasher.hexdigest(), count, size
+
+    def _settle_existing(
+        self, part_fd: int, part_path: str, manifest: StoredManifest, manifest_bytes: bytes
+    ) -> PublishedPart:
+        """Another writer published first: identical means our retry is done; else refuse."""
+        existing = _read_file(part_fd, MANIFEST_NAME)
+        if existing == manifest_bytes:
+            return PublishedPart(manifest, hashlib.sha256(existing).hexdigest())
+        other_records: str | None = None
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            other_records = json.loads(existing).get("records_file")
+        if other_records != manifest.records_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(manifest.records_file, dir_fd=part_fd)
+        raise rejected_checkpoint(
+            "the participant directory already holds a different commit", path=part_path
+        )
+
+    # -- read ----------------------------------------------------------------------------
+
+    def read_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        select: Callable[[dict[str, Any]], bool],
+    ) -> tuple[StoredManifest, list[dict[str, Any]]]:
+        part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
+        try:
+            part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=False)
+        except FileNotFoundError as exc:
+            raise corrupt_checkpoint("no part of this participant in the checkpoint", part_path) from exc
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise invalid_request("checkpoint_dir", "a participant subdirectory is a symlink") from exc
+            raise _storage_error(exc, part_path) from exc
+        try:
+            manifest = self._read_manifest(part_fd, part_path, kind, instance)
+            records = self._read_records(part_fd, part_path, manifest, select)
+            return manifest, records
+        except OSError as exc:
+            raise _storage_error(exc, part_path) from exc
+        finally:
+            os.close(part_fd)
+
+    def _read_manifest(
+        self, part_fd: int, part_path: str, kind: str, instance: str
+    ) -> StoredManifest:
+        try:
+            raw = _read_file(part_fd, MANIFEST_NAME)
+        except FileNotFoundError as exc:
+            raise corrupt_checkpoint("the part has no manifest (never published)", part_path) from exc
+        try:
+            fields = json.loads(raw, parse_constant=_refuse_constant)
+            manifest = _manifest_from_json(fields)
+        except (ValueError, TypeError) as exc:
+            raise corrupt_checkpoint(f"unreadable manifest: {exc}", part_path) from exc
+        if manifest.kind != kind or manifest.instance != instance:
+            raise rejected_checkpoint(
+                f"the part belongs to {manifest.kind}/{manifest.instance}, not {kind}/{instance}",
+                path=part_path,
+            )
+        return manifest
+
+    def _read_records(
+        self,
+        part_fd: int,
+        part_path: str,
+        manifest: StoredManifest,
+        select: Callable[[dict[str, Any]], bool],
+    ) -> list[dict[str, Any]]:
+        try:
+            fd = os.open(manifest.records_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=part_fd)
+        except FileNotFoundError as exc:
+            raise corrupt_checkpoint("the records file named by the manifest is missing", part_path) from exc
+        hasher = hashlib.sha256()
+        count = size = 0
+        kept: list[dict[str, Any]] = []
+        with os.fdopen(fd, "rb", buffering=_READ_CHUNK) as records:
+            for line in records:
+                hasher.update(line)
+                count += 1
+                size += len(line)
+                if not line.endswith(b"\n"):
+                    raise corrupt_checkpoint(
+                        f"records digest mismatch: line {count} is torn", part_path
+                    )
+                try:
+                    record = json.loads(line, parse_constant=_refuse_constant)
+                except ValueError as exc:
+                    raise corrupt_checkpoint(
+                        f"records digest mismatch or corrupt record at line {count}", part_path
+                    ) from exc
+                if not isinstance(record, dict):
+                    raise corrupt_checkpoint(f"record at line {count} is not an object", part_path)
+                if select(record):
+                    kept.append(record)
+        if (hasher.hexdigest(), count, size) != (
+            manifest.records_sha256,
+            manifest.record_count,
+            manifest.bytes,
+        ):
+            raise corrupt_checkpoint(
+                "records digest mismatch: the records file does not match its manifest "
+                f"(sha256 {hasher.hexdigest()}, {count} records, {size} bytes)",
+                part_path,
+            )
+        return kept
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _manifest_from_json(fields: object) -> StoredManifest:
+    if not isinstance(fields, dict):
+        raise ValueError("manifest is not an object")
+    expected = set(StoredManifest.__dataclass_fields__)
+    if set(fields) != expected:
+        raise ValueError("manifest fields differ from schema version 1")
+    manifest = StoredManifest(**fields)
+    ints = (manifest.schema_version, manifest.record_count, manifest.bytes)
+    strs = (manifest.kind, manifest.instance, manifest.checkpoint_id, manifest.records_file)
+    if any(type(v) is not int or v < 0 for v in ints) or any(type(v) is not str for v in strs):
+        raise ValueError("manifest field of the wrong type")
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise ValueError(f"unsupported schema version {manifest.schema_version}")
+    match = RECORDS_NAME.match(manifest.records_file)
+    if match is None or match.group(1) != manifest.records_sha256:
+        raise ValueError("records_file must be records-<records_sha256>.jsonl")
+    return manifest
+
+
+def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: bool) -> int:
+    """Open `participants/<kind>/<instance>` below the checkpoint directory, refusing symlinks.
+
+    The checkpoint directory itself is created when missing (its parent must exist, so nothing
+    outside it is ever created); each component below it is opened with O_NOFOLLOW.
+    """
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(checkpoint_dir, 0o755)
+    fd = os.open(checkpoint_dir, _DIR_FLAGS)
+    try:
+        for component in ("participants", kind, instance):
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(component, 0o755, dir_fd=fd)
+            try:
+                child = os.open(component, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise invalid_request(
+                        "checkpoint_dir", f"participant subdirectory {component!r} is a symlink"
+                    ) from exc
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _write_file(dir_fd: int, name: str, data: bytes) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_file(dir_fd: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
+
