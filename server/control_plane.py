@@ -222,6 +222,9 @@ class ControlPlane:
     def add_listener(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.remove(listener)
+
     async def start(self) -> None:
         """Called once on the server's loop before any traffic.
 

@@ -143,6 +143,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """Coordinator only; UNAVAILABLE. One or more participants could not be
     reached; metadata `failedMembers` lists their names.
     """
+    ERROR_REASON_INTERNAL_ERROR: _ErrorReason.ValueType  # 18
+    """INTERNAL. An unexpected failure inside the runtime (a bug). The message
+    carries no state; the participant keeps serving.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The `ErrorInfo.reason` values. The reason string on the wire is the value
@@ -235,5 +239,9 @@ participants refused; metadata `failedMembers` lists `name=REASON` pairs.
 ERROR_REASON_PARTICIPANT_UNREACHABLE: ErrorReason.ValueType  # 17
 """Coordinator only; UNAVAILABLE. One or more participants could not be
 reached; metadata `failedMembers` lists their names.
+"""
+ERROR_REASON_INTERNAL_ERROR: ErrorReason.ValueType  # 18
+"""INTERNAL. An unexpected failure inside the runtime (a bug). The message
+carries no state; the participant keeps serving.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

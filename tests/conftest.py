@@ -1,0 +1,245 @@
+"""Shared fixtures: real servers on 127.0.0.1:0, real HTTP, real gRPC, an injected clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.server.clock import ManualClock
+from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.storage import CheckpointStorage
+
+from .double import DoubleParticipant, create_app
+
+TOKEN = "s3cret-token-for-tests"
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+@dataclass
+class Harness:
+    """One running double: its participant, runtime, clock and clients."""
+
+    participant: DoubleParticipant
+    runtime: CheckpointRuntime
+    clock: ManualClock
+    http: httpx.AsyncClient
+    client: ParticipantClient
+    grpc_address: str
+    server: uvicorn.Server
+    serving: asyncio.Future[None]
+
+    @property
+    def control(self) -> Any:
+        return self.runtime.control
+
+    def deadline(self, seconds: float = 60.0) -> float:
+        return self.clock.now() + seconds
+
+    async def health(self, service: str) -> int:
+        async with aio.insecure_channel(self.grpc_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            return int(reply.status)
+
+    async def until(self, predicate: Any, timeout: float = 10.0) -> None:
+        """Wait until `predicate()` holds, re-checking whenever the control plane changes."""
+        changed = asyncio.Event()
+        self.runtime.control.add_listener(changed.set)
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate():
+                    await changed.wait()
+                    changed.clear()
+        finally:
+            self.runtime.control.remove_listener(changed.set)
+
+    async def wait_health(self, service: str, status: int, timeout: float = 10.0) -> None:
+        """Watch a health name until it reports `status` (health follows asynchronously)."""
+        async with aio.insecure_channel(self.grpc_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            async for reply in watch:
+                if reply.status == status:
+                    watch.cancel()
+                    return
+        raise AssertionError(f"health {service!r} never reached {status}")
+
+
+async def start_harness(
+    *,
+    storage: CheckpointStorage | None = None,
+    participant: DoubleParticipant | None = None,
+    **settings: Any,
+) -> Harness:
+    clock = ManualClock()
+    participant = participant or DoubleParticipant()
+    app = create_app(participant)
+    config = CheckpointSettings(enabled=True, token=TOKEN, **settings)
+    runtime = install_checkpointing(app, participant, config, clock=clock, storage=storage)
+    assert runtime is not None
+    server = _StartedServer(
+        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+    )
+    serving = asyncio.ensure_future(server.serve())
+    started = asyncio.ensure_future(server.started_event.wait())
+    await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        serving.result()
+        raise RuntimeError("the server stopped during startup")
+    http_port = server.servers[0].sockets[0].getsockname()[1]
+    address = f"127.0.0.1:{runtime.port}"
+    return Harness(
+        participant=participant,
+        runtime=runtime,
+        clock=clock,
+        http=httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=10),
+        client=ParticipantClient(address, TOKEN, clock=clock.now),
+        grpc_address=address,
+        server=server,
+        serving=serving,
+    )
+
+
+async def stop_harness(harness: Harness) -> None:
+    await harness.http.aclose()
+    await harness.client.close()
+    harness.participant.gates.setdefault("http-hold", asyncio.Event()).set()
+    for gate in harness.participant.gates.values():
+        gate.set()
+    harness.server.should_exit = True
+    await harness.serving
+
+
+class _StartedServer(uvicorn.Server):
+    """uvicorn's server with an event for "started" (lifespan done, sockets bound)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.started_event = asyncio.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self.started_event.set()
+
+
+@pytest_asyncio.fixture
+async def harness() -> AsyncIterator[Harness]:
+    h = await start_harness()
+    try:
+        yield h
+    finally:
+        await stop_harness(h)
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path: Path) -> str:
+    return str(tmp_path / "ckpt")
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@dataclass
+class DoubleProcess:
+    process: subprocess.Popen[str]
+    http_port: int
+    grpc_port: int
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def spawn_double(*args: str, timeout: float = 30.0) -> DoubleProcess:
+    """Start `python -m tests.double` in its own process group; wait for its ports line."""
+    env = dict(os.environ, DOUBLE_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.double", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    if not selector.select(timeout):
+        kill_group(process)
+        raise TimeoutError("the double did not announce its ports")
+    line = process.stdout.readline()
+    if not line:
+        kill_group(process)
+        raise RuntimeError(f"the double exited with {process.wait()}")
+    ports = json.loads(line)
+    return DoubleProcess(process, ports["http_port"], ports["grpc_port"])
+
+
+def kill_group(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=10)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Any]:
+    started: list[DoubleProcess] = []
+
+    def start(*args: str) -> DoubleProcess:
+        double = spawn_double(*args)
+        started.append(double)
+        return double
+
+    try:
+        yield start
+    finally:
+        for double in started:
+            kill_group(double.process)
+
+
+def grpc_code(name: str) -> grpc.StatusCode:
+    return grpc.StatusCode[name]
+
+
+async def refused(call: Any, reason: str, code: str | None = None) -> Any:
+    """Await a client call that must fail with this ErrorInfo reason (and status code)."""
+    from rollout_checkpoint.client.errors import ControlError
+
+    with pytest.raises(ControlError) as caught:
+        await call
+    assert caught.value.reason == reason, caught.value
+    if code is not None:
+        assert caught.value.code == grpc.StatusCode[code], caught.value
+    return caught.value
+
+
+async def drain(stream: Any) -> list[Any]:
+    return [message async for message in stream]

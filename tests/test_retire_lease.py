@@ -1,0 +1,118 @@
+"""Retire, Forget and the lease, through the real RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.v1 import types_pb2
+
+from .conftest import Harness, drain, refused
+
+
+async def seed(h: Harness, key: str) -> int:
+    return (await h.http.post(f"/ng-rollout/{key}/seed", json={"state": {"k": key}})).status_code
+
+
+async def test_retire_is_refused_while_a_checkpoint_is_open(harness: Harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    h = harness
+    await seed(h, "r1")
+    await drain(h.client.prepare("c1", h.deadline()))
+    error = await refused(h.client.retire("c1", h.deadline(), [EpisodeId("r1")]), "INVALID_PHASE", "FAILED_PRECONDITION")
+    assert "resume first" in error.message
+    await refused(h.client.forget("c1", h.deadline(), ["r1"]), "INVALID_PHASE")
+    await h.client.commit("c1", h.deadline(), str(tmp_path / "ckpt"))
+    await refused(h.client.retire("c1", h.deadline(), [EpisodeId("r1")]), "INVALID_PHASE")
+    await h.client.resume("c1", h.deadline())
+    reply = await h.client.retire("any-id", h.deadline(), [EpisodeId("r1")])
+    assert list(reply.retired) == ["r1"]
+
+
+async def test_retire_marks_refuse_late_requests_and_only_rise(harness: Harness) -> None:
+    h = harness
+    assert await seed(h, "r1-a2") == 200
+    reply = await h.client.retire("x", h.deadline(), [EpisodeId("r1", 2)])
+    assert list(reply.retired) == ["r1-a2"]
+    assert EpisodeId("r1", 2) not in h.participant.states
+    for key in ("r1", "r1-a1", "r1-a2"):
+        late = await h.http.post(f"/ng-rollout/{key}/seed", json={"state": {}})
+        assert late.status_code == 409 and late.json()["error"]["code"] == "stale_attempt", key
+    # Retiring an earlier attempt never lowers the mark.
+    await h.client.retire("x", h.deadline(), [EpisodeId("r1", 0)])
+    assert (await h.http.post("/ng-rollout/r1-a2/seed", json={"state": {}})).status_code == 409
+    assert await seed(h, "r1-a3") == 200
+    assert (await h.client.get_status()).retired_rollouts == 1
+    # Retiring again (or something unknown) is harmless.
+    await h.client.retire("x", h.deadline(), [EpisodeId("r1", 2), EpisodeId("unknown")])
+    forgotten = await h.client.forget("x", h.deadline(), ["r1", "unknown", "r1"])
+    assert list(forgotten.forgotten) == ["r1", "unknown"]
+    assert await seed(h, "r1-a1") == 200
+    assert (await h.client.get_status()).retired_rollouts == 0
+
+
+async def test_a_cut_short_retire_keeps_refusing_and_a_retry_finishes(harness: Harness) -> None:
+    h = harness
+    assert await seed(h, "r1") == 200
+    release = h.participant.gate("retire")
+    deadline = h.deadline(5)
+    call = asyncio.ensure_future(h.client.retire("x", deadline, [EpisodeId("r1")]))
+    await asyncio.wait_for(h.participant.entered["retire"].wait(), 10)
+    h.clock.set(deadline + 1)
+    await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED")
+    assert EpisodeId("r1") in h.participant.states  # still held, still tracked
+    assert (await h.http.post("/ng-rollout/r1/seed", json={"state": {}})).status_code == 409
+    await refused(h.client.forget("x", h.deadline(), ["r1"]), "RETIRE_INCOMPLETE", "FAILED_PRECONDITION")
+    release.set()
+    await h.client.retire("x", h.deadline(), [EpisodeId("r1")])
+    assert EpisodeId("r1") not in h.participant.states
+    assert list((await h.client.forget("x", h.deadline(), ["r1"])).forgotten) == ["r1"]
+
+
+async def test_retire_in_restored_needs_the_restore_id(harness: Harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from .test_restore import STATES, make_checkpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    await make_checkpoint(ckpt, STATES)
+    h = harness
+    await h.client.restore("restore-1", h.deadline(), ckpt, list(STATES))
+    lease_before = (await h.client.get_status()).lease_expires_at.ToSeconds()
+    await refused(h.client.retire("other", h.deadline(), [EpisodeId("r3", 1)]), "CHECKPOINT_CONFLICT")
+    h.clock.advance(100)
+    await h.client.retire("restore-1", h.deadline(), [EpisodeId("r3", 1)])
+    status = await h.client.get_status()
+    assert status.lease_expires_at.ToSeconds() > lease_before  # renewed
+    assert status.state == types_pb2.PARTICIPANT_STATE_RESTORED
+    assert EpisodeId("r3", 1) not in h.participant.states
+
+
+async def test_lease_expiry_resumes_on_its_own_and_fences_the_id(harness: Harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    h = harness
+    await drain(h.client.prepare("c1", h.deadline(10)))
+    status = await h.client.get_status()
+    expires = status.lease_expires_at.ToSeconds()
+    assert expires == int(h.clock.now() + 10 + 600)
+    h.clock.set(expires - 1)
+    await asyncio.sleep(0)
+    assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
+    h.clock.set(expires + 1)
+    await h.until(lambda: h.control.state == "IDLE")
+    status = await h.client.get_status()
+    assert status.state == types_pb2.PARTICIPANT_STATE_IDLE and status.admission_open
+    assert not status.HasField("lease_expires_at")
+    await refused(h.client.commit("c1", h.deadline(), str(tmp_path / "x")), "STALE_CHECKPOINT")
+    assert await seed(h, "r1") == 200
+
+
+async def test_renew_keeps_the_lease(harness: Harness) -> None:
+    h = harness
+    await drain(h.client.prepare("c1", h.deadline(10)))
+    first = (await h.client.get_status()).lease_expires_at.ToSeconds()
+    h.clock.set(first - 5)
+    renewed = await h.client.renew("c1", h.deadline(60))
+    assert renewed.lease_expires_at.ToSeconds() == int(h.clock.now() + 60 + 600)
+    # A renewal with an earlier deadline never shrinks the lease.
+    again = await h.client.renew("c1", h.deadline(1))
+    assert again.lease_expires_at == renewed.lease_expires_at
+    h.clock.set(first + 10)
+    await asyncio.sleep(0)
+    assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
