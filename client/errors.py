@@ -48,6 +48,6 @@ class ControlError(Exception):
                 break
             for detail in status.details:
                 info = error_details_pb2.ErrorInfo()
-                if detail.Is(info.DESCRIPTOR) and detail.Unpack(info):
+                if detail.Unpack(info):
                     return cls(code, status.message, info.reason, info.domain, dict(info.metadata))
         return cls(code, message)

@@ -66,13 +66,16 @@ class ParticipantClient:
             self._channel = aio.insecure_channel(address, options=options)
         else:
             self._channel = aio.secure_channel(address, credentials, options=options)
-        self._stub = pb_grpc.ParticipantServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = pb_grpc.ParticipantServiceStub(self._channel)
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.close()
 
@@ -93,14 +96,26 @@ class ParticipantClient:
     # -- read-only ----------------------------------------------------------------------
 
     async def get_participant(self) -> pb.GetParticipantResponse:
-        return await self._call(self._stub.GetParticipant(pb.GetParticipantRequest(), metadata=self._metadata, timeout=self._timeout))
+        return await self._call(
+            self._stub.GetParticipant(
+                pb.GetParticipantRequest(), metadata=self._metadata, timeout=self._timeout
+            )
+        )
 
     async def get_status(self) -> pb.GetStatusResponse:
-        return await self._call(self._stub.GetStatus(pb.GetStatusRequest(), metadata=self._metadata, timeout=self._timeout))
+        return await self._call(
+            self._stub.GetStatus(
+                pb.GetStatusRequest(), metadata=self._metadata, timeout=self._timeout
+            )
+        )
 
-    async def list_episodes(self, page_size: int = 0, page_token: str = "") -> pb.ListEpisodesResponse:
+    async def list_episodes(
+        self, page_size: int = 0, page_token: str = ""
+    ) -> pb.ListEpisodesResponse:
         request = pb.ListEpisodesRequest(page_size=page_size, page_token=page_token)
-        return await self._call(self._stub.ListEpisodes(request, metadata=self._metadata, timeout=self._timeout))
+        return await self._call(
+            self._stub.ListEpisodes(request, metadata=self._metadata, timeout=self._timeout)
+        )
 
     async def all_episodes(self, page_size: int = 0) -> list[types_pb2.Episode]:
         episodes: list[types_pb2.Episode] = []
@@ -114,10 +129,14 @@ class ParticipantClient:
 
     # -- checkpoint ---------------------------------------------------------------------
 
-    async def prepare(self, checkpoint_id: str, deadline: float) -> AsyncIterator[pb.PrepareResponse]:
+    async def prepare(
+        self, checkpoint_id: str, deadline: float
+    ) -> AsyncIterator[pb.PrepareResponse]:
         """Yield the Prepare stream's messages; the last has `final` set."""
         request = pb.PrepareRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
-        call: Any = self._stub.Prepare(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        call: Any = self._stub.Prepare(
+            request, metadata=self._metadata, timeout=self._timeout_for(deadline)
+        )
         try:
             async for message in call:
                 yield message
@@ -127,7 +146,10 @@ class ParticipantClient:
             call.cancel()
 
     async def prepare_until_final(
-        self, checkpoint_id: str, deadline: float, on_update: Callable[[pb.PrepareResponse], None] | None = None
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        on_update: Callable[[pb.PrepareResponse], None] | None = None,
     ) -> pb.PrepareResponse:
         """Read the Prepare stream to its final message and return that message."""
         final: pb.PrepareResponse | None = None
@@ -137,12 +159,16 @@ class ParticipantClient:
             if message.final:
                 final = message
         if final is None:
-            raise ControlError(grpc.StatusCode.UNAVAILABLE, "the Prepare stream ended without a final message")
+            raise ControlError(
+                grpc.StatusCode.UNAVAILABLE, "the Prepare stream ended without a final message"
+            )
         return final
 
     async def renew(self, checkpoint_id: str, deadline: float) -> pb.RenewResponse:
         request = pb.RenewRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
-        return await self._call(self._stub.Renew(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+        return await self._call(
+            self._stub.Renew(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        )
 
     async def commit(
         self,
@@ -152,10 +178,14 @@ class ParticipantClient:
         scope: Iterable[EpisodeId] | None = None,
     ) -> pb.CommitResponse:
         """Commit; `scope=None` is unscoped (every live episode), an empty iterable is none."""
-        request = pb.CommitRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline), checkpoint_dir=checkpoint_dir)
+        request = pb.CommitRequest(
+            checkpoint_id=checkpoint_id, deadline=timestamp(deadline), checkpoint_dir=checkpoint_dir
+        )
         if scope is not None:
             request.scope.CopyFrom(scope_message(scope))
-        return await self._call(self._stub.Commit(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+        return await self._call(
+            self._stub.Commit(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        )
 
     async def restore(
         self, checkpoint_id: str, deadline: float, checkpoint_dir: str, scope: Iterable[EpisodeId]
@@ -166,20 +196,36 @@ class ParticipantClient:
             checkpoint_dir=checkpoint_dir,
             scope=scope_message(scope),
         )
-        return await self._call(self._stub.Restore(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+        return await self._call(
+            self._stub.Restore(
+                request, metadata=self._metadata, timeout=self._timeout_for(deadline)
+            )
+        )
 
     async def resume(self, checkpoint_id: str, deadline: float) -> pb.ResumeResponse:
         request = pb.ResumeRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
-        return await self._call(self._stub.Resume(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+        return await self._call(
+            self._stub.Resume(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        )
 
-    async def retire(self, checkpoint_id: str, deadline: float, episodes: Iterable[EpisodeId]) -> pb.RetireResponse:
+    async def retire(
+        self, checkpoint_id: str, deadline: float, episodes: Iterable[EpisodeId]
+    ) -> pb.RetireResponse:
         request = pb.RetireRequest(
             checkpoint_id=checkpoint_id,
             deadline=timestamp(deadline),
             episodes=[episode_message(e) for e in episodes],
         )
-        return await self._call(self._stub.Retire(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+        return await self._call(
+            self._stub.Retire(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        )
 
-    async def forget(self, checkpoint_id: str, deadline: float, rollout_ids: Iterable[str]) -> pb.ForgetResponse:
-        request = pb.ForgetRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline), rollout_ids=list(rollout_ids))
-        return await self._call(self._stub.Forget(request, metadata=self._metadata, timeout=self._timeout_for(deadline)))
+    async def forget(
+        self, checkpoint_id: str, deadline: float, rollout_ids: Iterable[str]
+    ) -> pb.ForgetResponse:
+        request = pb.ForgetRequest(
+            checkpoint_id=checkpoint_id, deadline=timestamp(deadline), rollout_ids=list(rollout_ids)
+        )
+        return await self._call(
+            self._stub.Forget(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+        )

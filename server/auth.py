@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from grpc import aio
@@ -18,6 +18,7 @@ from grpc import aio
 from .errors import CheckpointError, Reason
 from .rpc_status import to_grpc_status
 
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -34,15 +35,15 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         method = handler_call_details.method or ""
         if method.startswith(self._exempt) or self._authorized(handler_call_details):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None  # type: ignore[return-value]
+        if handler is None:  # an unknown method: let grpc answer UNIMPLEMENTED
+            return None
         return _refusing_handler(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
@@ -60,7 +61,7 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
 _REFUSAL = CheckpointError(Reason.TOKEN_INVALID, "missing or invalid bearer token")
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusing_handler(handler: Handler) -> Handler:
     """A handler of the same shape that refuses with TOKEN_INVALID before reading anything."""
 
     async def refuse_unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:

@@ -32,7 +32,7 @@ class SystemClock:
 
     async def sleep_until(self, when: float) -> None:
         # Re-check after waking: the wall clock may have been stepped while we slept.
-        while (remaining := when - time.time()) > 0:
+        while (remaining := when - time.time()) > 0:  # noqa: ASYNC110 - sleeping is the point
             await asyncio.sleep(remaining)
 
 

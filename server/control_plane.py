@@ -44,7 +44,13 @@ from .errors import (
     invalid_request,
 )
 from .participant import EpisodeInfo, ExportRecord, Participant, ReadinessReport, RestoredRecord
-from .storage import CheckpointStorage, LocalStorage, PublishedPart, StoredManifest, StopRequested, validate_checkpoint_dir
+from .storage import (
+    CheckpointStorage,
+    LocalStorage,
+    PublishedPart,
+    StoredManifest,
+    validate_checkpoint_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +206,7 @@ class ControlPlane:
         self._retires_cut_short: set[str] = set()
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
+        self._fatal_listeners: list[Callable[[BaseException], None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._lease_task: asyncio.Task[None] | None = None
         participant.attach(self)
@@ -224,6 +231,13 @@ class ControlPlane:
 
     def remove_listener(self, listener: Callable[[], None]) -> None:
         self._listeners.remove(listener)
+
+    def add_fatal_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Called when a background duty (the lease watcher, a timer) dies unexpectedly.
+
+        A participant whose lease can no longer expire could leave the fleet closed forever,
+        so such a failure is what liveness reports: the pod gets restarted."""
+        self._fatal_listeners.append(listener)
 
     async def start(self) -> None:
         """Called once on the server's loop before any traffic.
@@ -348,7 +362,10 @@ class ControlPlane:
             raise CheckpointError(
                 Reason.CHECKPOINT_CONFLICT,
                 "a restore is under way",
-                metadata={"checkpointId": checkpoint_id, "activeCheckpointId": self._restore_job.checkpoint_id},
+                metadata={
+                    "checkpointId": checkpoint_id,
+                    "activeCheckpointId": self._restore_job.checkpoint_id,
+                },
             )
         self._active_id = checkpoint_id
         self._state = State.PREPARING
@@ -447,7 +464,11 @@ class ControlPlane:
         self._check_deadline(deadline)
         async with self._lock:
             self._check_not_shutting_down()
-            self._fence(checkpoint_id, "Renew", {State.PREPARING, State.PREPARED, State.COMMITTED, State.RESTORED})
+            self._fence(
+                checkpoint_id,
+                "Renew",
+                {State.PREPARING, State.PREPARED, State.COMMITTED, State.RESTORED},
+            )
             return self._renew(deadline)
 
     # -- Commit -------------------------------------------------------------------------
@@ -474,7 +495,11 @@ class ControlPlane:
             self._fence(checkpoint_id, "Commit", {State.PREPARED})
             job = self._commit_job
             if job is not None and job.checkpoint_id == checkpoint_id and job.args != args:
-                raise _conflict(checkpoint_id, None, "a commit of this id with another directory or scope is under way")
+                raise _conflict(
+                    checkpoint_id,
+                    None,
+                    "a commit of this id with another directory or scope is under way",
+                )
             self._renew(deadline)
             if not self.participant.ready():
                 raise invalid_phase(self._state, "Commit", "the participant is no longer ready")
@@ -487,8 +512,11 @@ class ControlPlane:
                 self._commit_job = job
             if job.task is None or job.task.done():
                 job.task = asyncio.get_running_loop().create_task(self._run_commit(job))
+                job.task.add_done_callback(_retrieve_exception)
             task = job.task
-        result = await self._await_until(deadline, task, "the commit did not finish before its deadline")
+        result = await self._await_until(
+            deadline, task, "the commit did not finish before its deadline"
+        )
         async with self._lock:
             recorded = self._results.get((checkpoint_id, "commit"))
             if recorded is not None:
@@ -569,7 +597,9 @@ class ControlPlane:
             job = self._restore_job
             if job is not None:
                 if job.checkpoint_id != checkpoint_id or job.args != args:
-                    raise _conflict(checkpoint_id, job.checkpoint_id, "another restore is under way")
+                    raise _conflict(
+                        checkpoint_id, job.checkpoint_id, "another restore is under way"
+                    )
                 job.deadline = max(job.deadline, deadline)
             else:
                 if self.participant.has_served():
@@ -579,10 +609,13 @@ class ControlPlane:
                     )
                 job = _RestoreJob(checkpoint_id, real_dir, scope, deadline)
                 job.task = asyncio.get_running_loop().create_task(self._run_restore(job))
+                job.task.add_done_callback(_retrieve_exception)
                 self._restore_job = job
             assert job.task is not None
             task = job.task
-        return await self._await_until(deadline, task, "the restore did not finish before its deadline")
+        return await self._await_until(
+            deadline, task, "the restore did not finish before its deadline"
+        )
 
     async def _run_restore(self, job: _RestoreJob) -> RestoreResult:
         """Read and verify off the loop, install all or nothing, then RESTORED (closed).
@@ -635,7 +668,9 @@ class ControlPlane:
             try:
                 episode = EpisodeId.from_json(record.get("episode_id"))
             except ValueError as exc:
-                raise corrupt_checkpoint(f"a record has an invalid episode_id: {exc}", part) from exc
+                raise corrupt_checkpoint(
+                    f"a record has an invalid episode_id: {exc}", part
+                ) from exc
             return episode.capture_key in wanted
 
         return self.storage.read_part(
@@ -688,14 +723,21 @@ class ControlPlane:
         else:
             # Cleanup frees restored state through the server's hooks; reopening while it
             # runs would let a request claim state that is being freed.
-            await self._await_until(deadline, task, "a commit's cleanup is still running; retry the resume", swallow=True)
+            await self._await_until(
+                deadline,
+                task,
+                "a commit's cleanup is still running; retry the resume",
+                swallow=True,
+            )
             return
         with contextlib.suppress(BaseException):
             await asyncio.shield(task)
 
     # -- Retire and Forget --------------------------------------------------------------
 
-    async def retire(self, checkpoint_id: str, deadline: float, episodes: Sequence[EpisodeId]) -> tuple[str, ...]:
+    async def retire(
+        self, checkpoint_id: str, deadline: float, episodes: Sequence[EpisodeId]
+    ) -> tuple[str, ...]:
         self._check_id(checkpoint_id)
         self._check_deadline(deadline)
         if not episodes:
@@ -715,9 +757,15 @@ class ControlPlane:
         try:
             restore = self._restore_job
             if restore is not None and restore.task is not None:
-                await self._await_until(deadline, restore.task, "an install is still running", swallow=True)
-            hooks = asyncio.gather(*(_call_hook("retire", self.participant.retire(e)) for e in episodes))
-            await self._await_until(deadline, hooks, "the retire did not finish before its deadline")
+                await self._await_until(
+                    deadline, restore.task, "an install is still running", swallow=True
+                )
+            hooks = asyncio.gather(
+                *(_call_hook("retire", self.participant.retire(e)) for e in episodes)
+            )
+            await self._await_until(
+                deadline, hooks, "the retire did not finish before its deadline"
+            )
             finished = True
         finally:
             for rollout in rollouts:
@@ -731,7 +779,9 @@ class ControlPlane:
             self.changed()
         return tuple(e.capture_key for e in episodes)
 
-    async def forget(self, checkpoint_id: str, deadline: float, rollout_ids: Sequence[str]) -> tuple[str, ...]:
+    async def forget(
+        self, checkpoint_id: str, deadline: float, rollout_ids: Sequence[str]
+    ) -> tuple[str, ...]:
         self._check_id(checkpoint_id)
         self._check_deadline(deadline)
         if not rollout_ids:
@@ -744,7 +794,9 @@ class ControlPlane:
             self._check_not_shutting_down()
             self._check_retire_phase(checkpoint_id, deadline, "Forget")
             blocked = sorted(
-                r for r in set(rollout_ids) if r in self._retires_cut_short or r in self._retires_running
+                r
+                for r in set(rollout_ids)
+                if r in self._retires_cut_short or r in self._retires_running
             )
             if blocked:
                 raise CheckpointError(
@@ -762,7 +814,11 @@ class ControlPlane:
 
     def _check_retire_phase(self, checkpoint_id: str, deadline: float, operation: str) -> None:
         if self._state in OPEN_CHECKPOINT:
-            raise invalid_phase(self._state, operation, f"{operation} is refused while a checkpoint is open: resume first")
+            raise invalid_phase(
+                self._state,
+                operation,
+                f"{operation} is refused while a checkpoint is open: resume first",
+            )
         if self._state is State.RESTORED:
             if checkpoint_id != self._active_id:
                 raise _conflict(checkpoint_id, self._active_id, "RESTORED: use the restore's id")
@@ -772,7 +828,9 @@ class ControlPlane:
 
     def _check_id(self, checkpoint_id: str) -> None:
         if not is_valid_id(checkpoint_id):
-            raise invalid_request("checkpoint_id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$")
+            raise invalid_request(
+                "checkpoint_id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$"
+            )
 
     def _check_deadline(self, deadline: float, *, allow_past: bool = False) -> None:
         now = self.clock.now()
@@ -785,7 +843,9 @@ class ControlPlane:
 
     def _check_not_shutting_down(self) -> None:
         if self._shutting_down:
-            raise CheckpointError(Reason.SHUTTING_DOWN, "the participant is shutting down", retry_after=1.0)
+            raise CheckpointError(
+                Reason.SHUTTING_DOWN, "the participant is shutting down", retry_after=1.0
+            )
 
     def _fence(self, checkpoint_id: str, operation: str, allowed: set[State]) -> None:
         if checkpoint_id in self._resumed:
@@ -793,14 +853,20 @@ class ControlPlane:
         if self._active_id is not None and self._active_id != checkpoint_id:
             raise _conflict(checkpoint_id, self._active_id, "another checkpoint is active")
         if self._state not in allowed:
-            raise invalid_phase(self._state, operation, f"{operation} is not allowed in state {self._state}")
+            raise invalid_phase(
+                self._state, operation, f"{operation} is not allowed in state {self._state}"
+            )
 
     def _replay(self, checkpoint_id: str, operation: str, args: object) -> object | None:
         recorded = self._results.get((checkpoint_id, operation))
         if recorded is None:
             return None
         if recorded.args != args:
-            raise _conflict(checkpoint_id, None, f"this id completed {operation} with another directory or scope")
+            raise _conflict(
+                checkpoint_id,
+                None,
+                f"this id completed {operation} with another directory or scope",
+            )
         return recorded.result
 
     def _renew(self, deadline: float) -> float:
@@ -823,7 +889,9 @@ class ControlPlane:
             try:
                 async with self._lock:
                     if self._active_id == checkpoint_id and self._lease_expires_at == expires:
-                        await self._resume_locked(checkpoint_id, self.clock.now() + LEASE_RETRY_SECONDS)
+                        await self._resume_locked(
+                            checkpoint_id, self.clock.now() + LEASE_RETRY_SECONDS
+                        )
             except CheckpointError as exc:
                 log.warning("lease expiry could not reopen yet (%s); retrying", exc.message)
                 await self.clock.sleep_until(self.clock.now() + LEASE_RETRY_SECONDS)
@@ -831,7 +899,11 @@ class ControlPlane:
     async def _open_after_start_closed(self, when: float) -> None:
         await self.clock.sleep_until(when)
         async with self._lock:
-            if self._start_closed_pending and self._state is State.IDLE and self._restore_job is None:
+            if (
+                self._start_closed_pending
+                and self._state is State.IDLE
+                and self._restore_job is None
+            ):
                 log.warning("start_closed: no restore or resume arrived; opening on our own")
                 self._start_closed_pending = False
                 self._open_admission()
@@ -860,8 +932,18 @@ class ControlPlane:
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
         task: asyncio.Task[T] = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
         return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        assert error is not None
+        log.critical("a background duty of the control plane failed", exc_info=error)
+        for listener in list(self._fatal_listeners):
+            listener(error)
 
     async def _await_until(
         self, deadline: float, awaitable: Awaitable[T], message: str, *, swallow: bool = False
@@ -888,6 +970,13 @@ class ControlPlane:
 # -- helpers --------------------------------------------------------------------------------
 
 
+def _retrieve_exception(task: asyncio.Task[Any]) -> None:
+    """A job may fail after every caller gave up on it; its error is then reported to the
+    next caller (a retry), not logged as "never retrieved"."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _stale(checkpoint_id: str) -> CheckpointError:
     return CheckpointError(
         Reason.STALE_CHECKPOINT,
@@ -906,7 +995,9 @@ def _conflict(checkpoint_id: str, active: str | None, message: str) -> Checkpoin
 def _hook_failed(hook: str, exc: BaseException) -> CheckpointError:
     log.error("participant hook %s failed: %s", hook, type(exc).__name__, exc_info=exc)
     return CheckpointError(
-        Reason.HOOK_FAILED, f"the server's {hook} hook raised {type(exc).__name__}", metadata={"hook": hook}
+        Reason.HOOK_FAILED,
+        f"the server's {hook} hook raised {type(exc).__name__}",
+        metadata={"hook": hook},
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from grpc_health.v1 import health, health_pb2
 
@@ -41,10 +42,14 @@ class ParticipantHealth:
         await self.servicer.set(LIVENESS, SERVING)
         await self._publish_readiness()
         self._control.add_listener(self._dirty.set)
+        self._control.add_fatal_listener(self._on_fatal)
         self._task = asyncio.get_running_loop().create_task(self._follow())
 
     async def mark_unrecoverable(self) -> None:
         await self.servicer.set(LIVENESS, NOT_SERVING)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        self._fatal = asyncio.get_running_loop().create_task(self.mark_unrecoverable())
 
     async def shutdown(self) -> None:
         """Every name NOT_SERVING at once, before any connection drains."""
@@ -61,7 +66,7 @@ class ParticipantHealth:
             self._dirty.clear()
             await self._publish_readiness()
             flip_at = self._control.readiness_changes_at()
-            waits = [asyncio.ensure_future(self._dirty.wait())]
+            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._dirty.wait())]
             if flip_at is not None and self._readiness:
                 waits.append(asyncio.ensure_future(clock.sleep_until(flip_at)))
             try:

@@ -83,7 +83,7 @@ class CheckpointRuntime:
     def _unhook_signals(self) -> None:
         for signum, previous in self._previous_handlers.items():
             with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signum, previous)  # type: ignore[arg-type]
+                signal.signal(signum, previous)
         self._previous_handlers.clear()
 
 
@@ -121,7 +121,9 @@ def install_checkpointing(
     return runtime
 
 
-def serve(app: Starlette, host: str, port: int, *, workers: int = 1, graceful_seconds: float = 10.0) -> None:
+def serve(
+    app: Starlette, host: str, port: int, *, workers: int = 1, graceful_seconds: int = 10
+) -> None:
     """Run `app` under uvicorn with one worker (the sidecar lives in that one process)."""
     import uvicorn
 
@@ -130,5 +132,7 @@ def serve(app: Starlette, host: str, port: int, *, workers: int = 1, graceful_se
             f"rollout-checkpoint: {workers} workers configured, but a participant runs in exactly "
             "one worker process (its gRPC sidecar lives there); set workers to 1"
         )
-    config = uvicorn.Config(app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds)
+    config = uvicorn.Config(
+        app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds
+    )
     uvicorn.Server(config).run()

@@ -112,6 +112,11 @@ class ParticipantContext(Protocol):
         """Tell the control plane that readiness may have changed (cheap; call freely)."""
         ...
 
+    @property
+    def shutting_down(self) -> bool:
+        """True once SIGTERM arrived: requests waiting for a resume should get 503 now."""
+        ...
+
 
 class Participant(abc.ABC):
     """A participant kind. Hooks run on the event loop; none may block it.

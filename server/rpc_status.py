@@ -15,9 +15,17 @@ from .errors import ERROR_DOMAIN, CheckpointError, Reason
 
 
 def to_status_proto(error: CheckpointError) -> status_pb2.Status:
-    details = [_pack(error_details_pb2.ErrorInfo(reason=error.reason.value, domain=ERROR_DOMAIN, metadata=error.metadata))]
+    details = [
+        _pack(
+            error_details_pb2.ErrorInfo(
+                reason=error.reason.value, domain=ERROR_DOMAIN, metadata=error.metadata
+            )
+        )
+    ]
     if error.field is not None:
-        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=error.field, description=error.message
+        )
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     if error.reason is Reason.INVALID_PHASE:
         violation_pf = error_details_pb2.PreconditionFailure.Violation(
@@ -28,7 +36,9 @@ def to_status_proto(error: CheckpointError) -> status_pb2.Status:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(error.retry_after * 1e9))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
-    return status_pb2.Status(code=code_pb2.Code.Value(error.code), message=error.message, details=details)
+    return status_pb2.Status(
+        code=code_pb2.Code.Value(error.code), message=error.message, details=details
+    )
 
 
 def to_grpc_status(error: CheckpointError) -> grpc.Status:

@@ -92,7 +92,7 @@ class ParticipantServicer:
             "Retire": (pb.RetireRequest, self.retire),
             "Forget": (pb.ForgetRequest, self.forget),
         }
-        handlers: dict[str, grpc.RpcMethodHandler] = {
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             name: grpc.unary_unary_rpc_method_handler(
                 _unary(request_type, method), None, _serialize
             )
@@ -136,7 +136,9 @@ class ParticipantServicer:
 
     async def list_episodes(self, request: pb.ListEpisodesRequest) -> pb.ListEpisodesResponse:
         episodes, token = self.control.list_episodes(request.page_size, request.page_token)
-        return pb.ListEpisodesResponse(episodes=[_episode(e) for e in episodes], next_page_token=token)
+        return pb.ListEpisodesResponse(
+            episodes=[_episode(e) for e in episodes], next_page_token=token
+        )
 
     async def prepare(self, request: pb.PrepareRequest) -> AsyncIterator[pb.PrepareResponse]:
         deadline = _deadline(request)
@@ -151,7 +153,9 @@ class ParticipantServicer:
     async def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
         deadline = _deadline(request)
         scope = _scope(request.scope, "scope") if request.HasField("scope") else None
-        result = await self.control.commit(request.checkpoint_id, deadline, request.checkpoint_dir, scope)
+        result = await self.control.commit(
+            request.checkpoint_id, deadline, request.checkpoint_dir, scope
+        )
         return _commit_response(result, self.control.participant.kind)
 
     async def restore(self, request: pb.RestoreRequest) -> pb.RestoreResponse:
@@ -159,7 +163,9 @@ class ParticipantServicer:
         if not request.HasField("scope"):
             raise invalid_request("scope", "is required for a restore (it may be empty)")
         scope = _scope(request.scope, "scope")
-        result = await self.control.restore(request.checkpoint_id, deadline, request.checkpoint_dir, scope)
+        result = await self.control.restore(
+            request.checkpoint_id, deadline, request.checkpoint_dir, scope
+        )
         return _restore_response(result)
 
     async def resume(self, request: pb.ResumeRequest) -> pb.ResumeResponse:
@@ -173,7 +179,9 @@ class ParticipantServicer:
         return pb.RetireResponse(retired=retired)
 
     async def forget(self, request: pb.ForgetRequest) -> pb.ForgetResponse:
-        forgotten = await self.control.forget(request.checkpoint_id, _deadline(request), list(request.rollout_ids))
+        forgotten = await self.control.forget(
+            request.checkpoint_id, _deadline(request), list(request.rollout_ids)
+        )
         return pb.ForgetResponse(forgotten=forgotten)
 
 
@@ -281,7 +289,9 @@ def _report(report: ReadinessReport) -> types_pb2.ReadinessReport:
         blockers=[
             types_pb2.Blocker(
                 capture_key=b.capture_key,
-                reason=types_pb2.BlockerReason.Value(f"BLOCKER_REASON_{BlockerReason(b.reason).value}"),
+                reason=types_pb2.BlockerReason.Value(
+                    f"BLOCKER_REASON_{BlockerReason(b.reason).value}"
+                ),
                 detail=b.detail,
             )
             for b in report.blockers
@@ -293,7 +303,9 @@ def _report(report: ReadinessReport) -> types_pb2.ReadinessReport:
 
 def _episode(info: EpisodeInfo) -> types_pb2.Episode:
     return types_pb2.Episode(
-        episode_id=types_pb2.EpisodeId(rollout_id=info.episode_id.rollout_id, attempt=info.episode_id.attempt),
+        episode_id=types_pb2.EpisodeId(
+            rollout_id=info.episode_id.rollout_id, attempt=info.episode_id.attempt
+        ),
         capture_key=info.episode_id.capture_key,
         at_boundary=info.at_boundary,
         restored_pending=info.restored_pending,

@@ -70,7 +70,12 @@ class Sidecar:
         await self.health.start()
         await server.start()
         self._server = server
-        log.info("checkpoint sidecar of %s/%s listening on %s", self.control.participant.kind.value, self.control.participant.instance, self.address)
+        log.info(
+            "checkpoint sidecar of %s/%s listening on %s",
+            self.control.participant.kind.value,
+            self.control.participant.instance,
+            self.address,
+        )
         return self.port
 
     async def begin_shutdown(self) -> None:
@@ -82,7 +87,9 @@ class Sidecar:
         if not self.control.shutting_down:
             await self.begin_shutdown()
         if self._server is not None:
-            await self._server.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
+            await self._server.stop(
+                self.settings.shutdown_grace_seconds if grace is None else grace
+            )
             self._server = None
         await self.control.close()
 

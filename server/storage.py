@@ -19,6 +19,7 @@ planted anywhere under the checkpoint directory cannot redirect a write outside 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -55,9 +56,9 @@ class StoredManifest:
     records_file: str
     records_sha256: str
     record_count: int
-    bytes: int
+    bytes: int  # the records file's size; the name is the manifest's field name
 
-    def to_bytes(self) -> bytes:
+    def encode(self) -> builtins.bytes:
         return (json.dumps(asdict(self), sort_keys=True, indent=2) + "\n").encode()
 
 
@@ -192,7 +193,7 @@ class LocalStorage:
             manifest = StoredManifest(
                 SCHEMA_VERSION, kind, instance, checkpoint_id, records_file, digest, count, size
             )
-            manifest_bytes = manifest.to_bytes()
+            manifest_bytes = manifest.encode()
             manifest_tmp = f".manifest-{secrets.token_hex(8)}.tmp"
             temporaries.append(manifest_tmp)
             _write_file(part_fd, manifest_tmp, manifest_bytes)
@@ -228,7 +229,9 @@ class LocalStorage:
         hasher = hashlib.sha256()
         count = size = 0
         fd = os.open(
-            name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
             dir_fd=part_fd,
         )
         with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
@@ -279,10 +282,14 @@ class LocalStorage:
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=False)
         except FileNotFoundError as exc:
-            raise corrupt_checkpoint("no part of this participant in the checkpoint", part_path) from exc
+            raise corrupt_checkpoint(
+                "no part of this participant in the checkpoint", part_path
+            ) from exc
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise invalid_request("checkpoint_dir", "a participant subdirectory is a symlink") from exc
+                raise invalid_request(
+                    "checkpoint_dir", "a participant subdirectory is a symlink"
+                ) from exc
             raise _storage_error(exc, part_path) from exc
         try:
             manifest = self._read_manifest(part_fd, part_path, kind, instance)
@@ -299,7 +306,9 @@ class LocalStorage:
         try:
             raw = _read_file(part_fd, MANIFEST_NAME)
         except FileNotFoundError as exc:
-            raise corrupt_checkpoint("the part has no manifest (never published)", part_path) from exc
+            raise corrupt_checkpoint(
+                "the part has no manifest (never published)", part_path
+            ) from exc
         try:
             fields = json.loads(raw, parse_constant=_refuse_constant)
             manifest = _manifest_from_json(fields)
@@ -320,9 +329,13 @@ class LocalStorage:
         select: Callable[[dict[str, Any]], bool],
     ) -> list[dict[str, Any]]:
         try:
-            fd = os.open(manifest.records_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=part_fd)
+            fd = os.open(
+                manifest.records_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=part_fd
+            )
         except FileNotFoundError as exc:
-            raise corrupt_checkpoint("the records file named by the manifest is missing", part_path) from exc
+            raise corrupt_checkpoint(
+                "the records file named by the manifest is missing", part_path
+            ) from exc
         hasher = hashlib.sha256()
         count = size = 0
         kept: list[dict[str, Any]] = []
@@ -413,7 +426,12 @@ def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: boo
 
 
 def _write_file(dir_fd: int, name: str, data: bytes) -> None:
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    fd = os.open(
+        name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o644,
+        dir_fd=dir_fd,
+    )
     try:
         view = memoryview(data)
         while view:
@@ -427,4 +445,3 @@ def _read_file(dir_fd: int, name: str) -> bytes:
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as handle:
         return handle.read()
-

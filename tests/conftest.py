@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -173,17 +174,21 @@ class DoubleProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
 
-def spawn_double(*args: str, timeout: float = 30.0) -> DoubleProcess:
-    """Start `python -m tests.double` in its own process group; wait for its ports line."""
+def spawn_double(*args: str, timeout: float = 30.0, stderr: Path | None = None) -> DoubleProcess:
+    """Start `python -m tests.double` in its own process group; wait for its ports line.
+
+    With `stderr`, the process's stderr goes to that file (to inspect its logs)."""
     env = dict(os.environ, DOUBLE_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.double", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with open(stderr, "wb") if stderr is not None else contextlib.nullcontext() as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.double", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
     assert process.stdout is not None
     import selectors
 
@@ -202,10 +207,8 @@ def spawn_double(*args: str, timeout: float = 30.0) -> DoubleProcess:
 
 def kill_group(process: subprocess.Popen[str]) -> None:
     if process.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     process.wait(timeout=10)
 
 
@@ -213,8 +216,8 @@ def kill_group(process: subprocess.Popen[str]) -> None:
 def spawn() -> Iterator[Any]:
     started: list[DoubleProcess] = []
 
-    def start(*args: str) -> DoubleProcess:
-        double = spawn_double(*args)
+    def start(*args: str, stderr: Path | None = None) -> DoubleProcess:
+        double = spawn_double(*args, stderr=stderr)
         started.append(double)
         return double
 

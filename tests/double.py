@@ -157,7 +157,11 @@ class DoubleParticipant(Participant):
 
     async def retire(self, episode: EpisodeId) -> None:
         await self._checkpoint("retire")
-        for held in [e for e in self.states if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt]:
+        for held in [
+            e
+            for e in self.states
+            if e.rollout_id == episode.rollout_id and e.attempt <= episode.attempt
+        ]:
             del self.states[held]
             self.pending.discard(held)
         self.retired_log.append(episode)
@@ -221,7 +225,9 @@ def create_app(participant: DoubleParticipant) -> Starlette:
     async def read(request: Request) -> JSONResponse:
         episode = EpisodeId.from_capture_key(request.path_params["key"])
         if episode not in participant.states:
-            return JSONResponse({"error": {"code": "unknown_episode", "detail": ""}}, status_code=404)
+            return JSONResponse(
+                {"error": {"code": "unknown_episode", "detail": ""}}, status_code=404
+            )
         return JSONResponse({"state": participant.states[episode]})
 
     async def release(request: Request) -> JSONResponse:
@@ -243,8 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--instance", default="double")
     parser.add_argument("--start-closed", action="store_true")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     import uvicorn
 
     participant = DoubleParticipant(args.instance)
@@ -264,7 +271,12 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"http_port": http_port, "grpc_port": runtime.port}), flush=True)
 
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, lifespan="on", log_level="warning", timeout_graceful_shutdown=2
+        app,
+        host="127.0.0.1",
+        port=0,
+        lifespan="on",
+        log_level=args.log_level,
+        timeout_graceful_shutdown=2,
     )
     AnnouncingServer(config).run()
 

@@ -19,7 +19,17 @@ from rollout_checkpoint.v1 import types_pb2
 from .conftest import TOKEN, Harness, drain, refused
 
 SERVICE = "/rollout_checkpoint.v1.ParticipantService/"
-UNARY = ["GetParticipant", "GetStatus", "ListEpisodes", "Renew", "Commit", "Restore", "Resume", "Retire", "Forget"]
+UNARY = [
+    "GetParticipant",
+    "GetStatus",
+    "ListEpisodes",
+    "Renew",
+    "Commit",
+    "Restore",
+    "Resume",
+    "Retire",
+    "Forget",
+]
 ALL_RPCS = [*UNARY, "Prepare"]
 
 
@@ -38,14 +48,20 @@ def requests(deadline: float) -> dict[str, object]:
         "Prepare": pb.PrepareRequest(checkpoint_id="c1", deadline=d),
         "Renew": pb.RenewRequest(checkpoint_id="c1", deadline=d),
         "Commit": pb.CommitRequest(checkpoint_id="c1", deadline=d, checkpoint_dir="/tmp/x"),
-        "Restore": pb.RestoreRequest(checkpoint_id="c1", deadline=d, checkpoint_dir="/tmp/x", scope=types_pb2.EpisodeScope()),
+        "Restore": pb.RestoreRequest(
+            checkpoint_id="c1", deadline=d, checkpoint_dir="/tmp/x", scope=types_pb2.EpisodeScope()
+        ),
         "Resume": pb.ResumeRequest(checkpoint_id="c1", deadline=d),
-        "Retire": pb.RetireRequest(checkpoint_id="c1", deadline=d, episodes=[types_pb2.EpisodeId(rollout_id="r")]),
+        "Retire": pb.RetireRequest(
+            checkpoint_id="c1", deadline=d, episodes=[types_pb2.EpisodeId(rollout_id="r")]
+        ),
         "Forget": pb.ForgetRequest(checkpoint_id="c1", deadline=d, rollout_ids=["r"]),
     }
 
 
-async def call(channel: aio.Channel, rpc: str, request: object, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+async def call(
+    channel: aio.Channel, rpc: str, request: object, metadata: tuple[tuple[str, str], ...] = ()
+) -> None:
     stub = pb_grpc.ParticipantServiceStub(channel)  # type: ignore[no-untyped-call]
     try:
         if rpc == "Prepare":
@@ -57,12 +73,24 @@ async def call(channel: aio.Channel, rpc: str, request: object, metadata: tuple[
         raise ControlError.from_rpc_error(error) from None
 
 
-@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),), (("authorization", f"Basic {TOKEN}"),)])
-async def test_every_control_rpc_needs_the_token(harness: Harness, metadata: tuple[tuple[str, str], ...], caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (),
+        (("authorization", "Bearer wrong"),),
+        (("authorization", TOKEN),),
+        (("authorization", f"Basic {TOKEN}"),),
+    ],
+)
+async def test_every_control_rpc_needs_the_token(
+    harness: Harness, metadata: tuple[tuple[str, str], ...], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     async with aio.insecure_channel(harness.grpc_address) as channel:
         for rpc, request in requests(harness.deadline()).items():
-            error = await refused(call(channel, rpc, request, metadata), "TOKEN_INVALID", "UNAUTHENTICATED")
+            error = await refused(
+                call(channel, rpc, request, metadata), "TOKEN_INVALID", "UNAUTHENTICATED"
+            )
             assert TOKEN not in error.message and TOKEN not in str(error.metadata)
     # Nothing happened: the refused Prepare did not close admission.
     status = await harness.client.get_status()
@@ -73,14 +101,21 @@ async def test_every_control_rpc_needs_the_token(harness: Harness, metadata: tup
 async def test_health_answers_without_a_token(harness: Harness) -> None:
     async with aio.insecure_channel(harness.grpc_address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "rollout_checkpoint.v1.ParticipantService", "participant-liveness", "participant-readiness"):
+        for service in (
+            "",
+            "rollout_checkpoint.v1.ParticipantService",
+            "participant-liveness",
+            "participant-readiness",
+        ):
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
 async def test_reflection_is_off_by_default(harness: Harness) -> None:
     async with aio.insecure_channel(harness.grpc_address) as channel:
-        method = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        method = channel.stream_stream(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+        )
         with pytest.raises(aio.AioRpcError) as caught:
             async for _ in method(iter([b""]), timeout=5):
                 pass
@@ -89,7 +124,9 @@ async def test_reflection_is_off_by_default(harness: Harness) -> None:
 
 @pytest.mark.parametrize("rpc", ALL_RPCS)
 @pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\x02\x08"])
-async def test_bytes_that_do_not_parse_are_invalid_request(harness: Harness, rpc: str, garbage: bytes) -> None:
+async def test_bytes_that_do_not_parse_are_invalid_request(
+    harness: Harness, rpc: str, garbage: bytes
+) -> None:
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     async with aio.insecure_channel(harness.grpc_address) as channel:
         if rpc == "Prepare":
@@ -110,7 +147,11 @@ async def test_bytes_that_do_not_parse_are_invalid_request(harness: Harness, rpc
 
 @pytest.mark.parametrize("checkpoint_id", ["", "x" * 129, ".hidden", "-flag", "a/b", "a b", "é"])
 async def test_invalid_checkpoint_ids(harness: Harness, checkpoint_id: str) -> None:
-    error = await refused(drain(harness.client.prepare(checkpoint_id, harness.deadline())), "INVALID_REQUEST", "INVALID_ARGUMENT")
+    error = await refused(
+        drain(harness.client.prepare(checkpoint_id, harness.deadline())),
+        "INVALID_REQUEST",
+        "INVALID_ARGUMENT",
+    )
     assert error.metadata["field"] == "checkpoint_id"
     assert (await harness.client.get_status()).admission_open
 
@@ -122,14 +163,23 @@ async def test_a_checkpoint_id_of_128_characters_is_fine(harness: Harness) -> No
 
 async def test_deadline_bounds(harness: Harness) -> None:
     h = harness
-    await refused(drain(h.client.prepare("c1", h.clock.now() - 1)), "CHECKPOINT_DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED")
-    error = await refused(drain(h.client.prepare("c1", h.clock.now() + 86400 + 10)), "INVALID_REQUEST")
+    await refused(
+        drain(h.client.prepare("c1", h.clock.now() - 1)),
+        "CHECKPOINT_DEADLINE_EXCEEDED",
+        "DEADLINE_EXCEEDED",
+    )
+    error = await refused(
+        drain(h.client.prepare("c1", h.clock.now() + 86400 + 10)), "INVALID_REQUEST"
+    )
     assert error.metadata["field"] == "deadline"
     async with aio.insecure_channel(h.grpc_address) as channel:
         for rpc in ("Prepare", "Renew", "Commit", "Resume", "Retire", "Forget"):
             request = requests(h.deadline())[rpc]
             request.ClearField("deadline")  # type: ignore[attr-defined]
-            err = await refused(call(channel, rpc, request, (("authorization", f"Bearer {TOKEN}"),)), "INVALID_REQUEST")
+            err = await refused(
+                call(channel, rpc, request, (("authorization", f"Bearer {TOKEN}"),)),
+                "INVALID_REQUEST",
+            )
             assert err.metadata["field"] == "deadline", rpc
     assert (await h.client.get_status()).admission_open
 
@@ -147,10 +197,14 @@ async def test_out_of_range_episodes(harness: Harness) -> None:
             (types_pb2.EpisodeId(rollout_id="", attempt=0), "episodes[0].rollout_id"),
             (types_pb2.EpisodeId(rollout_id="../x", attempt=0), "episodes[0].rollout_id"),
         ]:
-            request = pb.RetireRequest(checkpoint_id="x", deadline=stamp(h.deadline()), episodes=[episode])
+            request = pb.RetireRequest(
+                checkpoint_id="x", deadline=stamp(h.deadline()), episodes=[episode]
+            )
             err = await refused(call(channel, "Retire", request, metadata), "INVALID_REQUEST")
             assert err.metadata["field"] == field
-        restore = pb.RestoreRequest(checkpoint_id="x", deadline=stamp(h.deadline()), checkpoint_dir="/tmp/x")
+        restore = pb.RestoreRequest(
+            checkpoint_id="x", deadline=stamp(h.deadline()), checkpoint_dir="/tmp/x"
+        )
         err = await refused(call(channel, "Restore", restore, metadata), "INVALID_REQUEST")
         assert err.metadata["field"] == "scope"
     assert (await h.client.get_status()).retired_rollouts == 0
@@ -178,7 +232,9 @@ async def test_describe_and_list(harness: Harness) -> None:
     assert [e.capture_key for e in first.episodes] == ["r0", "r1"] and first.next_page_token
     second = await h.client.list_episodes(page_size=2, page_token=first.next_page_token)
     assert [e.capture_key for e in second.episodes] == ["r2", "r3"]
-    assert [e.capture_key for e in await h.client.all_episodes(page_size=2)] == [f"r{i}" for i in range(5)]
+    assert [e.capture_key for e in await h.client.all_episodes(page_size=2)] == [
+        f"r{i}" for i in range(5)
+    ]
     await refused(h.client.list_episodes(page_token="!!not-a-token"), "INVALID_REQUEST")
     await refused(h.client.list_episodes(page_size=-1), "INVALID_REQUEST")
 

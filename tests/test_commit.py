@@ -33,9 +33,13 @@ async def prepared(h: Harness, checkpoint_id: str = "c1") -> None:
     assert final.state == types_pb2.PARTICIPANT_STATE_PREPARED
 
 
-async def test_commit_before_prepare_is_invalid_phase(harness: Harness, checkpoint_dir: str) -> None:
+async def test_commit_before_prepare_is_invalid_phase(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     error = await refused(
-        harness.client.commit("c1", harness.deadline(), checkpoint_dir), "INVALID_PHASE", "FAILED_PRECONDITION"
+        harness.client.commit("c1", harness.deadline(), checkpoint_dir),
+        "INVALID_PHASE",
+        "FAILED_PRECONDITION",
     )
     assert error.metadata["state"] == "IDLE"
     assert not Path(checkpoint_dir).exists()
@@ -71,7 +75,9 @@ async def test_commit_writes_records_and_manifest(harness: Harness, checkpoint_d
         '{"episode_id":{"rollout_id":"r1","attempt":0},"state":{"z":1,"a":{"y":2,"b":3}}}',
         '{"episode_id":{"rollout_id":"r2","attempt":3},"state":{"n":1208925819614629174706176}}',
     ]
-    assert sorted(os.listdir(part_dir(checkpoint_dir))) == sorted(["manifest.json", reply.manifest.records_file])
+    assert sorted(os.listdir(part_dir(checkpoint_dir))) == sorted(
+        ["manifest.json", reply.manifest.records_file]
+    )
     status = await h.client.get_status()
     assert status.state == types_pb2.PARTICIPANT_STATE_COMMITTED and not status.admission_open
 
@@ -89,13 +95,21 @@ async def test_commit_twice_is_identical_and_other_arguments_conflict(
     second = await h.client.commit("c1", h.deadline(), checkpoint_dir, list(reversed(scope)))
     assert second == first
     assert h.participant.export_calls == 1
-    await refused(h.client.commit("c1", h.deadline(), str(tmp_path / "elsewhere"), scope), "CHECKPOINT_CONFLICT", "ABORTED")
-    await refused(h.client.commit("c1", h.deadline(), checkpoint_dir, scope[:1]), "CHECKPOINT_CONFLICT")
+    await refused(
+        h.client.commit("c1", h.deadline(), str(tmp_path / "elsewhere"), scope),
+        "CHECKPOINT_CONFLICT",
+        "ABORTED",
+    )
+    await refused(
+        h.client.commit("c1", h.deadline(), checkpoint_dir, scope[:1]), "CHECKPOINT_CONFLICT"
+    )
     await refused(h.client.commit("c1", h.deadline(), checkpoint_dir, None), "CHECKPOINT_CONFLICT")
     assert not (tmp_path / "elsewhere").exists()
 
 
-async def test_scope_selects_and_empty_scope_differs_from_unscoped(harness: Harness, tmp_path: Path) -> None:
+async def test_scope_selects_and_empty_scope_differs_from_unscoped(
+    harness: Harness, tmp_path: Path
+) -> None:
     h = harness
     h.participant.seed(EpisodeId("r1"), {"n": 1})
     h.participant.seed(EpisodeId("r2"), {"n": 2})
@@ -112,7 +126,9 @@ async def test_scope_selects_and_empty_scope_differs_from_unscoped(harness: Harn
     assert list(scoped.exported) == ["r2"]
 
 
-async def test_no_longer_ready_refuses_commit_and_writes_nothing(harness: Harness, checkpoint_dir: str) -> None:
+async def test_no_longer_ready_refuses_commit_and_writes_nothing(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     h = harness
     h.participant.seed(EpisodeId("r1"), {})
     await prepared(h)
@@ -140,12 +156,18 @@ class _in_flight:
         self.participant.context.changed()
 
 
-async def test_unserializable_state_fails_naming_the_episode(harness: Harness, checkpoint_dir: str) -> None:
+async def test_unserializable_state_fails_naming_the_episode(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     h = harness
     h.participant.seed(EpisodeId("r1"), {"ok": 1})
     h.participant.states[EpisodeId("bad", 2)] = {"x": float("nan")}
     await prepared(h)
-    error = await refused(h.client.commit("c1", h.deadline(), checkpoint_dir), "UNSERIALIZABLE_STATE", "FAILED_PRECONDITION")
+    error = await refused(
+        h.client.commit("c1", h.deadline(), checkpoint_dir),
+        "UNSERIALIZABLE_STATE",
+        "FAILED_PRECONDITION",
+    )
     assert error.metadata["captureKey"] == "bad-a2"
     assert "bad-a2" in error.message
     assert not (part_dir(checkpoint_dir) / "manifest.json").exists()
@@ -157,7 +179,9 @@ async def test_export_hook_failure_is_hook_failed(harness: Harness, checkpoint_d
     h.participant.seed(EpisodeId("r1"), {"secret": "do-not-leak"})
     h.participant.fail["export"] = RuntimeError("do-not-leak")
     await prepared(h)
-    error = await refused(h.client.commit("c1", h.deadline(), checkpoint_dir), "HOOK_FAILED", "INTERNAL")
+    error = await refused(
+        h.client.commit("c1", h.deadline(), checkpoint_dir), "HOOK_FAILED", "INTERNAL"
+    )
     assert "do-not-leak" not in error.message and error.metadata["hook"] == "export"
     del h.participant.fail["export"]
     reply = await h.client.commit("c1", h.deadline(), checkpoint_dir)
@@ -190,7 +214,9 @@ async def wait_thread_event(event: threading.Event) -> None:
     assert await asyncio.to_thread(event.wait, 10)
 
 
-async def test_slow_write_past_deadline_then_retry_stores_the_first_export(checkpoint_dir: str) -> None:
+async def test_slow_write_past_deadline_then_retry_stores_the_first_export(
+    checkpoint_dir: str,
+) -> None:
     storage = GatedStorage("before_record")
     h = await start_harness(storage=storage)
     try:
@@ -208,7 +234,9 @@ async def test_slow_write_past_deadline_then_retry_stores_the_first_export(check
         storage.release.set()
         reply = await retry
         assert list(reply.exported) == ["r1"]
-        assert records_of(checkpoint_dir) == ['{"episode_id":{"rollout_id":"r1","attempt":0},"state":{"n":1}}']
+        assert records_of(checkpoint_dir) == [
+            '{"episode_id":{"rollout_id":"r1","attempt":0},"state":{"n":1}}'
+        ]
         assert h.participant.export_calls == 1 and storage.writes == 1
     finally:
         storage.release.set()
@@ -241,7 +269,9 @@ async def test_resume_stops_an_unpublished_write(checkpoint_dir: str) -> None:
         await stop_harness(h)
 
 
-async def test_a_second_writer_cannot_replace_a_published_manifest(harness: Harness, checkpoint_dir: str) -> None:
+async def test_a_second_writer_cannot_replace_a_published_manifest(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     h = harness
     h.participant.seed(EpisodeId("r1"), {"n": 1})
     await prepared(h)
@@ -250,7 +280,11 @@ async def test_a_second_writer_cannot_replace_a_published_manifest(harness: Harn
     await h.client.resume("c1", h.deadline())
     h.participant.states[EpisodeId("r1")] = {"n": 2}
     await prepared(h, "c2")
-    error = await refused(h.client.commit("c2", h.deadline(), checkpoint_dir), "INVALID_CHECKPOINT_STATE", "FAILED_PRECONDITION")
+    error = await refused(
+        h.client.commit("c2", h.deadline(), checkpoint_dir),
+        "INVALID_CHECKPOINT_STATE",
+        "FAILED_PRECONDITION",
+    )
     assert "different commit" in error.message
     after = {p.name: p.read_bytes() for p in part_dir(checkpoint_dir).iterdir()}
     assert after == before
@@ -263,12 +297,16 @@ async def test_a_second_writer_cannot_replace_a_published_manifest(harness: Harn
 async def test_bad_checkpoint_directories_are_refused(harness: Harness, directory: str) -> None:
     h = harness
     await prepared(h)
-    error = await refused(h.client.commit("c1", h.deadline(), directory), "INVALID_REQUEST", "INVALID_ARGUMENT")
+    error = await refused(
+        h.client.commit("c1", h.deadline(), directory), "INVALID_REQUEST", "INVALID_ARGUMENT"
+    )
     assert error.metadata["field"] == "checkpoint_dir"
     assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
 
 
-async def test_directories_outside_allowed_roots_and_symlinked_parts_are_refused(tmp_path: Path) -> None:
+async def test_directories_outside_allowed_roots_and_symlinked_parts_are_refused(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
     outside = tmp_path / "outside"
@@ -278,7 +316,9 @@ async def test_directories_outside_allowed_roots_and_symlinked_parts_are_refused
         await prepared(h)
         await refused(h.client.commit("c1", h.deadline(), str(outside / "ckpt")), "INVALID_REQUEST")
         (root / "escape").symlink_to(outside)
-        await refused(h.client.commit("c1", h.deadline(), str(root / "escape" / "ckpt")), "INVALID_REQUEST")
+        await refused(
+            h.client.commit("c1", h.deadline(), str(root / "escape" / "ckpt")), "INVALID_REQUEST"
+        )
         # A participant subdirectory planted as a symlink never redirects the write.
         ckpt = root / "ckpt"
         (ckpt / "participants").mkdir(parents=True)

@@ -20,7 +20,9 @@ COMMITTED = types_pb2.PARTICIPANT_STATE_COMMITTED
 async def hold_request(h: Harness, key: str) -> asyncio.Task[object]:
     """Start an HTTP request that stays in flight until /test/release; wait until it is."""
     await h.http.post(f"/ng-rollout/{key}/seed", json={"state": {"n": 0}})
-    task = asyncio.ensure_future(h.http.post(f"/ng-rollout/{key}/update", json={"state": {"n": 1}, "hold": True}))
+    task = asyncio.ensure_future(
+        h.http.post(f"/ng-rollout/{key}/update", json={"state": {"n": 1}, "hold": True})
+    )
     await h.until(lambda: key in h.participant.inflight)
     return task
 
@@ -67,7 +69,9 @@ async def test_prepare_waits_for_readiness_and_streams_progress(harness: Harness
     assert not status.admission_open
 
 
-async def test_repeated_prepare_replays_also_after_commit(harness: Harness, checkpoint_dir: str) -> None:
+async def test_repeated_prepare_replays_also_after_commit(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     h = harness
     first = await drain(h.client.prepare("c1", h.deadline()))
     assert first[-1].state == PREPARED and not first[-1].replayed
@@ -80,7 +84,9 @@ async def test_repeated_prepare_replays_also_after_commit(harness: Harness, chec
     assert after_commit[0].state == COMMITTED
 
 
-async def test_missed_deadline_keeps_admission_closed_and_retry_waits_again(harness: Harness) -> None:
+async def test_missed_deadline_keeps_admission_closed_and_retry_waits_again(
+    harness: Harness,
+) -> None:
     h = harness
     held = await hold_request(h, "r1")
     deadline = h.deadline(5)
@@ -156,7 +162,9 @@ async def test_resume_with_a_past_deadline_still_reopens(harness: Harness) -> No
 async def test_conflict_and_phase_fencing(harness: Harness, checkpoint_dir: str) -> None:
     h = harness
     await drain(h.client.prepare("c1", h.deadline()))
-    error = await refused(drain(h.client.prepare("c2", h.deadline())), "CHECKPOINT_CONFLICT", "ABORTED")
+    error = await refused(
+        drain(h.client.prepare("c2", h.deadline())), "CHECKPOINT_CONFLICT", "ABORTED"
+    )
     assert error.metadata["activeCheckpointId"] == "c1"
     await refused(h.client.resume("c2", h.deadline()), "CHECKPOINT_CONFLICT")
     await refused(h.client.renew("c2", h.deadline()), "CHECKPOINT_CONFLICT")

@@ -45,37 +45,67 @@ STATES = {
 }
 
 
-async def test_restore_installs_the_scope_as_the_next_attempt_and_stays_closed(harness: Harness, checkpoint_dir: str) -> None:
+async def test_restore_installs_the_scope_as_the_next_attempt_and_stays_closed(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     await make_checkpoint(checkpoint_dir, STATES)
     h = harness
-    reply = await h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1"), EpisodeId("r2", 1), EpisodeId("zz")])
+    reply = await h.client.restore(
+        "restore-1",
+        h.deadline(),
+        checkpoint_dir,
+        [EpisodeId("r1"), EpisodeId("r2", 1), EpisodeId("zz")],
+    )
     assert reply.state == RESTORED
     assert reply.source_checkpoint_id == "c1"
     assert list(reply.restored) == ["r1-a1", "r2-a2"]
-    assert h.participant.states == {EpisodeId("r1", 1): STATES[EpisodeId("r1")], EpisodeId("r2", 2): {"n": 2}}
-    assert json.dumps(h.participant.states[EpisodeId("r1", 1)]) == json.dumps(STATES[EpisodeId("r1")])
+    assert h.participant.states == {
+        EpisodeId("r1", 1): STATES[EpisodeId("r1")],
+        EpisodeId("r2", 2): {"n": 2},
+    }
+    assert json.dumps(h.participant.states[EpisodeId("r1", 1)]) == json.dumps(
+        STATES[EpisodeId("r1")]
+    )
     status = await h.client.get_status()
     assert status.state == RESTORED and status.checkpoint_id == "restore-1"
     assert not status.admission_open and status.restored_pending == 2
     assert status.HasField("lease_expires_at")
     # Admission stays closed until Resume; readiness is NOT_SERVING while RESTORED.
     refused_seed = await h.http.post("/ng-rollout/r9/seed", json={"state": {}})
-    assert refused_seed.status_code == 409 and refused_seed.json()["error"]["code"] == "admission_closed"
+    assert (
+        refused_seed.status_code == 409
+        and refused_seed.json()["error"]["code"] == "admission_closed"
+    )
     await wait_health(h, "participant-readiness", NOT_SERVING)
     assert await h.health("participant-liveness") == SERVING
     episodes = await h.client.all_episodes()
-    assert [(e.capture_key, e.restored_pending) for e in episodes] == [("r1-a1", True), ("r2-a2", True)]
+    assert [(e.capture_key, e.restored_pending) for e in episodes] == [
+        ("r1-a1", True),
+        ("r2-a2", True),
+    ]
     # A retry replays; other arguments conflict.
-    again = await h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("zz"), EpisodeId("r2", 1), EpisodeId("r1")])
+    again = await h.client.restore(
+        "restore-1",
+        h.deadline(),
+        checkpoint_dir,
+        [EpisodeId("zz"), EpisodeId("r2", 1), EpisodeId("r1")],
+    )
     assert again == reply
-    await refused(h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]), "CHECKPOINT_CONFLICT")
+    await refused(
+        h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]),
+        "CHECKPOINT_CONFLICT",
+    )
     await h.client.resume("restore-1", h.deadline())
     await wait_health(h, "participant-readiness", SERVING)
-    assert (await h.http.get("/ng-rollout/r1-a1/state")).json() == {"state": STATES[EpisodeId("r1")]}
+    assert (await h.http.get("/ng-rollout/r1-a1/state")).json() == {
+        "state": STATES[EpisodeId("r1")]
+    }
     assert (await h.http.post("/ng-rollout/r9/seed", json={"state": {}})).status_code == 200
 
 
-async def test_restore_with_an_empty_scope_installs_nothing(harness: Harness, checkpoint_dir: str) -> None:
+async def test_restore_with_an_empty_scope_installs_nothing(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     await make_checkpoint(checkpoint_dir, STATES)
     reply = await harness.client.restore("restore-1", harness.deadline(), checkpoint_dir, [])
     assert list(reply.restored) == [] and reply.state == RESTORED
@@ -93,24 +123,34 @@ def tamper_drop_last_newline(path: Path) -> None:
 
 
 def tamper_append_line(path: Path) -> None:
-    path.write_bytes(path.read_bytes() + b'{"episode_id":{"rollout_id":"x","attempt":0},"state":1}\n')
+    path.write_bytes(
+        path.read_bytes() + b'{"episode_id":{"rollout_id":"x","attempt":0},"state":1}\n'
+    )
 
 
 @pytest.mark.parametrize("tamper", [tamper_flip_byte, tamper_drop_last_newline, tamper_append_line])
-async def test_tampered_records_install_nothing_and_reopen(harness: Harness, checkpoint_dir: str, tamper) -> None:  # type: ignore[no-untyped-def]
+async def test_tampered_records_install_nothing_and_reopen(
+    harness: Harness, checkpoint_dir: str, tamper
+) -> None:  # type: ignore[no-untyped-def]
     await make_checkpoint(checkpoint_dir, STATES)
     manifest = json.loads((part(checkpoint_dir) / "manifest.json").read_text())
     tamper(part(checkpoint_dir) / manifest["records_file"])
     h = harness
     # Only r1 is in scope, but the whole file is verified: tampering elsewhere still fails.
-    error = await refused(h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]), "INVALID_CHECKPOINT_STATE", "DATA_LOSS")
+    error = await refused(
+        h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]),
+        "INVALID_CHECKPOINT_STATE",
+        "DATA_LOSS",
+    )
     assert "digest" in error.message
     assert h.participant.states == {}
     status = await h.client.get_status()
     assert status.state == types_pb2.PARTICIPANT_STATE_IDLE and status.admission_open
 
 
-async def test_a_record_the_participant_rejects_installs_nothing(harness: Harness, checkpoint_dir: str) -> None:
+async def test_a_record_the_participant_rejects_installs_nothing(
+    harness: Harness, checkpoint_dir: str
+) -> None:
     await make_checkpoint(checkpoint_dir, STATES)
     # Rewrite a consistent part (digest and all) whose r3 record has an unexpected field.
     h = harness
@@ -123,10 +163,14 @@ async def test_a_record_the_participant_rejects_installs_nothing(harness: Harnes
     digest = hashlib.sha256(records).hexdigest()
     (part(checkpoint_dir) / manifest["records_file"]).unlink()
     (part(checkpoint_dir) / f"records-{digest}.jsonl").write_bytes(records)
-    manifest.update(records_file=f"records-{digest}.jsonl", records_sha256=digest, bytes=len(records))
+    manifest.update(
+        records_file=f"records-{digest}.jsonl", records_sha256=digest, bytes=len(records)
+    )
     manifest_path.write_text(json.dumps(manifest, sort_keys=True))
     error = await refused(
-        h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1"), EpisodeId("r3")]),
+        h.client.restore(
+            "restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1"), EpisodeId("r3")]
+        ),
         "INVALID_CHECKPOINT_STATE",
         "FAILED_PRECONDITION",
     )
@@ -147,21 +191,33 @@ async def test_restore_of_another_instance_is_refused(checkpoint_dir: str, tmp_p
 
     h = await start_harness(participant=DoubleParticipant("other"))
     try:
-        error = await refused(h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]), "INVALID_CHECKPOINT_STATE", "FAILED_PRECONDITION")
+        error = await refused(
+            h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]),
+            "INVALID_CHECKPOINT_STATE",
+            "FAILED_PRECONDITION",
+        )
         assert "double" in error.message
     finally:
         await stop_harness(h)
 
 
 async def test_missing_part_is_data_loss(harness: Harness, tmp_path: Path) -> None:
-    await refused(harness.client.restore("restore-1", harness.deadline(), str(tmp_path), []), "INVALID_CHECKPOINT_STATE", "DATA_LOSS")
+    await refused(
+        harness.client.restore("restore-1", harness.deadline(), str(tmp_path), []),
+        "INVALID_CHECKPOINT_STATE",
+        "DATA_LOSS",
+    )
 
 
 async def test_a_process_that_served_refuses_restore(harness: Harness, checkpoint_dir: str) -> None:
     await make_checkpoint(checkpoint_dir, STATES)
     h = harness
     assert (await h.http.post("/ng-rollout/r7/seed", json={"state": {}})).status_code == 200
-    await refused(h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]), "FRESH_PROCESS_REQUIRED", "FAILED_PRECONDITION")
+    await refused(
+        h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r1")]),
+        "FRESH_PROCESS_REQUIRED",
+        "FAILED_PRECONDITION",
+    )
     assert EpisodeId("r1", 1) not in h.participant.states
 
 
@@ -170,10 +226,14 @@ async def test_restore_is_refused_outside_idle(harness: Harness, checkpoint_dir:
     h = harness
     await drain(h.client.prepare("c9", h.deadline()))
     await refused(h.client.restore("c9", h.deadline(), checkpoint_dir, []), "INVALID_PHASE")
-    await refused(h.client.restore("other", h.deadline(), checkpoint_dir, []), "CHECKPOINT_CONFLICT")
+    await refused(
+        h.client.restore("other", h.deadline(), checkpoint_dir, []), "CHECKPOINT_CONFLICT"
+    )
 
 
-async def test_commit_after_restore_retires_restored_state_the_scope_leaves_out(harness: Harness, checkpoint_dir: str, tmp_path: Path) -> None:
+async def test_commit_after_restore_retires_restored_state_the_scope_leaves_out(
+    harness: Harness, checkpoint_dir: str, tmp_path: Path
+) -> None:
     await make_checkpoint(checkpoint_dir, STATES)
     h = harness
     await h.client.restore("restore-1", h.deadline(), checkpoint_dir, list(STATES))

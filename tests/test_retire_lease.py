@@ -18,7 +18,11 @@ async def test_retire_is_refused_while_a_checkpoint_is_open(harness: Harness, tm
     h = harness
     await seed(h, "r1")
     await drain(h.client.prepare("c1", h.deadline()))
-    error = await refused(h.client.retire("c1", h.deadline(), [EpisodeId("r1")]), "INVALID_PHASE", "FAILED_PRECONDITION")
+    error = await refused(
+        h.client.retire("c1", h.deadline(), [EpisodeId("r1")]),
+        "INVALID_PHASE",
+        "FAILED_PRECONDITION",
+    )
     assert "resume first" in error.message
     await refused(h.client.forget("c1", h.deadline(), ["r1"]), "INVALID_PHASE")
     await h.client.commit("c1", h.deadline(), str(tmp_path / "ckpt"))
@@ -61,7 +65,9 @@ async def test_a_cut_short_retire_keeps_refusing_and_a_retry_finishes(harness: H
     await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED")
     assert EpisodeId("r1") in h.participant.states  # still held, still tracked
     assert (await h.http.post("/ng-rollout/r1/seed", json={"state": {}})).status_code == 409
-    await refused(h.client.forget("x", h.deadline(), ["r1"]), "RETIRE_INCOMPLETE", "FAILED_PRECONDITION")
+    await refused(
+        h.client.forget("x", h.deadline(), ["r1"]), "RETIRE_INCOMPLETE", "FAILED_PRECONDITION"
+    )
     release.set()
     await h.client.retire("x", h.deadline(), [EpisodeId("r1")])
     assert EpisodeId("r1") not in h.participant.states
@@ -76,7 +82,9 @@ async def test_retire_in_restored_needs_the_restore_id(harness: Harness, tmp_pat
     h = harness
     await h.client.restore("restore-1", h.deadline(), ckpt, list(STATES))
     lease_before = (await h.client.get_status()).lease_expires_at.ToSeconds()
-    await refused(h.client.retire("other", h.deadline(), [EpisodeId("r3", 1)]), "CHECKPOINT_CONFLICT")
+    await refused(
+        h.client.retire("other", h.deadline(), [EpisodeId("r3", 1)]), "CHECKPOINT_CONFLICT"
+    )
     h.clock.advance(100)
     await h.client.retire("restore-1", h.deadline(), [EpisodeId("r3", 1)])
     status = await h.client.get_status()
@@ -85,7 +93,9 @@ async def test_retire_in_restored_needs_the_restore_id(harness: Harness, tmp_pat
     assert EpisodeId("r3", 1) not in h.participant.states
 
 
-async def test_lease_expiry_resumes_on_its_own_and_fences_the_id(harness: Harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_lease_expiry_resumes_on_its_own_and_fences_the_id(
+    harness: Harness, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     h = harness
     await drain(h.client.prepare("c1", h.deadline(10)))
     status = await h.client.get_status()
@@ -115,4 +125,20 @@ async def test_renew_keeps_the_lease(harness: Harness) -> None:
     assert again.lease_expires_at == renewed.lease_expires_at
     h.clock.set(first + 10)
     await asyncio.sleep(0)
+    assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
+
+
+async def test_a_dead_lease_watcher_turns_liveness_off(harness: Harness) -> None:
+    from grpc_health.v1 import health_pb2
+
+    h = harness
+    await drain(h.client.prepare("c1", h.deadline(10)))
+
+    async def broken(*args: object) -> bool:
+        raise RuntimeError("the watcher cannot resume")
+
+    h.control._resume_locked = broken
+    h.clock.advance(10 + 600 + 1)
+    await h.wait_health("participant-liveness", health_pb2.HealthCheckResponse.NOT_SERVING)
+    # Control RPCs still answer: only the kubelet's restart can help now.
     assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
