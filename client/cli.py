@@ -39,6 +39,9 @@ def _episode(text: str) -> EpisodeId:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-checkpoint", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="command", required=True)
+    verbs.add_parser(
+        "serve", help="run an example resources server (weather, counter, prompt_injection); serve --help"
+    )
     participant = verbs.add_parser("participant", help="drive one participant's ParticipantService")
     rpcs = participant.add_subparsers(dest="rpc", required=True)
 
@@ -143,8 +146,21 @@ async def _checkpoint_rpc(
     return 0
 
 
+def _serve(args: list[str]) -> int:
+    """Replace this process with the server's (`python -m rollout_checkpoint.examples.serve`).
+
+    The CLI never imports the participant runtime; exec keeps signals going straight to the
+    server, so SIGTERM shuts it down gracefully."""
+    command = [sys.executable, "-m", "rollout_checkpoint.examples.serve", *args]
+    os.execv(sys.executable, command)
+    return 0  # pragma: no cover - execv does not return
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["serve"]:
+        return _serve(arguments[1:])
+    args = _parser().parse_args(arguments)
     try:
         return asyncio.run(_participant(args))
     except ControlError as error:

@@ -185,6 +185,8 @@ class ControlPlane:
         storage: CheckpointStorage | None = None,
         clock: Clock | None = None,
     ) -> None:
+        if not is_valid_id(participant.instance) or participant.instance in (".", ".."):
+            raise ValueError(f"participant instance {participant.instance!r} is not a valid name")
         self.participant = participant
         self.settings = settings or ControlSettings()
         self.storage: CheckpointStorage = storage or LocalStorage()
@@ -256,6 +258,7 @@ class ControlPlane:
     async def begin_shutdown(self) -> None:
         """Refuse changes from now on (SHUTTING_DOWN); reads keep working."""
         self._shutting_down = True
+        self.participant.shutting_down_now()
         self.changed()
 
     async def close(self) -> None:
@@ -284,6 +287,10 @@ class ControlPlane:
     @property
     def shutting_down(self) -> bool:
         return self._shutting_down
+
+    @property
+    def start_closed_pending(self) -> bool:
+        return self._start_closed_pending
 
     @property
     def lease_expires_at(self) -> float | None:
@@ -805,6 +812,7 @@ class ControlPlane:
                     metadata={"rolloutIds": ",".join(blocked)},
                 )
             self.retired_attempts.forget(rollout_ids)
+            self.participant.forget(rollout_ids)
             self.changed()
             return tuple(sorted(set(rollout_ids)))
 

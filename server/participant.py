@@ -117,6 +117,11 @@ class ParticipantContext(Protocol):
         """True once SIGTERM arrived: requests waiting for a resume should get 503 now."""
         ...
 
+    @property
+    def start_closed_pending(self) -> bool:
+        """A `start_closed` process that has not yet been restored or resumed."""
+        ...
+
 
 class Participant(abc.ABC):
     """A participant kind. Hooks run on the event loop; none may block it.
@@ -174,6 +179,14 @@ class Participant(abc.ABC):
     @abc.abstractmethod
     def has_served(self) -> bool:
         """Whether this process has served any session or episode (then it cannot restore)."""
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        """The controller forgot these rollouts: drop what refuses their late requests."""
+        return None
+
+    def shutting_down_now(self) -> None:
+        """SIGTERM arrived: release whatever waits for a resume (it will get 503)."""
+        return None
 
     def facts(self) -> Mapping[str, str]:
         """Kind-specific facts for GetParticipant and GetStatus."""

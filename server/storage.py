@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from .episodes import ID_PATTERN, is_valid_id
 from .errors import (
     CheckpointError,
     Reason,
@@ -309,6 +310,10 @@ class LocalStorage:
             raise corrupt_checkpoint(
                 "the part has no manifest (never published)", part_path
             ) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise corrupt_checkpoint("manifest.json is a symlink", part_path) from exc
+            raise
         try:
             fields = json.loads(raw, parse_constant=_refuse_constant)
             manifest = _manifest_from_json(fields)
@@ -336,28 +341,23 @@ class LocalStorage:
             raise corrupt_checkpoint(
                 "the records file named by the manifest is missing", part_path
             ) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise corrupt_checkpoint("the records file is a symlink", part_path) from exc
+            raise
         hasher = hashlib.sha256()
         count = size = 0
         kept: list[dict[str, Any]] = []
+        # The first bad line is reported only once the whole file has been hashed: a file that
+        # does not match its manifest is a digest mismatch, whatever its lines look like.
+        problem: CheckpointError | None = None
         with os.fdopen(fd, "rb", buffering=_READ_CHUNK) as records:
             for line in records:
                 hasher.update(line)
                 count += 1
                 size += len(line)
-                if not line.endswith(b"\n"):
-                    raise corrupt_checkpoint(
-                        f"records digest mismatch: line {count} is torn", part_path
-                    )
-                try:
-                    record = json.loads(line, parse_constant=_refuse_constant)
-                except ValueError as exc:
-                    raise corrupt_checkpoint(
-                        f"records digest mismatch or corrupt record at line {count}", part_path
-                    ) from exc
-                if not isinstance(record, dict):
-                    raise corrupt_checkpoint(f"record at line {count} is not an object", part_path)
-                if select(record):
-                    kept.append(record)
+                if problem is None:
+                    problem = _select_line(line, count, part_path, select, kept)
         if (hasher.hexdigest(), count, size) != (
             manifest.records_sha256,
             manifest.record_count,
@@ -368,7 +368,33 @@ class LocalStorage:
                 f"(sha256 {hasher.hexdigest()}, {count} records, {size} bytes)",
                 part_path,
             )
+        if problem is not None:
+            raise problem
         return kept
+
+
+def _select_line(
+    line: bytes,
+    number: int,
+    part_path: str,
+    select: Callable[[dict[str, Any]], bool],
+    kept: list[dict[str, Any]],
+) -> CheckpointError | None:
+    """Parse one line and keep it if selected; return the problem instead of raising it."""
+    if not line.endswith(b"\n"):
+        return corrupt_checkpoint(f"line {number} is torn", part_path)
+    try:
+        record = json.loads(line, parse_constant=_refuse_constant)
+    except ValueError:
+        return corrupt_checkpoint(f"corrupt record at line {number}", part_path)
+    if not isinstance(record, dict):
+        return corrupt_checkpoint(f"record at line {number} is not an object", part_path)
+    try:
+        if select(record):
+            kept.append(record)
+    except CheckpointError as error:
+        return error
+    return None
 
 
 def _refuse_constant(name: str) -> Any:
@@ -394,12 +420,20 @@ def _manifest_from_json(fields: object) -> StoredManifest:
     return manifest
 
 
+def _check_names(kind: str, instance: str) -> None:
+    """Kind and instance become path components: only plain names, never `..` or a slash."""
+    for field, value in (("kind", kind), ("instance", instance)):
+        if not is_valid_id(value) or value in (".", ".."):
+            raise invalid_request(field, f"must match {ID_PATTERN.pattern}")
+
+
 def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: bool) -> int:
     """Open `participants/<kind>/<instance>` below the checkpoint directory, refusing symlinks.
 
     The checkpoint directory itself is created when missing (its parent must exist, so nothing
     outside it is ever created); each component below it is opened with O_NOFOLLOW.
     """
+    _check_names(kind, instance)
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(checkpoint_dir, 0o755)

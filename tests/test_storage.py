@@ -384,16 +384,6 @@ def test_a_symlinked_participant_subdirectory_is_refused(
     [(KIND, "../../.."), (KIND, ".."), ("../..", INSTANCE), (KIND, ".hidden")],
     ids=["instance-escapes", "instance-dotdot", "kind-escapes", "instance-leading-dot"],
 )
-@pytest.mark.xfail(
-    reason=(
-        "BUG: LocalStorage never checks kind/instance against ^[A-Za-z0-9][A-Za-z0-9._-]*$ "
-        "(spec section 3); _open_part_dir mkdirs/opens each name relative to the previous "
-        "directory fd, and O_NOFOLLOW does not stop '..', so instance '../../..' (or kind "
-        "'../..') publishes manifest.json and records-*.jsonl OUTSIDE the checkpoint dir, "
-        "'..' publishes into participants/, and '.hidden' is accepted"
-    ),
-    strict=True,
-)
 def test_an_invalid_kind_or_instance_is_refused_and_nothing_is_written_outside(
     tmp_path: Path, kind: str, instance: str
 ) -> None:
@@ -513,15 +503,6 @@ def test_tampered_records_are_data_loss_naming_the_digest(
     assert "digest" in error.message
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG (low severity, message only): LocalStorage._read_records judges each line "
-        "before the digest; an appended line that parses to a non-object (e.g. '[]') fails "
-        "with 'record at line 4 is not an object' although the spec says a mismatch says "
-        "'digest' (reason/code are right: INVALID_CHECKPOINT_STATE/DATA_LOSS)"
-    ),
-    strict=True,
-)
 def test_an_appended_non_object_line_is_reported_as_a_digest_mismatch(ckpt: Path) -> None:
     published = write(ckpt, sample_lines())
     records = part_of(ckpt) / published.manifest.records_file
@@ -575,14 +556,6 @@ def test_a_symlinked_records_file_is_not_followed(tmp_path: Path, ckpt: Path) ->
         read(ckpt)
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG: a symlinked records file (or manifest.json) is refused by O_NOFOLLOW, but the "
-        "ELOOP OSError is mapped by _storage_error to STORAGE_FAILED/UNAVAILABLE (a transient, "
-        "retry-later error) instead of INVALID_CHECKPOINT_STATE/DATA_LOSS for a tampered part"
-    ),
-    strict=True,
-)
 @pytest.mark.parametrize("which", ["records", "manifest"])
 def test_a_symlinked_file_in_a_part_is_data_loss(tmp_path: Path, ckpt: Path, which: str) -> None:
     published = write(ckpt, sample_lines())
