@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.middleware.sessions import SessionMiddleware
 
+from .clock import Clock
 from .install import CheckpointRuntime, install_checkpointing
 from .resources_middleware import SESSION_KEY, ResourcesAdmissionMiddleware, cookie_session_id
 from .resources_participant import (
@@ -96,6 +97,8 @@ class ResourcesServerConfig:
     checkpoint: CheckpointSettings | None = None
     session_secret: str | None = None
     expose_tools_over_mcp: bool | None = None
+    clock: Clock | None = None
+    """For tests: the control plane's clock (leases, heartbeats, thresholds)."""
 
 
 class ResourcesServer:
@@ -208,7 +211,9 @@ class ResourcesServer:
         if self.checkpoint_enabled:
             app.add_middleware(RolloutPrefixMiddleware)
             assert self.participant is not None
-            self.runtime = install_checkpointing(app, self.participant, self.config.checkpoint)
+            self.runtime = install_checkpointing(
+                app, self.participant, self.config.checkpoint, clock=self.config.clock
+            )
         return app
 
     # -- routes -------------------------------------------------------------------------

@@ -85,6 +85,8 @@ class ResourcesParticipant(Participant):
         self._restart_blockers: set[str] = set()
         self._seeding: dict[EpisodeId, int] = {}
         self.inflight = 0
+        self.waiting = 0
+        """Requests (MCP calls, closes) waiting for a resume; never in flight, never blockers."""
         self._inflight_without_session = 0
         self._admission_open = True
         self._shutting_down = False
@@ -119,10 +121,16 @@ class ResourcesParticipant(Participant):
 
     async def wait_for_admission(self) -> bool:
         """Wait until admission opens; False when the server shuts down first."""
-        while not self._admission_open:
-            if self._shutting_down:
-                return False
-            await self._wait_change()
+        if self._admission_open:
+            return not self._shutting_down
+        self.waiting += 1
+        self._notify()
+        try:
+            while not self._admission_open and not self._shutting_down:
+                await self._wait_change()
+        finally:
+            self.waiting -= 1
+            self._notify()
         return not self._shutting_down
 
     def is_stale(self, session_id: str | None, episode: EpisodeId | None) -> bool:

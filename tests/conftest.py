@@ -97,16 +97,7 @@ async def start_harness(
     config = CheckpointSettings(enabled=True, token=TOKEN, **settings)
     runtime = install_checkpointing(app, participant, config, clock=clock, storage=storage)
     assert runtime is not None
-    server = _StartedServer(
-        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
-    )
-    serving = asyncio.ensure_future(server.serve())
-    started = asyncio.ensure_future(server.started_event.wait())
-    await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():
-        serving.result()
-        raise RuntimeError("the server stopped during startup")
-    http_port = server.servers[0].sockets[0].getsockname()[1]
+    server, serving, http_port = await serve_app(app)
     address = f"127.0.0.1:{runtime.port}"
     return Harness(
         participant=participant,
@@ -128,6 +119,20 @@ async def stop_harness(harness: Harness) -> None:
         gate.set()
     harness.server.should_exit = True
     await harness.serving
+
+
+async def serve_app(app: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
+    """Run `app` under uvicorn on 127.0.0.1:0 in this loop; return once it listens."""
+    server = _StartedServer(
+        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+    )
+    serving = asyncio.ensure_future(server.serve())
+    started = asyncio.ensure_future(server.started_event.wait())
+    await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        serving.result()
+        raise RuntimeError("the server stopped during startup")
+    return server, serving, server.servers[0].sockets[0].getsockname()[1]
 
 
 class _StartedServer(uvicorn.Server):

@@ -35,6 +35,10 @@ Conventions that hold for every RPC below:
   scope in another order is the same scope) is `CHECKPOINT_CONFLICT`. The
   deadline is not an argument for this comparison. Records of an id are
   dropped when that id is resumed.
+* Shutdown. Once the participant got SIGTERM, every RPC that changes
+  anything except Resume is UNAVAILABLE / `SHUTTING_DOWN` (with a
+  `RetryInfo`); reads and Resume keep working, so a controller can always
+  release the fleet.
 * Lease. Prepare, Commit, Restore and Renew (and Retire or Forget while
   RESTORED) set `lease := max(lease, deadline + lease_grace_seconds)`. When
   the lease runs out with the same checkpoint still active, the participant
