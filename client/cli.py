@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-checkpoint", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="command", required=True)
     verbs.add_parser(
-        "serve", help="run an example resources server (weather, counter, prompt_injection); serve --help"
+        "serve",
+        help="run an example resources server (weather, counter, prompt_injection); serve --help",
     )
     participant = verbs.add_parser("participant", help="drive one participant's ParticipantService")
     rpcs = participant.add_subparsers(dest="rpc", required=True)

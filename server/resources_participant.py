@@ -373,8 +373,8 @@ class ResourcesParticipant(Participant):
         try:
             await self._hooks.restore_session_states(states)
         except InvalidSessionState as exc:
-            record = episode_of.get(exc.session_id)
-            key = record.checkpointed.capture_key if record is not None else None
+            rejected = episode_of.get(exc.session_id)
+            key = rejected.checkpointed.capture_key if rejected is not None else None
             raise rejected_checkpoint(
                 f"the server rejected a stored session state: {exc}", capture_key=key
             ) from exc
