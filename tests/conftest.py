@@ -89,9 +89,10 @@ async def start_harness(
     *,
     storage: CheckpointStorage | None = None,
     participant: DoubleParticipant | None = None,
+    clock: ManualClock | None = None,
     **settings: Any,
 ) -> Harness:
-    clock = ManualClock()
+    clock = clock or ManualClock()
     participant = participant or DoubleParticipant()
     app = create_app(participant)
     config = CheckpointSettings(enabled=True, token=TOKEN, **settings)

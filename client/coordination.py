@@ -1,0 +1,442 @@
+"""Fleet coordination: the ordering, fan-out and all-or-nothing rules over many participants.
+
+A stateless library: every call is safe to retry with the same checkpoint id, because the
+participants keep the state (and replay recorded results). Each rule prevents a loss:
+
+* Prepare goes stage by stage (environment, model, agent, resources) and stops at the first
+  stage not prepared by the deadline: closing a later stage would starve the episodes that
+  the unready stage still waits on.
+* Resume goes in reverse, so no server reopens before the servers it calls.
+* Retire and Forget go callers before callees, so a caller cannot send a late request to a
+  callee that already forgot the attempt.
+* Restore is all or nothing: a fleet where some members restored and others did not would
+  continue rollouts with half their state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import grpc
+
+from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
+
+from .errors import ControlError
+from .fleet import Fleet, Member
+
+T = TypeVar("T")
+
+CLEANUP_SECONDS = 30.0
+MAX_LISTED_BLOCKERS = 100
+
+PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
+
+
+class FleetError(Exception):
+    """One or more members refused (or could not be reached) during a fleet operation.
+
+    `reason` is `PARTICIPANT_UNREACHABLE` when every failure is a transport failure, else
+    `PARTICIPANT_FAILED`; `failures` maps member names to their errors."""
+
+    def __init__(
+        self, operation: str, failures: dict[str, ControlError], cause: Exception | None = None
+    ) -> None:
+        self.operation = operation
+        self.failures = dict(sorted(failures.items()))
+        self.cause = cause
+        detail = "; ".join(
+            f"{name}: {error.reason or error.code.name}: {error.message}"
+            for name, error in self.failures.items()
+        )
+        super().__init__(f"{operation} failed on {len(failures)} member(s): {detail}")
+
+    @property
+    def reason(self) -> str:
+        if all(not e.decided_by_server for e in self.failures.values()):
+            return "PARTICIPANT_UNREACHABLE"
+        return "PARTICIPANT_FAILED"
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        if self.reason == "PARTICIPANT_UNREACHABLE":
+            return grpc.StatusCode.UNAVAILABLE
+        return next(e.code for e in self.failures.values() if e.decided_by_server)
+
+    def failed_members(self) -> str:
+        return ",".join(
+            f"{name}={error.reason or 'UNREACHABLE'}" for name, error in self.failures.items()
+        )
+
+
+# -- prepare --------------------------------------------------------------------------------
+
+
+@dataclass
+class MemberProgress:
+    name: str
+    kind: int
+    reached: bool = False
+    state: int = types_pb2.PARTICIPANT_STATE_UNSPECIFIED
+    readiness: types_pb2.ReadinessReport = field(default_factory=types_pb2.ReadinessReport)
+    done: bool = False
+    error: ControlError | None = None
+
+
+class Outcome:
+    PREPARED = "PREPARED"
+    NOT_PREPARED = "NOT_PREPARED"
+    ENDED = "ENDED"
+
+
+@dataclass
+class FleetProgress:
+    """A snapshot of the fleet's prepare. `outcome` is set on the last one only."""
+
+    stage: int
+    members: list[MemberProgress]
+    sequence: int
+    elapsed: float
+    outcome: str | None = None
+
+    @property
+    def prepared(self) -> bool:
+        return self.outcome == Outcome.PREPARED
+
+    def blockers(self) -> list[tuple[str, types_pb2.Blocker]]:
+        """(member, blocker) of every reached member not yet prepared."""
+        found: list[tuple[str, types_pb2.Blocker]] = []
+        for member in self.members:
+            if member.reached and member.state != PREPARED:
+                found.extend((member.name, b) for b in member.readiness.blockers)
+        return found
+
+    def blocker_count(self) -> int:
+        return sum(
+            m.readiness.blocker_count for m in self.members if m.reached and m.state != PREPARED
+        )
+
+    def blocking_episodes(self) -> set[EpisodeId]:
+        episodes = set()
+        for _, blocker in self.blockers():
+            if blocker.capture_key:
+                with contextlib.suppress(ValueError):
+                    episodes.add(EpisodeId.from_capture_key(blocker.capture_key))
+        return episodes
+
+
+async def prepare(
+    fleet: Fleet, checkpoint_id: str, deadline: float
+) -> AsyncIterator[FleetProgress]:
+    """Prepare stage by stage, yielding a snapshot whenever any member's progress arrives.
+
+    The last snapshot has `outcome` set. A member's refusal raises `FleetError` (the other
+    streams of its stage are cancelled, which does not abort anything: Resume does)."""
+    started = time.monotonic()
+    progress = {m.name: MemberProgress(m.name, m.kind) for m in fleet.members}
+    sequence = 0
+
+    def snapshot(stage: int, outcome: str | None = None) -> FleetProgress:
+        nonlocal sequence
+        sequence += 1
+        members = [replace(progress[m.name]) for m in fleet.members]
+        return FleetProgress(stage, members, sequence, time.monotonic() - started, outcome)
+
+    for stage, members in fleet.stages():
+        for member in members:
+            progress[member.name].reached = True
+        updates: asyncio.Queue[tuple[str, pb.PrepareResponse | ControlError | None]] = (
+            asyncio.Queue()
+        )
+        readers = [
+            asyncio.ensure_future(_read_prepare(m, checkpoint_id, deadline, updates))
+            for m in members
+        ]
+        try:
+            pending = len(members)
+            failures: dict[str, ControlError] = {}
+            while pending:
+                name, update = await updates.get()
+                entry = progress[name]
+                if update is None:
+                    pending -= 1
+                    entry.done = True
+                    continue
+                if isinstance(update, ControlError):
+                    entry.error = update
+                    failures[name] = update
+                    break
+                entry.state = update.state
+                entry.readiness = update.readiness
+                yield snapshot(stage)
+            if failures:
+                raise FleetError("prepare", failures)
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+        states = {progress[m.name].state for m in members}
+        if states != {PREPARED}:
+            ended = any(s == types_pb2.PARTICIPANT_STATE_IDLE for s in states)
+            yield snapshot(stage, Outcome.ENDED if ended else Outcome.NOT_PREPARED)
+            return
+    last_stage = fleet.stages()[-1][0] if fleet.members else types_pb2.PARTICIPANT_KIND_UNSPECIFIED
+    yield snapshot(last_stage, Outcome.PREPARED)
+
+
+async def _read_prepare(
+    member: Member,
+    checkpoint_id: str,
+    deadline: float,
+    updates: asyncio.Queue[tuple[str, pb.PrepareResponse | ControlError | None]],
+) -> None:
+    try:
+        async for message in member.client.prepare(checkpoint_id, deadline):
+            await updates.put((member.name, message))
+    except ControlError as error:
+        await updates.put((member.name, error))
+        return
+    await updates.put((member.name, None))
+
+
+async def prepare_until_done(
+    fleet: Fleet,
+    checkpoint_id: str,
+    deadline: float,
+    on_progress: Callable[[FleetProgress], None] | None = None,
+) -> FleetProgress:
+    last: FleetProgress | None = None
+    async for snapshot in prepare(fleet, checkpoint_id, deadline):
+        if on_progress is not None:
+            on_progress(snapshot)
+        last = snapshot
+    assert last is not None and last.outcome is not None
+    return last
+
+
+# -- commit, scope --------------------------------------------------------------------------
+
+
+DERIVE = "derive"
+"""Pass as `scope` to derive it: the union of every member's live episodes."""
+
+
+@dataclass
+class FleetCommit:
+    members: dict[str, pb.CommitResponse]
+    scope: frozenset[EpisodeId] | None
+
+    def record_count(self) -> int:
+        return sum(r.manifest.record_count for r in self.members.values())
+
+    def bytes(self) -> int:
+        return sum(r.manifest.bytes for r in self.members.values())
+
+
+async def derive_scope(fleet: Fleet) -> frozenset[EpisodeId]:
+    """The union of every member's ListEpisodes (take it after prepare, when nothing moves)."""
+    pages = await _fan_out("list episodes", fleet.members, lambda m: m.client.all_episodes())
+    return frozenset(
+        EpisodeId(e.episode_id.rollout_id, e.episode_id.attempt)
+        for episodes in pages.values()
+        for e in episodes
+    )
+
+
+async def commit(
+    fleet: Fleet,
+    checkpoint_id: str,
+    deadline: float,
+    checkpoint_dir: str,
+    scope: Iterable[EpisodeId] | str | None,
+) -> FleetCommit:
+    """Commit every member at once; `scope` explicit, `DERIVE`, or None (unscoped)."""
+    if scope == DERIVE:
+        resolved: frozenset[EpisodeId] | None = await derive_scope(fleet)
+    elif scope is None:
+        resolved = None
+    else:
+        assert not isinstance(scope, str)
+        resolved = frozenset(scope)
+    replies = await _fan_out(
+        "commit",
+        fleet.members,
+        lambda m: m.client.commit(checkpoint_id, deadline, checkpoint_dir, resolved),
+    )
+    return FleetCommit(replies, resolved)
+
+
+# -- restore --------------------------------------------------------------------------------
+
+
+async def restore(
+    fleet: Fleet,
+    checkpoint_id: str,
+    deadline: float,
+    checkpoint_dir: str,
+    scope: Iterable[EpisodeId],
+) -> dict[str, pb.RestoreResponse]:
+    """Restore every member, all or nothing.
+
+    On any failure: retire the next attempts (N+1) of every scoped episode everywhere (which
+    frees whatever got installed and refuses those attempts until forgotten), resume every
+    member even if that retire failed somewhere, then raise naming the failed members. The
+    controller restarts those rollouts from their inputs as later attempts."""
+    episodes = frozenset(scope)
+    try:
+        return await _fan_out(
+            "restore",
+            fleet.members,
+            lambda m: m.client.restore(checkpoint_id, deadline, checkpoint_dir, episodes),
+        )
+    except FleetError as failure:
+        cleanup_deadline = max(deadline, time.time() + CLEANUP_SECONDS)
+        next_attempts = sorted(e.next_attempt() for e in episodes)
+        if next_attempts:
+            with contextlib.suppress(FleetError):
+                await _fan_out(
+                    "retire",
+                    fleet.members,
+                    lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
+                )
+        with contextlib.suppress(FleetError):
+            await resume(fleet, checkpoint_id, cleanup_deadline)
+        raise FleetError("restore", failure.failures) from None
+
+
+# -- resume, retire, forget, renew ----------------------------------------------------------
+
+
+async def resume(fleet: Fleet, checkpoint_id: str, deadline: float) -> dict[str, pb.ResumeResponse]:
+    """Reverse stage order; a failing member does not stop the others (raised at the end)."""
+    replies: dict[str, pb.ResumeResponse] = {}
+    failures: dict[str, ControlError] = {}
+    for _, members in reversed(fleet.stages()):
+        try:
+            replies.update(
+                await _fan_out(
+                    "resume", members, lambda m: m.client.resume(checkpoint_id, deadline)
+                )
+            )
+        except FleetError as error:
+            failures.update(error.failures)
+    if failures:
+        raise FleetError("resume", failures)
+    return replies
+
+
+def _caller_groups(fleet: Fleet) -> list[list[Member]]:
+    """Callers before callees: environment, then agent, then model and resources together."""
+    by_kind = {kind: [m for m in fleet.members if m.kind == kind] for kind, _ in fleet.stages()}
+    groups = [
+        by_kind.get(types_pb2.PARTICIPANT_KIND_ENVIRONMENT, []),
+        by_kind.get(types_pb2.PARTICIPANT_KIND_AGENT, []),
+        by_kind.get(types_pb2.PARTICIPANT_KIND_MODEL, [])
+        + by_kind.get(types_pb2.PARTICIPANT_KIND_RESOURCES, []),
+    ]
+    return [g for g in groups if g]
+
+
+async def retire(
+    fleet: Fleet, checkpoint_id: str, deadline: float, episodes: Sequence[EpisodeId]
+) -> None:
+    for group in _caller_groups(fleet):
+        await _fan_out(
+            "retire", group, lambda m: m.client.retire(checkpoint_id, deadline, episodes)
+        )
+
+
+async def forget(
+    fleet: Fleet, checkpoint_id: str, deadline: float, rollout_ids: Sequence[str]
+) -> None:
+    for group in _caller_groups(fleet):
+        await _fan_out(
+            "forget", group, lambda m: m.client.forget(checkpoint_id, deadline, rollout_ids)
+        )
+
+
+async def renew(fleet: Fleet, checkpoint_id: str, deadline: float) -> float:
+    """Renew everywhere; returns the earliest lease expiry."""
+    replies = await _fan_out(
+        "renew", fleet.members, lambda m: m.client.renew(checkpoint_id, deadline)
+    )
+    return min(r.lease_expires_at.ToNanoseconds() / 1e9 for r in replies.values())
+
+
+# -- stragglers -----------------------------------------------------------------------------
+
+
+@dataclass
+class StragglerResult:
+    progress: FleetProgress
+    checkpoint_id: str
+    rounds: int
+    retired: list[EpisodeId]
+
+
+async def prepare_retiring_stragglers(
+    fleet: Fleet,
+    new_checkpoint_id: Callable[[], str],
+    deadline_for_round: Callable[[], float],
+    *,
+    rounds: int = 2,
+    on_progress: Callable[[FleetProgress], None] | None = None,
+) -> StragglerResult:
+    """Prepare; if not ready: resume, retire the blocking episodes, prepare again with a new id.
+
+    Bounded by `rounds` extra attempts. Retired rollouts restart from their inputs as later
+    attempts (the controller must forget them once nothing of them can run)."""
+    retired: list[EpisodeId] = []
+    checkpoint_id = new_checkpoint_id()
+    progress = await prepare_until_done(fleet, checkpoint_id, deadline_for_round(), on_progress)
+    for round_number in range(1, rounds + 1):
+        if progress.prepared:
+            return StragglerResult(progress, checkpoint_id, round_number - 1, retired)
+        blocking = sorted(progress.blocking_episodes())
+        await resume(fleet, checkpoint_id, deadline_for_round())
+        if blocking:
+            await retire(fleet, checkpoint_id, deadline_for_round(), blocking)
+            retired.extend(blocking)
+        checkpoint_id = new_checkpoint_id()
+        progress = await prepare_until_done(fleet, checkpoint_id, deadline_for_round(), on_progress)
+    return StragglerResult(progress, checkpoint_id, rounds, retired)
+
+
+# -- fan-out --------------------------------------------------------------------------------
+
+
+async def _fan_out(
+    operation: str, members: Sequence[Member], call: Callable[[Member], Awaitable[T]]
+) -> dict[str, T]:
+    """Call every member at once; collect every failure and raise them together."""
+    results = await asyncio.gather(*(call(m) for m in members), return_exceptions=True)
+    replies: dict[str, T] = {}
+    failures: dict[str, ControlError] = {}
+    for member, result in zip(members, results, strict=True):
+        if isinstance(result, ControlError):
+            failures[member.name] = result
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            replies[member.name] = result
+    if failures:
+        raise FleetError(operation, failures)
+    return replies
+
+
+def describe_failures(error: FleetError) -> dict[str, Any]:
+    return {
+        name: {
+            "code": e.code.name,
+            "reason": e.reason,
+            "message": e.message,
+            "metadata": e.metadata,
+        }
+        for name, e in error.failures.items()
+    }

@@ -1,0 +1,295 @@
+"""A fleet: its file, its members, and their discovery.
+
+A fleet file (TOML or YAML) names every participant and its sidecar address, where the token
+comes from, TLS, and the controller's checkpoint root:
+
+    token_env = "ROLLOUT_CHECKPOINT_TOKEN"     # or token_file = "/run/secrets/token"
+    checkpoint_root = "/checkpoints/run-7"    # where published checkpoints live
+    keep = 2                                   # published checkpoints kept
+    [[participants]]
+    name = "counter"
+    address = "127.0.0.1:9001"
+
+Discovery calls GetParticipant on every member at once, with bounded tries: an unreachable
+member fails discovery naming it, because a checkpoint that silently skipped a member would
+be unsafe to restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rollout_checkpoint.server.episodes import is_valid_id
+from rollout_checkpoint.v1 import types_pb2
+
+from .errors import ControlError
+from .participant import ParticipantClient
+
+STAGE_ORDER = (
+    types_pb2.PARTICIPANT_KIND_ENVIRONMENT,
+    types_pb2.PARTICIPANT_KIND_MODEL,
+    types_pb2.PARTICIPANT_KIND_AGENT,
+    types_pb2.PARTICIPANT_KIND_RESOURCES,
+)
+"""Prepare order. Environments park their episodes first; the policy model then holds its
+responses so agents waiting on it reach a boundary; resources go last because agents and
+environments call them until they park."""
+
+KIND_NAMES: dict[int, str] = {
+    types_pb2.PARTICIPANT_KIND_ENVIRONMENT: "environment",
+    types_pb2.PARTICIPANT_KIND_MODEL: "model",
+    types_pb2.PARTICIPANT_KIND_AGENT: "agent",
+    types_pb2.PARTICIPANT_KIND_RESOURCES: "resources",
+}
+
+
+class FleetConfigError(ValueError):
+    """The fleet file is invalid."""
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    name: str
+    address: str
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    members: tuple[MemberSpec, ...]
+    token: str = field(repr=False)
+    checkpoint_root: str | None = None
+    keep: int = 2
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    allow_agents_without_model: bool = False
+
+    @classmethod
+    def from_addresses(cls, addresses: Iterable[str], token: str, **options: Any) -> FleetSpec:
+        members = tuple(MemberSpec(f"member-{i}", address) for i, address in enumerate(addresses))
+        return cls(members=members, token=token, **options)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if self.tls_ca_file is None:
+            return None
+        root = Path(self.tls_ca_file).read_bytes()
+        key = Path(self.tls_key_file).read_bytes() if self.tls_key_file else None
+        cert = Path(self.tls_cert_file).read_bytes() if self.tls_cert_file else None
+        return grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=cert
+        )
+
+
+def load_fleet_file(path: str | Path, *, environ: dict[str, str] | None = None) -> FleetSpec:
+    """Read a TOML (`.toml`) or YAML (anything else) fleet file; relative paths are the file's."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise FleetConfigError(
+            f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise FleetConfigError(f"{path}: a fleet file is a mapping")
+    return _spec_from(data, path.parent, os.environ if environ is None else environ)
+
+
+_KNOWN_KEYS = {
+    "participants",
+    "token_env",
+    "token_file",
+    "checkpoint_root",
+    "keep",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "allow_agents_without_model",
+}
+
+
+def _spec_from(
+    data: dict[str, Any], base: Path, environ: dict[str, str] | os._Environ[str]
+) -> FleetSpec:
+    unknown = set(data) - _KNOWN_KEYS
+    if unknown:
+        raise FleetConfigError(f"unknown fleet file keys: {', '.join(sorted(unknown))}")
+    members = []
+    for entry in data.get("participants") or []:
+        if not isinstance(entry, dict) or set(entry) != {"name", "address"}:
+            raise FleetConfigError("each participant has exactly a name and an address")
+        if not is_valid_id(str(entry["name"])):
+            raise FleetConfigError(f"participant name {entry['name']!r} is not a valid name")
+        members.append(MemberSpec(str(entry["name"]), str(entry["address"])))
+    if not members:
+        raise FleetConfigError("a fleet needs at least one participant")
+    if len({m.name for m in members}) != len(members):
+        raise FleetConfigError("participant names must be unique")
+    token = _token(data, base, environ)
+
+    def resolve(key: str) -> str | None:
+        value = data.get(key)
+        return None if value is None else str((base / str(value)).resolve())
+
+    keep = data.get("keep", 2)
+    if type(keep) is not int or keep < 1:
+        raise FleetConfigError("keep is a positive integer")
+    return FleetSpec(
+        members=tuple(members),
+        token=token,
+        checkpoint_root=resolve("checkpoint_root"),
+        keep=keep,
+        tls_ca_file=resolve("tls_ca_file"),
+        tls_cert_file=resolve("tls_cert_file"),
+        tls_key_file=resolve("tls_key_file"),
+        allow_agents_without_model=bool(data.get("allow_agents_without_model", False)),
+    )
+
+
+def _token(data: dict[str, Any], base: Path, environ: dict[str, str] | os._Environ[str]) -> str:
+    if "token_file" in data:
+        token = (base / str(data["token_file"])).read_text().strip()
+    else:
+        name = str(data.get("token_env", "ROLLOUT_CHECKPOINT_TOKEN"))
+        token = environ.get(name, "")
+        if not token:
+            raise FleetConfigError(f"no token: set ${name} or token_file in the fleet file")
+    if not token:
+        raise FleetConfigError("the token file is empty")
+    return token
+
+
+@dataclass
+class Member:
+    """A discovered fleet member and its client."""
+
+    name: str
+    address: str
+    kind: int
+    instance: str
+    boot_id: str
+    client: ParticipantClient
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, "unknown")
+
+    @property
+    def stage(self) -> int:
+        return STAGE_ORDER.index(self.kind)
+
+
+class DiscoveryError(Exception):
+    def __init__(self, failures: dict[str, str]) -> None:
+        super().__init__(
+            "discovery failed: " + "; ".join(f"{n}: {m}" for n, m in sorted(failures.items()))
+        )
+        self.failures = failures
+
+
+class Fleet:
+    """The discovered members, sorted by (prepare stage, name)."""
+
+    def __init__(self, spec: FleetSpec, members: Sequence[Member]) -> None:
+        self.spec = spec
+        self.members = sorted(members, key=lambda m: (m.stage, m.name))
+
+    @classmethod
+    async def discover(
+        cls, spec: FleetSpec, *, tries: int = 3, try_timeout: float = 5.0, backoff: float = 0.5
+    ) -> Fleet:
+        credentials = spec.credentials()
+        clients = {
+            m.name: ParticipantClient(
+                m.address, spec.token, credentials=credentials, timeout=try_timeout
+            )
+            for m in spec.members
+        }
+        results = await asyncio.gather(
+            *(_describe(clients[m.name], tries, backoff) for m in spec.members),
+            return_exceptions=True,
+        )
+        failures: dict[str, str] = {}
+        members: list[Member] = []
+        for member_spec, result in zip(spec.members, results, strict=True):
+            if isinstance(result, BaseException):
+                failures[member_spec.name] = str(result)
+            elif result.kind not in STAGE_ORDER:
+                failures[member_spec.name] = f"unknown participant kind {result.kind}"
+            else:
+                client = clients[member_spec.name]
+                members.append(
+                    Member(
+                        member_spec.name,
+                        member_spec.address,
+                        result.kind,
+                        result.instance,
+                        result.boot_id,
+                        client,
+                    )
+                )
+        kinds = {m.kind for m in members}
+        if (
+            not failures
+            and types_pb2.PARTICIPANT_KIND_AGENT in kinds
+            and types_pb2.PARTICIPANT_KIND_MODEL not in kinds
+        ):
+            if not spec.allow_agents_without_model:
+                failures["fleet"] = (
+                    "agents but no policy model participant (set allow_agents_without_model)"
+                )
+        if failures:
+            await asyncio.gather(*(c.close() for c in clients.values()))
+            raise DiscoveryError(failures)
+        return cls(spec, members)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(m.client.close() for m in self.members))
+
+    async def __aenter__(self) -> Fleet:
+        return self
+
+    async def __aexit__(self, *args: object) -> None:
+        await self.close()
+
+    def stages(self) -> list[tuple[int, list[Member]]]:
+        """Members grouped by stage, in prepare order (stages without members left out)."""
+        return [
+            (kind, [m for m in self.members if m.kind == kind])
+            for kind in STAGE_ORDER
+            if any(m.kind == kind for m in self.members)
+        ]
+
+    def member(self, name: str) -> Member:
+        for member in self.members:
+            if member.name == name:
+                return member
+        raise KeyError(name)
+
+
+async def _describe(client: ParticipantClient, tries: int, backoff: float) -> Any:
+    last: Exception | None = None
+    for attempt in range(tries):
+        try:
+            return await client.get_participant()
+        except ControlError as error:
+            if error.decided_by_server:
+                raise  # a refusal (a wrong token) will not change on a retry
+            last = error
+        if attempt + 1 < tries:
+            await asyncio.sleep(backoff * (attempt + 1))
+    assert last is not None
+    raise last
