@@ -242,15 +242,14 @@ class Fleet:
                     )
                 )
         kinds = {m.kind for m in members}
-        if (
-            not failures
-            and types_pb2.PARTICIPANT_KIND_AGENT in kinds
+        agents_alone = (
+            types_pb2.PARTICIPANT_KIND_AGENT in kinds
             and types_pb2.PARTICIPANT_KIND_MODEL not in kinds
-        ):
-            if not spec.allow_agents_without_model:
-                failures["fleet"] = (
-                    "agents but no policy model participant (set allow_agents_without_model)"
-                )
+        )
+        if not failures and agents_alone and not spec.allow_agents_without_model:
+            failures["fleet"] = (
+                "agents but no policy model participant (set allow_agents_without_model)"
+            )
         if failures:
             await asyncio.gather(*(c.close() for c in clients.values()))
             raise DiscoveryError(failures)
