@@ -107,10 +107,11 @@ class ResourcesAdmissionMiddleware:
 
         closed_at_start = not participant.admission_open
         counted = not replay_safe
+        in_flight = None
         if is_seed:
             participant.seed_started(episode)
         elif counted:
-            participant.request_started(session_id)
+            in_flight = participant.request_started(session_id)
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
@@ -122,7 +123,7 @@ class ResourcesAdmissionMiddleware:
                 )
             else:
                 if counted:
-                    participant.request_finished(session_id)
+                    participant.request_finished(in_flight)
                 if succeeded and (is_close or is_verify):
                     deferred = replay_safe and not participant.admission_open
                     participant.session_ended(session_id, deferred=deferred)

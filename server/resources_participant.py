@@ -144,8 +144,12 @@ class ResourcesParticipant(Participant):
         session = self.sessions.get(session_id)
         return session is not None and retired.is_retired(session.episode)
 
-    def request_started(self, session_id: str | None) -> None:
-        """Count a request in flight (per participant and per session); claims a restored session."""
+    def request_started(self, session_id: str | None) -> TrackedSession | None:
+        """Count a request in flight (per participant and per session); claims a restored session.
+
+        Returns what was counted, to hand back to `request_finished`: the session may be
+        untracked (closed, re-seeded) before the request ends, and the decrement must undo
+        exactly this increment."""
         self._served = True
         self.inflight += 1
         session = self.sessions.get(session_id) if session_id is not None else None
@@ -155,15 +159,15 @@ class ResourcesParticipant(Participant):
             session.inflight += 1
             session.restored_pending = False
         self._notify()
+        return session
 
-    def request_finished(self, session_id: str | None) -> None:
+    def request_finished(self, counted: TrackedSession | None) -> None:
         """Synchronous, so no cancellation between the request's end and this can skip it."""
         self.inflight -= 1
-        session = self.sessions.get(session_id) if session_id is not None else None
-        if session is not None and session.inflight > 0:
-            session.inflight -= 1
-        else:
+        if counted is None:
             self._inflight_without_session -= 1
+        else:
+            counted.inflight -= 1
         self._notify()
 
     def seed_started(self, episode: EpisodeId | None) -> None:

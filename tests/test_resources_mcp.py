@@ -479,15 +479,6 @@ async def test_the_serve_verb_with_mcp_serves_the_tools_in_its_own_process() -> 
             await process.wait()
 
 
-@pytest.mark.xfail(
-    reason=(
-        "BUG: ResourcesParticipant.request_finished decrements _inflight_without_session when "
-        "the request's session was untracked while it ran (a /close_session during an MCP call), "
-        "so the count goes to -1 and report() lists a phantom REQUEST_WITHOUT_EPISODE blocker "
-        "(ready=False) while ready() is True"
-    ),
-    strict=True,
-)
 async def test_a_close_during_an_mcp_call_leaves_readiness_clean() -> None:
     server = HoldingCounter(config())
     async with running(server) as served:
