@@ -1032,14 +1032,16 @@ def _serialize_records(records: Sequence[ExportRecord]) -> Iterator[bytes]:
             )
         line = {"episode_id": record.episode_id.to_json(), **record.fields}
         try:
-            text = json.dumps(line, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-        except (ValueError, TypeError, RecursionError) as exc:
+            encoded = json.dumps(
+                line, allow_nan=False, ensure_ascii=False, separators=(",", ":")
+            ).encode()
+        except (ValueError, TypeError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
             raise CheckpointError(
                 Reason.UNSERIALIZABLE_STATE,
                 f"the state of episode {record.episode_id.capture_key} cannot be stored as JSON: {exc}",
                 metadata={"captureKey": record.episode_id.capture_key},
             ) from None
-        yield text.encode()
+        yield encoded
 
 
 def _restored_record(raw: dict[str, Any]) -> RestoredRecord:

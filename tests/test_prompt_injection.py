@@ -497,13 +497,6 @@ async def test_an_unserializable_value_fails_the_commit_naming_the_episode(
         assert await r.sessions() == 2
 
 
-@pytest.mark.xfail(
-    reason="BUG: server/control_plane.py _serialize_records encodes the JSON text to UTF-8 "
-    "outside its try block, so a state holding a lone surrogate (a str JSON can escape but "
-    "UTF-8 cannot encode) raises UnicodeEncodeError in the writer, which the servicer "
-    "reports as INTERNAL_ERROR without the episode instead of UNSERIALIZABLE_STATE",
-    strict=True,
-)
 async def test_a_lone_surrogate_fails_the_commit_naming_the_episode(tmp_path: Path) -> None:
     async with running() as r:
         episode = r.browser()
