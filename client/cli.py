@@ -23,6 +23,8 @@ from google.protobuf.message import Message
 from rollout_checkpoint.server.episodes import EpisodeId
 
 from .errors import ControlError
+from .fleet_cli import add_fleet_verbs, is_fleet_command
+from .fleet_cli import run as run_fleet_command
 from .participant import ParticipantClient
 
 TOKEN_ENV = "ROLLOUT_CHECKPOINT_TOKEN"
@@ -43,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         "serve",
         help="run an example resources server (weather, counter, prompt_injection); serve --help",
     )
+    add_fleet_verbs(verbs)
     participant = verbs.add_parser("participant", help="drive one participant's ParticipantService")
     rpcs = participant.add_subparsers(dest="rpc", required=True)
 
@@ -162,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["serve"]:
         return _serve(arguments[1:])
     args = _parser().parse_args(arguments)
+    if is_fleet_command(args.command):
+        return run_fleet_command(args)
     try:
         return asyncio.run(_participant(args))
     except ControlError as error:

@@ -29,7 +29,7 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
 from .errors import ControlError
-from .fleet import Fleet, Member
+from .fleet import Fleet, Kind, Member
 
 T = TypeVar("T")
 
@@ -81,9 +81,9 @@ class FleetError(Exception):
 @dataclass
 class MemberProgress:
     name: str
-    kind: int
+    kind: Kind
     reached: bool = False
-    state: int = types_pb2.PARTICIPANT_STATE_UNSPECIFIED
+    state: types_pb2.ParticipantState.ValueType = types_pb2.PARTICIPANT_STATE_UNSPECIFIED
     readiness: types_pb2.ReadinessReport = field(default_factory=types_pb2.ReadinessReport)
     done: bool = False
     error: ControlError | None = None
@@ -99,7 +99,7 @@ class Outcome:
 class FleetProgress:
     """A snapshot of the fleet's prepare. `outcome` is set on the last one only."""
 
-    stage: int
+    stage: Kind
     members: list[MemberProgress]
     sequence: int
     elapsed: float
@@ -142,7 +142,7 @@ async def prepare(
     progress = {m.name: MemberProgress(m.name, m.kind) for m in fleet.members}
     sequence = 0
 
-    def snapshot(stage: int, outcome: str | None = None) -> FleetProgress:
+    def snapshot(stage: Kind, outcome: str | None = None) -> FleetProgress:
         nonlocal sequence
         sequence += 1
         members = [replace(progress[m.name]) for m in fleet.members]

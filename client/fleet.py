@@ -23,7 +23,7 @@ import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -33,7 +33,9 @@ from rollout_checkpoint.v1 import types_pb2
 from .errors import ControlError
 from .participant import ParticipantClient
 
-STAGE_ORDER = (
+Kind: TypeAlias = "types_pb2.ParticipantKind.ValueType"
+
+STAGE_ORDER: tuple[Kind, ...] = (
     types_pb2.PARTICIPANT_KIND_ENVIRONMENT,
     types_pb2.PARTICIPANT_KIND_MODEL,
     types_pb2.PARTICIPANT_KIND_AGENT,
@@ -43,7 +45,7 @@ STAGE_ORDER = (
 responses so agents waiting on it reach a boundary; resources go last because agents and
 environments call them until they park."""
 
-KIND_NAMES: dict[int, str] = {
+KIND_NAMES: dict[Kind, str] = {
     types_pb2.PARTICIPANT_KIND_ENVIRONMENT: "environment",
     types_pb2.PARTICIPANT_KIND_MODEL: "model",
     types_pb2.PARTICIPANT_KIND_AGENT: "agent",
@@ -178,7 +180,7 @@ class Member:
 
     name: str
     address: str
-    kind: int
+    kind: Kind
     instance: str
     boot_id: str
     client: ParticipantClient
@@ -264,7 +266,7 @@ class Fleet:
     async def __aexit__(self, *args: object) -> None:
         await self.close()
 
-    def stages(self) -> list[tuple[int, list[Member]]]:
+    def stages(self) -> list[tuple[Kind, list[Member]]]:
         """Members grouped by stage, in prepare order (stages without members left out)."""
         return [
             (kind, [m for m in self.members if m.kind == kind])

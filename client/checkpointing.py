@@ -1,0 +1,188 @@
+"""Whole checkpoints of a fleet: prepare, commit, publish, resume — and restoring them.
+
+The order is the crash-safety argument. Nothing is published until every member's part is
+committed and verified, so a crash at any step leaves either the previous published
+checkpoint or the new one, never a fleet manifest naming a part that does not exist. A
+checkpoint that fails before publication is aborted (every member resumed), so the fleet never
+stays closed for a checkpoint that will not exist. A restore verifies the whole published
+checkpoint before any member installs anything, so a torn part is refused everywhere rather
+than half installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from rollout_checkpoint.server.episodes import EpisodeId
+
+from . import coordination
+from .coordination import DERIVE, FleetCommit, FleetError, FleetProgress, Outcome
+from .fleet import Fleet
+from .publication import (
+    CheckpointCorrupt,
+    CheckpointRoot,
+    PublishedCheckpoint,
+    PublishedParticipant,
+)
+
+ABORT_SECONDS = 30.0
+
+
+class Phase:
+    PREPARE = "PREPARE"
+    COMMIT = "COMMIT"
+    PUBLISH = "PUBLISH"
+    RESUME = "RESUME"
+    DONE = "DONE"
+
+
+@dataclass
+class CheckpointOutcome:
+    checkpoint_id: str
+    prepare_outcome: str
+    published: PublishedCheckpoint | None = None
+    commit: FleetCommit | None = None
+    continued: tuple[EpisodeId, ...] = ()
+    prepare_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    publish_seconds: float = 0.0
+    progress: FleetProgress | None = None
+
+    @property
+    def record_count(self) -> int:
+        return self.commit.record_count() if self.commit is not None else 0
+
+    @property
+    def bytes(self) -> int:
+        return self.commit.bytes() if self.commit is not None else 0
+
+
+@dataclass
+class CheckpointEvent:
+    """One step of a checkpoint: prepare progress, a phase change, or the final outcome."""
+
+    phase: str
+    progress: FleetProgress | None = None
+    outcome: CheckpointOutcome | None = None
+    detail: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def final(self) -> bool:
+        return self.phase == Phase.DONE
+
+
+async def checkpoint(
+    fleet: Fleet,
+    root: CheckpointRoot,
+    deadline: float,
+    *,
+    checkpoint_id: str | None = None,
+    scope: Iterable[EpisodeId] | str | None = DERIVE,
+    controller_state: bytes = b"",
+    keep: int = 2,
+    keep_closed: bool = False,
+) -> AsyncIterator[CheckpointEvent]:
+    """Take and publish one checkpoint, yielding progress; the last event has the outcome."""
+    checkpoint_id = checkpoint_id or root.new_checkpoint_id()
+    directory = root.directory(checkpoint_id)
+    started = time.monotonic()
+    progress: FleetProgress | None = None
+    try:
+        async for progress in coordination.prepare(fleet, checkpoint_id, deadline):
+            yield CheckpointEvent(Phase.PREPARE, progress)
+    except FleetError:
+        await _abort(fleet, checkpoint_id, deadline)
+        raise
+    assert progress is not None and progress.outcome is not None
+    outcome = CheckpointOutcome(checkpoint_id, progress.outcome, progress=progress)
+    outcome.prepare_seconds = time.monotonic() - started
+    if progress.outcome != Outcome.PREPARED:
+        await _abort(fleet, checkpoint_id, deadline)
+        yield CheckpointEvent(Phase.DONE, progress, outcome)
+        return
+    try:
+        yield CheckpointEvent(Phase.COMMIT, progress)
+        commit_started = time.monotonic()
+        result = await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
+        outcome.commit = result
+        outcome.commit_seconds = time.monotonic() - commit_started
+        yield CheckpointEvent(
+            Phase.PUBLISH,
+            progress,
+            detail={"records": result.record_count(), "bytes": result.bytes()},
+        )
+        publish_started = time.monotonic()
+        continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
+        parts = [
+            PublishedParticipant(
+                m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
+            )
+            for m in fleet.members
+        ]
+        outcome.published = await asyncio.to_thread(
+            root.publish, checkpoint_id, parts, continued, controller_state, keep=keep
+        )
+        outcome.continued = continued
+        outcome.publish_seconds = time.monotonic() - publish_started
+    except BaseException:
+        await _abort(fleet, checkpoint_id, deadline)
+        raise
+    if not keep_closed:
+        yield CheckpointEvent(Phase.RESUME, progress)
+        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+    yield CheckpointEvent(Phase.DONE, progress, outcome)
+
+
+def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:
+    """An unscoped commit continues every episode some member exported."""
+    keys = {key for reply in result.members.values() for key in reply.exported}
+    return tuple(sorted(EpisodeId.from_capture_key(k) for k in keys))
+
+
+async def _abort(fleet: Fleet, checkpoint_id: str, deadline: float) -> None:
+    """Resume everyone so a checkpoint that will not be published never leaves the fleet
+    closed; a member that cannot be reached reopens when its lease expires."""
+    with contextlib.suppress(FleetError):
+        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+
+
+@dataclass
+class RestoredCheckpoint:
+    source_checkpoint_id: str
+    replies: dict[str, object]
+    continued: tuple[EpisodeId, ...]
+    controller_state: bytes
+
+
+async def restore_published(
+    fleet: Fleet,
+    root: CheckpointRoot,
+    checkpoint_id: str,
+    deadline: float,
+    *,
+    source: str | None = None,
+    scope: Iterable[EpisodeId] | None = None,
+) -> RestoredCheckpoint:
+    """Verify a published checkpoint whole, then restore it into the fleet, all or nothing.
+
+    `checkpoint_id` is the fresh control id of this restore; `source` names the published
+    checkpoint (None or "LATEST": the latest). Every member must have a part in it."""
+    summary = await asyncio.to_thread(root.inspect, source)
+    manifest = summary.manifest
+    parts = {(p.kind, p.instance) for p in manifest.participants}
+    missing = [m.name for m in fleet.members if (m.kind_name, m.instance) not in parts]
+    if missing:
+        raise CheckpointCorrupt(
+            root.directory(manifest.checkpoint_id),
+            f"no part in checkpoint {manifest.checkpoint_id} for member(s) {', '.join(missing)}",
+        )
+    continued = tuple(sorted(scope)) if scope is not None else manifest.continued
+    directory = str(root.directory(manifest.checkpoint_id))
+    replies = await coordination.restore(fleet, checkpoint_id, deadline, directory, continued)
+    return RestoredCheckpoint(
+        manifest.checkpoint_id, dict(replies), continued, manifest.controller_state
+    )

@@ -1,0 +1,469 @@
+"""CoordinatorService: the fleet rules behind a few typed RPCs, for controllers in any language.
+
+`rollout-checkpoint coordinator --fleet FILE --grpc-address HOST:PORT` runs it. It keeps no
+checkpoint state of its own (the participants do, and replay recorded results), so every
+call is safe to retry and the coordinator itself can be restarted at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2, timestamp_pb2
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rollout_checkpoint.server.episodes import (
+    MAX_ATTEMPT,
+    EpisodeId,
+    is_valid_id,
+    rollout_id_problem,
+)
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
+
+from . import coordination
+from .checkpointing import CheckpointEvent, Phase, checkpoint, restore_published
+from .coordination import DERIVE, FleetProgress, MemberProgress, Outcome
+from .errors import ControlError
+from .fleet import Fleet, FleetSpec
+from .participant import episode_message
+from .publication import CheckpointRoot, NoPublishedCheckpoint, PublicationError
+from .service_plumbing import (
+    BearerTokenInterceptor,
+    Handler,
+    ServiceError,
+    invalid_request,
+    server_stream,
+    status_of,
+    unary,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "rollout_checkpoint.v1.CoordinatorService"
+MAX_LISTED_BLOCKERS = 100
+
+_OUTCOMES = {
+    Outcome.PREPARED: cpb.FLEET_PREPARE_OUTCOME_PREPARED,
+    Outcome.NOT_PREPARED: cpb.FLEET_PREPARE_OUTCOME_NOT_PREPARED,
+    Outcome.ENDED: cpb.FLEET_PREPARE_OUTCOME_ENDED,
+}
+_PHASES = {
+    Phase.PREPARE: cpb.CHECKPOINT_PHASE_PREPARE,
+    Phase.COMMIT: cpb.CHECKPOINT_PHASE_COMMIT,
+    Phase.PUBLISH: cpb.CHECKPOINT_PHASE_PUBLISH,
+    Phase.RESUME: cpb.CHECKPOINT_PHASE_RESUME,
+    Phase.DONE: cpb.CHECKPOINT_PHASE_DONE,
+}
+
+
+class CoordinatorServicer:
+    def __init__(self, spec: FleetSpec, *, max_deadline_seconds: float = 86400.0) -> None:
+        self.spec = spec
+        self.max_deadline_seconds = max_deadline_seconds
+        self._fleet: Fleet | None = None
+        self._discovery = asyncio.Lock()
+
+    async def fleet(self) -> Fleet:
+        """The discovered fleet, discovered again after any transport failure (a member may
+        have been replaced behind the same address)."""
+        async with self._discovery:
+            if self._fleet is None:
+                self._fleet = await _discover(self.spec)
+            return self._fleet
+
+    async def forget_fleet(self) -> None:
+        async with self._discovery:
+            if self._fleet is not None:
+                await self._fleet.close()
+                self._fleet = None
+
+    def root(self) -> CheckpointRoot:
+        if self.spec.checkpoint_root is None:
+            raise ServiceError(
+                "INVALID_REQUEST", "FAILED_PRECONDITION", "the fleet file sets no checkpoint_root"
+            )
+        return CheckpointRoot(self.spec.checkpoint_root)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        handlers: dict[str, Handler] = {
+            "ListParticipants": unary(cpb.ListParticipantsRequest, self.list_participants),
+            "Prepare": server_stream(cpb.CoordinatorServicePrepareRequest, self.prepare),
+            "Commit": unary(cpb.CoordinatorServiceCommitRequest, self.commit),
+            "Restore": unary(cpb.CoordinatorServiceRestoreRequest, self.restore),
+            "Resume": unary(cpb.CoordinatorServiceResumeRequest, self.resume),
+            "Retire": unary(cpb.CoordinatorServiceRetireRequest, self.retire),
+            "Forget": unary(cpb.CoordinatorServiceForgetRequest, self.forget),
+            "Renew": unary(cpb.CoordinatorServiceRenewRequest, self.renew),
+            "Checkpoint": server_stream(cpb.CheckpointRequest, self.checkpoint),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    async def _guard(self, call: Any) -> Any:
+        try:
+            return await call
+        except coordination.FleetError as error:
+            if error.reason == "PARTICIPANT_UNREACHABLE" or any(
+                not e.decided_by_server for e in error.failures.values()
+            ):
+                await self.forget_fleet()
+            raise
+
+    # -- RPCs ---------------------------------------------------------------------------
+
+    async def list_participants(
+        self, request: cpb.ListParticipantsRequest
+    ) -> cpb.ListParticipantsResponse:
+        await self.forget_fleet()
+        fleet = await self.fleet()
+        return cpb.ListParticipantsResponse(
+            members=[
+                cpb.Member(
+                    name=m.name,
+                    address=m.address,
+                    kind=m.kind,
+                    instance=m.instance,
+                    boot_id=m.boot_id,
+                )
+                for m in fleet.members
+            ]
+        )
+
+    async def prepare(
+        self, request: cpb.CoordinatorServicePrepareRequest
+    ) -> AsyncIterator[cpb.CoordinatorServicePrepareResponse]:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        fleet = await self.fleet()
+        async for progress in coordination.prepare(fleet, request.checkpoint_id, deadline):
+            yield cpb.CoordinatorServicePrepareResponse(
+                progress=_progress(progress), final=progress.outcome is not None
+            )
+
+    async def commit(
+        self, request: cpb.CoordinatorServiceCommitRequest
+    ) -> cpb.CoordinatorServiceCommitResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        scope = _scope_choice(request)
+        fleet = await self.fleet()
+        result = await self._guard(
+            coordination.commit(
+                fleet, request.checkpoint_id, deadline, request.checkpoint_dir, scope
+            )
+        )
+        return cpb.CoordinatorServiceCommitResponse(
+            members=[
+                _member_commit(name, reply) for name, reply in _in_order(fleet, result.members)
+            ],
+            scope=[episode_message(e) for e in sorted(result.scope or ())],
+        )
+
+    async def restore(
+        self, request: cpb.CoordinatorServiceRestoreRequest
+    ) -> cpb.CoordinatorServiceRestoreResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        source = request.source_checkpoint_id or None
+        if source is not None and source != "LATEST" and not is_valid_id(source):
+            raise invalid_request("source_checkpoint_id", "is not a checkpoint id")
+        scope = (
+            _episodes(request.scope.episodes, "scope.episodes")
+            if request.HasField("scope")
+            else None
+        )
+        fleet = await self.fleet()
+        try:
+            restored = await self._guard(
+                restore_published(
+                    fleet, self.root(), request.checkpoint_id, deadline, source=source, scope=scope
+                )
+            )
+        except NoPublishedCheckpoint as error:
+            raise ServiceError(
+                "INVALID_CHECKPOINT_STATE", "FAILED_PRECONDITION", str(error)
+            ) from error
+        except PublicationError as error:
+            raise ServiceError("INVALID_CHECKPOINT_STATE", "DATA_LOSS", str(error)) from error
+        return cpb.CoordinatorServiceRestoreResponse(
+            source_checkpoint_id=restored.source_checkpoint_id,
+            members=[
+                cpb.MemberRestore(name=name, restored=reply.restored)
+                for name, reply in _in_order(fleet, restored.replies)
+            ],
+            controller_state=restored.controller_state,
+            continued=[episode_message(e) for e in restored.continued],
+        )
+
+    async def resume(
+        self, request: cpb.CoordinatorServiceResumeRequest
+    ) -> cpb.CoordinatorServiceResumeResponse:
+        deadline = self._deadline(request, "deadline", allow_past=True)
+        _check_id(request.checkpoint_id)
+        fleet = await self.fleet()
+        replies = await self._guard(coordination.resume(fleet, request.checkpoint_id, deadline))
+        return cpb.CoordinatorServiceResumeResponse(
+            idempotent_members=sorted(n for n, r in replies.items() if r.idempotent)
+        )
+
+    async def retire(
+        self, request: cpb.CoordinatorServiceRetireRequest
+    ) -> cpb.CoordinatorServiceRetireResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        episodes = _episodes(request.episodes, "episodes")
+        if not episodes:
+            raise invalid_request("episodes", "must name at least one episode")
+        fleet = await self.fleet()
+        await self._guard(coordination.retire(fleet, request.checkpoint_id, deadline, episodes))
+        return cpb.CoordinatorServiceRetireResponse(retired=[e.capture_key for e in episodes])
+
+    async def forget(
+        self, request: cpb.CoordinatorServiceForgetRequest
+    ) -> cpb.CoordinatorServiceForgetResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        if not request.rollout_ids:
+            raise invalid_request("rollout_ids", "must name at least one rollout")
+        for rollout_id in request.rollout_ids:
+            problem = rollout_id_problem(rollout_id)
+            if problem is not None:
+                raise invalid_request("rollout_ids", problem)
+        fleet = await self.fleet()
+        await self._guard(
+            coordination.forget(fleet, request.checkpoint_id, deadline, list(request.rollout_ids))
+        )
+        return cpb.CoordinatorServiceForgetResponse(forgotten=sorted(set(request.rollout_ids)))
+
+    async def renew(
+        self, request: cpb.CoordinatorServiceRenewRequest
+    ) -> cpb.CoordinatorServiceRenewResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        fleet = await self.fleet()
+        earliest = await self._guard(coordination.renew(fleet, request.checkpoint_id, deadline))
+        return cpb.CoordinatorServiceRenewResponse(lease_expires_at=_timestamp(earliest))
+
+    async def checkpoint(
+        self, request: cpb.CheckpointRequest
+    ) -> AsyncIterator[cpb.CheckpointResponse]:
+        deadline = self._deadline(request, "deadline")
+        if request.checkpoint_id:
+            _check_id(request.checkpoint_id)
+        scope = _scope_choice(request)
+        root = self.root()
+        fleet = await self.fleet()
+        events = checkpoint(
+            fleet,
+            root,
+            deadline,
+            checkpoint_id=request.checkpoint_id or None,
+            scope=scope,
+            controller_state=request.controller_state,
+            keep=self.spec.keep,
+            keep_closed=request.keep_closed,
+        )
+        try:
+            async for event in events:
+                yield _checkpoint_response(event)
+        except PublicationError as error:
+            raise ServiceError("INVALID_CHECKPOINT_STATE", "DATA_LOSS", str(error)) from error
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _deadline(self, request: Any, field: str, *, allow_past: bool = False) -> float:
+        if not request.HasField(field):
+            raise invalid_request(field, "is required (an absolute google.protobuf.Timestamp)")
+        stamp: timestamp_pb2.Timestamp = getattr(request, field)
+        deadline = stamp.ToNanoseconds() / 1e9
+        now = time.time()
+        if deadline - now > self.max_deadline_seconds:
+            raise invalid_request(field, f"lies more than {self.max_deadline_seconds:g} s ahead")
+        if not allow_past and deadline <= now:
+            raise ServiceError(
+                "CHECKPOINT_DEADLINE_EXCEEDED",
+                "DEADLINE_EXCEEDED",
+                "the deadline has already passed",
+            )
+        return deadline
+
+
+async def _discover(spec: FleetSpec) -> Fleet:
+    from .fleet import DiscoveryError
+
+    try:
+        return await Fleet.discover(spec)
+    except DiscoveryError as error:
+        failures = {
+            name: ControlError(grpc.StatusCode.UNAVAILABLE, message)
+            for name, message in error.failures.items()
+        }
+        raise coordination.FleetError("discover", failures) from error
+
+
+def _check_id(checkpoint_id: str) -> None:
+    if not is_valid_id(checkpoint_id):
+        raise invalid_request(
+            "checkpoint_id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$"
+        )
+
+
+def _episodes(messages: Iterable[types_pb2.EpisodeId], field: str) -> list[EpisodeId]:
+    episodes = []
+    for i, message in enumerate(messages):
+        problem = rollout_id_problem(message.rollout_id)
+        if problem is not None:
+            raise invalid_request(f"{field}[{i}].rollout_id", problem)
+        if message.attempt > MAX_ATTEMPT:
+            raise invalid_request(f"{field}[{i}].attempt", f"must be at most {MAX_ATTEMPT}")
+        episodes.append(EpisodeId(message.rollout_id, message.attempt))
+    return episodes
+
+
+def _scope_choice(request: Any) -> list[EpisodeId] | str | None:
+    if request.HasField("scope") and request.derive_scope:
+        raise invalid_request("scope", "set either scope or derive_scope, not both")
+    if request.derive_scope:
+        return DERIVE
+    if request.HasField("scope"):
+        return _episodes(request.scope.episodes, "scope.episodes")
+    return None
+
+
+def _in_order(fleet: Fleet, replies: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(m.name, replies[m.name]) for m in fleet.members if m.name in replies]
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
+
+
+def _member_progress(member: MemberProgress) -> cpb.MemberProgress:
+    message = cpb.MemberProgress(
+        name=member.name,
+        kind=member.kind,
+        reached=member.reached,
+        state=member.state,
+        readiness=member.readiness,
+        done=member.done,
+    )
+    if member.error is not None:
+        message.error.CopyFrom(status_of(member.error))
+    return message
+
+
+def _progress(progress: FleetProgress) -> cpb.FleetProgress:
+    blockers = progress.blockers()
+    return cpb.FleetProgress(
+        stage=progress.stage,
+        members=[_member_progress(m) for m in progress.members],
+        blockers=[
+            cpb.MemberBlocker(member=name, blocker=b) for name, b in blockers[:MAX_LISTED_BLOCKERS]
+        ],
+        blocker_count=progress.blocker_count(),
+        sequence=progress.sequence,
+        elapsed=_duration(progress.elapsed),
+        outcome=_OUTCOMES.get(progress.outcome or "", cpb.FLEET_PREPARE_OUTCOME_UNSPECIFIED),
+    )
+
+
+def _member_commit(name: str, reply: pb.CommitResponse) -> cpb.MemberCommit:
+    return cpb.MemberCommit(
+        name=name,
+        manifest=reply.manifest,
+        manifest_sha256=reply.manifest_sha256,
+        exported=reply.exported,
+        retired=reply.retired,
+    )
+
+
+def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
+    response = cpb.CheckpointResponse(phase=_PHASES[event.phase], final=event.final)
+    if event.progress is not None:
+        response.progress.CopyFrom(_progress(event.progress))
+    outcome = event.outcome
+    if outcome is not None:
+        result = response.result
+        result.checkpoint_id = outcome.checkpoint_id
+        result.prepare_outcome = _OUTCOMES[outcome.prepare_outcome]
+        result.prepare_duration.CopyFrom(_duration(outcome.prepare_seconds))
+        result.commit_duration.CopyFrom(_duration(outcome.commit_seconds))
+        result.publish_duration.CopyFrom(_duration(outcome.publish_seconds))
+        result.record_count = outcome.record_count
+        result.bytes = outcome.bytes
+        result.continued.extend(episode_message(e) for e in outcome.continued)
+        if outcome.published is not None:
+            result.published = True
+            result.directory = str(outcome.published.directory)
+            result.fleet_manifest_sha256 = outcome.published.fleet_manifest_sha256
+    return response
+
+
+# -- serving --------------------------------------------------------------------------------
+
+
+class Coordinator:
+    """The coordinator server: CoordinatorService + health (+ reflection when asked)."""
+
+    def __init__(
+        self, spec: FleetSpec, address: str, *, reflection_enabled: bool = False, grace: float = 5.0
+    ) -> None:
+        self.servicer = CoordinatorServicer(spec)
+        self.health = health.aio.HealthServicer()
+        self.address = address
+        self.reflection_enabled = reflection_enabled
+        self.grace = grace
+        self.port: int | None = None
+        self._server: aio.Server | None = None
+
+    async def start(self) -> int:
+        server = aio.server(
+            interceptors=[BearerTokenInterceptor(self.servicer.spec.token)],
+            options=[("grpc.so_reuseport", 0)],
+        )
+        server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if self.reflection_enabled:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
+            )
+        self.port = server.add_insecure_port(self.address)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await server.start()
+        self._server = server
+        return self.port
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(self.grace)
+        await self.servicer.forget_fleet()
+
+    async def serve_forever(self, on_started: Any = None) -> None:
+        await self.start()
+        if on_started is not None:
+            on_started(self)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
+        await stopping.wait()
+        await self.stop()

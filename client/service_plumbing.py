@@ -1,0 +1,194 @@
+"""What the coordinator needs to be a well-behaved gRPC server: auth, rich errors, handlers.
+
+The coordinator lives on the controller side, which never imports the participant runtime,
+so it carries its own (small) versions of the bearer-token check and of the
+`google.rpc.Status` + `ErrorInfo` encoding. The contract they follow is the same one:
+`errors.proto` and the conventions of `participant_service.proto`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc import aio
+from grpc_status import rpc_status
+
+from .coordination import FleetError
+from .errors import ControlError
+
+log = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "rollout-checkpoint.dev"
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Context = aio.ServicerContext[bytes, Any]
+Req = TypeVar("Req", bound=Message)
+
+
+class ServiceError(Exception):
+    """A refusal decided by the coordinator itself (reason from errors.proto)."""
+
+    def __init__(
+        self,
+        reason: str,
+        code: str,
+        message: str,
+        metadata: dict[str, str] | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.code = code
+        self.message = message
+        self.metadata = dict(metadata or {})
+        self.field = field
+        if field is not None:
+            self.metadata.setdefault("field", field)
+
+
+def invalid_request(field: str, message: str) -> ServiceError:
+    return ServiceError("INVALID_REQUEST", "INVALID_ARGUMENT", f"{field}: {message}", field=field)
+
+
+def status_of(error: BaseException) -> status_pb2.Status:
+    """The `google.rpc.Status` (with one ErrorInfo) a controller receives for `error`."""
+    if isinstance(error, ServiceError):
+        return _status(error.code, error.reason, error.message, error.metadata, error.field)
+    if isinstance(error, FleetError):
+        first = next(iter(error.failures.values()))
+        metadata = {"failedMembers": error.failed_members(), "operation": error.operation}
+        code = error.code.name
+        message = str(error)
+        if first.reason is not None and len(error.failures) == 1:
+            metadata.update({f"member.{k}": v for k, v in first.metadata.items()})
+        return _status(code, error.reason, message, metadata, None)
+    if isinstance(error, ControlError):
+        reason = error.reason or "PARTICIPANT_UNREACHABLE"
+        return _status(error.code.name, reason, error.message, error.metadata, None)
+    log.exception("unexpected failure in a coordinator RPC", exc_info=error)
+    return _status(
+        "INTERNAL", "INTERNAL_ERROR", f"internal error ({type(error).__name__})", {}, None
+    )
+
+
+def _status(
+    code: str, reason: str, message: str, metadata: dict[str, str], field: str | None
+) -> status_pb2.Status:
+    details = [
+        _pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
+    ]
+    if field is not None:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+    return status_pb2.Status(code=code_pb2.Code.Value(code), message=message, details=details)
+
+
+def _pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+async def abort(context: Context, error: BaseException) -> None:
+    await context.abort_with_status(rpc_status.to_status(status_of(error)))
+
+
+def parse(request_type: type[Req], raw: bytes) -> Req:
+    try:
+        return request_type.FromString(raw)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise ServiceError(
+            "INVALID_REQUEST",
+            "INVALID_ARGUMENT",
+            f"the request bytes do not parse as {request_type.DESCRIPTOR.full_name}",
+            field="request",
+        ) from exc
+
+
+def unary(request_type: type[Req], method: Callable[[Req], Awaitable[Message]]) -> Handler:
+    """A unary handler that parses the bytes itself and turns every failure into a rich status."""
+
+    async def handle(raw: bytes, context: Context) -> Message | None:
+        try:
+            return await method(parse(request_type, raw))
+        except (aio.AbortError, aio.UsageError):
+            raise
+        except Exception as error:
+            await abort(context, error)
+        return None
+
+    return grpc.unary_unary_rpc_method_handler(handle, None, _serialize)
+
+
+def server_stream(
+    request_type: type[Req], method: Callable[[Req], AsyncIterator[Message]]
+) -> Handler:
+    async def handle(raw: bytes, context: Context) -> AsyncIterator[Message]:
+        try:
+            async for message in method(parse(request_type, raw)):
+                yield message
+        except (aio.AbortError, aio.UsageError):
+            raise
+        except Exception as error:
+            await abort(context, error)
+
+    return grpc.unary_stream_rpc_method_handler(handle, None, _serialize)
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+class BearerTokenInterceptor(aio.ServerInterceptor):
+    """Every coordinator call needs `authorization: Bearer <token>`; health is exempt."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("a control token is required")
+        self._token = token.encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(("/grpc.health.v1.Health/", "/grpc.reflection.")):
+            return handler
+        if self._authorized(handler_call_details):
+            return handler
+        refusal = ServiceError(
+            "TOKEN_INVALID", "UNAUTHENTICATED", "missing or invalid bearer token"
+        )
+
+        async def refuse(request: Any, context: Context) -> Any:
+            await abort(context, refusal)
+
+        async def refuse_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            await abort(context, refusal)
+            yield  # pragma: no cover
+
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        presented = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and isinstance(value, str):
+                presented = value
+                break
+        scheme, _, token = presented.partition(" ")
+        matches = hmac.compare_digest(token.strip().encode(), self._token)
+        return scheme.lower() == "bearer" and matches
