@@ -506,7 +506,10 @@ class CheckpointRoot:
                 existed = _link_fleet_manifest(ckpt_fd, directory, data)
                 os.fsync(root_fd)  # the <checkpoint_id> entry itself
             self._step("after_fleet_manifest")
-            _write_latest(root_fd, checkpoint_id)
+            # A late retry of an older checkpoint completes, but never moves LATEST back
+            # behind a newer publication: a restore must find the newest state.
+            if not _latest_is_newer(root_fd, self.path, checkpoint_id, manifest.created_at):
+                _write_latest(root_fd, checkpoint_id)
             self._step("after_latest")
             deleted = _apply_retention(root_fd, self.path, keep, checkpoint_id, reference_mtime_ns)
         return PublishedCheckpoint(
@@ -1111,6 +1114,21 @@ def _remove_fleet_temps(root_fd: int, name: str) -> None:
 
 
 # -- LATEST -------------------------------------------------------------------------------
+
+
+def _latest_is_newer(root_fd: int, root: Path, checkpoint_id: str, created_at: datetime) -> bool:
+    try:
+        current = _read_latest(root_fd, root)
+    except CheckpointCorrupt:
+        return False
+    if current is None or current == checkpoint_id or not _is_published(root_fd, current):
+        return False
+    try:
+        current_fd = os.open(current, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return False
+    with _closing(current_fd):
+        return _created_at_for_ordering(current_fd, current) > created_at
 
 
 def _read_latest(root_fd: int, root: Path) -> str | None:

@@ -353,12 +353,13 @@ def test_retention_never_deletes_the_checkpoint_just_published(tmp_path: Path) -
     publish_new(root, "newest", created_at=T0 + timedelta(days=2))
     publish_new(root, "newer", created_at=T0 + timedelta(days=1))
     # Publishing an older checkpoint (keep=1): it is not among the newest, but it is what was
-    # just published and what LATEST names now, so it stays next to the newest one.
+    # just published, so it stays next to the newest one, which LATEST keeps naming (LATEST
+    # never moves back in time).
     result = publish_new(root, "older", created_at=T0, keep=1)
     assert result.deleted == ("newer",)
     assert root.published() == ["older", "newest"]
-    assert root.latest() == "older"
-    assert root.load(None).checkpoint_id == "older"
+    assert root.latest() == "newest"
+    assert root.load(None).checkpoint_id == "newest"
 
 
 # -- LATEST -------------------------------------------------------------------------------
@@ -725,3 +726,22 @@ def test_parts_written_by_the_participant_runtime_verify(tmp_path: Path) -> None
     assert participant.episodes == tuple(
         sorted(EpisodeId(f"r{i}", i % 3).capture_key for i in range(50))
     )
+
+
+def test_a_late_retry_of_an_older_checkpoint_never_moves_latest_back(tmp_path: Path) -> None:
+    root = CheckpointRoot(tmp_path / "root")
+    publish_new(root, "ckpt-old", created_at=T0, keep=5)
+    publish_new(root, "ckpt-new", created_at=T0 + timedelta(hours=1), keep=5)
+    assert root.latest() == "ckpt-new"
+    parts = [
+        PublishedParticipant(name, kind, instance, _manifest_sha(root, "ckpt-old", kind, instance))
+        for name, (kind, instance, _) in FLEET.items()
+    ]
+    retried = root.publish("ckpt-old", parts, CONTINUED, b"state", keep=5)
+    assert retried.already_published
+    assert root.latest() == "ckpt-new"
+
+
+def _manifest_sha(root: CheckpointRoot, checkpoint_id: str, kind: str, instance: str) -> str:
+    path = root.directory(checkpoint_id) / "participants" / kind / instance / "manifest.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
