@@ -1,0 +1,507 @@
+// Command conformance is a Go controller that drives one real rollout-checkpoint
+// participant (the counter example) through the contract: GetParticipant, a seeded
+// session, Prepare (reading the stream to its final message), Commit, Resume, typed
+// refusals read with status.FromError + errdetails.ErrorInfo, and grpc.health.v1
+// without a token.
+//
+//	CONFORMANCE_GRPC_ADDRESS=127.0.0.1:9001 CONFORMANCE_HTTP_ADDRESS=127.0.0.1:8001 \
+//	CONFORMANCE_TOKEN=change-me go run .
+//
+// With CONFORMANCE_COORDINATOR_ADDRESS set (a `rollout-checkpoint coordinator` whose fleet
+// is that one participant, with a checkpoint_root) it then drives CoordinatorService too:
+// ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED.
+//
+// It prints one line per step and exits 1 at the first failed one.
+// tests/test_conformance.py starts the participant and runs it; README.md says how to
+// generate the code it imports.
+package main
+
+//go:generate bash generate.sh
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/rollout-checkpoint/rollout-checkpoint/tests/conformance/go/gen/checkpointv1"
+)
+
+// ErrorDomain is the ErrorInfo.domain of every refusal of the rollout_checkpoint.v1 API.
+const ErrorDomain = "rollout-checkpoint.dev"
+
+// bearer sends `authorization: Bearer <token>` with every call. The sidecar may serve
+// plaintext (a loopback sidecar next to its app), so it does not require transport
+// security; on such a channel the token travels as ordinary metadata.
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (bearer) RequireTransportSecurity() bool { return false }
+
+// dial opens a client connection; an empty token sends no authorization (health).
+func dial(address, token string) (*grpc.ClientConn, error) {
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	if token != "" {
+		opts = append(opts, grpc.WithPerRPCCredentials(bearer(token)))
+	}
+	return grpc.NewClient(address, opts...)
+}
+
+// withDeadline returns an absolute request deadline `d` from now and a context whose gRPC
+// deadline is a little later, so the participant (not the transport) reports a miss.
+func withDeadline(d time.Duration) (context.Context, context.CancelFunc, *timestamppb.Timestamp) {
+	deadline := time.Now().Add(d)
+	ctx, cancel := context.WithDeadline(context.Background(), deadline.Add(5*time.Second))
+	return ctx, cancel, timestamppb.New(deadline)
+}
+
+// errorInfo returns the gRPC code and the one ErrorInfo of a refusal. A status without
+// an ErrorInfo came from the transport, not from the participant.
+func errorInfo(err error) (codes.Code, *errdetails.ErrorInfo, error) {
+	st, ok := status.FromError(err)
+	if !ok {
+		return codes.Unknown, nil, fmt.Errorf("not a gRPC status: %w", err)
+	}
+	for _, detail := range st.Details() {
+		if info, ok := detail.(*errdetails.ErrorInfo); ok {
+			return st.Code(), info, nil
+		}
+	}
+	return st.Code(), nil, fmt.Errorf("%s %q carries no ErrorInfo", st.Code(), st.Message())
+}
+
+// refused checks that a call failed with this code and ErrorInfo reason.
+func refused(err error, code codes.Code, reason string) (*errdetails.ErrorInfo, error) {
+	if err == nil {
+		return nil, fmt.Errorf("expected %s, the call succeeded", reason)
+	}
+	got, info, err := errorInfo(err)
+	if err != nil {
+		return nil, err
+	}
+	return info, errors.Join(
+		expect("code", got, code),
+		expect("reason", info.GetReason(), reason),
+		expect("domain", info.GetDomain(), ErrorDomain),
+	)
+}
+
+func expect[T any](what string, got, want T) error {
+	if !reflect.DeepEqual(got, want) {
+		return fmt.Errorf("%s: got %v, want %v", what, got, want)
+	}
+	return nil
+}
+
+func sha256Hex(b []byte) string {
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
+// controller holds what the steps share.
+type controller struct {
+	grpcAddress, httpAddress, token string
+	client                          pb.ParticipantServiceClient
+	http                            *http.Client // keeps the session cookie
+	checkpointID, checkpointDir     string
+	bootID                          string
+	coordinator                     pb.CoordinatorServiceClient // nil without a coordinator
+}
+
+// post calls a data-plane route of rollout `r1` (capture key `r1`).
+func (c *controller) post(route string, body any) (map[string]any, error) {
+	payload, err := json.Marshal(body)
+	if err != nil {
+		return nil, err
+	}
+	url := fmt.Sprintf("http://%s/ng-rollout/r1/%s", c.httpAddress, route)
+	resp, err := c.http.Post(url, "application/json", strings.NewReader(string(payload)))
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	text, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: HTTP %d %s", route, resp.StatusCode, text)
+	}
+	var reply map[string]any
+	if len(text) > 0 {
+		err = json.Unmarshal(text, &reply)
+	}
+	return reply, err
+}
+
+func (c *controller) getParticipant() error {
+	ctx, cancel, _ := withDeadline(10 * time.Second)
+	defer cancel()
+	reply, err := c.client.GetParticipant(ctx, &pb.GetParticipantRequest{})
+	if err != nil {
+		return err
+	}
+	c.bootID = reply.GetBootId()
+	return errors.Join(
+		expect("kind", reply.GetKind(), pb.ParticipantKind_PARTICIPANT_KIND_RESOURCES),
+		expect("instance", reply.GetInstance(), "counter"),
+		expect("api_version", reply.GetApiVersion(), "rollout_checkpoint.v1"),
+		expect("facts.mode", reply.GetFacts()["mode"], "exported"),
+	)
+}
+
+func (c *controller) seedSession() error {
+	if _, err := c.post("seed_session", map[string]any{"initial_count": 3}); err != nil {
+		return err
+	}
+	if _, err := c.post("increment_counter", map[string]any{"count": 2}); err != nil {
+		return err
+	}
+	reply, err := c.post("get_counter_value", map[string]any{})
+	if err != nil {
+		return err
+	}
+	return expect("count", reply["count"], any(float64(5)))
+}
+
+func (c *controller) prepare() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	stream, err := c.client.Prepare(ctx, &pb.PrepareRequest{CheckpointId: c.checkpointID, Deadline: deadline})
+	if err != nil {
+		return err
+	}
+	var messages []*pb.PrepareResponse
+	for {
+		msg, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		messages = append(messages, msg)
+	}
+	if len(messages) == 0 {
+		return errors.New("the stream ended without a message")
+	}
+	final := messages[len(messages)-1]
+	fmt.Printf("   %d message(s), PREPARED after %s\n", len(messages), final.GetElapsed().AsDuration())
+	return errors.Join(
+		expect("first update_kind", messages[0].GetUpdateKind(), pb.PrepareUpdateKind_PREPARE_UPDATE_KIND_INITIAL),
+		expect("last sequence", final.GetSequence(), uint64(len(messages))),
+		expect("final", final.GetFinal(), true),
+		expect("final update_kind", final.GetUpdateKind(), pb.PrepareUpdateKind_PREPARE_UPDATE_KIND_FINAL),
+		expect("final state", final.GetState(), pb.ParticipantState_PARTICIPANT_STATE_PREPARED),
+		expect("ready", final.GetReadiness().GetReady(), true),
+		expect("admission_open", final.GetAdmissionOpen(), false),
+	)
+}
+
+func (c *controller) commit() error {
+	dir, err := os.MkdirTemp("", "conformance-go-")
+	if err != nil {
+		return err
+	}
+	// The participant wants an absolute, normalized path (no symlinked /tmp).
+	if c.checkpointDir, err = filepath.EvalSymlinks(dir); err != nil {
+		return err
+	}
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	reply, err := c.client.Commit(ctx, &pb.CommitRequest{
+		CheckpointId:  c.checkpointID,
+		Deadline:      deadline,
+		CheckpointDir: c.checkpointDir,
+		// Scope unset: every live episode (a resources participant allows that).
+	})
+	if err != nil {
+		return err
+	}
+	m := reply.GetManifest()
+	part := filepath.Join(c.checkpointDir, "participants", "resources", "counter")
+	manifestBytes, err := os.ReadFile(filepath.Join(part, "manifest.json"))
+	if err != nil {
+		return err
+	}
+	records, err := os.ReadFile(filepath.Join(part, m.GetRecordsFile()))
+	if err != nil {
+		return err
+	}
+	var record struct {
+		EpisodeID struct {
+			RolloutID string `json:"rollout_id"`
+			Attempt   int    `json:"attempt"`
+		} `json:"episode_id"`
+		State map[string]any `json:"state"`
+	}
+	lines := strings.Split(strings.TrimSpace(string(records)), "\n")
+	if err := json.Unmarshal([]byte(lines[0]), &record); err != nil {
+		return err
+	}
+	return errors.Join(
+		expect("state", reply.GetState(), pb.ParticipantState_PARTICIPANT_STATE_COMMITTED),
+		expect("exported", reply.GetExported(), []string{"r1"}),
+		expect("manifest.kind", m.GetKind(), pb.ParticipantKind_PARTICIPANT_KIND_RESOURCES),
+		expect("manifest.instance", m.GetInstance(), "counter"),
+		expect("manifest.checkpoint_id", m.GetCheckpointId(), c.checkpointID),
+		expect("manifest.record_count", m.GetRecordCount(), uint64(1)),
+		expect("manifest_sha256", sha256Hex(manifestBytes), reply.GetManifestSha256()),
+		expect("records_sha256", sha256Hex(records), m.GetRecordsSha256()),
+		expect("records lines", len(lines), 1),
+		expect("record rollout", record.EpisodeID.RolloutID, "r1"),
+		expect("record state", record.State, map[string]any{"count": float64(5)}),
+	)
+}
+
+func (c *controller) resume() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	reply, err := c.client.Resume(ctx, &pb.ResumeRequest{CheckpointId: c.checkpointID, Deadline: deadline})
+	if err != nil {
+		return err
+	}
+	return errors.Join(
+		expect("state", reply.GetState(), pb.ParticipantState_PARTICIPANT_STATE_IDLE),
+		expect("idempotent", reply.GetIdempotent(), false),
+	)
+}
+
+func (c *controller) staleCommit() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	_, err := c.client.Commit(ctx, &pb.CommitRequest{
+		CheckpointId: c.checkpointID, Deadline: deadline, CheckpointDir: c.checkpointDir,
+	})
+	info, err := refused(err, codes.Aborted, "STALE_CHECKPOINT")
+	if err != nil {
+		return err
+	}
+	return expect("metadata checkpointId", info.GetMetadata()["checkpointId"], c.checkpointID)
+}
+
+func (c *controller) wrongToken() error {
+	conn, err := dial(c.grpcAddress, c.token+"-wrong")
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel, _ := withDeadline(10 * time.Second)
+	defer cancel()
+	_, err = pb.NewParticipantServiceClient(conn).GetParticipant(ctx, &pb.GetParticipantRequest{})
+	_, err = refused(err, codes.Unauthenticated, "TOKEN_INVALID")
+	return err
+}
+
+func (c *controller) health() error {
+	conn, err := dial(c.grpcAddress, "") // health needs no token
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	health := healthpb.NewHealthClient(conn)
+	var errs []error
+	for _, service := range []string{"", "participant-liveness", "participant-readiness"} {
+		ctx, cancel, _ := withDeadline(10 * time.Second)
+		reply, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: service})
+		cancel()
+		if err != nil {
+			return fmt.Errorf("health of %q: %w", service, err)
+		}
+		errs = append(errs, expect(fmt.Sprintf("health of %q", service), reply.GetStatus(), healthpb.HealthCheckResponse_SERVING))
+	}
+	return errors.Join(errs...)
+}
+
+// -- CoordinatorService: the same fleet rules for a whole fleet, behind a few RPCs --------
+
+func (c *controller) listParticipants() error {
+	ctx, cancel, _ := withDeadline(10 * time.Second)
+	defer cancel()
+	reply, err := c.coordinator.ListParticipants(ctx, &pb.ListParticipantsRequest{})
+	if err != nil {
+		return err
+	}
+	members := reply.GetMembers()
+	if len(members) != 1 {
+		return fmt.Errorf("members: got %d, want 1", len(members))
+	}
+	return errors.Join(
+		expect("name", members[0].GetName(), "counter"),
+		expect("kind", members[0].GetKind(), pb.ParticipantKind_PARTICIPANT_KIND_RESOURCES),
+		expect("boot_id (same process as GetParticipant)", members[0].GetBootId(), c.bootID),
+	)
+}
+
+func (c *controller) fleetCheckpoint() error {
+	ctx, cancel, deadline := withDeadline(60 * time.Second)
+	defer cancel()
+	stream, err := c.coordinator.Checkpoint(ctx, &pb.CheckpointRequest{
+		CheckpointId: c.checkpointID + "-fleet",
+		Deadline:     deadline,
+		DeriveScope:  true, // continue every live episode
+	})
+	if err != nil {
+		return err
+	}
+	var phases []pb.CheckpointPhase
+	var final *pb.CheckpointResponse
+	for {
+		msg, err := stream.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		phases = append(phases, msg.GetPhase())
+		if msg.GetFinal() {
+			final = msg
+		}
+	}
+	if final == nil {
+		return fmt.Errorf("no final message (phases %v)", phases)
+	}
+	result := final.GetResult()
+	manifest, err := os.ReadFile(filepath.Join(result.GetDirectory(), "checkpoint.json"))
+	if err != nil {
+		return err
+	}
+	var continued []string
+	for _, e := range result.GetContinued() {
+		continued = append(continued, fmt.Sprintf("%s/%d", e.GetRolloutId(), e.GetAttempt()))
+	}
+	fmt.Printf("   %d message(s), published %s\n", len(phases), result.GetDirectory())
+	return errors.Join(
+		expect("first phase", phases[0], pb.CheckpointPhase_CHECKPOINT_PHASE_PREPARE),
+		expect("last phase", phases[len(phases)-1], pb.CheckpointPhase_CHECKPOINT_PHASE_DONE),
+		expect("published", result.GetPublished(), true),
+		expect("prepare_outcome", result.GetPrepareOutcome(), pb.FleetPrepareOutcome_FLEET_PREPARE_OUTCOME_PREPARED),
+		expect("continued", continued, []string{"r1/0"}),
+		expect("record_count", result.GetRecordCount(), uint64(1)),
+		expect("fleet_manifest_sha256", sha256Hex(manifest), result.GetFleetManifestSha256()),
+	)
+}
+
+func (c *controller) fleetRefusal() error {
+	// Prepare the fleet again under the id the participant already resumed: the member
+	// refuses with STALE_CHECKPOINT, and the coordinator reports PARTICIPANT_FAILED with
+	// the member's status code and `failedMembers` = "counter=STALE_CHECKPOINT".
+	ctx, cancel, deadline := withDeadline(10 * time.Second)
+	defer cancel()
+	stream, err := c.coordinator.Prepare(ctx, &pb.CoordinatorServicePrepareRequest{
+		CheckpointId: c.checkpointID, Deadline: deadline,
+	})
+	if err == nil {
+		for err == nil {
+			_, err = stream.Recv()
+		}
+		if err == io.EOF {
+			err = nil
+		}
+	}
+	info, err := refused(err, codes.Aborted, "PARTICIPANT_FAILED")
+	if err != nil {
+		return err
+	}
+	return expect("failedMembers", info.GetMetadata()["failedMembers"], "counter=STALE_CHECKPOINT")
+}
+
+func env(name string) string {
+	value := os.Getenv(name)
+	if value == "" {
+		fmt.Fprintf(os.Stderr, "set %s\n", name)
+		os.Exit(2)
+	}
+	return value
+}
+
+type step struct {
+	name string
+	run  func() error
+}
+
+func main() {
+	jar, _ := cookiejar.New(nil)
+	c := &controller{
+		grpcAddress:  env("CONFORMANCE_GRPC_ADDRESS"),
+		httpAddress:  env("CONFORMANCE_HTTP_ADDRESS"),
+		token:        env("CONFORMANCE_TOKEN"),
+		http:         &http.Client{Jar: jar, Timeout: 10 * time.Second},
+		checkpointID: fmt.Sprintf("go-%d", os.Getpid()),
+	}
+	conn, err := dial(c.grpcAddress, c.token)
+	if err != nil {
+		fmt.Println(err)
+		os.Exit(1)
+	}
+	defer conn.Close()
+	c.client = pb.NewParticipantServiceClient(conn)
+
+	steps := []step{
+		{"GetParticipant: kind RESOURCES, instance counter", c.getParticipant},
+		{"seed a session over HTTP (count 3) and increment it (+2)", c.seedSession},
+		{"Prepare: read the stream to its final message, PREPARED", c.prepare},
+		{"Commit into a temporary directory: manifest, exported r1, records on disk", c.commit},
+		{"Resume: IDLE, not idempotent the first time", c.resume},
+		{"Commit after Resume: ABORTED, ErrorInfo STALE_CHECKPOINT", c.staleCommit},
+		{"a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID", c.wrongToken},
+		{"grpc.health.v1.Health/Check without a token: SERVING", c.health},
+	}
+	if address := os.Getenv("CONFORMANCE_COORDINATOR_ADDRESS"); address != "" {
+		conn, err := dial(address, c.token)
+		if err != nil {
+			fmt.Println(err)
+			os.Exit(1)
+		}
+		defer conn.Close()
+		c.coordinator = pb.NewCoordinatorServiceClient(conn)
+		steps = append(steps, []step{
+			{"CoordinatorService/ListParticipants: the counter, same boot_id", c.listParticipants},
+			{"CoordinatorService/Checkpoint: stream to DONE, published, continued r1", c.fleetCheckpoint},
+			{"CoordinatorService/Prepare of a resumed id: PARTICIPANT_FAILED (counter=STALE_CHECKPOINT)", c.fleetRefusal},
+		}...)
+	}
+	failed := false
+	for i, s := range steps {
+		if failed {
+			fmt.Printf("skip %d - %s\n", i+1, s.name)
+			continue
+		}
+		if err := s.run(); err != nil {
+			failed = true
+			fmt.Printf("not ok %d - %s\n   %v\n", i+1, s.name, err)
+			continue
+		}
+		fmt.Printf("ok %d - %s\n", i+1, s.name)
+	}
+	if c.checkpointDir != "" {
+		os.RemoveAll(c.checkpointDir)
+	}
+	if failed {
+		fmt.Println("go controller: FAILED")
+		os.Exit(1)
+	}
+	fmt.Printf("go controller: all %d steps passed\n", len(steps))
+}

@@ -1,0 +1,175 @@
+"""Cross-language conformance: a Node.js and a Go controller drive a real participant.
+
+Each test starts the counter example (`python -m rollout_checkpoint.examples.serve counter`)
+as its own process group, then runs one controller as a subprocess with the addresses and
+the token in its environment (CONFORMANCE_GRPC_ADDRESS, CONFORMANCE_HTTP_ADDRESS,
+CONFORMANCE_TOKEN). The controllers (tests/conformance/node/controller.js,
+tests/conformance/go/main.go) check GetParticipant, a seeded session, the Prepare stream,
+Commit (manifest and records on disk), Resume, ErrorInfo reasons from
+`grpc-status-details-bin` (STALE_CHECKPOINT, TOKEN_INVALID) and health without a token.
+The Go controller then drives a `rollout-checkpoint coordinator` whose fleet is that counter
+(CONFORMANCE_COORDINATOR_ADDRESS): ListParticipants, a published Checkpoint, and a refusal
+with PARTICIPANT_FAILED.
+
+scripts/test installs what they need (`npm ci`, `go install tool`, `go mod download`). A
+test skips only when node or go is not installed at all; a missing install step fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, TOKEN, kill_group
+
+CONFORMANCE = REPO / "tests" / "conformance"
+NODE_DIR = CONFORMANCE / "node"
+GO_DIR = CONFORMANCE / "go"
+RUN_TIMEOUT = 300.0  # a cold Go build of grpc takes ~30 s on 2 cores; a run takes ~1 s
+
+
+def explain(proc: subprocess.CompletedProcess[str], *server_logs: Path) -> str:
+    """The command, its output and the servers' stderr, for an assertion message."""
+    parts = [f"$ {' '.join(map(str, proc.args))}  (exit {proc.returncode})"]
+    parts += [f"--- stdout\n{proc.stdout}", f"--- stderr\n{proc.stderr}"]
+    for log in server_logs:
+        if log.exists():
+            parts.append(f"--- {log.name}\n{log.read_text(errors='replace')}")
+    return "\n".join(parts)
+
+
+class Counter:
+    """A running counter example: its addresses and the controllers' environment."""
+
+    def __init__(self, announcement: dict[str, str], log: Path) -> None:
+        self.grpc = announcement["grpc"]
+        self.http = announcement["http"]
+        self.log = log
+
+    def env(self) -> dict[str, str]:
+        return dict(
+            os.environ,
+            CONFORMANCE_GRPC_ADDRESS=self.grpc,
+            CONFORMANCE_HTTP_ADDRESS=self.http,
+            CONFORMANCE_TOKEN=TOKEN,
+        )
+
+
+def start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start a server in its own process group; its stderr goes to `log`."""
+    with log.open("wb") as err:
+        return subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=dict(env, GRPC_VERBOSITY="ERROR"),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def announcement(process: subprocess.Popen[str], log: Path) -> dict[str, str]:
+    """The one JSON line a server prints once it listens."""
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        ready = selector.select(30.0)
+    line = process.stdout.readline() if ready else ""
+    assert line, f"the server announced no address; its stderr ({log.name}):\n{log.read_text()}"
+    announced: dict[str, str] = json.loads(line)
+    return announced
+
+
+@pytest.fixture
+def counter(tmp_path: Path) -> Iterator[Counter]:
+    log = tmp_path / "participant.log"
+    process = start(
+        [sys.executable, "-m", "rollout_checkpoint.examples.serve", "counter", "--token", TOKEN],
+        log,
+        dict(os.environ),
+    )
+    try:
+        yield Counter(announcement(process, log), log)
+    finally:
+        kill_group(process)
+
+
+@pytest.fixture
+def coordinator(counter: Counter, tmp_path: Path) -> Iterator[str]:
+    """`rollout-checkpoint coordinator` over a fleet of that one counter; its gRPC address."""
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        'token_env = "CONFORMANCE_TOKEN"\n'
+        f'checkpoint_root = "{tmp_path / "fleet-root"}"\n'
+        f'[[participants]]\nname = "counter"\naddress = "{counter.grpc}"\n'
+    )
+    log = tmp_path / "coordinator.log"
+    command = [sys.executable, "-m", "rollout_checkpoint.client.cli", "coordinator"]
+    command += ["--fleet", str(fleet), "--grpc-address", "127.0.0.1:0"]
+    process = start(command, log, counter.env())
+    try:
+        yield announcement(process, log)["grpc"]
+    finally:
+        kill_group(process)
+
+
+def run(
+    args: list[str | Path], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
+
+
+def test_node_controller(counter: Counter) -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the Node.js conformance controller needs Node 20+")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.fail(f"{NODE_DIR}/node_modules is missing: run scripts/test (it runs `npm ci`)")
+    proc = run([node, "controller.js"], NODE_DIR, counter.env())
+    print(proc.stdout)  # the controller's progress, shown with -rP or -s
+    assert proc.returncode == 0, explain(proc, counter.log)
+    assert "node controller: all" in proc.stdout, explain(proc, counter.log)
+
+
+def test_go_controller(counter: Counter, coordinator: str, tmp_path: Path) -> None:
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("go is not installed: the Go conformance controller needs Go 1.26+")
+    for plugin in ("protoc-gen-go", "protoc-gen-go-grpc"):
+        if not (GO_DIR / ".bin" / plugin).is_file():
+            pytest.fail(f"{GO_DIR}/.bin/{plugin} is missing: run scripts/test (`go install tool`)")
+    # Build a copy of the module, with freshly generated code, in a temporary directory:
+    # always the current protos, and never a write into the checkout during the tests.
+    module = tmp_path / "module"
+    module.mkdir()
+    for name in ("go.mod", "go.sum", "main.go"):
+        shutil.copy2(GO_DIR / name, module / name)
+    generated = run(
+        ["bash", GO_DIR / "generate.sh", module], REPO, dict(os.environ, PYTHON=sys.executable)
+    )
+    assert generated.returncode == 0, explain(generated)
+    built = run([go, "build", "-buildvcs=false", "-o", "conformance", "."], module)
+    assert built.returncode == 0, explain(built)
+    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator)
+    proc = run([module / "conformance"], module, env)
+    print(proc.stdout)  # the controller's progress, shown with -rP or -s
+    logs = (counter.log, tmp_path / "coordinator.log")
+    assert proc.returncode == 0, explain(proc, *logs)
+    assert "go controller: all" in proc.stdout, explain(proc, *logs)
