@@ -259,6 +259,9 @@ class LocalStorage:
         """Another writer published first: identical means our retry is done; else refuse."""
         existing = _read_file(part_fd, MANIFEST_NAME)
         if existing == manifest_bytes:
+            # The writer that linked it may have died (or failed its fsync) before the
+            # directory fsync: make the part durable before this retry reports it published.
+            os.fsync(part_fd)
             return PublishedPart(manifest, hashlib.sha256(existing).hexdigest())
         other_records: str | None = None
         with contextlib.suppress(ValueError, TypeError, AttributeError):
