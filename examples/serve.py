@@ -1,6 +1,10 @@
-"""Run one example resources server with its checkpoint sidecar, as its own process.
+"""Run one example fleet server with its checkpoint sidecar, as its own process.
 
     python -m rollout_checkpoint.examples.serve counter --http-address 127.0.0.1:0
+    python -m rollout_checkpoint.examples.serve policy_model --latency 0.05
+    python -m rollout_checkpoint.examples.serve agent --model-url http://127.0.0.1:8001 \
+        --resources prompt_injection=http://127.0.0.1:8002
+    python -m rollout_checkpoint.examples.serve environment --agent-url http://127.0.0.1:8003
 
 Once HTTP and gRPC both listen it prints one JSON line to stdout (`http`, `grpc`, `instance`,
 `kind`, `pid`) so scripts and tests can find it. SIGTERM shuts it down gracefully: health goes
@@ -19,18 +23,24 @@ from typing import Any
 
 import uvicorn
 
+from rollout_checkpoint.server.install import CheckpointRuntime
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.settings import CheckpointSettings
 
-SERVERS = {
+RESOURCES = {
     "weather": "rollout_checkpoint.examples.weather:WeatherServer",
     "counter": "rollout_checkpoint.examples.counter:CounterServer",
     "prompt_injection": "rollout_checkpoint.examples.prompt_injection:PromptInjectionServer",
 }
+KINDS = {name: "resources" for name in RESOURCES} | {
+    "policy_model": "model",
+    "agent": "agent",
+    "environment": "environment",
+}
 
 
 def server_class(name: str) -> type[ResourcesServer]:
-    module, _, attribute = SERVERS[name].partition(":")
+    module, _, attribute = RESOURCES[name].partition(":")
     cls: type[ResourcesServer] = getattr(importlib.import_module(module), attribute)
     return cls
 
@@ -39,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="rollout-checkpoint serve", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("server", choices=sorted(SERVERS))
+    parser.add_argument("server", choices=sorted(KINDS))
     parser.add_argument(
         "--http-address", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)"
     )
@@ -50,14 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--token", default=None, help="control token (else $ROLLOUT_CHECKPOINT_TOKEN)"
     )
     parser.add_argument("--no-checkpoint", action="store_true", help="run without checkpointing")
-    parser.add_argument("--mcp", action="store_true", help="also serve the tools over MCP at /mcp")
     parser.add_argument(
         "--instance", default=None, help="instance name (default: the server's name)"
-    )
-    parser.add_argument(
-        "--session-secret",
-        default=None,
-        help="cookie secret (else $ROLLOUT_CHECKPOINT_SESSION_SECRET, else derived)",
     )
     parser.add_argument(
         "--start-closed",
@@ -67,12 +71,115 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
+    resources = parser.add_argument_group("resources servers")
+    resources.add_argument(
+        "--mcp", action="store_true", help="also serve the tools over MCP at /mcp"
+    )
+    resources.add_argument(
+        "--session-secret",
+        default=None,
+        help="cookie secret (else $ROLLOUT_CHECKPOINT_SESSION_SECRET, else derived)",
+    )
+    model = parser.add_argument_group("policy_model")
+    model.add_argument(
+        "--latency", type=float, default=0.05, help="seconds per scripted generation"
+    )
+    model.add_argument(
+        "--upstream",
+        default=None,
+        help="proxy to this OpenAI-compatible server instead of scripting",
+    )
+    agent = parser.add_argument_group("agent")
+    agent.add_argument("--model-url", default=None, help="the policy model's base URL")
+    agent.add_argument(
+        "--resources",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a resources server by fleet name (repeat)",
+    )
+    environment = parser.add_argument_group("environment")
+    environment.add_argument("--agent-url", default=None, help="the agent's base URL")
+    environment.add_argument(
+        "--resources-server",
+        default="prompt_injection",
+        help="the fleet name the agent uses for tools",
+    )
     return parser.parse_args(argv)
 
 
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def checkpoint_settings(args: argparse.Namespace, instance: str) -> CheckpointSettings | None:
+    if args.no_checkpoint:
+        return None
+    overrides: dict[str, Any] = {
+        "enabled": True,
+        "instance": instance,
+        "start_closed": args.start_closed,
+    }
+    if args.token is not None:
+        overrides["token"] = args.token
+    if args.grpc_address is not None:
+        overrides["grpc_address"] = args.grpc_address
+    return CheckpointSettings(**overrides)
+
+
+def build(
+    args: argparse.Namespace, instance: str, checkpoint: CheckpointSettings | None
+) -> tuple[Any, CheckpointRuntime | None]:
+    """The app and its checkpoint runtime for the chosen server."""
+    if args.server in RESOURCES:
+        config = ResourcesServerConfig(
+            instance=instance,
+            checkpoint=checkpoint,
+            session_secret=args.session_secret
+            or os.environ.get("ROLLOUT_CHECKPOINT_SESSION_SECRET")
+            or None,
+            expose_tools_over_mcp=True if args.mcp else None,
+        )
+        resources = server_class(args.server)(config)
+        return resources.build_app(), resources.runtime
+    if args.server == "policy_model":
+        from rollout_checkpoint.examples.policy_model import PolicyModelConfig, PolicyModelServer
+
+        model = PolicyModelServer(
+            PolicyModelConfig(
+                instance=instance,
+                checkpoint=checkpoint,
+                latency=args.latency,
+                upstream=args.upstream,
+            )
+        )
+        return model.build_app(), model.runtime
+    if args.server == "agent":
+        from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
+
+        if args.model_url is None:
+            raise SystemExit("serve agent: --model-url is required")
+        servers = dict(item.split("=", 1) for item in args.resources)
+        agent = AgentServer(
+            AgentConfig(
+                instance=instance, model_url=args.model_url, servers=servers, checkpoint=checkpoint
+            )
+        )
+        return agent.build_app(), agent.runtime
+    from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
+
+    if args.agent_url is None:
+        raise SystemExit("serve environment: --agent-url is required")
+    environment = EnvironmentServer(
+        EnvironmentConfig(
+            instance=instance,
+            agent_url=args.agent_url,
+            resources_server=args.resources_server,
+            checkpoint=checkpoint,
+        )
+    )
+    return environment.build_app(), environment.runtime
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,28 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     instance = args.instance or args.server
-    checkpoint: CheckpointSettings | None = None
-    if not args.no_checkpoint:
-        overrides: dict[str, Any] = {
-            "enabled": True,
-            "instance": instance,
-            "start_closed": args.start_closed,
-        }
-        if args.token is not None:
-            overrides["token"] = args.token
-        if args.grpc_address is not None:
-            overrides["grpc_address"] = args.grpc_address
-        checkpoint = CheckpointSettings(**overrides)
-    config = ResourcesServerConfig(
-        instance=instance,
-        checkpoint=checkpoint,
-        session_secret=args.session_secret
-        or os.environ.get("ROLLOUT_CHECKPOINT_SESSION_SECRET")
-        or None,
-        expose_tools_over_mcp=True if args.mcp else None,
-    )
-    server = server_class(args.server)(config)
-    app = server.build_app()
+    app, runtime = build(args, instance, checkpoint_settings(args, instance))
     host, port = _split(args.http_address)
 
     class AnnouncingServer(uvicorn.Server):
@@ -115,14 +201,14 @@ def main(argv: list[str] | None = None) -> None:
             bound = self.servers[0].sockets[0].getsockname()
             announcement = {
                 "http": f"{host}:{bound[1]}",
-                "grpc": server.runtime.address if server.runtime is not None else None,
+                "grpc": runtime.address if runtime is not None else None,
                 "instance": instance,
-                "kind": "resources",
+                "kind": KINDS[args.server],
                 "pid": os.getpid(),
             }
             print(json.dumps(announcement), flush=True)
 
-    uvicorn_config = uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -130,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
     )
-    AnnouncingServer(uvicorn_config).run()
+    AnnouncingServer(config).run()
 
 
 if __name__ == "__main__":

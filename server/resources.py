@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 _TOOL_MARK = "__rollout_checkpoint_tool__"
-RESERVED_ROUTES = frozenset({"seed_session", "verify", "close_session", "mcp"})
+RESERVED_ROUTES = frozenset({"seed_session", "verify", "close_session", "mcp", "tools"})
 
 
 def tool(description: str | None = None, *, name: str | None = None) -> Callable[[Any], Any]:
@@ -179,6 +179,7 @@ class ResourcesServer:
         app.add_api_route("/seed_session", self._seed_route, methods=["POST"])
         app.add_api_route("/verify", self._verify_route, methods=["POST"])
         app.add_api_route("/close_session", self._close_route, methods=["POST"])
+        app.add_api_route("/tools", self._tools_route, methods=["GET"])
         for spec in self.tools.values():
             app.add_api_route(
                 f"/{spec.name}", self._tool_route(spec), methods=["POST"], name=spec.name
@@ -228,6 +229,10 @@ class ResourcesServer:
         if self.mcp is not None:
             reply["mcp"] = self.mcp.connection_info(session_id)
         return JSONResponse(reply)
+
+    async def _tools_route(self) -> JSONResponse:
+        """The tools as function definitions (name, description, JSON schema) for an agent."""
+        return JSONResponse({"tools": [_function_definition(spec) for spec in self.tools.values()]})
 
     async def _verify_route(self, request: Request) -> JSONResponse:
         body = await _json_object(request)
@@ -316,6 +321,16 @@ async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
     if not isinstance(body, dict):
         return _error(400, "invalid_json", "the body must be a JSON object")
     return body
+
+
+def _function_definition(spec: Tool) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": {}}
+    if spec.args_model is not None:
+        schema = spec.args_model.model_json_schema()
+    return {
+        "type": "function",
+        "function": {"name": spec.name, "description": spec.description, "parameters": schema},
+    }
 
 
 def _error(status: int, code: str, detail: str) -> JSONResponse:

@@ -1,0 +1,157 @@
+"""The example environment server: relays task rows to an agent's `/run`.
+
+`POST /ng-rollout/<capture_key>/run {"task": ...}` starts an episode pinned to the task's
+digest and relays it to the agent under the same rollout prefix. The relay is a *replay* step:
+the environment prepares first, and waiting for whole agent runs would keep it from ever being
+ready; the agent's own boundaries carry the episode, and after a crash the relay is simply
+re-sent as attempt N+1. A replacement whose task differs from the checkpointed one is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rollout_checkpoint.server.episode_participant import EnvironmentParticipant, task_digest
+from rollout_checkpoint.server.episode_steps import (
+    EpisodeRefused,
+    EpisodeRetired,
+    StepMode,
+    TrackedEpisode,
+)
+from rollout_checkpoint.server.errors import CheckpointError
+from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.rollout_prefix import (
+    RolloutPrefixMiddleware,
+    episode_of,
+    rollout_path,
+)
+from rollout_checkpoint.server.settings import CheckpointSettings
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    instance: str = "environment"
+    agent_url: str = "http://127.0.0.1:8000"
+    resources_server: str = "prompt_injection"
+    checkpoint: CheckpointSettings | None = None
+    retry_seconds: float = 0.05
+
+
+class EnvironmentServer:
+    def __init__(self, config: EnvironmentConfig) -> None:
+        self.config = config
+        self.participant: EnvironmentParticipant | None = None
+        self.runtime: CheckpointRuntime | None = None
+        self.http: httpx.AsyncClient | None = None
+
+    def build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+                self.http = client
+                yield
+            self.http = None
+
+        app = FastAPI(
+            title=f"environment ({self.config.instance})",
+            lifespan=lifespan,
+            openapi_url=None,
+            docs_url=None,
+            redoc_url=None,
+        )
+        app.add_api_route("/run", self._run_route, methods=["POST"])
+        checkpoint = self.config.checkpoint
+        if checkpoint is not None and checkpoint.enabled:
+            self.participant = EnvironmentParticipant(self.config.instance)
+            app.add_middleware(RolloutPrefixMiddleware)
+            self.runtime = install_checkpointing(app, self.participant, checkpoint)
+        return app
+
+    async def _run_route(self, request: Request) -> JSONResponse:
+        episode_id = episode_of(request.scope)
+        if episode_id is None:
+            return _error(
+                400, "rollout_id_required", "call /ng-rollout/<rollout_id>[-a<attempt>]/run"
+            )
+        body = await request.json()
+        task = body.get("task")
+        if not isinstance(task, dict):
+            return _error(400, "invalid_task", "the body needs a task object")
+        participant = self.participant
+        tracked: TrackedEpisode | None = None
+        if participant is not None:
+            try:
+                tracked, _ = participant.begin_task(episode_id, task)
+            except EpisodeRefused as refused:
+                return _error(409, refused.code, refused.detail)
+            except CheckpointError as mismatch:
+                return _error(409, "task_mismatch", mismatch.message)
+        try:
+            if participant is not None and tracked is not None:
+                await participant.episodes_tracker.boundary(
+                    tracked, {"next": "relay", "task_digest": task_digest(task)}
+                )
+            reply = await self._relay(episode_id.capture_key, request.scope, task, tracked)
+            return JSONResponse(reply)
+        except EpisodeRetired:
+            return _error(409, "stale_attempt", f"attempt {episode_id.capture_key} was retired")
+        finally:
+            if participant is not None and tracked is not None:
+                participant.end_task(tracked)
+
+    async def _relay(
+        self, key: str, scope: Any, task: dict[str, Any], tracked: TrackedEpisode | None
+    ) -> dict[str, Any]:
+        assert self.http is not None
+        episode = episode_of(scope)
+        assert episode is not None
+        url = self.config.agent_url + rollout_path(episode, "/run")
+        tracker = self.participant.episodes_tracker if self.participant is not None else None
+        delay = self.config.retry_seconds
+        while True:
+            step = (
+                tracker.step(tracked, StepMode.REPLAY)
+                if tracker is not None and tracked is not None
+                else contextlib.nullcontext()
+            )
+            async with step:
+                response = await self.http.post(
+                    url, json={"task": task, "resources_server": self.config.resources_server}
+                )
+                code = _refusal_code(response)
+                if code == "admission_closed" and (tracker is None or tracker.admission_open):
+                    await asyncio.sleep(delay)  # the agent is still closed: stay at the boundary
+                    delay = min(delay * 2, 1.0)
+            if code == "admission_closed":
+                if tracker is not None and tracked is not None and not tracker.admission_open:
+                    await tracker.park(tracked)
+                continue
+            if code == "stale_attempt":
+                raise EpisodeRetired(key)
+            reply: dict[str, Any] = response.json()
+            if response.status_code != 200:
+                reply = {"error": reply.get("error", reply), "status": response.status_code}
+            return {"environment": self.config.instance, "task_digest": task_digest(task), **reply}
+
+
+def _refusal_code(response: httpx.Response) -> str | None:
+    if response.status_code != 409:
+        return None
+    try:
+        code = response.json().get("error", {}).get("code")
+    except ValueError:
+        return None
+    return str(code) if code else None
+
+
+def _error(status: int, code: str, detail: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "detail": detail}}, status_code=status)
