@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-checkpoint", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="command", required=True)
     verbs.add_parser(
+        "demo",
+        help="checkpoint a live fleet mid-flight, SIGKILL it, restore, continue; demo --help",
+    )
+    verbs.add_parser(
         "serve",
         help="run an example resources server (weather, counter, prompt_injection); serve --help",
     )
@@ -155,8 +159,11 @@ def _serve(args: list[str]) -> int:
 
     The CLI never imports the participant runtime; exec keeps signals going straight to the
     server, so SIGTERM shuts it down gracefully."""
-    command = [sys.executable, "-m", "rollout_checkpoint.examples.serve", *args]
-    os.execv(sys.executable, command)
+    return _exec_module("rollout_checkpoint.examples.serve", args)
+
+
+def _exec_module(module: str, args: list[str]) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
     return 0  # pragma: no cover - execv does not return
 
 
@@ -164,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["serve"]:
         return _serve(arguments[1:])
+    if arguments[:1] == ["demo"]:
+        return _exec_module("rollout_checkpoint.examples.demo", arguments[1:])
     args = _parser().parse_args(arguments)
     if is_fleet_command(args.command):
         return run_fleet_command(args)
