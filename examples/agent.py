@@ -20,6 +20,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from http.cookiejar import DefaultCookiePolicy
 from typing import Any
 
 import httpx
@@ -74,7 +75,10 @@ class AgentServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            # One client serves every episode, so it must never keep a cookie: each episode
+            # sends its own session cookie explicitly (a shared jar would mix sessions up).
             async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+                client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
                 self.http = client
                 yield
             self.http = None
@@ -118,7 +122,11 @@ class AgentServer:
             except EpisodeRefused as refused:
                 return _error(409, refused.code, refused.detail)
         try:
+            if isinstance(restored, dict) and "done" in restored:
+                return JSONResponse(restored["done"])  # finished before the crash: deliver it
             result = await Episode(self, episode_id, task, resources, tracked, restored).run()
+            if tracker is not None and tracked is not None:
+                tracker.finish(tracked, {"done": result})
             return JSONResponse(result)
         except EpisodeRetired:
             return _error(409, "stale_attempt", f"attempt {episode_id.capture_key} was retired")

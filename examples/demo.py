@@ -318,6 +318,8 @@ class Demo:
         self.say("[bold]   SIGKILL[/] every fleet process")
         fleet.kill()
         self.fleets.remove(fleet)
+        for task in tasks:
+            task.cancel()  # rollouts still waiting for the dispatch gate, and replies that died
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
         done_before = [r for r in rollouts if r.reply is not None]
@@ -423,12 +425,18 @@ class Demo:
         remaining = [r for r in rollouts if r.reply is None]
         for rollout in remaining:
             rollout.error = None
+            rollout.dispatched = False
         self.say(
             f"   continuing {len(in_scope)} rollouts as attempt 1, starting {len(remaining) - len(in_scope)} not yet run"
         )
         await run_all(fleet_processes.url("environment"), remaining, self.options.concurrency)
         self.say("[bold]4/4 compare with the baseline[/]")
         self.compare(first, rollouts, baseline, in_scope)
+        trajectories = {
+            r.rollout_id: {"baseline": baseline[r.rollout_id].reply, "continued": r.reply}
+            for r in rollouts
+        }
+        (logs.parent / "trajectories.json").write_text(json.dumps(trajectories, indent=1) + "\n")
 
     async def second_checkpoint(
         self,
@@ -492,12 +500,23 @@ class Demo:
         )
         prefix_problems = []
         restarted = []
+        finished_during = 0
         for rollout in rollouts:
             if rollout.rollout_id not in in_scope or rollout.reply is None:
                 continue
             boundary = json.loads(agent_records.get(rollout.rollout_id, "{}")).get("boundary")
             if boundary is None:
                 restarted.append(rollout.rollout_id)
+                continue
+            if "done" in boundary:  # finished while the fleet was being cut: its reply was carried
+                finished_during += 1
+                relayed = {
+                    k: v
+                    for k, v in rollout.reply.items()
+                    if k not in ("environment", "task_digest")
+                }
+                if relayed != boundary["done"]:
+                    prefix_problems.append(f"{rollout.rollout_id}(carried reply differs)")
                 continue
             checkpointed = boundary["messages"]
             if rollout.reply.get("messages", [])[: len(checkpointed)] != checkpointed:
@@ -507,7 +526,8 @@ class Demo:
                 or rollout.reply.get("continued_from_step") != boundary["step"]
             ):
                 prefix_problems.append(f"{rollout.rollout_id}(not continued)")
-        report.numbers["continued"] = len(in_scope) - len(restarted)
+        report.numbers["finished_during_checkpoint"] = finished_during
+        report.numbers["continued"] = len(in_scope) - len(restarted) - finished_during
         report.numbers["restarted"] = len(restarted)
         report.numbers["retired"] = 0
         report.check("continued_from_checkpointed_calls", not prefix_problems, f"{prefix_problems}")

@@ -88,6 +88,9 @@ class EpisodeParticipant(Participant):
     async def retire(self, episode: EpisodeId) -> None:
         await self.episodes_tracker.retire(episode)
 
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        self.episodes_tracker.forget(rollout_ids)
+
     def restored_pending(self) -> frozenset[EpisodeId]:
         return self.episodes_tracker.restored_pending()
 
@@ -111,8 +114,10 @@ class EnvironmentParticipant(EpisodeParticipant):
 
     def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
         key = episode_id.capture_key
-        digest = self.digests.get(key) or self._restored_digests.get(key, "")
-        return {"task_digest": digest, "boundary": boundary}
+        digest = self.digests.get(key) or self._restored_digests.get(key)
+        if digest is None and isinstance(boundary, dict):
+            digest = boundary.get("task_digest")  # a finished episode's outcome carries it
+        return {"task_digest": digest or "", "boundary": boundary}
 
     def validate_record(self, record: RestoredRecord) -> Any:
         fields = record.fields

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,11 @@ class EpisodeRetired(Exception):
 
 
 NO_BOUNDARY = object()
+
+FINISHED_KEPT = 10_000
+"""Finished episodes whose outcome is kept for a checkpoint (newest first). An outcome is
+needed only while its reply may still be on the wire to the caller; the bound keeps memory
+flat for a server that runs forever without Forget calls."""
 
 
 @dataclass(eq=False)
@@ -101,6 +107,8 @@ class EpisodeSteps:
         self.episodes: dict[str, TrackedEpisode] = {}
         self._restored: dict[str, Any] = {}
         """Restored boundaries keyed by the replacement's capture key, handed out once."""
+        self._finished: OrderedDict[str, Any] = OrderedDict()
+        """Outcomes of finished episodes, keyed by capture key (see `finish`)."""
         self._blocking = 0
         self._open = True
         self._opened = asyncio.Event()
@@ -157,6 +165,21 @@ class EpisodeSteps:
         self._notify()
         return episode, restored
 
+    def finish(self, episode: TrackedEpisode, outcome: Any) -> None:
+        """End an episode and keep its outcome as its last boundary.
+
+        The reply that carries the outcome to the caller can still be on the wire when a
+        checkpoint cuts the fleet: the caller (which prepared first) still holds the episode,
+        and this owner no longer does. A commit whose scope names the episode exports the
+        outcome, so a restored replacement delivers it instead of running the episode again.
+        """
+        key = episode.episode_id.capture_key
+        self._finished[key] = outcome
+        self._finished.move_to_end(key)
+        while len(self._finished) > FINISHED_KEPT:
+            self._finished.popitem(last=False)
+        self.end(episode)
+
     def end(self, episode: TrackedEpisode) -> None:
         if self.episodes.get(episode.episode_id.capture_key) is episode:
             self._set_blocking(episode, False)
@@ -184,9 +207,15 @@ class EpisodeSteps:
         self._set_phase(episode, Phase.RUNNING)
 
     @contextlib.asynccontextmanager
-    async def step(self, episode: TrackedEpisode, mode: StepMode) -> AsyncIterator[None]:
+    async def step(
+        self, episode: TrackedEpisode, mode: StepMode, *, hold_result: bool = True
+    ) -> AsyncIterator[None]:
         """Run one step. A replay step's result arriving during a checkpoint is held until
-        resume: the episode is still logically at the boundary before the step."""
+        resume: the episode is still logically at the boundary before the step.
+
+        With `hold_result=False` the owner records the result as the next boundary itself
+        (right after the step, with no await in between), so a checkpoint exports the result
+        instead of the step: used when running the step again would redo finished work."""
         self._check_live(episode)
         self._set_phase(episode, Phase.WAIT_STEP if mode is StepMode.WAIT else Phase.REPLAY_STEP)
         try:
@@ -195,7 +224,7 @@ class EpisodeSteps:
             if episode.phase is not Phase.PARKED:
                 self._set_phase(episode, Phase.RUNNING)
             raise
-        if mode is StepMode.REPLAY and not self._open:
+        if mode is StepMode.REPLAY and not self._open and hold_result:
             await self._park_while_closed(episode)
         self._check_live(episode)
         self._set_phase(episode, Phase.RUNNING)
@@ -290,6 +319,15 @@ class EpisodeSteps:
             episode_id = EpisodeId.from_capture_key(key)
             if scope is None or episode_id in scope:
                 exported.append((episode_id, boundary))
+        if scope is not None:  # finished episodes are not live: only an explicit scope names them
+            for key, outcome in self._finished.items():
+                episode_id = EpisodeId.from_capture_key(key)
+                if (
+                    episode_id in scope
+                    and key not in self.episodes
+                    and not self._retired().is_retired(episode_id)
+                ):
+                    exported.append((episode_id, outcome))
         return sorted(exported, key=lambda item: item[0])
 
     def install(self, restored: Mapping[EpisodeId, Any]) -> None:
@@ -304,6 +342,16 @@ class EpisodeSteps:
     def drop_restored(self, episode: EpisodeId) -> None:
         for key in [k for k in self._restored if _covers(episode, EpisodeId.from_capture_key(k))]:
             del self._restored[key]
+        for key in [k for k in self._finished if _covers(episode, EpisodeId.from_capture_key(k))]:
+            del self._finished[key]
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        """The controller is done with these rollouts: their outcomes are no longer needed."""
+        forgotten = set(rollout_ids)
+        for key in [
+            k for k in self._finished if EpisodeId.from_capture_key(k).rollout_id in forgotten
+        ]:
+            del self._finished[key]
 
     async def retire(self, episode: EpisodeId) -> None:
         """Stop and forget every covered attempt: cancel once, wait for the end (its final
@@ -329,7 +377,7 @@ class EpisodeSteps:
             await changes.wait()
 
     def has_served(self) -> bool:
-        return bool(self.episodes) or bool(self._restored)
+        return bool(self.episodes) or bool(self._restored) or bool(self._finished)
 
     def episode_infos(self) -> list[EpisodeInfo]:
         infos = [
