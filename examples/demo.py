@@ -61,13 +61,15 @@ ID_COUNTERS = "_id_counters"
 
 @dataclass
 class Options:
-    rollouts: int = 24
-    concurrency: int = 8
-    checkpoint_after: int = 6
+    rollouts: int = 32
+    concurrency: int = 24
+    checkpoint_after: int = 4
     latency: float = 0.05
     output_dir: Path | None = None
     json: bool = False
     timeout: float = 60.0
+    crash_twice: bool = False
+    skip_resources_restore: bool = False
 
 
 @dataclass
@@ -410,33 +412,60 @@ class Demo:
             "[bold]3/4 fresh processes[/] (started closed): restore, verify, resume, continue as attempt N+1"
         )
         fleet_processes = await self.start(logs, "restored", start_closed=True)
-        deadline = time.time() + self.options.timeout
+        continued = await self.restore_into(fleet_processes, root, "restore-1", timed=True)
+        attempt = 1
         async with await Fleet.discover(fleet_processes.spec(self.token)) as fleet:
-            started = time.monotonic()
-            restored = await restore_published(fleet, root, "restore-1", deadline)
-            self.report.numbers["restore_ms"] = round((time.monotonic() - started) * 1000, 2)
-            continued = restored.continued
-            await coordination.resume(fleet, "restore-1", deadline)
             await self.second_checkpoint(fleet, root, first, continued)
+        if self.options.crash_twice:
+            self.say(
+                "[bold]   SIGKILL again[/] before any replacement started; restore the second checkpoint"
+            )
+            fleet_processes.kill()
+            self.fleets.remove(fleet_processes)
+            fleet_processes = await self.start(logs, "restored-again", start_closed=True)
+            await self.restore_into(fleet_processes, root, "restore-2")
+            attempt = 2
         in_scope = {e.rollout_id for e in continued}
         for rollout in rollouts:
             if rollout.rollout_id in in_scope:
-                rollout.attempt = 1
+                rollout.attempt = attempt
         remaining = [r for r in rollouts if r.reply is None]
         for rollout in remaining:
             rollout.error = None
             rollout.dispatched = False
         self.say(
-            f"   continuing {len(in_scope)} rollouts as attempt 1, starting {len(remaining) - len(in_scope)} not yet run"
+            f"   continuing {len(in_scope)} rollouts as attempt {attempt}, starting {len(remaining) - len(in_scope)} not yet run"
         )
         await run_all(fleet_processes.url("environment"), remaining, self.options.concurrency)
         self.say("[bold]4/4 compare with the baseline[/]")
-        self.compare(first, rollouts, baseline, in_scope)
+        self.compare(first, rollouts, baseline, in_scope, attempt)
         trajectories = {
             r.rollout_id: {"baseline": baseline[r.rollout_id].reply, "continued": r.reply}
             for r in rollouts
         }
         (logs.parent / "trajectories.json").write_text(json.dumps(trajectories, indent=1) + "\n")
+
+    async def restore_into(
+        self,
+        processes: FleetProcesses,
+        root: CheckpointRoot,
+        restore_id: str,
+        *,
+        timed: bool = False,
+    ) -> tuple[EpisodeId, ...]:
+        """Restore LATEST into fresh processes (all or nothing) and resume them."""
+        deadline = time.time() + self.options.timeout
+        async with await Fleet.discover(processes.spec(self.token)) as fleet:
+            target = fleet
+            if self.options.skip_resources_restore:
+                # Negative control: without the resources' state the continuation cannot match.
+                target = Fleet(fleet.spec, [m for m in fleet.members if m.kind_name != "resources"])
+            started = time.monotonic()
+            restored = await restore_published(target, root, restore_id, deadline)
+            if timed:
+                self.report.numbers["restore_ms"] = round((time.monotonic() - started) * 1000, 2)
+            await coordination.resume(fleet, restore_id, deadline)
+            return restored.continued
 
     async def second_checkpoint(
         self,
@@ -445,14 +474,24 @@ class Demo:
         first: dict[str, Any],
         continued: Iterable[EpisodeId],
     ) -> None:
+        """A checkpoint of the restored state, before any replacement starts: it must export
+        every restored session and boundary byte for byte as the first did (under N+1)."""
         scope = sorted(e.next_attempt() for e in continued)
         deadline = time.time() + self.options.timeout
-        checkpoint_id = "verify-restored"
+        checkpoint_id = root.new_checkpoint_id()
         last = await coordination.prepare_until_done(fleet, checkpoint_id, deadline)
         if not last.prepared:
             raise DemoFailed(f"the restored fleet did not get prepared: {last.blockers()}")
-        directory = root.path / ".verify-restored"
-        await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
+        directory = root.directory(checkpoint_id)
+        result = await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
+        if self.options.crash_twice:
+            parts = [
+                PublishedParticipant(
+                    m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
+                )
+                for m in fleet.members
+            ]
+            await asyncio.to_thread(root.publish, checkpoint_id, parts, scope, b"", keep=2)
         await coordination.resume(fleet, checkpoint_id, deadline)
         mismatches = []
         for part in (Path(first["directory"]) / "participants").glob("*/*"):
@@ -463,7 +502,8 @@ class Demo:
         self.report.check(
             "second_checkpoint_matches_first", not mismatches, f"parts differ: {mismatches}"
         )
-        shutil.rmtree(directory, ignore_errors=True)
+        if not self.options.crash_twice:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def compare(
         self,
@@ -471,6 +511,7 @@ class Demo:
         rollouts: list[Rollout],
         baseline: dict[str, Rollout],
         in_scope: set[str],
+        attempt: int,
     ) -> None:
         report = self.report
         failed = [r.rollout_id for r in rollouts if r.reply is None]
@@ -522,7 +563,7 @@ class Demo:
             if rollout.reply.get("messages", [])[: len(checkpointed)] != checkpointed:
                 prefix_problems.append(rollout.rollout_id)
             if (
-                rollout.reply.get("attempt") != 1
+                rollout.reply.get("attempt") != attempt
                 or rollout.reply.get("continued_from_step") != boundary["step"]
             ):
                 prefix_problems.append(f"{rollout.rollout_id}(not continued)")
@@ -624,15 +665,15 @@ def parse_args(argv: list[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="rollout-checkpoint demo", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--rollouts", type=int, default=24, help="rollouts to run (default 24)")
+    parser.add_argument("--rollouts", type=int, default=32, help="rollouts to run (default 32)")
     parser.add_argument(
-        "--concurrency", type=int, default=8, help="rollouts in flight at once (default 8)"
+        "--concurrency", type=int, default=24, help="rollouts in flight at once (default 24)"
     )
     parser.add_argument(
         "--checkpoint-after",
         type=int,
         default=None,
-        help="checkpoint once this many have finished (default a quarter)",
+        help="checkpoint once this many have finished (default an eighth)",
     )
     parser.add_argument(
         "--latency", type=float, default=0.05, help="seconds per scripted model call (default 0.05)"
@@ -641,11 +682,21 @@ def parse_args(argv: list[str] | None) -> Options:
         "--output-dir", type=Path, default=None, help="keep checkpoints, logs and the report here"
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--crash-twice",
+        action="store_true",
+        help="crash the restored fleet again before it resumes work; continue as attempt N+2",
+    )
+    parser.add_argument(
+        "--skip-resources-restore",
+        action="store_true",
+        help="negative control: restore every member but the resources servers (the demo must then fail)",
+    )
     args = parser.parse_args(argv)
     if args.rollouts < 2 or args.concurrency < 1:
         parser.error("--rollouts must be at least 2 and --concurrency at least 1")
     checkpoint_after = (
-        args.checkpoint_after if args.checkpoint_after is not None else max(1, args.rollouts // 4)
+        args.checkpoint_after if args.checkpoint_after is not None else max(1, args.rollouts // 8)
     )
     return Options(
         args.rollouts,
@@ -654,6 +705,8 @@ def parse_args(argv: list[str] | None) -> Options:
         args.latency,
         args.output_dir,
         args.json,
+        crash_twice=args.crash_twice,
+        skip_resources_restore=args.skip_resources_restore,
     )
 
 

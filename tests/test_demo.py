@@ -1,0 +1,84 @@
+"""The demo, end to end, as a user runs it: real processes, SIGKILL, restore, continue."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def demo(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_checkpoint.client.cli",
+            "demo",
+            *args,
+            "--output-dir",
+            str(tmp_path / "demo"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
+    )
+    return completed.returncode, json.loads(completed.stdout or "{}"), completed.stderr[-3000:]
+
+
+def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
+    tmp_path: Path,
+) -> None:
+    code, report, stderr = demo(
+        tmp_path,
+        "--rollouts",
+        "18",
+        "--concurrency",
+        "18",
+        "--checkpoint-after",
+        "1",
+        "--crash-twice",
+    )
+    assert code == 0, (report, stderr)
+    assert report["passed"], report["problems"]
+    numbers = report["numbers"]
+    assert numbers["in_flight_at_checkpoint"] >= 16
+    assert numbers["restarted"] == 0 and numbers["retired"] == 0
+    assert (
+        numbers["continued"] + numbers["finished_during_checkpoint"]
+        == numbers["in_flight_at_checkpoint"]
+    )
+    assert numbers["mean_reward"] == numbers["baseline_mean_reward"]
+    for check in (
+        "trajectories_equal_baseline",
+        "continued_from_checkpointed_calls",
+        "second_checkpoint_matches_first",
+        "exports_differ_only_where_state_changed",
+        "no_traceback_in_server_logs",
+    ):
+        assert report["checks"][check], check
+    trajectories = json.loads((tmp_path / "demo" / "trajectories.json").read_text())
+    attempts = {t["continued"]["attempt"] for t in trajectories.values()}
+    assert 2 in attempts  # continued after the second crash as attempt N+2
+    logs = list((tmp_path / "demo" / "logs").glob("*.log"))
+    assert len(logs) == 20  # four generations of five servers
+
+
+def test_negative_control_without_the_resources_restore_fails(tmp_path: Path) -> None:
+    code, report, _ = demo(
+        tmp_path,
+        "--rollouts",
+        "8",
+        "--concurrency",
+        "8",
+        "--checkpoint-after",
+        "1",
+        "--skip-resources-restore",
+    )
+    assert code == 1 and not report["passed"]
+    assert not report["checks"]["trajectories_equal_baseline"]
+    assert not report["checks"]["second_checkpoint_matches_first"]
