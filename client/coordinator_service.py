@@ -50,6 +50,7 @@ from .service_plumbing import (
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "rollout_checkpoint.v1.CoordinatorService"
+MAX_TIMESTAMP_SECONDS = 253402300799  # 9999-12-31T23:59:59Z, the Timestamp range
 MAX_LISTED_BLOCKERS = 100
 
 _OUTCOMES = {
@@ -284,7 +285,11 @@ class CoordinatorServicer:
         if not request.HasField(field):
             raise invalid_request(field, "is required (an absolute google.protobuf.Timestamp)")
         stamp: timestamp_pb2.Timestamp = getattr(request, field)
-        deadline = stamp.ToNanoseconds() / 1e9
+        # Checked before any conversion: protobuf raises ValueError on nanos out of range,
+        # which would surface as INTERNAL instead of a refusal the caller can act on.
+        if not 0 <= stamp.nanos < 1_000_000_000 or not 0 < stamp.seconds <= MAX_TIMESTAMP_SECONDS:
+            raise invalid_request(field, "is not a valid timestamp")
+        deadline = stamp.seconds + stamp.nanos / 1e9
         now = time.time()
         if deadline - now > self.max_deadline_seconds:
             raise invalid_request(field, f"lies more than {self.max_deadline_seconds:g} s ahead")

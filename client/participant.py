@@ -17,6 +17,7 @@ from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
 from .errors import ControlError
+from .tracing import context_metadata
 
 T = TypeVar("T")
 
@@ -82,6 +83,10 @@ class ParticipantClient:
     async def close(self) -> None:
         await self._channel.close()
 
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The token, and the active span's `traceparent` (so participants join the trace)."""
+        return self._metadata + context_metadata()
+
     def _timeout_for(self, deadline: float | None) -> float:
         if deadline is None:
             return self._timeout
@@ -98,14 +103,14 @@ class ParticipantClient:
     async def get_participant(self) -> pb.GetParticipantResponse:
         return await self._call(
             self._stub.GetParticipant(
-                pb.GetParticipantRequest(), metadata=self._metadata, timeout=self._timeout
+                pb.GetParticipantRequest(), metadata=self._call_metadata(), timeout=self._timeout
             )
         )
 
     async def get_status(self) -> pb.GetStatusResponse:
         return await self._call(
             self._stub.GetStatus(
-                pb.GetStatusRequest(), metadata=self._metadata, timeout=self._timeout
+                pb.GetStatusRequest(), metadata=self._call_metadata(), timeout=self._timeout
             )
         )
 
@@ -114,7 +119,7 @@ class ParticipantClient:
     ) -> pb.ListEpisodesResponse:
         request = pb.ListEpisodesRequest(page_size=page_size, page_token=page_token)
         return await self._call(
-            self._stub.ListEpisodes(request, metadata=self._metadata, timeout=self._timeout)
+            self._stub.ListEpisodes(request, metadata=self._call_metadata(), timeout=self._timeout)
         )
 
     async def all_episodes(self, page_size: int = 0) -> list[types_pb2.Episode]:
@@ -135,7 +140,7 @@ class ParticipantClient:
         """Yield the Prepare stream's messages; the last has `final` set."""
         request = pb.PrepareRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
         call: Any = self._stub.Prepare(
-            request, metadata=self._metadata, timeout=self._timeout_for(deadline)
+            request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
         )
         try:
             async for message in call:
@@ -167,7 +172,9 @@ class ParticipantClient:
     async def renew(self, checkpoint_id: str, deadline: float) -> pb.RenewResponse:
         request = pb.RenewRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
         return await self._call(
-            self._stub.Renew(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+            self._stub.Renew(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
         )
 
     async def commit(
@@ -184,7 +191,9 @@ class ParticipantClient:
         if scope is not None:
             request.scope.CopyFrom(scope_message(scope))
         return await self._call(
-            self._stub.Commit(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+            self._stub.Commit(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
         )
 
     async def restore(
@@ -198,14 +207,16 @@ class ParticipantClient:
         )
         return await self._call(
             self._stub.Restore(
-                request, metadata=self._metadata, timeout=self._timeout_for(deadline)
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
             )
         )
 
     async def resume(self, checkpoint_id: str, deadline: float) -> pb.ResumeResponse:
         request = pb.ResumeRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
         return await self._call(
-            self._stub.Resume(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+            self._stub.Resume(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
         )
 
     async def retire(
@@ -217,7 +228,9 @@ class ParticipantClient:
             episodes=[episode_message(e) for e in episodes],
         )
         return await self._call(
-            self._stub.Retire(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+            self._stub.Retire(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
         )
 
     async def forget(
@@ -227,5 +240,7 @@ class ParticipantClient:
             checkpoint_id=checkpoint_id, deadline=timestamp(deadline), rollout_ids=list(rollout_ids)
         )
         return await self._call(
-            self._stub.Forget(request, metadata=self._metadata, timeout=self._timeout_for(deadline))
+            self._stub.Forget(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
         )

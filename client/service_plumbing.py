@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 
 from .coordination import FleetError
 from .errors import ControlError
+from .tracing import server_span
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,20 @@ def parse(request_type: type[Req], raw: bytes) -> Req:
 def unary(request_type: type[Req], method: Callable[[Req], Awaitable[Message]]) -> Handler:
     """A unary handler that parses the bytes itself and turns every failure into a rich status."""
 
+    span_name = _span_name(request_type)
+
     async def handle(raw: bytes, context: Context) -> Message | None:
-        try:
-            return await method(parse(request_type, raw))
-        except (aio.AbortError, aio.UsageError):
-            raise
-        except Exception as error:
-            await abort(context, error)
+        # A span per call, parented to the caller's `traceparent`: the participant calls
+        # made inside carry it on, so one fleet checkpoint is one trace.
+        with server_span(span_name, context.invocation_metadata()) as span:
+            try:
+                request = parse(request_type, raw)
+                _tag(span, request)
+                return await method(request)
+            except (aio.AbortError, aio.UsageError):
+                raise
+            except Exception as error:
+                await abort(context, error)
         return None
 
     return grpc.unary_unary_rpc_method_handler(handle, None, _serialize)
@@ -129,16 +137,33 @@ def unary(request_type: type[Req], method: Callable[[Req], Awaitable[Message]]) 
 def server_stream(
     request_type: type[Req], method: Callable[[Req], AsyncIterator[Message]]
 ) -> Handler:
+    span_name = _span_name(request_type)
+
     async def handle(raw: bytes, context: Context) -> AsyncIterator[Message]:
-        try:
-            async for message in method(parse(request_type, raw)):
-                yield message
-        except (aio.AbortError, aio.UsageError):
-            raise
-        except Exception as error:
-            await abort(context, error)
+        with server_span(span_name, context.invocation_metadata()) as span:
+            try:
+                request = parse(request_type, raw)
+                _tag(span, request)
+                async for message in method(request):
+                    yield message
+            except (aio.AbortError, aio.UsageError):
+                raise
+            except Exception as error:
+                await abort(context, error)
 
     return grpc.unary_stream_rpc_method_handler(handle, None, _serialize)
+
+
+def _span_name(request_type: type[Message]) -> str:
+    """`rollout_checkpoint.v1.CoordinatorService/Commit` from `CoordinatorServiceCommitRequest`."""
+    rpc = request_type.DESCRIPTOR.name.removeprefix("CoordinatorService").removesuffix("Request")
+    return f"rollout_checkpoint.v1.CoordinatorService/{rpc}"
+
+
+def _tag(span: Any, request: Message) -> None:
+    checkpoint_id = getattr(request, "checkpoint_id", "")
+    if span is not None and checkpoint_id:
+        span.set_attribute("rollout_checkpoint.checkpoint_id", checkpoint_id)
 
 
 def _serialize(message: Message) -> bytes:

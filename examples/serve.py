@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import os
 import sys
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from rollout_checkpoint.server.install import CheckpointRuntime
+from rollout_checkpoint.server.logs import configure_logging
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.settings import CheckpointSettings
 
@@ -32,6 +32,10 @@ RESOURCES = {
     "counter": "rollout_checkpoint.examples.counter:CounterServer",
     "prompt_injection": "rollout_checkpoint.examples.prompt_injection:PromptInjectionServer",
 }
+GRACEFUL_SHUTDOWN_SECONDS = 10
+"""uvicorn's graceful-shutdown timeout: how long SIGTERM waits for HTTP requests to finish
+(before the sidecar's own `shutdown_grace_seconds`); deploy/kubernetes sizes
+terminationGracePeriodSeconds from both."""
 KINDS = {name: "resources" for name in RESOURCES} | {
     "policy_model": "model",
     "agent": "agent",
@@ -70,6 +74,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one object per line (with checkpoint_id and trace_id)",
     )
     resources = parser.add_argument_group("resources servers")
     resources.add_argument(
@@ -116,11 +126,9 @@ def _split(address: str) -> tuple[str, int]:
 def checkpoint_settings(args: argparse.Namespace, instance: str) -> CheckpointSettings | None:
     if args.no_checkpoint:
         return None
-    overrides: dict[str, Any] = {
-        "enabled": True,
-        "instance": instance,
-        "start_closed": args.start_closed,
-    }
+    overrides: dict[str, Any] = {"enabled": True, "instance": instance}
+    if args.start_closed:  # else $ROLLOUT_CHECKPOINT_START_CLOSED decides (Kubernetes sets it)
+        overrides["start_closed"] = True
     if args.token is not None:
         overrides["token"] = args.token
     if args.grpc_address is not None:
@@ -184,13 +192,16 @@ def build(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     instance = args.instance or args.server
-    app, runtime = build(args, instance, checkpoint_settings(args, instance))
+    checkpoint = checkpoint_settings(args, instance)
+    token = checkpoint.token.get_secret_value() if checkpoint is not None else args.token
+    configure_logging(
+        args.log_level,
+        json_lines=args.log_format == "json",
+        secrets=[token or ""],
+        stream=sys.stderr,
+    )
+    app, runtime = build(args, instance, checkpoint)
     host, port = _split(args.http_address)
 
     class AnnouncingServer(uvicorn.Server):
@@ -214,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         port=port,
         lifespan="on",
         log_level=args.log_level,
-        timeout_graceful_shutdown=10,
+        log_config=None,  # uvicorn's lines go through the same (structured) handler
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     AnnouncingServer(config).run()
 

@@ -27,11 +27,18 @@ def token_matches(presented: str, expected: str) -> bool:
 
 
 class BearerTokenInterceptor(aio.ServerInterceptor):
-    def __init__(self, token: str, exempt_prefixes: Collection[str] = EXEMPT_PREFIXES) -> None:
+    def __init__(
+        self,
+        token: str,
+        exempt_prefixes: Collection[str] = EXEMPT_PREFIXES,
+        *,
+        on_refusal: Callable[[str], None] | None = None,
+    ) -> None:
         if not token:
             raise ValueError("a control token is required")
         self._token = token
         self._exempt = tuple(exempt_prefixes)
+        self._on_refusal = on_refusal
 
     async def intercept_service(
         self,
@@ -44,6 +51,8 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: let grpc answer UNIMPLEMENTED
             return None
+        if self._on_refusal is not None:
+            self._on_refusal(method)
         return _refusing_handler(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:

@@ -23,12 +23,13 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import contextvars
 import enum
 import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -43,6 +44,7 @@ from .errors import (
     invalid_phase,
     invalid_request,
 )
+from .observe import ControlObserver
 from .participant import EpisodeInfo, ExportRecord, Participant, ReadinessReport, RestoredRecord
 from .storage import (
     CheckpointStorage,
@@ -184,6 +186,7 @@ class ControlPlane:
         *,
         storage: CheckpointStorage | None = None,
         clock: Clock | None = None,
+        observer: ControlObserver | None = None,
     ) -> None:
         if not is_valid_id(participant.instance) or participant.instance in (".", ".."):
             raise ValueError(f"participant instance {participant.instance!r} is not a valid name")
@@ -212,6 +215,8 @@ class ControlPlane:
         self._background: set[asyncio.Task[Any]] = set()
         self._lease_task: asyncio.Task[None] | None = None
         participant.attach(self)
+        self.observer = observer or ControlObserver()
+        self.observer.attach(self)
 
     # -- ParticipantContext -------------------------------------------------------------
 
@@ -451,6 +456,8 @@ class ControlPlane:
                 waits.append(asyncio.sleep(COALESCE_SECONDS - (loop.time() - last_sent_at)))
             if await _first_of(waits) == 0:
                 change_pending = True
+        ended_in = self._state if self._active_id == checkpoint_id else State.IDLE
+        self.observer.prepare_ended(ended_in.value)
         yield update(UpdateKind.FINAL)
 
     async def _mark_prepared(self, checkpoint_id: str) -> None:
@@ -462,6 +469,8 @@ class ControlPlane:
             ):
                 self._state = State.PREPARED
                 self._results[(checkpoint_id, "prepare")] = _Recorded((), None)
+                if self._closed_since is not None:
+                    self.observer.drained(self.clock.now() - self._closed_since)
                 self.changed()
 
     # -- Renew --------------------------------------------------------------------------
@@ -532,6 +541,7 @@ class ControlPlane:
             self._fence(checkpoint_id, "Commit", {State.PREPARED})
             self._state = State.COMMITTED
             self._results[(checkpoint_id, "commit")] = _Recorded(args, result)
+            self.observer.committed(result.manifest.record_count, result.manifest.bytes)
             self.changed()
             return result
 
@@ -539,19 +549,21 @@ class ControlPlane:
         """Export (once), write (until published), then retire what the scope leaves out."""
         if job.records is None:
             job.phase = "export"
-            job.records = await _call_hook("export", self.participant.export(job.scope))
+            with self.observer.phase("export"):
+                job.records = await _call_hook("export", self.participant.export(job.scope))
         if job.published is None:
             job.phase = "write"
             lines = _serialize_records(job.records)
-            job.published = await asyncio.to_thread(
-                self.storage.write_part,
-                job.checkpoint_dir,
-                self.participant.kind.value,
-                self.participant.instance,
-                job.checkpoint_id,
-                lines,
-                job.stop,
-            )
+            with self.observer.phase("write"):
+                job.published = await asyncio.to_thread(
+                    self.storage.write_part,
+                    job.checkpoint_dir,
+                    self.participant.kind.value,
+                    self.participant.instance,
+                    job.checkpoint_id,
+                    lines,
+                    job.stop,
+                )
         if job.retired is None:
             job.phase = "cleanup"
             job.retired = await self._retire_unscoped_pending(job.scope)
@@ -633,7 +645,8 @@ class ControlPlane:
         """
         closed_here = False
         try:
-            manifest, raw = await asyncio.to_thread(self._read_selected, job)
+            with self.observer.phase("read"):
+                manifest, raw = await asyncio.to_thread(self._read_selected, job)
             records = [_restored_record(r) for r in raw]
             if self.clock.now() > job.deadline:
                 raise deadline_exceeded("the restore's read outlived its deadline", job.deadline)
@@ -641,7 +654,8 @@ class ControlPlane:
                 self._close_admission()
                 closed_here = True
                 self.changed()
-            await _call_hook("install", self.participant.install(records))
+            with self.observer.phase("install"):
+                await _call_hook("install", self.participant.install(records))
             async with self._lock:
                 if self.clock.now() > job.deadline:
                     raise deadline_exceeded("the install finished after the deadline", job.deadline)
@@ -655,6 +669,7 @@ class ControlPlane:
                 self._active_id = job.checkpoint_id
                 self._renew(job.deadline)
                 self._results[(job.checkpoint_id, "restore")] = _Recorded(job.args, result)
+                self.observer.restored(len(records), manifest.bytes)
                 self.changed()
                 return result
         except BaseException:
@@ -716,6 +731,7 @@ class ControlPlane:
         self._state = State.IDLE
         self._active_id = None
         self._lease_expires_at = None
+        self._stop_lease_watcher()
         self.changed()
         return False
 
@@ -884,6 +900,13 @@ class ControlPlane:
             self._lease_task = self._spawn(self._watch_lease())
         return self._lease_expires_at
 
+    def _stop_lease_watcher(self) -> None:
+        """The lease is gone. A watcher left asleep until the old expiry would notice the
+        next checkpoint's lease only then, however much earlier that one ends."""
+        task, self._lease_task = self._lease_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
     async def _watch_lease(self) -> None:
         while (lease := self._lease_expires_at) is not None:
             await self.clock.sleep_until(lease)
@@ -893,7 +916,11 @@ class ControlPlane:
             checkpoint_id = self._active_id
             if checkpoint_id is None:
                 return
-            log.warning("lease of checkpoint %s expired: resuming on our own", checkpoint_id)
+            tagged = {"checkpoint_id": checkpoint_id}
+            log.warning(
+                "lease of checkpoint %s expired: resuming on our own", checkpoint_id, extra=tagged
+            )
+            self.observer.lease_expired(checkpoint_id)
             try:
                 async with self._lock:
                     if self._active_id == checkpoint_id and self._lease_expires_at == expires:
@@ -901,7 +928,9 @@ class ControlPlane:
                             checkpoint_id, self.clock.now() + LEASE_RETRY_SECONDS
                         )
             except CheckpointError as exc:
-                log.warning("lease expiry could not reopen yet (%s); retrying", exc.message)
+                log.warning(
+                    "lease expiry could not reopen yet (%s); retrying", exc.message, extra=tagged
+                )
                 await self.clock.sleep_until(self.clock.now() + LEASE_RETRY_SECONDS)
 
     async def _open_after_start_closed(self, when: float) -> None:
@@ -937,8 +966,10 @@ class ControlPlane:
         for key in [k for k in self._results if k[0] == checkpoint_id]:
             del self._results[key]
 
-    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
-        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        # A fresh context: a duty outlives the RPC that started it and must not log under
+        # (or parent spans to) that RPC's checkpoint id.
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background_done)
         return task

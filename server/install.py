@@ -21,9 +21,12 @@ from types import FrameType
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.routing import Route
 
 from .clock import Clock
 from .control_plane import ControlPlane
+from .metrics import DataPlaneRefusals, MetricsServer, metrics_endpoint
+from .observe import RuntimeObserver
 from .participant import Participant
 from .settings import CheckpointSettings
 from .sidecar import Sidecar
@@ -37,10 +40,20 @@ SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers |
 class CheckpointRuntime:
     """What `install_checkpointing` put into the app (also at `app.state.checkpoint`)."""
 
-    def __init__(self, control: ControlPlane, settings: CheckpointSettings) -> None:
+    def __init__(
+        self,
+        control: ControlPlane,
+        settings: CheckpointSettings,
+        observer: RuntimeObserver | None = None,
+    ) -> None:
         self.control = control
         self.settings = settings
         self.sidecar = Sidecar(control, settings)
+        self.observer = observer or RuntimeObserver()
+        self.metrics = self.observer.metrics
+        self.metrics_server: MetricsServer | None = None
+        if settings.metrics_address is not None:
+            self.metrics_server = MetricsServer(self.metrics, settings.metrics_address)
         self._previous_handlers: dict[int, SignalHandler] = {}
         self._shutdown_task: asyncio.Task[None] | None = None
 
@@ -52,13 +65,22 @@ class CheckpointRuntime:
     def address(self) -> str:
         return self.sidecar.address
 
+    @property
+    def metrics_address(self) -> str | None:
+        """Where the metrics listener of its own is bound (None when off)."""
+        return None if self.metrics_server is None else self.metrics_server.address
+
     async def start(self) -> None:
         await self.sidecar.start()
+        if self.metrics_server is not None:
+            await self.metrics_server.start()
         self._hook_signals()
 
     async def stop(self) -> None:
         self._unhook_signals()
         await self.sidecar.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
 
     def _hook_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -94,18 +116,32 @@ def install_checkpointing(
     *,
     clock: Clock | None = None,
     storage: CheckpointStorage | None = None,
+    tracer_provider: Any = None,
 ) -> CheckpointRuntime | None:
     """Wire a participant's control plane and sidecar into `app`'s lifespan.
 
-    Returns None, and touches nothing, when checkpointing is off.
+    Returns None, and touches nothing, when checkpointing is off. Metrics go to a registry of
+    this runtime's own (`runtime.metrics.registry`), served at `metrics_path` on the app
+    and/or on `metrics_address`; spans go to `tracer_provider` (OpenTelemetry's global
+    provider when None; nothing at all without OpenTelemetry).
     """
     if settings is None or not settings.enabled:
         return None
     if settings.instance:
         participant.instance = settings.instance
-    control = ControlPlane(participant, settings.control_settings(), storage=storage, clock=clock)
-    runtime = CheckpointRuntime(control, settings)
+    observer = RuntimeObserver(tracer_provider=tracer_provider)
+    control = ControlPlane(
+        participant, settings.control_settings(), storage=storage, clock=clock, observer=observer
+    )
+    runtime = CheckpointRuntime(control, settings, observer)
     app.state.checkpoint = runtime
+    app.add_middleware(DataPlaneRefusals, on_refusal=observer.data_refused)
+    if settings.metrics_path is not None:
+        # First, so no catch-all mount of the app shadows it; it is a GET, which the
+        # admission middleware passes through untouched (never counted, never refused).
+        app.router.routes.insert(
+            0, Route(settings.metrics_path, metrics_endpoint(runtime.metrics), methods=["GET"])
+        )
     original = app.router.lifespan_context
 
     @contextlib.asynccontextmanager

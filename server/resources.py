@@ -201,7 +201,7 @@ class ResourcesServer:
                 participant=self.participant,
                 mcp_path=mcp.path if mcp is not None else None,
                 mcp_session=mcp.session_from_scope if mcp is not None else None,
-                passthrough_paths=self.passthrough_paths,
+                passthrough_paths=self.passthrough_paths | _metrics_paths(self.config.checkpoint),
             )
         app.add_middleware(
             SessionMiddleware,
@@ -308,6 +308,13 @@ class ResourcesServer:
                 checkpoint.token.get_secret_value(), self.instance, "session cookies"
             ).hex()
         return secrets.token_hex(32)
+
+
+def _metrics_paths(settings: CheckpointSettings | None) -> frozenset[str]:
+    """The metrics path is no data route: never counted in flight, never refused."""
+    if settings is None or settings.metrics_path is None:
+        return frozenset()
+    return frozenset({settings.metrics_path})
 
 
 async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:

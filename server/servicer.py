@@ -31,6 +31,7 @@ from .control_plane import (
 )
 from .episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
 from .errors import CheckpointError, Reason, invalid_request
+from .observe import ControlObserver
 from .participant import BlockerReason, EpisodeInfo, Kind, ReadinessReport
 from .rpc_status import to_grpc_status
 from .storage import SCHEMA_VERSION, StoredManifest
@@ -92,14 +93,15 @@ class ParticipantServicer:
             "Retire": (pb.RetireRequest, self.retire),
             "Forget": (pb.ForgetRequest, self.forget),
         }
+        observer = self.control.observer
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             name: grpc.unary_unary_rpc_method_handler(
-                _unary(request_type, method), None, _serialize
+                _unary(name, request_type, method, observer), None, _serialize
             )
             for name, (request_type, method) in unary.items()
         }
         handlers["Prepare"] = grpc.unary_stream_rpc_method_handler(
-            _server_stream(pb.PrepareRequest, self.prepare), None, _serialize
+            _server_stream("Prepare", pb.PrepareRequest, self.prepare, observer), None, _serialize
         )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -213,35 +215,53 @@ def _internal(exc: BaseException) -> CheckpointError:
 
 
 def _unary(
-    request_type: type[Req], method: Callable[[Req], Awaitable[Message]]
+    name: str,
+    request_type: type[Req],
+    method: Callable[[Req], Awaitable[Message]],
+    observer: ControlObserver,
 ) -> Callable[[bytes, Context], Awaitable[Message | None]]:
     async def handle(raw: bytes, context: Context) -> Message | None:
-        try:
-            return await method(_parse(request_type, raw))
-        except CheckpointError as error:
-            await _abort(context, error)
-        except (aio.AbortError, aio.UsageError):
-            raise
-        except Exception as exc:
-            await _abort(context, _internal(exc))
+        # The observer times the call, carries the checkpoint id into logs and parents the
+        # call's span to the caller's `traceparent`.
+        with observer.operation(name, context.invocation_metadata()) as operation:
+            try:
+                request = _parse(request_type, raw)
+                operation.checkpoint(getattr(request, "checkpoint_id", ""))
+                return await method(request)
+            except CheckpointError as error:
+                operation.refused(error.reason.value)
+                await _abort(context, error)
+            except (aio.AbortError, aio.UsageError):
+                raise
+            except Exception as exc:
+                operation.refused(Reason.INTERNAL_ERROR.value)
+                await _abort(context, _internal(exc))
         return None
 
     return handle
 
 
 def _server_stream(
-    request_type: type[Req], method: Callable[[Req], AsyncIterator[Message]]
+    name: str,
+    request_type: type[Req],
+    method: Callable[[Req], AsyncIterator[Message]],
+    observer: ControlObserver,
 ) -> Callable[[bytes, Context], AsyncIterator[Message]]:
     async def handle(raw: bytes, context: Context) -> AsyncIterator[Message]:
-        try:
-            async for message in method(_parse(request_type, raw)):
-                yield message
-        except CheckpointError as error:
-            await _abort(context, error)
-        except (aio.AbortError, aio.UsageError):
-            raise
-        except Exception as exc:
-            await _abort(context, _internal(exc))
+        with observer.operation(name, context.invocation_metadata()) as operation:
+            try:
+                request = _parse(request_type, raw)
+                operation.checkpoint(getattr(request, "checkpoint_id", ""))
+                async for message in method(request):
+                    yield message
+            except CheckpointError as error:
+                operation.refused(error.reason.value)
+                await _abort(context, error)
+            except (aio.AbortError, aio.UsageError):
+                raise
+            except Exception as exc:
+                operation.refused(Reason.INTERNAL_ERROR.value)
+                await _abort(context, _internal(exc))
 
     return handle
 

@@ -40,6 +40,10 @@ class CheckpointSettings(BaseSettings):
     tls_client_ca_file: str | None = None
     shutdown_grace_seconds: float = Field(5.0, ge=0)
     max_message_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    metrics_address: str | None = None
+    """HOST:PORT of a Prometheus `/metrics` listener of its own (off by default)."""
+    metrics_path: str | None = None
+    """A path such as `/metrics` to serve Prometheus metrics on the HTTP app (off by default)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -55,6 +59,12 @@ class CheckpointSettings(BaseSettings):
             raise ValueError("checkpoint.tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("client certificates need a server certificate")
+        if self.metrics_address is not None and not _ADDRESS.match(self.metrics_address):
+            raise ValueError("checkpoint.metrics_address must be HOST:PORT")
+        if self.metrics_path is not None and not (
+            self.metrics_path.startswith("/") and self.metrics_path != "/"
+        ):
+            raise ValueError("checkpoint.metrics_path must be an absolute path such as /metrics")
         for root in self.allowed_checkpoint_roots:
             if not root.startswith("/"):
                 raise ValueError("checkpoint.allowed_checkpoint_roots must be absolute paths")

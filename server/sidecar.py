@@ -45,7 +45,12 @@ class Sidecar:
     async def start(self) -> int:
         limit = self.settings.max_message_bytes
         server = aio.server(
-            interceptors=[BearerTokenInterceptor(self.settings.token.get_secret_value())],
+            interceptors=[
+                BearerTokenInterceptor(
+                    self.settings.token.get_secret_value(),
+                    on_refusal=self.control.observer.unauthenticated,
+                )
+            ],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", limit),

@@ -90,13 +90,16 @@ async def start_harness(
     storage: CheckpointStorage | None = None,
     participant: DoubleParticipant | None = None,
     clock: ManualClock | None = None,
+    tracer_provider: Any = None,
     **settings: Any,
 ) -> Harness:
     clock = clock or ManualClock()
     participant = participant or DoubleParticipant()
     app = create_app(participant)
     config = CheckpointSettings(enabled=True, token=TOKEN, **settings)
-    runtime = install_checkpointing(app, participant, config, clock=clock, storage=storage)
+    runtime = install_checkpointing(
+        app, participant, config, clock=clock, storage=storage, tracer_provider=tracer_provider
+    )
     assert runtime is not None
     server, serving, http_port = await serve_app(app)
     address = f"127.0.0.1:{runtime.port}"
