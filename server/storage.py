@@ -264,7 +264,7 @@ class LocalStorage:
             os.fsync(part_fd)
             return PublishedPart(manifest, hashlib.sha256(existing).hexdigest())
         other_records: str | None = None
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
+        with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
             other_records = json.loads(existing).get("records_file")
         if other_records != manifest.records_file:
             with contextlib.suppress(FileNotFoundError):
@@ -320,7 +320,7 @@ class LocalStorage:
         try:
             fields = json.loads(raw, parse_constant=_refuse_constant)
             manifest = _manifest_from_json(fields)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise corrupt_checkpoint(f"unreadable manifest: {exc}", part_path) from exc
         if manifest.kind != kind or manifest.instance != instance:
             raise rejected_checkpoint(
@@ -388,7 +388,7 @@ def _select_line(
         return corrupt_checkpoint(f"line {number} is torn", part_path)
     try:
         record = json.loads(line, parse_constant=_refuse_constant)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         return corrupt_checkpoint(f"corrupt record at line {number}", part_path)
     if not isinstance(record, dict):
         return corrupt_checkpoint(f"record at line {number} is not an object", part_path)
