@@ -323,7 +323,7 @@ async def _json_object(request: Request) -> dict[str, Any] | JSONResponse:
         return {}
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return _error(400, "invalid_json", "the body is not JSON")
     if not isinstance(body, dict):
         return _error(400, "invalid_json", "the body must be a JSON object")
