@@ -686,6 +686,8 @@ class ControlPlane:
         wanted = {e.capture_key for e in job.scope}
         part = f"{job.checkpoint_dir}/participants/{self.participant.kind.value}/{self.participant.instance}"
 
+        seen: set[str] = set()
+
         def select(record: dict[str, Any]) -> bool:
             try:
                 episode = EpisodeId.from_json(record.get("episode_id"))
@@ -693,7 +695,13 @@ class ControlPlane:
                 raise corrupt_checkpoint(
                     f"a record has an invalid episode_id: {exc}", part
                 ) from exc
-            return episode.capture_key in wanted
+            # A writer stores each episode once; two records of one episode would install
+            # one state and silently drop the other (or install it twice).
+            key = episode.capture_key
+            if key in seen:
+                raise corrupt_checkpoint(f"two records of episode {key}", part, capture_key=key)
+            seen.add(key)
+            return key in wanted
 
         return self.storage.read_part(
             job.checkpoint_dir, self.participant.kind.value, self.participant.instance, select
