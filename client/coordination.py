@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
@@ -297,7 +297,8 @@ async def restore(
         )
     except FleetError as failure:
         cleanup_deadline = max(deadline, time.time() + CLEANUP_SECONDS)
-        next_attempts = sorted(e.next_attempt() for e in episodes)
+        # An episode at the highest attempt has no next one: nothing of it can be installed.
+        next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
         if next_attempts:
             with contextlib.suppress(FleetError):
                 await _fan_out(

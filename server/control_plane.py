@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from .attempts import RetiredAttempts
 from .clock import Clock, SystemClock
-from .episodes import EpisodeId, is_valid_id, rollout_id_problem
+from .episodes import MAX_ATTEMPT, EpisodeId, is_valid_id, rollout_id_problem
 from .errors import (
     CheckpointError,
     Reason,
@@ -43,6 +43,7 @@ from .errors import (
     deadline_exceeded,
     invalid_phase,
     invalid_request,
+    rejected_checkpoint,
 )
 from .observe import ControlObserver
 from .participant import EpisodeInfo, ExportRecord, Participant, ReadinessReport, RestoredRecord
@@ -701,6 +702,12 @@ class ControlPlane:
             if key in seen:
                 raise corrupt_checkpoint(f"two records of episode {key}", part, capture_key=key)
             seen.add(key)
+            if key in wanted and episode.attempt >= MAX_ATTEMPT:
+                raise rejected_checkpoint(
+                    f"episode {key} is at the highest attempt: it has no next attempt to restore as",
+                    path=part,
+                    capture_key=key,
+                )
             return key in wanted
 
         return self.storage.read_part(
