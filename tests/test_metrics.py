@@ -2,11 +2,13 @@
 
 * Prometheus: scrape `/metrics` (the app's path, and a port of its own) after a checkpoint,
   refusals of both planes, a prepare that reached its deadline, and a lease expiry (all on
-  the injected clock); labels never carry checkpoint ids; every runtime has its own registry.
+  the injected clock), and after a restore; labels never carry checkpoint ids; every
+  runtime has its own registry.
 * OpenTelemetry: an in-memory exporter sees one trace for a controller's
   coordination.prepare + commit over two participants, the participants' operation spans
   parented under the controller's span (W3C traceparent in gRPC metadata) and the phases
-  (wait_ready, export, write) under those.
+  (wait_ready, export, write; read, install for a restore) under those; through the
+  CoordinatorService the chain is caller -> coordinator -> participant.
 * Logs: every line of an operation carries its checkpoint id (the lease expiry's too, in a
   background task); JSON lines parse; the token never appears, and is redacted if logged.
 """
@@ -17,23 +19,30 @@ import asyncio
 import io
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import httpx
 import prometheus_client
 import pytest
+from google.protobuf import timestamp_pb2
+from grpc import aio
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client import coordination, tracing
+from rollout_checkpoint.client.coordinator_service import Coordinator
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.server.clock import ManualClock
 from rollout_checkpoint.server.control_plane import State
 from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.server.logs import ContextFilter, JsonFormatter
 from rollout_checkpoint.server.participant import Kind
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, Harness, refused, start_harness, stop_harness
@@ -100,7 +109,8 @@ async def test_metrics_after_a_checkpoint_refusals_a_deadline_and_a_lease_expiry
         assert (await waiting).state == types_pb2.PARTICIPANT_STATE_PREPARING
         await h.http.post("/test/release")
         assert (await held).is_success
-        # Nobody resumes ckpt-m2: its lease expires and the participant reopens by itself.
+        # Nobody resumes ckpt-m2: its lease expires and the participant reopens by itself,
+        # on time although ckpt-m1's (resumed) lease would have ended later.
         h.clock.advance(h.runtime.settings.lease_grace_seconds + 1)
         await h.until(lambda: h.control.state is State.IDLE and h.control.admission_open)
 
@@ -232,6 +242,81 @@ async def test_one_checkpoint_is_one_trace_across_the_fleet(
     # The resume ran outside the controller's span: its spans are a separate trace.
     resumes = [s for s in finished if s.name.endswith("/Resume")]
     assert len(resumes) == 2 and all(s.context and s.context.trace_id != trace_id for s in resumes)
+
+
+async def test_a_restore_has_records_bytes_and_read_install_phases(
+    spans: tuple[TracerProvider, InMemorySpanExporter], checkpoint_dir: str
+) -> None:
+    provider, exporter = spans
+    source = await start_harness()
+    try:
+        source.participant.seed(EpisodeId("r1"), {"n": 1})
+        source.participant.seed(EpisodeId("r2"), {"n": 2})
+        await source.client.prepare_until_final("ckpt-r", source.deadline())
+        committed = await source.client.commit("ckpt-r", source.deadline(), checkpoint_dir)
+    finally:
+        await stop_harness(source)
+    fresh = await start_harness(tracer_provider=provider)
+    try:
+        scope = [EpisodeId("r1"), EpisodeId("r2")]
+        await fresh.client.restore("restore-r", fresh.deadline(), checkpoint_dir, scope)
+        found = samples(fresh.runtime.metrics.exposition().decode())
+    finally:
+        await stop_harness(fresh)
+    assert value(found, "rollout_checkpoint_records_sum", operation="restore") == 2
+    restored_bytes = value(found, "rollout_checkpoint_bytes_sum", operation="restore")
+    assert restored_bytes == committed.manifest.bytes
+    duration = "rollout_checkpoint_operation_duration_seconds_count"
+    assert value(found, duration, operation="restore", outcome="ok") == 1
+    (restore,) = [s for s in exporter.get_finished_spans() if s.name.endswith("/Restore")]
+    assert restore.context is not None and restore.parent is None  # no caller's trace
+    children = {
+        s.name
+        for s in exporter.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == restore.context.span_id
+    }
+    assert children == {"read", "install"}
+
+
+async def test_the_coordinator_carries_the_callers_trace_to_the_participants(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    clock = ManualClock(time.time())  # the coordinator checks deadlines on the real clock
+    h = await start_harness(clock=clock, tracer_provider=provider)
+    spec = FleetSpec(members=(MemberSpec("double", h.grpc_address),), token=TOKEN)
+    server = Coordinator(spec, "127.0.0.1:0")
+    await server.start()
+    tracing.set_tracer_provider(provider)
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = cpb_grpc.CoordinatorServiceStub(channel)
+            deadline = timestamp_pb2.Timestamp(seconds=int(time.time()) + 60)
+            with provider.get_tracer("controller").start_as_current_span("caller") as root:
+                metadata = (("authorization", f"Bearer {TOKEN}"), *tracing.context_metadata())
+                request = cpb.CoordinatorServicePrepareRequest(
+                    checkpoint_id="ckpt-c1", deadline=deadline
+                )
+                replies = [r async for r in stub.Prepare(request, metadata=metadata)]
+                assert replies[-1].final
+                await stub.Resume(
+                    cpb.CoordinatorServiceResumeRequest(checkpoint_id="ckpt-c1", deadline=deadline),
+                    metadata=metadata,
+                )
+    finally:
+        tracing.set_tracer_provider(None)
+        await server.stop()
+        await stop_harness(h)
+    finished = {s.name: s for s in exporter.get_finished_spans()}
+    coordinator = finished["rollout_checkpoint.v1.CoordinatorService/Prepare"]
+    participant = finished["rollout_checkpoint.v1.ParticipantService/Prepare"]
+    root_context = root.get_span_context()
+    assert coordinator.parent is not None and coordinator.parent.span_id == root_context.span_id
+    assert coordinator.context is not None and participant.parent is not None
+    assert participant.parent.span_id == coordinator.context.span_id
+    assert participant.context is not None
+    assert participant.context.trace_id == root_context.trace_id
+    assert finished["rollout_checkpoint.v1.ParticipantService/Resume"].context is not None
 
 
 # -- logs -----------------------------------------------------------------------------------
