@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.episodes import EpisodeId
@@ -34,6 +34,7 @@ ABORT_SECONDS = 30.0
 
 class Phase:
     PREPARE = "PREPARE"
+    SCOPE = "SCOPE"
     COMMIT = "COMMIT"
     PUBLISH = "PUBLISH"
     RESUME = "RESUME"
@@ -61,6 +62,14 @@ class CheckpointOutcome:
         return self.commit.bytes() if self.commit is not None else 0
 
 
+ScopeFixer = Callable[[str], Awaitable[tuple[Iterable[EpisodeId], bytes]]]
+"""Called with the checkpoint id once the fleet is prepared; returns (scope, controller state).
+
+A controller that tracks its rollouts can only name the scope once nothing moves any more:
+before prepare, a reply already on the wire could still finish a rollout it would name (and
+restore a finished rollout as if it were running), or one it left out could park and be lost."""
+
+
 @dataclass
 class CheckpointEvent:
     """One step of a checkpoint: prepare progress, a phase change, or the final outcome."""
@@ -85,8 +94,12 @@ async def checkpoint(
     controller_state: bytes = b"",
     keep: int = 2,
     keep_closed: bool = False,
+    fix_scope: ScopeFixer | None = None,
 ) -> AsyncIterator[CheckpointEvent]:
-    """Take and publish one checkpoint, yielding progress; the last event has the outcome."""
+    """Take and publish one checkpoint, yielding progress; the last event has the outcome.
+
+    With `fix_scope`, the scope and the controller state are decided after prepare succeeded
+    (they replace `scope` and `controller_state`); a failure there aborts like any other."""
     checkpoint_id = checkpoint_id or root.new_checkpoint_id()
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
@@ -105,6 +118,10 @@ async def checkpoint(
         yield CheckpointEvent(Phase.DONE, progress, outcome)
         return
     try:
+        if fix_scope is not None:
+            yield CheckpointEvent(Phase.SCOPE, progress)
+            fixed, controller_state = await fix_scope(checkpoint_id)
+            scope = tuple(fixed)
         yield CheckpointEvent(Phase.COMMIT, progress)
         commit_started = time.monotonic()
         result = await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
