@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 from rollout_checkpoint.server.episodes import EpisodeId
 
+from .collect import add_collect_verb, run_collect
 from .errors import ControlError
 from .fleet_cli import add_fleet_verbs, is_fleet_command
 from .fleet_cli import run as run_fleet_command
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run an example resources server (weather, counter, prompt_injection); serve --help",
     )
     add_fleet_verbs(verbs)
+    add_collect_verb(verbs)
     participant = verbs.add_parser("participant", help="drive one participant's ParticipantService")
     rpcs = participant.add_subparsers(dest="rpc", required=True)
 
@@ -174,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["demo"]:
         return _exec_module("rollout_checkpoint.examples.demo", arguments[1:])
     args = _parser().parse_args(arguments)
+    if args.command == "collect":
+        return run_collect(args, ["rollout-checkpoint", *arguments])
     if is_fleet_command(args.command):
         return run_fleet_command(args)
     try:

@@ -1,0 +1,614 @@
+"""`rollout-checkpoint collect` against real fleets of example-server processes.
+
+Every collection here is the CLI as a subprocess in its own process group, driving a real
+fleet (scripted policy model, agent, environment, resources servers) over HTTP and gRPC. A
+crash is a real SIGKILL; a "fresh fleet" is new processes started closed. Waiting for a
+state of those external processes is bounded polling of the files they write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_checkpoint.client.collect import CorruptFile, read_jsonl
+from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
+from rollout_checkpoint.examples.policy_model import ScriptedPolicy
+from rollout_checkpoint.examples.prompt_injection import load_tasks
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS = REPO / "examples" / "prompt_injection_tasks.jsonl"
+TOKEN = "collect-test-token"
+ENV = dict(os.environ, COLLECT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+REPEATS = 3
+CONCURRENCY = 6
+LATENCY = 0.15
+"""Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
+EXIT_STOPPED = 143
+OPEN_FLEETS, CLOSED_FLEETS = 10, 3
+"""The fleets this module takes (open, and started closed): the pool boots no more."""
+
+
+@dataclass
+class RealFleet:
+    processes: FleetProcesses
+    file: Path
+    entry: str
+
+    def kill(self) -> None:
+        self.processes.kill()
+
+
+class FleetPool:
+    """Boots fleets in the background, one of each kind ahead of demand, so a test's fleets
+    start while the test before it runs (booting five servers is most of a test's time)."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        self.executor = ThreadPoolExecutor(max_workers=2)
+        self.started: list[RealFleet] = []
+        self.ahead: dict[bool, list[Future[RealFleet]]] = {False: [], True: []}
+        self.left = {False: OPEN_FLEETS, True: CLOSED_FLEETS}
+        self.count = 0
+        for closed in (False, True):
+            self.ahead[closed].append(self._submit(closed))
+
+    def take(self, *, closed: bool) -> Future[RealFleet]:
+        """A fleet (started closed: a replacement waiting for its restore, or open)."""
+        taken = self.ahead[closed].pop(0) if self.ahead[closed] else self._submit(closed)
+        if self.left[closed] > 0 and not self.ahead[closed]:
+            self.ahead[closed].append(self._submit(closed))
+        return taken
+
+    def _submit(self, closed: bool) -> Future[RealFleet]:
+        self.left[closed] -= 1
+        self.count += 1
+        return self.executor.submit(self._start, f"fleet{self.count}", closed)
+
+    def _start(self, label: str, closed: bool) -> RealFleet:
+        processes = asyncio.run(
+            start_fleet(
+                label, self.work / "logs", TOKEN, Options(latency=LATENCY), start_closed=closed
+            )
+        )
+        lines = ['token_env = "COLLECT_TOKEN"']
+        for server in processes.servers.values():
+            lines += ["[[participants]]", f'name = "{server.name}"', f'address = "{server.grpc}"']
+        file = self.work / f"{label}.toml"
+        file.write_text("\n".join(lines) + "\n")
+        fleet = RealFleet(processes, file, processes.url("environment"))
+        self.started.append(fleet)
+        return fleet
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        for fleet in self.started:
+            fleet.kill()
+
+
+class Fleets:
+    """One test's fleets and collectors; every process group is SIGKILLed at its end."""
+
+    def __init__(self, work: Path, pool: FleetPool) -> None:
+        self.work = work
+        self.pool = pool
+        self.used: list[Future[RealFleet]] = []
+        self.collectors: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *, closed: bool = False) -> Future[RealFleet]:
+        future = self.pool.take(closed=closed)
+        self.used.append(future)
+        return future
+
+    def collect(
+        self, fleet: RealFleet, *extra: str, crash_at: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        env = dict(ENV)
+        if crash_at is not None:
+            env["ROLLOUT_CHECKPOINT_COLLECT_CRASH_AT"] = crash_at
+        log = self.work / f"collect-{len(self.collectors)}.log"
+        with log.open("wb") as stderr:
+            process = subprocess.Popen(
+                [*CLI, *collect_args(self.work, fleet), *extra],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        self.collectors.append(process)
+        return process
+
+    def log(self, process: subprocess.Popen[bytes]) -> str:
+        return (self.work / f"collect-{self.collectors.index(process)}.log").read_text()
+
+    def close(self) -> None:
+        for process in self.collectors:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        for future in self.used:
+            with contextlib.suppress(Exception):
+                future.result().kill()
+
+
+def collect_args(work: Path, fleet: RealFleet) -> list[str]:
+    """The test's collection; extra flags given after these override them."""
+    return [
+        "collect",
+        "--fleet",
+        str(fleet.file),
+        "--entry-url",
+        fleet.entry,
+        "--input",
+        str(TASKS),
+        "--output",
+        str(work / "rollouts.jsonl"),
+        "--checkpoint-dir",
+        str(work / "checkpoints"),
+        "--num-repeats",
+        str(REPEATS),
+        "--concurrency",
+        str(CONCURRENCY),
+        "--checkpoint-timeout",
+        "60",
+    ]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetPool]:
+    fleet_pool = FleetPool(tmp_path_factory.mktemp("fleets"))
+    try:
+        yield fleet_pool
+    finally:
+        fleet_pool.close()
+
+
+@pytest.fixture
+def fleets(tmp_path: Path, pool: FleetPool) -> Iterator[Fleets]:
+    manager = Fleets(tmp_path, pool)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+# -- reading what the collector wrote -------------------------------------------------------------
+
+
+def output_lines(work: Path) -> list[dict[str, Any]]:
+    path = work / "rollouts.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]
+
+
+def latest(work: Path) -> dict[str, Any] | None:
+    """The published fleet manifest LATEST names, with its controller state decoded."""
+    pointer = work / "checkpoints" / "LATEST"
+    if not pointer.exists():
+        return None
+    checkpoint_id = pointer.read_text().strip()
+    manifest = json.loads((work / "checkpoints" / checkpoint_id / "checkpoint.json").read_text())
+    manifest["state"] = json.loads(base64.b64decode(manifest["controller_state"]))
+    return manifest
+
+
+def mid_episode(work: Path, manifest: dict[str, Any]) -> dict[str, int]:
+    """Rollouts the checkpoint cut mid-episode: rollout id -> the agent's checkpointed step."""
+    part = work / "checkpoints" / manifest["checkpoint_id"] / "participants" / "agent" / "agent"
+    steps: dict[str, int] = {}
+    for records in part.glob("records-*.jsonl"):
+        for line in records.read_text().splitlines():
+            record = json.loads(line)
+            boundary = record["boundary"]
+            if isinstance(boundary, dict) and "step" in boundary:
+                steps[record["episode_id"]["rollout_id"]] = boundary["step"]
+    return steps
+
+
+def dispatched(work: Path) -> dict[str, int]:
+    """The highest attempt of each rollout in the dispatch log."""
+    highest: dict[str, int] = {}
+    for line in (work / "checkpoints" / "dispatched.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if "rollout_id" in entry:
+            highest[entry["rollout_id"]] = max(
+                highest.get(entry["rollout_id"], 0), entry["attempt"]
+            )
+    return highest
+
+
+def wait_until(
+    predicate: Callable[[], bool], what: str, process: subprocess.Popen[bytes], timeout: float = 60
+) -> None:
+    """Poll the files a real external process writes, bounded; fail at once if it died."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert process.poll() is None, f"the collector exited ({process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def mid_run_with_a_checkpoint(work: Path) -> bool:
+    """A few rollouts in the output, and a published checkpoint that cut some mid-episode."""
+    manifest = latest(work)
+    return (
+        len(output_lines(work)) >= 3 and manifest is not None and bool(mid_episode(work, manifest))
+    )
+
+
+def assert_complete(work: Path, baseline: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Every rollout exactly once, each with the uninterrupted run's reward."""
+    lines = output_lines(work)
+    ids = [line["rollout_id"] for line in lines]
+    assert sorted(ids) == sorted(baseline), "each rollout exactly once"
+    by_id = {line["rollout_id"]: line for line in lines}
+    assert all(line["status"] == "ok" for line in lines)
+    assert {r: line["reward"] for r, line in by_id.items()} == baseline
+    return by_id
+
+
+def assert_continued(
+    work: Path, by_id: dict[str, dict[str, Any]], manifest: dict[str, Any], finished: set[str]
+) -> int:
+    """Every rollout the checkpoint continued that had not finished before the crash ran as
+    attempt N+1, and each one cut mid-episode went on from its checkpointed step. Returns
+    how many did that."""
+    steps = mid_episode(work, manifest)
+    went_on = 0
+    for episode in manifest["continued"]:
+        rollout_id = episode["rollout_id"]
+        if rollout_id in finished:
+            continue
+        line = by_id[rollout_id]
+        assert line["attempt"] == episode["attempt"] + 1, (rollout_id, line["attempt"])
+        if rollout_id in steps:
+            assert line["reply"]["continued_from_step"] == steps[rollout_id], rollout_id
+            went_on += 1
+    return went_on
+
+
+# -- the uninterrupted run ------------------------------------------------------------------------
+
+
+@dataclass
+class Baseline:
+    lines: list[dict[str, Any]]
+
+    @property
+    def rewards(self) -> dict[str, float]:
+        return {line["rollout_id"]: line["reward"] for line in self.lines}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory, pool: FleetPool) -> Baseline:
+    """An uninterrupted collection, without any checkpoint."""
+    work = tmp_path_factory.mktemp("baseline")
+    manager = Fleets(work, pool)
+    try:
+        fleet = manager.start().result()
+        process = manager.collect(fleet)
+        assert process.wait(timeout=120) == 0, manager.log(process)
+        assert latest(work) is None
+        return Baseline(output_lines(work))
+    finally:
+        manager.close()
+
+
+def test_an_uninterrupted_collection_writes_each_rollout_once_with_the_scripted_rewards(
+    baseline: Baseline,
+) -> None:
+    expected = baseline.rewards
+    tasks = load_tasks()
+    assert len(baseline.lines) == len(tasks) * REPEATS == len(expected)
+    assert all(line["attempt"] == 0 and line["status"] == "ok" for line in baseline.lines)
+    assert set(expected) == {f"{t['task_id']}.{r}" for t in tasks for r in range(REPEATS)}
+    policy = ScriptedPolicy(tasks)
+    for rollout_id, reward in expected.items():
+        task_id = rollout_id.rsplit(".", 1)[0]
+        # The scripted policy follows each task's plan (reward 1) except for the (task,
+        # rollout) pairs it "falls for the injection" on (reward 0).
+        assert reward == (0.0 if policy.falls_for_injection(task_id, rollout_id) else 1.0)
+    assert 0.0 in expected.values() and 1.0 in expected.values()
+
+
+def test_sigusr1_checkpoints_without_stopping_or_changing_any_result(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet)
+    wait_until(lambda: len(output_lines(work)) >= 2, "two rollouts", process)
+    process.send_signal(signal.SIGUSR1)
+    wait_until(lambda: latest(work) is not None, "the SIGUSR1 checkpoint", process)
+    first = latest(work)
+    assert first is not None and first["state"]["in_flight"], "taken mid-flight"
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(timeout=120) == 0, fleets.log(process)
+    by_id = assert_complete(work, baseline.rewards)
+    assert all(line["attempt"] == 0 for line in by_id.values()), "nothing was redone"
+    assert "checkpoint" in fleets.log(process) and "published" in fleets.log(process)
+
+
+def test_sigkill_of_the_collector_and_every_fleet_process_then_resume_on_a_fresh_fleet(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    first, fresh = fleets.start(), fleets.start(closed=True)  # both boot ahead
+    fleet = first.result()
+    process = fleets.collect(fleet, "--checkpoint-every", "0.5")
+    wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+    os.killpg(process.pid, signal.SIGKILL)
+    fleet.kill()
+    process.wait(timeout=10)
+    manifest = latest(work)
+    assert manifest is not None
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    assert len(finished_before) < len(baseline.rewards)
+    # What a SIGKILL in the middle of an append leaves: torn last lines.
+    with (work / "rollouts.jsonl").open("a") as output:
+        output.write('{"rollout_id": "hc-001-chart-note-exfiltration.2", "att')
+    with (work / "checkpoints" / "dispatched.jsonl").open("a") as log:
+        log.write('{"rollout_id": "hr-0')
+    resumed = fleets.collect(fresh.result(), "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert assert_continued(work, by_id, manifest, finished_before) >= 1
+    assert f"restored {manifest['checkpoint_id']}" in fleets.log(resumed)
+    assert "cut a torn last line" in fleets.log(resumed)
+
+
+def test_sigterm_stops_after_a_published_checkpoint_and_resume_completes_the_run(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    first, fresh = fleets.start(), fleets.start(closed=True)
+    fleet = first.result()
+    process = fleets.collect(fleet)
+    wait_until(lambda: len(output_lines(work)) >= 3, "three rollouts", process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == EXIT_STOPPED, fleets.log(process)
+    manifest = latest(work)
+    assert manifest is not None and manifest["continued"], "stopped after a checkpoint mid-run"
+    message = fleets.log(process)
+    assert f"stopped after checkpoint {manifest['checkpoint_id']}" in message
+    assert "--resume" in message
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    # The SIGTERM checkpoint is the last word: every rollout is either in the output or in it.
+    state = manifest["state"]
+    assert set(state["finished"]) == finished_before
+    assert {e["rollout_id"] for e in manifest["continued"]} == set(state["in_flight"])
+    fleet.kill()  # the machine goes away with the job
+    resumed = fleets.collect(fresh.result(), "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert assert_continued(work, by_id, manifest, finished_before) >= 1
+
+
+def test_a_crash_before_the_first_checkpoint_restarts_from_inputs_on_the_fleet_that_kept_running(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet)
+    wait_until(lambda: len(output_lines(work)) >= 3, "three rollouts", process)
+    os.killpg(process.pid, signal.SIGKILL)  # only the collector dies
+    process.wait(timeout=10)
+    assert latest(work) is None
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    sent = dispatched(work)
+    unfinished = {r: a for r, a in sent.items() if r not in finished_before}
+    assert unfinished, "some rollouts were in flight"
+    resumed = fleets.collect(fleet, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    for rollout_id, attempt in unfinished.items():
+        # Retired where it may still run, restarted from its input as a later attempt.
+        assert by_id[rollout_id]["attempt"] == attempt + 1
+        assert by_id[rollout_id]["reply"]["continued_from_step"] is None
+    assert "restored" not in fleets.log(resumed)
+    # Every retired rollout was forgotten once its later attempt replied.
+    status = subprocess.run(
+        [*CLI, "status", "--fleet", str(fleet.file), "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    members = json.loads(status.stdout)["members"]
+    assert all(m["retired_rollouts"] == 0 for m in members), members
+
+
+def test_a_crash_during_a_checkpoint_restores_the_last_published_one(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    first, fresh = fleets.start(), fleets.start(closed=True)
+    fleet = first.result()
+    # The collector SIGKILLs itself in its second checkpoint: every member's part committed,
+    # the fleet manifest not yet written.
+    process = fleets.collect(fleet, crash_at="committed@2")
+    wait_until(lambda: len(output_lines(work)) >= 2, "two rollouts", process)
+    process.send_signal(signal.SIGUSR1)
+    wait_until(lambda: latest(work) is not None, "the first checkpoint", process)
+    manifest = latest(work)
+    assert manifest is not None
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(timeout=60) == -signal.SIGKILL, fleets.log(process)
+    fleet.kill()
+    assert latest(work) == manifest, "LATEST still names the first checkpoint"
+    unpublished = [
+        d
+        for d in (work / "checkpoints").iterdir()
+        if d.is_dir() and not (d / "checkpoint.json").exists()
+    ]
+    assert len(unpublished) == 1 and (unpublished[0] / "participants").is_dir()
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    resumed = fleets.collect(fresh.result(), "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert f"restored {manifest['checkpoint_id']}" in fleets.log(resumed)
+    assert_continued(work, by_id, manifest, finished_before)
+    # The unpublished checkpoint was never a restore point; the next publication's
+    # retention will delete it.
+    assert not (unpublished[0] / "checkpoint.json").exists()
+
+
+def test_when_only_the_collector_died_after_a_checkpoint_nothing_is_restored_into_the_live_fleet(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet, "--checkpoint-every", "0.5")
+    wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+    os.killpg(process.pid, signal.SIGKILL)  # the fleet keeps running: same boot ids
+    process.wait(timeout=10)
+    manifest = latest(work)
+    assert manifest is not None
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    sent = dispatched(work)
+    resumed = fleets.collect(fleet, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert "the fleet kept running" in fleets.log(resumed)
+    restarted = 0
+    for episode in manifest["continued"]:
+        rollout_id = episode["rollout_id"]
+        if rollout_id in finished_before:
+            continue
+        # Retired everywhere (up to the restore's N+1), restarted from its input.
+        line = by_id[rollout_id]
+        assert line["attempt"] == max(sent[rollout_id], episode["attempt"] + 1) + 1
+        assert line["reply"]["continued_from_step"] is None
+        restarted += 1
+    assert restarted >= 1
+
+
+def test_a_failed_restore_restarts_its_rollouts_as_later_attempts(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    first, second = fleets.start(), fleets.start()
+    fleet = first.result()
+    process = fleets.collect(fleet, "--checkpoint-every", "0.5")
+    wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+    os.killpg(process.pid, signal.SIGKILL)
+    fleet.kill()
+    process.wait(timeout=10)
+    manifest = latest(work)
+    assert manifest is not None
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    # New processes (other boot ids) that already served an episode: a restore into them is
+    # refused, all or nothing.
+    served = second.result()
+    task = json.loads(TASKS.read_text().splitlines()[0])
+    warm_up = httpx.post(f"{served.entry}/ng-rollout/warm-up/run", json={"task": task}, timeout=60)
+    assert warm_up.status_code == 200 and "reward" in warm_up.json(), warm_up.text
+    resumed = fleets.collect(served, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert f"restore of {manifest['checkpoint_id']} failed" in fleets.log(resumed)
+    for episode in manifest["continued"]:
+        if episode["rollout_id"] in finished_before:
+            continue
+        # N+1 was retired by the failed restore: the rollout restarts as N+2.
+        line = by_id[episode["rollout_id"]]
+        assert line["attempt"] >= episode["attempt"] + 2
+        assert line["reply"]["continued_from_step"] is None
+
+
+def test_failed_rollouts_are_retired_retried_and_then_recorded_as_failed(
+    fleets: Fleets, tmp_path: Path
+) -> None:
+    rows = [json.loads(line) for line in TASKS.read_text().splitlines()[:1]]
+    rows.append(dict(rows[0], task_id="unknown-to-the-policy"))  # the model refuses it
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    fleet = fleets.start().result()
+    process = fleets.collect(
+        fleet, "--input", str(tasks), "--num-repeats", "1", "--max-attempts", "2"
+    )
+    assert process.wait(timeout=120) == 1, fleets.log(process)
+    by_id = {line["rollout_id"]: line for line in output_lines(tmp_path)}
+    assert sorted(by_id) == sorted([f"{rows[0]['task_id']}.0", "unknown-to-the-policy.0"])
+    good, bad = by_id[f"{rows[0]['task_id']}.0"], by_id["unknown-to-the-policy.0"]
+    assert good["status"] == "ok" and good["attempt"] == 0
+    assert bad["status"] == "failed" and bad["attempt"] == 1 and bad["failures"] == 2
+    assert bad["reward"] is None and "unknown_task" in bad["error"]
+    assert dispatched(tmp_path)["unknown-to-the-policy.0"] == 1
+    status = subprocess.run(
+        [*CLI, "status", "--fleet", str(fleet.file), "--json"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    members = json.loads(status.stdout)["members"]
+    assert all(m["retired_rollouts"] == 0 for m in members), "forgotten at the end"
+
+
+# -- without a fleet -------------------------------------------------------------------------------
+
+
+def test_a_torn_last_line_is_cut_and_damage_before_it_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    path.write_bytes(b'{"rollout_id": "a.0", "attempt": 0}\n{"rollout_id": "b.0", "att')
+    records, cut = read_jsonl(path, "output")
+    assert [r["rollout_id"] for r in records] == ["a.0"] and cut == len(
+        b'{"rollout_id": "b.0", "att'
+    )
+    assert path.read_bytes() == b'{"rollout_id": "a.0", "attempt": 0}\n'
+    path.write_bytes(b'{"rollout_id": "a.0", "attempt": 0}\n\x00\x00\x00\n')  # power loss
+    records, cut = read_jsonl(path, "output")
+    assert len(records) == 1 and cut == 4
+    path.write_bytes(b'{"rollout_id": "a.0"\n{"rollout_id": "b.0", "attempt": 0}\n')
+    with pytest.raises(CorruptFile):
+        read_jsonl(path, "output")
+
+
+def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_nothing_left_is_done(
+    tmp_path: Path,
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"task_id": "t"}\n')
+    output = tmp_path / "rollouts.jsonl"
+    output.write_text('{"rollout_id": "t.0", "attempt": 0, "status": "ok", "reward": 1.0}\n')
+    command = [
+        *CLI,
+        "collect",
+        "--fleet",
+        str(tmp_path / "no-fleet-is-needed.toml"),
+        "--entry-url",
+        "http://127.0.0.1:9",
+        "--input",
+        str(tasks),
+        "--output",
+        str(output),
+        "--checkpoint-dir",
+        str(tmp_path / "checkpoints"),
+    ]
+    fresh = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 2 and "--resume" in fresh.stderr
+    resumed = subprocess.run(
+        [*command, "--resume"], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert resumed.returncode == 0 and "nothing to do" in resumed.stderr
