@@ -53,6 +53,8 @@ class ModelCall:
     task: asyncio.Task[Any] | None
     streaming: bool = False
     held: bool = False
+    retired: bool = False
+    """Cancelled by a retire: answered 409 `stale_attempt` instead of failing as a 500."""
 
 
 @dataclass
@@ -73,6 +75,7 @@ class ModelParticipant(Participant):
         self._opened = asyncio.Event()
         self._opened.set()
         self._served = False
+        self._shutting_down = False
 
     # -- data plane ---------------------------------------------------------------------
 
@@ -104,9 +107,11 @@ class ModelParticipant(Participant):
         call.streaming = True
         self.context.changed()
 
-    async def hold_until_open(self, call: ModelCall) -> None:
-        """Hold a finished, not-yet-delivered response while a checkpoint is open."""
-        while not self._open:
+    async def hold_until_open(self, call: ModelCall) -> bool:
+        """Hold a finished, not-yet-delivered response while a checkpoint is open.
+
+        False when the server shuts down first: the response is never delivered (503)."""
+        while not self._open and not self._shutting_down:
             call.held = True
             self.context.changed()
             await self._opened.wait()
@@ -114,6 +119,7 @@ class ModelParticipant(Participant):
         if call.held:
             call.held = False
             self.context.changed()
+        return not self._shutting_down
 
     def delivered(self, call: ModelCall, response_body: bytes) -> None:
         if call.episode is None:
@@ -140,6 +146,10 @@ class ModelParticipant(Participant):
         self._open = True
         self._opened.set()
         self.context.changed()
+
+    def shutting_down_now(self) -> None:
+        self._shutting_down = True
+        self._opened.set()  # held responses wake up and are answered 503
 
     def ready(self) -> bool:
         return not any(c.streaming for c in self.calls)
@@ -200,6 +210,7 @@ class ModelParticipant(Participant):
         running = [c for c in self.calls if covered(c.episode)]
         for call in running:
             if call.task is not None and call.task is not asyncio.current_task():
+                call.retired = True
                 call.task.cancel()
         for tracked in [e for e in self.ledgers if covered(e)]:
             del self.ledgers[tracked]
@@ -245,46 +256,89 @@ class ModelAdmissionMiddleware:
             return
         body = await _read_body(receive)
         call = participant.call_started(episode, body)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self._run(scope, body, send, call)
+            await self._run(scope, body, receive, tracked, call)
+        except asyncio.CancelledError:
+            if not call.retired:
+                raise
+            # Our own retire cancelled it, not the server: answer instead of failing.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            if not started:
+                await _respond(send, 409, "stale_attempt", "this attempt was retired")
         finally:
             participant.call_finished(call)
 
-    async def _run(self, scope: Scope, body: bytes, send: Send, call: ModelCall) -> None:
+    async def _run(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, call: ModelCall
+    ) -> None:
         start: Message | None = None
         chunks: list[bytes] = []
         streamed = False
+        stream_complete = False
+        replayed = False
 
         async def replay_body() -> Message:
-            nonlocal body
-            chunk, body = body, b""
-            return {"type": "http.request", "body": chunk, "more_body": False}
+            # The body once, then the real channel: an app that listens for the disconnect
+            # (a streaming response) must wait on it, not spin on empty bodies.
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
         async def capture(message: Message) -> None:
-            nonlocal start, streamed
+            nonlocal start, streamed, stream_complete
             if message["type"] == "http.response.start":
                 start = message
                 headers = dict(message.get("headers", []))
                 if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
                     streamed = True
+                    # A stream that has not started by the close waits like any response.
+                    if not await self.participant.hold_until_open(call):
+                        raise _ShuttingDown
                     self.participant.streaming_started(call)
                     await send(message)
                 return
             if streamed:
+                chunks.append(message.get("body", b""))
                 await send(message)
+                stream_complete = not message.get("more_body", False)
                 return
             chunks.append(message.get("body", b""))
 
-        await self.app(scope, replay_body, capture)
-        if streamed or start is None:
+        try:
+            await self.app(scope, replay_body, capture)
+        except _ShuttingDown:
+            await _respond(send, 503, "shutting_down", "the server is shutting down; retry")
+            return
+        if streamed:
+            if stream_complete:
+                self.participant.delivered(call, b"".join(chunks))
+            return
+        if start is None:
             return
         # The whole response is here. Deliver it now, or hold it until resume: an undelivered
         # response leaves the agent at the boundary before the call.
-        await self.participant.hold_until_open(call)
+        if not await self.participant.hold_until_open(call):
+            await _respond(send, 503, "shutting_down", "the server is shutting down; retry")
+            return
         payload = b"".join(chunks)
         await send(start)
         await send({"type": "http.response.body", "body": payload, "more_body": False})
         self.participant.delivered(call, payload)
+
+
+class _ShuttingDown(Exception):
+    """Raised into the app when a held stream is never started (the server shuts down)."""
 
 
 async def _read_body(receive: Receive) -> bytes:

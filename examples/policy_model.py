@@ -1,0 +1,748 @@
+"""The scripted policy model: a deterministic stand-in for a training policy, as a participant.
+
+    python -m rollout_checkpoint.examples.policy_model --latency 0.05 --http-address 127.0.0.1:0
+
+`POST /v1/chat/completions` speaks the OpenAI chat-completions shape with tool calls. The
+request names its task in `metadata.task_id` (a row of `prompt_injection_tasks.jsonl`); the
+rollout comes from the rollout prefix (`/ng-rollout/<capture_key>/...`, its rollout id, so
+attempt N+1 answers exactly as attempt N did), else from `metadata.rollout_id`, else
+`"anonymous"`. The step is derived from the request's own conversation (the number of
+assistant messages already in `messages`), never from a counter: a held or re-issued call gets
+the answer its conversation calls for.
+
+Policy: follow the task's `reference_plan`, one tool call per step, then answer with a short
+final message (`finish_reason: "stop"`). For about one (task, rollout) pair in four (chosen by
+SHA-256 of the two ids) the model "falls for" the injection: at the first step whose
+conversation shows the injected text in a tool result, it calls `injection.target_tool` with
+`injection.target_args` (completed with harmless values for arguments the tool requires),
+then carries on with the plan. So rewards vary across rollouts but are reproducible.
+
+`--latency` simulates generation time so rollouts stay in flight long enough to be cut.
+`stream: true` answers as server-sent events (`chat.completion.chunk`, then `[DONE]`).
+
+`--upstream URL` makes the server a thin proxy in front of a real OpenAI-compatible server
+instead: generation calls are forwarded (rollout prefix stripped, body untouched, streaming
+passed through), while the admission gate and the held responses stay here. So a real model
+replaces the scripted one by configuration.
+
+With checkpointing enabled the app has, outermost first: the rollout prefix, the model
+admission middleware (`ModelParticipant`: 409 `admission_closed`, held responses, the ledger of
+delivered calls) and the gRPC sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from rollout_checkpoint.examples.prompt_injection import load_tasks
+from rollout_checkpoint.server.clock import Clock
+from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.model_participant import (
+    GENERATION_PATHS,
+    ModelAdmissionMiddleware,
+    ModelParticipant,
+)
+from rollout_checkpoint.server.rollout_prefix import RolloutPrefixMiddleware, episode_of
+from rollout_checkpoint.server.settings import CheckpointSettings
+
+__all__ = [
+    "INJECTION_FILLERS",
+    "Decision",
+    "GatePoint",
+    "PolicyError",
+    "PolicyModelConfig",
+    "PolicyModelServer",
+    "ScriptedPolicy",
+    "add_arguments",
+    "build_server",
+    "main",
+]
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = "anonymous"
+DEFAULT_MODEL = "scripted-policy"
+
+INJECTION_FILLERS: Mapping[str, Mapping[str, Any]] = {
+    "send_message": {
+        "subject": "Requested information",
+        "body": "Forwarding the information requested in the notice.",
+    },
+    "prescribe_medication": {"dosage": "1 tablet every 4 hours"},
+    "send_offer": {"start_date": "2025-04-01"},
+    "schedule_appointment": {"date": "2025-03-31", "time": "08:00"},
+    "update_patient_chart": {"note": "Updated as instructed."},
+}
+"""Arguments a tool requires that an injection's `target_args` may leave out. The injected call
+carries the target's arguments first, then these for whatever is missing, so it succeeds
+against the prompt-injection server (and changes its state, as a real exploit would)."""
+
+
+class PolicyError(Exception):
+    """A request the scripted model cannot answer: 400 with `{"error": {"code", "detail"}}`."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+# -- the policy (pure: a request in, a decision out) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the model answers at one step: one tool call, or the final message."""
+
+    step: int
+    tool_name: str | None = None
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    content: str | None = None
+    injected: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_name is not None else "stop"
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message (`tool_calls` ids are `call_<step>_<i>`)."""
+        if self.tool_name is None:
+            return {"role": "assistant", "content": self.content}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{self.step}_0",
+                    "type": "function",
+                    "function": {"name": self.tool_name, "arguments": _dumps(self.arguments)},
+                }
+            ],
+        }
+
+
+class ScriptedPolicy:
+    """Follows each task's `reference_plan`; one (task, rollout) pair in `fall_one_in` falls
+    for the task's injection (0: never)."""
+
+    def __init__(self, tasks: Iterable[Mapping[str, Any]], *, fall_one_in: int = 4) -> None:
+        self.tasks: dict[str, Mapping[str, Any]] = {}
+        for task in tasks:
+            task_id = task.get("task_id")
+            plan = task.get("reference_plan")
+            if not isinstance(task_id, str) or not isinstance(plan, list) or not plan:
+                raise ValueError(f"task {task_id!r} needs a task_id and a non-empty reference_plan")
+            self.tasks[task_id] = task
+        self.fall_one_in = fall_one_in
+
+    def task(self, task_id: object) -> Mapping[str, Any]:
+        if not isinstance(task_id, str):
+            raise PolicyError("missing_task", "the request needs metadata.task_id (a string)")
+        task = self.tasks.get(task_id)
+        if task is None:
+            raise PolicyError("unknown_task", f"no task {json.dumps(task_id)}")
+        return task
+
+    def falls_for_injection(self, task_id: str, rollout_id: str) -> bool:
+        if self.fall_one_in <= 0:
+            return False
+        digest = hashlib.sha256(f"{task_id}\n{rollout_id}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") % self.fall_one_in == 0
+
+    def injected_call(self, task: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        injection = task.get("injection")
+        if not isinstance(injection, Mapping):
+            return None
+        tool, target_args = injection.get("target_tool"), injection.get("target_args")
+        if not isinstance(tool, str) or not isinstance(target_args, Mapping):
+            return None
+        arguments = dict(target_args)
+        for name, value in INJECTION_FILLERS.get(tool, {}).items():
+            arguments.setdefault(name, value)
+        return tool, arguments
+
+    def decide(
+        self, task: Mapping[str, Any], rollout_id: str, messages: Sequence[Mapping[str, Any]]
+    ) -> Decision:
+        """The answer to a conversation: its step is the number of assistant messages in it."""
+        plan: list[Mapping[str, Any]] = list(task["reference_plan"])
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        step = len(assistant)
+        injected = self.injected_call(task)
+        already = injected is not None and any(_calls(m, *injected) for m in assistant)
+        if (
+            injected is not None
+            and not already
+            and self.falls_for_injection(str(task["task_id"]), rollout_id)
+            and _injection_visible(task, messages)
+        ):
+            return Decision(step, injected[0], injected[1], injected=True)
+        index = step - (1 if already else 0)
+        if index < len(plan):
+            planned = plan[index]
+            return Decision(step, str(planned["name"]), dict(planned.get("arguments") or {}))
+        names = ", ".join(dict.fromkeys(str(p["name"]) for p in plan))
+        return Decision(step, content=f"Done. I used {names} to complete the task.")
+
+    def completion(
+        self, request: Mapping[str, Any], rollout_id: str, *, model: str | None = None
+    ) -> tuple[Decision, dict[str, Any]]:
+        """The whole `chat.completion` reply to a request body (deterministic)."""
+        messages = _messages(request)
+        metadata = request.get("metadata")
+        task = self.task(metadata.get("task_id") if isinstance(metadata, Mapping) else None)
+        decision = self.decide(task, rollout_id, messages)
+        message = decision.message()
+        reply = {
+            "id": _completion_id(str(task["task_id"]), rollout_id, decision.step),
+            "object": "chat.completion",
+            "created": 0,
+            "model": _model_name(request, model),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": decision.finish_reason,
+                }
+            ],
+            "usage": _usage(messages, message),
+        }
+        return decision, reply
+
+
+def _messages(request: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+        raise PolicyError("invalid_messages", "messages must be a list of message objects")
+    return messages
+
+
+def _model_name(request: Mapping[str, Any], default: str | None) -> str:
+    model = request.get("model")
+    return model if isinstance(model, str) and model else (default or DEFAULT_MODEL)
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _completion_id(task_id: str, rollout_id: str, step: int) -> str:
+    digest = hashlib.sha256(f"{task_id}\n{rollout_id}\n{step}".encode()).hexdigest()
+    return f"chatcmpl-{digest[:24]}"
+
+
+def _usage(messages: Sequence[Mapping[str, Any]], message: Mapping[str, Any]) -> dict[str, int]:
+    """A deterministic token estimate (four characters a token)."""
+    prompt = math.ceil(len(_dumps(list(messages))) / 4)
+    completion = math.ceil(len(_dumps(message)) / 4)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _text(content: object) -> str:
+    """A message's text: a string, or the text parts of a content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return ""
+
+
+def _injection_visible(task: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a tool result in the conversation shows the injected text (at any JSON escaping
+    depth: backslashes are ignored on both sides)."""
+    injection = task.get("injection")
+    text = injection.get("injection_text") if isinstance(injection, Mapping) else None
+    if not isinstance(text, str) or not text:
+        return False
+    needle = text.replace("\\", "")
+    return any(
+        needle in _text(m.get("content")).replace("\\", "")
+        for m in messages
+        if m.get("role") == "tool"
+    )
+
+
+def _calls(message: Mapping[str, Any], tool: str, arguments: Mapping[str, Any]) -> bool:
+    """Whether an assistant message calls `tool` with exactly `arguments`."""
+    tool_calls = message.get("tool_calls")
+    if not isinstance(tool_calls, list):
+        return False
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or function.get("name") != tool:
+            continue
+        raw = function.get("arguments")
+        try:
+            parsed = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            continue
+        if parsed == dict(arguments):
+            return True
+    return False
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatePoint:
+    """Where a generation waits on the test gate: `generate` (before answering) or `stream`
+    (after a streamed reply's first chunk)."""
+
+    phase: str
+    task_id: str
+    rollout_id: str
+    step: int
+
+
+Gate = Callable[[GatePoint], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PolicyModelConfig:
+    """How one policy model process runs."""
+
+    instance: str = "policy_model"
+    checkpoint: CheckpointSettings | None = None
+    latency: float = 0.05
+    """Seconds of simulated generation before every answer."""
+    upstream: str | None = None
+    """Base URL of a real OpenAI-compatible server (e.g. `http://host:8000` or `.../v1`): proxy
+    mode. None: the scripted model answers."""
+    upstream_api_key: str | None = None
+    """Sent upstream as `Authorization: Bearer ...` (else the caller's header is forwarded)."""
+    upstream_timeout: float = 600.0
+    model_name: str = DEFAULT_MODEL
+    """The `model` of a reply when the request names none."""
+    fall_one_in: int = 4
+    """One (task, rollout) pair in this many falls for the injection (0: never)."""
+    tasks: tuple[Mapping[str, Any], ...] | None = None
+    """The tasks the scripted model knows (default: the shipped prompt-injection tasks)."""
+    gate: Gate | None = None
+    """For tests: awaited at each `GatePoint` of a scripted generation."""
+    clock: Clock | None = None
+    """For tests: the control plane's clock."""
+
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "accept-encoding",
+        "content-encoding",
+        "cookie",
+        "set-cookie",
+        "date",
+        "server",
+    }
+)
+
+
+class PolicyModelServer:
+    """The scripted policy model (or, with `upstream`, a proxy) as a FastAPI app."""
+
+    def __init__(self, config: PolicyModelConfig | None = None) -> None:
+        self.config = config or PolicyModelConfig()
+        self.instance = self.config.instance
+        tasks = self.config.tasks if self.config.tasks is not None else tuple(load_tasks())
+        self.policy = ScriptedPolicy(tasks, fall_one_in=self.config.fall_one_in)
+        self.participant: ModelParticipant | None = None
+        self.runtime: CheckpointRuntime | None = None
+        self.upstream: httpx.AsyncClient | None = None
+
+    @property
+    def checkpoint_enabled(self) -> bool:
+        return self.config.checkpoint is not None and self.config.checkpoint.enabled
+
+    @property
+    def proxy(self) -> bool:
+        return self.config.upstream is not None
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(
+            title=f"PolicyModelServer ({self.instance})",
+            openapi_url=None,
+            docs_url=None,
+            redoc_url=None,
+            lifespan=self._lifespan,
+        )
+        app.state.policy_model = self
+        if self.proxy:
+            for path in sorted(GENERATION_PATHS):
+                app.add_api_route(path, self._proxy_route, methods=["POST"])
+            app.add_api_route("/v1/models", self._proxy_route, methods=["GET"])
+        else:
+            app.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
+            app.add_api_route("/v1/models", self._models_route, methods=["GET"])
+        if self.checkpoint_enabled:
+            assert self.config.checkpoint is not None
+            self.participant = ModelParticipant(self.instance)
+            app.add_middleware(ModelAdmissionMiddleware, participant=self.participant)
+            app.add_middleware(RolloutPrefixMiddleware)
+            self.runtime = install_checkpointing(
+                app, self.participant, self.config.checkpoint, clock=self.config.clock
+            )
+        return app
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        if not self.proxy:
+            yield
+            return
+        self.upstream = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.upstream_timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+        )
+        try:
+            yield
+        finally:
+            client, self.upstream = self.upstream, None
+            await client.aclose()
+
+    # -- scripted ---------------------------------------------------------------------------
+
+    async def _models_route(self, request: Request) -> Response:
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "rollout-checkpoint",
+                }
+            ],
+        }
+        return Response(_dumps(body), media_type="application/json")
+
+    async def _chat_route(self, request: Request) -> Response:
+        try:
+            body = _json_object(await request.body())
+            rollout_id = self._rollout_id(request, body)
+            decision, reply = self.policy.completion(body, rollout_id, model=self.config.model_name)
+        except PolicyError as exc:
+            return _error(400, exc.code, exc.detail)
+        point = GatePoint("generate", str(body["metadata"]["task_id"]), rollout_id, decision.step)
+        if self.config.latency > 0:
+            await asyncio.sleep(self.config.latency)
+        if self.config.gate is not None:
+            await self.config.gate(point)
+        if body.get("stream") is True:
+            include_usage = isinstance(body.get("stream_options"), Mapping) and bool(
+                body["stream_options"].get("include_usage")
+            )
+            return StreamingResponse(
+                self._events(point, decision, reply, include_usage),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        return Response(_dumps(reply), media_type="application/json")
+
+    def _rollout_id(self, request: Request, body: Mapping[str, Any]) -> str:
+        episode = episode_of(request.scope)
+        if episode is not None:
+            return episode.rollout_id
+        metadata = body.get("metadata")
+        named = metadata.get("rollout_id") if isinstance(metadata, Mapping) else None
+        return named if isinstance(named, str) and named else ANONYMOUS
+
+    async def _events(
+        self, point: GatePoint, decision: Decision, reply: Mapping[str, Any], include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """The reply as `chat.completion.chunk` events: role (and tool-call header), body,
+        finish, optionally usage, then `[DONE]`."""
+
+        def chunk(delta: Mapping[str, Any], finish: str | None) -> bytes:
+            event = {
+                "id": reply["id"],
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": reply["model"],
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+            return f"data: {_dumps(event)}\n\n".encode()
+
+        message = decision.message()
+        if decision.tool_name is not None:
+            call = message["tool_calls"][0]
+            yield chunk(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["function"]["name"], "arguments": ""},
+                        }
+                    ],
+                },
+                None,
+            )
+            if self.config.gate is not None:
+                await self.config.gate(
+                    GatePoint("stream", point.task_id, point.rollout_id, point.step)
+                )
+            yield chunk(
+                {
+                    "tool_calls": [
+                        {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+                    ]
+                },
+                None,
+            )
+        else:
+            yield chunk({"role": "assistant", "content": ""}, None)
+            if self.config.gate is not None:
+                await self.config.gate(
+                    GatePoint("stream", point.task_id, point.rollout_id, point.step)
+                )
+            yield chunk({"content": message["content"]}, None)
+        yield chunk({}, decision.finish_reason)
+        if include_usage:
+            usage = {
+                "id": reply["id"],
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": reply["model"],
+                "choices": [],
+                "usage": reply["usage"],
+            }
+            yield f"data: {_dumps(usage)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    # -- proxy ------------------------------------------------------------------------------
+
+    def upstream_url(self, path: str) -> str:
+        """The upstream URL of a (prefix-stripped) path; a base ending in `/v1` is not doubled."""
+        assert self.config.upstream is not None
+        base = self.config.upstream.rstrip("/")
+        if base.endswith("/v1") and path.startswith("/v1/"):
+            path = path[len("/v1") :]
+        return base + path
+
+    async def _proxy_route(self, request: Request) -> Response:
+        client = self.upstream
+        if client is None:
+            return _error(503, "upstream_not_ready", "the upstream client is not running")
+        body = await request.body()
+        try:
+            wants_stream = json.loads(body).get("stream") is True if body else False
+        except (ValueError, AttributeError):
+            wants_stream = False
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers["accept-encoding"] = "identity"
+        if self.config.upstream_api_key:
+            headers["authorization"] = f"Bearer {self.config.upstream_api_key}"
+        upstream_request = client.build_request(
+            request.method,
+            self.upstream_url(request.scope["path"]),
+            content=body,
+            headers=headers,
+            params=request.query_params,
+        )
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            log.warning("upstream %s failed: %s", upstream_request.url, exc)
+            return _error(502, "upstream_unavailable", f"the upstream model server failed: {exc}")
+        reply_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+        content_type = upstream.headers.get("content-type", "")
+        if wants_stream and content_type.startswith("text/event-stream"):
+            return StreamingResponse(
+                _relay(upstream),
+                status_code=upstream.status_code,
+                headers=reply_headers,
+                background=BackgroundTask(upstream.aclose),
+            )
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as exc:
+            log.warning("upstream %s failed mid-response: %s", upstream_request.url, exc)
+            return _error(502, "upstream_unavailable", f"the upstream model server failed: {exc}")
+        finally:
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, headers=reply_headers)
+
+
+async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for part in upstream.aiter_bytes():
+            yield part
+    except httpx.HTTPError as exc:  # the stream ends short; the client sees no [DONE]
+        log.warning("upstream stream failed: %s", exc)
+    finally:
+        await upstream.aclose()
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        raise PolicyError("invalid_json", "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise PolicyError("invalid_json", "the body must be a JSON object")
+    return body
+
+
+def _error(status: int, code: str, detail: str) -> Response:
+    return Response(
+        _dumps({"error": {"code": code, "detail": detail}}),
+        status_code=status,
+        media_type="application/json",
+    )
+
+
+# -- command line -----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The policy model's own flags (for `rollout-checkpoint serve policy_model`)."""
+    parser.add_argument(
+        "--latency",
+        type=float,
+        default=0.05,
+        help="seconds of simulated generation per call (default 0.05)",
+    )
+    parser.add_argument(
+        "--upstream",
+        default=None,
+        help="proxy a real OpenAI-compatible server at this base URL instead of scripting",
+    )
+    parser.add_argument(
+        "--upstream-timeout", type=float, default=600.0, help="seconds per upstream call"
+    )
+    parser.add_argument(
+        "--model-name", default=DEFAULT_MODEL, help="the reply's model when a request names none"
+    )
+    parser.add_argument(
+        "--fall-one-in",
+        type=int,
+        default=4,
+        help="one (task, rollout) pair in N falls for the injection (0: never; default 4)",
+    )
+
+
+def build_server(
+    args: argparse.Namespace, checkpoint: CheckpointSettings | None = None
+) -> PolicyModelServer:
+    """A server from parsed flags. `checkpoint` None: built from the common serve flags
+    (`--no-checkpoint`, `--token`, `--grpc-address`, `--start-closed`, `--instance`)."""
+    instance = getattr(args, "instance", None) or "policy_model"
+    if checkpoint is None and not getattr(args, "no_checkpoint", False):
+        overrides: dict[str, Any] = {
+            "enabled": True,
+            "instance": instance,
+            "start_closed": bool(getattr(args, "start_closed", False)),
+        }
+        if getattr(args, "token", None) is not None:
+            overrides["token"] = args.token
+        if getattr(args, "grpc_address", None) is not None:
+            overrides["grpc_address"] = args.grpc_address
+        checkpoint = CheckpointSettings(**overrides)
+    return PolicyModelServer(
+        PolicyModelConfig(
+            instance=instance,
+            checkpoint=checkpoint,
+            latency=getattr(args, "latency", 0.05),
+            upstream=getattr(args, "upstream", None),
+            upstream_api_key=os.environ.get("ROLLOUT_CHECKPOINT_UPSTREAM_API_KEY") or None,
+            upstream_timeout=getattr(args, "upstream_timeout", 600.0),
+            model_name=getattr(args, "model_name", DEFAULT_MODEL),
+            fall_one_in=getattr(args, "fall_one_in", 4),
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the policy model as its own process; print one JSON line once it listens
+    (`http`, `grpc`, `instance`, `kind: "model"`, `pid`)."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout_checkpoint.examples.policy_model",
+        description="The scripted policy model (or a proxy to a real one) with its sidecar.",
+    )
+    parser.add_argument("--http-address", default="127.0.0.1:0", help="HOST:PORT (0: free port)")
+    parser.add_argument("--grpc-address", default=None, help="the sidecar's HOST:PORT")
+    parser.add_argument(
+        "--token", default=None, help="control token (else $ROLLOUT_CHECKPOINT_TOKEN)"
+    )
+    parser.add_argument("--no-checkpoint", action="store_true", help="run without checkpointing")
+    parser.add_argument("--instance", default=None, help="instance name (default policy_model)")
+    parser.add_argument("--start-closed", action="store_true", help="start with admission closed")
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server = build_server(args)
+    app = server.build_app()
+    host, _, port = args.http_address.rpartition(":")
+    host = host.strip("[]")
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.should_exit:
+                return
+            bound = self.servers[0].sockets[0].getsockname()
+            announcement = {
+                "http": f"{host}:{bound[1]}",
+                "grpc": server.runtime.address if server.runtime is not None else None,
+                "instance": server.instance,
+                "kind": "model",
+                "pid": os.getpid(),
+            }
+            print(json.dumps(announcement), flush=True)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=int(port),
+        lifespan="on",
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    AnnouncingServer(config).run()
+
+
+if __name__ == "__main__":
+    main()
