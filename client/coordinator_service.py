@@ -308,8 +308,10 @@ async def _discover(spec: FleetSpec) -> Fleet:
     try:
         return await Fleet.discover(spec)
     except DiscoveryError as error:
+        # A member's own refusal (a wrong token) stays a refusal: PARTICIPANT_FAILED with
+        # its reason, not PARTICIPANT_UNREACHABLE, which says "retry, it may come back".
         failures = {
-            name: ControlError(grpc.StatusCode.UNAVAILABLE, message)
+            name: error.errors.get(name) or ControlError(grpc.StatusCode.UNAVAILABLE, message)
             for name, message in error.failures.items()
         }
         raise coordination.FleetError("discover", failures) from error

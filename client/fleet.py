@@ -195,11 +195,22 @@ class Member:
 
 
 class DiscoveryError(Exception):
-    def __init__(self, failures: dict[str, str]) -> None:
+    """Discovery failed. `failures` describes each failure; `errors` keeps the members' own
+    ControlErrors, which tell a member that refused (a wrong token) from one that is down."""
+
+    def __init__(
+        self, failures: dict[str, str], errors: dict[str, ControlError] | None = None
+    ) -> None:
         super().__init__(
             "discovery failed: " + "; ".join(f"{n}: {m}" for n, m in sorted(failures.items()))
         )
         self.failures = failures
+        self.errors = dict(errors or {})
+
+    @property
+    def refused(self) -> bool:
+        """Whether a member decided against the call, rather than not being reached."""
+        return any(error.decided_by_server for error in self.errors.values())
 
 
 class Fleet:
@@ -225,10 +236,13 @@ class Fleet:
             return_exceptions=True,
         )
         failures: dict[str, str] = {}
+        errors: dict[str, ControlError] = {}
         members: list[Member] = []
         for member_spec, result in zip(spec.members, results, strict=True):
             if isinstance(result, BaseException):
                 failures[member_spec.name] = str(result)
+                if isinstance(result, ControlError):
+                    errors[member_spec.name] = result
             elif result.kind not in STAGE_ORDER:
                 failures[member_spec.name] = f"unknown participant kind {result.kind}"
             else:
@@ -254,7 +268,7 @@ class Fleet:
             )
         if failures:
             await asyncio.gather(*(c.close() for c in clients.values()))
-            raise DiscoveryError(failures)
+            raise DiscoveryError(failures, errors)
         return cls(spec, members)
 
     async def close(self) -> None:

@@ -154,10 +154,11 @@ def run(args: argparse.Namespace) -> int:
     except (FleetConfigError, ValueError) as error:
         return _fail(args, EXIT_USAGE, "usage", str(error))
     except DiscoveryError as error:
+        refused = error.refused  # e.g. a wrong token: waiting will not help
         return _fail(
             args,
-            EXIT_UNREACHABLE,
-            "PARTICIPANT_UNREACHABLE",
+            EXIT_REFUSED if refused else EXIT_UNREACHABLE,
+            "PARTICIPANT_FAILED" if refused else "PARTICIPANT_UNREACHABLE",
             str(error),
             {"failures": error.failures},
         )
