@@ -83,6 +83,10 @@ class ResourcesParticipant(Participant):
         """Sessions of retired attempts, refused (`stale_attempt`) until their rollout is forgotten."""
         self._retiring: set[str] = set()
         self._restart_blockers: set[str] = set()
+        self._busy: set[TrackedSession] = set()
+        """Every tracked session object with requests in flight, so a readiness report costs
+        O(blockers), not O(sessions): a prepare of a server holding 10,000 idle sessions
+        reports twice, and GetStatus and the metrics gauges report too."""
         self._seeding: dict[EpisodeId, int] = {}
         self.inflight = 0
         self.waiting = 0
@@ -158,6 +162,7 @@ class ResourcesParticipant(Participant):
         else:
             session.inflight += 1
             session.restored_pending = False
+            self._busy.add(session)
         self._notify()
         return session
 
@@ -168,6 +173,8 @@ class ResourcesParticipant(Participant):
             self._inflight_without_session -= 1
         else:
             counted.inflight -= 1
+            if not counted.inflight:
+                self._busy.discard(counted)
         self._notify()
 
     def seed_started(self, episode: EpisodeId | None) -> None:
@@ -274,8 +281,16 @@ class ResourcesParticipant(Participant):
         return self.inflight == 0 and not self._retiring and not self._restart_blockers
 
     def report(self) -> ReadinessReport:
+        # Only sessions that can block are visited: retiring, restart_only, or with requests
+        # in flight (a busy object that is no longer the tracked one for its id is skipped,
+        # as iterating `sessions` would). Each yields at most one blocker, by priority.
+        candidates = self._retiring | self._restart_blockers
+        candidates.update(s.session_id for s in self._busy if self.sessions.get(s.session_id) is s)
         blockers: list[Blocker] = []
-        for session in self.sessions.values():
+        for session_id in candidates:
+            session = self.sessions.get(session_id)
+            if session is None:
+                continue
             key = session.episode.capture_key
             if session.session_id in self._retiring:
                 blockers.append(
