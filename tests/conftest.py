@@ -128,7 +128,14 @@ async def stop_harness(harness: Harness) -> None:
 async def serve_app(app: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
     """Run `app` under uvicorn on 127.0.0.1:0 in this loop; return once it listens."""
     server = _StartedServer(
-        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            lifespan="on",
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+        )
     )
     serving = asyncio.ensure_future(server.serve())
     started = asyncio.ensure_future(server.started_event.wait())
