@@ -249,3 +249,20 @@ async def test_coordinator_service_checkpoint_stream_and_restore(tmp_path: Path)
                 assert sorted(resumed.idempotent_members) == ["counter", "weather"]
         finally:
             stop(coordinator)
+
+
+def test_the_shipped_example_fleet_file_loads() -> None:
+    from rollout_checkpoint.client.fleet import load_fleet_file
+
+    spec = load_fleet_file(
+        Path(__file__).resolve().parent.parent / "examples" / "fleet.toml",
+        environ={"ROLLOUT_CHECKPOINT_TOKEN": "t"},
+    )
+    assert [m.name for m in spec.members] == [
+        "environment",
+        "policy_model",
+        "agent",
+        "prompt_injection",
+        "counter",
+    ]
+    assert len({m.address for m in spec.members}) == 5
