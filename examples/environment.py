@@ -35,6 +35,8 @@ from rollout_checkpoint.server.rollout_prefix import (
 )
 from rollout_checkpoint.server.settings import CheckpointSettings
 
+from .relay import error_response, refusal_code
+
 
 @dataclass(frozen=True)
 class EnvironmentConfig:
@@ -79,22 +81,22 @@ class EnvironmentServer:
     async def _run_route(self, request: Request) -> JSONResponse:
         episode_id = episode_of(request.scope)
         if episode_id is None:
-            return _error(
+            return error_response(
                 400, "rollout_id_required", "call /ng-rollout/<rollout_id>[-a<attempt>]/run"
             )
         body = await request.json()
         task = body.get("task")
         if not isinstance(task, dict):
-            return _error(400, "invalid_task", "the body needs a task object")
+            return error_response(400, "invalid_task", "the body needs a task object")
         participant = self.participant
         tracked: TrackedEpisode | None = None
         if participant is not None:
             try:
                 tracked, _ = participant.begin_task(episode_id, task)
             except EpisodeRefused as refused:
-                return _error(409, refused.code, refused.detail)
+                return error_response(409, refused.code, refused.detail)
             except CheckpointError as mismatch:
-                return _error(409, "task_mismatch", mismatch.message)
+                return error_response(409, "task_mismatch", mismatch.message)
         try:
             if participant is not None and tracked is not None:
                 await participant.episodes_tracker.boundary(
@@ -103,7 +105,9 @@ class EnvironmentServer:
             reply = await self._relay(episode_id.capture_key, request.scope, task, tracked)
             return JSONResponse(reply)
         except EpisodeRetired:
-            return _error(409, "stale_attempt", f"attempt {episode_id.capture_key} was retired")
+            return error_response(
+                409, "stale_attempt", f"attempt {episode_id.capture_key} was retired"
+            )
         finally:
             if participant is not None and tracked is not None:
                 participant.end_task(tracked)
@@ -127,7 +131,7 @@ class EnvironmentServer:
                 response = await self.http.post(
                     url, json={"task": task, "resources_server": self.config.resources_server}
                 )
-                code = _refusal_code(response)
+                code = refusal_code(response)
                 if code == "admission_closed" and (tracker is None or tracker.admission_open):
                     await asyncio.sleep(delay)  # the agent is still closed: stay at the boundary
                     delay = min(delay * 2, 1.0)
@@ -141,17 +145,3 @@ class EnvironmentServer:
             if response.status_code != 200:
                 reply = {"error": reply.get("error", reply), "status": response.status_code}
             return {"environment": self.config.instance, "task_digest": task_digest(task), **reply}
-
-
-def _refusal_code(response: httpx.Response) -> str | None:
-    if response.status_code != 409:
-        return None
-    try:
-        code = response.json().get("error", {}).get("code")
-    except ValueError:
-        return None
-    return str(code) if code else None
-
-
-def _error(status: int, code: str, detail: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "detail": detail}}, status_code=status)
