@@ -12,7 +12,19 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import pytest
+
 T = TypeVar("T")
+
+
+def only_when_asked_for(request: pytest.FixtureRequest) -> None:
+    """Skip a larger-budget variant unless the run selects slow tests (`-m slow`).
+
+    The full suite runs everything not deselected, so these would otherwise add minutes to
+    every `scripts/test`; `-m slow` (or `-m "slow or ..."`) runs them."""
+    expression = request.config.getoption("markexpr", "") or ""
+    if "slow" not in expression.replace("not slow", ""):
+        pytest.skip("a larger budget: run with -m slow")
 
 
 class LoopThread:
