@@ -211,7 +211,7 @@ async def test_a_member_killed_while_prepared(servers: Servers, tmp_path: Path) 
     reopens when its lease expires; a fresh fleet then checkpoints and publishes."""
     a, b = servers.start(("a", ""), ("b", ""))
     await asyncio.gather(seed(a, ["r1", "r2"]), seed(b, ["r3"]))
-    deadline = time.time() + 2
+    deadline = time.time() + 3  # short: the survivor's lease is deadline + grace
     async with fleet_of(a, b) as fleet:
         progress = await coordination.prepare_until_done(fleet, "k1", deadline)
         assert progress.prepared
