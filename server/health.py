@@ -31,6 +31,7 @@ class ParticipantHealth:
         self._control = control
         self._control_names = ("", *service_names)
         self._readiness: bool | None = None
+        self._flip_at: float | None = None
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._shutting_down = False
@@ -41,7 +42,7 @@ class ParticipantHealth:
             await self.servicer.set(name, SERVING)
         await self.servicer.set(LIVENESS, SERVING)
         await self._publish_readiness()
-        self._control.add_listener(self._dirty.set)
+        self._control.add_listener(self._on_change)
         self._control.add_fatal_listener(self._on_fatal)
         self._task = asyncio.get_running_loop().create_task(self._follow())
 
@@ -60,12 +61,25 @@ class ParticipantHealth:
                 await self._task
         await self.servicer.enter_graceful_shutdown()
 
+    def _on_change(self) -> None:
+        """Wake the follower only when readiness, or the moment it flips, would change.
+
+        The control plane announces every change, including two per data-plane request (its
+        count in flight); readiness depends only on state, admission and shutdown, so waking
+        the follower for each request cost a loop iteration and two tasks per request."""
+        control = self._control
+        if (control.readiness_serving(), control.readiness_changes_at()) != (
+            self._readiness,
+            self._flip_at,
+        ):
+            self._dirty.set()
+
     async def _follow(self) -> None:
         clock = self._control.clock
         while not self._shutting_down:
             self._dirty.clear()
             await self._publish_readiness()
-            flip_at = self._control.readiness_changes_at()
+            flip_at = self._flip_at = self._control.readiness_changes_at()
             waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._dirty.wait())]
             if flip_at is not None and self._readiness:
                 waits.append(asyncio.ensure_future(clock.sleep_until(flip_at)))
