@@ -239,7 +239,7 @@ class ResourcesServer:
         which every episode paid again (an agent lists the tools once per episode)."""
         if self._tools_body is None:
             tools = [_function_definition(spec) for spec in self.tools.values()]
-            self._tools_body = JSONResponse({"tools": tools}).body
+            self._tools_body = bytes(JSONResponse({"tools": tools}).body)
         return Response(self._tools_body, media_type="application/json")
 
     async def _verify_route(self, request: Request) -> JSONResponse:
