@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,8 @@ def tree(root: Path) -> list[str]:
     return sorted(found)
 
 
-def run_child(step: str, nth: int, checkpoint_dir: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def start_child(step: str, nth: int, checkpoint_dir: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [
             sys.executable,
             "-c",
@@ -136,10 +137,25 @@ def run_child(step: str, nth: int, checkpoint_dir: str) -> subprocess.CompletedP
         ],
         cwd=REPO,
         env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
     )
+
+
+@dataclass
+class Killed:
+    """A child's commit into `checkpoint_dir`, and how the child ended."""
+
+    checkpoint_dir: str
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def finish(child: subprocess.Popen[str], checkpoint_dir: str) -> Killed:
+    stdout, stderr = child.communicate(timeout=120)
+    return Killed(checkpoint_dir, child.returncode, stdout, stderr)
 
 
 def read_all(checkpoint_dir: str) -> tuple[StoredManifest, list[dict[str, Any]]]:
@@ -194,18 +210,30 @@ CRASH_POINTS = [
 PUBLISHED_AT = {"after_manifest_link", "before_dir_fsync"}
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Killed]:
+    """Every child at once (each is mostly interpreter start-up), one directory each."""
+    started = {}
+    for step, nth in CRASH_POINTS:
+        base = tmp_path_factory.mktemp(f"{step}-{nth}")
+        checkpoint_dir = str(base / "ckpt")
+        started[(step, nth)] = (start_child(step, nth, checkpoint_dir), checkpoint_dir)
+    return {point: finish(child, directory) for point, (child, directory) in started.items()}
+
+
 @pytest.mark.parametrize(("step", "nth"), CRASH_POINTS, ids=[f"{s}-{n}" for s, n in CRASH_POINTS])
 async def test_sigkill_at_every_step_leaves_old_or_new_and_a_retry_succeeds(
-    tmp_path: Path, step: str, nth: int
+    killed: dict[tuple[str, int], Killed], step: str, nth: int
 ) -> None:
-    checkpoint_dir = str(tmp_path / "ckpt")
-    child = run_child(step, nth, checkpoint_dir)
+    child = killed[(step, nth)]
     assert child.returncode == -signal.SIGKILL, (child.returncode, child.stdout, child.stderr)
+    checkpoint_dir = child.checkpoint_dir
+    base = Path(checkpoint_dir).parent
     part = part_of(checkpoint_dir)
     published = (part / "manifest.json").exists()
     assert published == (step in PUBLISHED_AT)
     # Nothing outside the participant's own directory.
-    assert tree(tmp_path) == sorted(
+    assert tree(base) == sorted(
         ["ckpt", "ckpt/participants", "ckpt/participants/resources", *tree_of_part(part)]
     )
 
@@ -263,7 +291,7 @@ def tree_of_part(part: Path) -> list[str]:
 def test_a_child_that_is_never_killed_publishes(tmp_path: Path) -> None:
     """The child itself is sound: with a step that never comes it commits normally."""
     checkpoint_dir = str(tmp_path / "ckpt")
-    child = run_child("no_such_step", 1, checkpoint_dir)
+    child = finish(start_child("no_such_step", 1, checkpoint_dir), checkpoint_dir)
     assert child.returncode == 0 and "survived" in child.stdout, child.stderr
     verify_complete(checkpoint_dir)
     assert temporaries(part_of(checkpoint_dir)) == []

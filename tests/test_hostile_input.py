@@ -306,7 +306,7 @@ def check_garbage(
 
 @settings(
     derandomize=True,
-    max_examples=300,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
@@ -321,7 +321,7 @@ def test_random_bytes_to_every_rpc_are_typed(
 
 @settings(
     derandomize=True,
-    max_examples=300,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
