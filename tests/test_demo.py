@@ -36,9 +36,9 @@ def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
     code, report, stderr = demo(
         tmp_path,
         "--rollouts",
-        "18",
+        "24",
         "--concurrency",
-        "18",
+        "24",
         "--checkpoint-after",
         "1",
         "--crash-twice",
