@@ -1,0 +1,249 @@
+"""`python -m benchmarks`: run every benchmark, write JSON + Markdown, print a summary.
+
+    python -m benchmarks                         # the defaults (under 10 minutes on 2 cores)
+    python -m benchmarks --scale tiny            # every benchmark at a tiny size (seconds)
+    python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
+
+Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
+Every figure is the median over its repeats with the min-max over the same repeats; every
+comparison is a ratio of runs interleaved in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from . import control_rpc, dataplane, fleet_scale, prepare, report, throughput
+from .common import SPREAD, BenchResult, Processes
+
+BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
+    "prepare": prepare.run,
+    "throughput": throughput.run,
+    "dataplane": dataplane.run,
+    "control": control_rpc.run,
+    "fleet": fleet_scale.run,
+}
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Params:
+    repeats: int
+    sessions: list[int]
+    """Benchmark 1: live sessions at the resources member."""
+    inflight: int
+    """Benchmark 1: calls held in flight, and rollouts in flight."""
+    rollout_repeats: int
+    """Benchmark 1: prepares with rollouts in flight, per controller."""
+    model_latency: float
+    """Benchmark 1: seconds the scripted policy model takes per call."""
+    states: list[tuple[int, int]]
+    """Benchmark 2: (sessions, bytes per state)."""
+    store_repeats: int
+    """Benchmark 2: commits and restores (each restore in a fresh process) per case."""
+    concurrency: list[int]
+    load_repeats: int
+    duration: float
+    warmup: float
+    """Benchmark 3: runs per server and concurrency; load-generator seconds per run
+    (measured, and unmeasured first)."""
+    control_calls: int
+    """Benchmark 4: calls per kind per run."""
+    fleet_sizes: list[int]
+    fleet_sessions: int
+    """Benchmark 5: participants, and live sessions per resources member."""
+
+
+SCALES: dict[str, Params] = {
+    "default": Params(
+        repeats=9,
+        sessions=[1000, 10000],
+        inflight=59,
+        rollout_repeats=5,
+        model_latency=1.0,
+        states=[(10000, 5000), (1000, 50000)],
+        store_repeats=5,
+        concurrency=[1, 64],
+        load_repeats=5,
+        duration=3.0,
+        warmup=0.5,
+        control_calls=400,
+        fleet_sizes=[4, 8, 16],
+        fleet_sessions=100,
+    ),
+    "tiny": Params(
+        repeats=2,
+        sessions=[20, 100],
+        inflight=4,
+        rollout_repeats=2,
+        model_latency=0.1,
+        states=[(100, 5000), (10, 50000)],
+        store_repeats=2,
+        concurrency=[1, 8],
+        load_repeats=2,
+        duration=0.3,
+        warmup=0.1,
+        control_calls=30,
+        fleet_sizes=[4, 8],
+        fleet_sessions=5,
+    ),
+}
+
+
+@dataclass
+class Context:
+    params: Params
+    processes: Processes
+    workdir: Path
+    quiet: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            elapsed = time.monotonic() - self.started
+            print(f"[{elapsed:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _states(text: str) -> list[tuple[int, int]]:
+    """`10000x5000,1000x50000`: sessions x bytes per state."""
+    cases = []
+    for part in text.split(","):
+        sessions, _, size = part.strip().partition("x")
+        cases.append((int(sessions), int(size)))
+    return cases
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument("--scale", choices=sorted(SCALES), default="default")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}"
+    )
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="results directory")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep servers' logs here")
+    parser.add_argument("--repeats", type=int, help="repeats of benchmarks 1, 4 and 5")
+    parser.add_argument("--rollout-repeats", type=int, help="benchmark 1: rollouts-in-flight runs")
+    parser.add_argument("--model-latency", type=float, help="benchmark 1: seconds per model call")
+    parser.add_argument("--sessions", type=_ints, help="benchmark 1: N, e.g. 1000,10000")
+    parser.add_argument("--inflight", type=int, help="benchmark 1: M calls / rollouts in flight")
+    parser.add_argument("--states", type=_states, help="benchmark 2: e.g. 10000x5000,1000x50000")
+    parser.add_argument("--store-repeats", type=int, help="benchmark 2: commits and restores")
+    parser.add_argument("--concurrency", type=_ints, help="benchmark 3: e.g. 1,64")
+    parser.add_argument("--load-repeats", type=int, help="benchmark 3: runs per case")
+    parser.add_argument("--duration", type=float, help="benchmark 3: seconds per load run")
+    parser.add_argument("--control-calls", type=int, help="benchmark 4: calls per run")
+    parser.add_argument("--fleet-sizes", type=_ints, help="benchmark 5: e.g. 4,8,16")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    params = SCALES[args.scale]
+    overrides = {
+        name: getattr(args, name)
+        for name in (
+            "repeats",
+            "sessions",
+            "inflight",
+            "rollout_repeats",
+            "model_latency",
+            "states",
+            "store_repeats",
+            "concurrency",
+            "load_repeats",
+            "duration",
+            "control_calls",
+            "fleet_sizes",
+        )
+        if getattr(args, name) is not None
+    }
+    params = replace(params, **overrides)
+    if min(params.repeats, params.store_repeats, params.rollout_repeats, params.load_repeats) < 1:
+        parser.error("repeats must be at least 1")
+    if any(size % 4 for size in params.fleet_sizes):
+        parser.error("fleet sizes are multiples of 4 (one participant of each kind per group)")
+    unknown = {n for n in args.only.split(",") if n} - set(BENCHMARKS)
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    return args, params
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model or platform.processor(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+async def run_all(names: list[str], ctx: Context) -> dict[str, BenchResult]:
+    results: dict[str, BenchResult] = {}
+    for name in names:
+        started = time.monotonic()
+        ctx.say(f"== {name}")
+        result = await BENCHMARKS[name](ctx)
+        result.seconds = time.monotonic() - started
+        results[name] = result
+        ctx.say(f"== {name} done in {result.seconds:.1f} s")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, params = parse_args(argv)
+    names = [n for n in BENCHMARKS if not args.only or n in args.only.split(",")]
+    keep = args.workdir is not None
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rollout-checkpoint-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    processes = Processes(workdir, secrets.token_urlsafe(24))
+    ctx = Context(params, processes, workdir, quiet=args.quiet)
+    info = machine()
+    started = time.monotonic()
+    try:
+        results = asyncio.run(run_all(names, ctx))
+    finally:
+        processes.close()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    payload = {
+        "scale": args.scale,
+        "params": {k: v for k, v in vars(params).items()},
+        "spread": SPREAD,
+        "machine": info,
+        "seconds": round(time.monotonic() - started, 1),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "benchmarks": {name: result.to_json() for name, result in results.items()},
+    }
+    json_path, md_path = report.write(payload, args.output)
+    print(report.summary(payload))
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
