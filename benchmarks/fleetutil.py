@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpc import aio
 
@@ -186,11 +183,3 @@ class CoordinatorClient:
 
 
 PREPARED_OUTCOME = cpb.FLEET_PREPARE_OUTCOME_PREPARED
-
-
-def python() -> str:
-    return sys.executable
-
-
-def write_json(path: Path, value: object) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")

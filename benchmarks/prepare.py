@@ -304,8 +304,8 @@ async def run(ctx: Any) -> BenchResult:
     ctx.say("prepare: starting a 4-member fleet and a coordinator")
     group = (await start_groups(processes, 1, tag="prep-", model_latency=params.model_latency))[0]
     coordinator_server = await asyncio.to_thread(start_coordinator, processes, group.servers)
-    assert coordinator_server.grpc is not None or coordinator_server.announced.get("grpc")
-    coordinator = CoordinatorClient(coordinator_server.announced["grpc"], processes.token)
+    assert coordinator_server.grpc is not None, "the coordinator announced no gRPC address"
+    coordinator = CoordinatorClient(coordinator_server.grpc, processes.token)
     fleet = await discover(group.servers, processes.token)
     controllers = Controllers(fleet, coordinator, group.resources.name)
     resources = fleet.member(group.resources.name).client
