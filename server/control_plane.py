@@ -27,7 +27,6 @@ import contextvars
 import enum
 import json
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +50,9 @@ from .storage import (
     CheckpointStorage,
     LocalStorage,
     PublishedPart,
+    StopRequested,
     StoredManifest,
+    WriteFence,
     validate_checkpoint_dir,
 )
 
@@ -152,16 +153,20 @@ class _CommitJob:
     checkpoint_id: str
     checkpoint_dir: str
     scope: frozenset[EpisodeId] | None
-    phase: str = "export"
     records: Sequence[ExportRecord] | None = None
+    phase: str = "export"
     published: PublishedPart | None = None
     retired: tuple[str, ...] | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
+    fence: WriteFence = field(default_factory=WriteFence)
     task: asyncio.Task[CommitResult] | None = None
 
     @property
     def args(self) -> tuple[str, frozenset[EpisodeId] | None]:
         return (self.checkpoint_dir, self.scope)
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
 
 
 @dataclass(eq=False)
@@ -170,11 +175,17 @@ class _RestoreJob:
     checkpoint_dir: str
     scope: frozenset[EpisodeId]
     deadline: float
+    phase: str = "read"
+    """read (nothing installed: a Resume may abandon it), install, undo, done."""
     task: asyncio.Task[RestoreResult] | None = None
 
     @property
     def args(self) -> tuple[str, frozenset[EpisodeId]]:
         return (self.checkpoint_dir, self.scope)
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
 
 
 class ControlPlane:
@@ -201,6 +212,9 @@ class ControlPlane:
         self._active_id: str | None = None
         self._lease_expires_at: float | None = None
         self._resumed: OrderedDict[str, None] = OrderedDict()
+        self._resuming: set[str] = set()
+        """Ids whose Resume waits (outside the lock) for a stopped job to end: fenced like
+        resumed ids, so no call can start new work for them in the meantime."""
         self._results: dict[tuple[str, str], _Recorded] = {}
         self._commit_job: _CommitJob | None = None
         self._restore_job: _RestoreJob | None = None
@@ -499,9 +513,7 @@ class ControlPlane:
     ) -> CommitResult:
         self._check_id(checkpoint_id)
         self._check_deadline(deadline)
-        real_dir = await asyncio.to_thread(
-            validate_checkpoint_dir, checkpoint_dir, self.settings.allowed_checkpoint_roots
-        )
+        real_dir = await self._validated_dir(checkpoint_dir, deadline)
         args = (real_dir, scope)
         async with self._lock:
             self._check_not_shutting_down()
@@ -510,13 +522,7 @@ class ControlPlane:
                 assert isinstance(recorded, CommitResult)
                 return recorded
             self._fence(checkpoint_id, "Commit", {State.PREPARED})
-            job = self._commit_job
-            if job is not None and job.checkpoint_id == checkpoint_id and job.args != args:
-                raise _conflict(
-                    checkpoint_id,
-                    None,
-                    "a commit of this id with another directory or scope is under way",
-                )
+            job = self._commit_job_for(checkpoint_id, real_dir, scope)
             self._renew(deadline)
             if not self.participant.ready():
                 raise invalid_phase(self._state, "Commit", "the participant is no longer ready")
@@ -524,12 +530,11 @@ class ControlPlane:
                 raise CheckpointError(
                     Reason.SCOPE_REQUIRED, "this participant needs an explicit commit scope"
                 )
-            if job is None or job.checkpoint_id != checkpoint_id:
-                job = _CommitJob(checkpoint_id, real_dir, scope)
-                self._commit_job = job
-            if job.task is None or job.task.done():
+            self._commit_job = job
+            if not job.running:
                 job.task = asyncio.get_running_loop().create_task(self._run_commit(job))
                 job.task.add_done_callback(_retrieve_exception)
+            assert job.task is not None
             task = job.task
         result = await self._await_until(
             deadline, task, "the commit did not finish before its deadline"
@@ -546,14 +551,68 @@ class ControlPlane:
             self.changed()
             return result
 
+    def _commit_job_for(
+        self, checkpoint_id: str, real_dir: str, scope: frozenset[EpisodeId] | None
+    ) -> _CommitJob:
+        """The job a Commit of these arguments joins: the job of the same arguments, or a new
+        one.
+
+        Only a running job holds its arguments: a job that failed (a bad directory, a symlink
+        found at write time) was never committed, so a retry with a corrected directory must
+        not be refused. It inherits the failed job's export when the scope is the same:
+        export happens once per checkpoint id, and exporting again could store state from
+        after the cut.
+        """
+        job = self._commit_job
+        if job is None or job.checkpoint_id != checkpoint_id:
+            return _CommitJob(checkpoint_id, real_dir, scope)
+        if job.args == (real_dir, scope):
+            return job
+        if job.running:
+            raise _conflict(
+                checkpoint_id,
+                None,
+                "a commit of this id with another directory or scope is under way",
+            )
+        return _CommitJob(
+            checkpoint_id, real_dir, scope, records=job.records if job.scope == scope else None
+        )
+
+    async def _validated_dir(self, checkpoint_dir: str, deadline: float) -> str:
+        """The checkpoint directory's real path, checked off the loop within the deadline
+        (a hung filesystem must cost the call its deadline, not the participant its loop)."""
+        check = asyncio.ensure_future(
+            asyncio.to_thread(
+                validate_checkpoint_dir, checkpoint_dir, self.settings.allowed_checkpoint_roots
+            )
+        )
+        check.add_done_callback(_retrieve_exception)
+        return await self._await_until(
+            deadline, check, "the checkpoint directory could not be checked before the deadline"
+        )
+
     async def _run_commit(self, job: _CommitJob) -> CommitResult:
-        """Export (once), write (until published), then retire what the scope leaves out."""
+        """Export (once), write (until published), then retire what the scope leaves out.
+
+        A Resume stops the job through its fence (and cancels an export nothing will use);
+        whoever still waits for it then learns, typed, that the checkpoint was resumed."""
+        try:
+            return await self._commit_phases(job)
+        except StopRequested:
+            raise _stale(job.checkpoint_id) from None
+        except asyncio.CancelledError:
+            if job.fence.stopped:
+                raise _stale(job.checkpoint_id) from None
+            raise
+
+    async def _commit_phases(self, job: _CommitJob) -> CommitResult:
         if job.records is None:
             job.phase = "export"
             with self.observer.phase("export"):
                 job.records = await _call_hook("export", self.participant.export(job.scope))
         if job.published is None:
             job.phase = "write"
+            job.fence.check()
             lines = _serialize_records(job.records)
             with self.observer.phase("write"):
                 job.published = await asyncio.to_thread(
@@ -563,7 +622,7 @@ class ControlPlane:
                     self.participant.instance,
                     job.checkpoint_id,
                     lines,
-                    job.stop,
+                    job.fence,
                 )
         if job.retired is None:
             job.phase = "cleanup"
@@ -603,9 +662,7 @@ class ControlPlane:
     ) -> RestoreResult:
         self._check_id(checkpoint_id)
         self._check_deadline(deadline)
-        real_dir = await asyncio.to_thread(
-            validate_checkpoint_dir, checkpoint_dir, self.settings.allowed_checkpoint_roots
-        )
+        real_dir = await self._validated_dir(checkpoint_dir, deadline)
         args = (real_dir, scope)
         async with self._lock:
             self._check_not_shutting_down()
@@ -640,28 +697,38 @@ class ControlPlane:
     async def _run_restore(self, job: _RestoreJob) -> RestoreResult:
         """Read and verify off the loop, install all or nothing, then RESTORED (closed).
 
-        An install that outlives the deadline is never interrupted (a half-installed set is
-        the one outcome that must not exist); when it ends late, the restore counts as failed
-        and admission reopens only then.
+        On any failure nothing stays installed: an install that outlived the deadline (or
+        whose restore was resumed meanwhile) is never interrupted — a half-installed set is
+        the one outcome that must not exist — but once it ends its attempt N+1 episodes are
+        freed again through the participant before admission reopens. The process stays
+        fresh, so a retry of the same restore works. The read is bounded by the deadline:
+        storage that hangs costs this restore, not every later one.
         """
         closed_here = False
+        records: list[RestoredRecord] = []
+        installed = False
         try:
+            reading = asyncio.ensure_future(asyncio.to_thread(self._read_selected, job))
+            reading.add_done_callback(_retrieve_exception)
             with self.observer.phase("read"):
-                manifest, raw = await asyncio.to_thread(self._read_selected, job)
+                manifest, raw = await self._await_until(
+                    job.deadline, reading, "the restore's read did not finish before its deadline"
+                )
             records = [_restored_record(r) for r in raw]
-            if self.clock.now() > job.deadline:
-                raise deadline_exceeded("the restore's read outlived its deadline", job.deadline)
             async with self._lock:
+                self._check_restore_alive(job, "read")
+                job.phase = "install"
                 self._close_admission()
                 closed_here = True
                 self.changed()
             with self.observer.phase("install"):
                 await _call_hook("install", self.participant.install(records))
+            installed = True
             async with self._lock:
-                if self.clock.now() > job.deadline:
-                    raise deadline_exceeded("the install finished after the deadline", job.deadline)
-                if job.checkpoint_id in self._resumed:
-                    raise _stale(job.checkpoint_id)
+                self._check_restore_alive(job, "install")
+                # A late request of the crashed attempt must never change the restored state.
+                for record in records:
+                    self.retired_attempts.mark(record.checkpointed)
                 result = RestoreResult(
                     source_checkpoint_id=manifest.checkpoint_id,
                     restored=tuple(sorted(r.restored_as.capture_key for r in records)),
@@ -671,9 +738,13 @@ class ControlPlane:
                 self._renew(job.deadline)
                 self._results[(job.checkpoint_id, "restore")] = _Recorded(job.args, result)
                 self.observer.restored(len(records), manifest.bytes)
+                job.phase = "done"
                 self.changed()
                 return result
         except BaseException:
+            if installed:
+                job.phase = "undo"
+                await self._undo_install(job, records)
             async with self._lock:
                 if closed_here and self._state is State.IDLE and not self._start_closed_pending:
                     self._open_admission()
@@ -682,6 +753,27 @@ class ControlPlane:
         finally:
             if self._restore_job is job:
                 self._restore_job = None
+
+    def _check_restore_alive(self, job: _RestoreJob, step: str) -> None:
+        if job.checkpoint_id in self._resumed:
+            raise _stale(job.checkpoint_id)
+        if self.clock.now() > job.deadline:
+            raise deadline_exceeded(f"the restore's {step} outlived its deadline", job.deadline)
+
+    async def _undo_install(self, job: _RestoreJob, records: Sequence[RestoredRecord]) -> None:
+        episodes = [r.restored_as for r in records]
+        try:
+            await self.participant.discard_installed(episodes)
+        except Exception as exc:
+            # Nothing else can free it now; the process reports itself as having served, so
+            # it refuses further restores rather than installing over leftovers.
+            log.error(
+                "restore %s failed and its installed state could not be freed (%s)",
+                job.checkpoint_id,
+                type(exc).__name__,
+                exc_info=exc,
+                extra={"checkpoint_id": job.checkpoint_id},
+            )
 
     def _read_selected(self, job: _RestoreJob) -> tuple[StoredManifest, list[dict[str, Any]]]:
         wanted = {e.capture_key for e in job.scope}
@@ -720,25 +812,101 @@ class ControlPlane:
         """Reopen admission; returns whether the call was idempotent (nothing to end)."""
         self._check_id(checkpoint_id)
         self._check_deadline(deadline, allow_past=True)
-        async with self._lock:
-            return await self._resume_locked(checkpoint_id, deadline)
+        return await self._resume(checkpoint_id, deadline)
 
-    async def _resume_locked(self, checkpoint_id: str, deadline: float) -> bool:
+    async def _resume(
+        self, checkpoint_id: str, deadline: float, *, lease_expiry: float | None = None
+    ) -> bool:
+        """Resume, waiting outside the lock for whatever must end first.
+
+        No lock is held while waiting on storage or hooks: a write stuck in a frozen
+        filesystem must not keep every other RPC (and the lease watcher) from answering.
+        A write that has not begun publishing is fenced off at once and never waited for;
+        one whose manifest link is under way (it cannot be withdrawn) and a cancelled export
+        are waited for until the deadline, and admission reopens then regardless. A restore
+        still reading is abandoned; one installing, and a commit's cleanup, are waited for
+        (past the deadline the Resume is refused and nothing changed: retry it).
+        With `lease_expiry`, nothing happens unless that lease is still the current one.
+        """
+        try:
+            while True:
+                async with self._lock:
+                    if lease_expiry is not None and (
+                        self._active_id != checkpoint_id or self._lease_expires_at != lease_expiry
+                    ):
+                        return True
+                    step = self._resume_step(checkpoint_id)
+                if isinstance(step, bool):
+                    return step
+                awaited, required = step
+                try:
+                    await self._await_until(deadline, awaited, required or "", swallow=True)
+                except CheckpointError:
+                    if required is not None:
+                        raise
+                if required is None:
+                    break
+            async with self._lock:
+                return self._finish_resume(checkpoint_id)
+        finally:
+            self._resuming.discard(checkpoint_id)
+
+    def _resume_step(self, checkpoint_id: str) -> bool | tuple[asyncio.Future[Any], str | None]:
+        """One look at what a Resume of this id must do, under the lock.
+
+        Returns the answer, or what to wait for and, if the wait is required, the refusal to
+        give when it does not end in time (None: reopen once waited, in time or not)."""
         if checkpoint_id in self._resumed:
             return True
+        restore = self._restore_job
+        if restore is not None and restore.running:
+            assert restore.task is not None
+            if restore.checkpoint_id != checkpoint_id:
+                raise _conflict(checkpoint_id, restore.checkpoint_id, "a restore is under way")
+            if restore.phase != "read":
+                return restore.task, "a restore's install is still running; retry the resume"
+            # Nothing is installed yet: the read's result will be dropped (the id is stale).
+            return self._finish_unstarted(checkpoint_id, idempotent=False)
         if self._state is State.IDLE and self._active_id is None:
             # The Prepare never reached us (an earlier stage failed): fence its late arrival.
-            self._remember_resumed(checkpoint_id)
-            if self._start_closed_pending:
-                self._start_closed_pending = False
-                self._open_admission()
-            self.changed()
-            return True
+            return self._finish_unstarted(checkpoint_id, idempotent=True)
         if self._active_id != checkpoint_id:
             raise _conflict(checkpoint_id, self._active_id, "another checkpoint is active")
         job = self._commit_job
+        if job is None or job.checkpoint_id != checkpoint_id or not job.running:
+            return self._finish_resume(checkpoint_id)
+        assert job.task is not None
+        if job.phase == "cleanup":
+            # Cleanup frees restored state through the server's hooks; reopening while it
+            # runs would let a request claim state that is being freed.
+            return job.task, "a commit's cleanup is still running; retry the resume"
+        publishing = job.fence.stop()
+        if job.phase == "export":
+            job.task.cancel()
+        elif not publishing:
+            return self._finish_resume(checkpoint_id)
+        self._resuming.add(checkpoint_id)
+        return job.task, None
+
+    def _finish_unstarted(self, checkpoint_id: str, *, idempotent: bool) -> bool:
+        self._remember_resumed(checkpoint_id)
+        if self._start_closed_pending:
+            self._start_closed_pending = False
+            self._open_admission()
+        self.changed()
+        return idempotent
+
+    def _finish_resume(self, checkpoint_id: str) -> bool:
+        if checkpoint_id in self._resumed or self._active_id != checkpoint_id:
+            return True
+        job = self._commit_job
         if job is not None and job.checkpoint_id == checkpoint_id:
-            await self._stop_commit_job(job, deadline)
+            if job.running:
+                log.warning(
+                    "checkpoint %s: reopening while its stopped commit job has not ended",
+                    checkpoint_id,
+                    extra={"checkpoint_id": checkpoint_id},
+                )
             self._commit_job = None
         self._start_closed_pending = False
         self._open_admission()
@@ -749,27 +917,6 @@ class ControlPlane:
         self._stop_lease_watcher()
         self.changed()
         return False
-
-    async def _stop_commit_job(self, job: _CommitJob, deadline: float) -> None:
-        task = job.task
-        if task is None or task.done():
-            return
-        if job.phase == "export":
-            task.cancel()
-        elif job.phase == "write":
-            job.stop.set()
-        else:
-            # Cleanup frees restored state through the server's hooks; reopening while it
-            # runs would let a request claim state that is being freed.
-            await self._await_until(
-                deadline,
-                task,
-                "a commit's cleanup is still running; retry the resume",
-                swallow=True,
-            )
-            return
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(task)
 
     # -- Retire and Forget --------------------------------------------------------------
 
@@ -887,7 +1034,7 @@ class ControlPlane:
             )
 
     def _fence(self, checkpoint_id: str, operation: str, allowed: set[State]) -> None:
-        if checkpoint_id in self._resumed:
+        if checkpoint_id in self._resumed or checkpoint_id in self._resuming:
             raise _stale(checkpoint_id)
         if self._active_id is not None and self._active_id != checkpoint_id:
             raise _conflict(checkpoint_id, self._active_id, "another checkpoint is active")
@@ -937,11 +1084,11 @@ class ControlPlane:
             )
             self.observer.lease_expired(checkpoint_id)
             try:
-                async with self._lock:
-                    if self._active_id == checkpoint_id and self._lease_expires_at == expires:
-                        await self._resume_locked(
-                            checkpoint_id, self.clock.now() + LEASE_RETRY_SECONDS
-                        )
+                await self._resume(
+                    checkpoint_id,
+                    self.clock.now() + LEASE_RETRY_SECONDS,
+                    lease_expiry=expires,
+                )
             except CheckpointError as exc:
                 log.warning(
                     "lease expiry could not reopen yet (%s); retrying", exc.message, extra=tagged
@@ -949,17 +1096,24 @@ class ControlPlane:
                 await self.clock.sleep_until(self.clock.now() + LEASE_RETRY_SECONDS)
 
     async def _open_after_start_closed(self, when: float) -> None:
+        """Open a `start_closed` process nobody restored or resumed in time.
+
+        A restore running at the timeout is waited for, not skipped: if it then fails, the
+        process must still open on its own rather than stay closed forever."""
         await self.clock.sleep_until(when)
-        async with self._lock:
-            if (
-                self._start_closed_pending
-                and self._state is State.IDLE
-                and self._restore_job is None
-            ):
-                log.warning("start_closed: no restore or resume arrived; opening on our own")
-                self._start_closed_pending = False
-                self._open_admission()
-                self.changed()
+        while True:
+            async with self._lock:
+                restore = self._restore_job
+                if restore is None or not restore.running:
+                    if self._start_closed_pending and self._state is State.IDLE:
+                        log.warning("start_closed: no restore or resume arrived; opening")
+                        self._start_closed_pending = False
+                        self._open_admission()
+                        self.changed()
+                    return
+                assert restore.task is not None
+                task = restore.task
+            await asyncio.wait({task})
 
     def _close_admission(self) -> None:
         if self._admission_open:

@@ -7,6 +7,7 @@ controllers must always get `INVALID_REQUEST` they can switch on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -233,6 +234,11 @@ def _unary(
                 await _abort(context, error)
             except (aio.AbortError, aio.UsageError):
                 raise
+            except asyncio.CancelledError as exc:
+                if _call_cancelled():
+                    raise
+                operation.refused(Reason.INTERNAL_ERROR.value)
+                await _abort(context, _internal(exc))
             except Exception as exc:
                 operation.refused(Reason.INTERNAL_ERROR.value)
                 await _abort(context, _internal(exc))
@@ -259,11 +265,25 @@ def _server_stream(
                 await _abort(context, error)
             except (aio.AbortError, aio.UsageError):
                 raise
+            except asyncio.CancelledError as exc:
+                if _call_cancelled():
+                    raise
+                operation.refused(Reason.INTERNAL_ERROR.value)
+                await _abort(context, _internal(exc))
             except Exception as exc:
                 operation.refused(Reason.INTERNAL_ERROR.value)
                 await _abort(context, _internal(exc))
 
     return handle
+
+
+def _call_cancelled() -> bool:
+    """Whether the handler itself is being cancelled (the client went away, the server
+    stops), as opposed to a CancelledError escaping from work it awaited. Only the first
+    may end a handler without a status: grpc.aio sends nothing for an escaped
+    CancelledError, and a client without its own timeout would hang."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 # -- conversions ----------------------------------------------------------------------------

@@ -73,6 +73,40 @@ class StopRequested(Exception):
     """The write was stopped (a Resume) before it began to publish."""
 
 
+class WriteFence:
+    """Decides, atomically between a writer thread and the event loop, whether a part may
+    still publish."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._publishing = False
+
+    def stop(self) -> bool:
+        """Refuse publication from now on; True if the manifest link had already begun."""
+        with self._lock:
+            self._stopped = True
+            return self._publishing
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def publishing(self) -> bool:
+        return self._publishing
+
+    def check(self) -> None:
+        if self._stopped:
+            raise StopRequested()
+
+    def begin_publish(self) -> None:
+        with self._lock:
+            if self._stopped:
+                raise StopRequested()
+            self._publishing = True
+
+
 CrashHook = Callable[[str], None]
 """Called with the name of each step of a write; fault tests kill the writer there."""
 
@@ -87,7 +121,7 @@ class CheckpointStorage(Protocol):
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart: ...
 
     def read_part(
@@ -157,7 +191,7 @@ class LocalStorage:
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart:
         part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
         try:
@@ -165,7 +199,7 @@ class LocalStorage:
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         try:
-            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, stop)
+            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, fence)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         finally:
@@ -179,13 +213,13 @@ class LocalStorage:
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart:
         temporaries: list[str] = []
         try:
             records_tmp = f".records-{secrets.token_hex(8)}.tmp"
             temporaries.append(records_tmp)
-            digest, count, size = self._write_records(part_fd, records_tmp, lines, stop)
+            digest, count, size = self._write_records(part_fd, records_tmp, lines, fence)
             records_file = f"records-{digest}.jsonl"
             self._step("before_rename")
             os.rename(records_tmp, records_file, src_dir_fd=part_fd, dst_dir_fd=part_fd)
@@ -198,8 +232,7 @@ class LocalStorage:
             manifest_tmp = f".manifest-{secrets.token_hex(8)}.tmp"
             temporaries.append(manifest_tmp)
             _write_file(part_fd, manifest_tmp, manifest_bytes)
-            if stop.is_set():
-                raise StopRequested()
+            fence.begin_publish()
             # From here on the publication is under way: a Resume waits for it instead of
             # stopping it, because a half-linked manifest is not a thing that can exist.
             self._step("before_manifest_link")
@@ -225,7 +258,7 @@ class LocalStorage:
                     os.unlink(name, dir_fd=part_fd)
 
     def _write_records(
-        self, part_fd: int, name: str, lines: Iterable[bytes], stop: threading.Event
+        self, part_fd: int, name: str, lines: Iterable[bytes], fence: WriteFence
     ) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = size = 0
@@ -237,8 +270,7 @@ class LocalStorage:
         )
         with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
             for line in lines:
-                if stop.is_set():
-                    raise StopRequested()
+                fence.check()
                 self._step("before_record")
                 data = line + b"\n"
                 out.write(data)
@@ -246,8 +278,7 @@ class LocalStorage:
                 count += 1
                 size += len(data)
                 self._step("after_record")
-            if stop.is_set():
-                raise StopRequested()
+            fence.check()
             out.flush()
             os.fsync(out.fileno())
             self._step("after_fsync")

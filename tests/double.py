@@ -60,6 +60,7 @@ class DoubleParticipant(Participant):
         self.served = False
         self.export_calls = 0
         self.retired_log: list[EpisodeId] = []
+        self.discarded: list[EpisodeId] = []
         self.fail: dict[str, BaseException] = {}
         self.gates: dict[str, asyncio.Event] = {}
         self.entered: dict[str, asyncio.Event] = {}
@@ -165,6 +166,14 @@ class DoubleParticipant(Participant):
             del self.states[held]
             self.pending.discard(held)
         self.retired_log.append(episode)
+        self.context.changed()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        await self._checkpoint("discard")
+        for episode in episodes:
+            self.states.pop(episode, None)
+            self.pending.discard(episode)
+        self.discarded.extend(episodes)
         self.context.changed()
 
     def restored_pending(self) -> frozenset[EpisodeId]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused, start_harness, stop_harness
@@ -194,8 +194,9 @@ class GatedStorage(LocalStorage):
     def __init__(self, step: str) -> None:
         self.release = threading.Event()
         self.reached = threading.Event()
+        self.finished = threading.Event()
         self.writes = 0
-        self.stop: threading.Event | None = None
+        self.fence: WriteFence | None = None
 
         def hook(name: str) -> None:
             if name == step and not self.release.is_set():
@@ -206,8 +207,11 @@ class GatedStorage(LocalStorage):
 
     def write_part(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.writes += 1
-        self.stop = args[5]
-        return super().write_part(*args, **kwargs)
+        self.fence = args[5]
+        try:
+            return super().write_part(*args, **kwargs)
+        finally:
+            self.finished.set()
 
 
 async def wait_thread_event(event: threading.Event) -> None:
@@ -254,16 +258,16 @@ async def test_resume_stops_an_unpublished_write(checkpoint_dir: str) -> None:
         await wait_thread_event(storage.reached)
         h.clock.set(deadline + 1)
         await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED")
-        resume = asyncio.ensure_future(h.client.resume("c1", h.deadline()))
-        assert storage.stop is not None
-        await wait_thread_event(storage.stop)  # the resume asked the write to stop
-        assert not resume.done()  # ...and waits for it rather than racing a publication
-        storage.release.set()
-        reply = await resume
+        # The write has not begun publishing: the resume fences it off and reopens at once,
+        # without waiting for a thread that storage may keep forever.
+        reply = await h.client.resume("c1", h.deadline())
         assert not reply.idempotent
+        assert storage.fence is not None and storage.fence.stopped
+        assert (await h.client.get_status()).admission_open
+        storage.release.set()
+        await wait_thread_event(storage.finished)
         assert not (part_dir(checkpoint_dir) / "manifest.json").exists()
         assert os.listdir(part_dir(checkpoint_dir)) == []
-        assert (await h.client.get_status()).admission_open
     finally:
         storage.release.set()
         await stop_harness(h)

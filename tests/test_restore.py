@@ -245,7 +245,8 @@ async def test_commit_after_restore_retires_restored_state_the_scope_leaves_out(
     assert list(reply.retired) == ["r2-a2", "r3-a1"]
     assert set(h.participant.states) == {EpisodeId("r1", 1)}
     status = await h.client.get_status()
-    assert status.retired_rollouts == 2 and status.restored_pending == 1
+    # Every restored rollout refuses its crashed attempt (r1 too), and r2, r3 their N+1.
+    assert status.retired_rollouts == 3 and status.restored_pending == 1
     await h.client.resume("c2", h.deadline())
     late = await h.http.post("/ng-rollout/r2-a2/seed", json={"state": {}})
     assert late.status_code == 409 and late.json()["error"]["code"] == "stale_attempt"

@@ -137,7 +137,7 @@ async def test_a_dead_lease_watcher_turns_liveness_off(harness: Harness) -> None
     async def broken(*args: object) -> bool:
         raise RuntimeError("the watcher cannot resume")
 
-    h.control._resume_locked = broken
+    h.control._resume = broken  # type: ignore[method-assign]
     h.clock.advance(10 + 600 + 1)
     await h.wait_health("participant-liveness", health_pb2.HealthCheckResponse.NOT_SERVING)
     # Control RPCs still answer: only the kubelet's restart can help now.

@@ -123,7 +123,6 @@ class Model:
     served: bool = False
     resumed: OrderedDict[str, None] = field(default_factory=OrderedDict)
     results: dict[tuple[str, str], tuple[Any, Any]] = field(default_factory=dict)
-    commit_args: Any = None  # the arguments of the active id's commit job, once one ran
     marks: dict[str, int] = field(default_factory=dict)
     sessions: dict[EpisodeId, Any] = field(default_factory=dict)
     pending: set[EpisodeId] = field(default_factory=set)
@@ -223,10 +222,9 @@ class Model:
         if recorded is not None:
             return ("ok", *recorded)
         self.fence(checkpoint_id, {"PREPARED"})
-        if self.commit_args is not None and self.commit_args != args:
-            raise Refusal("CHECKPOINT_CONFLICT")
+        # Only a running job holds its arguments; here every job has ended, and one that
+        # failed was never committed, so other arguments are a new attempt, not a conflict.
         self.renew(deadline)
-        self.commit_args = args
         records = tuple(
             sorted((e, s) for e, s in self.sessions.items() if scope is None or e in scope)
         )
@@ -270,6 +268,8 @@ class Model:
         for episode, state in selected:
             self.sessions[episode.next_attempt()] = state
             self.pending.add(episode.next_attempt())
+            # A late request of the crashed attempt must never change the restored state.
+            self.mark(episode)
         result = (
             content.checkpoint_id,
             tuple(sorted(e.next_attempt().capture_key for e, _ in selected)),
@@ -294,7 +294,6 @@ class Model:
         return ("ok", False)
 
     def end_checkpoint(self, checkpoint_id: str) -> None:
-        self.commit_args = None
         self.admission = True
         self.remember_resumed(checkpoint_id)
         self.state = "IDLE"
