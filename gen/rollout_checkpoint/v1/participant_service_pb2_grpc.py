@@ -186,7 +186,11 @@ class ParticipantServiceServicer:
         directory. The write runs off the event loop and is never cancelled: if
         it outlives the deadline the call fails with
         `CHECKPOINT_DEADLINE_EXCEEDED` and a retry with the same id awaits that
-        same write.
+        same write. Only a running commit holds its directory and scope: after a
+        failed one (`STORAGE_FAILED`, say; the state stays PREPARED) the same id
+        may commit into a corrected directory, storing the same export. A Resume
+        (or lease expiry) during the commit stops it: the waiting call answers
+        `STALE_CHECKPOINT` and nothing is published afterwards.
 
         Then restored state whose replacement never started here and that the
         scope leaves out is retired exactly as a Retire would: freed through the
@@ -200,8 +204,9 @@ class ParticipantServiceServicer:
         State COMMITTED; admission stays closed until Resume. Idempotent with the
         same directory and scope: the identical reply.
 
-        Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT` (another id, or this id
-        committed with another directory or scope), `INVALID_PHASE`,
+        Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
+        `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
+        committing with, another directory or scope), `INVALID_PHASE`,
         `SCOPE_REQUIRED` (unscoped commit to a policy model),
         `CHECKPOINT_DEADLINE_EXCEEDED`, `UNSERIALIZABLE_STATE`, `HOOK_FAILED`,
         `STORAGE_FAILED`, `INVALID_CHECKPOINT_STATE` (the directory already holds
@@ -222,12 +227,18 @@ class ParticipantServiceServicer:
         `source_checkpoint_id`. Reads the part off the event loop, streaming, and
         verifies manifest fields, kind, instance, digest and count over the
         *whole* records file; keeps only the records whose episode is in the scope
-        and validates those. Then closes admission and installs them all through
-        the participant, all or nothing, shielded from the deadline. On any
-        failure nothing is installed, admission reopens and the state stays IDLE.
-        On success: state RESTORED, the active id is this request's id, the lease
-        is renewed, and admission stays closed until Resume. Idempotent with the
-        same directory and scope.
+        and validates those; the read is bounded by the deadline. Then closes
+        admission and installs them all through the participant, all or nothing,
+        shielded from the deadline. On any failure nothing stays installed: an
+        install that outlived the deadline (or that a Resume raced) is undone
+        once it ends, before admission reopens; the state stays IDLE, the process
+        stays fresh, and a retry of the same restore works. "Served" means
+        tracked a session or an episode: a request refused or failed before any
+        existed does not make a process unfit. On success: attempts <= N of
+        every restored rollout are marked retired (a late request of the crashed
+        attempt gets `stale_attempt`, as after a Retire), state RESTORED, the
+        active id is this request's id, the lease is renewed, and admission stays
+        closed until Resume. Idempotent with the same directory and scope.
 
         Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
         `FRESH_PROCESS_REQUIRED`, `CHECKPOINT_DEADLINE_EXCEEDED`,
@@ -247,14 +258,20 @@ class ParticipantServiceServicer:
         `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
         never reached this participant) the id is remembered as resumed and the
         reply is idempotent: this fences a delayed Prepare of an aborted
-        checkpoint. Otherwise (the id must be the active one, else
-        `CHECKPOINT_CONFLICT`): stops any write so it never publishes (waiting
-        only for a publication already under way), cancels an export nothing will
-        use, waits for a cleanup still running, opens admission, remembers the id
-        as resumed, drops its recorded results, state IDLE, lease cleared. A
-        deadline already past does not refuse a Resume; it only bounds the wait
-        for a running cleanup (`CHECKPOINT_DEADLINE_EXCEEDED` when that wait runs
-        out: nothing changed, retry later).
+        checkpoint. A Restore of this id still reading is abandoned (nothing was
+        installed; the Restore answers `STALE_CHECKPOINT`); one installing is
+        waited for, and then resumed like any restore; a Restore of another id
+        under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
+        one, else `CHECKPOINT_CONFLICT`): stops any write so it never publishes
+        (no wait: a write not yet publishing is fenced off at once), cancels an
+        export nothing will use, opens admission, remembers the id as resumed,
+        drops its recorded results, state IDLE, lease cleared. It waits, never
+        holding up other RPCs, for a publication already under way and for a
+        cancelled export only until its deadline, then reopens regardless: a
+        Resume always reopens admission within its deadline, whatever storage
+        does. A deadline already past does not refuse a Resume; it bounds the
+        waits for a running install or cleanup (`CHECKPOINT_DEADLINE_EXCEEDED`
+        when such a wait runs out: nothing changed, retry later).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

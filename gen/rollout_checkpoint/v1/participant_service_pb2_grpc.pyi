@@ -152,7 +152,11 @@ class ParticipantServiceStub:
     directory. The write runs off the event loop and is never cancelled: if
     it outlives the deadline the call fails with
     `CHECKPOINT_DEADLINE_EXCEEDED` and a retry with the same id awaits that
-    same write.
+    same write. Only a running commit holds its directory and scope: after a
+    failed one (`STORAGE_FAILED`, say; the state stays PREPARED) the same id
+    may commit into a corrected directory, storing the same export. A Resume
+    (or lease expiry) during the commit stops it: the waiting call answers
+    `STALE_CHECKPOINT` and nothing is published afterwards.
 
     Then restored state whose replacement never started here and that the
     scope leaves out is retired exactly as a Retire would: freed through the
@@ -166,8 +170,9 @@ class ParticipantServiceStub:
     State COMMITTED; admission stays closed until Resume. Idempotent with the
     same directory and scope: the identical reply.
 
-    Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT` (another id, or this id
-    committed with another directory or scope), `INVALID_PHASE`,
+    Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
+    `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
+    committing with, another directory or scope), `INVALID_PHASE`,
     `SCOPE_REQUIRED` (unscoped commit to a policy model),
     `CHECKPOINT_DEADLINE_EXCEEDED`, `UNSERIALIZABLE_STATE`, `HOOK_FAILED`,
     `STORAGE_FAILED`, `INVALID_CHECKPOINT_STATE` (the directory already holds
@@ -184,12 +189,18 @@ class ParticipantServiceStub:
     `source_checkpoint_id`. Reads the part off the event loop, streaming, and
     verifies manifest fields, kind, instance, digest and count over the
     *whole* records file; keeps only the records whose episode is in the scope
-    and validates those. Then closes admission and installs them all through
-    the participant, all or nothing, shielded from the deadline. On any
-    failure nothing is installed, admission reopens and the state stays IDLE.
-    On success: state RESTORED, the active id is this request's id, the lease
-    is renewed, and admission stays closed until Resume. Idempotent with the
-    same directory and scope.
+    and validates those; the read is bounded by the deadline. Then closes
+    admission and installs them all through the participant, all or nothing,
+    shielded from the deadline. On any failure nothing stays installed: an
+    install that outlived the deadline (or that a Resume raced) is undone
+    once it ends, before admission reopens; the state stays IDLE, the process
+    stays fresh, and a retry of the same restore works. "Served" means
+    tracked a session or an episode: a request refused or failed before any
+    existed does not make a process unfit. On success: attempts <= N of
+    every restored rollout are marked retired (a late request of the crashed
+    attempt gets `stale_attempt`, as after a Retire), state RESTORED, the
+    active id is this request's id, the lease is renewed, and admission stays
+    closed until Resume. Idempotent with the same directory and scope.
 
     Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
     `FRESH_PROCESS_REQUIRED`, `CHECKPOINT_DEADLINE_EXCEEDED`,
@@ -205,14 +216,20 @@ class ParticipantServiceStub:
     `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
     never reached this participant) the id is remembered as resumed and the
     reply is idempotent: this fences a delayed Prepare of an aborted
-    checkpoint. Otherwise (the id must be the active one, else
-    `CHECKPOINT_CONFLICT`): stops any write so it never publishes (waiting
-    only for a publication already under way), cancels an export nothing will
-    use, waits for a cleanup still running, opens admission, remembers the id
-    as resumed, drops its recorded results, state IDLE, lease cleared. A
-    deadline already past does not refuse a Resume; it only bounds the wait
-    for a running cleanup (`CHECKPOINT_DEADLINE_EXCEEDED` when that wait runs
-    out: nothing changed, retry later).
+    checkpoint. A Restore of this id still reading is abandoned (nothing was
+    installed; the Restore answers `STALE_CHECKPOINT`); one installing is
+    waited for, and then resumed like any restore; a Restore of another id
+    under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
+    one, else `CHECKPOINT_CONFLICT`): stops any write so it never publishes
+    (no wait: a write not yet publishing is fenced off at once), cancels an
+    export nothing will use, opens admission, remembers the id as resumed,
+    drops its recorded results, state IDLE, lease cleared. It waits, never
+    holding up other RPCs, for a publication already under way and for a
+    cancelled export only until its deadline, then reopens regardless: a
+    Resume always reopens admission within its deadline, whatever storage
+    does. A deadline already past does not refuse a Resume; it bounds the
+    waits for a running install or cleanup (`CHECKPOINT_DEADLINE_EXCEEDED`
+    when such a wait runs out: nothing changed, retry later).
     """
     Retire: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.RetireRequest, _participant_service_pb2.RetireResponse]
     """Refuses, stops and frees the listed attempts and every earlier attempt of
@@ -330,7 +347,11 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     directory. The write runs off the event loop and is never cancelled: if
     it outlives the deadline the call fails with
     `CHECKPOINT_DEADLINE_EXCEEDED` and a retry with the same id awaits that
-    same write.
+    same write. Only a running commit holds its directory and scope: after a
+    failed one (`STORAGE_FAILED`, say; the state stays PREPARED) the same id
+    may commit into a corrected directory, storing the same export. A Resume
+    (or lease expiry) during the commit stops it: the waiting call answers
+    `STALE_CHECKPOINT` and nothing is published afterwards.
 
     Then restored state whose replacement never started here and that the
     scope leaves out is retired exactly as a Retire would: freed through the
@@ -344,8 +365,9 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     State COMMITTED; admission stays closed until Resume. Idempotent with the
     same directory and scope: the identical reply.
 
-    Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT` (another id, or this id
-    committed with another directory or scope), `INVALID_PHASE`,
+    Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
+    `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
+    committing with, another directory or scope), `INVALID_PHASE`,
     `SCOPE_REQUIRED` (unscoped commit to a policy model),
     `CHECKPOINT_DEADLINE_EXCEEDED`, `UNSERIALIZABLE_STATE`, `HOOK_FAILED`,
     `STORAGE_FAILED`, `INVALID_CHECKPOINT_STATE` (the directory already holds
@@ -362,12 +384,18 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     `source_checkpoint_id`. Reads the part off the event loop, streaming, and
     verifies manifest fields, kind, instance, digest and count over the
     *whole* records file; keeps only the records whose episode is in the scope
-    and validates those. Then closes admission and installs them all through
-    the participant, all or nothing, shielded from the deadline. On any
-    failure nothing is installed, admission reopens and the state stays IDLE.
-    On success: state RESTORED, the active id is this request's id, the lease
-    is renewed, and admission stays closed until Resume. Idempotent with the
-    same directory and scope.
+    and validates those; the read is bounded by the deadline. Then closes
+    admission and installs them all through the participant, all or nothing,
+    shielded from the deadline. On any failure nothing stays installed: an
+    install that outlived the deadline (or that a Resume raced) is undone
+    once it ends, before admission reopens; the state stays IDLE, the process
+    stays fresh, and a retry of the same restore works. "Served" means
+    tracked a session or an episode: a request refused or failed before any
+    existed does not make a process unfit. On success: attempts <= N of
+    every restored rollout are marked retired (a late request of the crashed
+    attempt gets `stale_attempt`, as after a Retire), state RESTORED, the
+    active id is this request's id, the lease is renewed, and admission stays
+    closed until Resume. Idempotent with the same directory and scope.
 
     Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
     `FRESH_PROCESS_REQUIRED`, `CHECKPOINT_DEADLINE_EXCEEDED`,
@@ -383,14 +411,20 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
     never reached this participant) the id is remembered as resumed and the
     reply is idempotent: this fences a delayed Prepare of an aborted
-    checkpoint. Otherwise (the id must be the active one, else
-    `CHECKPOINT_CONFLICT`): stops any write so it never publishes (waiting
-    only for a publication already under way), cancels an export nothing will
-    use, waits for a cleanup still running, opens admission, remembers the id
-    as resumed, drops its recorded results, state IDLE, lease cleared. A
-    deadline already past does not refuse a Resume; it only bounds the wait
-    for a running cleanup (`CHECKPOINT_DEADLINE_EXCEEDED` when that wait runs
-    out: nothing changed, retry later).
+    checkpoint. A Restore of this id still reading is abandoned (nothing was
+    installed; the Restore answers `STALE_CHECKPOINT`); one installing is
+    waited for, and then resumed like any restore; a Restore of another id
+    under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
+    one, else `CHECKPOINT_CONFLICT`): stops any write so it never publishes
+    (no wait: a write not yet publishing is fenced off at once), cancels an
+    export nothing will use, opens admission, remembers the id as resumed,
+    drops its recorded results, state IDLE, lease cleared. It waits, never
+    holding up other RPCs, for a publication already under way and for a
+    cancelled export only until its deadline, then reopens regardless: a
+    Resume always reopens admission within its deadline, whatever storage
+    does. A deadline already past does not refuse a Resume; it bounds the
+    waits for a running install or cleanup (`CHECKPOINT_DEADLINE_EXCEEDED`
+    when such a wait runs out: nothing changed, retry later).
     """
     Retire: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.RetireRequest, _participant_service_pb2.RetireResponse]  # type: ignore[assignment]
     """Refuses, stops and frees the listed attempts and every earlier attempt of
@@ -541,7 +575,11 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         directory. The write runs off the event loop and is never cancelled: if
         it outlives the deadline the call fails with
         `CHECKPOINT_DEADLINE_EXCEEDED` and a retry with the same id awaits that
-        same write.
+        same write. Only a running commit holds its directory and scope: after a
+        failed one (`STORAGE_FAILED`, say; the state stays PREPARED) the same id
+        may commit into a corrected directory, storing the same export. A Resume
+        (or lease expiry) during the commit stops it: the waiting call answers
+        `STALE_CHECKPOINT` and nothing is published afterwards.
 
         Then restored state whose replacement never started here and that the
         scope leaves out is retired exactly as a Retire would: freed through the
@@ -555,8 +593,9 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         State COMMITTED; admission stays closed until Resume. Idempotent with the
         same directory and scope: the identical reply.
 
-        Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT` (another id, or this id
-        committed with another directory or scope), `INVALID_PHASE`,
+        Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
+        `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
+        committing with, another directory or scope), `INVALID_PHASE`,
         `SCOPE_REQUIRED` (unscoped commit to a policy model),
         `CHECKPOINT_DEADLINE_EXCEEDED`, `UNSERIALIZABLE_STATE`, `HOOK_FAILED`,
         `STORAGE_FAILED`, `INVALID_CHECKPOINT_STATE` (the directory already holds
@@ -579,12 +618,18 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         `source_checkpoint_id`. Reads the part off the event loop, streaming, and
         verifies manifest fields, kind, instance, digest and count over the
         *whole* records file; keeps only the records whose episode is in the scope
-        and validates those. Then closes admission and installs them all through
-        the participant, all or nothing, shielded from the deadline. On any
-        failure nothing is installed, admission reopens and the state stays IDLE.
-        On success: state RESTORED, the active id is this request's id, the lease
-        is renewed, and admission stays closed until Resume. Idempotent with the
-        same directory and scope.
+        and validates those; the read is bounded by the deadline. Then closes
+        admission and installs them all through the participant, all or nothing,
+        shielded from the deadline. On any failure nothing stays installed: an
+        install that outlived the deadline (or that a Resume raced) is undone
+        once it ends, before admission reopens; the state stays IDLE, the process
+        stays fresh, and a retry of the same restore works. "Served" means
+        tracked a session or an episode: a request refused or failed before any
+        existed does not make a process unfit. On success: attempts <= N of
+        every restored rollout are marked retired (a late request of the crashed
+        attempt gets `stale_attempt`, as after a Retire), state RESTORED, the
+        active id is this request's id, the lease is renewed, and admission stays
+        closed until Resume. Idempotent with the same directory and scope.
 
         Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
         `FRESH_PROCESS_REQUIRED`, `CHECKPOINT_DEADLINE_EXCEEDED`,
@@ -606,14 +651,20 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
         never reached this participant) the id is remembered as resumed and the
         reply is idempotent: this fences a delayed Prepare of an aborted
-        checkpoint. Otherwise (the id must be the active one, else
-        `CHECKPOINT_CONFLICT`): stops any write so it never publishes (waiting
-        only for a publication already under way), cancels an export nothing will
-        use, waits for a cleanup still running, opens admission, remembers the id
-        as resumed, drops its recorded results, state IDLE, lease cleared. A
-        deadline already past does not refuse a Resume; it only bounds the wait
-        for a running cleanup (`CHECKPOINT_DEADLINE_EXCEEDED` when that wait runs
-        out: nothing changed, retry later).
+        checkpoint. A Restore of this id still reading is abandoned (nothing was
+        installed; the Restore answers `STALE_CHECKPOINT`); one installing is
+        waited for, and then resumed like any restore; a Restore of another id
+        under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
+        one, else `CHECKPOINT_CONFLICT`): stops any write so it never publishes
+        (no wait: a write not yet publishing is fenced off at once), cancels an
+        export nothing will use, opens admission, remembers the id as resumed,
+        drops its recorded results, state IDLE, lease cleared. It waits, never
+        holding up other RPCs, for a publication already under way and for a
+        cancelled export only until its deadline, then reopens regardless: a
+        Resume always reopens admission within its deadline, whatever storage
+        does. A deadline already past does not refuse a Resume; it bounds the
+        waits for a running install or cleanup (`CHECKPOINT_DEADLINE_EXCEEDED`
+        when such a wait runs out: nothing changed, retry later).
         """
 
     @_abc_1.abstractmethod
