@@ -19,6 +19,7 @@ from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused, start_harness, stop_harness
+from .test_commit import GatedStorage
 from .test_restore import STATES, make_checkpoint
 
 PART = ("participants", "resources", "double")
@@ -44,6 +45,19 @@ def spy_on(h: Harness, method: str) -> asyncio.Event:
 
     setattr(h.control, method, spy)
     return entered
+
+
+async def restore_held_in_install(
+    h: Harness, checkpoint_dir: str
+) -> tuple[asyncio.Event, asyncio.Future[Any]]:
+    """A Restore of STATES (id r-1) whose install hook is entered and held at its gate."""
+    await make_checkpoint(checkpoint_dir, STATES)
+    gate = h.participant.gate("install")
+    restore = asyncio.ensure_future(
+        h.client.restore("r-1", h.deadline(), checkpoint_dir, list(STATES))
+    )
+    await asyncio.wait_for(h.participant.entered["install"].wait(), 10)
+    return gate, restore
 
 
 # -- a failed restore leaves nothing installed ----------------------------------------------
@@ -79,13 +93,8 @@ async def test_an_install_that_outlives_its_deadline_is_undone_and_a_retry_works
 async def test_a_resume_naming_a_running_restore_waits_for_its_install(
     harness: Harness, checkpoint_dir: str
 ) -> None:
-    await make_checkpoint(checkpoint_dir, STATES)
     h = harness
-    gate = h.participant.gate("install")
-    restore = asyncio.ensure_future(
-        h.client.restore("r-1", h.deadline(), checkpoint_dir, list(STATES))
-    )
-    await asyncio.wait_for(h.participant.entered["install"].wait(), 10)
+    gate, restore = await restore_held_in_install(h, checkpoint_dir)
     resume_entered = spy_on(h, "resume")
     resume = asyncio.ensure_future(h.client.resume("r-1", h.deadline()))
     await asyncio.wait_for(resume_entered.wait(), 10)
@@ -133,13 +142,8 @@ async def test_a_resume_abandons_a_restore_still_reading(checkpoint_dir: str) ->
 async def test_a_resume_of_another_id_during_a_restore_is_a_conflict(
     harness: Harness, checkpoint_dir: str
 ) -> None:
-    await make_checkpoint(checkpoint_dir, STATES)
     h = harness
-    gate = h.participant.gate("install")
-    restore = asyncio.ensure_future(
-        h.client.restore("r-1", h.deadline(), checkpoint_dir, list(STATES))
-    )
-    await asyncio.wait_for(h.participant.entered["install"].wait(), 10)
+    gate, restore = await restore_held_in_install(h, checkpoint_dir)
     error = await refused(h.client.resume("other", h.deadline()), "CHECKPOINT_CONFLICT")
     assert error.metadata["activeCheckpointId"] == "r-1"
     gate.set()
@@ -198,30 +202,6 @@ async def test_a_late_request_of_the_crashed_attempt_cannot_change_the_restored_
 
 
 # -- typed answers when a Resume stops a Commit ----------------------------------------------
-
-
-class GatedStorage(LocalStorage):
-    """Local storage whose write waits (in its thread) at a named step until released."""
-
-    def __init__(self, step: str) -> None:
-        self.release = threading.Event()
-        self.reached = threading.Event()
-        self.finished = threading.Event()
-        self.fences: list[WriteFence] = []
-
-        def hook(name: str) -> None:
-            if name == step and not self.release.is_set():
-                self.reached.set()
-                self.release.wait(60)
-
-        super().__init__(crash_hook=hook)
-
-    def write_part(self, *args: Any, **kwargs: Any) -> Any:
-        self.fences.append(args[5])
-        try:
-            return super().write_part(*args, **kwargs)
-        finally:
-            self.finished.set()
 
 
 async def test_a_commit_whose_write_a_resume_stops_answers_stale_checkpoint(
@@ -313,19 +293,24 @@ class NeverReturns(LocalStorage):
             self.finished.set()
 
 
+async def commit_past_its_deadline(h: Harness, storage: NeverReturns, checkpoint_dir: str) -> None:
+    """A prepared participant whose commit's write hangs and whose call's deadline passed."""
+    h.participant.seed(EpisodeId("r1"), {"n": 1})
+    await prepared(h)
+    deadline = h.deadline(20)
+    commit = asyncio.ensure_future(h.client.commit("c1", deadline, checkpoint_dir))
+    await in_thread(storage.entered)
+    h.clock.set(deadline + 1)
+    await refused(commit, "CHECKPOINT_DEADLINE_EXCEEDED")
+
+
 async def test_a_writer_that_never_returns_wedges_no_rpc_and_never_publishes(
     checkpoint_dir: str,
 ) -> None:
     storage = NeverReturns()
     h = await start_harness(storage=storage)
     try:
-        h.participant.seed(EpisodeId("r1"), {"n": 1})
-        await prepared(h)
-        deadline = h.deadline(20)
-        commit = asyncio.ensure_future(h.client.commit("c1", deadline, checkpoint_dir))
-        await in_thread(storage.entered)
-        h.clock.set(deadline + 1)
-        await refused(commit, "CHECKPOINT_DEADLINE_EXCEEDED")
+        await commit_past_its_deadline(h, storage, checkpoint_dir)
         # Every RPC still answers; the resume reopens within its deadline.
         await h.client.renew("c1", h.deadline())
         assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
@@ -352,13 +337,7 @@ async def test_lease_expiry_reopens_despite_a_writer_that_never_returns(
     storage = NeverReturns()
     h = await start_harness(storage=storage)
     try:
-        h.participant.seed(EpisodeId("r1"), {"n": 1})
-        await prepared(h)
-        deadline = h.deadline(20)
-        commit = asyncio.ensure_future(h.client.commit("c1", deadline, checkpoint_dir))
-        await in_thread(storage.entered)
-        h.clock.set(deadline + 1)
-        await refused(commit, "CHECKPOINT_DEADLINE_EXCEEDED")
+        await commit_past_its_deadline(h, storage, checkpoint_dir)
         lease = h.control.lease_expires_at
         assert lease is not None
         h.clock.set(lease + 1)  # the controller died: nobody calls Resume
@@ -386,7 +365,8 @@ async def test_a_publication_under_way_is_waited_for_only_until_the_resume_deadl
         deadline = h.deadline(5)
         resume = asyncio.ensure_future(h.client.resume("c1", deadline))
         await asyncio.wait_for(resume_entered.wait(), 10)
-        assert storage.fences[0].publishing and storage.fences[0].stopped
+        assert storage.fence is not None
+        assert storage.fence.publishing and storage.fence.stopped
         h.clock.set(deadline + 1)
         assert not (await asyncio.wait_for(resume, 10)).idempotent
         assert (await h.client.get_status()).admission_open
