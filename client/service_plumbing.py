@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
@@ -239,3 +240,35 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
         scheme, _, token = presented.partition(" ")
         matches = hmac.compare_digest(token.strip().encode(), self._token)
         return scheme.lower() == "bearer" and matches
+
+
+class RateLimitedLog:
+    """At most one WARNING per `interval` seconds for events anyone can cause at will (the
+    coordinator's copy of server/logs.py's; keep them in step).
+
+    The first event is logged at once; later ones within the interval are only counted, and
+    the count rides on the next line logged after the interval."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._clock = clock
+        self._quiet_until: float | None = None
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if self._quiet_until is not None and now < self._quiet_until:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += " (%d more since the last such line, not logged)"
+            args = (*args, self._suppressed)
+        self.logger.warning(message, *args)
+        self._suppressed = 0
+        self._quiet_until = now + self.interval
