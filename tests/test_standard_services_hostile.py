@@ -201,3 +201,22 @@ def test_the_rate_limited_log_writes_one_line_per_interval(
         "garbage from peer",
     ]
     assert {r.levelno for r in caplog.records} == {logging.WARNING}
+
+
+async def test_a_flood_of_calls_without_the_token_logs_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Same class: calls without the token are refused per call (and counted), but logged
+    at most once per interval, whoever sends them and however fast."""
+    caplog.set_level(logging.DEBUG)
+    harness = await start_harness()
+    try:
+        async with aio.insecure_channel(harness.grpc_address) as channel:
+            for _ in range(20):
+                error = await send_raw(channel, f"/{PARTICIPANT_SERVICE}/GetStatus", b"")
+                assert ControlError.from_rpc_error(error).reason == "TOKEN_INVALID"
+    finally:
+        await stop_harness(harness)
+    refused = [r for r in caplog.records if "bearer token" in r.getMessage()]
+    assert [r.levelno for r in refused] == [logging.WARNING], [r.getMessage() for r in refused]
+    assert TOKEN not in caplog.text
