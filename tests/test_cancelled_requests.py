@@ -156,7 +156,7 @@ def model_app() -> tuple[PolicyModelServer, Any]:
     return server, server.build_app()
 
 
-@pytest.mark.parametrize(
+SERVERS = pytest.mark.parametrize(
     ("build", "path"),
     [
         (agent_app, "/ng-rollout/r1/run"),
@@ -165,6 +165,9 @@ def model_app() -> tuple[PolicyModelServer, Any]:
     ],
     ids=["agent", "environment", "policy_model"],
 )
+
+
+@SERVERS
 async def test_a_client_that_leaves_mid_body_is_one_info_line(
     build: Callable[[], tuple[Any, Any]], path: str
 ) -> None:
@@ -176,15 +179,24 @@ async def test_a_client_that_leaves_mid_body_is_one_info_line(
             if isinstance(server, PolicyModelServer):  # a partial body never ran a generation
                 assert server.participant is not None
                 assert not server.participant.calls and not server.participant.ledgers
-            # The server still serves, and a whole body that is not JSON is the caller's
-            # mistake (400), not a server error.
-            async with httpx.AsyncClient(timeout=WAIT) as http:
-                for body in (b"not json", b"[1]"):
-                    reply = await http.post(url + path.replace("r1", "r2"), content=body)
-                    assert reply.status_code == 400, reply.text
     assert logs.noisy() == []
     (line,) = logs.endings()
     assert line.levelno == logging.INFO and path.split("/")[-1] in line.getMessage()
+
+
+@SERVERS
+async def test_a_body_that_is_not_a_json_object_is_a_400(
+    build: Callable[[], tuple[Any, Any]], path: str
+) -> None:
+    """Nearby: a whole body the handler cannot use is the caller's mistake, not a 500 with
+    a logged traceback (nested deeper than the JSON parser goes, too)."""
+    _, app = build()
+    async with running(app) as url, httpx.AsyncClient(timeout=WAIT) as http:
+        with watched_logs() as logs:
+            for body in (b"not json", b"[1]", b"[" * 100_000 + b"]" * 100_000):
+                reply = await http.post(url + path, content=body)
+                assert reply.status_code == 400, reply.text
+    assert logs.noisy() == []
 
 
 # -- a retire of an in-flight rollout -------------------------------------------------------
