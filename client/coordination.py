@@ -136,8 +136,11 @@ async def prepare(
 ) -> AsyncIterator[FleetProgress]:
     """Prepare stage by stage, yielding a snapshot whenever any member's progress arrives.
 
-    The last snapshot has `outcome` set. A member's refusal raises `FleetError` (the other
-    streams of its stage are cancelled, which does not abort anything: Resume does)."""
+    The last snapshot has `outcome` set. A member's refusal raises `FleetError` once every
+    member of its stage has answered (its first update or its own refusal), so the error
+    names every member that refused, not just the fastest; then the other streams of the
+    stage are cancelled, which does not abort anything: Resume does. Members answer at once
+    (the first update is immediate), and each stream is bounded by the deadline."""
     started = time.monotonic()
     progress = {m.name: MemberProgress(m.name, m.kind) for m in fleet.members}
     sequence = 0
@@ -160,18 +163,21 @@ async def prepare(
         ]
         try:
             pending = len(members)
+            unanswered = {m.name for m in members}
             failures: dict[str, ControlError] = {}
-            while pending:
+            while pending and not (failures and not unanswered):
                 name, update = await updates.get()
+                unanswered.discard(name)
                 entry = progress[name]
                 if update is None:
                     pending -= 1
                     entry.done = True
                     continue
                 if isinstance(update, ControlError):
+                    pending -= 1
                     entry.error = update
                     failures[name] = update
-                    break
+                    continue
                 entry.state = update.state
                 entry.readiness = update.readiness
                 yield snapshot(stage)

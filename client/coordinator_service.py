@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from rollout_checkpoint.server.episodes import (
@@ -45,6 +45,13 @@ from .service_plumbing import (
     server_stream,
     status_of,
     unary,
+)
+from .standard_services import (
+    HEALTH_SERVICE,
+    ListingHealthServicer,
+    health_handler,
+    hostile_input_log,
+    reflection_handler,
 )
 
 log = logging.getLogger(__name__)
@@ -427,13 +434,14 @@ def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
 
 
 class Coordinator:
-    """The coordinator server: CoordinatorService + health (+ reflection when asked)."""
+    """The coordinator server: CoordinatorService + health (+ reflection when asked), each
+    parsing its own request bytes, so garbage is a typed INVALID_REQUEST, never UNKNOWN."""
 
     def __init__(
         self, spec: FleetSpec, address: str, *, reflection_enabled: bool = False, grace: float = 5.0
     ) -> None:
         self.servicer = CoordinatorServicer(spec)
-        self.health = health.aio.HealthServicer()
+        self.health = ListingHealthServicer()
         self.address = address
         self.reflection_enabled = reflection_enabled
         self.grace = grace
@@ -445,12 +453,12 @@ class Coordinator:
             interceptors=[BearerTokenInterceptor(self.servicer.spec.token)],
             options=[("grpc.so_reuseport", 0)],
         )
-        server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        hostile = hostile_input_log()
+        handlers = [self.servicer.generic_handler(), health_handler(self.health, hostile)]
         if self.reflection_enabled:
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
-            )
+            names = (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)
+            handlers.append(reflection_handler(names, hostile))
+        server.add_generic_rpc_handlers(handlers)
         self.port = server.add_insecure_port(self.address)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -200,7 +200,7 @@ class PublishedParticipant:
         ):
             if not isinstance(value, str) or not is_valid_id(value):
                 return f"participant {field_name} {value!r} is not a valid id"
-        if not isinstance(self.manifest_sha256, str) or not _SHA256.match(self.manifest_sha256):
+        if not isinstance(self.manifest_sha256, str) or not _SHA256.fullmatch(self.manifest_sha256):
             return f"participant {self.name}: manifest_sha256 must be 64 lowercase hex digits"
         return None
 
@@ -846,9 +846,9 @@ def _decode_part_manifest(raw: bytes) -> dict[str, Any]:
     for name in ("kind", "instance", "checkpoint_id", "records_file", "records_sha256"):
         if not isinstance(fields[name], str):
             raise ValueError(f"{name} must be a string")
-    if not _SHA256.match(fields["records_sha256"]):
+    if not _SHA256.fullmatch(fields["records_sha256"]):
         raise ValueError("records_sha256 must be 64 lowercase hex digits")
-    match = _RECORDS_FILE.match(fields["records_file"])
+    match = _RECORDS_FILE.fullmatch(fields["records_file"])
     if match is None or match.group(1) != fields["records_sha256"]:
         raise ValueError("records_file must be exactly records-<records_sha256>.jsonl")
     return fields
@@ -998,7 +998,7 @@ class _RootScan:
 def _scan_root(root_fd: int) -> _RootScan:
     scan = _RootScan([], [], [])
     for name in os.listdir(root_fd):
-        if _LATEST_TMP.match(name) or _TRASH.match(name):
+        if _LATEST_TMP.fullmatch(name) or _TRASH.fullmatch(name):
             scan.strays.append(name)
             continue
         if name == LATEST_NAME or not is_valid_id(name):
@@ -1018,7 +1018,7 @@ def _scan_root(root_fd: int) -> _RootScan:
             # Only a directory whose content is what a checkpoint in progress holds (the
             # participants' tree, our temp files) counts as an unfinished checkpoint: any
             # other directory an operator put into the root is not ours to delete.
-            if all(e == PARTICIPANTS_DIR or _FLEET_TMP.match(e) for e in entries):
+            if all(e == PARTICIPANTS_DIR or _FLEET_TMP.fullmatch(e) for e in entries):
                 scan.unpublished.append((name, os.fstat(fd).st_mtime_ns))
     return scan
 
@@ -1084,7 +1084,7 @@ def _apply_retention(
             log.warning("retention: cannot delete %s: %s", root / name, exc)
     for name in scan.strays:
         with contextlib.suppress(OSError):
-            if _TRASH.match(name):
+            if _TRASH.fullmatch(name):
                 shutil.rmtree(name, dir_fd=root_fd)
             else:
                 os.unlink(name, dir_fd=root_fd)
@@ -1109,7 +1109,7 @@ def _remove_fleet_temps(root_fd: int, name: str) -> None:
     fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
     with _closing(fd):
         for entry in os.listdir(fd):
-            if _FLEET_TMP.match(entry):
+            if _FLEET_TMP.fullmatch(entry):
                 os.unlink(entry, dir_fd=fd)
 
 
@@ -1208,7 +1208,7 @@ def format_time(value: datetime) -> str:
 
 def parse_time(value: object) -> datetime:
     """An RFC 3339 timestamp (with `Z` or an offset) as an aware UTC datetime."""
-    if not isinstance(value, str) or not _RFC3339.match(value):
+    if not isinstance(value, str) or not _RFC3339.fullmatch(value):
         raise ValueError(f"created_at must be an RFC 3339 timestamp, not {value!r}")
     return datetime.fromisoformat(value).astimezone(UTC)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
@@ -27,6 +29,8 @@ from .tracing import server_span
 log = logging.getLogger(__name__)
 
 ERROR_DOMAIN = "rollout-checkpoint.dev"
+METADATA_KEY = re.compile(r"[a-z][a-zA-Z0-9\-_]+")
+MAX_METADATA_KEY_LENGTH = 64
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Context = aio.ServicerContext[bytes, Any]
 Req = TypeVar("Req", bound=Message)
@@ -53,6 +57,30 @@ class ServiceError(Exception):
             self.metadata.setdefault("field", field)
 
 
+def is_metadata_key(key: str) -> bool:
+    """Whether `key` may be an `ErrorInfo.metadata` key: google.rpc's rule
+    `[a-z][a-zA-Z0-9-_]+`, at most 64 characters (errors.proto promises lowerCamelCase)."""
+    return len(key) <= MAX_METADATA_KEY_LENGTH and METADATA_KEY.fullmatch(key) is not None
+
+
+def fleet_metadata(error: FleetError) -> dict[str, str]:
+    """The ErrorInfo metadata of a fleet refusal (documented in errors.proto).
+
+    `failedMembers` names every member that refused or could not be reached, each with its
+    reason; `operation` names the fleet operation. When exactly one member refused, its own
+    metadata follows with each key prefixed `member` (`checkpointId` -> `memberCheckpointId`):
+    a prefix with a separator such as `member.` would break the key rule that controllers in
+    other languages may enforce. A member key that would not be a valid key is left out."""
+    metadata = {"failedMembers": error.failed_members(), "operation": error.operation}
+    only = next(iter(error.failures.values()))
+    if len(error.failures) == 1 and only.reason is not None:
+        for key, value in only.metadata.items():
+            prefixed = "member" + key[:1].upper() + key[1:]
+            if is_metadata_key(prefixed):
+                metadata[prefixed] = value
+    return metadata
+
+
 def invalid_request(field: str, message: str) -> ServiceError:
     return ServiceError("INVALID_REQUEST", "INVALID_ARGUMENT", f"{field}: {message}", field=field)
 
@@ -62,16 +90,11 @@ def status_of(error: BaseException) -> status_pb2.Status:
     if isinstance(error, ServiceError):
         return _status(error.code, error.reason, error.message, error.metadata, error.field)
     if isinstance(error, FleetError):
-        first = next(iter(error.failures.values()))
-        metadata = {"failedMembers": error.failed_members(), "operation": error.operation}
-        code = error.code.name
-        message = str(error)
-        if first.reason is not None and len(error.failures) == 1:
-            metadata.update({f"member.{k}": v for k, v in first.metadata.items()})
-        return _status(code, error.reason, message, metadata, None)
+        return _status(error.code.name, error.reason, str(error), fleet_metadata(error), None)
     if isinstance(error, ControlError):
         reason = error.reason or "PARTICIPANT_UNREACHABLE"
-        return _status(error.code.name, reason, error.message, error.metadata, None)
+        metadata = {k: v for k, v in error.metadata.items() if is_metadata_key(k)}
+        return _status(error.code.name, reason, error.message, metadata, None)
     log.exception("unexpected failure in a coordinator RPC", exc_info=error)
     return _status(
         "INTERNAL", "INTERNAL_ERROR", f"internal error ({type(error).__name__})", {}, None
@@ -217,3 +240,35 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
         scheme, _, token = presented.partition(" ")
         matches = hmac.compare_digest(token.strip().encode(), self._token)
         return scheme.lower() == "bearer" and matches
+
+
+class RateLimitedLog:
+    """At most one WARNING per `interval` seconds for events anyone can cause at will (the
+    coordinator's copy of server/logs.py's; keep them in step).
+
+    The first event is logged at once; later ones within the interval are only counted, and
+    the count rides on the next line logged after the interval."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._clock = clock
+        self._quiet_until: float | None = None
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if self._quiet_until is not None and now < self._quiet_until:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += " (%d more since the last such line, not logged)"
+            args = (*args, self._suppressed)
+        self.logger.warning(message, *args)
+        self._suppressed = 0
+        self._quiet_until = now + self.interval

@@ -35,7 +35,7 @@ from rollout_checkpoint.server.rollout_prefix import (
 )
 from rollout_checkpoint.server.settings import CheckpointSettings
 
-from .relay import error_response, refusal_code
+from .relay import error_response, json_object, refusal_code
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,9 @@ class EnvironmentServer:
             return error_response(
                 400, "rollout_id_required", "call /ng-rollout/<rollout_id>[-a<attempt>]/run"
             )
-        body = await request.json()
+        body = await json_object(request)
+        if body is None:
+            return error_response(400, "invalid_json", "the body must be a JSON object")
         task = body.get("task")
         if not isinstance(task, dict):
             return error_response(400, "invalid_task", "the body needs a task object")

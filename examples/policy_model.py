@@ -560,7 +560,7 @@ class PolicyModelServer:
         body = await request.body()
         try:
             wants_stream = json.loads(body).get("stream") is True if body else False
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             wants_stream = False
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers["accept-encoding"] = "identity"
@@ -610,7 +610,7 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise PolicyError("invalid_json", "the body is not JSON") from None
     if not isinstance(body, dict):
         raise PolicyError("invalid_json", "the body must be a JSON object")

@@ -1,8 +1,13 @@
-"""What the example agent and environment share: reading a callee's refusal, answering one."""
+"""What the example agent and environment share: reading a body and a callee's refusal,
+answering one."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import httpx
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 
@@ -11,10 +16,22 @@ def refusal_code(response: httpx.Response) -> str | None:
     if response.status_code != 409:
         return None
     try:
-        code = response.json().get("error", {}).get("code")
-    except ValueError:
+        body = response.json()
+    except (ValueError, RecursionError):
         return None
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
     return str(code) if code else None
+
+
+async def json_object(request: Request) -> dict[str, Any] | None:
+    """The body as a JSON object; None when it is not one (the caller answers 400): a body
+    that does not parse is the caller's mistake, never a 500 with a logged traceback."""
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def error_response(status: int, code: str, detail: str) -> JSONResponse:

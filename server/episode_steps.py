@@ -15,7 +15,9 @@ An episode is a sequence of steps. After each completed step its owner records a
   a crash the step simply runs again.
 * Time parked does not count against the episode's own deadline.
 * Retire marks the episode, cancels its task once and waits for it to end; it stays tracked
-  until then, so a duplicate start of the same key is refused and a retry waits again.
+  until then, so a duplicate start of the same key is refused and a retry waits again. The
+  cancellation goes through `cancel_request`, so the request ends as a 409 `stale_attempt`
+  with one INFO line (request_endings.py), not as a logged traceback and a 500.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 from .attempts import RetiredAttempts
 from .episodes import EpisodeId
 from .participant import MAX_LISTED_BLOCKERS, Blocker, BlockerReason, EpisodeInfo
+from .request_endings import cancel_request
 
 
 class StepMode(enum.StrEnum):
@@ -370,7 +373,8 @@ class EpisodeSteps:
                 and tracked.task is not asyncio.current_task()
             ):
                 tracked.cancelled = True
-                tracked.task.cancel()
+                detail = f"attempt {tracked.episode_id.capture_key} was retired"
+                cancel_request(tracked.task, "stale_attempt", detail)
         self._notify()
         while any(e.episode_id.capture_key in self.episodes for e in covered):
             changes = self._changes

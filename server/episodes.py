@@ -13,7 +13,10 @@ ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """What checkpoint ids, rollout ids, kinds and instance names may look like.
 
 The first character is never `.` or `-`, so an id is never a path component like `..` and
-never looks like a command-line flag."""
+never looks like a command-line flag. The pattern is the documented one, so messages can
+quote it; test a value with `is_valid_id` (or `ID_PATTERN.fullmatch`), never `.match`:
+Python's `$` also matches before a final newline, so `.match` would accept an id followed by a
+newline, which a Go or Java controller applying the same pattern to the whole string refuses."""
 
 MAX_ID_LENGTH = 128
 
@@ -21,12 +24,13 @@ MAX_ATTEMPT = 2**31 - 2
 """The highest attempt an episode may carry: its restore installs attempt N+1, which must
 still fit below 2^31 - 1 in every language's signed 32-bit integer."""
 
-_ATTEMPT_SUFFIX = re.compile(r"-a([1-9][0-9]*)$")
+# `\Z`, not `$`: a capture key `r-a1` followed by a newline must not parse as attempt 1 of `r`.
+_ATTEMPT_SUFFIX = re.compile(r"-a([1-9][0-9]*)\Z")
 
 
 def is_valid_id(value: str) -> bool:
     """Whether `value` is a valid checkpoint id, kind or instance name."""
-    return 0 < len(value) <= MAX_ID_LENGTH and ID_PATTERN.match(value) is not None
+    return 0 < len(value) <= MAX_ID_LENGTH and ID_PATTERN.fullmatch(value) is not None
 
 
 def rollout_id_problem(rollout_id: str) -> str | None:

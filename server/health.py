@@ -15,9 +15,10 @@ import asyncio
 import contextlib
 from typing import Any
 
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from .control_plane import ControlPlane
+from .standard_services import ListingHealthServicer
 
 LIVENESS = "participant-liveness"
 READINESS = "participant-readiness"
@@ -27,7 +28,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class ParticipantHealth:
     def __init__(self, control: ControlPlane, service_names: tuple[str, ...]) -> None:
-        self.servicer = health.aio.HealthServicer()
+        self.servicer = ListingHealthServicer()
         self._control = control
         self._control_names = ("", *service_names)
         self._readiness: bool | None = None

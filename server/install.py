@@ -28,6 +28,7 @@ from .control_plane import ControlPlane
 from .metrics import DataPlaneRefusals, MetricsServer, metrics_endpoint
 from .observe import RuntimeObserver
 from .participant import Participant
+from .request_endings import RequestEndingsMiddleware
 from .settings import CheckpointSettings
 from .sidecar import Sidecar
 from .storage import CheckpointStorage
@@ -135,6 +136,9 @@ def install_checkpointing(
     )
     runtime = CheckpointRuntime(control, settings, observer)
     app.state.checkpoint = runtime
+    # Outermost but for the refusal counter, which then also counts the 409 `stale_attempt`
+    # answered for a retired in-flight request.
+    app.add_middleware(RequestEndingsMiddleware)
     app.add_middleware(DataPlaneRefusals, on_refusal=observer.data_refused)
     if settings.metrics_path is not None:
         # First, so no catch-all mount of the app shadows it; it is a GET, which the

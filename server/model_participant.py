@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .episodes import EpisodeId
@@ -41,6 +42,7 @@ from .participant import (
     ReadinessReport,
     RestoredRecord,
 )
+from .request_endings import cancel_request
 from .rollout_prefix import episode_of
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
@@ -54,7 +56,7 @@ class ModelCall:
     streaming: bool = False
     held: bool = False
     retired: bool = False
-    """Cancelled by a retire: answered 409 `stale_attempt` instead of failing as a 500."""
+    """Cancelled by a retire: answered 409 `stale_attempt` (request_endings.py), not a 500."""
 
 
 @dataclass
@@ -211,7 +213,8 @@ class ModelParticipant(Participant):
         for call in running:
             if call.task is not None and call.task is not asyncio.current_task():
                 call.retired = True
-                call.task.cancel()
+                detail = f"attempt {episode.capture_key} was retired"
+                cancel_request(call.task, "stale_attempt", detail)
         for tracked in [e for e in self.ledgers if covered(e)]:
             del self.ledgers[tracked]
         for tracked in [e for e in self.restored if covered(e)]:
@@ -256,24 +259,11 @@ class ModelAdmissionMiddleware:
             return
         body = await _read_body(receive)
         call = participant.call_started(episode, body)
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        # A retire cancels the call through `cancel_request`: RequestEndingsMiddleware (the
+        # runtime's, outside this one) answers it 409 `stale_attempt` without letting a
+        # shutdown's cancellation be swallowed.
         try:
-            await self._run(scope, body, receive, tracked, call)
-        except asyncio.CancelledError:
-            if not call.retired:
-                raise
-            # Our own retire cancelled it, not the server: answer instead of failing.
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            if not started:
-                await _respond(send, 409, "stale_attempt", "this attempt was retired")
+            await self._run(scope, body, receive, send, call)
         finally:
             participant.call_finished(call)
 
@@ -342,11 +332,13 @@ class _ShuttingDown(Exception):
 
 
 async def _read_body(receive: Receive) -> bytes:
+    """The whole body; `ClientDisconnect` when the caller leaves before sending it all: a
+    partial body must never run a generation, let alone enter an episode's ledger."""
     parts = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            raise ClientDisconnect()
         parts.append(message.get("body", b""))
         if not message.get("more_body", False):
             break

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
-from .logs import CHECKPOINT_ID, reset_quietly
+from .logs import CHECKPOINT_ID, RateLimitedLog, reset_quietly
 from .metrics import Gauges, ParticipantMetrics
 from .tracing import Tracing, end_span
 
@@ -103,6 +103,8 @@ class RuntimeObserver(ControlObserver):
         self.tracing = Tracing(tracer_provider)
         self._kind = ""
         self._instance = ""
+        # Anyone who reaches the port can send calls without the token, as fast as it likes.
+        self._unauthenticated = RateLimitedLog(log)
 
     def attach(self, control: Any) -> None:
         participant = control.participant
@@ -167,7 +169,7 @@ class RuntimeObserver(ControlObserver):
 
     def unauthenticated(self, method: str) -> None:
         self.metrics.refusals.labels("control", "TOKEN_INVALID").inc()
-        log.info("refused %s: missing or invalid bearer token", method)
+        self._unauthenticated.warning("refused %s: missing or invalid bearer token", method)
 
 
 class _RuntimeOperation(Operation):

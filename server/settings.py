@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .control_plane import ControlSettings
-from .episodes import ID_PATTERN
+from .episodes import is_valid_id
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}$")
 
@@ -51,15 +51,15 @@ class CheckpointSettings(BaseSettings):
             return self
         if not self.token.get_secret_value():
             raise ValueError("checkpoint.token is required when checkpointing is enabled")
-        if self.instance and not ID_PATTERN.match(self.instance):
+        if self.instance and not is_valid_id(self.instance):
             raise ValueError("checkpoint.instance must match ^[A-Za-z0-9][A-Za-z0-9._-]*$")
-        if not _ADDRESS.match(self.grpc_address):
+        if not _ADDRESS.fullmatch(self.grpc_address):
             raise ValueError("checkpoint.grpc_address must be HOST:PORT")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("checkpoint.tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("client certificates need a server certificate")
-        if self.metrics_address is not None and not _ADDRESS.match(self.metrics_address):
+        if self.metrics_address is not None and not _ADDRESS.fullmatch(self.metrics_address):
             raise ValueError("checkpoint.metrics_address must be HOST:PORT")
         if self.metrics_path is not None and not (
             self.metrics_path.startswith("/") and self.metrics_path != "/"

@@ -3,6 +3,8 @@
 It serves ParticipantService and grpc.health.v1.Health (and reflection when configured),
 authenticates control calls with the bearer token, and binds without SO_REUSEPORT so a stray
 second sidecar on the same port fails loudly instead of silently taking half the calls.
+Every service parses its own request bytes (standard_services.py), so garbage is a typed
+INVALID_REQUEST, never UNKNOWN with a logged traceback.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ from pathlib import Path
 
 import grpc
 from grpc import aio
-from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from rollout_checkpoint.v1 import participant_service_pb2
 
 from .auth import BearerTokenInterceptor
 from .control_plane import ControlPlane
 from .health import ParticipantHealth
 from .servicer import SERVICE_NAME, ParticipantServicer
 from .settings import CheckpointSettings
+from .standard_services import (
+    HEALTH_SERVICE,
+    health_handler,
+    hostile_input_log,
+    reflection_handler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +62,12 @@ class Sidecar:
                 ("grpc.max_send_message_length", limit),
             ],
         )
-        server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        hostile = hostile_input_log()
+        handlers = [self.servicer.generic_handler(), health_handler(self.health.servicer, hostile)]
         if self.settings.reflection:
-            names = (
-                participant_service_pb2.DESCRIPTOR.services_by_name["ParticipantService"].full_name,
-                "grpc.health.v1.Health",
-                reflection.SERVICE_NAME,
-            )
-            reflection.enable_server_reflection(names, server)
+            names = (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)
+            handlers.append(reflection_handler(names, hostile))
+        server.add_generic_rpc_handlers(handlers)
         credentials = self._credentials()
         if credentials is None:
             self.port = server.add_insecure_port(self.settings.grpc_address)

@@ -448,7 +448,7 @@ def _manifest_from_json(fields: object) -> StoredManifest:
         raise ValueError("manifest field of the wrong type")
     if manifest.schema_version != SCHEMA_VERSION:
         raise ValueError(f"unsupported schema version {manifest.schema_version}")
-    match = RECORDS_NAME.match(manifest.records_file)
+    match = RECORDS_NAME.fullmatch(manifest.records_file)
     if match is None or match.group(1) != manifest.records_sha256:
         raise ValueError("records_file must be records-<records_sha256>.jsonl")
     return manifest

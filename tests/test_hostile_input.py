@@ -628,7 +628,7 @@ def test_path_tricks_through_the_coordinator_are_refused_by_the_members(servers:
             assert error.reason == "PARTICIPANT_FAILED", error
             assert error.code == grpc.StatusCode.INVALID_ARGUMENT, error
             assert error.metadata["failedMembers"] == "double=INVALID_REQUEST"
-            assert error.metadata["member.field"] == "checkpoint_dir"
+            assert error.metadata["memberField"] == "checkpoint_dir"
         assert list(outside.iterdir()) == []
         resume = cpb.CoordinatorServiceResumeRequest(checkpoint_id="paths-1", deadline=d)
         assert s.call(COORDINATOR + "Resume", resume.SerializeToString(), False) is None

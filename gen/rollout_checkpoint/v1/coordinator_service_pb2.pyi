@@ -15,8 +15,9 @@ absolute `deadline`s, and every call safe to retry with the same
 the participants do). A refusal that came from members is
 `PARTICIPANT_FAILED` (the status code of the first failed member's error)
 or `PARTICIPANT_UNREACHABLE` (UNAVAILABLE), with `failedMembers` metadata
-listing `name=REASON` pairs separated by commas; a refusal of the
-coordinator itself uses the participant reasons (`INVALID_REQUEST`,
+listing a `name=REASON` pair for every member that refused, separated by
+commas, and `operation` (errors.proto documents every key); a refusal of
+the coordinator itself uses the participant reasons (`INVALID_REQUEST`,
 `INVALID_CHECKPOINT_STATE`, ...).
 
 Stage order: prepare goes environment -> model -> agent -> resources, stage

@@ -16,7 +16,9 @@ Conventions that hold for every RPC below:
   (errors.proto). Request bytes that do not parse are INVALID_ARGUMENT /
   `INVALID_REQUEST`, never UNKNOWN.
 * Ids. `checkpoint_id` is 1 to 128 characters matching
-  `^[A-Za-z0-9][A-Za-z0-9._-]*$`.
+  `^[A-Za-z0-9][A-Za-z0-9._-]*$` as a whole string (so `ck` followed by a
+  newline is INVALID_REQUEST). Rollout ids, kinds and instance names follow
+  the same rule.
 * Deadlines. Every request that can change anything carries an absolute
   `deadline` (`google.protobuf.Timestamp`, required). A deadline already
   past is `CHECKPOINT_DEADLINE_EXCEEDED` (except for Resume, which always

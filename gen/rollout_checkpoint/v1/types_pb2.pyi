@@ -188,10 +188,11 @@ class EpisodeId(_message.Message):
     ROLLOUT_ID_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
-    """The rollout's stable id. Must match `^[A-Za-z0-9][A-Za-z0-9._-]*$`, be at
-    most 128 characters, and must not itself end in `-a<N>` (N a positive
-    integer without a leading zero), so that a capture key parses back to
-    exactly one episode. Violations are INVALID_REQUEST.
+    """The rollout's stable id. Must match `^[A-Za-z0-9][A-Za-z0-9._-]*$` as a
+    whole string (no trailing newline), be at most 128 characters, and must
+    not itself end in `-a<N>` (N a positive integer without a leading zero),
+    so that a capture key parses back to exactly one episode. Violations are
+    INVALID_REQUEST.
     """
     attempt: _builtins.int
     """The attempt number, 0 for the first. Must be below 2^31 - 1 so that the
