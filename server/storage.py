@@ -15,6 +15,11 @@ file that survived too.
 
 Every file operation goes through directory descriptors opened with O_NOFOLLOW, so a symlink
 planted anywhere under the checkpoint directory cannot redirect a write outside it.
+
+Every file is opened with O_NONBLOCK and checked with fstat to be a regular file before a
+byte is read or written: open() of a FIFO planted under a file's name (a manifest, a records
+file) otherwise waits forever for a writer, and the thread it wedges holds the commit or the
+restore with it. Such a file is a typed refusal instead.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -44,8 +50,14 @@ from .errors import (
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 RECORDS_NAME = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK on directories is harmless; on files it keeps open() of a FIFO from blocking.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 _READ_CHUNK = 1 << 20
+# A manifest is a few hundred bytes; a larger file under its name is not one (and reading a
+# hostile multi-gigabyte file into memory must not be the way to find that out).
+MANIFEST_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,12 +241,7 @@ class LocalStorage:
     ) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = size = 0
-        fd = os.open(
-            name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-            dir_fd=part_fd,
-        )
+        fd = _open_regular(part_fd, name, _CREATE_FLAGS)
         with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
             for line in lines:
                 if stop.is_set():
@@ -257,7 +264,14 @@ class LocalStorage:
         self, part_fd: int, part_path: str, manifest: StoredManifest, manifest_bytes: bytes
     ) -> PublishedPart:
         """Another writer published first: identical means our retry is done; else refuse."""
-        existing = _read_file(part_fd, MANIFEST_NAME)
+        try:
+            existing = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+        except _NotRegular as exc:
+            raise _foreign_manifest(part_fd, part_path, manifest, "not a regular file") from exc
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise _foreign_manifest(part_fd, part_path, manifest, "a symlink") from exc
         if existing == manifest_bytes:
             # The writer that linked it may have died (or failed its fsync) before the
             # directory fsync: make the part durable before this retry reports it published.
@@ -308,15 +322,21 @@ class LocalStorage:
         self, part_fd: int, part_path: str, kind: str, instance: str
     ) -> StoredManifest:
         try:
-            raw = _read_file(part_fd, MANIFEST_NAME)
+            raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
         except FileNotFoundError as exc:
             raise corrupt_checkpoint(
                 "the part has no manifest (never published)", part_path
             ) from exc
+        except _NotRegular as exc:
+            raise corrupt_checkpoint("manifest.json is not a regular file", part_path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise corrupt_checkpoint("manifest.json is a symlink", part_path) from exc
             raise
+        if len(raw) > MANIFEST_LIMIT:
+            raise corrupt_checkpoint(
+                f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part_path
+            )
         try:
             fields = json.loads(raw, parse_constant=_refuse_constant)
             manifest = _manifest_from_json(fields)
@@ -337,17 +357,27 @@ class LocalStorage:
         select: Callable[[dict[str, Any]], bool],
     ) -> list[dict[str, Any]]:
         try:
-            fd = os.open(
-                manifest.records_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=part_fd
-            )
+            fd = _open_regular(part_fd, manifest.records_file, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise corrupt_checkpoint(
                 "the records file named by the manifest is missing", part_path
             ) from exc
+        except _NotRegular as exc:
+            raise corrupt_checkpoint("the records file is not a regular file", part_path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise corrupt_checkpoint("the records file is a symlink", part_path) from exc
             raise
+        size = os.fstat(fd).st_size
+        if size != manifest.bytes:
+            # Checked before reading: a hostile sparse file of a terabyte under the records
+            # name would otherwise keep this thread hashing zeros for hours.
+            os.close(fd)
+            raise corrupt_checkpoint(
+                f"records digest mismatch: the records file has {size} bytes, "
+                f"the manifest says {manifest.bytes}",
+                part_path,
+            )
         hasher = hashlib.sha256()
         count = size = 0
         kept: list[dict[str, Any]] = []
@@ -374,6 +404,19 @@ class LocalStorage:
         if problem is not None:
             raise problem
         return kept
+
+
+def _foreign_manifest(
+    part_fd: int, part_path: str, manifest: StoredManifest, what: str
+) -> CheckpointError:
+    """A FIFO, a directory or a symlink holds the manifest's name: nothing can be published
+    here and nothing names our records file, so it goes; the refusal is typed (reading the
+    thing to compare it would have blocked on a FIFO)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(manifest.records_file, dir_fd=part_fd)
+    return rejected_checkpoint(
+        f"the participant directory holds a manifest.json that is {what}", path=part_path
+    )
 
 
 def _select_line(
@@ -462,13 +505,30 @@ def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: boo
         raise
 
 
+class _NotRegular(Exception):
+    """A name that must be a regular file is something else: a FIFO, a directory, a device."""
+
+
+def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
+    """Open `name` below `dir_fd` without following a symlink and without ever blocking.
+
+    O_NONBLOCK makes open() of a FIFO return at once instead of waiting for a writer; fstat
+    then refuses anything but a regular file before a byte moves. For a regular file
+    O_NONBLOCK means nothing, but it is cleared all the same so reads and writes are plain.
+    """
+    fd = os.open(name, flags | _FILE_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotRegular(name)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _write_file(dir_fd: int, name: str, data: bytes) -> None:
-    fd = os.open(
-        name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o644,
-        dir_fd=dir_fd,
-    )
+    fd = _open_regular(dir_fd, name, _CREATE_FLAGS)
     try:
         view = memoryview(data)
         while view:
@@ -478,7 +538,15 @@ def _write_file(dir_fd: int, name: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _read_file(dir_fd: int, name: str) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+def _read_file(dir_fd: int, name: str, limit: int) -> bytes:
+    """The file's bytes, at most `limit + 1` of them (so a caller can tell "too large")."""
+    fd = _open_regular(dir_fd, name, os.O_RDONLY)
+    chunks: list[bytes] = []
+    remaining = limit + 1
+    try:
+        while remaining > 0 and (chunk := os.read(fd, min(remaining, _READ_CHUNK))):
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)

@@ -724,3 +724,134 @@ def test_validate_returns_the_real_path(tmp_path: Path) -> None:
     assert validate_checkpoint_dir(str(plain), (str(linked_root),)) == str(plain)
     # No roots configured: any absolute, normalized path.
     assert validate_checkpoint_dir(str(inside), ()) == str(real_root / "inner" / "ckpt")
+
+
+# -- hostile files: nothing may wedge the writer or the reader --------------------------------
+
+
+class Wedged(AssertionError):
+    """The storage call did not return within its bound (it is blocked in the kernel)."""
+
+
+def within(call: Callable[[], Any], seconds: float = 10.0) -> Any:
+    """Run a blocking storage call in a thread and return its result or raise its error.
+
+    A regression that blocks (open() of a FIFO waits for the other end forever) fails the test
+    instead of hanging the suite; the `fifos` fixture unblocks the stuck thread afterwards."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise Wedged(f"the call is still blocked after {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@pytest.fixture
+def fifos() -> Iterator[list[Path]]:
+    """FIFOs a test plants; at teardown each gets a writer, so a reader stuck in open() ends."""
+    planted: list[Path] = []
+    yield planted
+    for fifo in planted:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader waiting (ENXIO), or gone
+            continue
+        os.close(fd)
+
+
+def plant_fifo(path: Path, fifos: list[Path]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    fifos.append(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [("fifo", "not a regular file"), ("directory", "not a regular file"), ("symlink", "a symlink")],
+)
+def test_a_manifest_name_taken_by_something_else_is_a_typed_refusal_of_the_writer(
+    tmp_path: Path, ckpt: Path, fifos: list[Path], make: str, what: str
+) -> None:
+    """The link of the manifest fails (the name exists) and the writer reads what holds the
+    name to compare it: a FIFO there used to block that read forever."""
+    if make == "fifo":
+        plant_fifo(manifest_path(ckpt), fifos)
+    elif make == "directory":
+        manifest_path(ckpt).mkdir(parents=True)
+    else:
+        write(tmp_path / "elsewhere", sample_lines())  # identical: following it would "match"
+        manifest_path(ckpt).parent.mkdir(parents=True)
+        manifest_path(ckpt).symlink_to(manifest_path(tmp_path / "elsewhere"))
+
+    error = refused(
+        lambda: within(lambda: write(ckpt, sample_lines())),
+        Reason.INVALID_CHECKPOINT_STATE,
+        "FAILED_PRECONDITION",
+    )
+
+    assert f"manifest.json that is {what}" in error.message
+    # The refused writer leaves nothing of its own behind: only what was planted.
+    assert os.listdir(part_of(ckpt)) == [MANIFEST_NAME]
+
+
+@pytest.mark.parametrize("make", ["fifo", "directory"])
+def test_a_manifest_that_is_not_a_regular_file_is_data_loss_on_read(
+    ckpt: Path, fifos: list[Path], make: str
+) -> None:
+    if make == "fifo":
+        plant_fifo(manifest_path(ckpt), fifos)
+    else:
+        manifest_path(ckpt).mkdir(parents=True)
+
+    error = refused(
+        lambda: within(lambda: read(ckpt)), Reason.INVALID_CHECKPOINT_STATE, "DATA_LOSS"
+    )
+
+    assert "not a regular file" in error.message
+
+
+@pytest.mark.parametrize("make", ["fifo", "directory"])
+def test_a_records_file_that_is_not_a_regular_file_is_data_loss_on_read(
+    ckpt: Path, fifos: list[Path], make: str
+) -> None:
+    published = write(ckpt, sample_lines())
+    records = part_of(ckpt) / published.manifest.records_file
+    records.unlink()
+    if make == "fifo":
+        plant_fifo(records, fifos)
+    else:
+        records.mkdir()
+
+    error = refused(
+        lambda: within(lambda: read(ckpt)), Reason.INVALID_CHECKPOINT_STATE, "DATA_LOSS"
+    )
+
+    assert "not a regular file" in error.message
+
+
+def test_a_sparse_records_file_far_larger_than_its_manifest_is_refused_without_reading_it(
+    ckpt: Path,
+) -> None:
+    """A hostile 1 TiB sparse file under the records name would keep the reader hashing zeros
+    for hours: the size the manifest promises is checked before a byte is read."""
+    published = write(ckpt, sample_lines())
+    records = part_of(ckpt) / published.manifest.records_file
+    with records.open("r+b") as handle:
+        handle.truncate(1 << 40)
+
+    error = refused(
+        lambda: within(lambda: read(ckpt)), Reason.INVALID_CHECKPOINT_STATE, "DATA_LOSS"
+    )
+
+    assert "digest" in error.message
+    assert f"{1 << 40} bytes" in error.message
