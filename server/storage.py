@@ -14,7 +14,11 @@ replaced. The directory is fsynced last, so a manifest that survives a crash nam
 file that survived too.
 
 Every file operation goes through directory descriptors opened with O_NOFOLLOW, so a symlink
-planted anywhere under the checkpoint directory cannot redirect a write outside it.
+planted anywhere under the checkpoint directory cannot redirect a write outside it. The same
+holds above it: the checkpoint directory is the real path `validate_checkpoint_dir` checked
+against the allowed roots, and it is never resolved by name again but walked from `/` one
+component at a time. Otherwise a parent swapped for a symlink between the check and the write
+would put the part outside every allowed root (and a restore would read one from there).
 
 Every file is opened with O_NONBLOCK and checked with fstat to be a regular file before a
 byte is read or written: open() of a FIFO planted under a file's name (a manifest, a records
@@ -116,7 +120,9 @@ def validate_checkpoint_dir(raw: str, allowed_roots: Sequence[str]) -> str:
 
     Refused (INVALID_REQUEST, field `checkpoint_dir`): a relative path, one that is not
     normalized, one with a `..` component, and one that resolves outside every allowed root.
-    Blocks (realpath): run it in a thread.
+    Blocks (realpath): run it in a thread. Pass the returned path, never the raw one, to
+    `write_part` and `read_part`: they walk it without following any symlink, so what was
+    checked here is what they open.
     """
     field = "checkpoint_dir"
     if not raw:
@@ -304,10 +310,6 @@ class LocalStorage:
                 "no part of this participant in the checkpoint", part_path
             ) from exc
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise invalid_request(
-                    "checkpoint_dir", "a participant subdirectory is a symlink"
-                ) from exc
             raise _storage_error(exc, part_path) from exc
         try:
             manifest = self._read_manifest(part_fd, part_path, kind, instance)
@@ -480,29 +482,72 @@ def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: boo
     outside it is ever created); each component below it is opened with O_NOFOLLOW.
     """
     _check_names(kind, instance)
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(checkpoint_dir, 0o755)
-    fd = os.open(checkpoint_dir, _DIR_FLAGS)
+    fd = _open_checkpoint_dir(checkpoint_dir, create=create)
     try:
         for component in ("participants", kind, instance):
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(component, 0o755, dir_fd=fd)
-            try:
-                child = os.open(component, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise invalid_request(
-                        "checkpoint_dir", f"participant subdirectory {component!r} is a symlink"
-                    ) from exc
-                raise
-            os.close(fd)
-            fd = child
+            fd = _descend(fd, component, f"participant subdirectory {component!r}")
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_checkpoint_dir(checkpoint_dir: str, *, create: bool) -> int:
+    """Open the validated real path without resolving a name again.
+
+    `validate_checkpoint_dir` checked the allowed roots against the real path once; opening
+    that path by name afterwards would resolve it a second time, and a parent swapped for a
+    symlink in between would put the part outside every root. So the path is walked from `/`,
+    one component at a time, each opened relative to the previous descriptor with O_NOFOLLOW:
+    a component that became a symlink is refused, never followed. Only the last component
+    (the checkpoint directory itself) is created when missing.
+    """
+    components = _components(checkpoint_dir)
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        for index, component in enumerate(components):
+            if create and index == len(components) - 1:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(component, 0o755, dir_fd=fd)
+            shown = "/" + "/".join(components[: index + 1])
+            fd = _descend(fd, component, shown)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _components(checkpoint_dir: str) -> list[str]:
+    """The names of an absolute, normalized path (what `validate_checkpoint_dir` returns)."""
+    if not os.path.isabs(checkpoint_dir) or os.path.normpath(checkpoint_dir) != checkpoint_dir:
+        raise invalid_request("checkpoint_dir", "must be an absolute, normalized path")
+    components = [c for c in checkpoint_dir.split("/") if c]
+    if any(c in (".", "..") for c in components):
+        raise invalid_request("checkpoint_dir", "must not contain a '.' or '..' component")
+    return components
+
+
+def _descend(parent_fd: int, name: str, shown: str) -> int:
+    """Open directory `name` below `parent_fd` without following a symlink; on success the
+    parent descriptor is closed and the child's returned (on failure the caller closes it)."""
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        # Linux reports a symlink opened with O_NOFOLLOW | O_DIRECTORY as ELOOP or ENOTDIR:
+        # lstat tells which it is (it never opens, so it cannot block either).
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = exc.errno == errno.ELOOP
+        what = "is a symlink (refused: nothing is followed)" if is_link else "is not a directory"
+        raise invalid_request("checkpoint_dir", f"{shown} {what}") from exc
+    os.close(parent_fd)
+    return child
 
 
 class _NotRegular(Exception):

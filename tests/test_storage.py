@@ -855,3 +855,70 @@ def test_a_sparse_records_file_far_larger_than_its_manifest_is_refused_without_r
 
     assert "digest" in error.message
     assert f"{1 << 40} bytes" in error.message
+
+
+# -- the allowed-roots check cannot be raced ------------------------------------------------
+
+SWAPS = ["grandparent", "parent", "itself"]
+
+
+def swap_for_symlink(tmp_path: Path, which: str) -> tuple[str, Path]:
+    """Validate root/a/b/ckpt, then swap one of a, b, ckpt for a symlink to a directory outside
+    every root that has the same shape below it. Returns (validated path, the outside)."""
+    root = tmp_path / "root"
+    (root / "a" / "b" / "ckpt").mkdir(parents=True)
+    validated = validate_checkpoint_dir(str(root / "a" / "b" / "ckpt"), (str(root),))
+    outside = tmp_path / "outside"
+    swapped = {"grandparent": root / "a", "parent": root / "a" / "b", "itself": Path(validated)}
+    below = {"grandparent": Path("b"), "parent": Path(), "itself": None}[which]
+    target = outside / which
+    target.mkdir(parents=True)
+    if below is not None:
+        (target / below).mkdir(parents=True, exist_ok=True)
+    victim = swapped[which]
+    victim.rename(victim.with_name(victim.name + ".moved"))
+    victim.symlink_to(target, target_is_directory=True)
+    return validated, outside
+
+
+@pytest.mark.parametrize("which", SWAPS)
+def test_a_component_swapped_for_a_symlink_after_validation_refuses_the_write(
+    tmp_path: Path, which: str
+) -> None:
+    validated, outside = swap_for_symlink(tmp_path, which)
+    before = tree(outside)
+
+    error = refused(
+        lambda: write(Path(validated), sample_lines()), Reason.INVALID_REQUEST, "INVALID_ARGUMENT"
+    )
+
+    assert error.field == "checkpoint_dir"
+    assert "symlink" in error.message
+    assert tree(outside) == before  # nothing written outside the allowed root
+
+
+@pytest.mark.parametrize("which", SWAPS)
+def test_a_component_swapped_for_a_symlink_after_validation_refuses_the_read(
+    tmp_path: Path, which: str
+) -> None:
+    validated, outside = swap_for_symlink(tmp_path, which)
+    target = outside / which / {"grandparent": "b/ckpt", "parent": "ckpt", "itself": ""}[which]
+    write(target, sample_lines())  # a valid part outside: following the link would read it
+
+    error = refused(lambda: read(Path(validated)), Reason.INVALID_REQUEST, "INVALID_ARGUMENT")
+
+    assert error.field == "checkpoint_dir"
+
+
+def test_a_component_that_became_a_file_refuses_the_write(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    validated = validate_checkpoint_dir(str(root / "a" / "ckpt"), (str(root),))
+    (root / "a").rmdir()
+    (root / "a").write_bytes(b"")
+
+    error = refused(
+        lambda: write(Path(validated), sample_lines()), Reason.INVALID_REQUEST, "INVALID_ARGUMENT"
+    )
+
+    assert "not a directory" in error.message
