@@ -27,7 +27,6 @@ import contextvars
 import enum
 import json
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from .storage import (
     LocalStorage,
     PublishedPart,
     StoredManifest,
+    WriteFence,
     validate_checkpoint_dir,
 )
 
@@ -156,7 +156,7 @@ class _CommitJob:
     records: Sequence[ExportRecord] | None = None
     published: PublishedPart | None = None
     retired: tuple[str, ...] | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
+    fence: WriteFence = field(default_factory=WriteFence)
     task: asyncio.Task[CommitResult] | None = None
 
     @property
@@ -563,7 +563,7 @@ class ControlPlane:
                     self.participant.instance,
                     job.checkpoint_id,
                     lines,
-                    job.stop,
+                    job.fence,
                 )
         if job.retired is None:
             job.phase = "cleanup"
@@ -757,7 +757,7 @@ class ControlPlane:
         if job.phase == "export":
             task.cancel()
         elif job.phase == "write":
-            job.stop.set()
+            job.fence.stop()
         else:
             # Cleanup frees restored state through the server's hooks; reopening while it
             # runs would let a request claim state that is being freed.

@@ -89,6 +89,55 @@ class StopRequested(Exception):
     """The write was stopped (a Resume) before it began to publish."""
 
 
+class WriteFence:
+    """Decides, atomically between a writer thread and the event loop, whether a part may still publish.
+
+    A Resume that stops a write must know which of two things it is facing: a writer that will
+    never publish (admission may reopen at once), or one whose manifest link is under way and
+    cannot be withdrawn (the Resume must wait for it, or a checkpoint it abandoned would appear
+    after it reopened admission). A bare flag checked by the writer cannot tell: the writer may
+    read it unset and link a moment after the Resume set it. Here the writer's last check and
+    its "I am publishing" are one step under a lock, and so is the Resume's stop and its
+    answer, so exactly one of the two orders happens and both sides agree on which.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._publishing = False
+
+    def stop(self) -> bool:
+        """Refuse publication from now on. Returns True if the writer had already begun
+        publishing (the manifest link is under way and cannot be withdrawn: the caller may
+        wait for it), False if the writer will never publish. Never blocks on I/O (a
+        threading.Lock held only around flag updates)."""
+        with self._lock:
+            self._stopped = True
+            return self._publishing
+
+    @property
+    def stopped(self) -> bool:
+        with self._lock:
+            return self._stopped
+
+    @property
+    def publishing(self) -> bool:
+        with self._lock:
+            return self._publishing
+
+    def check(self) -> None:
+        """Raise StopRequested if stopped (called between records)."""
+        if self.stopped:
+            raise StopRequested()
+
+    def begin_publish(self) -> None:
+        """Atomically: raise StopRequested if stopped, else mark publishing. Called right before the manifest link."""
+        with self._lock:
+            if self._stopped:
+                raise StopRequested()
+            self._publishing = True
+
+
 CrashHook = Callable[[str], None]
 """Called with the name of each step of a write; fault tests kill the writer there."""
 
@@ -103,7 +152,7 @@ class CheckpointStorage(Protocol):
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart: ...
 
     def read_part(
@@ -175,15 +224,20 @@ class LocalStorage:
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart:
+        """Write and publish this participant's part; blocks (run it in a thread).
+
+        `checkpoint_dir` is the real path `validate_checkpoint_dir` returned. `fence` is
+        checked between records; StopRequested means nothing was published.
+        """
         part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         try:
-            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, stop)
+            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, fence)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         finally:
@@ -197,13 +251,13 @@ class LocalStorage:
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart:
         temporaries: list[str] = []
         try:
             records_tmp = f".records-{secrets.token_hex(8)}.tmp"
             temporaries.append(records_tmp)
-            digest, count, size = self._write_records(part_fd, records_tmp, lines, stop)
+            digest, count, size = self._write_records(part_fd, records_tmp, lines, fence)
             records_file = f"records-{digest}.jsonl"
             self._step("before_rename")
             os.rename(records_tmp, records_file, src_dir_fd=part_fd, dst_dir_fd=part_fd)
@@ -216,10 +270,10 @@ class LocalStorage:
             manifest_tmp = f".manifest-{secrets.token_hex(8)}.tmp"
             temporaries.append(manifest_tmp)
             _write_file(part_fd, manifest_tmp, manifest_bytes)
-            if stop.is_set():
-                raise StopRequested()
-            # From here on the publication is under way: a Resume waits for it instead of
-            # stopping it, because a half-linked manifest is not a thing that can exist.
+            # From here on the publication is under way: a Resume's stop() learns so and waits
+            # for it instead of stopping it, since a link cannot be withdrawn.
+            self._step("before_publish")
+            fence.begin_publish()
             self._step("before_manifest_link")
             try:
                 os.link(
@@ -243,15 +297,14 @@ class LocalStorage:
                     os.unlink(name, dir_fd=part_fd)
 
     def _write_records(
-        self, part_fd: int, name: str, lines: Iterable[bytes], stop: threading.Event
+        self, part_fd: int, name: str, lines: Iterable[bytes], fence: WriteFence
     ) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = size = 0
         fd = _open_regular(part_fd, name, _CREATE_FLAGS)
         with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
             for line in lines:
-                if stop.is_set():
-                    raise StopRequested()
+                fence.check()
                 self._step("before_record")
                 data = line + b"\n"
                 out.write(data)
@@ -259,8 +312,7 @@ class LocalStorage:
                 count += 1
                 size += len(data)
                 self._step("after_record")
-            if stop.is_set():
-                raise StopRequested()
+            fence.check()
             out.flush()
             os.fsync(out.fileno())
             self._step("after_fsync")

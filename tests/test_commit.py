@@ -195,7 +195,8 @@ class GatedStorage(LocalStorage):
         self.release = threading.Event()
         self.reached = threading.Event()
         self.writes = 0
-        self.stop: threading.Event | None = None
+        self.stop = threading.Event()  # set when the write's fence is stopped
+        self.stop_answers: list[bool] = []
 
         def hook(name: str) -> None:
             if name == step and not self.release.is_set():
@@ -206,7 +207,16 @@ class GatedStorage(LocalStorage):
 
     def write_part(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.writes += 1
-        self.stop = args[5]
+        fence = args[5]
+        stop_fence = fence.stop
+
+        def observed_stop() -> bool:
+            answer = stop_fence()
+            self.stop_answers.append(answer)
+            self.stop.set()
+            return answer
+
+        fence.stop = observed_stop
         return super().write_part(*args, **kwargs)
 
 
@@ -257,6 +267,7 @@ async def test_resume_stops_an_unpublished_write(checkpoint_dir: str) -> None:
         resume = asyncio.ensure_future(h.client.resume("c1", h.deadline()))
         assert storage.stop is not None
         await wait_thread_event(storage.stop)  # the resume asked the write to stop
+        assert storage.stop_answers == [False]  # ...before it began to publish
         assert not resume.done()  # ...and waits for it rather than racing a publication
         storage.release.set()
         reply = await resume

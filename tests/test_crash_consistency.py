@@ -22,7 +22,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,12 @@ import pytest
 
 from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.server.errors import CheckpointError, Reason
-from rollout_checkpoint.server.storage import LocalStorage, PublishedPart, StoredManifest
+from rollout_checkpoint.server.storage import (
+    LocalStorage,
+    PublishedPart,
+    StoredManifest,
+    WriteFence,
+)
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import REPO, Harness, drain, refused, start_harness, stop_harness
@@ -335,11 +339,11 @@ class FaultyStorage:
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart:
         self.writes += 1
         return LocalStorage(crash_hook=self._hook).write_part(
-            checkpoint_dir, kind, instance, checkpoint_id, self._lines(lines), stop
+            checkpoint_dir, kind, instance, checkpoint_id, self._lines(lines), fence
         )
 
     def read_part(

@@ -23,6 +23,7 @@ from rollout_checkpoint.server.storage import (
     LocalStorage,
     PublishedPart,
     StopRequested,
+    WriteFence,
     validate_checkpoint_dir,
 )
 
@@ -87,12 +88,12 @@ def write(
     *,
     checkpoint_id: str = "ckpt-1",
     storage: LocalStorage | None = None,
-    stop: threading.Event | None = None,
+    fence: WriteFence | None = None,
     kind: str = KIND,
     instance: str = INSTANCE,
 ) -> PublishedPart:
     return (storage or LocalStorage()).write_part(
-        str(ckpt), kind, instance, checkpoint_id, lines, stop or threading.Event()
+        str(ckpt), kind, instance, checkpoint_id, lines, fence or WriteFence()
     )
 
 
@@ -264,35 +265,37 @@ def test_of_two_racing_writers_exactly_one_publishes(ckpt: Path) -> None:
     assert records == [json.loads(line) for line in sample_lines(winner_tag)]
 
 
-def test_stop_set_before_the_write_leaves_nothing(ckpt: Path) -> None:
-    stop = threading.Event()
-    stop.set()
+def test_stop_before_the_write_leaves_nothing(ckpt: Path) -> None:
+    fence = WriteFence()
+    assert fence.stop() is False
 
     with pytest.raises(StopRequested):
-        write(ckpt, sample_lines(), stop=stop)
+        write(ckpt, sample_lines(), fence=fence)
 
     assert os.listdir(part_of(ckpt)) == []
 
 
-def test_stop_set_between_records_leaves_nothing(ckpt: Path) -> None:
-    stop = threading.Event()
+def test_stop_between_records_leaves_nothing(ckpt: Path) -> None:
+    fence = WriteFence()
     seen: list[str] = []
+    answers: list[bool] = []
 
     def hook(step: str) -> None:
         seen.append(step)
         if step == "after_record":
-            stop.set()
+            answers.append(fence.stop())
 
     with pytest.raises(StopRequested):
-        write(ckpt, sample_lines(n=5), stop=stop, storage=LocalStorage(crash_hook=hook))
+        write(ckpt, sample_lines(n=5), fence=fence, storage=LocalStorage(crash_hook=hook))
 
-    # The flag is honoured at the next record: exactly one was written, none published.
+    # The fence is honoured at the next record: exactly one was written, none published.
     assert seen == ["before_record", "after_record"]
+    assert answers == [False]  # the writer had not begun publishing: nothing to wait for
     assert os.listdir(part_of(ckpt)) == []
 
 
-def test_stop_set_after_the_last_record_still_stops_before_publishing(ckpt: Path) -> None:
-    stop = threading.Event()
+def test_stop_after_the_last_record_still_stops_before_publishing(ckpt: Path) -> None:
+    fence = WriteFence()
     lines = sample_lines(n=2)
     count = 0
 
@@ -301,10 +304,10 @@ def test_stop_set_after_the_last_record_still_stops_before_publishing(ckpt: Path
         if step == "after_record":
             count += 1
             if count == len(lines):
-                stop.set()
+                assert fence.stop() is False
 
     with pytest.raises(StopRequested):
-        write(ckpt, lines, stop=stop, storage=LocalStorage(crash_hook=hook))
+        write(ckpt, lines, fence=fence, storage=LocalStorage(crash_hook=hook))
 
     assert os.listdir(part_of(ckpt)) == []
 
