@@ -24,6 +24,30 @@ Every file is opened with O_NONBLOCK and checked with fstat to be a regular file
 byte is read or written: open() of a FIFO planted under a file's name (a manifest, a records
 file) otherwise waits forever for a writer, and the thread it wedges holds the commit or the
 restore with it. Such a file is a typed refusal instead.
+
+Nothing a stopped, failed or killed writer leaves may linger, and no cleanup may take a file
+a publication needs. Two writers of one part can produce the same records file name (same
+content: a retry from a restarted process, a second commit job), so a writer that is stopped
+after renaming its records into place cannot simply delete `records-<digest>.jsonl`: the
+other may have renamed its identical file over it a moment earlier and be about to link a
+manifest naming it, and the part would be published with its records file gone. Hence:
+
+* Every writer takes an exclusive `flock` on the part directory around rename -> begin
+  publishing -> link -> directory fsync, and around every cleanup. Under that lock no other
+  writer is between its rename and its link, so a records file no manifest names is nobody's
+  publication: a writer stopped or failed after its rename removes its records file under the
+  lock, unless a manifest names it.
+* Every writer holds a `flock` on its own temporary files (created under the part lock) for
+  as long as it uses them; the kernel drops it when the writer dies. The next write of the
+  part sweeps, under the part lock, every `.records-*.tmp` and `.manifest-*.tmp` whose lock
+  it can take without waiting (its writer is gone: SIGKILL, a power loss) and every
+  `records-*.jsonl` the manifest does not name. The file a manifest names is never removed.
+* The part lock is polled, never waited for in a blocking `flock`, which has no timeout: a
+  process that holds it and never lets go makes the commit fail (STORAGE_FAILED,
+  retryable) after `lock_timeout` rather than wedging the thread, and a Resume ends the wait.
+
+The lock only orders writers whose filesystem honours `flock` between them (local
+filesystems do; Linux NFS clients emulate it with POSIX locks).
 """
 
 from __future__ import annotations
@@ -31,6 +55,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -38,7 +63,8 @@ import re
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -54,6 +80,7 @@ from .errors import (
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 RECORDS_NAME = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
+TEMPORARY_NAME = re.compile(r"^\.(records|manifest)-[0-9a-f]{16}\.tmp$")
 # O_NONBLOCK on directories is harmless; on files it keeps open() of a FIFO from blocking.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -206,10 +233,16 @@ def _storage_error(exc: OSError, path: str) -> CheckpointError:
 
 
 class LocalStorage:
-    """Parts on a local (or mounted) POSIX filesystem."""
+    """Parts on a local (or mounted) POSIX filesystem.
 
-    def __init__(self, crash_hook: CrashHook | None = None) -> None:
+    `lock_timeout` bounds the wait for the part directory's lock: another writer holds it for
+    a rename, a link and an fsync, so a wait that long means the holder is wedged or hostile,
+    and the commit fails (retryably) instead of its thread waiting forever.
+    """
+
+    def __init__(self, crash_hook: CrashHook | None = None, lock_timeout: float = 60.0) -> None:
         self._crash_hook = crash_hook
+        self._lock_timeout = lock_timeout
 
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
@@ -229,7 +262,8 @@ class LocalStorage:
         """Write and publish this participant's part; blocks (run it in a thread).
 
         `checkpoint_dir` is the real path `validate_checkpoint_dir` returned. `fence` is
-        checked between records; StopRequested means nothing was published.
+        checked between records and while waiting for the part lock; StopRequested means
+        nothing was published and nothing of this write is left behind.
         """
         part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
         try:
@@ -237,7 +271,8 @@ class LocalStorage:
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         try:
-            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, fence)
+            part = _Part(part_fd, part_path)
+            return self._write_in(part, kind, instance, checkpoint_id, lines, fence)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         finally:
@@ -245,64 +280,45 @@ class LocalStorage:
 
     def _write_in(
         self,
-        part_fd: int,
-        part_path: str,
+        part: _Part,
         kind: str,
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
         fence: WriteFence,
     ) -> PublishedPart:
-        temporaries: list[str] = []
+        self._step("before_sweep")
+        with self._locked(part, fence):
+            _sweep(part.fd)
+            records_tmp, tmp_fd = _create_temporary(part.fd, "records")
         try:
-            records_tmp = f".records-{secrets.token_hex(8)}.tmp"
-            temporaries.append(records_tmp)
-            digest, count, size = self._write_records(part_fd, records_tmp, lines, fence)
-            records_file = f"records-{digest}.jsonl"
-            self._step("before_rename")
-            os.rename(records_tmp, records_file, src_dir_fd=part_fd, dst_dir_fd=part_fd)
-            temporaries.remove(records_tmp)
-            self._step("after_rename")
+            digest, count, size = self._write_records(tmp_fd, lines, fence)
             manifest = StoredManifest(
-                SCHEMA_VERSION, kind, instance, checkpoint_id, records_file, digest, count, size
+                SCHEMA_VERSION,
+                kind,
+                instance,
+                checkpoint_id,
+                f"records-{digest}.jsonl",
+                digest,
+                count,
+                size,
             )
-            manifest_bytes = manifest.encode()
-            manifest_tmp = f".manifest-{secrets.token_hex(8)}.tmp"
-            temporaries.append(manifest_tmp)
-            _write_file(part_fd, manifest_tmp, manifest_bytes)
-            # From here on the publication is under way: a Resume's stop() learns so and waits
-            # for it instead of stopping it, since a link cannot be withdrawn.
-            self._step("before_publish")
-            fence.begin_publish()
-            self._step("before_manifest_link")
-            try:
-                os.link(
-                    manifest_tmp,
-                    MANIFEST_NAME,
-                    src_dir_fd=part_fd,
-                    dst_dir_fd=part_fd,
-                    follow_symlinks=False,
-                )
-            except FileExistsError:
-                return self._settle_existing(part_fd, part_path, manifest, manifest_bytes)
-            self._step("after_manifest_link")
-            os.unlink(manifest_tmp, dir_fd=part_fd)
-            temporaries.remove(manifest_tmp)
-            self._step("before_dir_fsync")
-            os.fsync(part_fd)
-            return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
+            self._step("before_part_lock")
+            with self._locked(part, fence):
+                return self._publish(part, records_tmp, manifest, fence)
         finally:
-            for name in temporaries:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=part_fd)
+            with contextlib.suppress(FileNotFoundError):  # gone once renamed
+                os.unlink(records_tmp, dir_fd=part.fd)
+            os.close(tmp_fd)  # releases its lock: only now may a sweep take what is left
 
     def _write_records(
-        self, part_fd: int, name: str, lines: Iterable[bytes], fence: WriteFence
+        self, fd: int, lines: Iterable[bytes], fence: WriteFence
     ) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = size = 0
-        fd = _open_regular(part_fd, name, _CREATE_FLAGS)
-        with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
+        # closefd=False: the descriptor carries the writer's lock on its temporary until the
+        # write is over, not just until the records are on disk.
+        with os.fdopen(fd, "wb", buffering=_READ_CHUNK, closefd=False) as out:
             for line in lines:
                 fence.check()
                 self._step("before_record")
@@ -314,36 +330,110 @@ class LocalStorage:
                 self._step("after_record")
             fence.check()
             out.flush()
-            os.fsync(out.fileno())
+            os.fsync(fd)
             self._step("after_fsync")
         return hasher.hexdigest(), count, size
 
+    def _publish(
+        self, part: _Part, records_tmp: str, manifest: StoredManifest, fence: WriteFence
+    ) -> PublishedPart:
+        """Rename the records into place and link the manifest; under the part lock."""
+        self._step("before_rename")
+        os.rename(records_tmp, manifest.records_file, src_dir_fd=part.fd, dst_dir_fd=part.fd)
+        try:
+            self._step("after_rename")
+            return self._link_manifest(part, manifest, fence)
+        except BaseException:
+            # Stopped, refused or failed: our records file goes unless a manifest names it
+            # (an identical one published by another writer, or ours linked before an fsync
+            # failed). Under the part lock no other writer is between its rename and its
+            # link, so nothing can come to name it while we look.
+            _discard_unnamed(part.fd, manifest.records_file)
+            raise
+
+    def _link_manifest(
+        self, part: _Part, manifest: StoredManifest, fence: WriteFence
+    ) -> PublishedPart:
+        manifest_bytes = manifest.encode()
+        manifest_tmp, tmp_fd = _create_temporary(part.fd, "manifest")
+        try:
+            _write_all(tmp_fd, manifest_bytes)
+            self._step("before_publish")
+            # From here on the publication is under way: a Resume's stop() learns so and waits
+            # for it instead of stopping it, since a link cannot be withdrawn.
+            fence.begin_publish()
+            self._step("before_manifest_link")
+            try:
+                os.link(
+                    manifest_tmp,
+                    MANIFEST_NAME,
+                    src_dir_fd=part.fd,
+                    dst_dir_fd=part.fd,
+                    follow_symlinks=False,
+                )
+            except FileExistsError:
+                return self._settle_existing(part, manifest, manifest_bytes)
+            self._step("after_manifest_link")
+            os.unlink(manifest_tmp, dir_fd=part.fd)
+            self._step("before_dir_fsync")
+            os.fsync(part.fd)
+            return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(manifest_tmp, dir_fd=part.fd)
+            os.close(tmp_fd)
+
     def _settle_existing(
-        self, part_fd: int, part_path: str, manifest: StoredManifest, manifest_bytes: bytes
+        self, part: _Part, manifest: StoredManifest, manifest_bytes: bytes
     ) -> PublishedPart:
         """Another writer published first: identical means our retry is done; else refuse."""
         try:
-            existing = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+            existing = _read_file(part.fd, MANIFEST_NAME, MANIFEST_LIMIT)
         except _NotRegular as exc:
-            raise _foreign_manifest(part_fd, part_path, manifest, "not a regular file") from exc
+            raise _foreign_manifest(part.path, "not a regular file") from exc
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
-            raise _foreign_manifest(part_fd, part_path, manifest, "a symlink") from exc
+            raise _foreign_manifest(part.path, "a symlink") from exc
         if existing == manifest_bytes:
             # The writer that linked it may have died (or failed its fsync) before the
             # directory fsync: make the part durable before this retry reports it published.
-            os.fsync(part_fd)
+            os.fsync(part.fd)
             return PublishedPart(manifest, hashlib.sha256(existing).hexdigest())
-        other_records: str | None = None
-        with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
-            other_records = json.loads(existing).get("records_file")
-        if other_records != manifest.records_file:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(manifest.records_file, dir_fd=part_fd)
         raise rejected_checkpoint(
-            "the participant directory already holds a different commit", path=part_path
+            "the participant directory already holds a different commit", path=part.path
         )
+
+    @contextlib.contextmanager
+    def _locked(self, part: _Part, fence: WriteFence) -> Iterator[None]:
+        """Hold the part directory's exclusive flock.
+
+        Polled (LOCK_NB) rather than blocking: a blocking flock has no timeout, and a process
+        that holds the lock and never lets go would wedge this thread for good. The fence is
+        checked between attempts, so a Resume ends the wait at once.
+        """
+        deadline = time.monotonic() + self._lock_timeout
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(part.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                fence.check()
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        Reason.STORAGE_FAILED,
+                        "storage failed: the participant directory stayed locked by another "
+                        f"writer for {self._lock_timeout:g} s",
+                        code="UNAVAILABLE",
+                        metadata={"path": part.path},
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(part.fd, fcntl.LOCK_UN)
 
     # -- read ----------------------------------------------------------------------------
 
@@ -460,14 +550,9 @@ class LocalStorage:
         return kept
 
 
-def _foreign_manifest(
-    part_fd: int, part_path: str, manifest: StoredManifest, what: str
-) -> CheckpointError:
+def _foreign_manifest(part_path: str, what: str) -> CheckpointError:
     """A FIFO, a directory or a symlink holds the manifest's name: nothing can be published
-    here and nothing names our records file, so it goes; the refusal is typed (reading the
-    thing to compare it would have blocked on a FIFO)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(manifest.records_file, dir_fd=part_fd)
+    here. The refusal is typed; reading the thing to compare it would block on a FIFO."""
     return rejected_checkpoint(
         f"the participant directory holds a manifest.json that is {what}", path=part_path
     )
@@ -602,6 +687,106 @@ def _descend(parent_fd: int, name: str, shown: str) -> int:
     return child
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The open part directory (its descriptor carries the part lock) and its path for errors."""
+
+    fd: int
+    path: str
+
+
+def _create_temporary(part_fd: int, kind: str) -> tuple[str, int]:
+    """Create and lock a fresh temporary; call it under the part lock.
+
+    The lock, held until the writer is done with the file, is what tells a sweep that the
+    file's writer is alive. Taking it under the part lock, which every sweep holds, leaves no
+    moment in which a sweep could find the file unlocked and take a live writer's file.
+    """
+    name = f".{kind}-{secrets.token_hex(8)}.tmp"
+    fd = _open_regular(part_fd, name, _CREATE_FLAGS)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: no one else can hold it
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=part_fd)
+        raise
+    return name, fd
+
+
+class _Unknown:
+    """A manifest is there but cannot be read as one: which records file it names is unknown."""
+
+
+_UNKNOWN = _Unknown()
+
+
+def _named_records(part_fd: int) -> str | _Unknown | None:
+    """The records file the part's manifest names; None when no manifest names any.
+
+    A FIFO, a directory or a symlink under the manifest's name is no manifest and names
+    nothing. A regular file that does not parse, or a read that fails, is UNKNOWN: the
+    callers then remove no records file at all, rather than guess.
+    """
+    try:
+        raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+    except (FileNotFoundError, _NotRegular):
+        return None
+    except OSError as exc:
+        return None if exc.errno == errno.ELOOP else _UNKNOWN
+    try:
+        named = json.loads(raw).get("records_file")
+    except (ValueError, AttributeError, RecursionError):
+        return _UNKNOWN
+    return named if isinstance(named, str) else _UNKNOWN
+
+
+def _unnamed(records_file: str, named: str | _Unknown | None) -> bool:
+    """Whether it is known that no manifest names `records_file`."""
+    return named is None or (isinstance(named, str) and named != records_file)
+
+
+def _discard_unnamed(part_fd: int, records_file: str) -> None:
+    """Remove `records_file` unless a manifest names it; under the part lock, best effort
+    (a file left here is swept by the next write)."""
+    with contextlib.suppress(OSError):
+        if _unnamed(records_file, _named_records(part_fd)):
+            os.unlink(records_file, dir_fd=part_fd)
+
+
+def _sweep(part_fd: int) -> None:
+    """Remove what dead and stopped writers left; under the part lock, best effort.
+
+    A temporary goes when its lock can be taken (its writer is gone: the kernel released the
+    lock when the process died). A records file goes when the manifest does not name it:
+    every writer renames its records and links its manifest under the part lock, which we
+    hold, so such a file is no live writer's.
+    """
+    named = _named_records(part_fd)
+    for name in os.listdir(part_fd):
+        if TEMPORARY_NAME.match(name):
+            _sweep_temporary(part_fd, name)
+        elif RECORDS_NAME.match(name) and _unnamed(name, named):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=part_fd)
+
+
+def _sweep_temporary(part_fd: int, name: str) -> None:
+    try:
+        fd = _open_regular(part_fd, name, os.O_RDONLY)
+    except (OSError, _NotRegular):
+        return  # gone, or no writer's file (a symlink, a FIFO): not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # its writer is alive (BlockingIOError) or the lock is unavailable
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=part_fd)
+    finally:
+        os.close(fd)
+
+
 class _NotRegular(Exception):
     """A name that must be a regular file is something else: a FIFO, a directory, a device."""
 
@@ -624,15 +809,11 @@ def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def _write_file(dir_fd: int, name: str, data: bytes) -> None:
-    fd = _open_regular(dir_fd, name, _CREATE_FLAGS)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
 
 
 def _read_file(dir_fd: int, name: str, limit: int) -> bytes:

@@ -225,10 +225,13 @@ def test_same_records_under_another_checkpoint_id_is_refused_and_keeps_the_share
 
 
 def test_of_two_racing_writers_exactly_one_publishes(ckpt: Path) -> None:
+    """Both have their records on disk and go for the part lock at once. (Not at the manifest
+    link: writers of one part rename and link under that lock, one after the other; the
+    second's link then fails because the name exists.)"""
     barrier = threading.Barrier(2, timeout=10)
 
     def hook(step: str) -> None:
-        if step == "before_manifest_link":
+        if step == "before_part_lock":
             barrier.wait()
 
     storage = LocalStorage(crash_hook=hook)
@@ -289,7 +292,7 @@ def test_stop_between_records_leaves_nothing(ckpt: Path) -> None:
         write(ckpt, sample_lines(n=5), fence=fence, storage=LocalStorage(crash_hook=hook))
 
     # The fence is honoured at the next record: exactly one was written, none published.
-    assert seen == ["before_record", "after_record"]
+    assert seen == ["before_sweep", "before_record", "after_record"]
     assert answers == [False]  # the writer had not begun publishing: nothing to wait for
     assert os.listdir(part_of(ckpt)) == []
 
@@ -345,11 +348,10 @@ def test_io_errors_map_to_storage_failed_and_leave_no_manifest(
     )
 
     assert error.metadata["errno"] == errno.errorcode[err]
-    part = part_of(ckpt)
     assert not manifest_path(ckpt).exists()
-    assert temporaries(part) == []
-    if step != "before_manifest_link":  # the records were never renamed into place
-        assert os.listdir(part) == []
+    # Nothing of the failed write is left: no temporary, and no records file (renamed into
+    # place before the failure at the link, it was removed since no manifest names it).
+    assert os.listdir(part_of(ckpt)) == []
 
 
 def test_the_checkpoint_dir_is_created_but_never_its_parent(tmp_path: Path) -> None:
