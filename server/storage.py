@@ -715,7 +715,7 @@ def _create_temporary(part_fd: int, kind: str) -> tuple[str, int]:
 
 
 class _Unknown:
-    """A manifest is there but cannot be read as one: which records file it names is unknown."""
+    """The manifest could not be read (an I/O error): which records file it names is unknown."""
 
 
 _UNKNOWN = _Unknown()
@@ -724,9 +724,10 @@ _UNKNOWN = _Unknown()
 def _named_records(part_fd: int) -> str | _Unknown | None:
     """The records file the part's manifest names; None when no manifest names any.
 
-    A FIFO, a directory or a symlink under the manifest's name is no manifest and names
-    nothing. A regular file that does not parse, or a read that fails, is UNKNOWN: the
-    callers then remove no records file at all, rather than guess.
+    A FIFO, a directory or a symlink under the manifest's name is no manifest, and a file that
+    does not parse as one (planted garbage, larger than any manifest) names nothing either: no
+    reader would ever follow it to a records file. Only a read that fails leaves it UNKNOWN,
+    and the callers then remove no records file at all rather than guess.
     """
     try:
         raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
@@ -737,8 +738,8 @@ def _named_records(part_fd: int) -> str | _Unknown | None:
     try:
         named = json.loads(raw).get("records_file")
     except (ValueError, AttributeError, RecursionError):
-        return _UNKNOWN
-    return named if isinstance(named, str) else _UNKNOWN
+        return None
+    return named if isinstance(named, str) else None
 
 
 def _unnamed(records_file: str, named: str | _Unknown | None) -> bool:

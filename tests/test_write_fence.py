@@ -238,44 +238,62 @@ def test_a_live_writer_keeps_its_temporary_while_another_writer_of_the_part_runs
     assert sorted(os.listdir(part_of(ckpt))) == [MANIFEST_NAME, second.manifest.records_file]
 
 
+class ProbedFence(WriteFence):
+    """A fence that reports its writer finding the part locked: once armed, a check() can only
+    come from the wait for the part lock (the records are all written by then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.blocked = threading.Event()
+
+    def check(self) -> None:
+        if self.armed:
+            self.blocked.set()
+        super().check()
+
+
 def test_of_two_identical_writers_the_stopped_one_never_removes_the_others_records(
     ckpt: Path,
 ) -> None:
-    """Same content, same records name. Writer A renames its records into place and is then
-    stopped; writer B has its records ready and is about to publish. Without the part lock B
-    could rename and link between A's rename and A's cleanup, and A would delete the file B's
-    manifest names. With it, A cleans up first and B renames its own file afterwards."""
-    fence_a = WriteFence()
-    b_at_lock = threading.Event()
-
-    def hook_a(step: str) -> None:
-        if step == "after_rename":
-            # B is ready to publish the same file name while A still owns the part.
-            assert b_at_lock.wait(10), "writer B never reached the part lock"
-            assert fence_a.stop() is False
+    """Same content, same records name. Writer A has renamed its records into place and is
+    then stopped, while writer B, records ready, is trying to publish the same name. Without
+    the part lock B could rename and link between A's rename and A's cleanup, and A would
+    delete the file B's manifest names. With it, B is held at the lock until A has cleaned
+    up, and then renames its own file and publishes."""
+    fence_a, fence_b = WriteFence(), ProbedFence()
+    b_ready, a_in_critical_section = threading.Event(), threading.Event()
 
     def hook_b(step: str) -> None:
         if step == "before_part_lock":
-            b_at_lock.set()
+            b_ready.set()
+            assert a_in_critical_section.wait(10)
+            fence_b.armed = True
 
-    a_started = threading.Event()
+    def hook_a(step: str) -> None:
+        if step == "after_rename":
+            a_in_critical_section.set()
+            assert fence_b.blocked.wait(10), "writer B never found the part locked"
+            assert fence_a.stop() is False
+
     outcome_b: list[PublishedPart | BaseException] = []
 
     def writer_b() -> None:
-        assert a_started.wait(10)
         try:
-            outcome_b.append(write(ckpt, sample_lines(), storage=LocalStorage(hook_b)))
+            outcome_b.append(
+                write(ckpt, sample_lines(), fence=fence_b, storage=LocalStorage(hook_b))
+            )
         except BaseException as exc:
             outcome_b.append(exc)
 
     thread = threading.Thread(target=writer_b)
     thread.start()
     try:
-        a_started.set()
+        assert b_ready.wait(10)
         with pytest.raises(StopRequested):
             write(ckpt, sample_lines(), fence=fence_a, storage=LocalStorage(hook_a))
     finally:
-        b_at_lock.set()
+        a_in_critical_section.set()
         thread.join(10)
     assert not thread.is_alive()
     (published,) = outcome_b
