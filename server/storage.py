@@ -14,7 +14,40 @@ replaced. The directory is fsynced last, so a manifest that survives a crash nam
 file that survived too.
 
 Every file operation goes through directory descriptors opened with O_NOFOLLOW, so a symlink
-planted anywhere under the checkpoint directory cannot redirect a write outside it.
+planted anywhere under the checkpoint directory cannot redirect a write outside it. The same
+holds above it: the checkpoint directory is the real path `validate_checkpoint_dir` checked
+against the allowed roots, and it is never resolved by name again but walked from `/` one
+component at a time. Otherwise a parent swapped for a symlink between the check and the write
+would put the part outside every allowed root (and a restore would read one from there).
+
+Every file is opened with O_NONBLOCK and checked with fstat to be a regular file before a
+byte is read or written: open() of a FIFO planted under a file's name (a manifest, a records
+file) otherwise waits forever for a writer, and the thread it wedges holds the commit or the
+restore with it. Such a file is a typed refusal instead.
+
+Nothing a stopped, failed or killed writer leaves may linger, and no cleanup may take a file
+a publication needs. Two writers of one part can produce the same records file name (same
+content: a retry from a restarted process, a second commit job), so a writer that is stopped
+after renaming its records into place cannot simply delete `records-<digest>.jsonl`: the
+other may have renamed its identical file over it a moment earlier and be about to link a
+manifest naming it, and the part would be published with its records file gone. Hence:
+
+* Every writer takes an exclusive `flock` on the part directory around rename -> begin
+  publishing -> link -> directory fsync, and around every cleanup. Under that lock no other
+  writer is between its rename and its link, so a records file no manifest names is nobody's
+  publication: a writer stopped or failed after its rename removes its records file under the
+  lock, unless a manifest names it.
+* Every writer holds a `flock` on its own temporary files (created under the part lock) for
+  as long as it uses them; the kernel drops it when the writer dies. The next write of the
+  part sweeps, under the part lock, every `.records-*.tmp` and `.manifest-*.tmp` whose lock
+  it can take without waiting (its writer is gone: SIGKILL, a power loss) and every
+  `records-*.jsonl` the manifest does not name. The file a manifest names is never removed.
+* The part lock is polled, never waited for in a blocking `flock`, which has no timeout: a
+  process that holds it and never lets go makes the commit fail (STORAGE_FAILED,
+  retryable) after `lock_timeout` rather than wedging the thread, and a Resume ends the wait.
+
+The lock only orders writers whose filesystem honours `flock` between them (local
+filesystems do; Linux NFS clients emulate it with POSIX locks).
 """
 
 from __future__ import annotations
@@ -22,13 +55,16 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
+import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -44,8 +80,15 @@ from .errors import (
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 RECORDS_NAME = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+TEMPORARY_NAME = re.compile(r"^\.(records|manifest)-[0-9a-f]{16}\.tmp$")
+# O_NONBLOCK on directories is harmless; on files it keeps open() of a FIFO from blocking.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 _READ_CHUNK = 1 << 20
+# A manifest is a few hundred bytes; a larger file under its name is not one (and reading a
+# hostile multi-gigabyte file into memory must not be the way to find that out).
+MANIFEST_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +117,16 @@ class StopRequested(Exception):
 
 
 class WriteFence:
-    """Decides, atomically between a writer thread and the event loop, whether a part may
-    still publish."""
+    """Decides, atomically between a writer thread and the event loop, whether a part may still publish.
+
+    A Resume that stops a write must know which of two things it is facing: a writer that will
+    never publish (admission may reopen at once), or one whose manifest link is under way and
+    cannot be withdrawn (the Resume must wait for it, or a checkpoint it abandoned would appear
+    after it reopened admission). A bare flag checked by the writer cannot tell: the writer may
+    read it unset and link a moment after the Resume set it. Here the writer's last check and
+    its "I am publishing" are one step under a lock, and so is the Resume's stop and its
+    answer, so exactly one of the two orders happens and both sides agree on which.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -83,24 +134,31 @@ class WriteFence:
         self._publishing = False
 
     def stop(self) -> bool:
-        """Refuse publication from now on; True if the manifest link had already begun."""
+        """Refuse publication from now on. Returns True if the writer had already begun
+        publishing (the manifest link is under way and cannot be withdrawn: the caller may
+        wait for it), False if the writer will never publish. Never blocks on I/O (a
+        threading.Lock held only around flag updates)."""
         with self._lock:
             self._stopped = True
             return self._publishing
 
     @property
     def stopped(self) -> bool:
-        return self._stopped
+        with self._lock:
+            return self._stopped
 
     @property
     def publishing(self) -> bool:
-        return self._publishing
+        with self._lock:
+            return self._publishing
 
     def check(self) -> None:
-        if self._stopped:
+        """Raise StopRequested if stopped (called between records)."""
+        if self.stopped:
             raise StopRequested()
 
     def begin_publish(self) -> None:
+        """Atomically: raise StopRequested if stopped, else mark publishing. Called right before the manifest link."""
         with self._lock:
             if self._stopped:
                 raise StopRequested()
@@ -138,7 +196,9 @@ def validate_checkpoint_dir(raw: str, allowed_roots: Sequence[str]) -> str:
 
     Refused (INVALID_REQUEST, field `checkpoint_dir`): a relative path, one that is not
     normalized, one with a `..` component, and one that resolves outside every allowed root.
-    Blocks (realpath): run it in a thread.
+    Blocks (realpath): run it in a thread. Pass the returned path, never the raw one, to
+    `write_part` and `read_part`: they walk it without following any symlink, so what was
+    checked here is what they open.
     """
     field = "checkpoint_dir"
     if not raw:
@@ -173,10 +233,16 @@ def _storage_error(exc: OSError, path: str) -> CheckpointError:
 
 
 class LocalStorage:
-    """Parts on a local (or mounted) POSIX filesystem."""
+    """Parts on a local (or mounted) POSIX filesystem.
 
-    def __init__(self, crash_hook: CrashHook | None = None) -> None:
+    `lock_timeout` bounds the wait for the part directory's lock: another writer holds it for
+    a rename, a link and an fsync, so a wait that long means the holder is wedged or hostile,
+    and the commit fails (retryably) instead of its thread waiting forever.
+    """
+
+    def __init__(self, crash_hook: CrashHook | None = None, lock_timeout: float = 60.0) -> None:
         self._crash_hook = crash_hook
+        self._lock_timeout = lock_timeout
 
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
@@ -193,13 +259,20 @@ class LocalStorage:
         lines: Iterable[bytes],
         fence: WriteFence,
     ) -> PublishedPart:
+        """Write and publish this participant's part; blocks (run it in a thread).
+
+        `checkpoint_dir` is the real path `validate_checkpoint_dir` returned. `fence` is
+        checked between records and while waiting for the part lock; StopRequested means
+        nothing was published and nothing of this write is left behind.
+        """
         part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         try:
-            return self._write_in(part_fd, part_path, kind, instance, checkpoint_id, lines, fence)
+            part = _Part(part_fd, part_path)
+            return self._write_in(part, kind, instance, checkpoint_id, lines, fence)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         finally:
@@ -207,68 +280,45 @@ class LocalStorage:
 
     def _write_in(
         self,
-        part_fd: int,
-        part_path: str,
+        part: _Part,
         kind: str,
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
         fence: WriteFence,
     ) -> PublishedPart:
-        temporaries: list[str] = []
+        self._step("before_sweep")
+        with self._locked(part, fence):
+            _sweep(part.fd)
+            records_tmp, tmp_fd = _create_temporary(part.fd, "records")
         try:
-            records_tmp = f".records-{secrets.token_hex(8)}.tmp"
-            temporaries.append(records_tmp)
-            digest, count, size = self._write_records(part_fd, records_tmp, lines, fence)
-            records_file = f"records-{digest}.jsonl"
-            self._step("before_rename")
-            os.rename(records_tmp, records_file, src_dir_fd=part_fd, dst_dir_fd=part_fd)
-            temporaries.remove(records_tmp)
-            self._step("after_rename")
+            digest, count, size = self._write_records(tmp_fd, lines, fence)
             manifest = StoredManifest(
-                SCHEMA_VERSION, kind, instance, checkpoint_id, records_file, digest, count, size
+                SCHEMA_VERSION,
+                kind,
+                instance,
+                checkpoint_id,
+                f"records-{digest}.jsonl",
+                digest,
+                count,
+                size,
             )
-            manifest_bytes = manifest.encode()
-            manifest_tmp = f".manifest-{secrets.token_hex(8)}.tmp"
-            temporaries.append(manifest_tmp)
-            _write_file(part_fd, manifest_tmp, manifest_bytes)
-            fence.begin_publish()
-            # From here on the publication is under way: a Resume waits for it instead of
-            # stopping it, because a half-linked manifest is not a thing that can exist.
-            self._step("before_manifest_link")
-            try:
-                os.link(
-                    manifest_tmp,
-                    MANIFEST_NAME,
-                    src_dir_fd=part_fd,
-                    dst_dir_fd=part_fd,
-                    follow_symlinks=False,
-                )
-            except FileExistsError:
-                return self._settle_existing(part_fd, part_path, manifest, manifest_bytes)
-            self._step("after_manifest_link")
-            os.unlink(manifest_tmp, dir_fd=part_fd)
-            temporaries.remove(manifest_tmp)
-            self._step("before_dir_fsync")
-            os.fsync(part_fd)
-            return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
+            self._step("before_part_lock")
+            with self._locked(part, fence):
+                return self._publish(part, records_tmp, manifest, fence)
         finally:
-            for name in temporaries:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=part_fd)
+            with contextlib.suppress(FileNotFoundError):  # gone once renamed
+                os.unlink(records_tmp, dir_fd=part.fd)
+            os.close(tmp_fd)  # releases its lock: only now may a sweep take what is left
 
     def _write_records(
-        self, part_fd: int, name: str, lines: Iterable[bytes], fence: WriteFence
+        self, fd: int, lines: Iterable[bytes], fence: WriteFence
     ) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = size = 0
-        fd = os.open(
-            name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-            dir_fd=part_fd,
-        )
-        with os.fdopen(fd, "wb", buffering=_READ_CHUNK) as out:
+        # closefd=False: the descriptor carries the writer's lock on its temporary until the
+        # write is over, not just until the records are on disk.
+        with os.fdopen(fd, "wb", buffering=_READ_CHUNK, closefd=False) as out:
             for line in lines:
                 fence.check()
                 self._step("before_record")
@@ -280,29 +330,110 @@ class LocalStorage:
                 self._step("after_record")
             fence.check()
             out.flush()
-            os.fsync(out.fileno())
+            os.fsync(fd)
             self._step("after_fsync")
         return hasher.hexdigest(), count, size
 
+    def _publish(
+        self, part: _Part, records_tmp: str, manifest: StoredManifest, fence: WriteFence
+    ) -> PublishedPart:
+        """Rename the records into place and link the manifest; under the part lock."""
+        self._step("before_rename")
+        os.rename(records_tmp, manifest.records_file, src_dir_fd=part.fd, dst_dir_fd=part.fd)
+        try:
+            self._step("after_rename")
+            return self._link_manifest(part, manifest, fence)
+        except BaseException:
+            # Stopped, refused or failed: our records file goes unless a manifest names it
+            # (an identical one published by another writer, or ours linked before an fsync
+            # failed). Under the part lock no other writer is between its rename and its
+            # link, so nothing can come to name it while we look.
+            _discard_unnamed(part.fd, manifest.records_file)
+            raise
+
+    def _link_manifest(
+        self, part: _Part, manifest: StoredManifest, fence: WriteFence
+    ) -> PublishedPart:
+        manifest_bytes = manifest.encode()
+        manifest_tmp, tmp_fd = _create_temporary(part.fd, "manifest")
+        try:
+            _write_all(tmp_fd, manifest_bytes)
+            self._step("before_publish")
+            # From here on the publication is under way: a Resume's stop() learns so and waits
+            # for it instead of stopping it, since a link cannot be withdrawn.
+            fence.begin_publish()
+            self._step("before_manifest_link")
+            try:
+                os.link(
+                    manifest_tmp,
+                    MANIFEST_NAME,
+                    src_dir_fd=part.fd,
+                    dst_dir_fd=part.fd,
+                    follow_symlinks=False,
+                )
+            except FileExistsError:
+                return self._settle_existing(part, manifest, manifest_bytes)
+            self._step("after_manifest_link")
+            os.unlink(manifest_tmp, dir_fd=part.fd)
+            self._step("before_dir_fsync")
+            os.fsync(part.fd)
+            return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(manifest_tmp, dir_fd=part.fd)
+            os.close(tmp_fd)
+
     def _settle_existing(
-        self, part_fd: int, part_path: str, manifest: StoredManifest, manifest_bytes: bytes
+        self, part: _Part, manifest: StoredManifest, manifest_bytes: bytes
     ) -> PublishedPart:
         """Another writer published first: identical means our retry is done; else refuse."""
-        existing = _read_file(part_fd, MANIFEST_NAME)
+        try:
+            existing = _read_file(part.fd, MANIFEST_NAME, MANIFEST_LIMIT)
+        except _NotRegular as exc:
+            raise _foreign_manifest(part.path, "not a regular file") from exc
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise _foreign_manifest(part.path, "a symlink") from exc
         if existing == manifest_bytes:
             # The writer that linked it may have died (or failed its fsync) before the
             # directory fsync: make the part durable before this retry reports it published.
-            os.fsync(part_fd)
+            os.fsync(part.fd)
             return PublishedPart(manifest, hashlib.sha256(existing).hexdigest())
-        other_records: str | None = None
-        with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
-            other_records = json.loads(existing).get("records_file")
-        if other_records != manifest.records_file:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(manifest.records_file, dir_fd=part_fd)
         raise rejected_checkpoint(
-            "the participant directory already holds a different commit", path=part_path
+            "the participant directory already holds a different commit", path=part.path
         )
+
+    @contextlib.contextmanager
+    def _locked(self, part: _Part, fence: WriteFence) -> Iterator[None]:
+        """Hold the part directory's exclusive flock.
+
+        Polled (LOCK_NB) rather than blocking: a blocking flock has no timeout, and a process
+        that holds the lock and never lets go would wedge this thread for good. The fence is
+        checked between attempts, so a Resume ends the wait at once.
+        """
+        deadline = time.monotonic() + self._lock_timeout
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(part.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                fence.check()
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        Reason.STORAGE_FAILED,
+                        "storage failed: the participant directory stayed locked by another "
+                        f"writer for {self._lock_timeout:g} s",
+                        code="UNAVAILABLE",
+                        metadata={"path": part.path},
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(part.fd, fcntl.LOCK_UN)
 
     # -- read ----------------------------------------------------------------------------
 
@@ -321,10 +452,6 @@ class LocalStorage:
                 "no part of this participant in the checkpoint", part_path
             ) from exc
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise invalid_request(
-                    "checkpoint_dir", "a participant subdirectory is a symlink"
-                ) from exc
             raise _storage_error(exc, part_path) from exc
         try:
             manifest = self._read_manifest(part_fd, part_path, kind, instance)
@@ -339,15 +466,21 @@ class LocalStorage:
         self, part_fd: int, part_path: str, kind: str, instance: str
     ) -> StoredManifest:
         try:
-            raw = _read_file(part_fd, MANIFEST_NAME)
+            raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
         except FileNotFoundError as exc:
             raise corrupt_checkpoint(
                 "the part has no manifest (never published)", part_path
             ) from exc
+        except _NotRegular as exc:
+            raise corrupt_checkpoint("manifest.json is not a regular file", part_path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise corrupt_checkpoint("manifest.json is a symlink", part_path) from exc
             raise
+        if len(raw) > MANIFEST_LIMIT:
+            raise corrupt_checkpoint(
+                f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part_path
+            )
         try:
             fields = json.loads(raw, parse_constant=_refuse_constant)
             manifest = _manifest_from_json(fields)
@@ -368,17 +501,27 @@ class LocalStorage:
         select: Callable[[dict[str, Any]], bool],
     ) -> list[dict[str, Any]]:
         try:
-            fd = os.open(
-                manifest.records_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=part_fd
-            )
+            fd = _open_regular(part_fd, manifest.records_file, os.O_RDONLY)
         except FileNotFoundError as exc:
             raise corrupt_checkpoint(
                 "the records file named by the manifest is missing", part_path
             ) from exc
+        except _NotRegular as exc:
+            raise corrupt_checkpoint("the records file is not a regular file", part_path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise corrupt_checkpoint("the records file is a symlink", part_path) from exc
             raise
+        size = os.fstat(fd).st_size
+        if size != manifest.bytes:
+            # Checked before reading: a hostile sparse file of a terabyte under the records
+            # name would otherwise keep this thread hashing zeros for hours.
+            os.close(fd)
+            raise corrupt_checkpoint(
+                f"records digest mismatch: the records file has {size} bytes, "
+                f"the manifest says {manifest.bytes}",
+                part_path,
+            )
         hasher = hashlib.sha256()
         count = size = 0
         kept: list[dict[str, Any]] = []
@@ -405,6 +548,14 @@ class LocalStorage:
         if problem is not None:
             raise problem
         return kept
+
+
+def _foreign_manifest(part_path: str, what: str) -> CheckpointError:
+    """A FIFO, a directory or a symlink holds the manifest's name: nothing can be published
+    here. The refusal is typed; reading the thing to compare it would block on a FIFO."""
+    return rejected_checkpoint(
+        f"the participant directory holds a manifest.json that is {what}", path=part_path
+    )
 
 
 def _select_line(
@@ -448,7 +599,7 @@ def _manifest_from_json(fields: object) -> StoredManifest:
         raise ValueError("manifest field of the wrong type")
     if manifest.schema_version != SCHEMA_VERSION:
         raise ValueError(f"unsupported schema version {manifest.schema_version}")
-    match = RECORDS_NAME.fullmatch(manifest.records_file)
+    match = RECORDS_NAME.match(manifest.records_file)
     if match is None or match.group(1) != manifest.records_sha256:
         raise ValueError("records_file must be records-<records_sha256>.jsonl")
     return manifest
@@ -468,48 +619,213 @@ def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: boo
     outside it is ever created); each component below it is opened with O_NOFOLLOW.
     """
     _check_names(kind, instance)
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(checkpoint_dir, 0o755)
-    fd = os.open(checkpoint_dir, _DIR_FLAGS)
+    fd = _open_checkpoint_dir(checkpoint_dir, create=create)
     try:
         for component in ("participants", kind, instance):
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(component, 0o755, dir_fd=fd)
-            try:
-                child = os.open(component, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise invalid_request(
-                        "checkpoint_dir", f"participant subdirectory {component!r} is a symlink"
-                    ) from exc
-                raise
-            os.close(fd)
-            fd = child
+            fd = _descend(fd, component, f"participant subdirectory {component!r}")
         return fd
     except BaseException:
         os.close(fd)
         raise
 
 
-def _write_file(dir_fd: int, name: str, data: bytes) -> None:
-    fd = os.open(
-        name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o644,
-        dir_fd=dir_fd,
-    )
+def _open_checkpoint_dir(checkpoint_dir: str, *, create: bool) -> int:
+    """Open the validated real path without resolving a name again.
+
+    `validate_checkpoint_dir` checked the allowed roots against the real path once; opening
+    that path by name afterwards would resolve it a second time, and a parent swapped for a
+    symlink in between would put the part outside every root. So the path is walked from `/`,
+    one component at a time, each opened relative to the previous descriptor with O_NOFOLLOW:
+    a component that became a symlink is refused, never followed. Only the last component
+    (the checkpoint directory itself) is created when missing.
+    """
+    components = _components(checkpoint_dir)
+    fd = os.open("/", _DIR_FLAGS)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        for index, component in enumerate(components):
+            if create and index == len(components) - 1:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(component, 0o755, dir_fd=fd)
+            shown = "/" + "/".join(components[: index + 1])
+            fd = _descend(fd, component, shown)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _components(checkpoint_dir: str) -> list[str]:
+    """The names of an absolute, normalized path (what `validate_checkpoint_dir` returns)."""
+    if not os.path.isabs(checkpoint_dir) or os.path.normpath(checkpoint_dir) != checkpoint_dir:
+        raise invalid_request("checkpoint_dir", "must be an absolute, normalized path")
+    components = [c for c in checkpoint_dir.split("/") if c]
+    if any(c in (".", "..") for c in components):
+        raise invalid_request("checkpoint_dir", "must not contain a '.' or '..' component")
+    return components
+
+
+def _descend(parent_fd: int, name: str, shown: str) -> int:
+    """Open directory `name` below `parent_fd` without following a symlink; on success the
+    parent descriptor is closed and the child's returned (on failure the caller closes it)."""
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        # Linux reports a symlink opened with O_NOFOLLOW | O_DIRECTORY as ELOOP or ENOTDIR:
+        # lstat tells which it is (it never opens, so it cannot block either).
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = exc.errno == errno.ELOOP
+        what = "is a symlink (refused: nothing is followed)" if is_link else "is not a directory"
+        raise invalid_request("checkpoint_dir", f"{shown} {what}") from exc
+    os.close(parent_fd)
+    return child
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The open part directory (its descriptor carries the part lock) and its path for errors."""
+
+    fd: int
+    path: str
+
+
+def _create_temporary(part_fd: int, kind: str) -> tuple[str, int]:
+    """Create and lock a fresh temporary; call it under the part lock.
+
+    The lock, held until the writer is done with the file, is what tells a sweep that the
+    file's writer is alive. Taking it under the part lock, which every sweep holds, leaves no
+    moment in which a sweep could find the file unlocked and take a live writer's file.
+    """
+    name = f".{kind}-{secrets.token_hex(8)}.tmp"
+    fd = _open_regular(part_fd, name, _CREATE_FLAGS)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: no one else can hold it
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=part_fd)
+        raise
+    return name, fd
+
+
+class _Unknown:
+    """The manifest could not be read (an I/O error): which records file it names is unknown."""
+
+
+_UNKNOWN = _Unknown()
+
+
+def _named_records(part_fd: int) -> str | _Unknown | None:
+    """The records file the part's manifest names; None when no manifest names any.
+
+    A FIFO, a directory or a symlink under the manifest's name is no manifest, and a file that
+    does not parse as one (planted garbage, larger than any manifest) names nothing either: no
+    reader would ever follow it to a records file. Only a read that fails leaves it UNKNOWN,
+    and the callers then remove no records file at all rather than guess.
+    """
+    try:
+        raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+    except (FileNotFoundError, _NotRegular):
+        return None
+    except OSError as exc:
+        return None if exc.errno == errno.ELOOP else _UNKNOWN
+    try:
+        named = json.loads(raw).get("records_file")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return named if isinstance(named, str) else None
+
+
+def _unnamed(records_file: str, named: str | _Unknown | None) -> bool:
+    """Whether it is known that no manifest names `records_file`."""
+    return named is None or (isinstance(named, str) and named != records_file)
+
+
+def _discard_unnamed(part_fd: int, records_file: str) -> None:
+    """Remove `records_file` unless a manifest names it; under the part lock, best effort
+    (a file left here is swept by the next write)."""
+    with contextlib.suppress(OSError):
+        if _unnamed(records_file, _named_records(part_fd)):
+            os.unlink(records_file, dir_fd=part_fd)
+
+
+def _sweep(part_fd: int) -> None:
+    """Remove what dead and stopped writers left; under the part lock, best effort.
+
+    A temporary goes when its lock can be taken (its writer is gone: the kernel released the
+    lock when the process died). A records file goes when the manifest does not name it:
+    every writer renames its records and links its manifest under the part lock, which we
+    hold, so such a file is no live writer's.
+    """
+    named = _named_records(part_fd)
+    for name in os.listdir(part_fd):
+        if TEMPORARY_NAME.match(name):
+            _sweep_temporary(part_fd, name)
+        elif RECORDS_NAME.match(name) and _unnamed(name, named):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=part_fd)
+
+
+def _sweep_temporary(part_fd: int, name: str) -> None:
+    try:
+        fd = _open_regular(part_fd, name, os.O_RDONLY)
+    except (OSError, _NotRegular):
+        return  # gone, or no writer's file (a symlink, a FIFO): not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # its writer is alive (BlockingIOError) or the lock is unavailable
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=part_fd)
     finally:
         os.close(fd)
 
 
-def _read_file(dir_fd: int, name: str) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+class _NotRegular(Exception):
+    """A name that must be a regular file is something else: a FIFO, a directory, a device."""
+
+
+def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
+    """Open `name` below `dir_fd` without following a symlink and without ever blocking.
+
+    O_NONBLOCK makes open() of a FIFO return at once instead of waiting for a writer; fstat
+    then refuses anything but a regular file before a byte moves. For a regular file
+    O_NONBLOCK means nothing, but it is cleared all the same so reads and writes are plain.
+    """
+    fd = os.open(name, flags | _FILE_FLAGS, mode, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _NotRegular(name)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
+
+
+def _read_file(dir_fd: int, name: str, limit: int) -> bytes:
+    """The file's bytes, at most `limit + 1` of them (so a caller can tell "too large")."""
+    fd = _open_regular(dir_fd, name, os.O_RDONLY)
+    chunks: list[bytes] = []
+    remaining = limit + 1
+    try:
+        while remaining > 0 and (chunk := os.read(fd, min(remaining, _READ_CHUNK))):
+            chunks.append(chunk)
+            remaining -= len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)

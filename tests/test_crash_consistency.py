@@ -6,7 +6,8 @@ the chosen step (and the Nth record). After every kill the directory holds eithe
 part (its manifest exists, and digest, count and bytes verify) or no manifest at all; a
 restore of a part without a manifest fails cleanly through a real participant's Restore RPC
 (nothing installed, admission open); and a retried commit of the same id, from a fresh
-participant holding the same (deterministic) state, succeeds with the first export's records.
+participant holding the same (deterministic) state, succeeds with the first export's records
+and sweeps whatever the dead writer left behind.
 
 Full disks and I/O errors are injected through the storage interface into a real participant's
 Commit RPC: STORAGE_FAILED (RESOURCE_EXHAUSTED for ENOSPC, UNAVAILABLE otherwise), no
@@ -22,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,12 @@ import pytest
 
 from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.server.errors import CheckpointError, Reason
-from rollout_checkpoint.server.storage import LocalStorage, PublishedPart, StoredManifest
+from rollout_checkpoint.server.storage import (
+    LocalStorage,
+    PublishedPart,
+    StoredManifest,
+    WriteFence,
+)
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import REPO, Harness, drain, refused, start_harness, stop_harness
@@ -194,6 +199,7 @@ async def commit_again(h: Harness, checkpoint_dir: str) -> Any:
 
 
 CRASH_POINTS = [
+    ("before_sweep", 1),
     ("before_record", 1),
     ("after_record", 1),
     ("before_record", 3),
@@ -201,8 +207,10 @@ CRASH_POINTS = [
     ("before_record", N_RECORDS),
     ("after_record", N_RECORDS),
     ("after_fsync", 1),
+    ("before_part_lock", 1),
     ("before_rename", 1),
     ("after_rename", 1),
+    ("before_publish", 1),
     ("before_manifest_link", 1),
     ("after_manifest_link", 1),
     ("before_dir_fsync", 1),
@@ -276,8 +284,8 @@ async def test_sigkill_at_every_step_leaves_old_or_new_and_a_retry_succeeds(
     finally:
         await stop_harness(retrier)
     verify_complete(checkpoint_dir)
-    records = [n for n in os.listdir(part) if n.startswith("records-")]
-    assert records == [f"records-{expected_digest()}.jsonl"]
+    # The retry swept what the dead writer left (its lock died with it): exactly the part.
+    assert sorted(os.listdir(part)) == ["manifest.json", f"records-{expected_digest()}.jsonl"]
 
 
 def tree_of_part(part: Path) -> list[str]:
@@ -335,11 +343,11 @@ class FaultyStorage:
         instance: str,
         checkpoint_id: str,
         lines: Iterable[bytes],
-        stop: threading.Event,
+        fence: WriteFence,
     ) -> PublishedPart:
         self.writes += 1
         return LocalStorage(crash_hook=self._hook).write_part(
-            checkpoint_dir, kind, instance, checkpoint_id, self._lines(lines), stop
+            checkpoint_dir, kind, instance, checkpoint_id, self._lines(lines), fence
         )
 
     def read_part(

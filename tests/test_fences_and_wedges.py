@@ -244,8 +244,7 @@ async def test_a_failed_commit_does_not_pin_its_arguments(harness: Harness, tmp_
     h = harness
     h.participant.seed(EpisodeId("r1"), {"n": 1})
     await prepared(h)
-    blocked = tmp_path / "not-a-dir"
-    blocked.write_text("a file where the checkpoint directory should be")
+    blocked = tmp_path / "no-parent" / "ckpt"  # its parent does not exist: never created
     await refused(h.client.commit("c1", h.deadline(), str(blocked)), "STORAGE_FAILED")
     assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
     h.participant.states[EpisodeId("r1")] = {"n": 2}  # never stored: export happens once
@@ -264,8 +263,8 @@ async def test_a_failed_commit_with_another_scope_exports_anew(
     h.participant.seed(EpisodeId("r2"), {"n": 2})
     await prepared(h)
     blocked = tmp_path / "not-a-dir"
-    blocked.write_text("")
-    await refused(h.client.commit("c1", h.deadline(), str(blocked), None), "STORAGE_FAILED")
+    blocked.write_text("a file where the checkpoint directory should be")
+    await refused(h.client.commit("c1", h.deadline(), str(blocked), None), "INVALID_REQUEST")
     reply = await h.client.commit("c1", h.deadline(), str(tmp_path / "ok"), [EpisodeId("r2")])
     assert list(reply.exported) == ["r2"]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from rollout_checkpoint.server.control_plane import ControlPlane
 from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.install import install_checkpointing
 from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
@@ -695,7 +694,7 @@ def write_part(checkpoint_dir: Path, instance: str = "double", checkpoint_id: st
         for e, s in sorted(STATES.items())
     ]
     LocalStorage().write_part(
-        str(checkpoint_dir), "resources", instance, checkpoint_id, lines, threading.Event()
+        str(checkpoint_dir), "resources", instance, checkpoint_id, lines, WriteFence()
     )
     return checkpoint_dir / "participants" / "resources" / instance
 
@@ -1046,9 +1045,7 @@ async def test_a_record_at_the_highest_attempt_is_refused_by_restore_typed(tmp_p
         json.dumps({"episode_id": e.to_json(), "state": {"n": 9}}, separators=(",", ":")).encode()
         for e in (EpisodeId("r8"), top)
     ]
-    LocalStorage().write_part(
-        str(checkpoint_dir), "resources", "double", "c1", lines, threading.Event()
-    )
+    LocalStorage().write_part(str(checkpoint_dir), "resources", "double", "c1", lines, WriteFence())
     h = await start_harness()
     try:
         error = await refused(

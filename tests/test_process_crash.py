@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import REPO, TOKEN
@@ -54,7 +53,7 @@ import uvicorn
 
 from rollout_checkpoint.server.install import install_checkpointing
 from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 from tests.double import DoubleParticipant, create_app
 
 instance, slow = sys.argv[1], sys.argv[2]  # slow: "", "write" or "read"
@@ -280,7 +279,7 @@ def write_part(directory: Path, instance: str, rollouts: list[str]) -> None:
         ).encode()
         for r in rollouts
     ]
-    LocalStorage().write_part(str(directory), "resources", instance, "k1", lines, threading.Event())
+    LocalStorage().write_part(str(directory), "resources", instance, "k1", lines, WriteFence())
 
 
 async def test_a_member_killed_while_it_restores(servers: Servers, tmp_path: Path) -> None:

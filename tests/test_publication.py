@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,7 +32,7 @@ from rollout_checkpoint.client.publication import (
     verify_checkpoint,
 )
 from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 
@@ -714,7 +713,7 @@ def test_parts_written_by_the_participant_runtime_verify(tmp_path: Path) -> None
         json.dumps(record(f"r{i}", i % 3, state={"n": i, "big": 2**70})).encode() for i in range(50)
     ]
     part = LocalStorage().write_part(
-        str(directory), "resources", "res-0", checkpoint_id, lines, threading.Event()
+        str(directory), "resources", "res-0", checkpoint_id, lines, WriteFence()
     )
     entry = PublishedParticipant("res", "resources", "res-0", part.manifest_sha256)
     result = root.publish(checkpoint_id, [entry], [EpisodeId("r1", 1)], b"\x00blob")

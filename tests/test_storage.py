@@ -23,6 +23,7 @@ from rollout_checkpoint.server.storage import (
     LocalStorage,
     PublishedPart,
     StopRequested,
+    WriteFence,
     validate_checkpoint_dir,
 )
 
@@ -87,12 +88,12 @@ def write(
     *,
     checkpoint_id: str = "ckpt-1",
     storage: LocalStorage | None = None,
-    stop: threading.Event | None = None,
+    fence: WriteFence | None = None,
     kind: str = KIND,
     instance: str = INSTANCE,
 ) -> PublishedPart:
     return (storage or LocalStorage()).write_part(
-        str(ckpt), kind, instance, checkpoint_id, lines, stop or threading.Event()
+        str(ckpt), kind, instance, checkpoint_id, lines, fence or WriteFence()
     )
 
 
@@ -224,10 +225,13 @@ def test_same_records_under_another_checkpoint_id_is_refused_and_keeps_the_share
 
 
 def test_of_two_racing_writers_exactly_one_publishes(ckpt: Path) -> None:
+    """Both have their records on disk and go for the part lock at once. (Not at the manifest
+    link: writers of one part rename and link under that lock, one after the other; the
+    second's link then fails because the name exists.)"""
     barrier = threading.Barrier(2, timeout=10)
 
     def hook(step: str) -> None:
-        if step == "before_manifest_link":
+        if step == "before_part_lock":
             barrier.wait()
 
     storage = LocalStorage(crash_hook=hook)
@@ -264,35 +268,37 @@ def test_of_two_racing_writers_exactly_one_publishes(ckpt: Path) -> None:
     assert records == [json.loads(line) for line in sample_lines(winner_tag)]
 
 
-def test_stop_set_before_the_write_leaves_nothing(ckpt: Path) -> None:
-    stop = threading.Event()
-    stop.set()
+def test_stop_before_the_write_leaves_nothing(ckpt: Path) -> None:
+    fence = WriteFence()
+    assert fence.stop() is False
 
     with pytest.raises(StopRequested):
-        write(ckpt, sample_lines(), stop=stop)
+        write(ckpt, sample_lines(), fence=fence)
 
     assert os.listdir(part_of(ckpt)) == []
 
 
-def test_stop_set_between_records_leaves_nothing(ckpt: Path) -> None:
-    stop = threading.Event()
+def test_stop_between_records_leaves_nothing(ckpt: Path) -> None:
+    fence = WriteFence()
     seen: list[str] = []
+    answers: list[bool] = []
 
     def hook(step: str) -> None:
         seen.append(step)
         if step == "after_record":
-            stop.set()
+            answers.append(fence.stop())
 
     with pytest.raises(StopRequested):
-        write(ckpt, sample_lines(n=5), stop=stop, storage=LocalStorage(crash_hook=hook))
+        write(ckpt, sample_lines(n=5), fence=fence, storage=LocalStorage(crash_hook=hook))
 
-    # The flag is honoured at the next record: exactly one was written, none published.
-    assert seen == ["before_record", "after_record"]
+    # The fence is honoured at the next record: exactly one was written, none published.
+    assert seen == ["before_sweep", "before_record", "after_record"]
+    assert answers == [False]  # the writer had not begun publishing: nothing to wait for
     assert os.listdir(part_of(ckpt)) == []
 
 
-def test_stop_set_after_the_last_record_still_stops_before_publishing(ckpt: Path) -> None:
-    stop = threading.Event()
+def test_stop_after_the_last_record_still_stops_before_publishing(ckpt: Path) -> None:
+    fence = WriteFence()
     lines = sample_lines(n=2)
     count = 0
 
@@ -301,10 +307,10 @@ def test_stop_set_after_the_last_record_still_stops_before_publishing(ckpt: Path
         if step == "after_record":
             count += 1
             if count == len(lines):
-                stop.set()
+                assert fence.stop() is False
 
     with pytest.raises(StopRequested):
-        write(ckpt, lines, stop=stop, storage=LocalStorage(crash_hook=hook))
+        write(ckpt, lines, fence=fence, storage=LocalStorage(crash_hook=hook))
 
     assert os.listdir(part_of(ckpt)) == []
 
@@ -342,11 +348,10 @@ def test_io_errors_map_to_storage_failed_and_leave_no_manifest(
     )
 
     assert error.metadata["errno"] == errno.errorcode[err]
-    part = part_of(ckpt)
     assert not manifest_path(ckpt).exists()
-    assert temporaries(part) == []
-    if step != "before_manifest_link":  # the records were never renamed into place
-        assert os.listdir(part) == []
+    # Nothing of the failed write is left: no temporary, and no records file (renamed into
+    # place before the failure at the link, it was removed since no manifest names it).
+    assert os.listdir(part_of(ckpt)) == []
 
 
 def test_the_checkpoint_dir_is_created_but_never_its_parent(tmp_path: Path) -> None:
@@ -724,3 +729,201 @@ def test_validate_returns_the_real_path(tmp_path: Path) -> None:
     assert validate_checkpoint_dir(str(plain), (str(linked_root),)) == str(plain)
     # No roots configured: any absolute, normalized path.
     assert validate_checkpoint_dir(str(inside), ()) == str(real_root / "inner" / "ckpt")
+
+
+# -- hostile files: nothing may wedge the writer or the reader --------------------------------
+
+
+class Wedged(AssertionError):
+    """The storage call did not return within its bound (it is blocked in the kernel)."""
+
+
+def within(call: Callable[[], Any], seconds: float = 10.0) -> Any:
+    """Run a blocking storage call in a thread and return its result or raise its error.
+
+    A regression that blocks (open() of a FIFO waits for the other end forever) fails the test
+    instead of hanging the suite; the `fifos` fixture unblocks the stuck thread afterwards."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise Wedged(f"the call is still blocked after {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@pytest.fixture
+def fifos() -> Iterator[list[Path]]:
+    """FIFOs a test plants; at teardown each gets a writer, so a reader stuck in open() ends."""
+    planted: list[Path] = []
+    yield planted
+    for fifo in planted:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader waiting (ENXIO), or gone
+            continue
+        os.close(fd)
+
+
+def plant_fifo(path: Path, fifos: list[Path]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    fifos.append(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [("fifo", "not a regular file"), ("directory", "not a regular file"), ("symlink", "a symlink")],
+)
+def test_a_manifest_name_taken_by_something_else_is_a_typed_refusal_of_the_writer(
+    tmp_path: Path, ckpt: Path, fifos: list[Path], make: str, what: str
+) -> None:
+    """The link of the manifest fails (the name exists) and the writer reads what holds the
+    name to compare it: a FIFO there used to block that read forever."""
+    if make == "fifo":
+        plant_fifo(manifest_path(ckpt), fifos)
+    elif make == "directory":
+        manifest_path(ckpt).mkdir(parents=True)
+    else:
+        write(tmp_path / "elsewhere", sample_lines())  # identical: following it would "match"
+        manifest_path(ckpt).parent.mkdir(parents=True)
+        manifest_path(ckpt).symlink_to(manifest_path(tmp_path / "elsewhere"))
+
+    error = refused(
+        lambda: within(lambda: write(ckpt, sample_lines())),
+        Reason.INVALID_CHECKPOINT_STATE,
+        "FAILED_PRECONDITION",
+    )
+
+    assert f"manifest.json that is {what}" in error.message
+    # The refused writer leaves nothing of its own behind: only what was planted.
+    assert os.listdir(part_of(ckpt)) == [MANIFEST_NAME]
+
+
+@pytest.mark.parametrize("make", ["fifo", "directory"])
+def test_a_manifest_that_is_not_a_regular_file_is_data_loss_on_read(
+    ckpt: Path, fifos: list[Path], make: str
+) -> None:
+    if make == "fifo":
+        plant_fifo(manifest_path(ckpt), fifos)
+    else:
+        manifest_path(ckpt).mkdir(parents=True)
+
+    error = refused(
+        lambda: within(lambda: read(ckpt)), Reason.INVALID_CHECKPOINT_STATE, "DATA_LOSS"
+    )
+
+    assert "not a regular file" in error.message
+
+
+@pytest.mark.parametrize("make", ["fifo", "directory"])
+def test_a_records_file_that_is_not_a_regular_file_is_data_loss_on_read(
+    ckpt: Path, fifos: list[Path], make: str
+) -> None:
+    published = write(ckpt, sample_lines())
+    records = part_of(ckpt) / published.manifest.records_file
+    records.unlink()
+    if make == "fifo":
+        plant_fifo(records, fifos)
+    else:
+        records.mkdir()
+
+    error = refused(
+        lambda: within(lambda: read(ckpt)), Reason.INVALID_CHECKPOINT_STATE, "DATA_LOSS"
+    )
+
+    assert "not a regular file" in error.message
+
+
+def test_a_sparse_records_file_far_larger_than_its_manifest_is_refused_without_reading_it(
+    ckpt: Path,
+) -> None:
+    """A hostile 1 TiB sparse file under the records name would keep the reader hashing zeros
+    for hours: the size the manifest promises is checked before a byte is read."""
+    published = write(ckpt, sample_lines())
+    records = part_of(ckpt) / published.manifest.records_file
+    with records.open("r+b") as handle:
+        handle.truncate(1 << 40)
+
+    error = refused(
+        lambda: within(lambda: read(ckpt)), Reason.INVALID_CHECKPOINT_STATE, "DATA_LOSS"
+    )
+
+    assert "digest" in error.message
+    assert f"{1 << 40} bytes" in error.message
+
+
+# -- the allowed-roots check cannot be raced ------------------------------------------------
+
+SWAPS = ["grandparent", "parent", "itself"]
+
+
+def swap_for_symlink(tmp_path: Path, which: str) -> tuple[str, Path]:
+    """Validate root/a/b/ckpt, then swap one of a, b, ckpt for a symlink to a directory outside
+    every root that has the same shape below it. Returns (validated path, the outside)."""
+    root = tmp_path / "root"
+    (root / "a" / "b" / "ckpt").mkdir(parents=True)
+    validated = validate_checkpoint_dir(str(root / "a" / "b" / "ckpt"), (str(root),))
+    outside = tmp_path / "outside"
+    swapped = {"grandparent": root / "a", "parent": root / "a" / "b", "itself": Path(validated)}
+    below = {"grandparent": Path("b"), "parent": Path(), "itself": None}[which]
+    target = outside / which
+    target.mkdir(parents=True)
+    if below is not None:
+        (target / below).mkdir(parents=True, exist_ok=True)
+    victim = swapped[which]
+    victim.rename(victim.with_name(victim.name + ".moved"))
+    victim.symlink_to(target, target_is_directory=True)
+    return validated, outside
+
+
+@pytest.mark.parametrize("which", SWAPS)
+def test_a_component_swapped_for_a_symlink_after_validation_refuses_the_write(
+    tmp_path: Path, which: str
+) -> None:
+    validated, outside = swap_for_symlink(tmp_path, which)
+    before = tree(outside)
+
+    error = refused(
+        lambda: write(Path(validated), sample_lines()), Reason.INVALID_REQUEST, "INVALID_ARGUMENT"
+    )
+
+    assert error.field == "checkpoint_dir"
+    assert "symlink" in error.message
+    assert tree(outside) == before  # nothing written outside the allowed root
+
+
+@pytest.mark.parametrize("which", SWAPS)
+def test_a_component_swapped_for_a_symlink_after_validation_refuses_the_read(
+    tmp_path: Path, which: str
+) -> None:
+    validated, outside = swap_for_symlink(tmp_path, which)
+    target = outside / which / {"grandparent": "b/ckpt", "parent": "ckpt", "itself": ""}[which]
+    write(target, sample_lines())  # a valid part outside: following the link would read it
+
+    error = refused(lambda: read(Path(validated)), Reason.INVALID_REQUEST, "INVALID_ARGUMENT")
+
+    assert error.field == "checkpoint_dir"
+
+
+def test_a_component_that_became_a_file_refuses_the_write(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    validated = validate_checkpoint_dir(str(root / "a" / "ckpt"), (str(root),))
+    (root / "a").rmdir()
+    (root / "a").write_bytes(b"")
+
+    error = refused(
+        lambda: write(Path(validated), sample_lines()), Reason.INVALID_REQUEST, "INVALID_ARGUMENT"
+    )
+
+    assert "not a directory" in error.message
