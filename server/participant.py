@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -179,6 +179,15 @@ class Participant(abc.ABC):
     @abc.abstractmethod
     def has_served(self) -> bool:
         """Whether this process has served any session or episode (then it cannot restore)."""
+
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        """What no two stored records of one checkpoint may share (`record` as read, unvalidated).
+
+        The default is the episode: one record per episode, so two records of one episode
+        would install one state and silently drop the other. A kind whose episode may hold
+        several records (resources: one per session) says what tells them apart; a restore
+        that refused what Commit published would lose the checkpoint."""
+        return episode
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         """The controller forgot these rollouts: drop what refuses their late requests."""

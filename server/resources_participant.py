@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -429,6 +429,12 @@ class ResourcesParticipant(Participant):
                 await self._hooks.retire_session_state(session_id)
             self._untrack(session_id)
             self._notify()
+
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        """One record per session: an episode may hold several sessions (one per cookie jar
+        seeded under its prefix), and each is a record of its own."""
+        session_id = record.get("session_id")
+        return (episode, session_id if isinstance(session_id, str) else None)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         forgotten = set(rollout_ids)
