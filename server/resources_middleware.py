@@ -11,7 +11,9 @@ Per request, in this order, each rule for the loss it prevents:
    refused: closing is how a server frees a session.
 3. With admission closed, anything that is not replay-safe is refused `admission_closed`.
    `/seed_session` (and `/verify` under `replay`) is admitted: the checkpoint does not wait
-   for it, and a session seeded now is neither a blocker nor exported by this checkpoint.
+   for it, and a session first seeded now is neither a blocker nor exported by this
+   checkpoint. A seed of a session already tracked is a retry: the session keeps its episode,
+   its export and its blocker status.
 4. Everything else admitted counts as in flight for its whole duration; the decrement is
    synchronous in a `finally`, so no cancellation can leave a request counted.
 """
@@ -109,9 +111,11 @@ class ResourcesAdmissionMiddleware:
         counted = not replay_safe
         in_flight = None
         if is_seed:
-            participant.seed_started(episode)
+            participant.seed_started(episode, session_id)
         elif counted:
             in_flight = participant.request_started(session_id)
+        else:
+            participant.claim(session_id)
         try:
             await self.app(scope, receive, send_wrapper)
         finally:

@@ -60,6 +60,8 @@ class SessionHooks(Protocol):
 
 @dataclass(eq=False)
 class TrackedSession:
+    """A session bound to its episode for its whole life; a seed retry changes none of this."""
+
     session_id: str
     episode: EpisodeId
     restored_pending: bool = False
@@ -148,11 +150,20 @@ class ResourcesParticipant(Participant):
         session = self.sessions.get(session_id)
         return session is not None and retired.is_retired(session.episode)
 
+    def claim(self, session_id: str | None) -> None:
+        """An admitted request used this session: it is no longer restored pending.
+
+        Also for the requests that are not counted in flight (a seed retry, a replay verify):
+        whatever ran on restored state continues it, so a commit must not free it as unused."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is not None:
+            session.restored_pending = False
+
     def request_started(self, session_id: str | None) -> TrackedSession | None:
         """Count a request in flight (per participant and per session); claims a restored session.
 
         Returns what was counted, to hand back to `request_finished`: the session may be
-        untracked (closed, re-seeded) before the request ends, and the decrement must undo
+        untracked (closed, retired) before the request ends, and the decrement must undo
         exactly this increment."""
         self._served = True
         self.inflight += 1
@@ -161,7 +172,7 @@ class ResourcesParticipant(Participant):
             self._inflight_without_session += 1
         else:
             session.inflight += 1
-            session.restored_pending = False
+            self.claim(session_id)
             self._busy.add(session)
         self._notify()
         return session
@@ -177,8 +188,10 @@ class ResourcesParticipant(Participant):
                 self._busy.discard(counted)
         self._notify()
 
-    def seed_started(self, episode: EpisodeId | None) -> None:
+    def seed_started(self, episode: EpisodeId | None, session_id: str | None) -> None:
+        """A seed was admitted. A seed of a tracked session is a retry and claims it."""
         self._served = True
+        self.claim(session_id)
         if episode is not None:
             self._seeding[episode] = self._seeding.get(episode, 0) + 1
 
@@ -227,16 +240,19 @@ class ResourcesParticipant(Participant):
         seeded_while_closed: bool,
         restored: bool = False,
     ) -> None:
-        existing = self.sessions.get(session_id)
-        if existing is not None and existing.episode != episode:
-            self._untrack(session_id)
-        session = self.sessions.get(session_id)
-        if session is None:
-            session = TrackedSession(session_id, episode)
-            self.sessions[session_id] = session
-            self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
-        session.restored_pending = restored
-        session.seeded_while_closed = seeded_while_closed
+        """Track a session that begins (seeded, started or restored) under `episode`.
+
+        A session already tracked is left exactly as it is: a second seed is a retry, and a
+        retry that reset the flags would drop a live episode from the checkpoint under way
+        (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
+        it must block. Nor is a session ever moved to another episode."""
+        if session_id in self.sessions:
+            return
+        session = TrackedSession(
+            session_id, episode, restored_pending=restored, seeded_while_closed=seeded_while_closed
+        )
+        self.sessions[session_id] = session
+        self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
         if self.mode is CheckpointMode.RESTART_ONLY and not seeded_while_closed:
             self._restart_blockers.add(session_id)
 
