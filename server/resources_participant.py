@@ -90,6 +90,10 @@ class ResourcesParticipant(Participant):
         O(blockers), not O(sessions): a prepare of a server holding 10,000 idle sessions
         reports twice, and GetStatus and the metrics gauges report too."""
         self._seeding: dict[EpisodeId, int] = {}
+        self._binding: dict[str, tuple[EpisodeId, int]] = {}
+        """Untracked sessions with a seed running under a prefix: the episode the seed will
+        bind them to, and how many such seeds run. A concurrent request naming another episode
+        is refused, so two racing first seeds cannot bind one session twice."""
         self.inflight = 0
         self.waiting = 0
         """Requests (MCP calls, closes) waiting for a resume; never in flight, never blockers."""
@@ -150,6 +154,21 @@ class ResourcesParticipant(Participant):
         session = self.sessions.get(session_id)
         return session is not None and retired.is_retired(session.episode)
 
+    def is_mismatched(self, session_id: str | None, episode: EpisodeId | None) -> bool:
+        """Whether the request's prefix names another episode than its session's.
+
+        A session belongs to one episode for its whole life. Re-binding it would untrack the
+        episode it served (its state silently leaves every later checkpoint), and any tracked
+        cookie could act on a made-up rollout. A session not tracked yet is bound by a seed
+        still running under a prefix, so a racing request cannot bind it elsewhere either."""
+        if session_id is None or episode is None:
+            return False
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session.episode != episode
+        binding = self._binding.get(session_id)
+        return binding is not None and binding[0] != episode
+
     def claim(self, session_id: str | None) -> None:
         """An admitted request used this session: it is no longer restored pending.
 
@@ -192,21 +211,29 @@ class ResourcesParticipant(Participant):
         """A seed was admitted. A seed of a tracked session is a retry and claims it."""
         self._served = True
         self.claim(session_id)
-        if episode is not None:
-            self._seeding[episode] = self._seeding.get(episode, 0) + 1
+        if episode is None:
+            return
+        self._seeding[episode] = self._seeding.get(episode, 0) + 1
+        if session_id is not None and session_id not in self.sessions:
+            _, running = self._binding.get(session_id, (episode, 0))
+            self._binding[session_id] = (episode, running + 1)
 
     def seed_finished(
         self,
         episode: EpisodeId | None,
+        session_id_before: str | None,
         session_id: str | None,
         *,
         succeeded: bool,
         closed_at_start: bool,
     ) -> None:
+        """`session_id_before`: the session the request came with (what `seed_started` saw);
+        `session_id`: the one the seed left in the cookie (a new session has none before)."""
         if episode is not None:
             self._seeding[episode] -= 1
             if not self._seeding[episode]:
                 del self._seeding[episode]
+            self._unbind(session_id_before)
         if succeeded and episode is not None and session_id is not None:
             self._track(
                 session_id, episode, seeded_while_closed=closed_at_start or not self._admission_open
@@ -232,6 +259,17 @@ class ResourcesParticipant(Participant):
 
     # -- tracking -----------------------------------------------------------------------
 
+    def _unbind(self, session_id: str | None) -> None:
+        binding = self._binding.get(session_id) if session_id is not None else None
+        if binding is None:
+            return
+        assert session_id is not None
+        episode, running = binding
+        if running > 1:
+            self._binding[session_id] = (episode, running - 1)
+        else:
+            del self._binding[session_id]
+
     def _track(
         self,
         session_id: str,
@@ -245,7 +283,7 @@ class ResourcesParticipant(Participant):
         A session already tracked is left exactly as it is: a second seed is a retry, and a
         retry that reset the flags would drop a live episode from the checkpoint under way
         (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
-        it must block. Nor is a session ever moved to another episode."""
+        it must block. Nor is a session ever moved to another episode (see `is_mismatched`)."""
         if session_id in self.sessions:
             return
         session = TrackedSession(
