@@ -110,6 +110,8 @@ class EpisodeSteps:
         self._finished: OrderedDict[str, Any] = OrderedDict()
         """Outcomes of finished episodes, keyed by capture key (see `finish`)."""
         self._blocking = 0
+        self._served = False
+        """An episode began here through the data plane (sticky): see `has_served`."""
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
@@ -153,6 +155,7 @@ class EpisodeSteps:
             raise EpisodeRefused(
                 "admission_closed", "a checkpoint is in progress; retry after resume"
             )
+        self._served = True
         restored = self._restored.pop(key, NO_BOUNDARY)
         episode = TrackedEpisode(
             episode_id, restored=restored is not NO_BOUNDARY, started_at=self._clock()
@@ -377,7 +380,9 @@ class EpisodeSteps:
             await changes.wait()
 
     def has_served(self) -> bool:
-        return bool(self.episodes) or bool(self._restored) or bool(self._finished)
+        """An episode began here (even one that failed and left nothing), or restored
+        boundaries are held. A refused or invalid start began nothing."""
+        return self._served or bool(self.episodes) or bool(self._restored) or bool(self._finished)
 
     def episode_infos(self) -> list[EpisodeInfo]:
         infos = [

@@ -75,6 +75,7 @@ class ModelParticipant(Participant):
         self._opened = asyncio.Event()
         self._opened.set()
         self._served = False
+        """A call of an episode reached the model (sticky): see `has_served`."""
         self._shutting_down = False
 
     # -- data plane ---------------------------------------------------------------------
@@ -94,7 +95,8 @@ class ModelParticipant(Participant):
         return None
 
     def call_started(self, episode: EpisodeId | None, request_body: bytes) -> ModelCall:
-        self._served = True
+        if episode is not None:
+            self._served = True
         call = ModelCall(episode, hashlib.sha256(request_body).hexdigest(), asyncio.current_task())
         self.calls.add(call)
         if episode is not None and episode in self.restored:
@@ -181,7 +183,7 @@ class ModelParticipant(Participant):
         return records
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
-        if self.calls or self.ledgers or self.restored:
+        if self.has_served():
             raise rejected_checkpoint("restore needs a model process that has not served calls")
         restored: dict[EpisodeId, Ledger] = {}
         for record in records:
@@ -227,6 +229,9 @@ class ModelParticipant(Participant):
         return infos
 
     def has_served(self) -> bool:
+        """A call of an episode started here, or a ledger is held. A call without a rollout
+        prefix tracks no episode (nothing of it is ever exported), so like a refused call it
+        leaves the process fresh."""
         return self._served or bool(self.ledgers) or bool(self.restored)
 
     def facts(self) -> Mapping[str, str]:

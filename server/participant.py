@@ -178,7 +178,12 @@ class Participant(abc.ABC):
 
     @abc.abstractmethod
     def has_served(self) -> bool:
-        """Whether this process has served any session or episode (then it cannot restore)."""
+        """Whether this process holds or has tracked a session or an episode (then it cannot
+        restore: a restore would mix its state with the checkpoint's).
+
+        Only tracking makes a process unfit. A request refused or failed before any session or
+        episode existed (400, 404, 409, a seed without a rollout prefix) leaves it fresh: a
+        stray probe must not cost a replacement process its restore."""
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         """What no two stored records of one checkpoint may share (`record` as read, unvalidated).

@@ -101,6 +101,7 @@ class ResourcesParticipant(Participant):
         self._admission_open = True
         self._shutting_down = False
         self._served = False
+        """The data plane tracked or used a session (sticky): see `has_served`."""
         self._changed = asyncio.Event()
 
     # -- notifications ------------------------------------------------------------------
@@ -177,6 +178,7 @@ class ResourcesParticipant(Participant):
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is not None:
             session.restored_pending = False
+            self._served = True
 
     def request_started(self, session_id: str | None) -> TrackedSession | None:
         """Count a request in flight (per participant and per session); claims a restored session.
@@ -184,7 +186,6 @@ class ResourcesParticipant(Participant):
         Returns what was counted, to hand back to `request_finished`: the session may be
         untracked (closed, retired) before the request ends, and the decrement must undo
         exactly this increment."""
-        self._served = True
         self.inflight += 1
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:
@@ -209,7 +210,6 @@ class ResourcesParticipant(Participant):
 
     def seed_started(self, episode: EpisodeId | None, session_id: str | None) -> None:
         """A seed was admitted. A seed of a tracked session is a retry and claims it."""
-        self._served = True
         self.claim(session_id)
         if episode is None:
             return
@@ -242,7 +242,6 @@ class ResourcesParticipant(Participant):
 
     def session_started(self, session_id: str, episode: EpisodeId) -> None:
         """For servers whose sessions begin outside `/seed_session` (a Gymnasium `/reset`)."""
-        self._served = True
         self._track(session_id, episode, seeded_while_closed=not self._admission_open)
         self._notify()
 
@@ -291,6 +290,8 @@ class ResourcesParticipant(Participant):
         )
         self.sessions[session_id] = session
         self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
+        if not restored:
+            self._served = True
         if self.mode is CheckpointMode.RESTART_ONLY and not seeded_while_closed:
             self._restart_blockers.add(session_id)
 
@@ -517,7 +518,10 @@ class ResourcesParticipant(Participant):
         ]
 
     def has_served(self) -> bool:
-        return self._served or bool(self.sessions)
+        """A session tracked (or used) by the data plane, one held now, or a seed under a
+        prefix still running (it is about to track one). A refused request, a 400 without a
+        session, a 404 or a seed without a prefix tracked nothing and leaves the process fresh."""
+        return self._served or bool(self.sessions) or bool(self._seeding)
 
     def facts(self) -> Mapping[str, str]:
         return {"mode": self.mode.value, "verify": self.verify.value}
