@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
 from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer
+from rollout_checkpoint.server.episode_participant import task_digest
 from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.participant import Participant
+from rollout_checkpoint.server.errors import CheckpointError
+from rollout_checkpoint.server.participant import Participant, RestoredRecord
 from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
@@ -249,3 +252,26 @@ async def test_an_episode_that_began_and_failed_still_makes_the_process_unfit(
                 b.client.restore("restore-1", deadline(), checkpoint, [R]),
                 "FRESH_PROCESS_REQUIRED",
             )
+
+
+def episode_records(kind: str) -> list[RestoredRecord]:
+    boundary = {"next": "relay"}
+    if kind == "agent":
+        return [RestoredRecord(R, {"boundary": boundary}), RestoredRecord(S, {"boundary": None})]
+    digest = task_digest(TASK)
+    return [
+        RestoredRecord(R, {"task_digest": digest, "boundary": boundary}),
+        RestoredRecord(S, {"task_digest": digest, "boundary": None}),
+    ]
+
+
+async def test_a_failed_environment_install_pins_no_task() -> None:
+    """A restored episode pins its task; an install that failed installed nothing to pin."""
+    other = {"task_id": "t2", "environment": {"x": 1}}
+    async with episode_server("environment") as b:
+        invalid = RestoredRecord(S, {"task_digest": "short", "boundary": None})
+        with pytest.raises(CheckpointError):
+            await b.participant.install([episode_records("environment")[0], invalid])
+        assert not b.participant.has_served()
+        started = await b.http.post("/ng-rollout/r-a1/run", json={"task": other})
+        assert code_of(started) != "task_mismatch", started.text
