@@ -90,6 +90,9 @@ class EpisodeParticipant(Participant):
         """Every record is valid and about to be installed: keep what the kind needs of them."""
         return None
 
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        self.episodes_tracker.discard_installed(episodes)
+
     async def retire(self, episode: EpisodeId) -> None:
         await self.episodes_tracker.retire(episode)
 
@@ -143,6 +146,11 @@ class EnvironmentParticipant(EpisodeParticipant):
         # (TASK_MISMATCH) a fresh start of that key with another task.
         for record in records:
             self._restored_digests[record.restored_as.capture_key] = record.fields["task_digest"]
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        await super().discard_installed(episodes)
+        for episode in episodes:
+            self._restored_digests.pop(episode.capture_key, None)
 
     def begin_task(self, episode_id: EpisodeId, task: Any) -> tuple[TrackedEpisode, Any]:
         """Start an episode for `task`; a restored replacement must bring the same task."""

@@ -342,6 +342,14 @@ class EpisodeSteps:
     def restored_pending(self) -> frozenset[EpisodeId]:
         return frozenset(EpisodeId.from_capture_key(k) for k in self._restored)
 
+    def discard_installed(self, episodes: Iterable[EpisodeId]) -> None:
+        """Drop the restored boundaries of `episodes` that no replacement claimed, leaving no
+        mark (see `Participant.discard_installed`). A claimed one began an episode here: the
+        process has served, and that episode is stopped by a retire, not discarded."""
+        for episode in episodes:
+            self._restored.pop(episode.capture_key, None)
+        self._notify()
+
     def drop_restored(self, episode: EpisodeId) -> None:
         for key in [k for k in self._restored if _covers(episode, EpisodeId.from_capture_key(k))]:
             del self._restored[key]

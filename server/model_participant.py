@@ -71,6 +71,8 @@ class ModelParticipant(Participant):
         self.calls: set[ModelCall] = set()
         self.ledgers: dict[EpisodeId, Ledger] = {}
         self.restored: dict[EpisodeId, Ledger] = {}
+        self._installed: set[EpisodeId] = set()
+        """Episodes whose ledger `install` put here: what `discard_installed` may drop."""
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
@@ -199,6 +201,18 @@ class ModelParticipant(Participant):
                 )
             restored[record.restored_as] = Ledger(list(calls))
         self.restored = restored
+        self._installed = set(restored)
+        self.context.changed()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Drop the installed ledgers of `episodes` (claimed by a call or not), no marks.
+
+        No call can be running on them: admission stays closed from the install on, and a
+        closed model refuses every new call."""
+        for episode in set(episodes) & self._installed:
+            self.restored.pop(episode, None)
+            self.ledgers.pop(episode, None)
+            self._installed.discard(episode)
         self.context.changed()
 
     async def retire(self, episode: EpisodeId) -> None:
@@ -218,6 +232,7 @@ class ModelParticipant(Participant):
             del self.ledgers[tracked]
         for tracked in [e for e in self.restored if covered(e)]:
             del self.restored[tracked]
+        self._installed = {e for e in self._installed if not covered(e)}
         self.context.changed()
 
     def restored_pending(self) -> frozenset[EpisodeId]:

@@ -165,6 +165,20 @@ class Participant(abc.ABC):
         """Validate every record, then install all of them as attempt N+1, or none."""
 
     @abc.abstractmethod
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Undo a restore: free exactly what `install()` installed for these attempt-N+1 episodes.
+
+        A Restore can fail after its install succeeded (the install outlived the deadline, a
+        Resume raced it). On any failed restore nothing may stay installed and the process must
+        stay fresh, so that a retry of the same restore works: a leftover would make
+        `has_served()` refuse it (FRESH_PROCESS_REQUIRED), and restored state that nothing
+        continues would never be freed. So this frees the installed state through the server's
+        own hooks and stops tracking it, but leaves NO retired marks (a retire's marks would
+        refuse the very attempt the retry installs): nothing here is a Retire. It tolerates
+        repeats and episodes it never installed. Afterwards `has_served()` is False again,
+        unless the data plane served something else meanwhile."""
+
+    @abc.abstractmethod
     async def retire(self, episode: EpisodeId) -> None:
         """Stop and free every attempt <= `episode.attempt` of its rollout; tolerate repeats."""
 

@@ -94,6 +94,8 @@ class ResourcesParticipant(Participant):
         """Untracked sessions with a seed running under a prefix: the episode the seed will
         bind them to, and how many such seeds run. A concurrent request naming another episode
         is refused, so two racing first seeds cannot bind one session twice."""
+        self._installed: set[str] = set()
+        """Sessions that `install` tracked: what `discard_installed` may free."""
         self.inflight = 0
         self.waiting = 0
         """Requests (MCP calls, closes) waiting for a resume; never in flight, never blockers."""
@@ -290,7 +292,9 @@ class ResourcesParticipant(Participant):
         )
         self.sessions[session_id] = session
         self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
-        if not restored:
+        if restored:
+            self._installed.add(session_id)
+        else:
             self._served = True
         if self.mode is CheckpointMode.RESTART_ONLY and not seeded_while_closed:
             self._restart_blockers.add(session_id)
@@ -306,6 +310,7 @@ class ResourcesParticipant(Participant):
                 del self._by_rollout[session.episode.rollout_id]
         self._retiring.discard(session_id)
         self._restart_blockers.discard(session_id)
+        self._installed.discard(session_id)
 
     # -- Participant --------------------------------------------------------------------
 
@@ -454,8 +459,29 @@ class ResourcesParticipant(Participant):
             ) from exc
         for session_id, record in episode_of.items():
             self._track(session_id, record.restored_as, seeded_while_closed=False, restored=True)
-        self._served = True
         self._notify()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Free what `install` installed for `episodes` as a retire would, minus the marks.
+
+        Like a retire it first waits for seeds of these episodes and for requests on their
+        sessions, so nothing running recreates the state it frees."""
+        discarded = frozenset(episodes)
+
+        def installed_sessions() -> list[str]:
+            return sorted(s for s in self._installed if self.sessions[s].episode in discarded)
+
+        while any(e in discarded for e in self._seeding):
+            await self._wait_change()
+        while any(self.sessions[s].inflight for s in installed_sessions()):
+            await self._wait_change()
+        for session_id in installed_sessions():
+            if session_id not in self._installed:
+                continue  # freed meanwhile (a retire, a concurrent discard)
+            if self.mode is CheckpointMode.EXPORTED:
+                await self._hooks.retire_session_state(session_id)
+            self._untrack(session_id)
+            self._notify()
 
     async def retire(self, episode: EpisodeId) -> None:
         """Wait for seeds, refuse and drain the covered sessions, free them, stop tracking."""
@@ -518,10 +544,16 @@ class ResourcesParticipant(Participant):
         ]
 
     def has_served(self) -> bool:
-        """A session tracked (or used) by the data plane, one held now, or a seed under a
-        prefix still running (it is about to track one). A refused request, a 400 without a
-        session, a 404 or a seed without a prefix tracked nothing and leaves the process fresh."""
-        return self._served or bool(self.sessions) or bool(self._seeding)
+        """A session tracked (or used) by the data plane, one held now, one retired here and
+        not yet forgotten, or a seed under a prefix still running (it is about to track one).
+        A refused request, a 400 without a session, a 404 or a seed without a prefix tracked
+        nothing and leaves the process fresh."""
+        return (
+            self._served
+            or bool(self.sessions)
+            or bool(self.retired_sessions)
+            or bool(self._seeding)
+        )
 
     def facts(self) -> Mapping[str, str]:
         return {"mode": self.mode.value, "verify": self.verify.value}

@@ -1,10 +1,14 @@
-"""A fresh process stays fit to restore until it tracks something.
+"""A fresh process stays fit to restore until it tracks something, and a restore can be undone.
 
 Per participant kind (resources, model, agent, environment), real servers on 127.0.0.1:0:
-"served" means tracked a session or an episode through the data plane. A request refused or
-failed before any existed (400, 404, 409, a seed without a prefix, a model call without one)
-leaves the process fresh, so its Restore still works; anything tracked, even once, makes it
-unfit (FRESH_PROCESS_REQUIRED).
+
+* "served" means tracked a session or an episode through the data plane: a request refused
+  or failed before any existed (400, 404, 409, a seed without a prefix, a model call without
+  one) leaves the process fresh, so its Restore still works; anything tracked, even once,
+  makes it unfit (FRESH_PROCESS_REQUIRED).
+* `discard_installed` undoes an install exactly: what it installed is freed (resources:
+  through the server's retire hook), no retired mark is left, the process is fresh again and
+  the same install works a second time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import pytest
 
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
+from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer
 from rollout_checkpoint.server.episode_participant import task_digest
@@ -47,6 +52,18 @@ def code_of(reply: httpx.Response) -> str | None:
 
 
 # -- resources ------------------------------------------------------------------------------
+
+
+class RecordingCounter(CounterServer):
+    """Records every call of its retire hook."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.retired_states: list[str] = []
+
+    async def retire_session_state(self, session_id: str) -> None:
+        self.retired_states.append(session_id)
+        await super().retire_session_state(session_id)
 
 
 async def counter_checkpoint(path: str) -> dict[str, tuple[EpisodeId, httpx.Cookies, int]]:
@@ -132,6 +149,58 @@ async def test_a_session_once_tracked_makes_the_process_unfit_even_after_it_clos
         )
 
 
+async def test_discard_installed_frees_resources_sessions_without_marks(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "ckpt")
+    sessions = await counter_checkpoint(checkpoint)
+    async with running(RecordingCounter) as b:
+        server = b.server
+        assert isinstance(server, RecordingCounter)
+        participant = b.participant
+        await b.client.restore("restore-1", b.deadline(), checkpoint, [R, S])
+        marks = {rollout: participant.context.retired.highest(rollout) for rollout in "rs"}
+        of_r = {sid for sid, (episode, _, _) in sessions.items() if episode == R}
+
+        await participant.discard_installed([R.next_attempt()])
+        assert sorted(server.retired_states) == sorted(of_r)
+        assert set(server.counters) == set(sessions) - of_r
+        assert {s.episode for s in participant.sessions.values()} == {S.next_attempt()}
+        assert participant.has_served()  # s-a3 is still installed
+
+        await participant.discard_installed([R.next_attempt(), S.next_attempt(), EpisodeId("z")])
+        await participant.discard_installed([S.next_attempt()])  # a repeat frees nothing more
+        assert sorted(server.retired_states) == sorted(sessions)
+        assert server.counters == {} and not participant.sessions
+        assert not participant.retired_sessions
+        assert {r: participant.context.retired.highest(r) for r in "rs"} == marks
+        assert participant.restored_pending() == frozenset() and not participant.episodes()
+        assert not participant.has_served()
+
+        # The same install works again, and its sessions answer the old cookies.
+        records = [
+            RestoredRecord(episode, {"session_id": sid, "state": {"count": count}})
+            for sid, (episode, _, count) in sessions.items()
+        ]
+        await participant.install(records)
+        assert participant.has_served()
+        await b.client.resume("restore-1", b.deadline())
+        for episode, cookies, expected in sessions.values():
+            key = episode.next_attempt().capture_key
+            got = await b.browser(cookies).post(f"/ng-rollout/{key}/get_counter_value", json={})
+            assert got.json() == {"count": expected}
+
+
+async def test_a_restored_session_retired_here_keeps_the_process_unfit(tmp_path: Path) -> None:
+    """Undoing an install is `discard_installed`, not a retire: a retire leaves marks."""
+    checkpoint = str(tmp_path / "ckpt")
+    await counter_checkpoint(checkpoint)
+    async with running() as b:
+        await b.client.restore("restore-1", b.deadline(), checkpoint, [R])
+        await b.client.resume("restore-1", b.deadline())
+        await b.client.retire("x", b.deadline(), [R.next_attempt()])
+        assert not b.participant.sessions and b.participant.retired_sessions
+        assert b.participant.has_served()
+
+
 # -- model ----------------------------------------------------------------------------------
 
 
@@ -159,6 +228,24 @@ async def test_a_model_call_without_an_episode_leaves_the_process_fit_to_restore
             c.client.restore("restore-1", c.deadline(), checkpoint, [R]),
             "FRESH_PROCESS_REQUIRED",
         )
+
+
+async def test_discard_installed_drops_model_ledgers_without_marks(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "ckpt")
+    await model_checkpoint(checkpoint)
+    async with model() as b:
+        participant = b.participant
+        await b.client.restore("restore-1", b.deadline(), checkpoint, [R])
+        ledger = participant.restored[R.next_attempt()].calls
+        marks = participant.context.retired.highest("r")
+        assert participant.has_served()
+        await participant.discard_installed([R.next_attempt()])
+        await participant.discard_installed([R.next_attempt()])
+        assert not participant.restored and not participant.ledgers
+        assert participant.context.retired.highest("r") == marks
+        assert not participant.has_served() and not participant.episodes()
+        await participant.install([RestoredRecord(R, {"calls": ledger})])
+        assert participant.restored_pending() == {R.next_attempt()}
 
 
 # -- agent and environment ------------------------------------------------------------------
@@ -265,6 +352,24 @@ def episode_records(kind: str) -> list[RestoredRecord]:
     ]
 
 
+async def test_discard_installed_drops_restored_boundaries_without_marks() -> None:
+    for kind in ("agent", "environment"):
+        async with episode_server(kind) as b:
+            participant = b.participant
+            await participant.install(episode_records(kind))
+            assert participant.restored_pending() == {R.next_attempt(), S.next_attempt()}
+            marks = participant.context.retired.highest("r")
+            await participant.discard_installed([R.next_attempt()])
+            assert participant.restored_pending() == {S.next_attempt()}
+            await participant.discard_installed([R.next_attempt(), S.next_attempt()])
+            await participant.discard_installed([S.next_attempt()])
+            assert participant.restored_pending() == frozenset() and not participant.episodes()
+            assert participant.context.retired.highest("r") == marks
+            assert not participant.has_served(), kind
+            await participant.install(episode_records(kind))
+            assert participant.restored_pending() == {R.next_attempt(), S.next_attempt()}
+
+
 async def test_a_failed_environment_install_pins_no_task() -> None:
     """A restored episode pins its task; an install that failed installed nothing to pin."""
     other = {"task_id": "t2", "environment": {"x": 1}}
@@ -273,5 +378,14 @@ async def test_a_failed_environment_install_pins_no_task() -> None:
         with pytest.raises(CheckpointError):
             await b.participant.install([episode_records("environment")[0], invalid])
         assert not b.participant.has_served()
+        started = await b.http.post("/ng-rollout/r-a1/run", json={"task": other})
+        assert code_of(started) != "task_mismatch", started.text
+
+
+async def test_a_discarded_environment_install_pins_no_task() -> None:
+    other = {"task_id": "t2", "environment": {"x": 1}}
+    async with episode_server("environment") as b:
+        await b.participant.install(episode_records("environment"))
+        await b.participant.discard_installed([R.next_attempt(), S.next_attempt()])
         started = await b.http.post("/ng-rollout/r-a1/run", json={"task": other})
         assert code_of(started) != "task_mismatch", started.text
