@@ -205,7 +205,8 @@ class Participant(abc.ABC):
         The default is the episode: one record per episode, so two records of one episode
         would install one state and silently drop the other. A kind whose episode may hold
         several records (resources: one per session) says what tells them apart; a restore
-        that refused what Commit published would lose the checkpoint."""
+        that refused what Commit published would lose the checkpoint. Called off the event
+        loop (the restore reads in a thread), so it must be a pure function of its arguments."""
         return episode
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
