@@ -779,7 +779,7 @@ class ControlPlane:
         wanted = {e.capture_key for e in job.scope}
         part = f"{job.checkpoint_dir}/participants/{self.participant.kind.value}/{self.participant.instance}"
 
-        seen: set[str] = set()
+        seen: set[object] = set()
 
         def select(record: dict[str, Any]) -> bool:
             try:
@@ -788,12 +788,14 @@ class ControlPlane:
                 raise corrupt_checkpoint(
                     f"a record has an invalid episode_id: {exc}", part
                 ) from exc
-            # A writer stores each episode once; two records of one episode would install
-            # one state and silently drop the other (or install it twice).
+            # A writer stores each record identity once; two records of one identity would
+            # install one state and silently drop the other (or install it twice). The kind
+            # says what the identity is: the episode, or (resources) the episode's session.
             key = episode.capture_key
-            if key in seen:
+            identity = self.participant.record_identity(episode, record)
+            if identity in seen:
                 raise corrupt_checkpoint(f"two records of episode {key}", part, capture_key=key)
-            seen.add(key)
+            seen.add(identity)
             if key in wanted and episode.attempt >= MAX_ATTEMPT:
                 raise rejected_checkpoint(
                     f"episode {key} is at the highest attempt: it has no next attempt to restore as",

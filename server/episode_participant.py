@@ -83,7 +83,15 @@ class EpisodeParticipant(Participant):
         if self.episodes_tracker.has_served():
             raise rejected_checkpoint("restore needs a process that has not run episodes")
         boundaries = {record.restored_as: self.validate_record(record) for record in records}
+        self.installed(records)
         self.episodes_tracker.install(boundaries)
+
+    def installed(self, records: Sequence[RestoredRecord]) -> None:
+        """Every record is valid and about to be installed: keep what the kind needs of them."""
+        return None
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        self.episodes_tracker.discard_installed(episodes)
 
     async def retire(self, episode: EpisodeId) -> None:
         await self.episodes_tracker.retire(episode)
@@ -131,8 +139,18 @@ class EnvironmentParticipant(EpisodeParticipant):
                 "an environment record holds exactly task_digest and boundary",
                 capture_key=record.checkpointed.capture_key,
             )
-        self._restored_digests[record.restored_as.capture_key] = digest
         return fields["boundary"]
+
+    def installed(self, records: Sequence[RestoredRecord]) -> None:
+        # Only once every record is valid: a digest kept from a failed install would refuse
+        # (TASK_MISMATCH) a fresh start of that key with another task.
+        for record in records:
+            self._restored_digests[record.restored_as.capture_key] = record.fields["task_digest"]
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        await super().discard_installed(episodes)
+        for episode in episodes:
+            self._restored_digests.pop(episode.capture_key, None)
 
     def begin_task(self, episode_id: EpisodeId, task: Any) -> tuple[TrackedEpisode, Any]:
         """Start an episode for `task`; a restored replacement must bring the same task."""

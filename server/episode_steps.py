@@ -113,6 +113,8 @@ class EpisodeSteps:
         self._finished: OrderedDict[str, Any] = OrderedDict()
         """Outcomes of finished episodes, keyed by capture key (see `finish`)."""
         self._blocking = 0
+        self._served = False
+        """An episode began here through the data plane (sticky): see `has_served`."""
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
@@ -156,6 +158,7 @@ class EpisodeSteps:
             raise EpisodeRefused(
                 "admission_closed", "a checkpoint is in progress; retry after resume"
             )
+        self._served = True
         restored = self._restored.pop(key, NO_BOUNDARY)
         episode = TrackedEpisode(
             episode_id, restored=restored is not NO_BOUNDARY, started_at=self._clock()
@@ -342,6 +345,14 @@ class EpisodeSteps:
     def restored_pending(self) -> frozenset[EpisodeId]:
         return frozenset(EpisodeId.from_capture_key(k) for k in self._restored)
 
+    def discard_installed(self, episodes: Iterable[EpisodeId]) -> None:
+        """Drop the restored boundaries of `episodes` that no replacement claimed, leaving no
+        mark (see `Participant.discard_installed`). A claimed one began an episode here: the
+        process has served, and that episode is stopped by a retire, not discarded."""
+        for episode in episodes:
+            self._restored.pop(episode.capture_key, None)
+        self._notify()
+
     def drop_restored(self, episode: EpisodeId) -> None:
         for key in [k for k in self._restored if _covers(episode, EpisodeId.from_capture_key(k))]:
             del self._restored[key]
@@ -381,7 +392,9 @@ class EpisodeSteps:
             await changes.wait()
 
     def has_served(self) -> bool:
-        return bool(self.episodes) or bool(self._restored) or bool(self._finished)
+        """An episode began here (even one that failed and left nothing), or restored
+        boundaries are held. A refused or invalid start began nothing."""
+        return self._served or bool(self.episodes) or bool(self._restored) or bool(self._finished)
 
     def episode_infos(self) -> list[EpisodeInfo]:
         infos = [

@@ -73,10 +73,13 @@ class ModelParticipant(Participant):
         self.calls: set[ModelCall] = set()
         self.ledgers: dict[EpisodeId, Ledger] = {}
         self.restored: dict[EpisodeId, Ledger] = {}
+        self._installed: set[EpisodeId] = set()
+        """Episodes whose ledger `install` put here: what `discard_installed` may drop."""
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
         self._served = False
+        """A call of an episode reached the model (sticky): see `has_served`."""
         self._shutting_down = False
 
     # -- data plane ---------------------------------------------------------------------
@@ -96,7 +99,8 @@ class ModelParticipant(Participant):
         return None
 
     def call_started(self, episode: EpisodeId | None, request_body: bytes) -> ModelCall:
-        self._served = True
+        if episode is not None:
+            self._served = True
         call = ModelCall(episode, hashlib.sha256(request_body).hexdigest(), asyncio.current_task())
         self.calls.add(call)
         if episode is not None and episode in self.restored:
@@ -183,7 +187,7 @@ class ModelParticipant(Participant):
         return records
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
-        if self.calls or self.ledgers or self.restored:
+        if self.has_served():
             raise rejected_checkpoint("restore needs a model process that has not served calls")
         restored: dict[EpisodeId, Ledger] = {}
         for record in records:
@@ -199,6 +203,18 @@ class ModelParticipant(Participant):
                 )
             restored[record.restored_as] = Ledger(list(calls))
         self.restored = restored
+        self._installed = set(restored)
+        self.context.changed()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Drop the installed ledgers of `episodes` (claimed by a call or not), no marks.
+
+        No call can be running on them: admission stays closed from the install on, and a
+        closed model refuses every new call."""
+        for episode in set(episodes) & self._installed:
+            self.restored.pop(episode, None)
+            self.ledgers.pop(episode, None)
+            self._installed.discard(episode)
         self.context.changed()
 
     async def retire(self, episode: EpisodeId) -> None:
@@ -219,6 +235,7 @@ class ModelParticipant(Participant):
             del self.ledgers[tracked]
         for tracked in [e for e in self.restored if covered(e)]:
             del self.restored[tracked]
+        self._installed = {e for e in self._installed if not covered(e)}
         self.context.changed()
 
     def restored_pending(self) -> frozenset[EpisodeId]:
@@ -230,6 +247,9 @@ class ModelParticipant(Participant):
         return infos
 
     def has_served(self) -> bool:
+        """A call of an episode started here, or a ledger is held. A call without a rollout
+        prefix tracks no episode (nothing of it is ever exported), so like a refused call it
+        leaves the process fresh."""
         return self._served or bool(self.ledgers) or bool(self.restored)
 
     def facts(self) -> Mapping[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -165,6 +165,20 @@ class Participant(abc.ABC):
         """Validate every record, then install all of them as attempt N+1, or none."""
 
     @abc.abstractmethod
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Undo a restore: free exactly what `install()` installed for these attempt-N+1 episodes.
+
+        A Restore can fail after its install succeeded (the install outlived the deadline, a
+        Resume raced it). On any failed restore nothing may stay installed and the process must
+        stay fresh, so that a retry of the same restore works: a leftover would make
+        `has_served()` refuse it (FRESH_PROCESS_REQUIRED), and restored state that nothing
+        continues would never be freed. So this frees the installed state through the server's
+        own hooks and stops tracking it, but leaves NO retired marks (a retire's marks would
+        refuse the very attempt the retry installs): nothing here is a Retire. It tolerates
+        repeats and episodes it never installed. Afterwards `has_served()` is False again,
+        unless the data plane served something else meanwhile."""
+
+    @abc.abstractmethod
     async def retire(self, episode: EpisodeId) -> None:
         """Stop and free every attempt <= `episode.attempt` of its rollout; tolerate repeats."""
 
@@ -178,7 +192,22 @@ class Participant(abc.ABC):
 
     @abc.abstractmethod
     def has_served(self) -> bool:
-        """Whether this process has served any session or episode (then it cannot restore)."""
+        """Whether this process holds or has tracked a session or an episode (then it cannot
+        restore: a restore would mix its state with the checkpoint's).
+
+        Only tracking makes a process unfit. A request refused or failed before any session or
+        episode existed (400, 404, 409, a seed without a rollout prefix) leaves it fresh: a
+        stray probe must not cost a replacement process its restore."""
+
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        """What no two stored records of one checkpoint may share (`record` as read, unvalidated).
+
+        The default is the episode: one record per episode, so two records of one episode
+        would install one state and silently drop the other. A kind whose episode may hold
+        several records (resources: one per session) says what tells them apart; a restore
+        that refused what Commit published would lose the checkpoint. Called off the event
+        loop (the restore reads in a thread), so it must be a pure function of its arguments."""
+        return episode
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         """The controller forgot these rollouts: drop what refuses their late requests."""

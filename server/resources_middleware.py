@@ -8,12 +8,28 @@ Per request, in this order, each rule for the loss it prevents:
    request is not in flight and never holds up prepare.
 2. A request of a retired attempt (by its session or its prefix) is refused `stale_attempt`,
    so a late call cannot recreate state that nothing would free. `/close_session` is never
-   refused: closing is how a server frees a session.
-3. With admission closed, anything that is not replay-safe is refused `admission_closed`.
+   refused for this: closing is how a server frees a session.
+3. A request whose rollout prefix names another episode than its session's is refused
+   `episode_mismatch` (checked after `stale_attempt`, so a retired attempt still answers
+   that). A session belongs to one episode for its whole life: a re-bind would untrack the
+   episode it served, whose state then silently leaves every later checkpoint, and any
+   tracked cookie could act under a made-up rollout. The request never runs, so it never
+   re-binds the session and never touches its state (a close included).
+4. With admission closed, anything that is not replay-safe is refused `admission_closed`.
    `/seed_session` (and `/verify` under `replay`) is admitted: the checkpoint does not wait
-   for it, and a session seeded now is neither a blocker nor exported by this checkpoint.
-4. Everything else admitted counts as in flight for its whole duration; the decrement is
+   for it, and a session first seeded now is neither a blocker nor exported by this
+   checkpoint. A seed of a session already tracked is a retry: the session keeps its episode,
+   its export and its blocker status.
+5. Everything else admitted counts as in flight for its whole duration; the decrement is
    synchronous in a `finally`, so no cancellation can leave a request counted.
+
+Refusals are HTTP 409 `{"error": {"code": "stale_attempt" | "episode_mismatch" |
+"admission_closed", "detail": ...}}` (503 `shutting_down` for a waiting request whose server
+stops).
+
+The session of a request is its cookie's; for an MCP call, the session its signed token names
+(a missing or bad token names none, and the MCP endpoint rejects the call), because that is
+the session the tool runs on.
 """
 
 from __future__ import annotations
@@ -84,6 +100,14 @@ class ResourcesAdmissionMiddleware:
         if not is_close and participant.is_stale(session_id, episode):
             await _respond(send, 409, "stale_attempt", "this attempt was retired")
             return
+        if participant.is_mismatched(session_id, episode):
+            await _respond(
+                send,
+                409,
+                "episode_mismatch",
+                "this session belongs to another episode: use its own rollout prefix",
+            )
+            return
         replay_safe = is_seed or (is_verify and participant.verify is VerifyMode.REPLAY)
         if participant.sealed or (not replay_safe and not participant.admission_open):
             await _respond(
@@ -109,9 +133,11 @@ class ResourcesAdmissionMiddleware:
         counted = not replay_safe
         in_flight = None
         if is_seed:
-            participant.seed_started(episode)
+            participant.seed_started(episode, session_id)
         elif counted:
             in_flight = participant.request_started(session_id)
+        else:
+            participant.claim(session_id)
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
@@ -119,7 +145,11 @@ class ResourcesAdmissionMiddleware:
             if is_seed:
                 session_after = cookie_session_id(scope)
                 participant.seed_finished(
-                    episode, session_after, succeeded=succeeded, closed_at_start=closed_at_start
+                    episode,
+                    session_id,
+                    session_after,
+                    succeeded=succeeded,
+                    closed_at_start=closed_at_start,
                 )
             else:
                 if counted:
@@ -129,10 +159,10 @@ class ResourcesAdmissionMiddleware:
                     participant.session_ended(session_id, deferred=deferred)
 
     def _session_id(self, scope: Scope, is_mcp: bool) -> str | None:
-        if is_mcp and self.mcp_session is not None:
-            from_token = self.mcp_session(scope)
-            if from_token is not None:
-                return from_token
+        """The session the request acts on: for MCP the token's (the tool runs on that one,
+        never on the cookie's), otherwise the cookie's."""
+        if is_mcp:
+            return self.mcp_session(scope) if self.mcp_session is not None else None
         return cookie_session_id(scope)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,6 +60,8 @@ class SessionHooks(Protocol):
 
 @dataclass(eq=False)
 class TrackedSession:
+    """A session bound to its episode for its whole life; a seed retry changes none of this."""
+
     session_id: str
     episode: EpisodeId
     restored_pending: bool = False
@@ -88,6 +90,12 @@ class ResourcesParticipant(Participant):
         O(blockers), not O(sessions): a prepare of a server holding 10,000 idle sessions
         reports twice, and GetStatus and the metrics gauges report too."""
         self._seeding: dict[EpisodeId, int] = {}
+        self._binding: dict[str, tuple[EpisodeId, int]] = {}
+        """Untracked sessions with a seed running under a prefix: the episode the seed will
+        bind them to, and how many such seeds run. A concurrent request naming another episode
+        is refused, so two racing first seeds cannot bind one session twice."""
+        self._installed: set[str] = set()
+        """Sessions that `install` tracked: what `discard_installed` may free."""
         self.inflight = 0
         self.waiting = 0
         """Requests (MCP calls, closes) waiting for a resume; never in flight, never blockers."""
@@ -95,6 +103,7 @@ class ResourcesParticipant(Participant):
         self._admission_open = True
         self._shutting_down = False
         self._served = False
+        """The data plane tracked or used a session (sticky): see `has_served`."""
         self._changed = asyncio.Event()
 
     # -- notifications ------------------------------------------------------------------
@@ -148,20 +157,44 @@ class ResourcesParticipant(Participant):
         session = self.sessions.get(session_id)
         return session is not None and retired.is_retired(session.episode)
 
+    def is_mismatched(self, session_id: str | None, episode: EpisodeId | None) -> bool:
+        """Whether the request's prefix names another episode than its session's.
+
+        A session belongs to one episode for its whole life. Re-binding it would untrack the
+        episode it served (its state silently leaves every later checkpoint), and any tracked
+        cookie could act on a made-up rollout. A session not tracked yet is bound by a seed
+        still running under a prefix, so a racing request cannot bind it elsewhere either."""
+        if session_id is None or episode is None:
+            return False
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session.episode != episode
+        binding = self._binding.get(session_id)
+        return binding is not None and binding[0] != episode
+
+    def claim(self, session_id: str | None) -> None:
+        """An admitted request used this session: it is no longer restored pending.
+
+        Also for the requests that are not counted in flight (a seed retry, a replay verify):
+        whatever ran on restored state continues it, so a commit must not free it as unused."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is not None:
+            session.restored_pending = False
+            self._served = True
+
     def request_started(self, session_id: str | None) -> TrackedSession | None:
         """Count a request in flight (per participant and per session); claims a restored session.
 
         Returns what was counted, to hand back to `request_finished`: the session may be
-        untracked (closed, re-seeded) before the request ends, and the decrement must undo
+        untracked (closed, retired) before the request ends, and the decrement must undo
         exactly this increment."""
-        self._served = True
         self.inflight += 1
         session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:
             self._inflight_without_session += 1
         else:
             session.inflight += 1
-            session.restored_pending = False
+            self.claim(session_id)
             self._busy.add(session)
         self._notify()
         return session
@@ -177,23 +210,32 @@ class ResourcesParticipant(Participant):
                 self._busy.discard(counted)
         self._notify()
 
-    def seed_started(self, episode: EpisodeId | None) -> None:
-        self._served = True
-        if episode is not None:
-            self._seeding[episode] = self._seeding.get(episode, 0) + 1
+    def seed_started(self, episode: EpisodeId | None, session_id: str | None) -> None:
+        """A seed was admitted. A seed of a tracked session is a retry and claims it."""
+        self.claim(session_id)
+        if episode is None:
+            return
+        self._seeding[episode] = self._seeding.get(episode, 0) + 1
+        if session_id is not None and session_id not in self.sessions:
+            _, running = self._binding.get(session_id, (episode, 0))
+            self._binding[session_id] = (episode, running + 1)
 
     def seed_finished(
         self,
         episode: EpisodeId | None,
+        session_id_before: str | None,
         session_id: str | None,
         *,
         succeeded: bool,
         closed_at_start: bool,
     ) -> None:
+        """`session_id_before`: the session the request came with (what `seed_started` saw);
+        `session_id`: the one the seed left in the cookie (a new session has none before)."""
         if episode is not None:
             self._seeding[episode] -= 1
             if not self._seeding[episode]:
                 del self._seeding[episode]
+            self._unbind(session_id_before)
         if succeeded and episode is not None and session_id is not None:
             self._track(
                 session_id, episode, seeded_while_closed=closed_at_start or not self._admission_open
@@ -202,7 +244,6 @@ class ResourcesParticipant(Participant):
 
     def session_started(self, session_id: str, episode: EpisodeId) -> None:
         """For servers whose sessions begin outside `/seed_session` (a Gymnasium `/reset`)."""
-        self._served = True
         self._track(session_id, episode, seeded_while_closed=not self._admission_open)
         self._notify()
 
@@ -219,6 +260,17 @@ class ResourcesParticipant(Participant):
 
     # -- tracking -----------------------------------------------------------------------
 
+    def _unbind(self, session_id: str | None) -> None:
+        binding = self._binding.get(session_id) if session_id is not None else None
+        if binding is None:
+            return
+        assert session_id is not None
+        episode, running = binding
+        if running > 1:
+            self._binding[session_id] = (episode, running - 1)
+        else:
+            del self._binding[session_id]
+
     def _track(
         self,
         session_id: str,
@@ -227,16 +279,23 @@ class ResourcesParticipant(Participant):
         seeded_while_closed: bool,
         restored: bool = False,
     ) -> None:
-        existing = self.sessions.get(session_id)
-        if existing is not None and existing.episode != episode:
-            self._untrack(session_id)
-        session = self.sessions.get(session_id)
-        if session is None:
-            session = TrackedSession(session_id, episode)
-            self.sessions[session_id] = session
-            self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
-        session.restored_pending = restored
-        session.seeded_while_closed = seeded_while_closed
+        """Track a session that begins (seeded, started or restored) under `episode`.
+
+        A session already tracked is left exactly as it is: a second seed is a retry, and a
+        retry that reset the flags would drop a live episode from the checkpoint under way
+        (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
+        it must block. Nor is a session ever moved to another episode (see `is_mismatched`)."""
+        if session_id in self.sessions:
+            return
+        session = TrackedSession(
+            session_id, episode, restored_pending=restored, seeded_while_closed=seeded_while_closed
+        )
+        self.sessions[session_id] = session
+        self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
+        if restored:
+            self._installed.add(session_id)
+        else:
+            self._served = True
         if self.mode is CheckpointMode.RESTART_ONLY and not seeded_while_closed:
             self._restart_blockers.add(session_id)
 
@@ -251,6 +310,7 @@ class ResourcesParticipant(Participant):
                 del self._by_rollout[session.episode.rollout_id]
         self._retiring.discard(session_id)
         self._restart_blockers.discard(session_id)
+        self._installed.discard(session_id)
 
     # -- Participant --------------------------------------------------------------------
 
@@ -399,8 +459,29 @@ class ResourcesParticipant(Participant):
             ) from exc
         for session_id, record in episode_of.items():
             self._track(session_id, record.restored_as, seeded_while_closed=False, restored=True)
-        self._served = True
         self._notify()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Free what `install` installed for `episodes` as a retire would, minus the marks.
+
+        Like a retire it first waits for seeds of these episodes and for requests on their
+        sessions, so nothing running recreates the state it frees."""
+        discarded = frozenset(episodes)
+
+        def installed_sessions() -> list[str]:
+            return sorted(s for s in self._installed if self.sessions[s].episode in discarded)
+
+        while any(e in discarded for e in self._seeding):
+            await self._wait_change()
+        while any(self.sessions[s].inflight for s in installed_sessions()):
+            await self._wait_change()
+        for session_id in installed_sessions():
+            if session_id not in self._installed:
+                continue  # freed meanwhile (a retire, a concurrent discard)
+            if self.mode is CheckpointMode.EXPORTED:
+                await self._hooks.retire_session_state(session_id)
+            self._untrack(session_id)
+            self._notify()
 
     async def retire(self, episode: EpisodeId) -> None:
         """Wait for seeds, refuse and drain the covered sessions, free them, stop tracking."""
@@ -430,6 +511,12 @@ class ResourcesParticipant(Participant):
             self._untrack(session_id)
             self._notify()
 
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        """One record per session: an episode may hold several sessions (one per cookie jar
+        seeded under its prefix), and each is a record of its own."""
+        session_id = record.get("session_id")
+        return (episode, session_id if isinstance(session_id, str) else None)
+
     def forget(self, rollout_ids: Sequence[str]) -> None:
         forgotten = set(rollout_ids)
         for session_id, episode in list(self.retired_sessions.items()):
@@ -457,7 +544,16 @@ class ResourcesParticipant(Participant):
         ]
 
     def has_served(self) -> bool:
-        return self._served or bool(self.sessions)
+        """A session tracked (or used) by the data plane, one held now, one retired here and
+        not yet forgotten, or a seed under a prefix still running (it is about to track one).
+        A refused request, a 400 without a session, a 404 or a seed without a prefix tracked
+        nothing and leaves the process fresh."""
+        return (
+            self._served
+            or bool(self.sessions)
+            or bool(self.retired_sessions)
+            or bool(self._seeding)
+        )
 
     def facts(self) -> Mapping[str, str]:
         return {"mode": self.mode.value, "verify": self.verify.value}

@@ -55,6 +55,7 @@ class DoubleParticipant(Participant):
         self.instance = instance
         self.states: dict[EpisodeId, Any] = {}
         self.pending: set[EpisodeId] = set()
+        self.installed: set[EpisodeId] = set()
         self.inflight: dict[str, int] = {}
         self.admission = True
         self.served = False
@@ -154,6 +155,14 @@ class DoubleParticipant(Participant):
         for record in records:
             self.states[record.restored_as] = record.fields["state"]
             self.pending.add(record.restored_as)
+            self.installed.add(record.restored_as)
+        self.context.changed()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        for episode in set(episodes) & self.installed:
+            self.states.pop(episode, None)
+            self.pending.discard(episode)
+            self.installed.discard(episode)
         self.context.changed()
 
     async def retire(self, episode: EpisodeId) -> None:
