@@ -631,7 +631,7 @@ class ControlPlane:
         return CommitResult(
             manifest=job.published.manifest,
             manifest_sha256=job.published.manifest_sha256,
-            exported=tuple(sorted(r.episode_id.capture_key for r in job.records)),
+            exported=tuple(sorted({r.episode_id.capture_key for r in job.records})),
             retired=job.retired,
         )
 
@@ -731,7 +731,7 @@ class ControlPlane:
                     self.retired_attempts.mark(record.checkpointed)
                 result = RestoreResult(
                     source_checkpoint_id=manifest.checkpoint_id,
-                    restored=tuple(sorted(r.restored_as.capture_key for r in records)),
+                    restored=tuple(sorted({r.restored_as.capture_key for r in records})),
                 )
                 self._state = State.RESTORED
                 self._active_id = job.checkpoint_id

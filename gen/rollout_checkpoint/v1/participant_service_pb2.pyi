@@ -580,7 +580,9 @@ class CommitResponse(_message.Message):
 
     @_builtins.property
     def exported(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The sorted capture keys of the exported records."""
+        """The sorted capture keys of the exported episodes, each once (an episode
+        may hold several records: a resources server's several sessions).
+        """
 
     @_builtins.property
     def retired(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -660,7 +662,7 @@ class RestoreResponse(_message.Message):
     """The checkpoint id stored in the manifest that was read."""
     @_builtins.property
     def restored(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The sorted capture keys installed (attempt N+1)."""
+        """The sorted capture keys installed (attempt N+1), each episode once."""
 
     def __init__(
         self,
