@@ -158,13 +158,6 @@ class DoubleParticipant(Participant):
             self.installed.add(record.restored_as)
         self.context.changed()
 
-    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
-        for episode in set(episodes) & self.installed:
-            self.states.pop(episode, None)
-            self.pending.discard(episode)
-            self.installed.discard(episode)
-        self.context.changed()
-
     async def retire(self, episode: EpisodeId) -> None:
         await self._checkpoint("retire")
         for held in [
@@ -179,9 +172,10 @@ class DoubleParticipant(Participant):
 
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
         await self._checkpoint("discard")
-        for episode in episodes:
+        for episode in set(episodes) & self.installed:
             self.states.pop(episode, None)
             self.pending.discard(episode)
+            self.installed.discard(episode)
         self.discarded.extend(episodes)
         self.context.changed()
 
