@@ -200,7 +200,7 @@ class Processes:
     def serve(self, name: str, kind: str, *args: str, env: dict[str, str] | None = None) -> Server:
         """An example server (`examples/serve.py`) with its sidecar and the run's token."""
         return self.launch(
-            name, [*SERVE, kind, "--token", self.token, "--instance", name, *args], env=env
+            name, [*SERVE, kind, f"--token={self.token}", "--instance", name, *args], env=env
         )
 
     async def serve_many(self, specs: Sequence[tuple[str, str, Sequence[str]]]) -> list[Server]:

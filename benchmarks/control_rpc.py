@@ -40,7 +40,7 @@ async def run(ctx: Any) -> BenchResult:
     server = await asyncio.to_thread(
         processes.launch,
         "control",
-        ["-m", "benchmarks.control_server", "--token", token, "--instance", "control"],
+        ["-m", "benchmarks.control_server", f"--token={token}", "--instance", "control"],
     )
     client = ParticipantClient(server.grpc or "", token)
     http = await Connection.open(server.http)

@@ -119,14 +119,22 @@ def _signal_group(process: subprocess.Popen[str], signum: int) -> None:
             os.killpg(process.pid, signum)
 
 
+def serve_options(token: str, *, start_closed: bool) -> list[str]:
+    """The options every fleet server is started with.
+
+    The token is passed as `--token=VALUE`: a random urlsafe token starts with `-` one time in
+    64, and argparse would take `--token -x…` for a missing value followed by an option."""
+    return [f"--token={token}", "--log-level", "info"] + (
+        ["--start-closed"] if start_closed else []
+    )
+
+
 async def start_fleet(
     label: str, logs: Path, token: str, options: Options, *, start_closed: bool
 ) -> FleetProcesses:
     """Start the fleet callee-first: every server's address is known before its caller starts."""
     fleet = FleetProcesses(label)
-    common = ["--token", token, "--log-level", "info"] + (
-        ["--start-closed"] if start_closed else []
-    )
+    common = serve_options(token, start_closed=start_closed)
     first = await asyncio.gather(
         _start(fleet, logs, "prompt_injection", "resources", ["prompt_injection", *common]),
         _start(fleet, logs, "counter", "resources", ["counter", *common]),
