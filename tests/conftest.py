@@ -35,6 +35,45 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
+# -- a timed-out test fails alone -------------------------------------------------------------
+
+TIMED_OUT_CLEANUP_SECONDS = 30.0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """pytest-timeout's signal method raises its failure wherever the main thread is: in an
+    async test, inside the session loop's select(). That leaves the test's coroutine suspended
+    on the loop for good, its `finally` blocks (killing processes, stopping servers) never run.
+    Cancel it, and let those clean-ups run (bounded) before the next test."""
+    try:
+        return (yield)
+    except pytest.fail.Exception as failure:
+        if "from pytest-timeout" in str(failure):
+            _cancel_interrupted_test(failure)
+        raise
+
+
+def _cancel_interrupted_test(failure: BaseException) -> None:
+    # The interrupted `loop.run_until_complete(future)` is on the failure's traceback: its
+    # frame holds the very loop and task (the test's coroutine) that were cut off.
+    tb = failure.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        loop, task = frame.f_locals.get("self"), frame.f_locals.get("future")
+        if (
+            frame.f_code.co_name == "run_until_complete"
+            and isinstance(loop, asyncio.AbstractEventLoop)
+            and isinstance(task, asyncio.Task)
+        ):
+            if not task.done() and not loop.is_running() and not loop.is_closed():
+                task.cancel()
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(asyncio.wait({task}, timeout=TIMED_OUT_CLEANUP_SECONDS))
+            return
+        tb = tb.tb_next
+
+
 @dataclass
 class Harness:
     """One running double: its participant, runtime, clock and clients."""
