@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -29,9 +27,11 @@ from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.server.storage import CheckpointStorage
 
 from .double import DoubleParticipant, create_app
+from .processes import REPO, kill_group, started
+
+__all__ = ["REPO", "kill_group"]  # imported from here by the test modules
 
 TOKEN = "s3cret-token-for-tests"
-REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
@@ -229,57 +229,30 @@ class DoubleProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
 
-def spawn_double(*args: str, timeout: float = 30.0, stderr: Path | None = None) -> DoubleProcess:
+def spawn_double(*args: str, stderr: Path | None = None) -> DoubleProcess:
     """Start `python -m tests.double` in its own process group; wait for its ports line.
 
     With `stderr`, the process's stderr goes to that file (to inspect its logs)."""
     env = dict(os.environ, DOUBLE_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
-    with open(stderr, "wb") if stderr is not None else contextlib.nullcontext() as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tests.double", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )
-    assert process.stdout is not None
-    import selectors
-
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    if not selector.select(timeout):
-        kill_group(process)
-        raise TimeoutError("the double did not announce its ports")
-    line = process.stdout.readline()
-    if not line:
-        kill_group(process)
-        raise RuntimeError(f"the double exited with {process.wait()}")
-    ports = json.loads(line)
+    process, ports = started(
+        [sys.executable, "-m", "tests.double", *args], "the double", env=env, log=stderr
+    )
     return DoubleProcess(process, ports["http_port"], ports["grpc_port"])
-
-
-def kill_group(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
 
 
 @pytest.fixture
 def spawn() -> Iterator[Any]:
-    started: list[DoubleProcess] = []
+    doubles: list[DoubleProcess] = []
 
     def start(*args: str, stderr: Path | None = None) -> DoubleProcess:
         double = spawn_double(*args, stderr=stderr)
-        started.append(double)
+        doubles.append(double)
         return double
 
     try:
         yield start
     finally:
-        for double in started:
+        for double in doubles:
             kill_group(double.process)
 
 
