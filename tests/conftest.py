@@ -21,11 +21,11 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.clock import ManualClock
 from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.server.storage import CheckpointStorage
 
+from .clocks import ObservedClock
 from .double import DoubleParticipant, create_app
 from .processes import REPO, kill_group, started
 
@@ -80,7 +80,7 @@ class Harness:
 
     participant: DoubleParticipant
     runtime: CheckpointRuntime
-    clock: ManualClock
+    clock: ObservedClock
     http: httpx.AsyncClient
     client: ParticipantClient
     grpc_address: str
@@ -128,11 +128,11 @@ async def start_harness(
     *,
     storage: CheckpointStorage | None = None,
     participant: DoubleParticipant | None = None,
-    clock: ManualClock | None = None,
+    clock: ObservedClock | None = None,
     tracer_provider: Any = None,
     **settings: Any,
 ) -> Harness:
-    clock = clock or ManualClock()
+    clock = clock or ObservedClock()
     participant = participant or DoubleParticipant()
     app = create_app(participant)
     config = CheckpointSettings(enabled=True, token=TOKEN, **settings)
