@@ -97,10 +97,10 @@ class Harness:
     async def health(self, service: str) -> int:
         async with aio.insecure_channel(self.grpc_address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
             return int(reply.status)
 
-    async def until(self, predicate: Any, timeout: float = 10.0) -> None:
+    async def until(self, predicate: Any, timeout: float = 30.0) -> None:
         """Wait until `predicate()` holds, re-checking whenever the control plane changes."""
         changed = asyncio.Event()
         self.runtime.control.add_listener(changed.set)
@@ -112,7 +112,7 @@ class Harness:
         finally:
             self.runtime.control.remove_listener(changed.set)
 
-    async def wait_health(self, service: str, status: int, timeout: float = 10.0) -> None:
+    async def wait_health(self, service: str, status: int, timeout: float = 30.0) -> None:
         """Watch a health name until it reports `status` (health follows asynchronously)."""
         async with aio.insecure_channel(self.grpc_address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -146,7 +146,7 @@ async def start_harness(
         participant=participant,
         runtime=runtime,
         clock=clock,
-        http=httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=10),
+        http=httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30),
         client=ParticipantClient(address, TOKEN, clock=clock.now),
         grpc_address=address,
         server=server,

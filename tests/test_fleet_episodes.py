@@ -143,7 +143,7 @@ async def until(control: Any, predicate: Any) -> None:
     changed = asyncio.Event()
     control.add_listener(changed.set)
     try:
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):
             while not predicate():
                 await changed.wait()
                 changed.clear()

@@ -45,7 +45,7 @@ READINESS = "participant-readiness"
 LIVENESS = "participant-liveness"
 PARTICIPANT_SERVICE = "rollout_checkpoint.v1.ParticipantService"
 COORDINATOR_SERVICE = "rollout_checkpoint.v1.CoordinatorService"
-WAIT = 10.0
+WAIT = 30.0
 
 
 class Watcher:

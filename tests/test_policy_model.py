@@ -46,7 +46,7 @@ CLINIC = TASKS["hc-001-chart-note-exfiltration"]
 POLICY = ScriptedPolicy(TASKS.values())
 PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
 STREAMING = types_pb2.BLOCKER_REASON_STREAMING_RESPONSE
-WAIT = 10.0
+WAIT = 30.0
 
 
 def rollouts(task: dict[str, Any], *, falls: bool, count: int = 2) -> list[str]:

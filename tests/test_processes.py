@@ -33,7 +33,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READINESS = "participant-readiness"
 LIVENESS = "participant-liveness"
 SERVICE = "rollout_checkpoint.v1.ParticipantService"
-WAIT = 10.0  # bound on any single observation of a real process
+WAIT = 30.0  # bound on any single observation of a real process
 
 STATE = {"zeta": [1, 2, {"y": 2**80, "b": "two"}], "alpha": {"k2": True, "k1": None}, "n": 1}
 

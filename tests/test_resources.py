@@ -63,7 +63,7 @@ class Running:
         control = self.server.runtime.control
         control.add_listener(changed.set)
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(30):
                 while not predicate():
                     await changed.wait()
                     changed.clear()

@@ -43,7 +43,7 @@ from .processes import start as start_process
 
 PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
 COMMITTED = types_pb2.PARTICIPANT_STATE_COMMITTED
-WAIT = 10.0  # bound on any single wait
+WAIT = 30.0  # bound on any single wait
 
 
 class HoldingCounter(CounterServer):

@@ -60,7 +60,7 @@ async def test_a_cut_short_retire_keeps_refusing_and_a_retry_finishes(harness: H
     release = h.participant.gate("retire")
     deadline = h.deadline(5)
     call = asyncio.ensure_future(h.client.retire("x", deadline, [EpisodeId("r1")]))
-    await asyncio.wait_for(h.participant.entered["retire"].wait(), 10)
+    await asyncio.wait_for(h.participant.entered["retire"].wait(), 30)
     h.clock.set(deadline + 1)
     await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED")
     assert EpisodeId("r1") in h.participant.states  # still held, still tracked
