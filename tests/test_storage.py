@@ -224,7 +224,7 @@ def test_same_records_under_another_checkpoint_id_is_refused_and_keeps_the_share
 
 
 def test_of_two_racing_writers_exactly_one_publishes(ckpt: Path) -> None:
-    barrier = threading.Barrier(2, timeout=10)
+    barrier = threading.Barrier(2, timeout=30)
 
     def hook(step: str) -> None:
         if step == "before_manifest_link":
