@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -23,16 +21,57 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.clock import ManualClock
 from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.server.storage import CheckpointStorage
 
+from .clocks import ObservedClock
 from .double import DoubleParticipant, create_app
+from .processes import REPO, kill_group, started
+
+__all__ = ["REPO", "kill_group"]  # imported from here by the test modules
 
 TOKEN = "s3cret-token-for-tests"
-REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+# -- a timed-out test fails alone -------------------------------------------------------------
+
+TIMED_OUT_CLEANUP_SECONDS = 30.0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """pytest-timeout's signal method raises its failure wherever the main thread is: in an
+    async test, inside the session loop's select(). That leaves the test's coroutine suspended
+    on the loop for good, its `finally` blocks (killing processes, stopping servers) never run.
+    Cancel it, and let those clean-ups run (bounded) before the next test."""
+    try:
+        return (yield)
+    except pytest.fail.Exception as failure:
+        if "from pytest-timeout" in str(failure):
+            _cancel_interrupted_test(failure)
+        raise
+
+
+def _cancel_interrupted_test(failure: BaseException) -> None:
+    # The interrupted `loop.run_until_complete(future)` is on the failure's traceback: its
+    # frame holds the very loop and task (the test's coroutine) that were cut off.
+    tb = failure.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        loop, task = frame.f_locals.get("self"), frame.f_locals.get("future")
+        if (
+            frame.f_code.co_name == "run_until_complete"
+            and isinstance(loop, asyncio.AbstractEventLoop)
+            and isinstance(task, asyncio.Task)
+        ):
+            if not task.done() and not loop.is_running() and not loop.is_closed():
+                task.cancel()
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(asyncio.wait({task}, timeout=TIMED_OUT_CLEANUP_SECONDS))
+            return
+        tb = tb.tb_next
 
 
 @dataclass
@@ -41,7 +80,7 @@ class Harness:
 
     participant: DoubleParticipant
     runtime: CheckpointRuntime
-    clock: ManualClock
+    clock: ObservedClock
     http: httpx.AsyncClient
     client: ParticipantClient
     grpc_address: str
@@ -58,10 +97,10 @@ class Harness:
     async def health(self, service: str) -> int:
         async with aio.insecure_channel(self.grpc_address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
             return int(reply.status)
 
-    async def until(self, predicate: Any, timeout: float = 10.0) -> None:
+    async def until(self, predicate: Any, timeout: float = 30.0) -> None:
         """Wait until `predicate()` holds, re-checking whenever the control plane changes."""
         changed = asyncio.Event()
         self.runtime.control.add_listener(changed.set)
@@ -73,7 +112,7 @@ class Harness:
         finally:
             self.runtime.control.remove_listener(changed.set)
 
-    async def wait_health(self, service: str, status: int, timeout: float = 10.0) -> None:
+    async def wait_health(self, service: str, status: int, timeout: float = 30.0) -> None:
         """Watch a health name until it reports `status` (health follows asynchronously)."""
         async with aio.insecure_channel(self.grpc_address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -89,11 +128,11 @@ async def start_harness(
     *,
     storage: CheckpointStorage | None = None,
     participant: DoubleParticipant | None = None,
-    clock: ManualClock | None = None,
+    clock: ObservedClock | None = None,
     tracer_provider: Any = None,
     **settings: Any,
 ) -> Harness:
-    clock = clock or ManualClock()
+    clock = clock or ObservedClock()
     participant = participant or DoubleParticipant()
     app = create_app(participant)
     config = CheckpointSettings(enabled=True, token=TOKEN, **settings)
@@ -107,7 +146,7 @@ async def start_harness(
         participant=participant,
         runtime=runtime,
         clock=clock,
-        http=httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=10),
+        http=httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30),
         client=ParticipantClient(address, TOKEN, clock=clock.now),
         grpc_address=address,
         server=server,
@@ -190,57 +229,30 @@ class DoubleProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
 
-def spawn_double(*args: str, timeout: float = 30.0, stderr: Path | None = None) -> DoubleProcess:
+def spawn_double(*args: str, stderr: Path | None = None) -> DoubleProcess:
     """Start `python -m tests.double` in its own process group; wait for its ports line.
 
     With `stderr`, the process's stderr goes to that file (to inspect its logs)."""
     env = dict(os.environ, DOUBLE_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
-    with open(stderr, "wb") if stderr is not None else contextlib.nullcontext() as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tests.double", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )
-    assert process.stdout is not None
-    import selectors
-
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    if not selector.select(timeout):
-        kill_group(process)
-        raise TimeoutError("the double did not announce its ports")
-    line = process.stdout.readline()
-    if not line:
-        kill_group(process)
-        raise RuntimeError(f"the double exited with {process.wait()}")
-    ports = json.loads(line)
+    process, ports = started(
+        [sys.executable, "-m", "tests.double", *args], "the double", env=env, log=stderr
+    )
     return DoubleProcess(process, ports["http_port"], ports["grpc_port"])
-
-
-def kill_group(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
 
 
 @pytest.fixture
 def spawn() -> Iterator[Any]:
-    started: list[DoubleProcess] = []
+    doubles: list[DoubleProcess] = []
 
     def start(*args: str, stderr: Path | None = None) -> DoubleProcess:
         double = spawn_double(*args, stderr=stderr)
-        started.append(double)
+        doubles.append(double)
         return double
 
     try:
         yield start
     finally:
-        for double in started:
+        for double in doubles:
             kill_group(double.process)
 
 

@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -262,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--instance", default="double")
     parser.add_argument("--start-closed", action="store_true")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning"])
+    parser.add_argument(
+        "--graceful-seconds",
+        type=float,
+        default=2,
+        help="uvicorn's graceful shutdown timeout; SIGUSR1 releases held requests",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     import uvicorn
@@ -276,9 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     runtime = install_checkpointing(app, participant, settings)
     assert isinstance(runtime, CheckpointRuntime)
 
+    def release_held() -> None:
+        participant.gates.setdefault("http-hold", asyncio.Event()).set()
+
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
+            # A test can release held requests after SIGTERM, when no new request gets in.
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, release_held)
             http_port = self.servers[0].sockets[0].getsockname()[1]
             print(json.dumps({"http_port": http_port, "grpc_port": runtime.port}), flush=True)
 
@@ -288,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         port=0,
         lifespan="on",
         log_level=args.log_level,
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=args.graceful_seconds,
     )
     AnnouncingServer(config).run()
 

@@ -45,7 +45,9 @@ from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import REPO, TOKEN, Harness, start_harness, stop_harness
+from .conftest import TOKEN, Harness, start_harness, stop_harness
+from .processes import announcement
+from .processes import start as start_process
 
 PARTICIPANT = "/rollout_checkpoint.v1.ParticipantService/"
 COORDINATOR = "/rollout_checkpoint.v1.CoordinatorService/"
@@ -205,7 +207,7 @@ async def test_the_coordinator_accepts_the_token_and_health_needs_none(tmp_path:
                 "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
             )
             with pytest.raises(aio.AioRpcError) as caught:
-                async for _ in reflection(iter([b""]), timeout=5):
+                async for _ in reflection(iter([b""]), timeout=30):
                     pass
             assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
@@ -391,22 +393,9 @@ def test_the_token_is_in_no_log_of_real_processes(tmp_path: Path) -> None:
     processes: list[subprocess.Popen[str]] = []
 
     def start(name: str, command: list[str]) -> dict[str, Any]:
-        with open(logs[name], "wb") as stderr:
-            process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                start_new_session=True,
-            )
+        process = start_process(command, env=env, log=logs[name])
         processes.append(process)
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line, f"{name} exited with {process.wait()}: {logs[name].read_text()}"
-        announced: dict[str, Any] = json.loads(line)
-        return announced
+        return announcement(process, name, log=logs[name])
 
     try:
         counter = start(

@@ -249,11 +249,30 @@ def wait_until(
 
 
 def mid_run_with_a_checkpoint(work: Path) -> bool:
-    """A few rollouts in the output, and a published checkpoint that cut some mid-episode."""
-    manifest = latest(work)
-    return (
-        len(output_lines(work)) >= 3 and manifest is not None and bool(mid_episode(work, manifest))
-    )
+    """A few rollouts in the output, and a published checkpoint that cut some mid-episode
+    that the output does not hold yet (they will have to go on after a crash)."""
+    try:
+        manifest = latest(work)
+        if manifest is None:
+            return False
+        cut = set(mid_episode(work, manifest))
+    except FileNotFoundError:  # retention removed it while we read: a newer one is out
+        return False
+    finished = {line["rollout_id"] for line in output_lines(work)}
+    return len(finished) >= 3 and bool(cut - finished)
+
+
+def stop_mid_run(work: Path, process: subprocess.Popen[bytes]) -> None:
+    """Freeze the collector (SIGSTOP, its whole group) at a moment that is mid-run with a
+    checkpoint, checked again once it is frozen: between a check and a SIGKILL, a collector
+    still running can publish a newer checkpoint or finish the rollouts the check saw cut,
+    so the test would crash it at another moment than the one it checked."""
+    while True:
+        wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+        os.killpg(process.pid, signal.SIGSTOP)
+        if mid_run_with_a_checkpoint(work):
+            return
+        os.killpg(process.pid, signal.SIGCONT)
 
 
 def assert_complete(work: Path, baseline: dict[str, float]) -> dict[str, dict[str, Any]]:
@@ -356,7 +375,7 @@ def test_sigkill_of_the_collector_and_every_fleet_process_then_resume_on_a_fresh
     first, fresh = fleets.start(), fleets.start(closed=True)  # both boot ahead
     fleet = first.result()
     process = fleets.collect(fleet, "--checkpoint-every", "0.5")
-    wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+    stop_mid_run(work, process)
     os.killpg(process.pid, signal.SIGKILL)
     fleet.kill()
     process.wait(timeout=10)
@@ -479,7 +498,7 @@ def test_when_only_the_collector_died_after_a_checkpoint_nothing_is_restored_int
     work = fleets.work
     fleet = fleets.start().result()
     process = fleets.collect(fleet, "--checkpoint-every", "0.5")
-    wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+    stop_mid_run(work, process)
     os.killpg(process.pid, signal.SIGKILL)  # the fleet keeps running: same boot ids
     process.wait(timeout=10)
     manifest = latest(work)
@@ -510,7 +529,7 @@ def test_a_failed_restore_restarts_its_rollouts_as_later_attempts(
     first, second = fleets.start(), fleets.start()
     fleet = first.result()
     process = fleets.collect(fleet, "--checkpoint-every", "0.5")
-    wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+    stop_mid_run(work, process)
     os.killpg(process.pid, signal.SIGKILL)
     fleet.kill()
     process.wait(timeout=10)

@@ -215,7 +215,7 @@ class GatedStorage(LocalStorage):
 
 
 async def wait_thread_event(event: threading.Event) -> None:
-    assert await asyncio.to_thread(event.wait, 10)
+    assert await asyncio.to_thread(event.wait, 30)
 
 
 async def test_slow_write_past_deadline_then_retry_stores_the_first_export(

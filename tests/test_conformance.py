@@ -17,9 +17,7 @@ test skips only when node or go is not installed at all; a missing install step 
 
 from __future__ import annotations
 
-import json
 import os
-import selectors
 import shutil
 import subprocess
 import sys
@@ -28,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from . import processes
 from .conftest import REPO, TOKEN, kill_group
+from .processes import announcement
 
 CONFORMANCE = REPO / "tests" / "conformance"
 NODE_DIR = CONFORMANCE / "node"
@@ -65,28 +65,7 @@ class Counter:
 
 def start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     """Start a server in its own process group; its stderr goes to `log`."""
-    with log.open("wb") as err:
-        return subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=dict(env, GRPC_VERBOSITY="ERROR"),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )
-
-
-def announcement(process: subprocess.Popen[str], log: Path) -> dict[str, str]:
-    """The one JSON line a server prints once it listens."""
-    assert process.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        ready = selector.select(30.0)
-    line = process.stdout.readline() if ready else ""
-    assert line, f"the server announced no address; its stderr ({log.name}):\n{log.read_text()}"
-    announced: dict[str, str] = json.loads(line)
-    return announced
+    return processes.start(command, env=dict(env, GRPC_VERBOSITY="ERROR"), log=log)
 
 
 @pytest.fixture
@@ -98,7 +77,7 @@ def counter(tmp_path: Path) -> Iterator[Counter]:
         dict(os.environ),
     )
     try:
-        yield Counter(announcement(process, log), log)
+        yield Counter(announcement(process, "the counter", log=log), log)
     finally:
         kill_group(process)
 
@@ -117,7 +96,7 @@ def coordinator(counter: Counter, tmp_path: Path) -> Iterator[str]:
     command += ["--fleet", str(fleet), "--grpc-address", "127.0.0.1:0"]
     process = start(command, log, counter.env())
     try:
-        yield announcement(process, log)["grpc"]
+        yield announcement(process, "the coordinator", log=log)["grpc"]
     finally:
         kill_group(process)
 

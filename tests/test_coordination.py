@@ -274,24 +274,30 @@ async def test_retire_and_forget_go_callers_before_callees() -> None:
 
 
 async def test_discovery_names_a_member_that_is_down() -> None:
+    # A port bound but not listening refuses connections, and stays ours for the whole test
+    # (a port closed again could be taken by another server meanwhile).
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{probe.getsockname()[1]}"
-    harness = await start_harness()
-    try:
-        spec = FleetSpec(
-            members=(MemberSpec("alive", harness.grpc_address), MemberSpec("dead", dead)),
-            token=TOKEN,
-        )
-        async with asyncio.timeout(20):
-            with pytest.raises(DiscoveryError) as failed:
-                await Fleet.discover(spec, tries=2, try_timeout=1, backoff=0.01)
-        assert list(failed.value.failures) == ["dead"]
-        wrong_token = FleetSpec(members=(MemberSpec("alive", harness.grpc_address),), token="wrong")
-        with pytest.raises(DiscoveryError, match="TOKEN_INVALID"):
-            await Fleet.discover(wrong_token)
-    finally:
-        await stop_harness(harness)
+        harness = await start_harness()
+        try:
+            spec = FleetSpec(
+                members=(MemberSpec("alive", harness.grpc_address), MemberSpec("dead", dead)),
+                token=TOKEN,
+            )
+            # A refused connection fails a try at once; the generous try timeout is only so
+            # that the live member always answers in time, however loaded the machine.
+            async with asyncio.timeout(120):
+                with pytest.raises(DiscoveryError) as failed:
+                    await Fleet.discover(spec, tries=2, try_timeout=30, backoff=0.01)
+            assert list(failed.value.failures) == ["dead"]
+            wrong_token = FleetSpec(
+                members=(MemberSpec("alive", harness.grpc_address),), token="wrong"
+            )
+            with pytest.raises(DiscoveryError, match="TOKEN_INVALID"):
+                await Fleet.discover(wrong_token)
+        finally:
+            await stop_harness(harness)
 
 
 async def test_agents_without_a_model_are_refused_unless_allowed() -> None:

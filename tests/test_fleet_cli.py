@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN
+from .processes import kill_group, started
 
 CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
 ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
@@ -37,21 +37,12 @@ class Process:
 
 
 def start(command: list[str]) -> Process:
-    popen = subprocess.Popen(
-        command, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    assert popen.stdout is not None
-    line = popen.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{command} exited with {popen.wait()}")
-    return Process(popen, json.loads(line))
+    popen, announced = started(command, env=ENV)
+    return Process(popen, announced)
 
 
 def stop(process: Process) -> None:
-    if process.popen.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.popen.pid, signal.SIGKILL)
-    process.popen.wait(timeout=10)
+    kill_group(process.popen)
 
 
 @dataclass

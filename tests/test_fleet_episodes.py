@@ -8,25 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import httpx
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
+from rollout_checkpoint.examples import agent as agent_module
+from rollout_checkpoint.examples import environment as environment_module
 from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
 from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 from rollout_checkpoint.examples.policy_model import PolicyModelConfig, PolicyModelServer
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
+from rollout_checkpoint.server.clock import Clock
 from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig, VerifyMode
 from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
+from .clocks import ObservedClock
 from .conftest import TOKEN, serve_app
 
 SETTINGS = CheckpointSettings(enabled=True, token=TOKEN)
@@ -51,8 +57,23 @@ class InProcessFleet:
 
 @contextlib.asynccontextmanager
 async def in_process_fleet(
-    resources: ResourcesServer | None = None, model_gate: Any = None, model_tasks: Any = None
+    resources: ResourcesServer | None = None,
+    model_gate: Any = None,
+    model_tasks: Any = None,
+    clock: Clock | None = None,
 ) -> AsyncIterator[InProcessFleet]:
+    """The fleet; with `clock`, every member's control plane runs on it (the agent and the
+    environment take no clock setting: theirs is passed to install_checkpointing here)."""
+    on_clock = contextlib.ExitStack()
+    if clock is not None:
+        for module in (agent_module, environment_module):
+            on_clock.enter_context(
+                mock.patch.object(
+                    module,
+                    "install_checkpointing",
+                    functools.partial(module.install_checkpointing, clock=clock),
+                )
+            )
     servers: dict[str, Any] = {}
     urls: dict[str, str] = {}
     running: list[tuple[Any, Any]] = []
@@ -75,7 +96,11 @@ async def in_process_fleet(
             "policy_model",
             PolicyModelServer(
                 PolicyModelConfig(
-                    checkpoint=SETTINGS, latency=0.01, gate=model_gate, tasks=model_tasks
+                    checkpoint=SETTINGS,
+                    latency=0.01,
+                    gate=model_gate,
+                    tasks=model_tasks,
+                    clock=clock,
                 )
             ),
         )
@@ -93,12 +118,14 @@ async def in_process_fleet(
             "environment",
             EnvironmentServer(EnvironmentConfig(agent_url=urls["agent"], checkpoint=SETTINGS)),
         )
+        on_clock.close()
         spec = FleetSpec(
             members=tuple(MemberSpec(n, s.runtime.address) for n, s in servers.items()), token=TOKEN
         )
         async with await Fleet.discover(spec) as fleet:
             yield InProcessFleet(urls, servers, fleet)
     finally:
+        on_clock.close()
         for server in servers.values():
             if server.runtime is not None:
                 await server.runtime.sidecar.begin_shutdown()  # releases held and waiting requests
@@ -116,7 +143,7 @@ async def until(control: Any, predicate: Any) -> None:
     changed = asyncio.Event()
     control.add_listener(changed.set)
     try:
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):
             while not predicate():
                 await changed.wait()
                 changed.clear()
@@ -189,9 +216,13 @@ class SlowVerifyCounter(CounterServer):
 
 
 async def verify_during_checkpoint(mode: VerifyMode) -> tuple[Any, dict[str, Any]]:
+    """A checkpoint while a verify is in flight. Every member runs on one injected clock, so
+    the prepare's deadline passes only when the test moves it: with a verify the agent must
+    wait for, once the agent reports that blocker; otherwise never."""
+    clock = ObservedClock(time.time())
     server_class = type(f"Counter{mode.value}", (SlowVerifyCounter,), {"checkpoint_verify": mode})
     resources = server_class(
-        ResourcesServerConfig(instance="prompt_injection", checkpoint=SETTINGS)
+        ResourcesServerConfig(instance="prompt_injection", checkpoint=SETTINGS, clock=clock)
     )
     resources.verify_gate = asyncio.Event()
     resources.verify_started = asyncio.Event()
@@ -202,12 +233,31 @@ async def verify_during_checkpoint(mode: VerifyMode) -> tuple[Any, dict[str, Any
         "reference_plan": [{"name": "increment_counter", "arguments": {"count": 2}}],
         "verify_args": {"expected_count": 2},
     }
-    async with in_process_fleet(resources, model_tasks=(task,)) as f:
+    async with in_process_fleet(resources, model_tasks=(task,), clock=clock) as f:
         run = asyncio.ensure_future(f.run("v1", task))
         await resources.verify_started.wait()
-        progress = await coordination.prepare_until_done(f.fleet, "c1", deadline(2))
+        prepare_deadline = clock.now() + 60
+        agent_blocked = asyncio.Event()
+
+        def watch(progress: Any) -> None:
+            agent = next(m for m in progress.members if m.name == "agent")
+            if agent.reached and any(b.capture_key == "v1" for b in agent.readiness.blockers):
+                agent_blocked.set()
+
+        preparing = asyncio.ensure_future(
+            coordination.prepare_until_done(f.fleet, "c1", prepare_deadline, on_progress=watch)
+        )
+        if mode is VerifyMode.WAIT:
+            blocked = asyncio.ensure_future(agent_blocked.wait())
+            await asyncio.wait(
+                {blocked, preparing}, timeout=60, return_when=asyncio.FIRST_COMPLETED
+            )
+            blocked.cancel()
+            clock.set(prepare_deadline)  # the agent is still waiting: the deadline passes
+        async with asyncio.timeout(60):
+            progress = await preparing
         resources.verify_gate.set()
-        await coordination.resume(f.fleet, "c1", deadline())
+        await coordination.resume(f.fleet, "c1", clock.now() + 60)
         return progress, await run
 
 

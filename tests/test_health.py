@@ -36,7 +36,8 @@ from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import REPO, TOKEN, start_harness, stop_harness
+from .conftest import TOKEN, start_harness, stop_harness
+from .processes import started
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -44,7 +45,7 @@ READINESS = "participant-readiness"
 LIVENESS = "participant-liveness"
 PARTICIPANT_SERVICE = "rollout_checkpoint.v1.ParticipantService"
 COORDINATOR_SERVICE = "rollout_checkpoint.v1.CoordinatorService"
-WAIT = 10.0
+WAIT = 30.0
 
 
 class Watcher:
@@ -153,21 +154,7 @@ async def test_liveness_never_moves_and_readiness_follows_the_pause_threshold(
 
 
 def start(command: list[str], env: dict[str, str], stderr: Path) -> tuple[Any, dict[str, Any]]:
-    with open(stderr, "wb") as err:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{command} exited with {process.wait()}: {stderr.read_text()}")
-    return process, json.loads(line)
+    return started(command, env=env, log=stderr)
 
 
 @contextlib.contextmanager

@@ -63,7 +63,7 @@ async def test_reflection_on_by_configuration() -> None:
         async with aio.insecure_channel(h.grpc_address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             request = reflection_pb2.ServerReflectionRequest(list_services="")
-            replies = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=5)]
+            replies = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=30)]
         names = {s.name for s in replies[0].list_services_response.service}
         assert "rollout_checkpoint.v1.ParticipantService" in names
     finally:

@@ -155,7 +155,7 @@ def grpc_probes(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
 async def health_status(address: str, service: str) -> int:
     async with aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
         return int(reply.status)
 
 

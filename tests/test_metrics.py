@@ -36,7 +36,6 @@ from rollout_checkpoint.client import coordination, tracing
 from rollout_checkpoint.client.coordinator_service import Coordinator
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.clock import ManualClock
 from rollout_checkpoint.server.control_plane import State
 from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.server.logs import ContextFilter, JsonFormatter
@@ -45,6 +44,7 @@ from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
+from .clocks import ObservedClock
 from .conftest import TOKEN, Harness, refused, start_harness, stop_harness
 from .double import DoubleParticipant
 
@@ -282,7 +282,7 @@ async def test_the_coordinator_carries_the_callers_trace_to_the_participants(
     spans: tuple[TracerProvider, InMemorySpanExporter],
 ) -> None:
     provider, exporter = spans
-    clock = ManualClock(time.time())  # the coordinator checks deadlines on the real clock
+    clock = ObservedClock(time.time())  # the coordinator checks deadlines on the real clock
     h = await start_harness(clock=clock, tracer_provider=provider)
     spec = FleetSpec(members=(MemberSpec("double", h.grpc_address),), token=TOKEN)
     server = Coordinator(spec, "127.0.0.1:0")

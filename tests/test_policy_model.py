@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -39,13 +38,15 @@ from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, drain, refused, serve_app
+from .processes import announcement, kill_group
+from .processes import start as start_process
 
 TASKS = {task["task_id"]: task for task in load_tasks()}
 CLINIC = TASKS["hc-001-chart-note-exfiltration"]
 POLICY = ScriptedPolicy(TASKS.values())
 PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
 STREAMING = types_pb2.BLOCKER_REASON_STREAMING_RESPONSE
-WAIT = 10.0
+WAIT = 30.0
 
 
 def rollouts(task: dict[str, Any], *, falls: bool, count: int = 2) -> list[str]:
@@ -750,16 +751,12 @@ async def test_the_proxy_returns_the_upstream_bytes_and_keeps_the_gate() -> None
 
 
 def test_the_policy_model_runs_as_a_process_and_stops_on_sigterm() -> None:
-    process = subprocess.Popen(
+    process = start_process(
         [sys.executable, "-m", "rollout_checkpoint.examples.policy_model", "--latency", "0"],
         env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
     try:
-        assert process.stdout is not None
-        announced = json.loads(process.stdout.readline())
+        announced = announcement(process, "the policy model")
         assert announced["kind"] == "model" and announced["instance"] == "policy_model"
         assert announced["pid"] == process.pid and announced["grpc"]
         with httpx.Client(base_url=f"http://{announced['http']}") as http:
@@ -767,8 +764,6 @@ def test_the_policy_model_runs_as_a_process_and_stops_on_sigterm() -> None:
             assert reply.status_code == 200
             assert reply.json()["choices"][0]["message"]["tool_calls"][0]["id"] == "call_0_0"
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_group(process)

@@ -10,6 +10,8 @@ restore of a fleet with a fresh process in the dead one's place succeeds.
 
 The write and the read are slowed down by the server script (a sleep in the storage, after it
 drops a marker file), so "while committing" and "while restoring" are certain, not timing.
+Each server's control plane runs on a clock that stands still until the test moves it
+(POST /test/clock), so a lease expires when the test says, never because the machine is slow.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,7 +41,9 @@ from rollout_checkpoint.server.episodes import EpisodeId
 from rollout_checkpoint.server.storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import REPO, TOKEN
+from .conftest import TOKEN
+from .processes import announcement, kill_group
+from .processes import start as start_process
 
 LEASE_GRACE = 1.0
 IDLE = types_pb2.PARTICIPANT_STATE_IDLE
@@ -51,6 +54,10 @@ from pathlib import Path
 
 import uvicorn
 
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rollout_checkpoint.server.clock import ManualClock
 from rollout_checkpoint.server.install import install_checkpointing
 from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.server.storage import LocalStorage, WriteFence
@@ -77,8 +84,17 @@ class SlowStorage(LocalStorage):
 
 participant = DoubleParticipant(instance)
 app = create_app(participant)
+clock = ManualClock(time.time())  # stands still until the test moves it
+
+
+async def set_clock(request):
+    clock.set((await request.json())["now"])
+    return JSONResponse({"now": clock.now()})
+
+
+app.router.routes.append(Route("/test/clock", set_clock, methods=["POST"]))
 settings = CheckpointSettings(enabled=True, token=os.environ["TOKEN"])  # lease from the env
-runtime = install_checkpointing(app, participant, settings, storage=SlowStorage())
+runtime = install_checkpointing(app, participant, settings, storage=SlowStorage(), clock=clock)
 
 
 class Announcing(uvicorn.Server):
@@ -100,9 +116,7 @@ class Server:
     grpc: str
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(10)
+        kill_group(self.process)
 
 
 class Servers:
@@ -111,6 +125,8 @@ class Servers:
     def __init__(self, markers: Path) -> None:
         self.markers = markers
         self.started: list[Server] = []
+        self.processes: list[subprocess.Popen[str]] = []
+        self.logs: list[Path] = []
 
     def start(self, *specs: tuple[str, str]) -> list[Server]:
         env = dict(
@@ -120,32 +136,27 @@ class Servers:
             GRPC_VERBOSITY="ERROR",
             ROLLOUT_CHECKPOINT_LEASE_GRACE_SECONDS=str(LEASE_GRACE),
         )
-        processes = [
-            subprocess.Popen(
-                [sys.executable, "-c", SERVER, name, slow],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-            for name, slow in specs
+        logs = [
+            self.markers.parent / f"server-{len(self.logs) + i}-{name}.log"
+            for i, (name, _) in enumerate(specs)
         ]
+        self.logs += logs
+        processes = [
+            start_process([sys.executable, "-c", SERVER, name, slow], env=env, log=log)
+            for (name, slow), log in zip(specs, logs, strict=True)
+        ]
+        self.processes += processes
         servers = []
-        for (name, _), process in zip(specs, processes, strict=True):
-            assert process.stdout is not None
-            line = process.stdout.readline()
-            if not line:
-                raise RuntimeError(f"server {name} exited with {process.wait()}")
-            announced = json.loads(line)
+        for (name, _), process, log in zip(specs, processes, logs, strict=True):
+            announced = announcement(process, f"server {name}", log=log)
             server = Server(name, process, announced["http"], announced["grpc"])
             self.started.append(server)
             servers.append(server)
         return servers
 
     def close(self) -> None:
-        for server in self.started:
-            server.kill()
+        for process in self.processes:  # also those that never announced
+            kill_group(process)
 
 
 @pytest.fixture
@@ -183,6 +194,13 @@ async def status(server: Server) -> Any:
         return await client.get_status()
 
 
+async def set_clock(server: Server, now: float) -> None:
+    """Move the server's control-plane clock to `now` (it stands still otherwise)."""
+    async with httpx.AsyncClient(base_url=f"http://{server.http}", timeout=30) as http:
+        response = await http.post("/test/clock", json={"now": now})
+        assert response.status_code == 200, response.text
+
+
 async def open_again(server: Server) -> None:
     """The member is IDLE with admission open, and its data plane takes requests again."""
     reply = await status(server)
@@ -210,7 +228,7 @@ async def test_a_member_killed_while_prepared(servers: Servers, tmp_path: Path) 
     reopens when its lease expires; a fresh fleet then checkpoints and publishes."""
     a, b = servers.start(("a", ""), ("b", ""))
     await asyncio.gather(seed(a, ["r1", "r2"]), seed(b, ["r3"]))
-    deadline = time.time() + 3  # short: the survivor's lease is deadline + grace
+    deadline = time.time() + 600  # never reached on b's clock but when the test moves it
     async with fleet_of(a, b) as fleet:
         progress = await coordination.prepare_until_done(fleet, "k1", deadline)
         assert progress.prepared
@@ -218,19 +236,23 @@ async def test_a_member_killed_while_prepared(servers: Servers, tmp_path: Path) 
         with pytest.raises(FleetError) as caught:
             await coordination.commit(fleet, "k1", deadline, str(tmp_path / "k1"), None)
         assert_unreachable(caught.value, "a", "commit")
-    # The controller gives up too (no Resume): b's lease, deadline + grace, reopens it.
-    assert not (await status(b)).admission_open
-    async with asyncio.timeout(deadline + LEASE_GRACE + 10 - time.time()):
+    # The controller gives up too (no Resume). b's clock has not moved, so no timer of b can
+    # have fired: it is closed, holding a lease of deadline + grace...
+    held = await status(b)
+    assert not held.admission_open
+    assert held.lease_expires_at.ToSeconds() == int(deadline + LEASE_GRACE)
+    # ...and once its clock passes that lease, b reopens on its own.
+    await set_clock(b, deadline + LEASE_GRACE + 0.001)
+    async with asyncio.timeout(30):
         while not (await status(b)).admission_open:  # noqa: ASYNC110 - another process
-            await asyncio.sleep(0.1)
-    assert time.time() >= deadline + LEASE_GRACE - 0.5
+            await asyncio.sleep(0.05)
     await open_again(b)
 
     (fresh,) = servers.start(("a2", ""))
     await seed(fresh, ["r9"])
     root = CheckpointRoot(tmp_path / "published")
-    async with fleet_of(fresh, b) as fleet:
-        events = [e async for e in checkpoint(fleet, root, time.time() + 30)]
+    async with fleet_of(fresh, b) as fleet:  # a deadline ahead of b's clock too
+        events = [e async for e in checkpoint(fleet, root, deadline + 60)]
     outcome = events[-1].outcome
     assert outcome is not None and outcome.published is not None and outcome.commit is not None
     exported = {name: list(reply.exported) for name, reply in outcome.commit.members.items()}

@@ -33,7 +33,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READINESS = "participant-readiness"
 LIVENESS = "participant-liveness"
 SERVICE = "rollout_checkpoint.v1.ParticipantService"
-WAIT = 10.0  # bound on any single observation of a real process
+WAIT = 30.0  # bound on any single observation of a real process
 
 STATE = {"zeta": [1, 2, {"y": 2**80, "b": "two"}], "alpha": {"k2": True, "k1": None}, "n": 1}
 
@@ -202,7 +202,9 @@ async def test_sigterm_turns_health_not_serving_at_once_and_exits(
     spawn: Any, tmp_path: Path
 ) -> None:
     stderr = tmp_path / "stderr.log"
-    double = spawn("--log-level", "debug", stderr=stderr)
+    # The held request below stays pending until the test releases it (SIGUSR1), however
+    # long the checks take: uvicorn's graceful timeout is far longer than this test.
+    double = spawn("--log-level", "debug", "--graceful-seconds", "120", stderr=stderr)
     async with opened(double) as (client, http, health):
         # Exercise the authenticated paths, and a refused token, before shutting down.
         assert (await client.get_participant()).instance == "double"
@@ -234,6 +236,11 @@ async def test_sigterm_turns_health_not_serving_at_once_and_exits(
             for name, watch in watches.items():
                 assert await next_status(watch) == NOT_SERVING, name
             assert not held.done()
+            # Released, the held request completes on its open connection, and uvicorn's
+            # shutdown goes on.
+            os.kill(double.process.pid, signal.SIGUSR1)
+            reply = await asyncio.wait_for(held, WAIT)
+            assert reply.status_code == 200, reply.text
         finally:
             for watch in watches.values():
                 watch.cancel()
@@ -248,9 +255,7 @@ async def test_sigterm_turns_health_not_serving_at_once_and_exits(
     log = stderr.read_text()
     assert "checkpoint sidecar" in log  # the log really was captured at debug level
     assert TOKEN not in log
-    # The lifespan shutdown (health, sidecar stop) ran and did not fail; the one traceback
-    # allowed is uvicorn cancelling the held request at its graceful timeout.
+    # The lifespan shutdown (health, sidecar stop) ran and did not fail, without a traceback.
     assert "Application shutdown complete." in log, log
     assert "Application shutdown failed" not in log, log
-    held_cancelled = "CancelledError: Task cancelled, timeout graceful shutdown exceeded"
-    assert log.count("Traceback") == log.count(held_cancelled) <= 1, log
+    assert "Traceback" not in log, log

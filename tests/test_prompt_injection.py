@@ -14,7 +14,6 @@ import copy
 import hashlib
 import json
 import os
-import selectors
 import subprocess
 import sys
 import time
@@ -43,7 +42,8 @@ from rollout_checkpoint.server.storage import MANIFEST_NAME, StoredManifest
 from rollout_checkpoint.server.storage import SCHEMA_VERSION as STORAGE_VERSION
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import REPO, TOKEN, kill_group, refused, serve_app
+from .conftest import TOKEN, kill_group, refused, serve_app
+from .processes import started
 
 SECRET = "prompt-injection-session-secret"
 INSTANCE = "prompt_injection"
@@ -153,7 +153,7 @@ class ServeProcess:
 
 
 def _spawn_serve() -> ServeProcess:
-    process = subprocess.Popen(
+    process, announced = started(
         [
             sys.executable,
             "-m",
@@ -165,23 +165,8 @@ def _spawn_serve() -> ServeProcess:
             SECRET,
             "--start-closed",
         ],
-        cwd=REPO,
         env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
     )
-    assert process.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    ready = selector.select(WAIT)
-    selector.close()
-    line = process.stdout.readline() if ready else ""
-    if not line:
-        kill_group(process)
-        raise RuntimeError("serve did not announce its addresses")
-    announced = json.loads(line)
     return ServeProcess(process, announced["http"], announced["grpc"])
 
 

@@ -28,6 +28,8 @@ from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, drain, refused, serve_app
+from .processes import announcement, kill_group
+from .processes import start as start_process
 
 SECRET = "a-fixed-session-secret-for-tests"
 
@@ -61,7 +63,7 @@ class Running:
         control = self.server.runtime.control
         control.add_listener(changed.set)
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(30):
                 while not predicate():
                     await changed.wait()
                     changed.clear()
@@ -382,13 +384,11 @@ async def test_shutdown_answers_waiting_requests_with_503() -> None:
 
 
 def test_serve_runs_a_real_process_and_stops_on_sigterm(tmp_path: Path) -> None:
-    import json
     import os
     import signal
-    import subprocess
     import sys
 
-    process = subprocess.Popen(
+    process = start_process(
         [
             sys.executable,
             "-m",
@@ -398,13 +398,9 @@ def test_serve_runs_a_real_process_and_stops_on_sigterm(tmp_path: Path) -> None:
             "counter-7",
         ],
         env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
     try:
-        assert process.stdout is not None
-        announced = json.loads(process.stdout.readline())
+        announced = announcement(process, "the counter")
         assert announced["kind"] == "resources" and announced["instance"] == "counter-7"
         assert announced["pid"] == process.pid
         with httpx.Client(base_url=f"http://{announced['http']}") as http:
@@ -424,8 +420,6 @@ def test_serve_runs_a_real_process_and_stops_on_sigterm(tmp_path: Path) -> None:
             "verify": "wait",
         }
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_group(process)

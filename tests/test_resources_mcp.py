@@ -37,11 +37,13 @@ from rollout_checkpoint.server.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import REPO, TOKEN, _StartedServer, drain
+from .conftest import TOKEN, _StartedServer, drain
+from .processes import announcement, kill_group
+from .processes import start as start_process
 
 PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
 COMMITTED = types_pb2.PARTICIPANT_STATE_COMMITTED
-WAIT = 10.0  # bound on any single wait
+WAIT = 30.0  # bound on any single wait
 
 
 class HoldingCounter(CounterServer):
@@ -446,17 +448,12 @@ async def test_mcp_works_with_checkpointing_off() -> None:
 
 
 async def test_the_serve_verb_with_mcp_serves_the_tools_in_its_own_process() -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *("-m", "rollout_checkpoint.examples.serve", "counter", "--mcp"),
-        cwd=REPO,
+    process = start_process(
+        [sys.executable, "-m", "rollout_checkpoint.examples.serve", "counter", "--mcp"],
         env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR"),
-        stdout=asyncio.subprocess.PIPE,
-        start_new_session=True,
     )
     try:
-        assert process.stdout is not None
-        announced = json.loads(await asyncio.wait_for(process.stdout.readline(), 30))
+        announced = await asyncio.to_thread(announcement, process, "the counter with MCP")
         base_url = f"http://{announced['http']}"
         async with httpx.AsyncClient(base_url=base_url, timeout=WAIT) as http:
             reply = await http.post("/ng-rollout/r1/seed_session", json={"initial_count": 7})
@@ -471,12 +468,9 @@ async def test_the_serve_verb_with_mcp_serves_the_tools_in_its_own_process() -> 
                     "count": 7
                 }
         process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 20) in (0, -signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 30) in (0, -signal.SIGTERM)
     finally:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+        await asyncio.to_thread(kill_group, process)
 
 
 async def test_a_close_during_an_mcp_call_leaves_readiness_clean() -> None:

@@ -60,7 +60,7 @@ async def test_a_cut_short_retire_keeps_refusing_and_a_retry_finishes(harness: H
     release = h.participant.gate("retire")
     deadline = h.deadline(5)
     call = asyncio.ensure_future(h.client.retire("x", deadline, [EpisodeId("r1")]))
-    await asyncio.wait_for(h.participant.entered["retire"].wait(), 10)
+    await asyncio.wait_for(h.participant.entered["retire"].wait(), 30)
     h.clock.set(deadline + 1)
     await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED")
     assert EpisodeId("r1") in h.participant.states  # still held, still tracked
@@ -100,9 +100,11 @@ async def test_lease_expiry_resumes_on_its_own_and_fences_the_id(
     await drain(h.client.prepare("c1", h.deadline(10)))
     status = await h.client.get_status()
     expires = status.lease_expires_at.ToSeconds()
-    assert expires == int(h.clock.now() + 10 + 600)
+    assert expires == int(h.clock.now() + 10 + 600) == h.control.lease_expires_at
     h.clock.set(expires - 1)
-    await asyncio.sleep(0)
+    # The lease watcher is (still) asleep until the lease, and nothing the move woke is left
+    # to run: the participant cannot have resumed on its own.
+    await h.clock.sleeping_until(expires)
     assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
     h.clock.set(expires + 1)
     await h.until(lambda: h.control.state == "IDLE")
@@ -123,8 +125,12 @@ async def test_renew_keeps_the_lease(harness: Harness) -> None:
     # A renewal with an earlier deadline never shrinks the lease.
     again = await h.client.renew("c1", h.deadline(1))
     assert again.lease_expires_at == renewed.lease_expires_at
+    lease = renewed.lease_expires_at.ToSeconds()
+    assert lease == h.control.lease_expires_at
     h.clock.set(first + 10)
-    await asyncio.sleep(0)
+    # Past the first lease, the watcher woke and went back to sleep until the renewed one
+    # (it would have ended, resuming, had the first lease still held).
+    await h.clock.sleeping_until(lease)
     assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
 
 

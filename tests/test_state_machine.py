@@ -502,7 +502,7 @@ class Double:
     def control(self) -> Any:
         return self.runtime.control
 
-    async def until(self, predicate: Any, timeout: float = 10.0) -> None:
+    async def until(self, predicate: Any, timeout: float = 30.0) -> None:
         changed = asyncio.Event()
         self.control.add_listener(changed.set)
         try:
@@ -555,7 +555,7 @@ class Participant:
 
     def rpc(self, method: str, request: Any) -> Any:
         try:
-            return getattr(self.stub, method)(request, metadata=AUTH, timeout=10)
+            return getattr(self.stub, method)(request, metadata=AUTH, timeout=30)
         except grpc.RpcError as error:
             return refusal_of(error)
 
@@ -563,7 +563,7 @@ class Participant:
         stream = self.stub.Prepare(
             pb.PrepareRequest(checkpoint_id=checkpoint_id, deadline=stamp(deadline)),
             metadata=AUTH,
-            timeout=10,
+            timeout=30,
         )
         try:
             messages = [next(stream)]
@@ -968,7 +968,7 @@ class ParticipantMachine(RuleBasedStateMachine):
         for rollout in [*ROLLOUTS, "r9"]:
             assert control.retired_attempts.highest(rollout) == model.marks.get(rollout)
         assert participant.has_served() == model.served
-        status = self.real.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH, timeout=10)
+        status = self.real.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH, timeout=30)
         assert STATES[status.state] == model.state
         assert status.admission_open == model.admission
         assert status.checkpoint_id == (model.active or "")

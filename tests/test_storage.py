@@ -228,7 +228,7 @@ def test_of_two_racing_writers_exactly_one_publishes(ckpt: Path) -> None:
     """Both have their records on disk and go for the part lock at once. (Not at the manifest
     link: writers of one part rename and link under that lock, one after the other; the
     second's link then fails because the name exists.)"""
-    barrier = threading.Barrier(2, timeout=10)
+    barrier = threading.Barrier(2, timeout=30)
 
     def hook(step: str) -> None:
         if step == "before_part_lock":
