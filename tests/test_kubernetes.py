@@ -1,28 +1,42 @@
 """deploy/kubernetes: every manifest loads, and the properties that make it work hold.
 
-Ports are numbers; every gRPC probe names a health service the sidecar (or the coordinator)
-really registers, on the container's gRPC port; the token comes only from a Secret; the
-control Service is headless and publishes not-ready pods, and the fleet file names pods
-through it; participants and coordinator mount one ReadWriteMany volume at the path the
-participants allow; commands are real CLI verbs whose flags parse, and the environment maps
-onto the settings `serve` builds; grace periods and the startup window fit the settings.
+Every manifest, and what kustomize renders from them (alone and under an image override),
+validates strictly against the Kubernetes API schemas of every supported version, offline
+(kubernetes-validate's schemas; unknown fields fail). Ports are numbers; every probe names a
+health service the sidecar (or the coordinator) really registers, on the container's gRPC
+port; the token and the TLS certificate come only from Secrets made by hand; control traffic
+to the participants is TLS, with the README's certificate (made here with its openssl lines)
+accepted for every member's fleet address and by the exec probes; the control Service is
+headless and publishes not-ready pods, and the fleet file names pods through it;
+participants and coordinator mount one ReadWriteMany volume at the path the participants
+allow; commands are real CLI verbs whose flags parse (the README's first Resume too), and the
+environment maps onto the settings `serve` builds; grace periods and the startup window fit
+the settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
+import importlib.util
 import json
 import re
+import shlex
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+import kubernetes_validate
 import pytest
 import yaml
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from packaging.version import Version
 
 from rollout_checkpoint.client import cli
 from rollout_checkpoint.client.coordinator_service import SERVICE_NAME as COORDINATOR_SERVICE
@@ -30,12 +44,20 @@ from rollout_checkpoint.client.coordinator_service import Coordinator
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec, load_fleet_file
 from rollout_checkpoint.examples import serve
 from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 
 from .conftest import REPO, TOKEN, start_harness, stop_harness
 
 DEPLOY = REPO / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 PREFIX = "ROLLOUT_CHECKPOINT_"
+PROBE_SCRIPT = REPO / "deploy" / "health-probe.py"
+PROBE_COMMAND = "rollout-checkpoint-health-probe"  # where deploy/Dockerfile installs it
+TLS_SECRET = "rollout-checkpoint-tls"
+# The oldest Kubernetes the manifests support: native gRPC probes (the coordinator's) are GA
+# from 1.27. Every version from there to the newest kubernetes-validate ships is checked.
+MIN_KUBERNETES = Version("1.27")
 
 
 @functools.cache
@@ -144,9 +166,37 @@ def test_images_are_the_project_image_built_by_the_dockerfile() -> None:
 # -- probes ---------------------------------------------------------------------------------
 
 
+@functools.cache
+def probe_script() -> Any:
+    """deploy/health-probe.py as a module (its file name is not an importable name)."""
+    spec = importlib.util.spec_from_file_location("health_probe", PROBE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def exec_probe_args(probe: dict[str, Any]) -> argparse.Namespace:
+    command = probe["exec"]["command"]
+    assert command[0] == PROBE_COMMAND, command
+    args: argparse.Namespace = probe_script().parser().parse_args(command[1:])
+    return args
+
+
+def probe_target(probe: dict[str, Any]) -> dict[str, Any]:
+    """{port, service} of a probe: a native `grpc:` probe, or an exec of the TLS probe."""
+    if "grpc" in probe:
+        target: dict[str, Any] = probe["grpc"]
+        return target
+    args = exec_probe_args(probe)
+    host, port = args.address.rsplit(":", 1)
+    assert host == "localhost", args.address  # the pod's own sidecar; the cert names it
+    return {"port": int(port), "service": args.service}
+
+
 def grpc_probes(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
-        kind: c[kind]["grpc"]
+        kind: probe_target(c[kind])
         for kind in ("startupProbe", "livenessProbe", "readinessProbe")
         if kind in c
     }
@@ -201,7 +251,7 @@ def test_startup_window_and_grace_periods_fit_the_settings() -> None:
     variables = env(c)
     closed_timeout = float(variables[f"{PREFIX}START_CLOSED_TIMEOUT_SECONDS"]["value"])
     startup = c["startupProbe"]
-    assert startup["grpc"]["service"] == "participant-readiness"  # up only after restore
+    assert probe_target(startup)["service"] == "participant-readiness"  # up only after restore
     assert startup["periodSeconds"] * startup["failureThreshold"] > closed_timeout
     shutdown_grace = float(variables[f"{PREFIX}SHUTDOWN_GRACE_SECONDS"]["value"])
     termination = pod_spec(participants())["terminationGracePeriodSeconds"]
@@ -345,3 +395,394 @@ def test_the_environment_maps_onto_the_settings_serve_builds(
     assert annotations["prometheus.io/port"] == str(port(c, "metrics"))
     assert settings.allowed_checkpoint_roots == ("/checkpoints",)
     assert settings.readiness_pause_threshold_seconds == 30
+    tls = mount_of_secret(participants(), TLS_SECRET)
+    assert settings.tls_cert_file == f"{tls}/tls.crt"
+    assert settings.tls_key_file == f"{tls}/tls.key"
+    assert settings.tls_client_ca_file is None  # the probes present no client certificate
+
+
+# -- the Kubernetes API schemas, offline -----------------------------------------------------
+
+
+def kubernetes_versions() -> list[str]:
+    """Every schema version kubernetes-validate ships from MIN_KUBERNETES on."""
+    shipped = sorted({Version(v) for v in kubernetes_validate.utils.all_versions()})
+    return [str(v) for v in shipped if v >= MIN_KUBERNETES]
+
+
+def validate_strictly(docs: list[dict[str, Any]], where: str) -> None:
+    versions = kubernetes_versions()
+    failures = []
+    for doc in docs:
+        for version in versions:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except (
+                kubernetes_validate.ValidationError,
+                kubernetes_validate.SchemaNotFoundError,
+            ) as error:
+                name = f"{doc['kind']}/{doc['metadata']['name']}"
+                failures.append(f"{where}: {name} on {version}: {getattr(error, 'message', error)}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_validator_ships_the_versions_checked_and_rejects_unknown_fields() -> None:
+    # Guard for the tests below: the pinned kubernetes-validate has the schemas we claim
+    # (1.34, the version these manifests were first checked on, and a floor at 1.27), and
+    # strict mode really fails a field the API does not have.
+    versions = kubernetes_versions()
+    assert versions[0] == "1.27.0" and "1.34.0" in versions
+    assert Version(versions[-1]) >= Version("1.37"), versions
+    pvc = json.loads(json.dumps(one("PersistentVolumeClaim")))
+    kubernetes_validate.validate(pvc, versions[-1], strict=True)
+    pvc["spec"]["acessModes"] = ["ReadWriteMany"]  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError, match="acessModes"):
+        kubernetes_validate.validate(pvc, versions[-1], strict=True)
+    probe = json.loads(json.dumps(participants()))
+    container(probe)["readinessProbe"]["exec"]["cmd"] = ["true"]
+    with pytest.raises(kubernetes_validate.ValidationError, match="cmd"):
+        kubernetes_validate.validate(probe, versions[-1], strict=True)
+
+
+def test_every_manifest_validates_strictly_on_every_supported_kubernetes() -> None:
+    validate_strictly(objects(), "deploy/kubernetes")
+
+
+def kustomize() -> str:
+    """The cached kustomize binary (scripts/kustomize builds it once with `go install`)."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "kustomize")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, f"scripts/kustomize failed:\n{proc.stderr}"
+    return proc.stdout.strip()
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [kustomize(), "build", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"kustomize build {directory} failed:\n{proc.stderr}"
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc is not None]
+
+
+def identity(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+def test_the_kustomization_renders_every_object_unchanged_and_valid() -> None:
+    rendered = render(DEPLOY)
+    validate_strictly(rendered, "kustomize build deploy/kubernetes")
+    assert sorted(map(identity, rendered)) == sorted(map(identity, objects()))
+    source = {identity(o): o for o in objects()}
+    for doc in rendered:  # no transformer in the base: what is applied is what is reviewed
+        assert doc == source[identity(doc)], identity(doc)
+
+
+def readme_kubernetes() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Running on Kubernetes")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def readme_shell_blocks() -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", readme_kubernetes(), flags=re.DOTALL)
+
+
+def readme_block(containing: str) -> str:
+    (block,) = [b for b in readme_shell_blocks() if containing in b]
+    return block
+
+
+def test_the_readme_image_override_renders_and_validates(tmp_path: Path) -> None:
+    # The README's own overlay, as written (its `../deploy/kubernetes` reaches this repo
+    # through a link), renders the registry image into both workloads and nothing else.
+    block = readme_block("kind load docker-image")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    tag = f"rollout-checkpoint:{version}"
+    assert f"docker build -f deploy/Dockerfile -t {tag} ." in block
+    assert f"kind load docker-image {tag}" in block and f"minikube image load {tag}" in block
+    push = readme_block("docker push")
+    (overlay,) = re.findall(r"<<'YAML'\n(.*?)\nYAML\n", push, flags=re.DOTALL)
+    (pushed,) = re.findall(r"docker push (\S+)", push)
+    (tmp_path / "deploy").symlink_to(REPO / "deploy")
+    (tmp_path / "my-cluster").mkdir()
+    (tmp_path / "my-cluster" / "kustomization.yaml").write_text(overlay)
+    rendered = render(tmp_path / "my-cluster")
+    validate_strictly(rendered, "README overlay")
+    images = {
+        identity(doc): [c["image"] for c in doc["spec"]["template"]["spec"]["containers"]]
+        for doc in rendered
+        if doc["kind"] in ("StatefulSet", "Deployment")
+    }
+    assert images == {
+        ("StatefulSet", "counter"): [pushed],
+        ("Deployment", "rollout-checkpoint-coordinator"): [pushed],
+    }
+    source = {identity(o): o for o in objects()}
+    for doc in rendered:
+        if doc["kind"] not in ("StatefulSet", "Deployment"):
+            assert doc == source[identity(doc)], identity(doc)
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+
+def secret_volumes(workload: dict[str, Any], secret: str) -> list[dict[str, Any]]:
+    return [
+        v for v in pod_spec(workload)["volumes"] if v.get("secret", {}).get("secretName") == secret
+    ]
+
+
+def mount_of_secret(workload: dict[str, Any], secret: str) -> str:
+    (volume,) = secret_volumes(workload, secret)
+    (mount,) = [m for m in container(workload)["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount.get("readOnly") is True
+    path: str = mount["mountPath"]
+    return path
+
+
+def test_control_traffic_is_tls_from_a_secret_made_by_hand() -> None:
+    # Participants: certificate and key from the Secret, by the settings' variables.
+    c = container(participants())
+    variables = env(c)
+    tls = mount_of_secret(participants(), TLS_SECRET)
+    assert variables[f"{PREFIX}TLS_CERT_FILE"]["value"] == f"{tls}/tls.crt"
+    assert variables[f"{PREFIX}TLS_KEY_FILE"]["value"] == f"{tls}/tls.key"
+    (volume,) = secret_volumes(participants(), TLS_SECRET)
+    assert "items" not in volume["secret"]  # tls.crt, tls.key and ca.crt
+    # Readable by the app user (fsGroup) only.
+    for workload in (participants(), coordinator()):
+        (volume,) = secret_volumes(workload, TLS_SECRET)
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert (
+            pod_spec(workload)["securityContext"]["fsGroup"]
+            == pod_spec(workload)["securityContext"]["runAsUser"]
+        )
+    # Every participant probe verifies the sidecar against the Secret's CA.
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert exec_probe_args(c[kind]).ca_file == f"{tls}/ca.crt"
+    # The coordinator gets the CA only, never the key; the fleet file names that CA, so the
+    # coordinator (and every fleet verb run in its pod) dials the members over TLS.
+    (volume,) = secret_volumes(coordinator(), TLS_SECRET)
+    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    ca = mount_of_secret(coordinator(), TLS_SECRET)
+    fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
+    assert fleet["tls_ca_file"] == f"{ca}/ca.crt"
+    assert "tls_cert_file" not in fleet and "tls_key_file" not in fleet
+    # The TLS mounts do not nest inside the read-only fleet ConfigMap mount.
+    for workload in (participants(), coordinator()):
+        paths = [m["mountPath"] for m in container(workload)["volumeMounts"]]
+        for a in paths:
+            assert not any(b != a and b.startswith(a + "/") for b in paths), paths
+    # No certificate or key material in any manifest.
+    for doc in objects():
+        for path, node in walk(doc):
+            if isinstance(node, str):
+                assert "-----BEGIN" not in node, path
+    # The README creates the Secret every workload names, with the keys they mount.
+    block = readme_block("openssl req -x509")
+    assert (
+        f"create secret generic {TLS_SECRET} --type=kubernetes.io/tls \\\n"
+        "  --from-file=tls.crt --from-file=tls.key --from-file=ca.crt" in block
+    )
+
+
+def run_readme_certificate_commands(directory: Path) -> list[list[str]]:
+    """Run the README's Secrets block as written, in `directory`, with kubectl replaced by a
+    stub that records its arguments; return them."""
+    script = (
+        'kubectl() { printf "%s\\0" "$@" >> kubectl.calls; printf "\\n\\0" >> kubectl.calls; }\n'
+        "set -euo pipefail\n" + readme_block("openssl req -x509")
+    )
+    proc = subprocess.run(
+        ["bash", "-c", script],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    raw = (directory / "kubectl.calls").read_text().split("\n\0")
+    return [call.rstrip("\0").split("\0") for call in raw if call]
+
+
+def make_unrelated_ca(directory: Path) -> Path:
+    """A CA that signed nothing the sidecar serves."""
+    command = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    command += ["-subj", "/CN=other", "-keyout", "other.key", "-out", "other.crt"]
+    subprocess.run(command, cwd=directory, capture_output=True, timeout=60, check=True)
+    return directory / "other.crt"
+
+
+def member_hosts() -> list[str]:
+    fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
+    return [member["address"].rsplit(":", 1)[0] for member in fleet["participants"]]
+
+
+async def get_participant(address: str, credentials: grpc.ChannelCredentials, name: str) -> str:
+    """GetParticipant over TLS to `address`, verifying the server for `name` (what a
+    controller in the cluster verifies when it dials `name:9000`)."""
+    options = [("grpc.ssl_target_name_override", name)]
+    async with aio.secure_channel(address, credentials, options=options) as channel:
+        reply = await pb_grpc.ParticipantServiceStub(channel).GetParticipant(
+            pb.GetParticipantRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10
+        )
+        return str(reply.instance)
+
+
+async def run_probe(*args: str) -> tuple[int, str]:
+    # Asynchronously: the sidecar answering it runs on this same event loop.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(PROBE_SCRIPT),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode is not None
+    return proc.returncode, stderr.decode()
+
+
+def kubelet_probe_args(probe: dict[str, Any], port: int, ca_file: Path) -> list[str]:
+    """The manifest's probe command, pointed at a local sidecar and the test's CA."""
+    args = list(probe["exec"]["command"][1:])
+    args[args.index("--address") + 1] = f"localhost:{port}"
+    args[args.index("--ca-file") + 1] = str(ca_file)
+    return args
+
+
+async def test_the_readme_certificate_serves_every_member_and_the_probes(tmp_path: Path) -> None:
+    calls = run_readme_certificate_commands(tmp_path)
+    token, tls = calls
+    secret = ["-n", "default", "create", "secret", "generic"]
+    assert token[:-1] == [*secret, "rollout-checkpoint-token"], calls
+    assert re.fullmatch(r"--from-literal=token=[0-9a-f]{64}", token[-1]), token
+    assert tls == [
+        *secret,
+        TLS_SECRET,
+        "--type=kubernetes.io/tls",
+        "--from-file=tls.crt",
+        "--from-file=tls.key",
+        "--from-file=ca.crt",
+    ]
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        assert (tmp_path / name).is_file()
+    other_ca = make_unrelated_ca(tmp_path)
+    h = await start_harness(
+        tls_cert_file=str(tmp_path / "tls.crt"), tls_key_file=str(tmp_path / "tls.key")
+    )
+    try:
+        # The coordinator's view: the fleet file's TLS settings, with the Secret's CA, accept
+        # the certificate for every member's address, short or fully qualified...
+        fleet_file = tmp_path / "fleet.yaml"
+        fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
+        fleet["tls_ca_file"] = str(tmp_path / "ca.crt")
+        fleet_file.write_text(yaml.safe_dump(fleet))
+        spec = load_fleet_file(fleet_file, environ={f"{PREFIX}TOKEN": TOKEN})
+        credentials = spec.credentials()
+        assert credentials is not None
+        hosts = member_hosts()
+        assert hosts == ["counter-0.counter-control", "counter-1.counter-control"]
+        for host in [*hosts, f"{hosts[0]}.default.svc", f"{hosts[1]}.default.svc.cluster.local"]:
+            assert await get_participant(h.grpc_address, credentials, host) == "double"
+        # ...and refuse a name the certificate does not carry (the check is real).
+        with pytest.raises(aio.AioRpcError) as refused:
+            await get_participant(h.grpc_address, credentials, "counter-2.counter-control")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A plaintext client (what the kubelet's grpc: probe is) gets no answer at all.
+        with pytest.raises(aio.AioRpcError):
+            await health_status(h.grpc_address, "participant-liveness")
+        # The kubelet's view: each exec probe, as written, passes against this sidecar.
+        c = container(participants())
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            args = kubelet_probe_args(c[kind], h.runtime.port, tmp_path / "ca.crt")
+            code, stderr = await run_probe(*args)
+            assert code == 0, (kind, stderr)
+        # A CA that did not sign the certificate: no answer, exit 1.
+        args = kubelet_probe_args(c["livenessProbe"], h.runtime.port, other_ca)
+        code, stderr = await run_probe(*args)
+        assert code == 1 and "UNAVAILABLE" in stderr, stderr
+        # An unknown service name is not SERVING; an unreadable CA is a usage error.
+        args = ["--address", f"localhost:{h.runtime.port}", "--ca-file", str(tmp_path / "ca.crt")]
+        code, stderr = await run_probe(*args, "no-such-service")
+        assert code == 1 and "NOT_FOUND" in stderr, stderr
+        code, stderr = await run_probe(
+            "--address", f"localhost:{h.runtime.port}", "--ca-file", str(tmp_path / "nope"), ""
+        )
+        assert code == 2 and "--ca-file" in stderr, stderr
+    finally:
+        await stop_harness(h)
+
+
+async def test_the_probes_keep_a_start_closed_pod_alive_but_not_ready(tmp_path: Path) -> None:
+    run_readme_certificate_commands(tmp_path)
+    h = await start_harness(
+        tls_cert_file=str(tmp_path / "tls.crt"),
+        tls_key_file=str(tmp_path / "tls.key"),
+        start_closed=True,
+    )
+    try:
+        c = container(participants())
+        results = {}
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            args = kubelet_probe_args(c[kind], h.runtime.port, tmp_path / "ca.crt")
+            results[kind], stderr = await run_probe(*args)
+            if results[kind]:
+                assert "NOT_SERVING" in stderr, stderr
+        assert results == {"startupProbe": 1, "livenessProbe": 0, "readinessProbe": 1}
+    finally:
+        await stop_harness(h)
+
+
+# -- the first Resume -----------------------------------------------------------------------
+
+
+def readme_exec_commands() -> list[list[str]]:
+    """Every `kubectl exec deploy/... -- CMD` of the README's Kubernetes section, joined
+    across continuation lines and split as the shell would (the `$(date …)` id left as is)."""
+    commands = []
+    for block in readme_shell_blocks():
+        for line in block.replace("\\\n", " ").splitlines():
+            if " exec " in line and line.startswith("kubectl"):
+                commands.append(shlex.split(line))
+    return commands
+
+
+def test_the_first_resume_runs_in_the_coordinator_pod() -> None:
+    commands = readme_exec_commands()
+    verbs = [command[command.index("--") + 2] for command in commands]
+    assert verbs == ["resume", "restore", "resume"]
+    c = container(coordinator())
+    fleet_mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["fleet"]
+    parser = cli._parser()
+    for command in commands:
+        assert command[:4] == ["kubectl", "-n", "$NS", "exec"]
+        assert command[4] == f"deploy/{coordinator()['metadata']['name']}"
+        argv = command[command.index("--") + 1 :]
+        assert argv[0] == c["command"][0] == "rollout-checkpoint"
+        checkpoint_id = argv[-1].replace("$(date -u +%Y%m%dT%H%M%SZ)", "20261201T120000Z")
+        args = parser.parse_args([*argv[1:-1], checkpoint_id])
+        assert Path(args.fleet).parent == Path(fleet_mount)
+        assert args.fleet.name in one("ConfigMap")["data"]
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", checkpoint_id), checkpoint_id
+    # The pod has what the fleet file needs: the token (token_env) and the CA (tls_ca_file).
+    fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
+    assert "valueFrom" in env(c)[fleet["token_env"]]
+    assert Path(fleet["tls_ca_file"]).parent == Path(mount_of_secret(coordinator(), TLS_SECRET))
+    # The first id is new each time (a Resume of an already-resumed id would be STALE).
+    assert "$(date" in commands[0][-1]
+    # The coordinator is Ready on its own (its port is plaintext, its probes native gRPC),
+    # so `kubectl exec deploy/...` finds it while every participant is still not Ready.
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert "grpc" in c[kind] and "exec" not in c[kind]
