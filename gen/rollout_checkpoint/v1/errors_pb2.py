@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from rollout_checkpoint.v1 import constants_pb2 as rollout__checkpoint_dot_v1_dot_constants__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"rollout_checkpoint/v1/errors.proto\x12\x15rollout_checkpoint.v1*P\n\x0b\x45rrorDomain\x12\x1c\n\x18\x45RROR_DOMAIN_UNSPECIFIED\x10\x00\x12#\n\x1f\x45RROR_DOMAIN_ROLLOUT_CHECKPOINT\x10\x01*\xb4\x05\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_STALE_CHECKPOINT\x10\x01\x12$\n ERROR_REASON_CHECKPOINT_CONFLICT\x10\x02\x12\x1e\n\x1a\x45RROR_REASON_INVALID_PHASE\x10\x03\x12-\n)ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED\x10\x04\x12\"\n\x1e\x45RROR_REASON_RETIRE_INCOMPLETE\x10\x05\x12\'\n#ERROR_REASON_FRESH_PROCESS_REQUIRED\x10\x06\x12\x1f\n\x1b\x45RROR_REASON_SCOPE_REQUIRED\x10\x07\x12\x1e\n\x1a\x45RROR_REASON_TASK_MISMATCH\x10\x08\x12)\n%ERROR_REASON_INVALID_CHECKPOINT_STATE\x10\t\x12%\n!ERROR_REASON_UNSERIALIZABLE_STATE\x10\n\x12\x1c\n\x18\x45RROR_REASON_HOOK_FAILED\x10\x0b\x12\x1f\n\x1b\x45RROR_REASON_STORAGE_FAILED\x10\x0c\x12 \n\x1c\x45RROR_REASON_INVALID_REQUEST\x10\r\x12\x1e\n\x1a\x45RROR_REASON_TOKEN_INVALID\x10\x0e\x12\x1e\n\x1a\x45RROR_REASON_SHUTTING_DOWN\x10\x0f\x12#\n\x1f\x45RROR_REASON_PARTICIPANT_FAILED\x10\x10\x12(\n$ERROR_REASON_PARTICIPANT_UNREACHABLE\x10\x11\x12\x1f\n\x1b\x45RROR_REASON_INTERNAL_ERROR\x10\x12\x42\x9c\x01\n\x18\x64\x65v.rolloutcheckpoint.v1B\x0b\x45rrorsProtoP\x01ZZgithub.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1;checkpointv1\xaa\x02\x14RolloutCheckpoint.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"rollout_checkpoint/v1/errors.proto\x12\x15rollout_checkpoint.v1\x1a%rollout_checkpoint/v1/constants.proto*n\n\x0b\x45rrorDomain\x12\x1c\n\x18\x45RROR_DOMAIN_UNSPECIFIED\x10\x00\x12\x41\n\x1f\x45RROR_DOMAIN_ROLLOUT_CHECKPOINT\x10\x01\x1a\x1c\xda\xfd\x96\x98\x01\x16rollout-checkpoint.dev*\xb4\x05\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_STALE_CHECKPOINT\x10\x01\x12$\n ERROR_REASON_CHECKPOINT_CONFLICT\x10\x02\x12\x1e\n\x1a\x45RROR_REASON_INVALID_PHASE\x10\x03\x12-\n)ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED\x10\x04\x12\"\n\x1e\x45RROR_REASON_RETIRE_INCOMPLETE\x10\x05\x12\'\n#ERROR_REASON_FRESH_PROCESS_REQUIRED\x10\x06\x12\x1f\n\x1b\x45RROR_REASON_SCOPE_REQUIRED\x10\x07\x12\x1e\n\x1a\x45RROR_REASON_TASK_MISMATCH\x10\x08\x12)\n%ERROR_REASON_INVALID_CHECKPOINT_STATE\x10\t\x12%\n!ERROR_REASON_UNSERIALIZABLE_STATE\x10\n\x12\x1c\n\x18\x45RROR_REASON_HOOK_FAILED\x10\x0b\x12\x1f\n\x1b\x45RROR_REASON_STORAGE_FAILED\x10\x0c\x12 \n\x1c\x45RROR_REASON_INVALID_REQUEST\x10\r\x12\x1e\n\x1a\x45RROR_REASON_TOKEN_INVALID\x10\x0e\x12\x1e\n\x1a\x45RROR_REASON_SHUTTING_DOWN\x10\x0f\x12#\n\x1f\x45RROR_REASON_PARTICIPANT_FAILED\x10\x10\x12(\n$ERROR_REASON_PARTICIPANT_UNREACHABLE\x10\x11\x12\x1f\n\x1b\x45RROR_REASON_INTERNAL_ERROR\x10\x12\x42\x9c\x01\n\x18\x64\x65v.rolloutcheckpoint.v1B\x0b\x45rrorsProtoP\x01ZZgithub.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1;checkpointv1\xaa\x02\x14RolloutCheckpoint.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +33,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollout_checkpoint.v1.error
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\030dev.rolloutcheckpoint.v1B\013ErrorsProtoP\001ZZgithub.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1;checkpointv1\252\002\024RolloutCheckpoint.V1'
-  _globals['_ERRORDOMAIN']._serialized_start=61
-  _globals['_ERRORDOMAIN']._serialized_end=141
-  _globals['_ERRORREASON']._serialized_start=144
-  _globals['_ERRORREASON']._serialized_end=836
+  _globals['_ERRORDOMAIN'].values_by_name["ERROR_DOMAIN_ROLLOUT_CHECKPOINT"]._loaded_options = None
+  _globals['_ERRORDOMAIN'].values_by_name["ERROR_DOMAIN_ROLLOUT_CHECKPOINT"]._serialized_options = b'\332\375\226\230\001\026rollout-checkpoint.dev'
+  _globals['_ERRORDOMAIN']._serialized_start=100
+  _globals['_ERRORDOMAIN']._serialized_end=210
+  _globals['_ERRORREASON']._serialized_start=213
+  _globals['_ERRORREASON']._serialized_end=905
 # @@protoc_insertion_point(module_scope)

@@ -5,7 +5,8 @@ The error model of the rollout_checkpoint.v1 API.
 
 Every non-OK status that a participant or the coordinator decides on is a
 `google.rpc.Status` (carried in the `grpc-status-details-bin` trailer) with
-exactly one `google.rpc.ErrorInfo` whose `domain` is ERROR_DOMAIN below and
+exactly one `google.rpc.ErrorInfo` whose `domain` is `rollout-checkpoint.dev`
+(ERROR_DOMAIN_ROLLOUT_CHECKPOINT below, its `wire_value`) and
 whose `reason` is one of the ErrorReason values *without* the
 `ERROR_REASON_` prefix (for example `STALE_CHECKPOINT`). Every dynamic value
 in the message is also in `ErrorInfo.metadata` (lowerCamelCase keys such as
@@ -45,7 +46,10 @@ class _ErrorDomainEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorDoma
     """The domain string is `rollout-checkpoint.dev`."""
 
 class ErrorDomain(_ErrorDomain, metaclass=_ErrorDomainEnumTypeWrapper):
-    """The `ErrorInfo.domain` of every error this API returns."""
+    """The `ErrorInfo.domain` of every error this API returns. The string on the
+    wire is the value's `wire_value` option (constants.proto), never the enum
+    name or number.
+    """
 
 ERROR_DOMAIN_UNSPECIFIED: ErrorDomain.ValueType  # 0
 """Unused."""
@@ -81,7 +85,16 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """DEADLINE_EXCEEDED. The request's absolute deadline had passed when it
     arrived, or passed while the participant did the work. The outcome is
     known: nothing was published (a write that outlived the deadline goes on
-    and a retry with the same id awaits it). Metadata: `deadline`.
+    and a retry with the same id awaits it). Metadata, from a participant:
+    `deadline`, the request's deadline as seconds since the Unix epoch (UTC)
+    in plain decimal with exactly six digits after the point and no sign or
+    exponent (`%.6f`; for example `1767225600.250000` for
+    2026-01-01T00:00:00.25Z): `seconds + nanos / 1e9` rounded to the
+    microsecond (by way of a binary double, so the last digit may differ by
+    one from the Timestamp's own microseconds). The coordinator's own refusal
+    of a deadline already past carries no metadata; a member's refusal
+    reaches the coordinator's caller as PARTICIPANT_FAILED, with
+    `memberDeadline` in the same format when that member alone refused.
     """
     ERROR_REASON_RETIRE_INCOMPLETE: _ErrorReason.ValueType  # 5
     """FAILED_PRECONDITION. Forget named a rollout whose Retire has not freed
@@ -189,7 +202,16 @@ ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 4
 """DEADLINE_EXCEEDED. The request's absolute deadline had passed when it
 arrived, or passed while the participant did the work. The outcome is
 known: nothing was published (a write that outlived the deadline goes on
-and a retry with the same id awaits it). Metadata: `deadline`.
+and a retry with the same id awaits it). Metadata, from a participant:
+`deadline`, the request's deadline as seconds since the Unix epoch (UTC)
+in plain decimal with exactly six digits after the point and no sign or
+exponent (`%.6f`; for example `1767225600.250000` for
+2026-01-01T00:00:00.25Z): `seconds + nanos / 1e9` rounded to the
+microsecond (by way of a binary double, so the last digit may differ by
+one from the Timestamp's own microseconds). The coordinator's own refusal
+of a deadline already past carries no metadata; a member's refusal
+reaches the coordinator's caller as PARTICIPANT_FAILED, with
+`memberDeadline` in the same format when that member alone refused.
 """
 ERROR_REASON_RETIRE_INCOMPLETE: ErrorReason.ValueType  # 5
 """FAILED_PRECONDITION. Forget named a rollout whose Retire has not freed

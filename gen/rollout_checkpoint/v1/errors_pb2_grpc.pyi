@@ -5,7 +5,8 @@ The error model of the rollout_checkpoint.v1 API.
 
 Every non-OK status that a participant or the coordinator decides on is a
 `google.rpc.Status` (carried in the `grpc-status-details-bin` trailer) with
-exactly one `google.rpc.ErrorInfo` whose `domain` is ERROR_DOMAIN below and
+exactly one `google.rpc.ErrorInfo` whose `domain` is `rollout-checkpoint.dev`
+(ERROR_DOMAIN_ROLLOUT_CHECKPOINT below, its `wire_value`) and
 whose `reason` is one of the ErrorReason values *without* the
 `ERROR_REASON_` prefix (for example `STALE_CHECKPOINT`). Every dynamic value
 in the message is also in `ErrorInfo.metadata` (lowerCamelCase keys such as

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# Generates the Go code of the rollout_checkpoint.v1 protos into gen/checkpointv1/ (not
-# committed), or into OUT/gen/checkpointv1/ with `generate.sh OUT` (tests/test_conformance.py
-# builds a copy of this module in a temporary directory). `go generate` runs it too.
+# Generates the Go code of the rollout_checkpoint.v1 protos into gen/rollout_checkpoint/v1/
+# (not committed), or into OUT/gen/rollout_checkpoint/v1/ with `generate.sh OUT`
+# (tests/test_conformance.py builds a copy of this module in a temporary directory).
+# `go generate` runs it too. The package is imported as
+# <this module>/gen/rollout_checkpoint/v1 (package name checkpointv1).
 #
 # The protoc plugins are the versions pinned as `tool` lines in go.mod (checksummed in
 # go.sum); `GOBIN=$PWD/.bin go install tool` puts them in .bin/ (scripts/test does). protoc
 # itself is grpcio-tools' (`python -m grpc_tools.protoc`), the project's only protoc.
 #
-# The protos' go_package names the path a published module would use
-# (github.com/rollout-checkpoint/rollout-checkpoint/gen/go/...). No such module exists, so
-# the M options map every file into this module instead, the way any consumer that
-# generates its own copy would.
+# No remapping: every file of the package has the same go_package (one Go package,
+# checkpointv1), so no generated file imports another by that path, and
+# `paths=source_relative` writes each next to its .proto's path under gen/. This is what
+# any consumer that generates its own copy does (README.md, "Regenerating and evolving the
+# contract").
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../../.." && pwd)"
 PYTHON="${PYTHON:-$repo/.venv/bin/python}"
-module="$(cd "$here" && go list -m)"
-package="$module/gen/checkpointv1"
 out="$(cd "${1:-$here}" && pwd)"
 
 for plugin in protoc-gen-go protoc-gen-go-grpc; do
@@ -26,17 +27,12 @@ for plugin in protoc-gen-go protoc-gen-go-grpc; do
   fi
 done
 
-cd "$repo/protos"
-files=(rollout_checkpoint/v1/*.proto) # every file of the package, one Go package
 cd "$repo"
-go_opts=("module=$module")
-for f in "${files[@]}"; do go_opts+=("M$f=$package;checkpointv1"); done
-opts="$(IFS=,; echo "${go_opts[*]}")"
-
 rm -rf "$out/gen"
+mkdir -p "$out/gen"
 "$PYTHON" -m grpc_tools.protoc -Iprotos -Ithird_party/googleapis \
   --plugin=protoc-gen-go="$here/.bin/protoc-gen-go" \
   --plugin=protoc-gen-go-grpc="$here/.bin/protoc-gen-go-grpc" \
-  --go_out="$out" --go_opt="$opts" \
-  --go-grpc_out="$out" --go-grpc_opt="$opts" \
-  "${files[@]/#/protos/}"
+  --go_out="$out/gen" --go_opt=paths=source_relative \
+  --go-grpc_out="$out/gen" --go-grpc_opt=paths=source_relative \
+  protos/rollout_checkpoint/v1/*.proto

@@ -40,13 +40,31 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	pb "github.com/rollout-checkpoint/rollout-checkpoint/tests/conformance/go/gen/checkpointv1"
+	pb "github.com/rollout-checkpoint/rollout-checkpoint/tests/conformance/go/gen/rollout_checkpoint/v1"
 )
 
-// ErrorDomain is the ErrorInfo.domain of every refusal of the rollout_checkpoint.v1 API.
-const ErrorDomain = "rollout-checkpoint.dev"
+// wireValue is the string a constants enum value of the contract stands for: its
+// `wire_value` option (constants.proto), read from the generated descriptor.
+func wireValue(value protoreflect.Enum) string {
+	options := value.Descriptor().Values().ByNumber(value.Number()).Options()
+	return proto.GetExtension(options, pb.E_WireValue).(string)
+}
+
+// ErrorDomain is the ErrorInfo.domain of every refusal of the rollout_checkpoint.v1 API
+// ("rollout-checkpoint.dev").
+var ErrorDomain = wireValue(pb.ErrorDomain_ERROR_DOMAIN_ROLLOUT_CHECKPOINT)
+
+// participantHealth are the grpc.health.v1 names a participant answers (constants.proto).
+var participantHealth = []string{
+	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_SERVER),
+	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE),
+	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS),
+	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS),
+}
 
 // bearer sends `authorization: Bearer <token>` with every call. The sidecar may serve
 // plaintext (a loopback sidecar next to its app), so it does not require transport
@@ -322,7 +340,7 @@ func (c *controller) health() error {
 	defer conn.Close()
 	health := healthpb.NewHealthClient(conn)
 	var errs []error
-	for _, service := range []string{"", "participant-liveness", "participant-readiness"} {
+	for _, service := range participantHealth {
 		ctx, cancel, _ := withDeadline(10 * time.Second)
 		reply, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: service})
 		cancel()
