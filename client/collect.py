@@ -78,21 +78,31 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
 
-from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
-from rollout_checkpoint.v1 import types_pb2
-
-from . import coordination
-from .checkpointing import CheckpointEvent, Phase, checkpoint, restore_published
-from .coordination import FleetError
-from .errors import ControlError
-from .fleet import DiscoveryError, Fleet, FleetConfigError, Member, load_fleet_file
-from .publication import (
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import (
+    CheckpointEvent,
+    Phase,
+    checkpoint,
+    restore_published,
+)
+from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import (
+    DiscoveryError,
+    Fleet,
+    FleetConfigError,
+    Member,
+    load_fleet_file,
+)
+from rollout_checkpoint.client.publication import (
     FLEET_MANIFEST_NAME,
     CheckpointCorrupt,
     CheckpointRoot,
     FleetManifest,
     PublicationError,
 )
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
+from rollout_checkpoint.v1 import types_pb2
 
 T = TypeVar("T")
 

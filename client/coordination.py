@@ -24,12 +24,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, Kind, Member
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
-
-from .errors import ControlError
-from .fleet import Fleet, Kind, Member
 
 T = TypeVar("T")
 

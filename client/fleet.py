@@ -27,11 +27,10 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from rollout_checkpoint.server.episodes import is_valid_id
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.v1 import types_pb2
-
-from .errors import ControlError
-from .participant import ParticipantClient
 
 Kind: TypeAlias = "types_pb2.ParticipantKind.ValueType"
 

@@ -26,20 +26,31 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rollout_checkpoint.server.episodes import EpisodeId
-
-from . import coordination
-from .checkpointing import CheckpointEvent, Phase, checkpoint, restore_published
-from .coordination import DERIVE, FleetError, FleetProgress
-from .errors import ControlError
-from .fleet import KIND_NAMES, DiscoveryError, Fleet, FleetConfigError, FleetSpec, load_fleet_file
-from .publication import (
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import (
+    CheckpointEvent,
+    Phase,
+    checkpoint,
+    restore_published,
+)
+from rollout_checkpoint.client.coordination import DERIVE, FleetError, FleetProgress
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import (
+    KIND_NAMES,
+    DiscoveryError,
+    Fleet,
+    FleetConfigError,
+    FleetSpec,
+    load_fleet_file,
+)
+from rollout_checkpoint.client.publication import (
     CheckpointCorrupt,
     CheckpointRoot,
     NoPublishedCheckpoint,
     PublicationError,
     verify_checkpoint,
 )
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 EXIT_OK, EXIT_USAGE, EXIT_NOT_PREPARED, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_CORRUPT = (
     0,
@@ -395,7 +406,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 async def _coordinator(args: argparse.Namespace) -> int:
-    from .coordinator_service import Coordinator
+    from rollout_checkpoint.client.coordinator.service import Coordinator
 
     spec = load_fleet_file(args.fleet)
     coordinator = Coordinator(spec, args.grpc_address, reflection_enabled=args.reflection)

@@ -11,13 +11,12 @@ import grpc
 from google.protobuf import timestamp_pb2
 from grpc import aio
 
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.tracing import context_metadata
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
-
-from .errors import ControlError
-from .tracing import context_metadata
 
 T = TypeVar("T")
 

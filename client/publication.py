@@ -70,7 +70,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from rollout_checkpoint.server.episodes import EpisodeId, is_valid_id
+from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 
 __all__ = [
     "FLEET_MANIFEST_NAME",

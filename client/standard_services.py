@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from grpc_status import rpc_status
 
-from .service_plumbing import RateLimitedLog, ServiceError, status_of
+from rollout_checkpoint.client.coordinator.plumbing import RateLimitedLog, ServiceError, status_of
 
 log = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ from google.protobuf.message import Message
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rollout_checkpoint.client import service_plumbing
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator import plumbing as service_plumbing
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
-from rollout_checkpoint.server import auth
-from rollout_checkpoint.server.clock import SystemClock
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.core.clock import SystemClock
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.rpc import auth
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2

@@ -33,13 +33,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_checkpoint.client import coordination, tracing
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.control_plane import State
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.logs import ContextFilter, JsonFormatter
-from rollout_checkpoint.server.participant import Kind
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.control_plane import State
+from rollout_checkpoint.server.runtime.logs import ContextFilter, JsonFormatter
+from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2

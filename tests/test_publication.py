@@ -31,8 +31,8 @@ from rollout_checkpoint.client.publication import (
     inspect,
     verify_checkpoint,
 )
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 

@@ -21,14 +21,14 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rollout_checkpoint.client import service_plumbing
-from rollout_checkpoint.client.coordinator_service import SERVICE_NAME as COORDINATOR_SERVICE
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator import plumbing as service_plumbing
+from rollout_checkpoint.client.coordinator.service import SERVICE_NAME as COORDINATOR_SERVICE
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
-from rollout_checkpoint.server.health import LIVENESS, READINESS
-from rollout_checkpoint.server.logs import RateLimitedLog
-from rollout_checkpoint.server.servicer import SERVICE_NAME as PARTICIPANT_SERVICE
+from rollout_checkpoint.server.runtime.health import LIVENESS, READINESS
+from rollout_checkpoint.server.runtime.logs import RateLimitedLog
+from rollout_checkpoint.server.runtime.servicer import SERVICE_NAME as PARTICIPANT_SERVICE
 
 from .conftest import TOKEN, Harness, start_harness, stop_harness
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from rollout_checkpoint.server.errors import CheckpointError, Reason
-from rollout_checkpoint.server.storage import (
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.part_storage import (
     MANIFEST_NAME,
     LocalStorage,
     PublishedPart,

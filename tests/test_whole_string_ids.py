@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.client.coordinator_service import _check_id
+from rollout_checkpoint.client.coordinator.plumbing import ServiceError
+from rollout_checkpoint.client.coordinator.service import _check_id
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.client.participant import timestamp
 from rollout_checkpoint.client.publication import (
@@ -29,11 +30,10 @@ from rollout_checkpoint.client.publication import (
     _decode_part_manifest,
     parse_time,
 )
-from rollout_checkpoint.client.service_plumbing import ServiceError
-from rollout_checkpoint.server.control_plane import ControlPlane
-from rollout_checkpoint.server.episodes import EpisodeId, is_valid_id, rollout_id_problem
-from rollout_checkpoint.server.rollout_prefix import RolloutPrefixMiddleware, episode_of
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2

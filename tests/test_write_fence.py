@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_checkpoint.server.errors import Reason
-from rollout_checkpoint.server.storage import (
+from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.part_storage import (
     MANIFEST_NAME,
     LocalStorage,
     PublishedPart,

@@ -17,8 +17,8 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from .control_plane import ControlPlane
-from .standard_services import ListingHealthServicer
+from rollout_checkpoint.server.core.rpc.standard_services import ListingHealthServicer
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
 
 LIVENESS = "participant-liveness"
 READINESS = "participant-readiness"

@@ -47,10 +47,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .resources import derive_secret
+from rollout_checkpoint.server.resources.server import derive_secret
 
 if TYPE_CHECKING:
-    from .resources import ResourcesServer, Tool
+    from rollout_checkpoint.server.resources.server import ResourcesServer, Tool
 
 __all__ = ["MCP_PATH", "TOKEN_HEADER", "McpExposure"]
 

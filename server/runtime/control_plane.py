@@ -32,10 +32,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .attempts import RetiredAttempts
-from .clock import Clock, SystemClock
-from .episodes import MAX_ATTEMPT, EpisodeId, is_valid_id, rollout_id_problem
-from .errors import (
+from rollout_checkpoint.server.core.clock import Clock, SystemClock
+from rollout_checkpoint.server.core.episodes import (
+    MAX_ATTEMPT,
+    EpisodeId,
+    is_valid_id,
+    rollout_id_problem,
+)
+from rollout_checkpoint.server.core.errors import (
     CheckpointError,
     Reason,
     corrupt_checkpoint,
@@ -44,9 +48,7 @@ from .errors import (
     invalid_request,
     rejected_checkpoint,
 )
-from .observe import ControlObserver
-from .participant import EpisodeInfo, ExportRecord, Participant, ReadinessReport, RestoredRecord
-from .storage import (
+from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     LocalStorage,
     PublishedPart,
@@ -54,6 +56,15 @@ from .storage import (
     StoredManifest,
     WriteFence,
     validate_checkpoint_dir,
+)
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+from rollout_checkpoint.server.runtime.observe import ControlObserver
+from rollout_checkpoint.server.runtime.participant import (
+    EpisodeInfo,
+    ExportRecord,
+    Participant,
+    ReadinessReport,
+    RestoredRecord,
 )
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any, TypeAlias
 import grpc
 from grpc import aio
 
-from .errors import CheckpointError, Reason
-from .rpc_status import to_grpc_status
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.rpc.status import to_grpc_status
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

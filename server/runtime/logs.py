@@ -133,7 +133,7 @@ def _iso(created: float) -> str:
 
 
 def _trace_ids() -> tuple[str, str]:
-    from .tracing import current_trace_ids
+    from rollout_checkpoint.server.runtime.tracing import current_trace_ids
 
     return current_trace_ids()
 

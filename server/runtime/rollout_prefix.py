@@ -11,7 +11,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 PREFIX = "/ng-rollout/"
 EPISODE_KEY = "rollout_checkpoint.episode"

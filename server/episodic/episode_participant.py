@@ -15,10 +15,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .episode_steps import EpisodeSteps, TrackedEpisode
-from .episodes import EpisodeId
-from .errors import CheckpointError, Reason, rejected_checkpoint
-from .participant import ExportRecord, Kind, Participant, ReadinessReport, RestoredRecord
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason, rejected_checkpoint
+from rollout_checkpoint.server.episodic.episode_steps import EpisodeSteps, TrackedEpisode
+from rollout_checkpoint.server.runtime.participant import (
+    ExportRecord,
+    Kind,
+    Participant,
+    ReadinessReport,
+    RestoredRecord,
+)
 
 
 def task_digest(task: Any) -> str:

@@ -25,17 +25,21 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.middleware.sessions import SessionMiddleware
 
-from .clock import Clock
-from .install import CheckpointRuntime, install_checkpointing
-from .resources_middleware import SESSION_KEY, ResourcesAdmissionMiddleware, cookie_session_id
-from .resources_participant import (
+from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.resources.middleware import (
+    SESSION_KEY,
+    ResourcesAdmissionMiddleware,
+    cookie_session_id,
+)
+from rollout_checkpoint.server.resources.participant import (
     CheckpointMode,
     InvalidSessionState,
     ResourcesParticipant,
     VerifyMode,
 )
-from .rollout_prefix import RolloutPrefixMiddleware, episode_of
-from .settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 __all__ = [
     "CheckpointMode",
@@ -187,7 +191,7 @@ class ResourcesServer:
             )
         mcp = None
         if self.mcp_enabled:
-            from .resources_mcp import McpExposure
+            from rollout_checkpoint.server.resources.mcp import McpExposure
 
             mcp = McpExposure(self)
             mcp.mount(app)

@@ -30,9 +30,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .episodes import EpisodeId
-from .errors import rejected_checkpoint
-from .participant import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
     EpisodeInfo,
@@ -42,8 +42,8 @@ from .participant import (
     ReadinessReport,
     RestoredRecord,
 )
-from .request_endings import cancel_request
-from .rollout_prefix import episode_of
+from rollout_checkpoint.server.runtime.request_endings import cancel_request
+from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 

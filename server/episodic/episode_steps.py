@@ -31,10 +31,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .attempts import RetiredAttempts
-from .episodes import EpisodeId
-from .participant import MAX_LISTED_BLOCKERS, Blocker, BlockerReason, EpisodeInfo
-from .request_endings import cancel_request
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+from rollout_checkpoint.server.runtime.participant import (
+    MAX_LISTED_BLOCKERS,
+    Blocker,
+    BlockerReason,
+    EpisodeInfo,
+)
+from rollout_checkpoint.server.runtime.request_endings import cancel_request
 
 
 class StepMode(enum.StrEnum):

@@ -68,8 +68,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from .episodes import ID_PATTERN, is_valid_id
-from .errors import (
+from rollout_checkpoint.server.core.episodes import ID_PATTERN, is_valid_id
+from rollout_checkpoint.server.core.errors import (
     CheckpointError,
     Reason,
     corrupt_checkpoint,

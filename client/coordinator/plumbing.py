@@ -22,9 +22,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc import aio
 from grpc_status import rpc_status
 
-from .coordination import FleetError
-from .errors import ControlError
-from .tracing import server_span
+from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.tracing import server_span
 
 log = logging.getLogger(__name__)
 

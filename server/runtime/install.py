@@ -23,15 +23,19 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from .clock import Clock
-from .control_plane import ControlPlane
-from .metrics import DataPlaneRefusals, MetricsServer, metrics_endpoint
-from .observe import RuntimeObserver
-from .participant import Participant
-from .request_endings import RequestEndingsMiddleware
-from .settings import CheckpointSettings
-from .sidecar import Sidecar
-from .storage import CheckpointStorage
+from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.metrics import (
+    DataPlaneRefusals,
+    MetricsServer,
+    metrics_endpoint,
+)
+from rollout_checkpoint.server.runtime.observe import RuntimeObserver
+from rollout_checkpoint.server.runtime.participant import Participant
+from rollout_checkpoint.server.runtime.request_endings import RequestEndingsMiddleware
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 

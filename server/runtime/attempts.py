@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 
 class RetiredAttempts:

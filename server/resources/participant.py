@@ -15,9 +15,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .episodes import EpisodeId
-from .errors import rejected_checkpoint
-from .participant import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
     EpisodeInfo,

@@ -22,9 +22,9 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from .errors import CheckpointError, Reason
-from .logs import RateLimitedLog
-from .rpc_status import to_grpc_status
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.rpc.status import to_grpc_status
+from rollout_checkpoint.server.runtime.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

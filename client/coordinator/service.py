@@ -20,24 +20,15 @@ from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from rollout_checkpoint.server.episodes import (
-    MAX_ATTEMPT,
-    EpisodeId,
-    is_valid_id,
-    rollout_id_problem,
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import (
+    CheckpointEvent,
+    Phase,
+    checkpoint,
+    restore_published,
 )
-from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
-from rollout_checkpoint.v1 import participant_service_pb2 as pb
-from rollout_checkpoint.v1 import types_pb2
-
-from . import coordination
-from .checkpointing import CheckpointEvent, Phase, checkpoint, restore_published
-from .coordination import DERIVE, FleetProgress, MemberProgress, Outcome
-from .errors import ControlError
-from .fleet import Fleet, FleetSpec
-from .participant import episode_message
-from .publication import CheckpointRoot, NoPublishedCheckpoint, PublicationError
-from .service_plumbing import (
+from rollout_checkpoint.client.coordination import DERIVE, FleetProgress, MemberProgress, Outcome
+from rollout_checkpoint.client.coordinator.plumbing import (
     BearerTokenInterceptor,
     Handler,
     ServiceError,
@@ -46,13 +37,30 @@ from .service_plumbing import (
     status_of,
     unary,
 )
-from .standard_services import (
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec
+from rollout_checkpoint.client.participant import episode_message
+from rollout_checkpoint.client.publication import (
+    CheckpointRoot,
+    NoPublishedCheckpoint,
+    PublicationError,
+)
+from rollout_checkpoint.client.standard_services import (
     HEALTH_SERVICE,
     ListingHealthServicer,
     health_handler,
     hostile_input_log,
     reflection_handler,
 )
+from rollout_checkpoint.server.core.episodes import (
+    MAX_ATTEMPT,
+    EpisodeId,
+    is_valid_id,
+    rollout_id_problem,
+)
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +318,7 @@ class CoordinatorServicer:
 
 
 async def _discover(spec: FleetSpec) -> Fleet:
-    from .fleet import DiscoveryError
+    from rollout_checkpoint.client.fleet import DiscoveryError
 
     try:
         return await Fleet.discover(spec)

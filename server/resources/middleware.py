@@ -39,8 +39,8 @@ from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .resources_participant import ResourcesParticipant, VerifyMode
-from .rollout_prefix import episode_of
+from rollout_checkpoint.server.resources.participant import ResourcesParticipant, VerifyMode
+from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 VERIFY_HEADER = b"x-ng-checkpoint-verify"
 SESSION_KEY = "rollout_checkpoint.session_id"

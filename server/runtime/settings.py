@@ -8,8 +8,8 @@ from typing import Self
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .control_plane import ControlSettings
-from .episodes import is_valid_id
+from rollout_checkpoint.server.core.episodes import is_valid_id
+from rollout_checkpoint.server.runtime.control_plane import ControlSettings
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}$")
 

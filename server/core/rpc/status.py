@@ -11,7 +11,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from .errors import ERROR_DOMAIN, CheckpointError, Reason
+from rollout_checkpoint.server.core.errors import ERROR_DOMAIN, CheckpointError, Reason
 
 
 def to_status_proto(error: CheckpointError) -> status_pb2.Status:

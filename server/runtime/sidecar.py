@@ -16,17 +16,17 @@ import grpc
 from grpc import aio
 from grpc_reflection.v1alpha import reflection
 
-from .auth import BearerTokenInterceptor
-from .control_plane import ControlPlane
-from .health import ParticipantHealth
-from .servicer import SERVICE_NAME, ParticipantServicer
-from .settings import CheckpointSettings
-from .standard_services import (
+from rollout_checkpoint.server.core.rpc.auth import BearerTokenInterceptor
+from rollout_checkpoint.server.core.rpc.standard_services import (
     HEALTH_SERVICE,
     health_handler,
     hostile_input_log,
     reflection_handler,
 )
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.health import ParticipantHealth
+from rollout_checkpoint.server.runtime.servicer import SERVICE_NAME, ParticipantServicer
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,11 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
-from rollout_checkpoint.v1 import participant_service_pb2 as pb
-from rollout_checkpoint.v1 import types_pb2
-
-from .control_plane import (
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
+from rollout_checkpoint.server.core.part_storage import SCHEMA_VERSION, StoredManifest
+from rollout_checkpoint.server.core.rpc.status import to_grpc_status
+from rollout_checkpoint.server.runtime.control_plane import (
     CommitResult,
     ControlPlane,
     PrepareUpdate,
@@ -30,12 +31,15 @@ from .control_plane import (
     State,
     UpdateKind,
 )
-from .episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
-from .errors import CheckpointError, Reason, invalid_request
-from .observe import ControlObserver
-from .participant import BlockerReason, EpisodeInfo, Kind, ReadinessReport
-from .rpc_status import to_grpc_status
-from .storage import SCHEMA_VERSION, StoredManifest
+from rollout_checkpoint.server.runtime.observe import ControlObserver
+from rollout_checkpoint.server.runtime.participant import (
+    BlockerReason,
+    EpisodeInfo,
+    Kind,
+    ReadinessReport,
+)
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
 

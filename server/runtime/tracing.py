@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .logs import reset_quietly
+from rollout_checkpoint.server.runtime.logs import reset_quietly
 
 TRACER_NAME = "rollout_checkpoint.server"
 _SPAN: contextvars.ContextVar[Any] = contextvars.ContextVar("rollout_checkpoint_span", default=None)

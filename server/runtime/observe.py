@@ -25,9 +25,9 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
-from .logs import CHECKPOINT_ID, RateLimitedLog, reset_quietly
-from .metrics import Gauges, ParticipantMetrics
-from .tracing import Tracing, end_span
+from rollout_checkpoint.server.runtime.logs import CHECKPOINT_ID, RateLimitedLog, reset_quietly
+from rollout_checkpoint.server.runtime.metrics import Gauges, ParticipantMetrics
+from rollout_checkpoint.server.runtime.tracing import Tracing, end_span
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .attempts import RetiredAttempts
-from .episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 
 MAX_LISTED_BLOCKERS = 100
 
