@@ -102,6 +102,7 @@ from rollout_checkpoint.client.publication import (
     PublicationError,
 )
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
+from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.v1 import types_pb2
 
 T = TypeVar("T")
@@ -1366,7 +1367,7 @@ def run_collect(args: argparse.Namespace, command: Sequence[str] = ()) -> int:
     except DiscoveryError as error:
         return fail(EXIT_UNREACHABLE, str(error))
     except FleetError as error:
-        code = EXIT_UNREACHABLE if error.reason == "PARTICIPANT_UNREACHABLE" else EXIT_REFUSED
+        code = EXIT_UNREACHABLE if error.reason == Reason.PARTICIPANT_UNREACHABLE else EXIT_REFUSED
         return fail(code, str(error))
     except ControlError as error:
         return fail(EXIT_REFUSED if error.decided_by_server else EXIT_UNREACHABLE, str(error))

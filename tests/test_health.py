@@ -224,7 +224,7 @@ async def test_the_counter_served_by_the_cli_on_a_real_clock_and_sigterm(tmp_pat
     operations = {
         (line["message"].split(" ")[0], line["checkpoint_id"])
         for line in lines
-        if line["logger"] == "rollout_checkpoint.server.runtime.observe"
+        if line["logger"] == "rollout_checkpoint.server.runtime.telemetry"
     }
     assert {("resume", "boot-1"), ("prepare", "p1"), ("commit", "p1"), ("resume", "p1")} <= (
         operations

@@ -20,7 +20,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.client.coordinator.plumbing import ServiceError
 from rollout_checkpoint.client.coordinator.service import _check_id
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.client.participant import timestamp
@@ -31,6 +30,7 @@ from rollout_checkpoint.client.publication import (
     parse_time,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
+from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.runtime.control_plane import ControlPlane
 from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -133,7 +133,7 @@ def test_addresses_with_a_trailing_newline_are_refused() -> None:
 
 
 def test_the_coordinator_refuses_a_checkpoint_id_with_a_trailing_newline() -> None:
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(CheckpointError) as caught:
         _check_id("ck\n")
     assert caught.value.reason == "INVALID_REQUEST" and caught.value.field == "checkpoint_id"
 

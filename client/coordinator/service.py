@@ -11,11 +11,10 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2, timestamp_pb2
 from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
@@ -28,44 +27,46 @@ from rollout_checkpoint.client.checkpointing import (
     restore_published,
 )
 from rollout_checkpoint.client.coordination import DERIVE, FleetProgress, MemberProgress, Outcome
-from rollout_checkpoint.client.coordinator.plumbing import (
-    BearerTokenInterceptor,
-    Handler,
-    ServiceError,
-    invalid_request,
-    server_stream,
+from rollout_checkpoint.client.coordinator.calls import (
+    SERVICE,
+    SERVICE_NAME,
+    TracingObserver,
     status_of,
-    unary,
 )
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
-from rollout_checkpoint.client.participant import episode_message
 from rollout_checkpoint.client.publication import (
     CheckpointRoot,
     NoPublishedCheckpoint,
     PublicationError,
 )
-from rollout_checkpoint.client.standard_services import (
+from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
+from rollout_checkpoint.server.core.errors import (
+    CheckpointError,
+    Reason,
+    invalid_request,
+)
+from rollout_checkpoint.server.core.rpc import handlers
+from rollout_checkpoint.server.core.rpc.auth import BearerTokenInterceptor
+from rollout_checkpoint.server.core.rpc.standard_services import (
     HEALTH_SERVICE,
     ListingHealthServicer,
     health_handler,
     hostile_input_log,
     reflection_handler,
 )
-from rollout_checkpoint.server.core.episodes import (
-    MAX_ATTEMPT,
-    EpisodeId,
-    is_valid_id,
-    rollout_id_problem,
+from rollout_checkpoint.server.core.rpc.wire import (
+    deadline_of,
+    duration,
+    episode_ids,
+    episode_message,
+    timestamp,
 )
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
-from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "rollout_checkpoint.v1.CoordinatorService"
-MAX_TIMESTAMP_SECONDS = 253402300799  # 9999-12-31T23:59:59Z, the Timestamp range
 MAX_LISTED_BLOCKERS = 100
 
 _OUTCOMES = {
@@ -105,30 +106,22 @@ class CoordinatorServicer:
 
     def root(self) -> CheckpointRoot:
         if self.spec.checkpoint_root is None:
-            raise ServiceError(
-                "INVALID_REQUEST", "FAILED_PRECONDITION", "the fleet file sets no checkpoint_root"
+            raise CheckpointError(
+                Reason.INVALID_REQUEST,
+                "the fleet file sets no checkpoint_root",
+                code="FAILED_PRECONDITION",
             )
         return CheckpointRoot(self.spec.checkpoint_root)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        handlers: dict[str, Handler] = {
-            "ListParticipants": unary(cpb.ListParticipantsRequest, self.list_participants),
-            "Prepare": server_stream(cpb.CoordinatorServicePrepareRequest, self.prepare),
-            "Commit": unary(cpb.CoordinatorServiceCommitRequest, self.commit),
-            "Restore": unary(cpb.CoordinatorServiceRestoreRequest, self.restore),
-            "Resume": unary(cpb.CoordinatorServiceResumeRequest, self.resume),
-            "Retire": unary(cpb.CoordinatorServiceRetireRequest, self.retire),
-            "Forget": unary(cpb.CoordinatorServiceForgetRequest, self.forget),
-            "Renew": unary(cpb.CoordinatorServiceRenewRequest, self.renew),
-            "Checkpoint": server_stream(cpb.CheckpointRequest, self.checkpoint),
-        }
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        """Every RPC of coordinator_service.proto, served by the method of its name."""
+        return handlers.service(SERVICE, self, TracingObserver(), status_of)
 
     async def _guard(self, call: Any) -> Any:
         try:
             return await call
         except coordination.FleetError as error:
-            if error.reason == "PARTICIPANT_UNREACHABLE" or any(
+            if error.reason == Reason.PARTICIPANT_UNREACHABLE or any(
                 not e.decided_by_server for e in error.failures.values()
             ):
                 await self.forget_fleet()
@@ -193,7 +186,7 @@ class CoordinatorServicer:
         if source is not None and source != "LATEST" and not is_valid_id(source):
             raise invalid_request("source_checkpoint_id", "is not a checkpoint id")
         scope = (
-            _episodes(request.scope.episodes, "scope.episodes")
+            episode_ids(request.scope.episodes, "scope.episodes")
             if request.HasField("scope")
             else None
         )
@@ -205,11 +198,11 @@ class CoordinatorServicer:
                 )
             )
         except NoPublishedCheckpoint as error:
-            raise ServiceError(
-                "INVALID_CHECKPOINT_STATE", "FAILED_PRECONDITION", str(error)
+            raise CheckpointError(
+                Reason.INVALID_CHECKPOINT_STATE, str(error), code="FAILED_PRECONDITION"
             ) from error
         except PublicationError as error:
-            raise ServiceError("INVALID_CHECKPOINT_STATE", "DATA_LOSS", str(error)) from error
+            raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
         return cpb.CoordinatorServiceRestoreResponse(
             source_checkpoint_id=restored.source_checkpoint_id,
             members=[
@@ -236,7 +229,7 @@ class CoordinatorServicer:
     ) -> cpb.CoordinatorServiceRetireResponse:
         deadline = self._deadline(request, "deadline")
         _check_id(request.checkpoint_id)
-        episodes = _episodes(request.episodes, "episodes")
+        episodes = episode_ids(request.episodes, "episodes")
         if not episodes:
             raise invalid_request("episodes", "must name at least one episode")
         fleet = await self.fleet()
@@ -267,7 +260,7 @@ class CoordinatorServicer:
         _check_id(request.checkpoint_id)
         fleet = await self.fleet()
         earliest = await self._guard(coordination.renew(fleet, request.checkpoint_id, deadline))
-        return cpb.CoordinatorServiceRenewResponse(lease_expires_at=_timestamp(earliest))
+        return cpb.CoordinatorServiceRenewResponse(lease_expires_at=timestamp(earliest))
 
     async def checkpoint(
         self, request: cpb.CheckpointRequest
@@ -292,27 +285,18 @@ class CoordinatorServicer:
             async for event in events:
                 yield _checkpoint_response(event)
         except PublicationError as error:
-            raise ServiceError("INVALID_CHECKPOINT_STATE", "DATA_LOSS", str(error)) from error
+            raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
 
     # -- checks -------------------------------------------------------------------------
 
     def _deadline(self, request: Any, field: str, *, allow_past: bool = False) -> float:
-        if not request.HasField(field):
-            raise invalid_request(field, "is required (an absolute google.protobuf.Timestamp)")
-        stamp: timestamp_pb2.Timestamp = getattr(request, field)
-        # Checked before any conversion: protobuf raises ValueError on nanos out of range,
-        # which would surface as INTERNAL instead of a refusal the caller can act on.
-        if not 0 <= stamp.nanos < 1_000_000_000 or not 0 < stamp.seconds <= MAX_TIMESTAMP_SECONDS:
-            raise invalid_request(field, "is not a valid timestamp")
-        deadline = stamp.seconds + stamp.nanos / 1e9
+        deadline = deadline_of(request, field)
         now = time.time()
         if deadline - now > self.max_deadline_seconds:
             raise invalid_request(field, f"lies more than {self.max_deadline_seconds:g} s ahead")
         if not allow_past and deadline <= now:
-            raise ServiceError(
-                "CHECKPOINT_DEADLINE_EXCEEDED",
-                "DEADLINE_EXCEEDED",
-                "the deadline has already passed",
+            raise CheckpointError(
+                Reason.CHECKPOINT_DEADLINE_EXCEEDED, "the deadline has already passed"
             )
         return deadline
 
@@ -339,42 +323,18 @@ def _check_id(checkpoint_id: str) -> None:
         )
 
 
-def _episodes(messages: Iterable[types_pb2.EpisodeId], field: str) -> list[EpisodeId]:
-    episodes = []
-    for i, message in enumerate(messages):
-        problem = rollout_id_problem(message.rollout_id)
-        if problem is not None:
-            raise invalid_request(f"{field}[{i}].rollout_id", problem)
-        if message.attempt > MAX_ATTEMPT:
-            raise invalid_request(f"{field}[{i}].attempt", f"must be at most {MAX_ATTEMPT}")
-        episodes.append(EpisodeId(message.rollout_id, message.attempt))
-    return episodes
-
-
 def _scope_choice(request: Any) -> list[EpisodeId] | str | None:
     if request.HasField("scope") and request.derive_scope:
         raise invalid_request("scope", "set either scope or derive_scope, not both")
     if request.derive_scope:
         return DERIVE
     if request.HasField("scope"):
-        return _episodes(request.scope.episodes, "scope.episodes")
+        return episode_ids(request.scope.episodes, "scope.episodes")
     return None
 
 
 def _in_order(fleet: Fleet, replies: dict[str, Any]) -> list[tuple[str, Any]]:
     return [(m.name, replies[m.name]) for m in fleet.members if m.name in replies]
-
-
-def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    value = duration_pb2.Duration()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 def _member_progress(member: MemberProgress) -> cpb.MemberProgress:
@@ -401,7 +361,7 @@ def _progress(progress: FleetProgress) -> cpb.FleetProgress:
         ],
         blocker_count=progress.blocker_count(),
         sequence=progress.sequence,
-        elapsed=_duration(progress.elapsed),
+        elapsed=duration(progress.elapsed),
         outcome=_OUTCOMES.get(progress.outcome or "", cpb.FLEET_PREPARE_OUTCOME_UNSPECIFIED),
     )
 
@@ -425,9 +385,9 @@ def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
         result = response.result
         result.checkpoint_id = outcome.checkpoint_id
         result.prepare_outcome = _OUTCOMES[outcome.prepare_outcome]
-        result.prepare_duration.CopyFrom(_duration(outcome.prepare_seconds))
-        result.commit_duration.CopyFrom(_duration(outcome.commit_seconds))
-        result.publish_duration.CopyFrom(_duration(outcome.publish_seconds))
+        result.prepare_duration.CopyFrom(duration(outcome.prepare_seconds))
+        result.commit_duration.CopyFrom(duration(outcome.commit_seconds))
+        result.publish_duration.CopyFrom(duration(outcome.publish_seconds))
         result.record_count = outcome.record_count
         result.bytes = outcome.bytes
         result.continued.extend(episode_message(e) for e in outcome.continued)

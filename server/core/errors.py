@@ -1,8 +1,10 @@
-"""Typed refusals of the control plane, independent of any transport.
+"""Typed refusals, independent of any transport: the reasons of `errors.proto`, once.
 
-The control plane and the participants raise `CheckpointError`; the sidecar turns it into a
-`google.rpc.Status` with one `ErrorInfo` (and the extra detail a reason calls for). The
-reasons and their default status codes are the table of `errors.proto`; keep them in step.
+The control plane, the participants and the coordinator raise `CheckpointError`; the rpc
+layer turns it into a `google.rpc.Status` with one `ErrorInfo` (and the extra detail a reason
+calls for). `errors.proto` is the source of truth: `Reason` names exactly its `ErrorReason`
+values (without the `ERROR_REASON_` prefix) and `DEFAULT_CODES` gives each its status code;
+importing this module fails when either differs from the generated `errors_pb2`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
+from rollout_checkpoint.v1 import errors_pb2
+
 ERROR_DOMAIN = "rollout-checkpoint.dev"
+REASON_PREFIX = "ERROR_REASON_"
 
 
 class Reason(enum.StrEnum):
@@ -56,6 +61,29 @@ DEFAULT_CODES: Mapping[Reason, str] = {
     Reason.PARTICIPANT_UNREACHABLE: "UNAVAILABLE",
     Reason.INTERNAL_ERROR: "INTERNAL",
 }
+
+
+def proto_reasons() -> frozenset[str]:
+    """The reasons `errors.proto` defines (its `ErrorReason` values without the prefix)."""
+    return frozenset(
+        value.name.removeprefix(REASON_PREFIX)
+        for value in errors_pb2.ErrorReason.DESCRIPTOR.values
+        if value.number != 0
+    )
+
+
+def _check_against_proto() -> None:
+    proto = proto_reasons()
+    ours = frozenset(reason.value for reason in Reason)
+    if ours != proto or set(DEFAULT_CODES) != set(Reason):
+        raise ImportError(
+            "rollout_checkpoint.server.core.errors is out of step with errors.proto: "
+            f"only in errors.proto {sorted(proto - ours)}, only here {sorted(ours - proto)}, "
+            f"without a default code {sorted(set(Reason) - set(DEFAULT_CODES))}"
+        )
+
+
+_check_against_proto()
 
 
 class CheckpointError(Exception):

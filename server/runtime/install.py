@@ -31,11 +31,11 @@ from rollout_checkpoint.server.runtime.metrics import (
     MetricsServer,
     metrics_endpoint,
 )
-from rollout_checkpoint.server.runtime.observe import RuntimeObserver
 from rollout_checkpoint.server.runtime.participant import Participant
 from rollout_checkpoint.server.runtime.request_endings import RequestEndingsMiddleware
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.server.runtime.sidecar import Sidecar
+from rollout_checkpoint.server.runtime.telemetry import RuntimeObserver
 
 log = logging.getLogger(__name__)
 

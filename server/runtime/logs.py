@@ -20,7 +20,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 CHECKPOINT_ID: contextvars.ContextVar[str] = contextvars.ContextVar(
@@ -136,36 +136,3 @@ def _trace_ids() -> tuple[str, str]:
     from rollout_checkpoint.server.runtime.tracing import current_trace_ids
 
     return current_trace_ids()
-
-
-class RateLimitedLog:
-    """At most one WARNING per `interval` seconds for events anyone can cause at will.
-
-    The first event is logged at once; later ones within the interval are only counted, and
-    the count rides on the next line logged after the interval. Unauthenticated callers
-    (health and reflection take no token) can send hostile input as fast as the port
-    accepts it; one line per call would let them flood the log and hide everything else."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        interval: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.logger = logger
-        self.interval = interval
-        self._clock = clock
-        self._quiet_until: float | None = None
-        self._suppressed = 0
-
-    def warning(self, message: str, *args: object) -> None:
-        now = self._clock()
-        if self._quiet_until is not None and now < self._quiet_until:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            message += " (%d more since the last such line, not logged)"
-            args = (*args, self._suppressed)
-        self.logger.warning(message, *args)
-        self._suppressed = 0
-        self._quiet_until = now + self.interval

@@ -1,28 +1,24 @@
 """ParticipantService over grpc.aio: protobuf in, control-plane calls, protobuf out.
 
-Handlers are registered with an identity request deserializer and parse the bytes themselves:
-grpcio would otherwise answer a request that does not parse with UNKNOWN and no details, and
-controllers must always get `INVALID_REQUEST` they can switch on.
+The handler adapters (parsing inside, typed refusals, the cancellation rule, the observer
+around each call) and the wire conversions are `server.core.rpc`'s, shared with the
+coordinator; this module is the mapping between the messages and the control plane.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from importlib import metadata
-from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import duration_pb2, timestamp_pb2
-from google.protobuf.message import DecodeError, Message
-from grpc import aio
 
-from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
-from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import invalid_request
 from rollout_checkpoint.server.core.part_storage import SCHEMA_VERSION, StoredManifest
-from rollout_checkpoint.server.core.rpc.status import to_grpc_status
+from rollout_checkpoint.server.core.rpc import handlers
+from rollout_checkpoint.server.core.rpc.wire import deadline_of, duration, episode_ids, timestamp
 from rollout_checkpoint.server.runtime.control_plane import (
     CommitResult,
     ControlPlane,
@@ -31,7 +27,6 @@ from rollout_checkpoint.server.runtime.control_plane import (
     State,
     UpdateKind,
 )
-from rollout_checkpoint.server.runtime.observe import ControlObserver
 from rollout_checkpoint.server.runtime.participant import (
     BlockerReason,
     EpisodeInfo,
@@ -43,13 +38,9 @@ from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "rollout_checkpoint.v1.ParticipantService"
+SERVICE = pb.DESCRIPTOR.services_by_name["ParticipantService"]
+SERVICE_NAME = SERVICE.full_name
 API_VERSION = "rollout_checkpoint.v1"
-MAX_TIMESTAMP_SECONDS = 253402300799  # 9999-12-31T23:59:59Z, the Timestamp range
-
-Req = TypeVar("Req", bound=Message)
-Resp = TypeVar("Resp", bound=Message)
-Context = aio.ServicerContext[bytes, Any]
 
 _STATES = {
     State.IDLE: types_pb2.PARTICIPANT_STATE_IDLE,
@@ -87,28 +78,8 @@ class ParticipantServicer:
         self.boot_id = uuid.uuid4().hex
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        unary: dict[str, tuple[type[Message], Callable[[Any], Awaitable[Message]]]] = {
-            "GetParticipant": (pb.GetParticipantRequest, self.get_participant),
-            "GetStatus": (pb.GetStatusRequest, self.get_status),
-            "ListEpisodes": (pb.ListEpisodesRequest, self.list_episodes),
-            "Renew": (pb.RenewRequest, self.renew),
-            "Commit": (pb.CommitRequest, self.commit),
-            "Restore": (pb.RestoreRequest, self.restore),
-            "Resume": (pb.ResumeRequest, self.resume),
-            "Retire": (pb.RetireRequest, self.retire),
-            "Forget": (pb.ForgetRequest, self.forget),
-        }
-        observer = self.control.observer
-        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            name: grpc.unary_unary_rpc_method_handler(
-                _unary(name, request_type, method, observer), None, _serialize
-            )
-            for name, (request_type, method) in unary.items()
-        }
-        handlers["Prepare"] = grpc.unary_stream_rpc_method_handler(
-            _server_stream("Prepare", pb.PrepareRequest, self.prepare, observer), None, _serialize
-        )
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+        """Every RPC of participant_service.proto, served by the method of its name."""
+        return handlers.service(SERVICE, self, self.control.observer)
 
     # -- RPCs ---------------------------------------------------------------------------
 
@@ -138,7 +109,7 @@ class ParticipantServicer:
             boot_id=self.boot_id,
         )
         if status.lease_expires_at is not None:
-            response.lease_expires_at.CopyFrom(_timestamp(status.lease_expires_at))
+            response.lease_expires_at.CopyFrom(timestamp(status.lease_expires_at))
         return response
 
     async def list_episodes(self, request: pb.ListEpisodesRequest) -> pb.ListEpisodesResponse:
@@ -148,17 +119,17 @@ class ParticipantServicer:
         )
 
     async def prepare(self, request: pb.PrepareRequest) -> AsyncIterator[pb.PrepareResponse]:
-        deadline = _deadline(request)
+        deadline = deadline_of(request)
         updates = await self.control.prepare(request.checkpoint_id, deadline)
         async for update in updates:
             yield _prepare_response(update)
 
     async def renew(self, request: pb.RenewRequest) -> pb.RenewResponse:
-        lease = await self.control.renew(request.checkpoint_id, _deadline(request))
-        return pb.RenewResponse(lease_expires_at=_timestamp(lease))
+        lease = await self.control.renew(request.checkpoint_id, deadline_of(request))
+        return pb.RenewResponse(lease_expires_at=timestamp(lease))
 
     async def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
-        deadline = _deadline(request)
+        deadline = deadline_of(request)
         scope = _scope(request.scope, "scope") if request.HasField("scope") else None
         result = await self.control.commit(
             request.checkpoint_id, deadline, request.checkpoint_dir, scope
@@ -166,7 +137,7 @@ class ParticipantServicer:
         return _commit_response(result, self.control.participant.kind)
 
     async def restore(self, request: pb.RestoreRequest) -> pb.RestoreResponse:
-        deadline = _deadline(request)
+        deadline = deadline_of(request)
         if not request.HasField("scope"):
             raise invalid_request("scope", "is required for a restore (it may be empty)")
         scope = _scope(request.scope, "scope")
@@ -176,155 +147,27 @@ class ParticipantServicer:
         return _restore_response(result)
 
     async def resume(self, request: pb.ResumeRequest) -> pb.ResumeResponse:
-        idempotent = await self.control.resume(request.checkpoint_id, _deadline(request))
+        idempotent = await self.control.resume(request.checkpoint_id, deadline_of(request))
         return pb.ResumeResponse(state=types_pb2.PARTICIPANT_STATE_IDLE, idempotent=idempotent)
 
     async def retire(self, request: pb.RetireRequest) -> pb.RetireResponse:
-        deadline = _deadline(request)
-        episodes = [_episode_id(e, f"episodes[{i}]") for i, e in enumerate(request.episodes)]
+        deadline = deadline_of(request)
+        episodes = episode_ids(request.episodes, "episodes")
         retired = await self.control.retire(request.checkpoint_id, deadline, episodes)
         return pb.RetireResponse(retired=retired)
 
     async def forget(self, request: pb.ForgetRequest) -> pb.ForgetResponse:
         forgotten = await self.control.forget(
-            request.checkpoint_id, _deadline(request), list(request.rollout_ids)
+            request.checkpoint_id, deadline_of(request), list(request.rollout_ids)
         )
         return pb.ForgetResponse(forgotten=forgotten)
-
-
-# -- handler plumbing -----------------------------------------------------------------------
-
-
-def _serialize(message: Message) -> bytes:
-    return message.SerializeToString()
-
-
-def _parse(request_type: type[Req], raw: bytes) -> Req:
-    try:
-        return request_type.FromString(raw)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(
-            Reason.INVALID_REQUEST,
-            f"the request bytes do not parse as {request_type.DESCRIPTOR.full_name}",
-            field="request",
-        ) from exc
-
-
-async def _abort(context: Context, error: CheckpointError) -> None:
-    await context.abort_with_status(to_grpc_status(error))
-
-
-def _internal(exc: BaseException) -> CheckpointError:
-    log.exception("unexpected failure in a control RPC", exc_info=exc)
-    return CheckpointError(Reason.INTERNAL_ERROR, f"internal error ({type(exc).__name__})")
-
-
-def _unary(
-    name: str,
-    request_type: type[Req],
-    method: Callable[[Req], Awaitable[Message]],
-    observer: ControlObserver,
-) -> Callable[[bytes, Context], Awaitable[Message | None]]:
-    async def handle(raw: bytes, context: Context) -> Message | None:
-        # The observer times the call, carries the checkpoint id into logs and parents the
-        # call's span to the caller's `traceparent`.
-        with observer.operation(name, context.invocation_metadata()) as operation:
-            try:
-                request = _parse(request_type, raw)
-                operation.checkpoint(getattr(request, "checkpoint_id", ""))
-                return await method(request)
-            except CheckpointError as error:
-                operation.refused(error.reason.value)
-                await _abort(context, error)
-            except (aio.AbortError, aio.UsageError):
-                raise
-            except asyncio.CancelledError as exc:
-                if _call_cancelled():
-                    raise
-                operation.refused(Reason.INTERNAL_ERROR.value)
-                await _abort(context, _internal(exc))
-            except Exception as exc:
-                operation.refused(Reason.INTERNAL_ERROR.value)
-                await _abort(context, _internal(exc))
-        return None
-
-    return handle
-
-
-def _server_stream(
-    name: str,
-    request_type: type[Req],
-    method: Callable[[Req], AsyncIterator[Message]],
-    observer: ControlObserver,
-) -> Callable[[bytes, Context], AsyncIterator[Message]]:
-    async def handle(raw: bytes, context: Context) -> AsyncIterator[Message]:
-        with observer.operation(name, context.invocation_metadata()) as operation:
-            try:
-                request = _parse(request_type, raw)
-                operation.checkpoint(getattr(request, "checkpoint_id", ""))
-                async for message in method(request):
-                    yield message
-            except CheckpointError as error:
-                operation.refused(error.reason.value)
-                await _abort(context, error)
-            except (aio.AbortError, aio.UsageError):
-                raise
-            except asyncio.CancelledError as exc:
-                if _call_cancelled():
-                    raise
-                operation.refused(Reason.INTERNAL_ERROR.value)
-                await _abort(context, _internal(exc))
-            except Exception as exc:
-                operation.refused(Reason.INTERNAL_ERROR.value)
-                await _abort(context, _internal(exc))
-
-    return handle
-
-
-def _call_cancelled() -> bool:
-    """Whether the handler itself is being cancelled (the client went away, the server
-    stops), as opposed to a CancelledError escaping from work it awaited. Only the first
-    may end a handler without a status: grpc.aio sends nothing for an escaped
-    CancelledError, and a client without its own timeout would hang."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 # -- conversions ----------------------------------------------------------------------------
 
 
-def _deadline(request: Any) -> float:
-    if not request.HasField("deadline"):
-        raise invalid_request("deadline", "is required (an absolute google.protobuf.Timestamp)")
-    stamp: timestamp_pb2.Timestamp = request.deadline
-    if not 0 <= stamp.nanos < 1_000_000_000 or not 0 < stamp.seconds <= MAX_TIMESTAMP_SECONDS:
-        raise invalid_request("deadline", "is not a valid timestamp")
-    return stamp.seconds + stamp.nanos / 1e9
-
-
-def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    duration = duration_pb2.Duration()
-    duration.FromNanoseconds(int(seconds * 1e9))
-    return duration
-
-
-def _episode_id(message: types_pb2.EpisodeId, field: str) -> EpisodeId:
-    problem = rollout_id_problem(message.rollout_id)
-    if problem is not None:
-        raise invalid_request(f"{field}.rollout_id", problem)
-    if message.attempt > MAX_ATTEMPT:
-        raise invalid_request(f"{field}.attempt", f"must be at most {MAX_ATTEMPT}")
-    return EpisodeId(message.rollout_id, message.attempt)
-
-
 def _scope(scope: types_pb2.EpisodeScope, field: str) -> frozenset[EpisodeId]:
-    return frozenset(_episode_id(e, f"{field}.episodes[{i}]") for i, e in enumerate(scope.episodes))
+    return frozenset(episode_ids(scope.episodes, f"{field}.episodes"))
 
 
 def _report(report: ReadinessReport) -> types_pb2.ReadinessReport:
@@ -362,14 +205,14 @@ def _prepare_response(update: PrepareUpdate) -> pb.PrepareResponse:
         checkpoint_id=update.checkpoint_id,
         readiness=_report(update.report),
         sequence=update.sequence,
-        elapsed=_duration(update.elapsed),
+        elapsed=duration(update.elapsed),
         update_kind=_UPDATE_KINDS[update.kind],
         final=update.final,
         replayed=update.replayed,
         admission_open=update.admission_open,
     )
     if update.lease_expires_at is not None:
-        response.lease_expires_at.CopyFrom(_timestamp(update.lease_expires_at))
+        response.lease_expires_at.CopyFrom(timestamp(update.lease_expires_at))
     return response
 
 

@@ -3,8 +3,8 @@
 It serves ParticipantService and grpc.health.v1.Health (and reflection when configured),
 authenticates control calls with the bearer token, and binds without SO_REUSEPORT so a stray
 second sidecar on the same port fails loudly instead of silently taking half the calls.
-Every service parses its own request bytes (standard_services.py), so garbage is a typed
-INVALID_REQUEST, never UNKNOWN with a logged traceback.
+Every service parses its own request bytes (core/rpc: handlers, standard_services), so
+garbage is a typed INVALID_REQUEST, never UNKNOWN with a logged traceback.
 """
 
 from __future__ import annotations

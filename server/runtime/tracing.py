@@ -21,26 +21,12 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from rollout_checkpoint.server.core.rpc.tracing import extract_parent
+from rollout_checkpoint.server.core.rpc.tracing import otel as _api
 from rollout_checkpoint.server.runtime.logs import reset_quietly
 
 TRACER_NAME = "rollout_checkpoint.server"
 _SPAN: contextvars.ContextVar[Any] = contextvars.ContextVar("rollout_checkpoint_span", default=None)
-_api_module: Any = None
-_api_missing = False
-
-
-def _api() -> Any:
-    """`opentelemetry.trace` (with `propagate` loaded), or None when it is not installed."""
-    global _api_module, _api_missing
-    if _api_module is None and not _api_missing:
-        try:
-            import opentelemetry.propagate
-            import opentelemetry.trace
-        except ImportError:
-            _api_missing = True
-        else:
-            _api_module = opentelemetry
-    return _api_module
 
 
 def current_span() -> Any:
@@ -90,10 +76,11 @@ class Tracing:
         if tracer is None:
             return None
         api = _api()
-        carrier = {k: v for k, v in metadata or () if isinstance(v, str)}
-        parent = api.propagate.extract(carrier)
         return tracer.start_span(
-            name, context=parent, kind=api.trace.SpanKind.SERVER, attributes=dict(attributes or {})
+            name,
+            context=extract_parent(metadata),
+            kind=api.trace.SpanKind.SERVER,
+            attributes=dict(attributes or {}),
         )
 
     @contextlib.contextmanager

@@ -1,14 +1,16 @@
-"""Bearer-token authentication for the control services.
+"""Bearer-token authentication for the control services (ParticipantService, CoordinatorService).
 
-Every ParticipantService and CoordinatorService call needs `authorization: Bearer <token>`;
-health (the kubelet sends no token) and reflection (off unless configured) are exempt. The
-comparison is constant-time so a caller cannot learn the token byte by byte from timings, and
-the token never appears in a log line or a status message.
+Every control call needs `authorization: Bearer <token>`; health (the kubelet sends no token)
+and reflection (off unless configured) are exempt. The comparison is constant-time so a
+caller cannot learn the token byte by byte from timings, and the token never appears in a log
+line or a status message. A refused call is answered TOKEN_INVALID in the shape of the method
+(all four handler shapes) before a byte of its request is read.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, TypeAlias
 
@@ -16,7 +18,10 @@ import grpc
 from grpc import aio
 
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.rpc.standard_services import RateLimitedLog
 from rollout_checkpoint.server.core.rpc.status import to_grpc_status
+
+log = logging.getLogger(__name__)
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -26,7 +31,20 @@ def token_matches(presented: str, expected: str) -> bool:
     return hmac.compare_digest(presented.encode(), expected.encode())
 
 
+def refusal_log(logger: logging.Logger = log) -> Callable[[str], None]:
+    """The default refusal hook: one WARNING per minute at most, however fast refused calls
+    arrive (anyone who can reach the port can send them)."""
+    limited = RateLimitedLog(logger)
+
+    def refused(method: str) -> None:
+        limited.warning("refused %s: missing or invalid bearer token", method)
+
+    return refused
+
+
 class BearerTokenInterceptor(aio.ServerInterceptor):
+    """`on_refusal(method)` is called for every refused call (default: `refusal_log()`)."""
+
     def __init__(
         self,
         token: str,
@@ -38,7 +56,7 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
             raise ValueError("a control token is required")
         self._token = token
         self._exempt = tuple(exempt_prefixes)
-        self._on_refusal = on_refusal
+        self._on_refusal = on_refusal if on_refusal is not None else refusal_log()
 
     async def intercept_service(
         self,
@@ -51,8 +69,7 @@ class BearerTokenInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: let grpc answer UNIMPLEMENTED
             return None
-        if self._on_refusal is not None:
-            self._on_refusal(method)
+        self._on_refusal(method)
         return _refusing_handler(handler)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:

@@ -1,10 +1,12 @@
-"""grpc.health.v1.Health and server reflection, with the manners of ParticipantService.
+"""grpc.health.v1.Health and server reflection, with the manners of the control services.
+
+One implementation for the participant's sidecar and the coordinator.
 
 grpcio's generated registrations deserialize a request before any handler runs: bytes that
 do not parse are answered UNKNOWN with no details, and grpcio logs one ERROR traceback per
 call. Health takes no token (the kubelet sends none), so anyone who can reach the port could
 flood the log that way. Here both services are registered with an identity deserializer and
-parse inside, as servicer.py does: bytes that do not parse are INVALID_ARGUMENT /
+parse inside, as handlers.py does: bytes that do not parse are INVALID_ARGUMENT /
 `INVALID_REQUEST` with a `google.rpc.Status`, and such hostile input is logged at most once
 per interval. Health also answers `List`, which grpcio's aio servicer leaves to a
 NotImplementedError (another traceback per call).
@@ -13,6 +15,7 @@ NotImplementedError (another traceback per call).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -24,7 +27,6 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.status import to_grpc_status
-from rollout_checkpoint.server.runtime.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,39 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _health_messages: Any = health_pb2  # the type stubs predate List
 HEALTH_LIST_REQUEST: type[Message] = _health_messages.HealthListRequest
 HEALTH_LIST_RESPONSE: type[Message] = _health_messages.HealthListResponse
+
+
+class RateLimitedLog:
+    """At most one WARNING per `interval` seconds for events anyone can cause at will.
+
+    The first event is logged at once; later ones within the interval are only counted, and
+    the count rides on the next line logged after the interval. Unauthenticated callers
+    (health and reflection take no token) can send hostile input as fast as the port
+    accepts it; one line per call would let them flood the log and hide everything else."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._clock = clock
+        self._quiet_until: float | None = None
+        self._suppressed = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if self._quiet_until is not None and now < self._quiet_until:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += " (%d more since the last such line, not logged)"
+            args = (*args, self._suppressed)
+        self.logger.warning(message, *args)
+        self._suppressed = 0
+        self._quiet_until = now + self.interval
 
 
 class ListingHealthServicer(health.aio.HealthServicer):
