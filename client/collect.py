@@ -95,7 +95,6 @@ from rollout_checkpoint.client.fleet import (
     load_fleet_file,
 )
 from rollout_checkpoint.client.publication import (
-    FLEET_MANIFEST_NAME,
     CheckpointCorrupt,
     CheckpointRoot,
     FleetManifest,
@@ -103,6 +102,7 @@ from rollout_checkpoint.client.publication import (
 )
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
 from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME
 from rollout_checkpoint.v1 import types_pb2
 
 T = TypeVar("T")

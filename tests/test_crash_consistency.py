@@ -32,10 +32,10 @@ import pytest
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.core.part_storage import (
     LocalStorage,
     PublishedPart,
-    StoredManifest,
     WriteFence,
 )
 from rollout_checkpoint.v1 import types_pb2

@@ -36,8 +36,8 @@ from rollout_checkpoint.examples.prompt_injection import (
     score,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.server.core.part_storage import MANIFEST_NAME, StoredManifest
-from rollout_checkpoint.server.core.part_storage import SCHEMA_VERSION as STORAGE_VERSION
+from rollout_checkpoint.server.core.layout import MANIFEST_NAME, StoredManifest
+from rollout_checkpoint.server.core.layout import SCHEMA_VERSION as STORAGE_VERSION
 from rollout_checkpoint.server.resources import InvalidSessionState, ResourcesServerConfig
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import MANIFEST_NAME
 from rollout_checkpoint.server.core.part_storage import (
-    MANIFEST_NAME,
     LocalStorage,
     PublishedPart,
     StopRequested,

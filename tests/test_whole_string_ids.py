@@ -26,11 +26,11 @@ from rollout_checkpoint.client.participant import timestamp
 from rollout_checkpoint.client.publication import (
     FleetManifest,
     PublishedParticipant,
-    _decode_part_manifest,
     parse_time,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
 from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.runtime.control_plane import ControlPlane
 from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -165,13 +165,13 @@ def test_published_manifests_refuse_values_with_a_trailing_newline() -> None:
         "record_count": 0,
         "bytes": 0,
     }
-    _decode_part_manifest(_json(part))  # the well-formed part parses
+    StoredManifest.decode(_json(part))  # the well-formed part parses
     for field, value in (
         ("records_sha256", digest + "\n"),
         ("records_file", f"records-{digest}.jsonl\n"),
     ):
         with pytest.raises(ValueError, match=field):
-            _decode_part_manifest(_json(part | {field: value}))
+            StoredManifest.decode(_json(part | {field: value}))
     good = FleetManifest.decode(_fleet_manifest("c1"))
     assert good.checkpoint_id == "c1"
     with pytest.raises(ValueError, match="checkpoint_id"):

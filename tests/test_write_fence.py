@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.layout import MANIFEST_NAME
 from rollout_checkpoint.server.core.part_storage import (
-    MANIFEST_NAME,
     LocalStorage,
     PublishedPart,
     StopRequested,

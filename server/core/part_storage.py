@@ -1,7 +1,12 @@
-"""Storage of one participant's part of a checkpoint.
+"""One participant's part of a checkpoint: the one writer and the one reader of a part.
 
     <checkpoint_dir>/participants/<kind>/<instance>/records-<sha256>.jsonl
     <checkpoint_dir>/participants/<kind>/<instance>/manifest.json
+
+The names and the manifest's schema are `layout`'s; the safe-open rules are `safe_files`'.
+The participant runtime writes and restores parts with `LocalStorage`; the controller's
+publication verifies them with the same reader (`read_manifest_bytes`, `decode_manifest`,
+`check_owner`, `scan_records`), so the format has one implementation.
 
 A part is complete if and only if its manifest exists, and a directory with a manifest never
 changes. Everything here blocks (file I/O, fsync, hashing): callers run it in a thread.
@@ -52,22 +57,19 @@ filesystems do; Linux NFS clients emulate it with POSIX locks).
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import os
-import re
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
+from rollout_checkpoint.server.core import layout, safe_files
 from rollout_checkpoint.server.core.episodes import ID_PATTERN, is_valid_id
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
@@ -76,34 +78,13 @@ from rollout_checkpoint.server.core.errors import (
     invalid_request,
     rejected_checkpoint,
 )
-
-SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-RECORDS_NAME = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
-TEMPORARY_NAME = re.compile(r"^\.(records|manifest)-[0-9a-f]{16}\.tmp$")
-# O_NONBLOCK on directories is harmless; on files it keeps open() of a FIFO from blocking.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-_READ_CHUNK = 1 << 20
-# A manifest is a few hundred bytes; a larger file under its name is not one (and reading a
-# hostile multi-gigabyte file into memory must not be the way to find that out).
-MANIFEST_LIMIT = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class StoredManifest:
-    schema_version: int
-    kind: str
-    instance: str
-    checkpoint_id: str
-    records_file: str
-    records_sha256: str
-    record_count: int
-    bytes: int  # the records file's size; the name is the manifest's field name
-
-    def encode(self) -> builtins.bytes:
-        return (json.dumps(asdict(self), sort_keys=True, indent=2) + "\n").encode()
+from rollout_checkpoint.server.core.layout import (
+    MANIFEST_LIMIT,
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    StoredManifest,
+    load_json,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +246,7 @@ class LocalStorage:
         checked between records and while waiting for the part lock; StopRequested means
         nothing was published and nothing of this write is left behind.
         """
-        part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
+        part_path = layout.part_path(checkpoint_dir, kind, instance)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
         except OSError as exc:
@@ -298,7 +279,7 @@ class LocalStorage:
                 kind,
                 instance,
                 checkpoint_id,
-                f"records-{digest}.jsonl",
+                layout.records_name(digest),
                 digest,
                 count,
                 size,
@@ -318,7 +299,7 @@ class LocalStorage:
         count = size = 0
         # closefd=False: the descriptor carries the writer's lock on its temporary until the
         # write is over, not just until the records are on disk.
-        with os.fdopen(fd, "wb", buffering=_READ_CHUNK, closefd=False) as out:
+        with os.fdopen(fd, "wb", buffering=safe_files.READ_CHUNK, closefd=False) as out:
             for line in lines:
                 fence.check()
                 self._step("before_record")
@@ -357,7 +338,7 @@ class LocalStorage:
         manifest_bytes = manifest.encode()
         manifest_tmp, tmp_fd = _create_temporary(part.fd, "manifest")
         try:
-            _write_all(tmp_fd, manifest_bytes)
+            safe_files.write_all(tmp_fd, manifest_bytes)
             self._step("before_publish")
             # From here on the publication is under way: a Resume's stop() learns so and waits
             # for it instead of stopping it, since a link cannot be withdrawn.
@@ -388,8 +369,10 @@ class LocalStorage:
     ) -> PublishedPart:
         """Another writer published first: identical means our retry is done; else refuse."""
         try:
-            existing = _read_file(part.fd, MANIFEST_NAME, MANIFEST_LIMIT)
-        except _NotRegular as exc:
+            existing = safe_files.read_regular(part.fd, MANIFEST_NAME, MANIFEST_LIMIT)
+        except safe_files.TooLarge:
+            existing = b""  # larger than any manifest: not ours, so a different commit
+        except safe_files.NotRegular as exc:
             raise _foreign_manifest(part.path, "not a regular file") from exc
         except OSError as exc:
             if exc.errno != errno.ELOOP:
@@ -444,7 +427,7 @@ class LocalStorage:
         instance: str,
         select: Callable[[dict[str, Any]], bool],
     ) -> tuple[StoredManifest, list[dict[str, Any]]]:
-        part_path = os.path.join(checkpoint_dir, "participants", kind, instance)
+        part_path = layout.part_path(checkpoint_dir, kind, instance)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=False)
         except FileNotFoundError as exc:
@@ -454,100 +437,211 @@ class LocalStorage:
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         try:
-            manifest = self._read_manifest(part_fd, part_path, kind, instance)
-            records = self._read_records(part_fd, part_path, manifest, select)
-            return manifest, records
+            manifest = read_manifest(part_fd, part_path, kind, instance)
+            kept: list[dict[str, Any]] = []
+
+            def keep(record: dict[str, Any], number: int) -> None:
+                if select(record):
+                    kept.append(record)
+
+            scan_records(part_fd, part_path, manifest, keep)
+            return manifest, kept
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         finally:
             os.close(part_fd)
 
-    def _read_manifest(
-        self, part_fd: int, part_path: str, kind: str, instance: str
-    ) -> StoredManifest:
-        try:
-            raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
-        except FileNotFoundError as exc:
-            raise corrupt_checkpoint(
-                "the part has no manifest (never published)", part_path
-            ) from exc
-        except _NotRegular as exc:
-            raise corrupt_checkpoint("manifest.json is not a regular file", part_path) from exc
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise corrupt_checkpoint("manifest.json is a symlink", part_path) from exc
-            raise
-        if len(raw) > MANIFEST_LIMIT:
-            raise corrupt_checkpoint(
-                f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part_path
-            )
-        try:
-            fields = json.loads(raw, parse_constant=_refuse_constant)
-            manifest = _manifest_from_json(fields)
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise corrupt_checkpoint(f"unreadable manifest: {exc}", part_path) from exc
-        if manifest.kind != kind or manifest.instance != instance:
-            raise rejected_checkpoint(
-                f"the part belongs to {manifest.kind}/{manifest.instance}, not {kind}/{instance}",
-                path=part_path,
-            )
-        return manifest
 
-    def _read_records(
-        self,
-        part_fd: int,
-        part_path: str,
-        manifest: StoredManifest,
-        select: Callable[[dict[str, Any]], bool],
-    ) -> list[dict[str, Any]]:
-        try:
-            fd = _open_regular(part_fd, manifest.records_file, os.O_RDONLY)
-        except FileNotFoundError as exc:
-            raise corrupt_checkpoint(
-                "the records file named by the manifest is missing", part_path
-            ) from exc
-        except _NotRegular as exc:
-            raise corrupt_checkpoint("the records file is not a regular file", part_path) from exc
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise corrupt_checkpoint("the records file is a symlink", part_path) from exc
-            raise
+# -- the one reader of a part (the runtime's restore and the controller's verification) -------
+
+
+def read_manifest_bytes(part_fd: int, part_path: str) -> bytes:
+    """The raw `manifest.json` of the open part directory; DATA_LOSS when it is missing, not a
+    regular file, a symlink or larger than any manifest. Other OSErrors propagate."""
+    try:
+        raw = safe_files.read_regular(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+    except FileNotFoundError as exc:
+        raise corrupt_checkpoint("the part has no manifest (never published)", part_path) from exc
+    except safe_files.NotRegular as exc:
+        raise corrupt_checkpoint("manifest.json is not a regular file", part_path) from exc
+    except safe_files.TooLarge as exc:
+        raise corrupt_checkpoint(
+            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part_path
+        ) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise corrupt_checkpoint("manifest.json is a symlink", part_path) from exc
+        raise
+    if len(raw) > MANIFEST_LIMIT:  # it grew while being read
+        raise corrupt_checkpoint(f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part_path)
+    return raw
+
+
+def decode_manifest(raw: bytes, part_path: str) -> StoredManifest:
+    """`StoredManifest.decode`, its ValueError as DATA_LOSS."""
+    try:
+        return StoredManifest.decode(raw)
+    except ValueError as exc:
+        raise corrupt_checkpoint(f"invalid participant manifest: {exc}", part_path) from exc
+
+
+def check_owner(
+    manifest: StoredManifest,
+    part_path: str,
+    kind: str,
+    instance: str,
+    checkpoint_id: str | None = None,
+) -> None:
+    """FAILED_PRECONDITION when the manifest names another kind, instance (or checkpoint)."""
+    expected = [("kind", kind), ("instance", instance)]
+    if checkpoint_id is not None:
+        expected.append(("checkpoint_id", checkpoint_id))
+    for field_name, value in expected:
+        actual = getattr(manifest, field_name)
+        if actual != value:
+            raise rejected_checkpoint(
+                f"the manifest's {field_name} is {actual!r}, expected {value!r}", path=part_path
+            )
+
+
+def read_manifest(part_fd: int, part_path: str, kind: str, instance: str) -> StoredManifest:
+    """The validated manifest of the open part directory of `kind`/`instance`."""
+    manifest = decode_manifest(read_manifest_bytes(part_fd, part_path), part_path)
+    check_owner(manifest, part_path, kind, instance)
+    return manifest
+
+
+RecordsCheck = Literal["full", "size"]
+"""How much of a records file to check: everything, or only its size."""
+
+
+def scan_records(
+    part_fd: int,
+    part_path: str,
+    manifest: StoredManifest,
+    on_record: Callable[[dict[str, Any], int], None],
+    check: RecordsCheck = "full",
+) -> None:
+    """Check the records file the manifest names; `on_record(record, line_number)` sees each
+    record (a JSON object) in order and may raise CheckpointError to refuse one.
+
+    The size the manifest records is checked first, before a byte is read: a hostile sparse
+    file of a terabyte under the records name would otherwise keep this thread hashing zeros
+    for hours. Then the file is read in fixed-size chunks and always hashed whole: the first
+    bad line (torn, not JSON, not an object, refused by `on_record`) is reported only after
+    the digest, count and size matched, so a file that does not match its manifest is a
+    digest mismatch whatever its lines look like. Lines are reassembled from chunks only
+    while they can still be valid, so memory stays bounded by the manifest's size."""
+    try:
+        fd = safe_files.open_regular(part_fd, manifest.records_file)
+    except FileNotFoundError as exc:
+        raise corrupt_checkpoint(
+            "the records file named by the manifest is missing", part_path
+        ) from exc
+    except safe_files.NotRegular as exc:
+        raise corrupt_checkpoint("the records file is not a regular file", part_path) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise corrupt_checkpoint("the records file is a symlink", part_path) from exc
+        raise
+    with safe_files.closing(fd):
         size = os.fstat(fd).st_size
         if size != manifest.bytes:
-            # Checked before reading: a hostile sparse file of a terabyte under the records
-            # name would otherwise keep this thread hashing zeros for hours.
-            os.close(fd)
             raise corrupt_checkpoint(
                 f"records digest mismatch: the records file has {size} bytes, "
                 f"the manifest says {manifest.bytes}",
                 part_path,
             )
-        hasher = hashlib.sha256()
-        count = size = 0
-        kept: list[dict[str, Any]] = []
-        # The first bad line is reported only once the whole file has been hashed: a file that
-        # does not match its manifest is a digest mismatch, whatever its lines look like.
-        problem: CheckpointError | None = None
-        with os.fdopen(fd, "rb", buffering=_READ_CHUNK) as records:
-            for line in records:
-                hasher.update(line)
-                count += 1
-                size += len(line)
-                if problem is None:
-                    problem = _select_line(line, count, part_path, select, kept)
-        if (hasher.hexdigest(), count, size) != (
-            manifest.records_sha256,
-            manifest.record_count,
-            manifest.bytes,
-        ):
-            raise corrupt_checkpoint(
-                "records digest mismatch: the records file does not match its manifest "
-                f"(sha256 {hasher.hexdigest()}, {count} records, {size} bytes)",
-                part_path,
-            )
-        if problem is not None:
-            raise problem
-        return kept
+        if check == "size":
+            return
+        scan = _scan(fd, manifest.bytes, part_path, on_record)
+    if (scan.sha256, scan.count, scan.size) != (
+        manifest.records_sha256,
+        manifest.record_count,
+        manifest.bytes,
+    ):
+        raise corrupt_checkpoint(
+            "records digest mismatch: the records file does not match its manifest "
+            f"(sha256 {scan.sha256}, {scan.count} records, {scan.size} bytes; the manifest "
+            f"says sha256 {manifest.records_sha256}, {manifest.record_count} records, "
+            f"{manifest.bytes} bytes)",
+            part_path,
+        )
+    if scan.problem is not None:
+        raise scan.problem
+
+
+@dataclass(slots=True)
+class _Scan:
+    sha256: str
+    count: int
+    size: int
+    problem: CheckpointError | None
+
+
+def _scan(
+    fd: int,
+    expected_bytes: int,
+    part_path: str,
+    on_record: Callable[[dict[str, Any], int], None],
+) -> _Scan:
+    """Hash, count and check every line, reading fixed-size chunks (see `scan_records`)."""
+    hasher = hashlib.sha256()
+    count = size = 0
+    pending: list[bytes] = []
+    problem: CheckpointError | None = None
+    parsing = True
+    last = b"\n"
+    while chunk := os.read(fd, safe_files.READ_CHUNK):
+        hasher.update(chunk)
+        size += len(chunk)
+        last = chunk[-1:]
+        if size > expected_bytes:
+            parsing = False  # grown past its manifest: the digest cannot match
+        start = 0
+        while parsing:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                if start < len(chunk):
+                    pending.append(chunk[start:])
+                start = len(chunk)
+                break
+            pending.append(chunk[start : end + 1])
+            start = end + 1
+            count += 1
+            line = b"".join(pending)
+            pending.clear()
+            problem = _check_line(line, count, part_path, on_record)
+            if problem is not None:
+                parsing = False
+        if not parsing:
+            pending.clear()
+            count += chunk.count(b"\n", start)
+    if last != b"\n":
+        count += 1  # a final line without its newline is a (torn) line too
+        if parsing and problem is None:
+            problem = corrupt_checkpoint(f"line {count} is torn (no final newline)", part_path)
+    return _Scan(hasher.hexdigest(), count, size, problem)
+
+
+def _check_line(
+    line: bytes,
+    number: int,
+    part_path: str,
+    on_record: Callable[[dict[str, Any], int], None],
+) -> CheckpointError | None:
+    """Parse one line and hand it on; return the problem instead of raising it."""
+    try:
+        record = load_json(line)
+    except ValueError:
+        return corrupt_checkpoint(f"line {number} is not valid JSON", part_path)
+    if not isinstance(record, dict):
+        return corrupt_checkpoint(f"line {number} is not a JSON object", part_path)
+    try:
+        on_record(record, number)
+    except CheckpointError as error:
+        return error
+    return None
 
 
 def _foreign_manifest(part_path: str, what: str) -> CheckpointError:
@@ -556,53 +650,6 @@ def _foreign_manifest(part_path: str, what: str) -> CheckpointError:
     return rejected_checkpoint(
         f"the participant directory holds a manifest.json that is {what}", path=part_path
     )
-
-
-def _select_line(
-    line: bytes,
-    number: int,
-    part_path: str,
-    select: Callable[[dict[str, Any]], bool],
-    kept: list[dict[str, Any]],
-) -> CheckpointError | None:
-    """Parse one line and keep it if selected; return the problem instead of raising it."""
-    if not line.endswith(b"\n"):
-        return corrupt_checkpoint(f"line {number} is torn", part_path)
-    try:
-        record = json.loads(line, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-        return corrupt_checkpoint(f"corrupt record at line {number}", part_path)
-    if not isinstance(record, dict):
-        return corrupt_checkpoint(f"record at line {number} is not an object", part_path)
-    try:
-        if select(record):
-            kept.append(record)
-    except CheckpointError as error:
-        return error
-    return None
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _manifest_from_json(fields: object) -> StoredManifest:
-    if not isinstance(fields, dict):
-        raise ValueError("manifest is not an object")
-    expected = set(StoredManifest.__dataclass_fields__)
-    if set(fields) != expected:
-        raise ValueError("manifest fields differ from schema version 1")
-    manifest = StoredManifest(**fields)
-    ints = (manifest.schema_version, manifest.record_count, manifest.bytes)
-    strs = (manifest.kind, manifest.instance, manifest.checkpoint_id, manifest.records_file)
-    if any(type(v) is not int or v < 0 for v in ints) or any(type(v) is not str for v in strs):
-        raise ValueError("manifest field of the wrong type")
-    if manifest.schema_version != SCHEMA_VERSION:
-        raise ValueError(f"unsupported schema version {manifest.schema_version}")
-    match = RECORDS_NAME.match(manifest.records_file)
-    if match is None or match.group(1) != manifest.records_sha256:
-        raise ValueError("records_file must be records-<records_sha256>.jsonl")
-    return manifest
 
 
 def _check_names(kind: str, instance: str) -> None:
@@ -619,17 +666,16 @@ def _open_part_dir(checkpoint_dir: str, kind: str, instance: str, *, create: boo
     outside it is ever created); each component below it is opened with O_NOFOLLOW.
     """
     _check_names(kind, instance)
-    fd = _open_checkpoint_dir(checkpoint_dir, create=create)
-    try:
-        for component in ("participants", kind, instance):
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(component, 0o755, dir_fd=fd)
-            fd = _descend(fd, component, f"participant subdirectory {component!r}")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+    ckpt_fd = _open_checkpoint_dir(checkpoint_dir, create=create)
+    with safe_files.closing(ckpt_fd):
+        return safe_files.walk(
+            ckpt_fd,
+            layout.part_components(kind, instance),
+            create=lambda index: create,
+            refused=lambda exc, parent, index, name: _refused_component(
+                exc, parent, name, f"participant subdirectory {name!r}"
+            ),
+        )
 
 
 def _open_checkpoint_dir(checkpoint_dir: str, *, create: bool) -> int:
@@ -642,49 +688,31 @@ def _open_checkpoint_dir(checkpoint_dir: str, *, create: bool) -> int:
     a component that became a symlink is refused, never followed. Only the last component
     (the checkpoint directory itself) is created when missing.
     """
-    components = _components(checkpoint_dir)
-    fd = os.open("/", _DIR_FLAGS)
     try:
-        for index, component in enumerate(components):
-            if create and index == len(components) - 1:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(component, 0o755, dir_fd=fd)
-            shown = "/" + "/".join(components[: index + 1])
-            fd = _descend(fd, component, shown)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+        components = safe_files.components_of(checkpoint_dir)
+    except ValueError as exc:
+        raise invalid_request("checkpoint_dir", str(exc)) from exc
+    root_fd = safe_files.open_root()
+    with safe_files.closing(root_fd):
+        return safe_files.walk(
+            root_fd,
+            components,
+            create=lambda index: create and index == len(components) - 1,
+            refused=lambda exc, parent, index, name: _refused_component(
+                exc, parent, name, "/" + "/".join(components[: index + 1])
+            ),
+        )
 
 
-def _components(checkpoint_dir: str) -> list[str]:
-    """The names of an absolute, normalized path (what `validate_checkpoint_dir` returns)."""
-    if not os.path.isabs(checkpoint_dir) or os.path.normpath(checkpoint_dir) != checkpoint_dir:
-        raise invalid_request("checkpoint_dir", "must be an absolute, normalized path")
-    components = [c for c in checkpoint_dir.split("/") if c]
-    if any(c in (".", "..") for c in components):
-        raise invalid_request("checkpoint_dir", "must not contain a '.' or '..' component")
-    return components
-
-
-def _descend(parent_fd: int, name: str, shown: str) -> int:
-    """Open directory `name` below `parent_fd` without following a symlink; on success the
-    parent descriptor is closed and the child's returned (on failure the caller closes it)."""
-    try:
-        child = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        # Linux reports a symlink opened with O_NOFOLLOW | O_DIRECTORY as ELOOP or ENOTDIR:
-        # lstat tells which it is (it never opens, so it cannot block either).
-        try:
-            is_link = stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
-        except OSError:
-            is_link = exc.errno == errno.ELOOP
-        what = "is a symlink (refused: nothing is followed)" if is_link else "is not a directory"
-        raise invalid_request("checkpoint_dir", f"{shown} {what}") from exc
-    os.close(parent_fd)
-    return child
+def _refused_component(exc: OSError, parent_fd: int, name: str, shown: str) -> Exception | None:
+    what = safe_files.symlink_or_not_directory(exc, parent_fd, name)
+    if what is None:
+        return None
+    if what == "symlink":
+        return invalid_request(
+            "checkpoint_dir", f"{shown} is a symlink (refused: nothing is followed)"
+        )
+    return invalid_request("checkpoint_dir", f"{shown} is not a directory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,8 +730,8 @@ def _create_temporary(part_fd: int, kind: str) -> tuple[str, int]:
     file's writer is alive. Taking it under the part lock, which every sweep holds, leaves no
     moment in which a sweep could find the file unlocked and take a live writer's file.
     """
-    name = f".{kind}-{secrets.token_hex(8)}.tmp"
-    fd = _open_regular(part_fd, name, _CREATE_FLAGS)
+    name = layout.part_temporary_name(kind, secrets.token_hex(8))
+    fd = safe_files.open_regular(part_fd, name, safe_files.CREATE_FLAGS)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: no one else can hold it
     except BaseException:
@@ -730,13 +758,13 @@ def _named_records(part_fd: int) -> str | _Unknown | None:
     and the callers then remove no records file at all rather than guess.
     """
     try:
-        raw = _read_file(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
-    except (FileNotFoundError, _NotRegular):
+        raw = safe_files.read_regular(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+    except (FileNotFoundError, safe_files.NotRegular, safe_files.TooLarge):
         return None
     except OSError as exc:
         return None if exc.errno == errno.ELOOP else _UNKNOWN
     try:
-        named = json.loads(raw).get("records_file")
+        named = load_json(raw).get("records_file")
     except (ValueError, AttributeError, RecursionError):
         return None
     return named if isinstance(named, str) else None
@@ -765,17 +793,17 @@ def _sweep(part_fd: int) -> None:
     """
     named = _named_records(part_fd)
     for name in os.listdir(part_fd):
-        if TEMPORARY_NAME.match(name):
+        if layout.PART_TEMPORARY_NAME.match(name):
             _sweep_temporary(part_fd, name)
-        elif RECORDS_NAME.match(name) and _unnamed(name, named):
+        elif layout.RECORDS_NAME.match(name) and _unnamed(name, named):
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=part_fd)
 
 
 def _sweep_temporary(part_fd: int, name: str) -> None:
     try:
-        fd = _open_regular(part_fd, name, os.O_RDONLY)
-    except (OSError, _NotRegular):
+        fd = safe_files.open_regular(part_fd, name)
+    except (OSError, safe_files.NotRegular):
         return  # gone, or no writer's file (a symlink, a FIFO): not ours to judge
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -786,46 +814,3 @@ def _sweep_temporary(part_fd: int, name: str) -> None:
             os.unlink(name, dir_fd=part_fd)
     finally:
         os.close(fd)
-
-
-class _NotRegular(Exception):
-    """A name that must be a regular file is something else: a FIFO, a directory, a device."""
-
-
-def _open_regular(dir_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
-    """Open `name` below `dir_fd` without following a symlink and without ever blocking.
-
-    O_NONBLOCK makes open() of a FIFO return at once instead of waiting for a writer; fstat
-    then refuses anything but a regular file before a byte moves. For a regular file
-    O_NONBLOCK means nothing, but it is cleared all the same so reads and writes are plain.
-    """
-    fd = os.open(name, flags | _FILE_FLAGS, mode, dir_fd=dir_fd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _NotRegular(name)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.fsync(fd)
-
-
-def _read_file(dir_fd: int, name: str, limit: int) -> bytes:
-    """The file's bytes, at most `limit + 1` of them (so a caller can tell "too large")."""
-    fd = _open_regular(dir_fd, name, os.O_RDONLY)
-    chunks: list[bytes] = []
-    remaining = limit + 1
-    try:
-        while remaining > 0 and (chunk := os.read(fd, min(remaining, _READ_CHUNK))):
-            chunks.append(chunk)
-            remaining -= len(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks)

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
 from rollout_checkpoint.server.core.episodes import (
     MAX_ATTEMPT,
@@ -48,12 +49,12 @@ from rollout_checkpoint.server.core.errors import (
     invalid_request,
     rejected_checkpoint,
 )
+from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     LocalStorage,
     PublishedPart,
     StopRequested,
-    StoredManifest,
     WriteFence,
     validate_checkpoint_dir,
 )
@@ -788,7 +789,9 @@ class ControlPlane:
 
     def _read_selected(self, job: _RestoreJob) -> tuple[StoredManifest, list[dict[str, Any]]]:
         wanted = {e.capture_key for e in job.scope}
-        part = f"{job.checkpoint_dir}/participants/{self.participant.kind.value}/{self.participant.instance}"
+        part = layout.part_path(
+            job.checkpoint_dir, self.participant.kind.value, self.participant.instance
+        )
 
         seen: set[object] = set()
 

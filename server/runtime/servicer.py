@@ -16,7 +16,7 @@ import grpc
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import invalid_request
-from rollout_checkpoint.server.core.part_storage import SCHEMA_VERSION, StoredManifest
+from rollout_checkpoint.server.core.layout import SCHEMA_VERSION, StoredManifest
 from rollout_checkpoint.server.core.rpc import handlers
 from rollout_checkpoint.server.core.rpc.wire import deadline_of, duration, episode_ids, timestamp
 from rollout_checkpoint.server.runtime.control_plane import (
