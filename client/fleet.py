@@ -58,12 +58,17 @@ class FleetConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MemberSpec:
+    """One fleet member as the fleet file names it: its name and its sidecar's address."""
+
     name: str
     address: str
 
 
 @dataclass(frozen=True)
 class FleetSpec:
+    """A parsed fleet file: the members, the control token, where checkpoints are published
+    and how many are kept, and the TLS files of the channels to the members."""
+
     members: tuple[MemberSpec, ...]
     token: str = field(repr=False)
     checkpoint_root: str | None = None

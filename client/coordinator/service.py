@@ -8,6 +8,7 @@ call is safe to retry and the coordinator itself can be restarted at any time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -338,14 +339,11 @@ def _in_order(fleet: Fleet, replies: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _member_progress(member: MemberProgress) -> cpb.MemberProgress:
-    message = cpb.MemberProgress(
-        name=member.name,
-        kind=member.kind,
-        reached=member.reached,
-        state=member.state,
-        readiness=member.readiness,
-        done=member.done,
-    )
+    # The message mirrors coordination's MemberProgress field for field, but for the error
+    # (a ControlError there, its google.rpc.Status here).
+    fields = {f.name: getattr(member, f.name) for f in dataclasses.fields(member)}
+    del fields["error"]
+    message = cpb.MemberProgress(**fields)
     if member.error is not None:
         message.error.CopyFrom(status_of(member.error))
     return message

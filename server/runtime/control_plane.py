@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
@@ -127,6 +127,9 @@ class PrepareUpdate:
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
+    """What a Commit published: the part's manifest and its digest, the episodes exported
+    and the attempts retired with it."""
+
     manifest: StoredManifest
     manifest_sha256: str
     exported: tuple[str, ...]
@@ -135,6 +138,8 @@ class CommitResult:
 
 @dataclass(frozen=True, slots=True)
 class RestoreResult:
+    """What a Restore installed: from which checkpoint, and the capture keys restored."""
+
     source_checkpoint_id: str
     restored: tuple[str, ...]
 
@@ -152,8 +157,10 @@ class StatusSnapshot:
     counters: dict[str, int]
 
 
-@dataclass(slots=True)
-class _Recorded:
+class _Recorded(NamedTuple):
+    """A completed call's arguments and result, replayed to a retry of the same call (a
+    retry with other arguments is a conflict, not a replay)."""
+
     args: object
     result: object
 
