@@ -24,12 +24,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rollout_checkpoint.examples.counter import CounterServer
-from rollout_checkpoint.server.auth import token_matches
-from rollout_checkpoint.server.control_plane import ControlPlane, PrepareUpdate
-from rollout_checkpoint.server.errors import CheckpointError
-from rollout_checkpoint.server.participant import ReadinessReport
+from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.core.rpc.auth import token_matches
 from rollout_checkpoint.server.resources import ResourcesServerConfig
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane, PrepareUpdate
+from rollout_checkpoint.server.runtime.participant import ReadinessReport
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 CONTROL = "/ng-control/v1/checkpoint"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .common import BenchResult, deadline_in, ms, now, ratios
 from .fleetutil import Group, discover, seed_sessions, start_groups

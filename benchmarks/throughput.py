@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .common import REPO, BenchResult, Server, deadline_in, now, ratios
 from .fleetutil import seed_sessions

@@ -17,17 +17,22 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.server.episodes import EpisodeId
-
-from . import coordination
-from .coordination import DERIVE, FleetCommit, FleetError, FleetProgress, Outcome
-from .fleet import Fleet
-from .publication import (
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.coordination import (
+    DERIVE,
+    FleetCommit,
+    FleetError,
+    FleetProgress,
+    Outcome,
+)
+from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client.publication import (
     CheckpointCorrupt,
     CheckpointRoot,
     PublishedCheckpoint,
     PublishedParticipant,
 )
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 ABORT_SECONDS = 30.0
 

@@ -20,13 +20,12 @@ from pathlib import Path
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from rollout_checkpoint.server.episodes import EpisodeId
-
-from .collect import add_collect_verb, run_collect
-from .errors import ControlError
-from .fleet_cli import add_fleet_verbs, is_fleet_command
-from .fleet_cli import run as run_fleet_command
-from .participant import ParticipantClient
+from rollout_checkpoint.client.collect import add_collect_verb, run_collect
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet_cli import add_fleet_verbs, is_fleet_command
+from rollout_checkpoint.client.fleet_cli import run as run_fleet_command
+from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 TOKEN_ENV = "ROLLOUT_CHECKPOINT_TOKEN"
 

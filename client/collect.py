@@ -78,21 +78,32 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
 
-from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
-from rollout_checkpoint.v1 import types_pb2
-
-from . import coordination
-from .checkpointing import CheckpointEvent, Phase, checkpoint, restore_published
-from .coordination import FleetError
-from .errors import ControlError
-from .fleet import DiscoveryError, Fleet, FleetConfigError, Member, load_fleet_file
-from .publication import (
-    FLEET_MANIFEST_NAME,
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import (
+    CheckpointEvent,
+    Phase,
+    checkpoint,
+    restore_published,
+)
+from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import (
+    DiscoveryError,
+    Fleet,
+    FleetConfigError,
+    Member,
+    load_fleet_file,
+)
+from rollout_checkpoint.client.publication import (
     CheckpointCorrupt,
     CheckpointRoot,
     FleetManifest,
     PublicationError,
 )
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId, rollout_id_problem
+from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME
+from rollout_checkpoint.v1 import types_pb2
 
 T = TypeVar("T")
 
@@ -1356,7 +1367,7 @@ def run_collect(args: argparse.Namespace, command: Sequence[str] = ()) -> int:
     except DiscoveryError as error:
         return fail(EXIT_UNREACHABLE, str(error))
     except FleetError as error:
-        code = EXIT_UNREACHABLE if error.reason == "PARTICIPANT_UNREACHABLE" else EXIT_REFUSED
+        code = EXIT_UNREACHABLE if error.reason == Reason.PARTICIPANT_UNREACHABLE else EXIT_REFUSED
         return fail(code, str(error))
     except ControlError as error:
         return fail(EXIT_REFUSED if error.decided_by_server else EXIT_UNREACHABLE, str(error))

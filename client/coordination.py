@@ -24,12 +24,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, Kind, Member
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
-
-from .errors import ControlError
-from .fleet import Fleet, Kind, Member
 
 T = TypeVar("T")
 
@@ -60,12 +60,12 @@ class FleetError(Exception):
     @property
     def reason(self) -> str:
         if all(not e.decided_by_server for e in self.failures.values()):
-            return "PARTICIPANT_UNREACHABLE"
-        return "PARTICIPANT_FAILED"
+            return Reason.PARTICIPANT_UNREACHABLE
+        return Reason.PARTICIPANT_FAILED
 
     @property
     def code(self) -> grpc.StatusCode:
-        if self.reason == "PARTICIPANT_UNREACHABLE":
+        if self.reason == Reason.PARTICIPANT_UNREACHABLE:
             return grpc.StatusCode.UNAVAILABLE
         return next(e.code for e in self.failures.values() if e.decided_by_server)
 

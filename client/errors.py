@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import grpc
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
 
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
+from rollout_checkpoint.server.core.rpc.status import error_info, status_of_rpc_error
 
 
 class ControlError(Exception):
@@ -39,15 +37,8 @@ class ControlError(Exception):
     @classmethod
     def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> ControlError:
         code, message = error.code(), error.details() or ""
-        for key, value in error.trailing_metadata() or ():
-            if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
-                continue
-            try:
-                status = status_pb2.Status.FromString(value)
-            except DecodeError:
-                break
-            for detail in status.details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    return cls(code, status.message, info.reason, info.domain, dict(info.metadata))
-        return cls(code, message)
+        status = status_of_rpc_error(error)
+        info = None if status is None else error_info(status)
+        if status is None or info is None:
+            return cls(code, message)
+        return cls(code, status.message, info.reason, info.domain, dict(info.metadata))

@@ -27,11 +27,10 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from rollout_checkpoint.server.episodes import is_valid_id
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.v1 import types_pb2
-
-from .errors import ControlError
-from .participant import ParticipantClient
 
 Kind: TypeAlias = "types_pb2.ParticipantKind.ValueType"
 
@@ -59,12 +58,17 @@ class FleetConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MemberSpec:
+    """One fleet member as the fleet file names it: its name and its sidecar's address."""
+
     name: str
     address: str
 
 
 @dataclass(frozen=True)
 class FleetSpec:
+    """A parsed fleet file: the members, the control token, where checkpoints are published
+    and how many are kept, and the TLS files of the channels to the members."""
+
     members: tuple[MemberSpec, ...]
     token: str = field(repr=False)
     checkpoint_root: str | None = None

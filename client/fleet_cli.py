@@ -26,20 +26,33 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from rollout_checkpoint.server.episodes import EpisodeId
-
-from . import coordination
-from .checkpointing import CheckpointEvent, Phase, checkpoint, restore_published
-from .coordination import DERIVE, FleetError, FleetProgress
-from .errors import ControlError
-from .fleet import KIND_NAMES, DiscoveryError, Fleet, FleetConfigError, FleetSpec, load_fleet_file
-from .publication import (
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import (
+    CheckpointEvent,
+    Phase,
+    checkpoint,
+    restore_published,
+)
+from rollout_checkpoint.client.coordination import DERIVE, FleetError, FleetProgress
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import (
+    KIND_NAMES,
+    DiscoveryError,
+    Fleet,
+    FleetConfigError,
+    FleetSpec,
+    load_fleet_file,
+)
+from rollout_checkpoint.client.publication import (
     CheckpointCorrupt,
     CheckpointRoot,
     NoPublishedCheckpoint,
     PublicationError,
     verify_checkpoint,
 )
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.v1 import types_pb2
 
 EXIT_OK, EXIT_USAGE, EXIT_NOT_PREPARED, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_CORRUPT = (
     0,
@@ -50,7 +63,19 @@ EXIT_OK, EXIT_USAGE, EXIT_NOT_PREPARED, EXIT_REFUSED, EXIT_UNREACHABLE, EXIT_COR
     6,
 )
 TOKEN_ENV = "ROLLOUT_CHECKPOINT_TOKEN"
-STATE_NAMES = {1: "IDLE", 2: "PREPARING", 3: "PREPARED", 4: "COMMITTED", 5: "RESTORED"}
+STATE_PREFIX = "PARTICIPANT_STATE_"
+
+
+def state_name(state: int, unknown: str) -> str:
+    """A participant state's name in types.proto without its prefix (`IDLE`); `unknown` for
+    UNSPECIFIED and for a value this version does not know."""
+    if state == types_pb2.PARTICIPANT_STATE_UNSPECIFIED:
+        return unknown
+    try:
+        return types_pb2.ParticipantState.Name(state).removeprefix(STATE_PREFIX)  # type: ignore[arg-type]
+    except ValueError:
+        return unknown
+
 
 FLEET_VERBS = (
     "status",
@@ -158,12 +183,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail(
             args,
             EXIT_REFUSED if refused else EXIT_UNREACHABLE,
-            "PARTICIPANT_FAILED" if refused else "PARTICIPANT_UNREACHABLE",
+            Reason.PARTICIPANT_FAILED if refused else Reason.PARTICIPANT_UNREACHABLE,
             str(error),
             {"failures": error.failures},
         )
     except FleetError as error:
-        code = EXIT_UNREACHABLE if error.reason == "PARTICIPANT_UNREACHABLE" else EXIT_REFUSED
+        code = EXIT_UNREACHABLE if error.reason == Reason.PARTICIPANT_UNREACHABLE else EXIT_REFUSED
         return _fail(
             args,
             code,
@@ -173,11 +198,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ControlError as error:
         code = EXIT_REFUSED if error.decided_by_server else EXIT_UNREACHABLE
-        return _fail(args, code, error.reason or "PARTICIPANT_UNREACHABLE", error.message)
+        return _fail(args, code, error.reason or Reason.PARTICIPANT_UNREACHABLE, error.message)
     except CheckpointCorrupt as error:
-        return _fail(args, EXIT_CORRUPT, "INVALID_CHECKPOINT_STATE", str(error))
+        return _fail(args, EXIT_CORRUPT, Reason.INVALID_CHECKPOINT_STATE, str(error))
     except (NoPublishedCheckpoint, PublicationError) as error:
-        return _fail(args, EXIT_REFUSED, "INVALID_CHECKPOINT_STATE", str(error))
+        return _fail(args, EXIT_REFUSED, Reason.INVALID_CHECKPOINT_STATE, str(error))
 
 
 def _fail(
@@ -295,7 +320,7 @@ async def _status(args: argparse.Namespace, fleet: Fleet) -> int:
                 "kind": member.kind_name,
                 "instance": member.instance,
                 "address": member.address,
-                "state": STATE_NAMES.get(status.state, "?"),
+                "state": state_name(status.state, "?"),
                 "checkpoint_id": status.checkpoint_id,
                 "admission_open": status.admission_open,
                 "ready": status.readiness.ready,
@@ -386,7 +411,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         summary = verify_checkpoint(args.directory)
     except CheckpointCorrupt as error:
-        return _fail(args, EXIT_CORRUPT, "INVALID_CHECKPOINT_STATE", str(error))
+        return _fail(args, EXIT_CORRUPT, Reason.INVALID_CHECKPOINT_STATE, str(error))
     if args.json:
         print(json.dumps(summary.to_json(), sort_keys=True))
     else:
@@ -395,7 +420,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 async def _coordinator(args: argparse.Namespace) -> int:
-    from .coordinator_service import Coordinator
+    from rollout_checkpoint.client.coordinator.service import Coordinator
 
     spec = load_fleet_file(args.fleet)
     coordinator = Coordinator(spec, args.grpc_address, reflection_enabled=args.reflection)
@@ -484,7 +509,7 @@ def _progress_json(progress: FleetProgress) -> dict[str, Any]:
             {
                 "name": m.name,
                 "reached": m.reached,
-                "state": STATE_NAMES.get(m.state, "-"),
+                "state": state_name(m.state, "-"),
                 "blockers": m.readiness.blocker_count,
             }
             for m in progress.members
@@ -503,7 +528,7 @@ def _progress_table(progress: FleetProgress, phase: str) -> Table:
         table.add_column(column)
     for member in progress.members:
         first = ", ".join(b.capture_key or "-" for b in list(member.readiness.blockers)[:3])
-        state = STATE_NAMES.get(member.state, "-") if member.reached else "not reached"
+        state = state_name(member.state, "-") if member.reached else "not reached"
         table.add_row(
             member.name,
             KIND_NAMES.get(member.kind, "?"),

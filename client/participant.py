@@ -8,16 +8,15 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import grpc
-from google.protobuf import timestamp_pb2
 from grpc import aio
 
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.rpc.tracing import context_metadata
+from rollout_checkpoint.server.core.rpc.wire import episode_message, scope_message, timestamp
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
-
-from .errors import ControlError
-from .tracing import context_metadata
 
 T = TypeVar("T")
 
@@ -26,20 +25,6 @@ TRANSPORT_SLACK_SECONDS = 5.0
 knows what happened) reports a missed deadline rather than the transport (which does not)."""
 
 MIN_TIMEOUT_SECONDS = 5.0
-
-
-def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
-
-def episode_message(episode: EpisodeId) -> types_pb2.EpisodeId:
-    return types_pb2.EpisodeId(rollout_id=episode.rollout_id, attempt=episode.attempt)
-
-
-def scope_message(episodes: Iterable[EpisodeId]) -> types_pb2.EpisodeScope:
-    return types_pb2.EpisodeScope(episodes=[episode_message(e) for e in sorted(set(episodes))])
 
 
 class ParticipantClient:

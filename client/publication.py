@@ -44,9 +44,12 @@ step before it:
    published but has lost parts.
 
 Every file below the root is opened through directory descriptors with O_NOFOLLOW, so a
-symlink planted anywhere in a checkpoint directory is refused rather than followed. This
-module deliberately shares no code with the participant runtime's storage: it is a second,
-independent reading of the same format, so a bug in one is caught by the other.
+symlink planted anywhere in a checkpoint directory is refused rather than followed. The
+format (names, paths, the part manifest's schema) is `server.core.layout`'s, the safe-open
+rules are `server.core.safe_files`', and each part is verified by the participants' own part
+reader (`server.core.part_storage`): one implementation of the format. What keeps that
+reader honest is not a second parser but the golden checkpoints under `tests/fixtures/`,
+which both the writer's round trip and `inspect` must reproduce byte for byte.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -68,14 +70,24 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from rollout_checkpoint.server.episodes import EpisodeId, is_valid_id
+from rollout_checkpoint.server.core import layout, part_storage, safe_files
+from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
+from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
+from rollout_checkpoint.server.core.layout import (
+    FLEET_MANIFEST_NAME,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    PARTICIPANTS_DIR,
+    SCHEMA_VERSION,
+    exact_fields,
+    load_json,
+)
+from rollout_checkpoint.server.core.part_storage import RecordsCheck
+from rollout_checkpoint.server.core.safe_files import closing
 
 __all__ = [
-    "FLEET_MANIFEST_NAME",
-    "LATEST_NAME",
-    "SCHEMA_VERSION",
     "CheckpointConflict",
     "CheckpointCorrupt",
     "CheckpointRoot",
@@ -94,24 +106,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
-FLEET_MANIFEST_NAME = "checkpoint.json"
-LATEST_NAME = "LATEST"
-PARTICIPANTS_DIR = "participants"
-PART_MANIFEST_NAME = "manifest.json"
-
-_PART_MANIFEST_FIELDS = frozenset(
-    {
-        "schema_version",
-        "kind",
-        "instance",
-        "checkpoint_id",
-        "records_file",
-        "records_sha256",
-        "record_count",
-        "bytes",
-    }
-)
 _FLEET_FIELDS = frozenset(
     {
         "schema_version",
@@ -123,29 +117,14 @@ _FLEET_FIELDS = frozenset(
     }
 )
 _ENTRY_FIELDS = frozenset({"name", "kind", "instance", "manifest", "manifest_sha256"})
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_RECORDS_FILE = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2})$")
-# Our own temporary names all start with a dot, which no checkpoint id can (ID_PATTERN), so
-# they never collide with a checkpoint directory and retention can recognise them exactly.
-_FLEET_TMP = re.compile(r"^\.checkpoint\.json\.[0-9a-f]{16}\.tmp$")
-_LATEST_TMP = re.compile(r"^\.LATEST\.[0-9a-f]{16}\.tmp$")
-_TRASH = re.compile(r"^\.trash\.[0-9a-f]{16}$")
+# The root itself may be a symlink (the caller's choice); nothing below it is followed.
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO planted under a file's name must not hang the reader in open().
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CHUNK = 1 << 20
-_MAX_PART_MANIFEST = 1 << 16
-_MAX_LATEST = 1024
+_DIR_FLAGS = safe_files.DIR_FLAGS
 _OLDEST = datetime.min.replace(tzinfo=UTC)
 
 CrashHook = Callable[[str], None]
 """Called with the name of each publication step; fault tests stop the publisher there."""
-
-RecordsCheck = Literal["full", "size"]
-"""How much of a records file to check: everything, or only its size (see `publish`)."""
-
 
 # -- errors -------------------------------------------------------------------------------
 
@@ -189,7 +168,7 @@ class PublishedParticipant:
     @property
     def manifest_path(self) -> str:
         """The part's manifest, relative to the checkpoint directory."""
-        return f"{PARTICIPANTS_DIR}/{self.kind}/{self.instance}/{PART_MANIFEST_NAME}"
+        return layout.part_manifest_path(self.kind, self.instance)
 
     def problem(self) -> str | None:
         """Why this entry cannot be part of a fleet manifest, or None."""
@@ -200,7 +179,9 @@ class PublishedParticipant:
         ):
             if not isinstance(value, str) or not is_valid_id(value):
                 return f"participant {field_name} {value!r} is not a valid id"
-        if not isinstance(self.manifest_sha256, str) or not _SHA256.fullmatch(self.manifest_sha256):
+        if not isinstance(self.manifest_sha256, str) or not layout.SHA256.fullmatch(
+            self.manifest_sha256
+        ):
             return f"participant {self.name}: manifest_sha256 must be 64 lowercase hex digits"
         return None
 
@@ -243,10 +224,10 @@ class FleetManifest:
     @classmethod
     def decode(cls, data: bytes) -> FleetManifest:
         """Parse and validate `checkpoint.json`; ValueError says what is wrong."""
-        fields = _load_json(data)
+        fields = load_json(data)
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
-        _exact_fields(fields, _FLEET_FIELDS, "fleet manifest")
+        exact_fields(fields, _FLEET_FIELDS, "fleet manifest")
         version = fields["schema_version"]
         if type(version) is not int:
             raise ValueError("schema_version must be an integer")
@@ -479,7 +460,11 @@ class CheckpointRoot:
         if created_at is not None and created_at.utcoffset() is None:
             raise ValueError("created_at must be timezone-aware")
         directory = self.path / checkpoint_id
-        with self._lock, _io_errors(directory), _opened(self.path, _ROOT_FLAGS) as root_fd:
+        with (
+            self._lock,
+            _io_errors(directory),
+            safe_files.opened(self.path, _ROOT_FLAGS) as root_fd,
+        ):
             try:
                 ckpt_fd = os.open(checkpoint_id, _DIR_FLAGS, dir_fd=root_fd)
             except FileNotFoundError as exc:
@@ -488,7 +473,7 @@ class CheckpointRoot:
                 ) from exc
             except OSError as exc:
                 raise _open_failure(exc, root_fd, checkpoint_id, directory) from exc
-            with _closing(ckpt_fd):
+            with closing(ckpt_fd):
                 # Captured before this publication touches the directory: the age retention
                 # compares unpublished directories with (see _apply_retention).
                 reference_mtime_ns = os.fstat(ckpt_fd).st_mtime_ns
@@ -533,7 +518,7 @@ class CheckpointRoot:
         `CheckpointCorrupt` when LATEST is malformed or names a directory with no fleet
         manifest: LATEST is written only after the fleet manifest is durable, so that is
         never a state publication leaves behind."""
-        with _io_errors(self.path), _opened(self.path, _ROOT_FLAGS) as root_fd:
+        with _io_errors(self.path), safe_files.opened(self.path, _ROOT_FLAGS) as root_fd:
             checkpoint_id = _read_latest(root_fd, self.path)
             if checkpoint_id is None:
                 return None
@@ -562,19 +547,19 @@ class CheckpointRoot:
             checkpoint_id = checkpoint_id_or_latest
             _check_checkpoint_id(checkpoint_id)
         directory = self.path / checkpoint_id
-        with _io_errors(directory), _opened(self.path, _ROOT_FLAGS) as root_fd:
+        with _io_errors(directory), safe_files.opened(self.path, _ROOT_FLAGS) as root_fd:
             if not _is_published(root_fd, checkpoint_id):
                 raise NoPublishedCheckpoint(f"{directory}: checkpoint was never published")
             try:
                 ckpt_fd = os.open(checkpoint_id, _DIR_FLAGS, dir_fd=root_fd)
             except OSError as exc:
                 raise _open_failure(exc, root_fd, checkpoint_id, directory) from exc
-            with _closing(ckpt_fd):
+            with closing(ckpt_fd):
                 return _verify_open(ckpt_fd, directory, expected_id=checkpoint_id)
 
     def published(self) -> list[str]:
         """Ids of the published checkpoints, oldest first (by created_at, ties by id)."""
-        with _io_errors(self.path), _opened(self.path, _ROOT_FLAGS) as root_fd:
+        with _io_errors(self.path), safe_files.opened(self.path, _ROOT_FLAGS) as root_fd:
             return [name for _, name in sorted(_scan_root(root_fd).published)]
 
 
@@ -606,7 +591,7 @@ def verify_checkpoint(
             raise CheckpointCorrupt(path, "no such checkpoint directory") from exc
         except NotADirectoryError as exc:
             raise CheckpointCorrupt(path, "not a directory") from exc
-        with _closing(fd):
+        with closing(fd):
             return _verify_open(fd, path, expected_id=expected_id)
 
 
@@ -663,195 +648,57 @@ def _verify_part(
     checkpoint_id: str,
     check: RecordsCheck,
 ) -> tuple[ParticipantSummary, int]:
-    """Verify one listed part; returns its summary and how many records repeat an episode."""
-    part_path = ckpt_path / PARTICIPANTS_DIR / entry.kind / entry.instance
-    manifest_path = part_path / PART_MANIFEST_NAME
+    """Verify one listed part with the participants' own part reader; returns its summary
+    and how many records repeat an episode."""
+    part_path = Path(layout.part_path(str(ckpt_path), entry.kind, entry.instance))
+    shown = str(part_path)
+    keys: list[str] = []
+
+    def episode(record: dict[str, Any], number: int) -> None:
+        try:
+            keys.append(EpisodeId.from_json(record.get("episode_id")).capture_key)
+        except ValueError as exc:
+            raise corrupt_checkpoint(
+                f"line {number} has an invalid episode_id: {exc}", shown
+            ) from exc
+
     part_fd = _open_part_dir(ckpt_fd, ckpt_path, entry.kind, entry.instance)
-    with _closing(part_fd):
-        raw = _read_regular(
-            part_fd,
-            PART_MANIFEST_NAME,
-            manifest_path,
-            limit=_MAX_PART_MANIFEST,
-            missing="the part has no manifest.json (the participant never committed)",
-        )
+    with closing(part_fd), _as_corrupt(part_path):
+        raw = part_storage.read_manifest_bytes(part_fd, shown)
         digest = hashlib.sha256(raw).hexdigest()
         if digest != entry.manifest_sha256:
             raise CheckpointCorrupt(
-                manifest_path,
+                part_path / MANIFEST_NAME,
                 f"manifest digest mismatch: its sha256 is {digest}, the fleet manifest "
                 f"records {entry.manifest_sha256}",
             )
-        try:
-            fields = _decode_part_manifest(raw)
-        except ValueError as exc:
-            raise CheckpointCorrupt(manifest_path, f"invalid participant manifest: {exc}") from exc
-        for field_name, expected in (
-            ("kind", entry.kind),
-            ("instance", entry.instance),
-            ("checkpoint_id", checkpoint_id),
-        ):
-            if fields[field_name] != expected:
-                raise CheckpointCorrupt(
-                    manifest_path,
-                    f"the manifest's {field_name} is {fields[field_name]!r}, expected {expected!r}",
-                )
-        records_file: str = fields["records_file"]
-        expected_sha: str = fields["records_sha256"]
-        expected_count: int = fields["record_count"]
-        expected_bytes: int = fields["bytes"]
-        records_path = part_path / records_file
-        keys = _check_records(
-            part_fd, records_path, records_file, expected_sha, expected_count, expected_bytes, check
-        )
+        manifest = part_storage.decode_manifest(raw, shown)
+        part_storage.check_owner(manifest, shown, entry.kind, entry.instance, checkpoint_id)
+        part_storage.scan_records(part_fd, shown, manifest, episode, check)
     unique = tuple(sorted(set(keys)))
     summary = ParticipantSummary(
         name=entry.name,
         kind=entry.kind,
         instance=entry.instance,
         manifest_sha256=digest,
-        records_file=records_file,
-        records_sha256=expected_sha,
-        record_count=expected_count,
-        bytes=expected_bytes,
+        records_file=manifest.records_file,
+        records_sha256=manifest.records_sha256,
+        record_count=manifest.record_count,
+        bytes=manifest.bytes,
         episodes=unique,
     )
     return summary, len(keys) - len(unique)
 
 
-def _check_records(
-    part_fd: int,
-    records_path: Path,
-    name: str,
-    expected_sha: str,
-    expected_count: int,
-    expected_bytes: int,
-    check: RecordsCheck,
-) -> list[str]:
-    """Check one records file against its manifest; returns the capture keys (full check)."""
+@contextlib.contextmanager
+def _as_corrupt(part_path: Path) -> Iterator[None]:
+    """The part reader's refusals (CheckpointError) as this module's CheckpointCorrupt."""
     try:
-        fd = os.open(name, _FILE_FLAGS, dir_fd=part_fd)
-    except FileNotFoundError as exc:
+        yield
+    except CheckpointError as error:
         raise CheckpointCorrupt(
-            records_path, "the records file named by the manifest is missing"
-        ) from exc
-    except OSError as exc:
-        raise _open_failure(exc, part_fd, name, records_path) from exc
-    with _closing(fd):
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointCorrupt(records_path, "the records file is not a regular file")
-        if check == "size":
-            if info.st_size != expected_bytes:
-                raise CheckpointCorrupt(
-                    records_path,
-                    f"records digest check failed: the file has {info.st_size} bytes, "
-                    f"the manifest says {expected_bytes}",
-                )
-            return []
-        scan = _scan_records(fd, expected_bytes)
-    if (scan.sha256, scan.count, scan.size) != (expected_sha, expected_count, expected_bytes):
-        raise CheckpointCorrupt(
-            records_path,
-            "records digest mismatch: the file does not match its manifest "
-            f"(sha256 {scan.sha256}, {scan.count} records, {scan.size} bytes; the manifest "
-            f"says sha256 {expected_sha}, {expected_count} records, {expected_bytes} bytes)",
-        )
-    if scan.problem is not None:
-        raise CheckpointCorrupt(records_path, scan.problem)
-    return scan.keys
-
-
-@dataclass(slots=True)
-class _RecordsScan:
-    sha256: str
-    count: int
-    size: int
-    keys: list[str]
-    problem: str | None
-
-
-def _scan_records(fd: int, expected_bytes: int) -> _RecordsScan:
-    """Hash, count and check every line, reading fixed-size chunks.
-
-    Lines are reassembled from chunks only while they can still be valid: once a line is
-    bad, or the file has grown past the size its manifest records (so the digest cannot
-    match), the rest is only hashed and its newlines counted. Memory therefore stays bounded
-    by the manifest's size however large a tampered file is."""
-    hasher = hashlib.sha256()
-    count = size = 0
-    keys: list[str] = []
-    pending: list[bytes] = []
-    problem: str | None = None
-    parsing = True
-    last = b"\n"
-    while chunk := os.read(fd, _CHUNK):
-        hasher.update(chunk)
-        size += len(chunk)
-        last = chunk[-1:]
-        if size > expected_bytes:
-            parsing = False
-        start = 0
-        while parsing:
-            end = chunk.find(b"\n", start)
-            if end < 0:
-                if start < len(chunk):
-                    pending.append(chunk[start:])
-                start = len(chunk)
-                break
-            pending.append(chunk[start : end + 1])
-            start = end + 1
-            count += 1
-            line = b"".join(pending)
-            pending.clear()
-            problem = _check_line(line, count, keys)
-            if problem is not None:
-                parsing = False
-        if not parsing:
-            pending.clear()
-            count += chunk.count(b"\n", start)
-    if last != b"\n":
-        count += 1  # a final line without its newline is a (torn) line too
-        if parsing and problem is None:
-            problem = f"line {count} is torn (no final newline)"
-    return _RecordsScan(hasher.hexdigest(), count, size, keys, problem)
-
-
-def _check_line(line: bytes, number: int, keys: list[str]) -> str | None:
-    try:
-        record = _load_json(line)
-    except ValueError:
-        return f"line {number} is not valid JSON"
-    if not isinstance(record, dict):
-        return f"line {number} is not a JSON object"
-    try:
-        episode = EpisodeId.from_json(record.get("episode_id"))
-    except ValueError as exc:
-        return f"line {number} has an invalid episode_id: {exc}"
-    keys.append(episode.capture_key)
-    return None
-
-
-def _decode_part_manifest(raw: bytes) -> dict[str, Any]:
-    fields = _load_json(raw)
-    if not isinstance(fields, dict):
-        raise ValueError("not a JSON object")
-    _exact_fields(fields, _PART_MANIFEST_FIELDS, "participant manifest")
-    for name in ("schema_version", "record_count", "bytes"):
-        value = fields[name]
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer")
-    if fields["schema_version"] != SCHEMA_VERSION:
-        raise ValueError(f"unsupported schema_version {fields['schema_version']}")
-    for name in ("kind", "instance", "checkpoint_id", "records_file", "records_sha256"):
-        if not isinstance(fields[name], str):
-            raise ValueError(f"{name} must be a string")
-    if not _SHA256.fullmatch(fields["records_sha256"]):
-        raise ValueError("records_sha256 must be 64 lowercase hex digits")
-    match = _RECORDS_FILE.fullmatch(fields["records_file"])
-    if match is None or match.group(1) != fields["records_sha256"]:
-        raise ValueError("records_file must be exactly records-<records_sha256>.jsonl")
-    return fields
+            error.metadata.get("path", str(part_path)), error.message
+        ) from error
 
 
 def _decode_participants(value: object) -> tuple[PublishedParticipant, ...]:
@@ -861,7 +708,7 @@ def _decode_participants(value: object) -> tuple[PublishedParticipant, ...]:
     for item in value:
         if not isinstance(item, dict):
             raise ValueError("a participant entry is not an object")
-        _exact_fields(item, _ENTRY_FIELDS, "participant entry")
+        exact_fields(item, _ENTRY_FIELDS, "participant entry")
         entry = PublishedParticipant(
             item["name"], item["kind"], item["instance"], item["manifest_sha256"]
         )
@@ -896,14 +743,14 @@ def _unlisted_parts(ckpt_fd: int, manifest: FleetManifest) -> list[str]:
         participants_fd = os.open(PARTICIPANTS_DIR, _DIR_FLAGS, dir_fd=ckpt_fd)
     except OSError:
         return found
-    with _closing(participants_fd):
+    with closing(participants_fd):
         for kind in sorted(os.listdir(participants_fd)):
             try:
                 kind_fd = os.open(kind, _DIR_FLAGS, dir_fd=participants_fd)
             except OSError:
                 found.append(f"{PARTICIPANTS_DIR}/{kind} is not a plain directory (ignored)")
                 continue
-            with _closing(kind_fd):
+            with closing(kind_fd):
                 for instance in sorted(os.listdir(kind_fd)):
                     if (kind, instance) not in listed:
                         found.append(
@@ -918,9 +765,9 @@ def _unlisted_parts(ckpt_fd: int, manifest: FleetManifest) -> list[str]:
 
 def _link_fleet_manifest(ckpt_fd: int, directory: Path, data: bytes) -> bool:
     """Create `checkpoint.json` without replacing one; True when an identical one existed."""
-    tmp = f".checkpoint.json.{secrets.token_hex(8)}.tmp"
+    tmp = layout.fleet_temporary_name(secrets.token_hex(8))
     try:
-        _write_new_file(ckpt_fd, tmp, data)
+        safe_files.write_new_file(ckpt_fd, tmp, data)
         try:
             os.link(
                 tmp,
@@ -950,9 +797,9 @@ def _link_fleet_manifest(ckpt_fd: int, directory: Path, data: bytes) -> bool:
 
 def _write_latest(root_fd: int, checkpoint_id: str) -> None:
     """Point LATEST at `checkpoint_id` atomically: readers see the old or the new id."""
-    tmp = f".LATEST.{secrets.token_hex(8)}.tmp"
+    tmp = layout.latest_temporary_name(secrets.token_hex(8))
     try:
-        _write_new_file(root_fd, tmp, f"{checkpoint_id}\n".encode())
+        safe_files.write_new_file(root_fd, tmp, f"{checkpoint_id}\n".encode())
         os.replace(tmp, LATEST_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -964,10 +811,10 @@ def _write_latest(root_fd: int, checkpoint_id: str) -> None:
 def _fsync_part_dirs(ckpt_fd: int, kinds: Iterable[str]) -> None:
     """Make `participants/` and each `participants/<kind>/` durable (see the module doc)."""
     participants_fd = os.open(PARTICIPANTS_DIR, _DIR_FLAGS, dir_fd=ckpt_fd)
-    with _closing(participants_fd):
+    with closing(participants_fd):
         for kind in sorted(kinds):
             kind_fd = os.open(kind, _DIR_FLAGS, dir_fd=participants_fd)
-            with _closing(kind_fd):
+            with closing(kind_fd):
                 os.fsync(kind_fd)
         os.fsync(participants_fd)
     os.fsync(ckpt_fd)
@@ -998,7 +845,7 @@ class _RootScan:
 def _scan_root(root_fd: int) -> _RootScan:
     scan = _RootScan([], [], [])
     for name in os.listdir(root_fd):
-        if _LATEST_TMP.fullmatch(name) or _TRASH.fullmatch(name):
+        if layout.LATEST_TEMPORARY_NAME.fullmatch(name) or layout.TRASH_NAME.fullmatch(name):
             scan.strays.append(name)
             continue
         if name == LATEST_NAME or not is_valid_id(name):
@@ -1007,7 +854,7 @@ def _scan_root(root_fd: int) -> _RootScan:
             fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
         except OSError:
             continue  # a file, a symlink, or gone: not a checkpoint directory of ours
-        with _closing(fd):
+        with closing(fd):
             entries = set(os.listdir(fd))
             if FLEET_MANIFEST_NAME in entries:
                 if stat.S_ISREG(
@@ -1018,7 +865,9 @@ def _scan_root(root_fd: int) -> _RootScan:
             # Only a directory whose content is what a checkpoint in progress holds (the
             # participants' tree, our temp files) counts as an unfinished checkpoint: any
             # other directory an operator put into the root is not ours to delete.
-            if all(e == PARTICIPANTS_DIR or _FLEET_TMP.fullmatch(e) for e in entries):
+            if all(
+                e == PARTICIPANTS_DIR or layout.FLEET_TEMPORARY_NAME.fullmatch(e) for e in entries
+            ):
                 scan.unpublished.append((name, os.fstat(fd).st_mtime_ns))
     return scan
 
@@ -1028,7 +877,7 @@ def _created_at_for_ordering(ckpt_fd: int, name: str) -> datetime:
     by a newer controller still orders by its time instead of counting as oldest."""
     try:
         raw = _read_regular(ckpt_fd, FLEET_MANIFEST_NAME, Path(name), limit=None)
-        fields = _load_json(raw)
+        fields = load_json(raw)
         if isinstance(fields, dict):
             return parse_time(fields.get("created_at"))
     except (CheckpointCorrupt, ValueError, OSError):
@@ -1084,7 +933,7 @@ def _apply_retention(
             log.warning("retention: cannot delete %s: %s", root / name, exc)
     for name in scan.strays:
         with contextlib.suppress(OSError):
-            if _TRASH.fullmatch(name):
+            if layout.TRASH_NAME.fullmatch(name):
                 shutil.rmtree(name, dir_fd=root_fd)
             else:
                 os.unlink(name, dir_fd=root_fd)
@@ -1099,7 +948,7 @@ def _apply_retention(
 def _delete_tree(root_fd: int, name: str) -> None:
     """Rename to a trash name (atomic, durable), then remove: a crash part-way through never
     leaves a directory under a checkpoint id that still looks published but lost parts."""
-    trash = f".trash.{secrets.token_hex(8)}"
+    trash = layout.trash_name(secrets.token_hex(8))
     os.rename(name, trash, src_dir_fd=root_fd, dst_dir_fd=root_fd)
     os.fsync(root_fd)
     shutil.rmtree(trash, dir_fd=root_fd)
@@ -1107,9 +956,9 @@ def _delete_tree(root_fd: int, name: str) -> None:
 
 def _remove_fleet_temps(root_fd: int, name: str) -> None:
     fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-    with _closing(fd):
+    with closing(fd):
         for entry in os.listdir(fd):
-            if _FLEET_TMP.fullmatch(entry):
+            if layout.FLEET_TEMPORARY_NAME.fullmatch(entry):
                 os.unlink(entry, dir_fd=fd)
 
 
@@ -1127,14 +976,14 @@ def _latest_is_newer(root_fd: int, root: Path, checkpoint_id: str, created_at: d
         current_fd = os.open(current, _DIR_FLAGS, dir_fd=root_fd)
     except OSError:
         return False
-    with _closing(current_fd):
+    with closing(current_fd):
         return _created_at_for_ordering(current_fd, current) > created_at
 
 
 def _read_latest(root_fd: int, root: Path) -> str | None:
     path = root / LATEST_NAME
     try:
-        raw = _read_regular(root_fd, LATEST_NAME, path, limit=_MAX_LATEST)
+        raw = _read_regular(root_fd, LATEST_NAME, path, limit=layout.LATEST_LIMIT)
     except CheckpointCorrupt:
         if not os.path.lexists(path):
             return None
@@ -1213,61 +1062,26 @@ def parse_time(value: object) -> datetime:
     return datetime.fromisoformat(value).astimezone(UTC)
 
 
-def _load_json(data: bytes) -> Any:
-    try:
-        return json.loads(data, parse_constant=_refuse_constant)
-    except RecursionError as exc:
-        raise ValueError("JSON nested too deeply") from exc
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _exact_fields(fields: dict[str, Any], expected: frozenset[str], what: str) -> None:
-    if set(fields) != expected:
-        missing = sorted(expected - set(fields))
-        extra = sorted(set(fields) - expected)
-        raise ValueError(
-            f"{what} fields differ from schema 1 (missing {missing}, unexpected {extra})"
-        )
-
-
 def _open_part_dir(ckpt_fd: int, ckpt_path: Path, kind: str, instance: str) -> int:
     """Open `participants/<kind>/<instance>` refusing symlinks at every component."""
-    fd = os.dup(ckpt_fd)
-    path = ckpt_path
-    try:
-        for component in (PARTICIPANTS_DIR, kind, instance):
-            path = path / component
-            try:
-                child = os.open(component, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError as exc:
-                raise CheckpointCorrupt(
-                    path, "missing: the participant's part is not here"
-                ) from exc
-            except OSError as exc:
-                raise _open_failure(exc, fd, component, path) from exc
-            os.close(fd)
-            fd = child
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+    components = layout.part_components(kind, instance)
+
+    def refused(exc: OSError, parent_fd: int, index: int, name: str) -> Exception | None:
+        path = ckpt_path.joinpath(*components[: index + 1])
+        if isinstance(exc, FileNotFoundError):
+            return CheckpointCorrupt(path, "missing: the participant's part is not here")
+        failure = _open_failure(exc, parent_fd, name, path)
+        return None if failure is exc else failure
+
+    return safe_files.walk(ckpt_fd, components, refused=refused)
 
 
 def _open_failure(exc: OSError, dir_fd: int, name: str, path: Path) -> Exception:
-    """The error to raise for an OSError from an O_NOFOLLOW open of `name` below `dir_fd`.
-
-    Linux reports a symlink opened with O_NOFOLLOW as ELOOP, or as ENOTDIR together with
-    O_DIRECTORY; lstat tells which of "a symlink" and "not a directory" it really is."""
-    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+    """The error to raise for an OSError from an O_NOFOLLOW open of `name` below `dir_fd`."""
+    what = safe_files.symlink_or_not_directory(exc, dir_fd, name)
+    if what is None:
         return exc
-    try:
-        is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        is_link = exc.errno == errno.ELOOP
-    if is_link:
+    if what == "symlink":
         return CheckpointCorrupt(path, "is a symlink (refused: nothing here is followed)")
     return CheckpointCorrupt(path, "is not a directory")
 
@@ -1277,52 +1091,15 @@ def _read_regular(
 ) -> bytes:
     """Read a regular file below `dir_fd` without following a symlink."""
     try:
-        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+        return safe_files.read_regular(dir_fd, name, limit)
     except FileNotFoundError as exc:
         raise CheckpointCorrupt(path, missing) from exc
+    except safe_files.NotRegular as exc:
+        raise CheckpointCorrupt(path, "is not a regular file") from exc
+    except safe_files.TooLarge as exc:
+        raise CheckpointCorrupt(path, f"is too large ({exc.size} bytes)") from exc
     except OSError as exc:
         raise _open_failure(exc, dir_fd, name, path) from exc
-    with _closing(fd):
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointCorrupt(path, "is not a regular file")
-        if limit is not None and info.st_size > limit:
-            raise CheckpointCorrupt(path, f"is too large ({info.st_size} bytes)")
-        chunks: list[bytes] = []
-        while chunk := os.read(fd, _CHUNK):
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-
-def _write_new_file(dir_fd: int, name: str, data: bytes) -> None:
-    fd = os.open(
-        name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o644,
-        dir_fd=dir_fd,
-    )
-    with _closing(fd):
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-
-
-@contextlib.contextmanager
-def _closing(fd: int) -> Iterator[int]:
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _opened(path: Path, flags: int) -> Iterator[int]:
-    fd = os.open(path, flags)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

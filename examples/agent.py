@@ -27,23 +27,23 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rollout_checkpoint.server.episode_participant import EpisodeParticipant
-from rollout_checkpoint.server.episode_steps import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.episodic.episode_participant import EpisodeParticipant
+from rollout_checkpoint.server.episodic.episode_steps import (
     NO_BOUNDARY,
     EpisodeRefused,
     EpisodeRetired,
     StepMode,
     TrackedEpisode,
 )
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.participant import Kind
-from rollout_checkpoint.server.rollout_prefix import (
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.participant import Kind
+from rollout_checkpoint.server.runtime.rollout_prefix import (
     RolloutPrefixMiddleware,
     episode_of,
     rollout_path,
 )
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .relay import error_response, json_object, refusal_code
 

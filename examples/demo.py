@@ -43,7 +43,7 @@ from rollout_checkpoint.client.checkpointing import restore_published
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.publication import CheckpointRoot, PublishedParticipant
 from rollout_checkpoint.examples.prompt_injection import load_tasks
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 STATE_CHANGES = {
     "update_patient_chart": {"patients"},

@@ -19,21 +19,24 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rollout_checkpoint.server.episode_participant import EnvironmentParticipant, task_digest
-from rollout_checkpoint.server.episode_steps import (
+from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.episodic.episode_participant import (
+    EnvironmentParticipant,
+    task_digest,
+)
+from rollout_checkpoint.server.episodic.episode_steps import (
     EpisodeRefused,
     EpisodeRetired,
     StepMode,
     TrackedEpisode,
 )
-from rollout_checkpoint.server.errors import CheckpointError
-from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.rollout_prefix import (
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.rollout_prefix import (
     RolloutPrefixMiddleware,
     episode_of,
     rollout_path,
 )
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .relay import error_response, json_object, refusal_code
 

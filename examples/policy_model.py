@@ -51,15 +51,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from rollout_checkpoint.examples.prompt_injection import load_tasks
-from rollout_checkpoint.server.clock import Clock
-from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.model_participant import (
+from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.model.participant import (
     GENERATION_PATHS,
     ModelAdmissionMiddleware,
     ModelParticipant,
 )
-from rollout_checkpoint.server.rollout_prefix import RolloutPrefixMiddleware, episode_of
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 __all__ = [
     "INJECTION_FILLERS",

@@ -31,14 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, Stric
 from starlette.exceptions import HTTPException
 
 from rollout_checkpoint.server.resources import (
-    RESERVED_ROUTES,
     CheckpointMode,
     InvalidSessionState,
     ResourcesServer,
     VerifyMode,
     tool,
 )
-from rollout_checkpoint.server.resources_middleware import cookie_session_id
+from rollout_checkpoint.server.resources.middleware import cookie_session_id
+from rollout_checkpoint.server.resources.server import RESERVED_ROUTES
 
 __all__ = [
     "KEY_FIELDS",

@@ -22,10 +22,10 @@ from typing import Any
 
 import uvicorn
 
-from rollout_checkpoint.server.install import CheckpointRuntime
-from rollout_checkpoint.server.logs import configure_logging
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime
+from rollout_checkpoint.server.runtime.logs import configure_logging
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 RESOURCES = {
     "weather": "rollout_checkpoint.examples.weather:WeatherServer",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from rollout_checkpoint.server.clock import ManualClock
+from rollout_checkpoint.server.core.clock import ManualClock
 
 SETTLE_SECONDS = 30.0
 """Bound on waiting for the sleepers (a safety net: woken sleepers run within a loop turn)."""

@@ -21,9 +21,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import CheckpointStorage
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .clocks import ObservedClock
 from .double import DoubleParticipant, create_app

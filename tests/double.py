@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.errors import rejected_checkpoint
-from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.participant import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
     EpisodeInfo,
@@ -38,7 +38,7 @@ from rollout_checkpoint.server.participant import (
     ReadinessReport,
     RestoredRecord,
 )
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 
 class Refused(Exception):

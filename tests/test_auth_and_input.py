@@ -211,7 +211,7 @@ async def test_out_of_range_episodes(harness: Harness) -> None:
 
 
 async def test_a_huge_scope_is_fine(harness: Harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from rollout_checkpoint.server.episodes import EpisodeId
+    from rollout_checkpoint.server.core.episodes import EpisodeId
 
     h = harness
     await drain(h.client.prepare("c1", h.deadline()))

@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -33,14 +32,13 @@ from google.protobuf.message import Message
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rollout_checkpoint.client import service_plumbing
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
-from rollout_checkpoint.server import auth
-from rollout_checkpoint.server.clock import SystemClock
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.core.clock import SystemClock
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.rpc import auth
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
@@ -270,11 +268,11 @@ class CompareSpy:
 
 
 @pytest.fixture
-def spies(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    participant, coordinator = CompareSpy(), CompareSpy()
-    monkeypatch.setattr(auth, "hmac", participant)
-    monkeypatch.setattr(service_plumbing, "hmac", coordinator)
-    return SimpleNamespace(participant=participant, coordinator=coordinator)
+def spy(monkeypatch: pytest.MonkeyPatch) -> CompareSpy:
+    """The one bearer check of the participants and the coordinator alike."""
+    compare = CompareSpy()
+    monkeypatch.setattr(auth, "hmac", compare)
+    return compare
 
 
 CASES = [
@@ -286,41 +284,41 @@ CASES = [
 
 
 async def test_every_check_goes_through_hmac_compare_digest(
-    tmp_path: Path, spies: SimpleNamespace
+    tmp_path: Path, spy: CompareSpy
 ) -> None:
     async with both(tmp_path) as s:
         directory = str(tmp_path / "ckpt")
         participant = participant_requests(time.time() + 60, directory)
         coordinator = coordinator_requests(time.time() + 60, directory)
         for metadata, presented in CASES:
-            spies.participant.calls.clear()
-            spies.coordinator.calls.clear()
+            spy.calls.clear()
             for name, request in participant.items():
                 with pytest.raises(ControlError):
                     await raw_call(s.harness.grpc_address, PARTICIPANT + name, request, metadata)
+            # One constant-time comparison per call, of what was presented against the token.
+            assert spy.calls == [(presented, TOKEN.encode())] * len(participant)
+            spy.calls.clear()
             for name, request in coordinator.items():
                 with pytest.raises(ControlError):
                     await raw_call(s.coordinator_address, COORDINATOR + name, request, metadata)
-            # One constant-time comparison per call, of what was presented against the token.
-            assert spies.participant.calls == [(presented, TOKEN.encode())] * len(participant)
-            assert spies.coordinator.calls == [(presented, TOKEN.encode())] * len(coordinator)
+            assert spy.calls == [(presented, TOKEN.encode())] * len(coordinator)
         # Accepted calls are checked the same way (a coordinator call reaching the member is
         # checked by both).
-        spies.participant.calls.clear()
-        spies.coordinator.calls.clear()
+        spy.calls.clear()
         good = (("authorization", f"Bearer {TOKEN}"),)
         await raw_call(
             s.harness.grpc_address, PARTICIPANT + "GetStatus", pb.GetStatusRequest(), good
         )
-        assert spies.participant.calls == [(TOKEN.encode(), TOKEN.encode())]
+        assert spy.calls == [(TOKEN.encode(), TOKEN.encode())]
+        spy.calls.clear()
         await raw_call(
             s.coordinator_address,
             COORDINATOR + "ListParticipants",
             cpb.ListParticipantsRequest(),
             good,
         )
-        assert spies.coordinator.calls == [(TOKEN.encode(), TOKEN.encode())]
-        assert len(spies.participant.calls) == 2  # the coordinator's discovery of the member
+        # The coordinator's own check, then the member's check of the discovery call.
+        assert spy.calls == [(TOKEN.encode(), TOKEN.encode())] * 2
 
 
 # -- the token never appears ----------------------------------------------------------------

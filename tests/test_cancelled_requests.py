@@ -28,17 +28,17 @@ from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
 from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 from rollout_checkpoint.examples.policy_model import PolicyModelConfig, PolicyModelServer
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.request_endings import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.request_endings import (
     RequestEndingsMiddleware,
     cancel_request,
 )
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .conftest import TOKEN, serve_app
 
 SETTINGS = CheckpointSettings(enabled=True, token=TOKEN)
-ENDINGS_LOGGER = "rollout_checkpoint.server.request_endings"
+ENDINGS_LOGGER = "rollout_checkpoint.server.runtime.request_endings"
 WAIT = 10.0
 TASK = {"task_id": "t1", "user_prompt": "hello", "environment": {}}
 

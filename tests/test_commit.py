@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused, start_harness, stop_harness

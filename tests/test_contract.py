@@ -28,9 +28,10 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from rollout_checkpoint.client import coordinator_service, service_plumbing
+from rollout_checkpoint.client.coordinator import service as coordinator_service
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
-from rollout_checkpoint.server import errors, health, servicer
+from rollout_checkpoint.server.core import errors
+from rollout_checkpoint.server.runtime import health, servicer
 from rollout_checkpoint.v1 import constants_pb2, coordinator_service_pb2, errors_pb2
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
@@ -177,7 +178,7 @@ def test_the_protos_name_the_runtime_constants() -> None:
     assert wire_values(errors_pb2.ErrorDomain) == {
         "ERROR_DOMAIN_ROLLOUT_CHECKPOINT": errors.ERROR_DOMAIN,
     }
-    assert errors.ERROR_DOMAIN == service_plumbing.ERROR_DOMAIN == "rollout-checkpoint.dev"
+    assert errors.ERROR_DOMAIN == "rollout-checkpoint.dev"  # one source, both sides
 
 
 async def listed_health(address: str) -> set[str]:

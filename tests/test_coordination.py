@@ -20,9 +20,9 @@ from rollout_checkpoint.client.fleet import (
     MemberSpec,
     load_fleet_file,
 )
-from rollout_checkpoint.server.clock import ManualClock
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.participant import Kind
+from rollout_checkpoint.server.core.clock import ManualClock
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, Harness, start_harness, stop_harness

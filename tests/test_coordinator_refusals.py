@@ -22,17 +22,17 @@ from grpc import aio
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.coordination import FleetError
-from rollout_checkpoint.client.coordinator_service import Coordinator
-from rollout_checkpoint.client.errors import STATUS_DETAILS_KEY, ControlError
+from rollout_checkpoint.client.coordinator.calls import fleet_metadata, status_of
+from rollout_checkpoint.client.coordinator.service import Coordinator
+from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import timestamp
-from rollout_checkpoint.client.service_plumbing import ServiceError, fleet_metadata, status_of
-from rollout_checkpoint.server import errors as server_errors
-from rollout_checkpoint.server.clock import SystemClock
-from rollout_checkpoint.server.control_plane import _conflict, _hook_failed, _stale
-from rollout_checkpoint.server.participant import Kind
-from rollout_checkpoint.server.rpc_status import to_status_proto
-from rollout_checkpoint.server.storage import _storage_error
+from rollout_checkpoint.server.core import errors as server_errors
+from rollout_checkpoint.server.core.clock import SystemClock
+from rollout_checkpoint.server.core.part_storage import _storage_error
+from rollout_checkpoint.server.core.rpc.status import STATUS_DETAILS_KEY, to_status_proto
+from rollout_checkpoint.server.runtime.control_plane import _conflict, _hook_failed, _stale
+from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
@@ -99,7 +99,7 @@ def test_several_failed_members_are_all_named_with_their_reasons() -> None:
 
 def test_every_status_the_coordinator_builds_follows_the_key_rule() -> None:
     statuses = [
-        status_of(ServiceError("INVALID_REQUEST", "INVALID_ARGUMENT", "x", field="scope")),
+        status_of(server_errors.invalid_request("scope", "x")),
         status_of(member_error("STALE_CHECKPOINT", checkpointId="c1", **{"Bad Key": "v"})),
         status_of(member_error(None)),
         status_of(FleetError("discover", {"m": member_error(None)})),

@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.errors import CheckpointError, Reason
-from rollout_checkpoint.server.storage import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.part_storage import (
     LocalStorage,
     PublishedPart,
-    StoredManifest,
     WriteFence,
 )
 from rollout_checkpoint.v1 import types_pb2
@@ -53,11 +53,11 @@ N_RECORDS = len(STATES)
 CHILD = r"""
 import asyncio, json, os, signal, sys
 
-from rollout_checkpoint.server.clock import ManualClock
-from rollout_checkpoint.server.control_plane import ControlPlane
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.errors import CheckpointError, Reason
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.core.clock import ManualClock
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from tests.double import DoubleParticipant
 
 step, nth, checkpoint_dir, checkpoint_id = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

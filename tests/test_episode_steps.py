@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from rollout_checkpoint.server.attempts import RetiredAttempts
-from rollout_checkpoint.server.episode_steps import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.episodic.episode_steps import (
     NO_BOUNDARY,
     EpisodeRefused,
     EpisodeRetired,
@@ -16,7 +16,7 @@ from rollout_checkpoint.server.episode_steps import (
     Phase,
     StepMode,
 )
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 
 
 class Clock:

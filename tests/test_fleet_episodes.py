@@ -26,10 +26,10 @@ from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 from rollout_checkpoint.examples.policy_model import PolicyModelConfig, PolicyModelServer
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
-from rollout_checkpoint.server.clock import Clock
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig, VerifyMode
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .clocks import ObservedClock

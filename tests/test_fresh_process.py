@@ -28,11 +28,11 @@ from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
 from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer
-from rollout_checkpoint.server.episode_participant import task_digest
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.errors import CheckpointError
-from rollout_checkpoint.server.participant import Participant, RestoredRecord
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.episodic.episode_participant import task_digest
+from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, drain, refused, serve_app

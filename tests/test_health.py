@@ -33,7 +33,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, start_harness, stop_harness
@@ -224,7 +224,7 @@ async def test_the_counter_served_by_the_cli_on_a_real_clock_and_sigterm(tmp_pat
     operations = {
         (line["message"].split(" ")[0], line["checkpoint_id"])
         for line in lines
-        if line["logger"] == "rollout_checkpoint.server.observe"
+        if line["logger"] == "rollout_checkpoint.server.runtime.telemetry"
     }
     assert {("resume", "boot-1"), ("prepare", "p1"), ("commit", "p1"), ("resume", "p1")} <= (
         operations

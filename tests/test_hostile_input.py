@@ -39,15 +39,15 @@ from hypothesis import strategies as st
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.coordination import FleetError
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.server.clock import SystemClock
-from rollout_checkpoint.server.control_plane import ControlPlane
-from rollout_checkpoint.server.episodes import MAX_ATTEMPT, EpisodeId
-from rollout_checkpoint.server.install import install_checkpointing
-from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core.clock import SystemClock
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.install import install_checkpointing
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.install import install_checkpointing, serve
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.install import install_checkpointing, serve
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .conftest import TOKEN, start_harness, stop_harness
 from .double import DoubleParticipant

@@ -39,11 +39,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from packaging.version import Version
 
 from rollout_checkpoint.client import cli
-from rollout_checkpoint.client.coordinator_service import SERVICE_NAME as COORDINATOR_SERVICE
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator.service import SERVICE_NAME as COORDINATOR_SERVICE
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec, load_fleet_file
 from rollout_checkpoint.examples import serve
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 

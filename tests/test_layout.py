@@ -167,3 +167,22 @@ def test_import_linter_contracts(tmp_path: Path) -> None:
     proc = run(BIN / "lint-imports", "--no-cache", env=env)
     assert proc.returncode == 0, explain(proc)
     assert "0 broken" in proc.stdout, explain(proc)
+
+
+def test_importing_the_light_packages_loads_no_grpc_and_no_runtime() -> None:
+    """`rollout_checkpoint.client` resolves its names lazily and the core's value modules are
+    stdlib + protobuf: a controller script or a storage tool does not pay for grpc, and
+    nothing of the participant runtime comes along with the core."""
+    probe = (
+        "import sys\n"
+        "import rollout_checkpoint.client\n"
+        "import rollout_checkpoint.server.core.part_storage\n"
+        "import rollout_checkpoint.server.core.clock\n"
+        "import rollout_checkpoint.server.runtime.control_plane\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('grpc', 'starlette', 'prometheus_client', 'fastapi', 'uvicorn'))\n"
+        "print(heavy)\n"
+    )
+    proc = run(sys.executable, "-c", probe)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.strip() == "[]", explain(proc)

@@ -29,10 +29,10 @@ import uvicorn
 
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.examples.counter import CounterServer
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.server.resources import ResourcesServerConfig
-from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, _StartedServer, drain

@@ -32,14 +32,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout_checkpoint.client import coordination, tracing
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.coordinator import calls
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.control_plane import State
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.logs import ContextFilter, JsonFormatter
-from rollout_checkpoint.server.participant import Kind
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.rpc.tracing import context_metadata
+from rollout_checkpoint.server.runtime.control_plane import State
+from rollout_checkpoint.server.runtime.logs import ContextFilter, JsonFormatter
+from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
@@ -287,13 +289,13 @@ async def test_the_coordinator_carries_the_callers_trace_to_the_participants(
     spec = FleetSpec(members=(MemberSpec("double", h.grpc_address),), token=TOKEN)
     server = Coordinator(spec, "127.0.0.1:0")
     await server.start()
-    tracing.set_tracer_provider(provider)
+    calls.set_tracer_provider(provider)
     try:
         async with aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = cpb_grpc.CoordinatorServiceStub(channel)
             deadline = timestamp_pb2.Timestamp(seconds=int(time.time()) + 60)
             with provider.get_tracer("controller").start_as_current_span("caller") as root:
-                metadata = (("authorization", f"Bearer {TOKEN}"), *tracing.context_metadata())
+                metadata = (("authorization", f"Bearer {TOKEN}"), *context_metadata())
                 request = cpb.CoordinatorServicePrepareRequest(
                     checkpoint_id="ckpt-c1", deadline=deadline
                 )
@@ -304,7 +306,7 @@ async def test_the_coordinator_carries_the_callers_trace_to_the_participants(
                     metadata=metadata,
                 )
     finally:
-        tracing.set_tracer_provider(None)
+        calls.set_tracer_provider(None)
         await server.stop()
         await stop_harness(h)
     finished = {s.name: s for s in exporter.get_finished_spans()}

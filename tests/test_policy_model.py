@@ -30,11 +30,11 @@ from rollout_checkpoint.examples.policy_model import (
     ScriptedPolicy,
 )
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
-from rollout_checkpoint.server.clock import ManualClock
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.model_participant import ModelParticipant
+from rollout_checkpoint.server.core.clock import ManualClock
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.model.participant import ModelParticipant
 from rollout_checkpoint.server.resources import ResourcesServerConfig
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, drain, refused, serve_app

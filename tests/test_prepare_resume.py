@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 

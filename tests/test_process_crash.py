@@ -37,8 +37,8 @@ from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.client.publication import CheckpointRoot
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN
@@ -57,10 +57,10 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.server.clock import ManualClock
-from rollout_checkpoint.server.install import install_checkpointing
-from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core.clock import ManualClock
+from rollout_checkpoint.server.runtime.install import install_checkpointing
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from tests.double import DoubleParticipant, create_app
 
 instance, slow = sys.argv[1], sys.argv[2]  # slow: "", "write" or "read"

@@ -23,7 +23,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, DoubleProcess, kill_group, refused

@@ -35,11 +35,11 @@ from rollout_checkpoint.examples.prompt_injection import (
     load_tasks,
     score,
 )
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.layout import MANIFEST_NAME, StoredManifest
+from rollout_checkpoint.server.core.layout import SCHEMA_VERSION as STORAGE_VERSION
 from rollout_checkpoint.server.resources import InvalidSessionState, ResourcesServerConfig
-from rollout_checkpoint.server.settings import CheckpointSettings
-from rollout_checkpoint.server.storage import MANIFEST_NAME, StoredManifest
-from rollout_checkpoint.server.storage import SCHEMA_VERSION as STORAGE_VERSION
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, kill_group, refused, serve_app

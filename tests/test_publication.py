@@ -31,8 +31,9 @@ from rollout_checkpoint.client.publication import (
     inspect,
     verify_checkpoint,
 )
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core import safe_files
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 
@@ -694,7 +695,7 @@ def test_fleet_manifest_decode_is_the_inverse_of_encode(tmp_path: Path) -> None:
 def test_records_are_streamed_across_chunk_boundaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
-    monkeypatch.setattr(publication, "_CHUNK", chunk)
+    monkeypatch.setattr(safe_files, "READ_CHUNK", chunk)
     directory = published_dir(tmp_path)
     summary = verify_checkpoint(directory)
     assert summary.total_records == 4

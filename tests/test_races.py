@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.storage import LocalStorage
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, start_harness, stop_harness

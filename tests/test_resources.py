@@ -16,15 +16,15 @@ import uvicorn
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.examples.counter import CounterServer, NoArgs
 from rollout_checkpoint.examples.weather import WeatherServer
-from rollout_checkpoint.server.clock import ManualClock
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.clock import ManualClock
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources import (
     CheckpointMode,
     ResourcesServer,
     ResourcesServerConfig,
     tool,
 )
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, drain, refused, serve_app

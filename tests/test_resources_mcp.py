@@ -30,10 +30,10 @@ from mcp.shared.exceptions import MCPError
 
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.examples.counter import CounterServer, IncrementArgs, NoArgs
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources import ResourcesServerConfig, tool
-from rollout_checkpoint.server.resources_mcp import TOKEN_HEADER, McpExposure
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.resources.mcp import TOKEN_HEADER, McpExposure
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 

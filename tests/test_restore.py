@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused, start_harness, stop_harness

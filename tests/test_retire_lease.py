@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused

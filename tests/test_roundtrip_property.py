@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 
 from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources import ResourcesServer
-from rollout_checkpoint.server.rollout_prefix import rollout_path
+from rollout_checkpoint.server.runtime.rollout_prefix import rollout_path
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import drain

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from rollout_checkpoint.examples.counter import CounterServer
-from rollout_checkpoint.server.episodes import EpisodeId
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .test_metrics import samples, value
 from .test_resources import Running, prepared, running

@@ -21,14 +21,13 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rollout_checkpoint.client import service_plumbing
-from rollout_checkpoint.client.coordinator_service import SERVICE_NAME as COORDINATOR_SERVICE
-from rollout_checkpoint.client.coordinator_service import Coordinator
+from rollout_checkpoint.client.coordinator.service import SERVICE_NAME as COORDINATOR_SERVICE
+from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
-from rollout_checkpoint.server.health import LIVENESS, READINESS
-from rollout_checkpoint.server.logs import RateLimitedLog
-from rollout_checkpoint.server.servicer import SERVICE_NAME as PARTICIPANT_SERVICE
+from rollout_checkpoint.server.core.rpc.standard_services import RateLimitedLog
+from rollout_checkpoint.server.runtime.health import LIVENESS, READINESS
+from rollout_checkpoint.server.runtime.servicer import SERVICE_NAME as PARTICIPANT_SERVICE
 
 from .conftest import TOKEN, Harness, start_harness, stop_harness
 
@@ -179,12 +178,11 @@ async def test_list_reports_not_serving_after_shutdown_begins() -> None:
         await stop_harness(harness)
 
 
-@pytest.mark.parametrize("limiter", [RateLimitedLog, service_plumbing.RateLimitedLog])
 def test_the_rate_limited_log_writes_one_line_per_interval(
-    limiter: type[RateLimitedLog], caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     now = [100.0]
-    log = limiter(logging.getLogger("tests.hostile"), interval=60.0, clock=lambda: now[0])
+    log = RateLimitedLog(logging.getLogger("tests.hostile"), interval=60.0, clock=lambda: now[0])
     with caplog.at_level(logging.INFO, logger="tests.hostile"):
         for _ in range(50):
             log.warning("garbage from %s", "peer")

@@ -47,10 +47,10 @@ from hypothesis.stateful import (
 )
 
 from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.server.clock import ManualClock
-from rollout_checkpoint.server.episodes import EpisodeId
-from rollout_checkpoint.server.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.core.clock import ManualClock
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2

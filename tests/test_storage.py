@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from rollout_checkpoint.server.errors import CheckpointError, Reason
-from rollout_checkpoint.server.storage import (
-    MANIFEST_NAME,
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import MANIFEST_NAME
+from rollout_checkpoint.server.core.part_storage import (
     LocalStorage,
     PublishedPart,
     StopRequested,

@@ -20,20 +20,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.client.coordinator_service import _check_id
+from rollout_checkpoint.client.coordinator.service import _check_id
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.client.participant import timestamp
 from rollout_checkpoint.client.publication import (
     FleetManifest,
     PublishedParticipant,
-    _decode_part_manifest,
     parse_time,
 )
-from rollout_checkpoint.client.service_plumbing import ServiceError
-from rollout_checkpoint.server.control_plane import ControlPlane
-from rollout_checkpoint.server.episodes import EpisodeId, is_valid_id, rollout_id_problem
-from rollout_checkpoint.server.rollout_prefix import RolloutPrefixMiddleware, episode_of
-from rollout_checkpoint.server.settings import CheckpointSettings
+from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
+from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
@@ -133,7 +133,7 @@ def test_addresses_with_a_trailing_newline_are_refused() -> None:
 
 
 def test_the_coordinator_refuses_a_checkpoint_id_with_a_trailing_newline() -> None:
-    with pytest.raises(ServiceError) as caught:
+    with pytest.raises(CheckpointError) as caught:
         _check_id("ck\n")
     assert caught.value.reason == "INVALID_REQUEST" and caught.value.field == "checkpoint_id"
 
@@ -165,13 +165,13 @@ def test_published_manifests_refuse_values_with_a_trailing_newline() -> None:
         "record_count": 0,
         "bytes": 0,
     }
-    _decode_part_manifest(_json(part))  # the well-formed part parses
+    StoredManifest.decode(_json(part))  # the well-formed part parses
     for field, value in (
         ("records_sha256", digest + "\n"),
         ("records_file", f"records-{digest}.jsonl\n"),
     ):
         with pytest.raises(ValueError, match=field):
-            _decode_part_manifest(_json(part | {field: value}))
+            StoredManifest.decode(_json(part | {field: value}))
     good = FleetManifest.decode(_fleet_manifest("c1"))
     assert good.checkpoint_id == "c1"
     with pytest.raises(ValueError, match="checkpoint_id"):

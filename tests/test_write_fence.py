@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_checkpoint.server.errors import Reason
-from rollout_checkpoint.server.storage import (
-    MANIFEST_NAME,
+from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.layout import MANIFEST_NAME
+from rollout_checkpoint.server.core.part_storage import (
     LocalStorage,
     PublishedPart,
     StopRequested,

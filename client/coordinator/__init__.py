@@ -1,0 +1,1 @@
+"""CoordinatorService: the fleet rules behind typed RPCs (`rollout-checkpoint coordinator`)."""

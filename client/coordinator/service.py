@@ -1,0 +1,450 @@
+"""CoordinatorService: the fleet rules behind a few typed RPCs, for controllers in any language.
+
+`rollout-checkpoint coordinator --fleet FILE --grpc-address HOST:PORT` runs it. It keeps no
+checkpoint state of its own (the participants do, and replay recorded results), so every
+call is safe to retry and the coordinator itself can be restarted at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection
+
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import (
+    CheckpointEvent,
+    Phase,
+    checkpoint,
+    restore_published,
+)
+from rollout_checkpoint.client.coordination import DERIVE, FleetProgress, MemberProgress, Outcome
+from rollout_checkpoint.client.coordinator.calls import (
+    SERVICE,
+    SERVICE_NAME,
+    TracingObserver,
+    status_of,
+)
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec
+from rollout_checkpoint.client.publication import (
+    CheckpointRoot,
+    NoPublishedCheckpoint,
+    PublicationError,
+)
+from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
+from rollout_checkpoint.server.core.errors import (
+    CheckpointError,
+    Reason,
+    invalid_request,
+)
+from rollout_checkpoint.server.core.rpc import handlers
+from rollout_checkpoint.server.core.rpc.auth import BearerTokenInterceptor
+from rollout_checkpoint.server.core.rpc.standard_services import (
+    HEALTH_SERVICE,
+    ListingHealthServicer,
+    health_handler,
+    hostile_input_log,
+    reflection_handler,
+)
+from rollout_checkpoint.server.core.rpc.wire import (
+    deadline_of,
+    duration,
+    episode_ids,
+    episode_message,
+    timestamp,
+)
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_LISTED_BLOCKERS = 100
+
+_OUTCOMES = {
+    Outcome.PREPARED: cpb.FLEET_PREPARE_OUTCOME_PREPARED,
+    Outcome.NOT_PREPARED: cpb.FLEET_PREPARE_OUTCOME_NOT_PREPARED,
+    Outcome.ENDED: cpb.FLEET_PREPARE_OUTCOME_ENDED,
+}
+_PHASES = {
+    Phase.PREPARE: cpb.CHECKPOINT_PHASE_PREPARE,
+    Phase.COMMIT: cpb.CHECKPOINT_PHASE_COMMIT,
+    Phase.PUBLISH: cpb.CHECKPOINT_PHASE_PUBLISH,
+    Phase.RESUME: cpb.CHECKPOINT_PHASE_RESUME,
+    Phase.DONE: cpb.CHECKPOINT_PHASE_DONE,
+}
+
+
+class CoordinatorServicer:
+    def __init__(self, spec: FleetSpec, *, max_deadline_seconds: float = 86400.0) -> None:
+        self.spec = spec
+        self.max_deadline_seconds = max_deadline_seconds
+        self._fleet: Fleet | None = None
+        self._discovery = asyncio.Lock()
+
+    async def fleet(self) -> Fleet:
+        """The discovered fleet, discovered again after any transport failure (a member may
+        have been replaced behind the same address)."""
+        async with self._discovery:
+            if self._fleet is None:
+                self._fleet = await _discover(self.spec)
+            return self._fleet
+
+    async def forget_fleet(self) -> None:
+        async with self._discovery:
+            if self._fleet is not None:
+                await self._fleet.close()
+                self._fleet = None
+
+    def root(self) -> CheckpointRoot:
+        if self.spec.checkpoint_root is None:
+            raise CheckpointError(
+                Reason.INVALID_REQUEST,
+                "the fleet file sets no checkpoint_root",
+                code="FAILED_PRECONDITION",
+            )
+        return CheckpointRoot(self.spec.checkpoint_root)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """Every RPC of coordinator_service.proto, served by the method of its name."""
+        return handlers.service(SERVICE, self, TracingObserver(), status_of)
+
+    async def _guard(self, call: Any) -> Any:
+        try:
+            return await call
+        except coordination.FleetError as error:
+            if error.reason == Reason.PARTICIPANT_UNREACHABLE or any(
+                not e.decided_by_server for e in error.failures.values()
+            ):
+                await self.forget_fleet()
+            raise
+
+    # -- RPCs ---------------------------------------------------------------------------
+
+    async def list_participants(
+        self, request: cpb.ListParticipantsRequest
+    ) -> cpb.ListParticipantsResponse:
+        await self.forget_fleet()
+        fleet = await self.fleet()
+        return cpb.ListParticipantsResponse(
+            members=[
+                cpb.Member(
+                    name=m.name,
+                    address=m.address,
+                    kind=m.kind,
+                    instance=m.instance,
+                    boot_id=m.boot_id,
+                )
+                for m in fleet.members
+            ]
+        )
+
+    async def prepare(
+        self, request: cpb.CoordinatorServicePrepareRequest
+    ) -> AsyncIterator[cpb.CoordinatorServicePrepareResponse]:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        fleet = await self.fleet()
+        async for progress in coordination.prepare(fleet, request.checkpoint_id, deadline):
+            yield cpb.CoordinatorServicePrepareResponse(
+                progress=_progress(progress), final=progress.outcome is not None
+            )
+
+    async def commit(
+        self, request: cpb.CoordinatorServiceCommitRequest
+    ) -> cpb.CoordinatorServiceCommitResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        scope = _scope_choice(request)
+        fleet = await self.fleet()
+        result = await self._guard(
+            coordination.commit(
+                fleet, request.checkpoint_id, deadline, request.checkpoint_dir, scope
+            )
+        )
+        return cpb.CoordinatorServiceCommitResponse(
+            members=[
+                _member_commit(name, reply) for name, reply in _in_order(fleet, result.members)
+            ],
+            scope=[episode_message(e) for e in sorted(result.scope or ())],
+        )
+
+    async def restore(
+        self, request: cpb.CoordinatorServiceRestoreRequest
+    ) -> cpb.CoordinatorServiceRestoreResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        source = request.source_checkpoint_id or None
+        if source is not None and source != "LATEST" and not is_valid_id(source):
+            raise invalid_request("source_checkpoint_id", "is not a checkpoint id")
+        scope = (
+            episode_ids(request.scope.episodes, "scope.episodes")
+            if request.HasField("scope")
+            else None
+        )
+        fleet = await self.fleet()
+        try:
+            restored = await self._guard(
+                restore_published(
+                    fleet, self.root(), request.checkpoint_id, deadline, source=source, scope=scope
+                )
+            )
+        except NoPublishedCheckpoint as error:
+            raise CheckpointError(
+                Reason.INVALID_CHECKPOINT_STATE, str(error), code="FAILED_PRECONDITION"
+            ) from error
+        except PublicationError as error:
+            raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
+        return cpb.CoordinatorServiceRestoreResponse(
+            source_checkpoint_id=restored.source_checkpoint_id,
+            members=[
+                cpb.MemberRestore(name=name, restored=reply.restored)
+                for name, reply in _in_order(fleet, restored.replies)
+            ],
+            controller_state=restored.controller_state,
+            continued=[episode_message(e) for e in restored.continued],
+        )
+
+    async def resume(
+        self, request: cpb.CoordinatorServiceResumeRequest
+    ) -> cpb.CoordinatorServiceResumeResponse:
+        deadline = self._deadline(request, "deadline", allow_past=True)
+        _check_id(request.checkpoint_id)
+        fleet = await self.fleet()
+        replies = await self._guard(coordination.resume(fleet, request.checkpoint_id, deadline))
+        return cpb.CoordinatorServiceResumeResponse(
+            idempotent_members=sorted(n for n, r in replies.items() if r.idempotent)
+        )
+
+    async def retire(
+        self, request: cpb.CoordinatorServiceRetireRequest
+    ) -> cpb.CoordinatorServiceRetireResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        episodes = episode_ids(request.episodes, "episodes")
+        if not episodes:
+            raise invalid_request("episodes", "must name at least one episode")
+        fleet = await self.fleet()
+        await self._guard(coordination.retire(fleet, request.checkpoint_id, deadline, episodes))
+        return cpb.CoordinatorServiceRetireResponse(retired=[e.capture_key for e in episodes])
+
+    async def forget(
+        self, request: cpb.CoordinatorServiceForgetRequest
+    ) -> cpb.CoordinatorServiceForgetResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        if not request.rollout_ids:
+            raise invalid_request("rollout_ids", "must name at least one rollout")
+        for rollout_id in request.rollout_ids:
+            problem = rollout_id_problem(rollout_id)
+            if problem is not None:
+                raise invalid_request("rollout_ids", problem)
+        fleet = await self.fleet()
+        await self._guard(
+            coordination.forget(fleet, request.checkpoint_id, deadline, list(request.rollout_ids))
+        )
+        return cpb.CoordinatorServiceForgetResponse(forgotten=sorted(set(request.rollout_ids)))
+
+    async def renew(
+        self, request: cpb.CoordinatorServiceRenewRequest
+    ) -> cpb.CoordinatorServiceRenewResponse:
+        deadline = self._deadline(request, "deadline")
+        _check_id(request.checkpoint_id)
+        fleet = await self.fleet()
+        earliest = await self._guard(coordination.renew(fleet, request.checkpoint_id, deadline))
+        return cpb.CoordinatorServiceRenewResponse(lease_expires_at=timestamp(earliest))
+
+    async def checkpoint(
+        self, request: cpb.CheckpointRequest
+    ) -> AsyncIterator[cpb.CheckpointResponse]:
+        deadline = self._deadline(request, "deadline")
+        if request.checkpoint_id:
+            _check_id(request.checkpoint_id)
+        scope = _scope_choice(request)
+        root = self.root()
+        fleet = await self.fleet()
+        events = checkpoint(
+            fleet,
+            root,
+            deadline,
+            checkpoint_id=request.checkpoint_id or None,
+            scope=scope,
+            controller_state=request.controller_state,
+            keep=self.spec.keep,
+            keep_closed=request.keep_closed,
+        )
+        try:
+            async for event in events:
+                yield _checkpoint_response(event)
+        except PublicationError as error:
+            raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _deadline(self, request: Any, field: str, *, allow_past: bool = False) -> float:
+        deadline = deadline_of(request, field)
+        now = time.time()
+        if deadline - now > self.max_deadline_seconds:
+            raise invalid_request(field, f"lies more than {self.max_deadline_seconds:g} s ahead")
+        if not allow_past and deadline <= now:
+            raise CheckpointError(
+                Reason.CHECKPOINT_DEADLINE_EXCEEDED, "the deadline has already passed"
+            )
+        return deadline
+
+
+async def _discover(spec: FleetSpec) -> Fleet:
+    from rollout_checkpoint.client.fleet import DiscoveryError
+
+    try:
+        return await Fleet.discover(spec)
+    except DiscoveryError as error:
+        # A member's own refusal (a wrong token) stays a refusal: PARTICIPANT_FAILED with
+        # its reason, not PARTICIPANT_UNREACHABLE, which says "retry, it may come back".
+        failures = {
+            name: error.errors.get(name) or ControlError(grpc.StatusCode.UNAVAILABLE, message)
+            for name, message in error.failures.items()
+        }
+        raise coordination.FleetError("discover", failures) from error
+
+
+def _check_id(checkpoint_id: str) -> None:
+    if not is_valid_id(checkpoint_id):
+        raise invalid_request(
+            "checkpoint_id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$"
+        )
+
+
+def _scope_choice(request: Any) -> list[EpisodeId] | str | None:
+    if request.HasField("scope") and request.derive_scope:
+        raise invalid_request("scope", "set either scope or derive_scope, not both")
+    if request.derive_scope:
+        return DERIVE
+    if request.HasField("scope"):
+        return episode_ids(request.scope.episodes, "scope.episodes")
+    return None
+
+
+def _in_order(fleet: Fleet, replies: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(m.name, replies[m.name]) for m in fleet.members if m.name in replies]
+
+
+def _member_progress(member: MemberProgress) -> cpb.MemberProgress:
+    # The message mirrors coordination's MemberProgress field for field, but for the error
+    # (a ControlError there, its google.rpc.Status here).
+    fields = {f.name: getattr(member, f.name) for f in dataclasses.fields(member)}
+    del fields["error"]
+    message = cpb.MemberProgress(**fields)
+    if member.error is not None:
+        message.error.CopyFrom(status_of(member.error))
+    return message
+
+
+def _progress(progress: FleetProgress) -> cpb.FleetProgress:
+    blockers = progress.blockers()
+    return cpb.FleetProgress(
+        stage=progress.stage,
+        members=[_member_progress(m) for m in progress.members],
+        blockers=[
+            cpb.MemberBlocker(member=name, blocker=b) for name, b in blockers[:MAX_LISTED_BLOCKERS]
+        ],
+        blocker_count=progress.blocker_count(),
+        sequence=progress.sequence,
+        elapsed=duration(progress.elapsed),
+        outcome=_OUTCOMES.get(progress.outcome or "", cpb.FLEET_PREPARE_OUTCOME_UNSPECIFIED),
+    )
+
+
+def _member_commit(name: str, reply: pb.CommitResponse) -> cpb.MemberCommit:
+    return cpb.MemberCommit(
+        name=name,
+        manifest=reply.manifest,
+        manifest_sha256=reply.manifest_sha256,
+        exported=reply.exported,
+        retired=reply.retired,
+    )
+
+
+def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
+    response = cpb.CheckpointResponse(phase=_PHASES[event.phase], final=event.final)
+    if event.progress is not None:
+        response.progress.CopyFrom(_progress(event.progress))
+    outcome = event.outcome
+    if outcome is not None:
+        result = response.result
+        result.checkpoint_id = outcome.checkpoint_id
+        result.prepare_outcome = _OUTCOMES[outcome.prepare_outcome]
+        result.prepare_duration.CopyFrom(duration(outcome.prepare_seconds))
+        result.commit_duration.CopyFrom(duration(outcome.commit_seconds))
+        result.publish_duration.CopyFrom(duration(outcome.publish_seconds))
+        result.record_count = outcome.record_count
+        result.bytes = outcome.bytes
+        result.continued.extend(episode_message(e) for e in outcome.continued)
+        if outcome.published is not None:
+            result.published = True
+            result.directory = str(outcome.published.directory)
+            result.fleet_manifest_sha256 = outcome.published.fleet_manifest_sha256
+    return response
+
+
+# -- serving --------------------------------------------------------------------------------
+
+
+class Coordinator:
+    """The coordinator server: CoordinatorService + health (+ reflection when asked), each
+    parsing its own request bytes, so garbage is a typed INVALID_REQUEST, never UNKNOWN."""
+
+    def __init__(
+        self, spec: FleetSpec, address: str, *, reflection_enabled: bool = False, grace: float = 5.0
+    ) -> None:
+        self.servicer = CoordinatorServicer(spec)
+        self.health = ListingHealthServicer()
+        self.address = address
+        self.reflection_enabled = reflection_enabled
+        self.grace = grace
+        self.port: int | None = None
+        self._server: aio.Server | None = None
+
+    async def start(self) -> int:
+        server = aio.server(
+            interceptors=[BearerTokenInterceptor(self.servicer.spec.token)],
+            options=[("grpc.so_reuseport", 0)],
+        )
+        hostile = hostile_input_log()
+        handlers = [self.servicer.generic_handler(), health_handler(self.health, hostile)]
+        if self.reflection_enabled:
+            names = (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)
+            handlers.append(reflection_handler(names, hostile))
+        server.add_generic_rpc_handlers(handlers)
+        self.port = server.add_insecure_port(self.address)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await server.start()
+        self._server = server
+        return self.port
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(self.grace)
+        await self.servicer.forget_fleet()
+
+    async def serve_forever(self, on_started: Any = None) -> None:
+        await self.start()
+        if on_started is not None:
+            on_started(self)
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
+        await stopping.wait()
+        await self.stop()

@@ -1,0 +1,1 @@
+"""The agent and environment participant kinds: episodes that advance step by step."""

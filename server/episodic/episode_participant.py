@@ -1,0 +1,193 @@
+"""Agent and environment participants: episodes with boundaries (episode_steps.py) as records.
+
+Agent record:        {"episode_id": ..., "boundary": <JSON or null>}
+Environment record:  {"episode_id": ..., "task_digest": "<sha256>", "boundary": <JSON or null>}
+
+A restored record is held under its replacement (attempt N+1) until that replacement's run
+begins here and claims it, once. A checkpoint taken before the replacement starts exports the
+restored record again under N+1, so a second crash still continues (as N+2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason, rejected_checkpoint
+from rollout_checkpoint.server.episodic.episode_steps import EpisodeSteps, TrackedEpisode
+from rollout_checkpoint.server.runtime.participant import (
+    ExportRecord,
+    Kind,
+    Participant,
+    ReadinessReport,
+    RestoredRecord,
+)
+
+
+def task_digest(task: Any) -> str:
+    """SHA-256 of the task with sorted keys and compact separators."""
+    return hashlib.sha256(
+        json.dumps(task, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+class EpisodeParticipant(Participant):
+    """A participant whose state is its episodes' boundaries."""
+
+    def __init__(self, kind: Kind, instance: str) -> None:
+        self.kind = kind
+        self.instance = instance
+        self.steps: EpisodeSteps | None = None
+
+    def attach(self, context: Any) -> None:
+        super().attach(context)
+        self.steps = EpisodeSteps(lambda: context.retired, context.changed)
+
+    @property
+    def episodes_tracker(self) -> EpisodeSteps:
+        assert self.steps is not None, "the participant is not attached to a control plane"
+        return self.steps
+
+    # -- Participant --------------------------------------------------------------------
+
+    def close_admission(self) -> None:
+        self.episodes_tracker.close()
+
+    def open_admission(self) -> None:
+        self.episodes_tracker.open()
+
+    def ready(self) -> bool:
+        return self.episodes_tracker.ready()
+
+    def report(self) -> ReadinessReport:
+        blockers, count = self.episodes_tracker.blockers()
+        report = ReadinessReport.build(blockers, self.episodes_tracker.counts())
+        return ReadinessReport(report.ready, report.blockers, count, report.counts)
+
+    async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        return [
+            ExportRecord(episode_id, self.record_fields(episode_id, _json_copy(boundary)))
+            for episode_id, boundary in self.episodes_tracker.export(scope)
+        ]
+
+    def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
+        return {"boundary": boundary}
+
+    def validate_record(self, record: RestoredRecord) -> Any:
+        """The boundary of a stored record; raise `rejected_checkpoint` naming the episode."""
+        if set(record.fields) != {"boundary"}:
+            raise rejected_checkpoint(
+                f"a {self.kind.value} record holds exactly a boundary",
+                capture_key=record.checkpointed.capture_key,
+            )
+        return record.fields["boundary"]
+
+    async def install(self, records: Sequence[RestoredRecord]) -> None:
+        if self.episodes_tracker.has_served():
+            raise rejected_checkpoint("restore needs a process that has not run episodes")
+        boundaries = {record.restored_as: self.validate_record(record) for record in records}
+        self.installed(records)
+        self.episodes_tracker.install(boundaries)
+
+    def installed(self, records: Sequence[RestoredRecord]) -> None:
+        """Every record is valid and about to be installed: keep what the kind needs of them."""
+        return None
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        self.episodes_tracker.discard_installed(episodes)
+
+    async def retire(self, episode: EpisodeId) -> None:
+        await self.episodes_tracker.retire(episode)
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        self.episodes_tracker.forget(rollout_ids)
+
+    def restored_pending(self) -> frozenset[EpisodeId]:
+        return self.episodes_tracker.restored_pending()
+
+    def episodes(self) -> Sequence[Any]:
+        return self.episodes_tracker.episode_infos()
+
+    def has_served(self) -> bool:
+        return self.episodes_tracker.has_served()
+
+    def begin(self, episode_id: EpisodeId) -> tuple[TrackedEpisode, Any]:
+        return self.episodes_tracker.begin(episode_id)
+
+
+class EnvironmentParticipant(EpisodeParticipant):
+    """An environment's episodes also pin their task: a replacement must run the same task."""
+
+    def __init__(self, instance: str) -> None:
+        super().__init__(Kind.ENVIRONMENT, instance)
+        self.digests: dict[str, str] = {}
+        self._restored_digests: dict[str, str] = {}
+
+    def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
+        key = episode_id.capture_key
+        digest = self.digests.get(key) or self._restored_digests.get(key)
+        if digest is None and isinstance(boundary, dict):
+            digest = boundary.get("task_digest")  # a finished episode's outcome carries it
+        return {"task_digest": digest or "", "boundary": boundary}
+
+    def validate_record(self, record: RestoredRecord) -> Any:
+        fields = record.fields
+        digest = fields.get("task_digest")
+        if (
+            set(fields) != {"task_digest", "boundary"}
+            or not isinstance(digest, str)
+            or len(digest) != 64
+        ):
+            raise rejected_checkpoint(
+                "an environment record holds exactly task_digest and boundary",
+                capture_key=record.checkpointed.capture_key,
+            )
+        return fields["boundary"]
+
+    def installed(self, records: Sequence[RestoredRecord]) -> None:
+        # Only once every record is valid: a digest kept from a failed install would refuse
+        # (TASK_MISMATCH) a fresh start of that key with another task.
+        for record in records:
+            self._restored_digests[record.restored_as.capture_key] = record.fields["task_digest"]
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        await super().discard_installed(episodes)
+        for episode in episodes:
+            self._restored_digests.pop(episode.capture_key, None)
+
+    def begin_task(self, episode_id: EpisodeId, task: Any) -> tuple[TrackedEpisode, Any]:
+        """Start an episode for `task`; a restored replacement must bring the same task."""
+        key = episode_id.capture_key
+        digest = task_digest(task)
+        expected = self._restored_digests.get(key)
+        if expected is not None and expected != digest:
+            raise CheckpointError(
+                Reason.TASK_MISMATCH,
+                f"the replacement {key} runs a different task than the checkpointed one",
+                metadata={"captureKey": key},
+            )
+        episode, restored = self.begin(episode_id)
+        self._restored_digests.pop(key, None)
+        self.digests[key] = digest
+        return episode, restored
+
+    def end_task(self, episode: TrackedEpisode) -> None:
+        self.digests.pop(episode.episode_id.capture_key, None)
+        self.episodes_tracker.end(episode)
+
+    def facts(self) -> Mapping[str, str]:
+        return {"relay_step": "replay"}
+
+
+def _json_copy(value: Any) -> Any:
+    """Boundaries go to storage as JSON; a copy keeps the live episode's objects unaliased.
+
+    A value JSON cannot carry is left as it is, so the commit's own serializer refuses it
+    with UNSERIALIZABLE_STATE naming the episode."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError):
+        return value

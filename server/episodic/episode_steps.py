@@ -1,0 +1,424 @@
+"""Episode steps: boundaries, parking, wait and replay steps — shared by agents and environments.
+
+An episode is a sequence of steps. After each completed step its owner records a *boundary*
+(JSON: what runs next and what it needs); a checkpoint can always be cut there. The rules:
+
+* Recording a boundary while admission is closed *parks* the episode until resume; one woken
+  by a resume stays parked if a new checkpoint closes before it runs again. Parked episodes
+  are what a checkpoint exports.
+* A `wait` step (the default; anything unsafe to run twice) blocks the checkpoint until it is
+  done and the owner records the boundary after it.
+* A `replay` step (idempotent: a model call whose response the model holds, a relay whose
+  callee carries the episode, a pure verification) does not block: the episode counts as
+  parked at the boundary *before* the step, and a result that arrives while admission is
+  closed is held until resume, so an episode counted at its boundary never leaves it. After
+  a crash the step simply runs again.
+* Time parked does not count against the episode's own deadline.
+* Retire marks the episode, cancels its task once and waits for it to end; it stays tracked
+  until then, so a duplicate start of the same key is refused and a retry waits again. The
+  cancellation goes through `cancel_request`, so the request ends as a 409 `stale_attempt`
+  with one INFO line (request_endings.py), not as a logged traceback and a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+from rollout_checkpoint.server.runtime.participant import (
+    MAX_LISTED_BLOCKERS,
+    Blocker,
+    BlockerReason,
+    EpisodeInfo,
+)
+from rollout_checkpoint.server.runtime.request_endings import cancel_request
+
+
+class StepMode(enum.StrEnum):
+    WAIT = "wait"
+    REPLAY = "replay"
+
+
+class Phase(enum.StrEnum):
+    RUNNING = "running"
+    WAIT_STEP = "wait_step"
+    REPLAY_STEP = "replay_step"
+    PARKED = "parked"
+
+
+class EpisodeRefused(Exception):
+    """A data-plane refusal of an episode start (HTTP 409 with this code)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+class EpisodeRetired(Exception):
+    """Raised inside an episode whose attempt was retired while it ran."""
+
+
+NO_BOUNDARY = object()
+
+FINISHED_KEPT = 10_000
+"""Finished episodes whose outcome is kept for a checkpoint (newest first). An outcome is
+needed only while its reply may still be on the wire to the caller; the bound keeps memory
+flat for a server that runs forever without Forget calls."""
+
+
+@dataclass(eq=False)
+class TrackedEpisode:
+    episode_id: EpisodeId
+    phase: Phase = Phase.RUNNING
+    boundary: Any = NO_BOUNDARY
+    retiring: bool = False
+    restored: bool = False
+    task: asyncio.Task[Any] | None = None
+    parked_since: float | None = None
+    parked_total: float = 0.0
+    started_at: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def blocking(self) -> bool:
+        return self.retiring or self.phase in (Phase.RUNNING, Phase.WAIT_STEP)
+
+    def active_seconds(self, now: float) -> float:
+        """Time the episode was not parked: what counts against its own deadline."""
+        parked = self.parked_total + (
+            now - self.parked_since if self.parked_since is not None else 0.0
+        )
+        return max(0.0, now - self.started_at - parked)
+
+
+class EpisodeSteps:
+    """Tracks the live episodes of one owner; all methods run on the event loop."""
+
+    def __init__(
+        self,
+        retired: Callable[[], RetiredAttempts],
+        changed: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._retired = retired
+        self._changed_callback = changed
+        self._clock = clock
+        self.episodes: dict[str, TrackedEpisode] = {}
+        self._restored: dict[str, Any] = {}
+        """Restored boundaries keyed by the replacement's capture key, handed out once."""
+        self._finished: OrderedDict[str, Any] = OrderedDict()
+        """Outcomes of finished episodes, keyed by capture key (see `finish`)."""
+        self._blocking = 0
+        self._served = False
+        """An episode began here through the data plane (sticky): see `has_served`."""
+        self._open = True
+        self._opened = asyncio.Event()
+        self._opened.set()
+        self._changes = asyncio.Event()
+
+    # -- admission ------------------------------------------------------------------------
+
+    @property
+    def admission_open(self) -> bool:
+        return self._open
+
+    def close(self) -> None:
+        self._open = False
+        self._opened = asyncio.Event()
+        self._notify()
+
+    def open(self) -> None:
+        self._open = True
+        self._opened.set()
+        self._notify()
+
+    async def wait_open(self) -> None:
+        """Wait until admission is open *and stays so until this task runs*."""
+        while not self._open:
+            await self._opened.wait()
+            await asyncio.sleep(0)  # let a new close that raced the wake-up take effect
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def begin(self, episode_id: EpisodeId) -> tuple[TrackedEpisode, Any]:
+        """Start an episode; returns it and its restored boundary (NO_BOUNDARY when none).
+
+        Refused: a retired attempt (`stale_attempt`), a key already live (`episode_running`),
+        a new episode while admission is closed (`admission_closed`)."""
+        key = episode_id.capture_key
+        if self._retired().is_retired(episode_id):
+            raise EpisodeRefused("stale_attempt", f"attempt {key} was retired")
+        if key in self.episodes:
+            raise EpisodeRefused("episode_running", f"episode {key} is already running here")
+        if not self._open:
+            raise EpisodeRefused(
+                "admission_closed", "a checkpoint is in progress; retry after resume"
+            )
+        self._served = True
+        restored = self._restored.pop(key, NO_BOUNDARY)
+        episode = TrackedEpisode(
+            episode_id, restored=restored is not NO_BOUNDARY, started_at=self._clock()
+        )
+        if restored is not NO_BOUNDARY:
+            episode.boundary = restored
+        episode.task = asyncio.current_task()
+        self.episodes[key] = episode
+        self._set_blocking(episode, True)
+        self._notify()
+        return episode, restored
+
+    def finish(self, episode: TrackedEpisode, outcome: Any) -> None:
+        """End an episode and keep its outcome as its last boundary.
+
+        The reply that carries the outcome to the caller can still be on the wire when a
+        checkpoint cuts the fleet: the caller (which prepared first) still holds the episode,
+        and this owner no longer does. A commit whose scope names the episode exports the
+        outcome, so a restored replacement delivers it instead of running the episode again.
+        """
+        key = episode.episode_id.capture_key
+        self._finished[key] = outcome
+        self._finished.move_to_end(key)
+        while len(self._finished) > FINISHED_KEPT:
+            self._finished.popitem(last=False)
+        self.end(episode)
+
+    def end(self, episode: TrackedEpisode) -> None:
+        if self.episodes.get(episode.episode_id.capture_key) is episode:
+            self._set_blocking(episode, False)
+            del self.episodes[episode.episode_id.capture_key]
+            self._notify()
+
+    async def boundary(self, episode: TrackedEpisode, value: Any) -> None:
+        """Record a boundary; park there while admission is closed."""
+        self._check_live(episode)
+        episode.boundary = value
+        await self._park_while_closed(episode)
+        self._set_phase(episode, Phase.RUNNING)
+
+    async def park(self, episode: TrackedEpisode) -> None:
+        """Park at the last boundary (e.g. a callee refused: admission closed there) until
+        this owner's admission is open again."""
+        self._check_live(episode)
+        self._set_phase(episode, Phase.PARKED)
+        self._start_parked_clock(episode)
+        try:
+            await self.wait_open()
+        finally:
+            self._stop_parked_clock(episode)
+        self._check_live(episode)
+        self._set_phase(episode, Phase.RUNNING)
+
+    @contextlib.asynccontextmanager
+    async def step(
+        self, episode: TrackedEpisode, mode: StepMode, *, hold_result: bool = True
+    ) -> AsyncIterator[None]:
+        """Run one step. A replay step's result arriving during a checkpoint is held until
+        resume: the episode is still logically at the boundary before the step.
+
+        With `hold_result=False` the owner records the result as the next boundary itself
+        (right after the step, with no await in between), so a checkpoint exports the result
+        instead of the step: used when running the step again would redo finished work."""
+        self._check_live(episode)
+        self._set_phase(episode, Phase.WAIT_STEP if mode is StepMode.WAIT else Phase.REPLAY_STEP)
+        try:
+            yield
+        except BaseException:
+            if episode.phase is not Phase.PARKED:
+                self._set_phase(episode, Phase.RUNNING)
+            raise
+        if mode is StepMode.REPLAY and not self._open and hold_result:
+            await self._park_while_closed(episode)
+        self._check_live(episode)
+        self._set_phase(episode, Phase.RUNNING)
+
+    async def _park_while_closed(self, episode: TrackedEpisode) -> None:
+        if self._open:
+            return
+        self._set_phase(
+            episode, Phase.PARKED if episode.phase is not Phase.REPLAY_STEP else Phase.REPLAY_STEP
+        )
+        self._start_parked_clock(episode)
+        try:
+            await self.wait_open()
+        finally:
+            self._stop_parked_clock(episode)
+        self._check_live(episode)
+
+    def _start_parked_clock(self, episode: TrackedEpisode) -> None:
+        if episode.parked_since is None:
+            episode.parked_since = self._clock()
+
+    def _stop_parked_clock(self, episode: TrackedEpisode) -> None:
+        if episode.parked_since is not None:
+            episode.parked_total += self._clock() - episode.parked_since
+            episode.parked_since = None
+
+    def _check_live(self, episode: TrackedEpisode) -> None:
+        if episode.retiring or self._retired().is_retired(episode.episode_id):
+            raise EpisodeRetired(episode.episode_id.capture_key)
+
+    def _set_phase(self, episode: TrackedEpisode, phase: Phase) -> None:
+        was = episode.blocking
+        episode.phase = phase
+        if episode.blocking != was:
+            self._blocking += 1 if episode.blocking else -1
+        self._notify()
+
+    def _set_blocking(self, episode: TrackedEpisode, added: bool) -> None:
+        if episode.blocking:
+            self._blocking += 1 if added else -1
+
+    def _notify(self) -> None:
+        event, self._changes = self._changes, asyncio.Event()
+        event.set()
+        self._changed_callback()
+
+    # -- participant side ---------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self._blocking == 0
+
+    def blockers(self) -> tuple[list[Blocker], int]:
+        """The first 100 blockers by capture key, and the count of all of them."""
+        keys = sorted(k for k, e in self.episodes.items() if e.blocking)
+        listed = [
+            Blocker(
+                k,
+                BlockerReason.EPISODE_STEP_RUNNING,
+                "being retired" if self.episodes[k].retiring else self.episodes[k].phase.value,
+            )
+            for k in keys[:MAX_LISTED_BLOCKERS]
+        ]
+        return listed, self._blocking
+
+    def counts(self) -> dict[str, int]:
+        parked = sum(
+            1 for e in self.episodes.values() if e.phase in (Phase.PARKED, Phase.REPLAY_STEP)
+        )
+        return {
+            "episodes": len(self.episodes),
+            "parked": parked,
+            "restored_pending": len(self._restored),
+        }
+
+    def export(self, scope: frozenset[EpisodeId] | None) -> list[tuple[EpisodeId, Any]]:
+        """The latest boundary of every parked or replay-step episode that is not retired
+        (None for one with no boundary yet: it starts over), plus restored boundaries whose
+        replacement has not started here, re-exported under that replacement (N+1)."""
+        exported: list[tuple[EpisodeId, Any]] = []
+        for episode in self.episodes.values():
+            if (
+                episode.retiring
+                or episode.blocking
+                or self._retired().is_retired(episode.episode_id)
+            ):
+                continue
+            if scope is not None and episode.episode_id not in scope:
+                continue
+            boundary = None if episode.boundary is NO_BOUNDARY else episode.boundary
+            exported.append((episode.episode_id, boundary))
+        for key, boundary in self._restored.items():
+            episode_id = EpisodeId.from_capture_key(key)
+            if scope is None or episode_id in scope:
+                exported.append((episode_id, boundary))
+        if scope is not None:  # finished episodes are not live: only an explicit scope names them
+            for key, outcome in self._finished.items():
+                episode_id = EpisodeId.from_capture_key(key)
+                if (
+                    episode_id in scope
+                    and key not in self.episodes
+                    and not self._retired().is_retired(episode_id)
+                ):
+                    exported.append((episode_id, outcome))
+        return sorted(exported, key=lambda item: item[0])
+
+    def install(self, restored: Mapping[EpisodeId, Any]) -> None:
+        """Hold restored boundaries until each replacement's start claims its own, once."""
+        for episode_id, boundary in restored.items():
+            self._restored[episode_id.capture_key] = boundary
+        self._notify()
+
+    def restored_pending(self) -> frozenset[EpisodeId]:
+        return frozenset(EpisodeId.from_capture_key(k) for k in self._restored)
+
+    def discard_installed(self, episodes: Iterable[EpisodeId]) -> None:
+        """Drop the restored boundaries of `episodes` that no replacement claimed, leaving no
+        mark (see `Participant.discard_installed`). A claimed one began an episode here: the
+        process has served, and that episode is stopped by a retire, not discarded."""
+        for episode in episodes:
+            self._restored.pop(episode.capture_key, None)
+        self._notify()
+
+    def drop_restored(self, episode: EpisodeId) -> None:
+        for key in [k for k in self._restored if _covers(episode, EpisodeId.from_capture_key(k))]:
+            del self._restored[key]
+        for key in [k for k in self._finished if _covers(episode, EpisodeId.from_capture_key(k))]:
+            del self._finished[key]
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        """The controller is done with these rollouts: their outcomes are no longer needed."""
+        forgotten = set(rollout_ids)
+        for key in [
+            k for k in self._finished if EpisodeId.from_capture_key(k).rollout_id in forgotten
+        ]:
+            del self._finished[key]
+
+    async def retire(self, episode: EpisodeId) -> None:
+        """Stop and forget every covered attempt: cancel once, wait for the end (its final
+        cleanup is never interrupted twice), drop covered restored boundaries."""
+        self.drop_restored(episode)
+        covered = [e for e in self.episodes.values() if _covers(episode, e.episode_id)]
+        for tracked in covered:
+            if not tracked.retiring:
+                was = tracked.blocking
+                tracked.retiring = True
+                if not was:
+                    self._blocking += 1
+            if (
+                tracked.task is not None
+                and not tracked.cancelled
+                and tracked.task is not asyncio.current_task()
+            ):
+                tracked.cancelled = True
+                detail = f"attempt {tracked.episode_id.capture_key} was retired"
+                cancel_request(tracked.task, "stale_attempt", detail)
+        self._notify()
+        while any(e.episode_id.capture_key in self.episodes for e in covered):
+            changes = self._changes
+            await changes.wait()
+
+    def has_served(self) -> bool:
+        """An episode began here (even one that failed and left nothing), or restored
+        boundaries are held. A refused or invalid start began nothing."""
+        return self._served or bool(self.episodes) or bool(self._restored) or bool(self._finished)
+
+    def episode_infos(self) -> list[EpisodeInfo]:
+        infos = [
+            EpisodeInfo(e.episode_id, at_boundary=not e.blocking, restored_pending=False)
+            for e in self.episodes.values()
+        ]
+        infos.extend(
+            EpisodeInfo(EpisodeId.from_capture_key(k), at_boundary=True, restored_pending=True)
+            for k in self._restored
+        )
+        return infos
+
+    def live(self) -> Sequence[TrackedEpisode]:
+        return list(self.episodes.values())
+
+
+def _covers(retired: EpisodeId, other: EpisodeId) -> bool:
+    return other.rollout_id == retired.rollout_id and other.attempt <= retired.attempt
+
+
+def episodes_in(keys: Iterable[str]) -> list[EpisodeId]:
+    return [EpisodeId.from_capture_key(k) for k in keys]

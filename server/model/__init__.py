@@ -1,0 +1,1 @@
+"""The policy-model participant kind."""

@@ -1,0 +1,375 @@
+"""The policy-model participant and its ASGI middleware.
+
+The policy model prepares before the agents, and it never waits for generation:
+
+* With admission closed, new generation calls are refused (409 `admission_closed`). To the
+  agent that means "you are at the boundary before this call": it parks and re-issues the
+  call after resume.
+* Calls admitted before the close keep running, but their response is *held* until resume
+  unless it already started streaming. An undelivered response leaves its agent at the
+  boundary before the call, which a restored agent simply re-issues — so the only blockers
+  are responses already streaming.
+* The record of an episode is its ledger of *delivered* calls (request digest and response):
+  a held or undelivered call is not part of the cut. A commit needs an explicit scope,
+  because the ledger holds every episode this model ever served.
+* Retire cancels the attempt's calls in flight and drops its ledger.
+
+The middleware works for any ASGI app that serves `/v1/chat/completions` (or `/v1/responses`,
+`/v1/messages`), including a thin proxy in front of a real OpenAI-compatible server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.runtime.participant import (
+    Blocker,
+    BlockerReason,
+    EpisodeInfo,
+    ExportRecord,
+    Kind,
+    Participant,
+    ReadinessReport,
+    RestoredRecord,
+)
+from rollout_checkpoint.server.runtime.request_endings import cancel_request
+from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+
+
+@dataclass(eq=False)
+class ModelCall:
+    episode: EpisodeId | None
+    request_sha256: str
+    task: asyncio.Task[Any] | None
+    streaming: bool = False
+    held: bool = False
+    retired: bool = False
+    """Cancelled by a retire: answered 409 `stale_attempt` (request_endings.py), not a 500."""
+
+
+@dataclass
+class Ledger:
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ModelParticipant(Participant):
+    requires_scope = True
+
+    def __init__(self, instance: str) -> None:
+        self.kind = Kind.MODEL
+        self.instance = instance
+        self.calls: set[ModelCall] = set()
+        self.ledgers: dict[EpisodeId, Ledger] = {}
+        self.restored: dict[EpisodeId, Ledger] = {}
+        self._installed: set[EpisodeId] = set()
+        """Episodes whose ledger `install` put here: what `discard_installed` may drop."""
+        self._open = True
+        self._opened = asyncio.Event()
+        self._opened.set()
+        self._served = False
+        """A call of an episode reached the model (sticky): see `has_served`."""
+        self._shutting_down = False
+
+    # -- data plane ---------------------------------------------------------------------
+
+    @property
+    def admission_open(self) -> bool:
+        return self._open
+
+    def refusal(self, episode: EpisodeId | None) -> tuple[str, str] | None:
+        if episode is not None and self.context.retired.is_retired(episode):
+            return "stale_attempt", f"attempt {episode.capture_key} was retired"
+        if not self._open:
+            return (
+                "admission_closed",
+                "a checkpoint is in progress: park at the boundary and re-issue after resume",
+            )
+        return None
+
+    def call_started(self, episode: EpisodeId | None, request_body: bytes) -> ModelCall:
+        if episode is not None:
+            self._served = True
+        call = ModelCall(episode, hashlib.sha256(request_body).hexdigest(), asyncio.current_task())
+        self.calls.add(call)
+        if episode is not None and episode in self.restored:
+            # The replacement's first call claims the restored ledger: its lineage continues.
+            self.ledgers[episode] = self.restored.pop(episode)
+        self.context.changed()
+        return call
+
+    def streaming_started(self, call: ModelCall) -> None:
+        call.streaming = True
+        self.context.changed()
+
+    async def hold_until_open(self, call: ModelCall) -> bool:
+        """Hold a finished, not-yet-delivered response while a checkpoint is open.
+
+        False when the server shuts down first: the response is never delivered (503)."""
+        while not self._open and not self._shutting_down:
+            call.held = True
+            self.context.changed()
+            await self._opened.wait()
+            await asyncio.sleep(0)  # stay held if a new checkpoint closed right away
+        if call.held:
+            call.held = False
+            self.context.changed()
+        return not self._shutting_down
+
+    def delivered(self, call: ModelCall, response_body: bytes) -> None:
+        if call.episode is None:
+            return
+        try:
+            response: Any = json.loads(response_body) if response_body else None
+        except ValueError:
+            response = {"raw_sha256": hashlib.sha256(response_body).hexdigest()}
+        ledger = self.ledgers.setdefault(call.episode, Ledger())
+        ledger.calls.append({"request_sha256": call.request_sha256, "response": response})
+
+    def call_finished(self, call: ModelCall) -> None:
+        self.calls.discard(call)
+        self.context.changed()
+
+    # -- Participant --------------------------------------------------------------------
+
+    def close_admission(self) -> None:
+        self._open = False
+        self._opened = asyncio.Event()
+        self.context.changed()
+
+    def open_admission(self) -> None:
+        self._open = True
+        self._opened.set()
+        self.context.changed()
+
+    def shutting_down_now(self) -> None:
+        self._shutting_down = True
+        self._opened.set()  # held responses wake up and are answered 503
+
+    def ready(self) -> bool:
+        return not any(c.streaming for c in self.calls)
+
+    def report(self) -> ReadinessReport:
+        blockers = [
+            Blocker(
+                c.episode.capture_key if c.episode else "",
+                BlockerReason.STREAMING_RESPONSE,
+                "a response is streaming",
+            )
+            for c in self.calls
+            if c.streaming
+        ]
+        held = sum(1 for c in self.calls if c.held)
+        return ReadinessReport.build(
+            blockers,
+            {"inflight": len(self.calls) - held, "held": held, "episodes": len(self.ledgers)},
+        )
+
+    async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        assert scope is not None  # the control plane refuses unscoped commits (requires_scope)
+        records = []
+        for episode in sorted(scope):
+            ledger = self.ledgers.get(episode) or self.restored.get(episode)
+            if ledger is None or self.context.retired.is_retired(episode):
+                continue
+            records.append(ExportRecord(episode, {"calls": json.loads(json.dumps(ledger.calls))}))
+        return records
+
+    async def install(self, records: Sequence[RestoredRecord]) -> None:
+        if self.has_served():
+            raise rejected_checkpoint("restore needs a model process that has not served calls")
+        restored: dict[EpisodeId, Ledger] = {}
+        for record in records:
+            calls = record.fields.get("calls")
+            if (
+                set(record.fields) != {"calls"}
+                or not isinstance(calls, list)
+                or not all(isinstance(c, dict) for c in calls)
+            ):
+                raise rejected_checkpoint(
+                    "a model record holds exactly a list of calls",
+                    capture_key=record.checkpointed.capture_key,
+                )
+            restored[record.restored_as] = Ledger(list(calls))
+        self.restored = restored
+        self._installed = set(restored)
+        self.context.changed()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Drop the installed ledgers of `episodes` (claimed by a call or not), no marks.
+
+        No call can be running on them: admission stays closed from the install on, and a
+        closed model refuses every new call."""
+        for episode in set(episodes) & self._installed:
+            self.restored.pop(episode, None)
+            self.ledgers.pop(episode, None)
+            self._installed.discard(episode)
+        self.context.changed()
+
+    async def retire(self, episode: EpisodeId) -> None:
+        def covered(other: EpisodeId | None) -> bool:
+            return (
+                other is not None
+                and other.rollout_id == episode.rollout_id
+                and other.attempt <= episode.attempt
+            )
+
+        running = [c for c in self.calls if covered(c.episode)]
+        for call in running:
+            if call.task is not None and call.task is not asyncio.current_task():
+                call.retired = True
+                detail = f"attempt {episode.capture_key} was retired"
+                cancel_request(call.task, "stale_attempt", detail)
+        for tracked in [e for e in self.ledgers if covered(e)]:
+            del self.ledgers[tracked]
+        for tracked in [e for e in self.restored if covered(e)]:
+            del self.restored[tracked]
+        self._installed = {e for e in self._installed if not covered(e)}
+        self.context.changed()
+
+    def restored_pending(self) -> frozenset[EpisodeId]:
+        return frozenset(self.restored)
+
+    def episodes(self) -> Sequence[EpisodeInfo]:
+        infos = [EpisodeInfo(e, at_boundary=True) for e in self.ledgers]
+        infos.extend(EpisodeInfo(e, at_boundary=True, restored_pending=True) for e in self.restored)
+        return infos
+
+    def has_served(self) -> bool:
+        """A call of an episode started here, or a ledger is held. A call without a rollout
+        prefix tracks no episode (nothing of it is ever exported), so like a refused call it
+        leaves the process fresh."""
+        return self._served or bool(self.ledgers) or bool(self.restored)
+
+    def facts(self) -> Mapping[str, str]:
+        return {"held_responses": "until_resume"}
+
+
+class ModelAdmissionMiddleware:
+    """Admission, held responses and the delivered-calls ledger around a model app."""
+
+    def __init__(self, app: ASGIApp, participant: ModelParticipant) -> None:
+        self.app = app
+        self.participant = participant
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in GENERATION_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        participant = self.participant
+        episode = episode_of(scope)
+        refusal = participant.refusal(episode)
+        if refusal is not None:
+            await _respond(send, 409, *refusal)
+            return
+        body = await _read_body(receive)
+        call = participant.call_started(episode, body)
+        # A retire cancels the call through `cancel_request`: RequestEndingsMiddleware (the
+        # runtime's, outside this one) answers it 409 `stale_attempt` without letting a
+        # shutdown's cancellation be swallowed.
+        try:
+            await self._run(scope, body, receive, send, call)
+        finally:
+            participant.call_finished(call)
+
+    async def _run(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, call: ModelCall
+    ) -> None:
+        start: Message | None = None
+        chunks: list[bytes] = []
+        streamed = False
+        stream_complete = False
+        replayed = False
+
+        async def replay_body() -> Message:
+            # The body once, then the real channel: an app that listens for the disconnect
+            # (a streaming response) must wait on it, not spin on empty bodies.
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def capture(message: Message) -> None:
+            nonlocal start, streamed, stream_complete
+            if message["type"] == "http.response.start":
+                start = message
+                headers = dict(message.get("headers", []))
+                if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                    streamed = True
+                    # A stream that has not started by the close waits like any response.
+                    if not await self.participant.hold_until_open(call):
+                        raise _ShuttingDown
+                    self.participant.streaming_started(call)
+                    await send(message)
+                return
+            if streamed:
+                chunks.append(message.get("body", b""))
+                await send(message)
+                stream_complete = not message.get("more_body", False)
+                return
+            chunks.append(message.get("body", b""))
+
+        try:
+            await self.app(scope, replay_body, capture)
+        except _ShuttingDown:
+            await _respond(send, 503, "shutting_down", "the server is shutting down; retry")
+            return
+        if streamed:
+            if stream_complete:
+                self.participant.delivered(call, b"".join(chunks))
+            return
+        if start is None:
+            return
+        # The whole response is here. Deliver it now, or hold it until resume: an undelivered
+        # response leaves the agent at the boundary before the call.
+        if not await self.participant.hold_until_open(call):
+            await _respond(send, 503, "shutting_down", "the server is shutting down; retry")
+            return
+        payload = b"".join(chunks)
+        await send(start)
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        self.participant.delivered(call, payload)
+
+
+class _ShuttingDown(Exception):
+    """Raised into the app when a held stream is never started (the server shuts down)."""
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """The whole body; `ClientDisconnect` when the caller leaves before sending it all: a
+    partial body must never run a generation, let alone enter an episode's ledger."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+async def _respond(send: Send, status: int, code: str, detail: str) -> None:
+    payload = json.dumps({"error": {"code": code, "detail": detail}}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,177 @@
+"""The admission middleware of a resources server (pure ASGI, inside the session middleware).
+
+Per request, in this order, each rule for the loss it prevents:
+
+1. An MCP call or a `/close_session` during a checkpoint *waits* for resume instead of being
+   refused: MCP harnesses hand refusals to the model as tool errors, and a close comes once
+   from an episode that already ended, so a refusal would lose the release for good. A waiting
+   request is not in flight and never holds up prepare.
+2. A request of a retired attempt (by its session or its prefix) is refused `stale_attempt`,
+   so a late call cannot recreate state that nothing would free. `/close_session` is never
+   refused for this: closing is how a server frees a session.
+3. A request whose rollout prefix names another episode than its session's is refused
+   `episode_mismatch` (checked after `stale_attempt`, so a retired attempt still answers
+   that). A session belongs to one episode for its whole life: a re-bind would untrack the
+   episode it served, whose state then silently leaves every later checkpoint, and any
+   tracked cookie could act under a made-up rollout. The request never runs, so it never
+   re-binds the session and never touches its state (a close included).
+4. With admission closed, anything that is not replay-safe is refused `admission_closed`.
+   `/seed_session` (and `/verify` under `replay`) is admitted: the checkpoint does not wait
+   for it, and a session first seeded now is neither a blocker nor exported by this
+   checkpoint. A seed of a session already tracked is a retry: the session keeps its episode,
+   its export and its blocker status.
+5. Everything else admitted counts as in flight for its whole duration; the decrement is
+   synchronous in a `finally`, so no cancellation can leave a request counted.
+
+Refusals are HTTP 409 `{"error": {"code": "stale_attempt" | "episode_mismatch" |
+"admission_closed", "detail": ...}}` (503 `shutting_down` for a waiting request whose server
+stops).
+
+The session of a request is its cookie's; for an MCP call, the session its signed token names
+(a missing or bad token names none, and the MCP endpoint rejects the call), because that is
+the session the tool runs on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollout_checkpoint.server.resources.participant import ResourcesParticipant, VerifyMode
+from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
+
+VERIFY_HEADER = b"x-ng-checkpoint-verify"
+SESSION_KEY = "rollout_checkpoint.session_id"
+"""The key of the session id inside the signed cookie session (`scope["session"]`)."""
+
+SessionResolver = Callable[[Scope], str | None]
+
+
+def cookie_session_id(scope: Scope) -> str | None:
+    session = scope.get("session")
+    if not isinstance(session, dict):
+        return None
+    value = session.get(SESSION_KEY)
+    return value if isinstance(value, str) else None
+
+
+class ResourcesAdmissionMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        participant: ResourcesParticipant,
+        *,
+        mcp_path: str | None = None,
+        mcp_session: SessionResolver | None = None,
+        passthrough_paths: Collection[str] = (),
+    ) -> None:
+        self.app = app
+        self.participant = participant
+        self.mcp_path = mcp_path
+        self.mcp_session = mcp_session
+        self.passthrough_paths = frozenset(passthrough_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] in ("GET", "HEAD", "OPTIONS")
+            or scope["path"] in self.passthrough_paths
+        ):
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        participant = self.participant
+        is_mcp = self.mcp_path is not None and (
+            path == self.mcp_path or path.startswith(self.mcp_path + "/")
+        )
+        is_close = path == "/close_session"
+        is_seed = path == "/seed_session"
+        is_verify = path == "/verify"
+        episode = episode_of(scope)
+        session_id = self._session_id(scope, is_mcp)
+
+        if (is_mcp or is_close) and not await participant.wait_for_admission():
+            await _respond(
+                send, 503, "shutting_down", "the server is shutting down; retry", retry_after=1
+            )
+            return
+        if not is_close and participant.is_stale(session_id, episode):
+            await _respond(send, 409, "stale_attempt", "this attempt was retired")
+            return
+        if participant.is_mismatched(session_id, episode):
+            await _respond(
+                send,
+                409,
+                "episode_mismatch",
+                "this session belongs to another episode: use its own rollout prefix",
+            )
+            return
+        replay_safe = is_seed or (is_verify and participant.verify is VerifyMode.REPLAY)
+        if participant.sealed or (not replay_safe and not participant.admission_open):
+            await _respond(
+                send, 409, "admission_closed", "a checkpoint is in progress; retry after resume"
+            )
+            return
+
+        status = 0
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if is_seed:
+                    headers = [
+                        *message.get("headers", []),
+                        (VERIFY_HEADER, participant.verify.value.encode()),
+                    ]
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        closed_at_start = not participant.admission_open
+        counted = not replay_safe
+        in_flight = None
+        if is_seed:
+            participant.seed_started(episode, session_id)
+        elif counted:
+            in_flight = participant.request_started(session_id)
+        else:
+            participant.claim(session_id)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            succeeded = 200 <= status < 300
+            if is_seed:
+                session_after = cookie_session_id(scope)
+                participant.seed_finished(
+                    episode,
+                    session_id,
+                    session_after,
+                    succeeded=succeeded,
+                    closed_at_start=closed_at_start,
+                )
+            else:
+                if counted:
+                    participant.request_finished(in_flight)
+                if succeeded and (is_close or is_verify):
+                    deferred = replay_safe and not participant.admission_open
+                    participant.session_ended(session_id, deferred=deferred)
+
+    def _session_id(self, scope: Scope, is_mcp: bool) -> str | None:
+        """The session the request acts on: for MCP the token's (the tool runs on that one,
+        never on the cookie's), otherwise the cookie's."""
+        if is_mcp:
+            return self.mcp_session(scope) if self.mcp_session is not None else None
+        return cookie_session_id(scope)
+
+
+async def _respond(
+    send: Send, status: int, code: str, detail: str, *, retry_after: int | None = None
+) -> None:
+    body = json.dumps({"error": {"code": code, "detail": detail}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

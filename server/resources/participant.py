@@ -1,0 +1,562 @@
+"""The resources participant: per-session tool state, tracked from the routes that define it.
+
+A resources server keeps tool state under a session id (the signed cookie, or an MCP session
+token). This participant learns each session's lifecycle from `/seed_session`, `/verify` and
+`/close_session`, counts requests in flight, refuses what must not run, and reaches the
+server's own session hooks to export, restore and free state. It knows nothing of gRPC; the
+admission rules that run per request live in resources_middleware.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.runtime.participant import (
+    Blocker,
+    BlockerReason,
+    EpisodeInfo,
+    ExportRecord,
+    Kind,
+    Participant,
+    ReadinessReport,
+    RestoredRecord,
+)
+
+
+class CheckpointMode(enum.StrEnum):
+    RESTART_ONLY = "restart_only"
+    """The default: live sessions block prepare until their rollout is retired. A server
+    nobody has audited fails closed instead of silently losing state."""
+    STATELESS = "stateless"
+    EXPORTED = "exported"
+
+
+class VerifyMode(enum.StrEnum):
+    WAIT = "wait"
+    REPLAY = "replay"
+
+
+class InvalidSessionState(ValueError):
+    """Raised by `restore_session_states` for a stored state it rejects (installs nothing)."""
+
+    def __init__(self, session_id: str, message: str) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+
+
+class SessionHooks(Protocol):
+    async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]: ...
+
+    async def restore_session_states(self, states: dict[str, Any]) -> None: ...
+
+    async def retire_session_state(self, session_id: str) -> None: ...
+
+
+@dataclass(eq=False)
+class TrackedSession:
+    """A session bound to its episode for its whole life; a seed retry changes none of this."""
+
+    session_id: str
+    episode: EpisodeId
+    restored_pending: bool = False
+    seeded_while_closed: bool = False
+    inflight: int = 0
+    end_deferred: bool = False
+
+
+class ResourcesParticipant(Participant):
+    def __init__(
+        self, instance: str, mode: CheckpointMode, verify: VerifyMode, hooks: SessionHooks
+    ) -> None:
+        self.kind = Kind.RESOURCES
+        self.instance = instance
+        self.mode = mode
+        self.verify = verify
+        self._hooks = hooks
+        self.sessions: dict[str, TrackedSession] = {}
+        self._by_rollout: dict[str, set[str]] = {}
+        self.retired_sessions: dict[str, EpisodeId] = {}
+        """Sessions of retired attempts, refused (`stale_attempt`) until their rollout is forgotten."""
+        self._retiring: set[str] = set()
+        self._restart_blockers: set[str] = set()
+        self._busy: set[TrackedSession] = set()
+        """Every tracked session object with requests in flight, so a readiness report costs
+        O(blockers), not O(sessions): a prepare of a server holding 10,000 idle sessions
+        reports twice, and GetStatus and the metrics gauges report too."""
+        self._seeding: dict[EpisodeId, int] = {}
+        self._binding: dict[str, tuple[EpisodeId, int]] = {}
+        """Untracked sessions with a seed running under a prefix: the episode the seed will
+        bind them to, and how many such seeds run. A concurrent request naming another episode
+        is refused, so two racing first seeds cannot bind one session twice."""
+        self._installed: set[str] = set()
+        """Sessions that `install` tracked: what `discard_installed` may free."""
+        self.inflight = 0
+        self.waiting = 0
+        """Requests (MCP calls, closes) waiting for a resume; never in flight, never blockers."""
+        self._inflight_without_session = 0
+        self._admission_open = True
+        self._shutting_down = False
+        self._served = False
+        """The data plane tracked or used a session (sticky): see `has_served`."""
+        self._changed = asyncio.Event()
+
+    # -- notifications ------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+        self.context.changed()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+
+    # -- data plane: called by the middleware, all synchronous except the waits ---------
+
+    @property
+    def admission_open(self) -> bool:
+        return self._admission_open
+
+    @property
+    def sealed(self) -> bool:
+        """A `start_closed` process before its Restore or Resume: nothing may start here, not
+        even a replay-safe seed, or the process would have served and could not restore."""
+        return self.context.start_closed_pending
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    async def wait_for_admission(self) -> bool:
+        """Wait until admission opens; False when the server shuts down first."""
+        if self._admission_open:
+            return not self._shutting_down
+        self.waiting += 1
+        self._notify()
+        try:
+            while not self._admission_open and not self._shutting_down:
+                await self._wait_change()
+        finally:
+            self.waiting -= 1
+            self._notify()
+        return not self._shutting_down
+
+    def is_stale(self, session_id: str | None, episode: EpisodeId | None) -> bool:
+        retired = self.context.retired
+        if episode is not None and retired.is_retired(episode):
+            return True
+        if session_id is None:
+            return False
+        if session_id in self.retired_sessions:
+            return True
+        session = self.sessions.get(session_id)
+        return session is not None and retired.is_retired(session.episode)
+
+    def is_mismatched(self, session_id: str | None, episode: EpisodeId | None) -> bool:
+        """Whether the request's prefix names another episode than its session's.
+
+        A session belongs to one episode for its whole life. Re-binding it would untrack the
+        episode it served (its state silently leaves every later checkpoint), and any tracked
+        cookie could act on a made-up rollout. A session not tracked yet is bound by a seed
+        still running under a prefix, so a racing request cannot bind it elsewhere either."""
+        if session_id is None or episode is None:
+            return False
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session.episode != episode
+        binding = self._binding.get(session_id)
+        return binding is not None and binding[0] != episode
+
+    def claim(self, session_id: str | None) -> None:
+        """An admitted request used this session: it is no longer restored pending.
+
+        Also for the requests that are not counted in flight (a seed retry, a replay verify):
+        whatever ran on restored state continues it, so a commit must not free it as unused."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is not None:
+            session.restored_pending = False
+            self._served = True
+
+    def request_started(self, session_id: str | None) -> TrackedSession | None:
+        """Count a request in flight (per participant and per session); claims a restored session.
+
+        Returns what was counted, to hand back to `request_finished`: the session may be
+        untracked (closed, retired) before the request ends, and the decrement must undo
+        exactly this increment."""
+        self.inflight += 1
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is None:
+            self._inflight_without_session += 1
+        else:
+            session.inflight += 1
+            self.claim(session_id)
+            self._busy.add(session)
+        self._notify()
+        return session
+
+    def request_finished(self, counted: TrackedSession | None) -> None:
+        """Synchronous, so no cancellation between the request's end and this can skip it."""
+        self.inflight -= 1
+        if counted is None:
+            self._inflight_without_session -= 1
+        else:
+            counted.inflight -= 1
+            if not counted.inflight:
+                self._busy.discard(counted)
+        self._notify()
+
+    def seed_started(self, episode: EpisodeId | None, session_id: str | None) -> None:
+        """A seed was admitted. A seed of a tracked session is a retry and claims it."""
+        self.claim(session_id)
+        if episode is None:
+            return
+        self._seeding[episode] = self._seeding.get(episode, 0) + 1
+        if session_id is not None and session_id not in self.sessions:
+            _, running = self._binding.get(session_id, (episode, 0))
+            self._binding[session_id] = (episode, running + 1)
+
+    def seed_finished(
+        self,
+        episode: EpisodeId | None,
+        session_id_before: str | None,
+        session_id: str | None,
+        *,
+        succeeded: bool,
+        closed_at_start: bool,
+    ) -> None:
+        """`session_id_before`: the session the request came with (what `seed_started` saw);
+        `session_id`: the one the seed left in the cookie (a new session has none before)."""
+        if episode is not None:
+            self._seeding[episode] -= 1
+            if not self._seeding[episode]:
+                del self._seeding[episode]
+            self._unbind(session_id_before)
+        if succeeded and episode is not None and session_id is not None:
+            self._track(
+                session_id, episode, seeded_while_closed=closed_at_start or not self._admission_open
+            )
+        self._notify()
+
+    def session_started(self, session_id: str, episode: EpisodeId) -> None:
+        """For servers whose sessions begin outside `/seed_session` (a Gymnasium `/reset`)."""
+        self._track(session_id, episode, seeded_while_closed=not self._admission_open)
+        self._notify()
+
+    def session_ended(self, session_id: str | None, *, deferred: bool = False) -> None:
+        """A successful close or verify. A replay verify during a checkpoint ends the session only
+        at reopen, so that checkpoint still exports it: the restore re-runs the verify."""
+        if session_id is None or session_id not in self.sessions:
+            return
+        if deferred:
+            self.sessions[session_id].end_deferred = True
+            return
+        self._untrack(session_id)
+        self._notify()
+
+    # -- tracking -----------------------------------------------------------------------
+
+    def _unbind(self, session_id: str | None) -> None:
+        binding = self._binding.get(session_id) if session_id is not None else None
+        if binding is None:
+            return
+        assert session_id is not None
+        episode, running = binding
+        if running > 1:
+            self._binding[session_id] = (episode, running - 1)
+        else:
+            del self._binding[session_id]
+
+    def _track(
+        self,
+        session_id: str,
+        episode: EpisodeId,
+        *,
+        seeded_while_closed: bool,
+        restored: bool = False,
+    ) -> None:
+        """Track a session that begins (seeded, started or restored) under `episode`.
+
+        A session already tracked is left exactly as it is: a second seed is a retry, and a
+        retry that reset the flags would drop a live episode from the checkpoint under way
+        (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
+        it must block. Nor is a session ever moved to another episode (see `is_mismatched`)."""
+        if session_id in self.sessions:
+            return
+        session = TrackedSession(
+            session_id, episode, restored_pending=restored, seeded_while_closed=seeded_while_closed
+        )
+        self.sessions[session_id] = session
+        self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
+        if restored:
+            self._installed.add(session_id)
+        else:
+            self._served = True
+        if self.mode is CheckpointMode.RESTART_ONLY and not seeded_while_closed:
+            self._restart_blockers.add(session_id)
+
+    def _untrack(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        rollout = self._by_rollout.get(session.episode.rollout_id)
+        if rollout is not None:
+            rollout.discard(session_id)
+            if not rollout:
+                del self._by_rollout[session.episode.rollout_id]
+        self._retiring.discard(session_id)
+        self._restart_blockers.discard(session_id)
+        self._installed.discard(session_id)
+
+    # -- Participant --------------------------------------------------------------------
+
+    def close_admission(self) -> None:
+        self._admission_open = False
+        self._notify()
+
+    def open_admission(self) -> None:
+        self._admission_open = True
+        for session in list(self.sessions.values()):
+            if session.end_deferred:
+                self._untrack(session.session_id)
+                continue
+            if session.seeded_while_closed:
+                session.seeded_while_closed = False
+                if (
+                    self.mode is CheckpointMode.RESTART_ONLY
+                    and session.session_id not in self._retiring
+                ):
+                    self._restart_blockers.add(session.session_id)
+        self._notify()
+
+    def shutting_down_now(self) -> None:
+        self._shutting_down = True
+        self._notify()
+
+    def ready(self) -> bool:
+        return self.inflight == 0 and not self._retiring and not self._restart_blockers
+
+    def report(self) -> ReadinessReport:
+        # Only sessions that can block are visited: retiring, restart_only, or with requests
+        # in flight (a busy object that is no longer the tracked one for its id is skipped,
+        # as iterating `sessions` would). Each yields at most one blocker, by priority.
+        candidates = self._retiring | self._restart_blockers
+        candidates.update(s.session_id for s in self._busy if self.sessions.get(s.session_id) is s)
+        blockers: list[Blocker] = []
+        for session_id in candidates:
+            session = self.sessions.get(session_id)
+            if session is None:
+                continue
+            key = session.episode.capture_key
+            if session.session_id in self._retiring:
+                blockers.append(
+                    Blocker(
+                        key,
+                        BlockerReason.RETIRE_INCOMPLETE,
+                        "a retire has not freed this session yet",
+                    )
+                )
+            elif session.inflight:
+                blockers.append(
+                    Blocker(
+                        key,
+                        BlockerReason.REQUEST_IN_FLIGHT,
+                        f"{session.inflight} request(s) in flight",
+                    )
+                )
+            elif session.session_id in self._restart_blockers:
+                blockers.append(
+                    Blocker(
+                        key,
+                        BlockerReason.RESTART_ONLY_SESSION,
+                        "restart_only: retire this rollout to continue",
+                    )
+                )
+        if self._inflight_without_session:
+            blockers.append(
+                Blocker(
+                    "",
+                    BlockerReason.REQUEST_WITHOUT_EPISODE,
+                    f"{self._inflight_without_session} request(s) with no session in flight",
+                )
+            )
+        return ReadinessReport.build(
+            blockers, {"inflight": self.inflight, "sessions": len(self.sessions)}
+        )
+
+    async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        if self.mode is not CheckpointMode.EXPORTED:
+            return []
+        candidates = sorted(
+            (s for s in self.sessions.values() if self._exportable(s, scope)),
+            key=lambda s: (s.episode, s.session_id),
+        )
+        if not candidates:
+            return []
+        states = await self._hooks.export_session_states([s.session_id for s in candidates])
+        records = []
+        for session in candidates:
+            if session.session_id not in states:
+                # The server no longer holds it (e.g. a verification failed after dropping it).
+                self._untrack(session.session_id)
+                continue
+            records.append(
+                ExportRecord(
+                    session.episode,
+                    {"session_id": session.session_id, "state": states[session.session_id]},
+                )
+            )
+        self._notify()
+        return records
+
+    def _exportable(self, session: TrackedSession, scope: frozenset[EpisodeId] | None) -> bool:
+        if session.session_id in self._retiring or session.seeded_while_closed:
+            return False
+        if self.context.retired.is_retired(session.episode):
+            return False
+        return scope is None or session.episode in scope
+
+    async def install(self, records: Sequence[RestoredRecord]) -> None:
+        if not records:
+            return
+        if self.mode is not CheckpointMode.EXPORTED:
+            raise rejected_checkpoint(
+                f"a {self.mode} resources server cannot restore session state"
+            )
+        if self.sessions or self.inflight:
+            raise rejected_checkpoint("restore needs a process that has not served sessions")
+        states: dict[str, Any] = {}
+        episode_of: dict[str, RestoredRecord] = {}
+        for record in records:
+            session_id = record.fields.get("session_id")
+            if (
+                set(record.fields) != {"session_id", "state"}
+                or not isinstance(session_id, str)
+                or not session_id
+            ):
+                raise rejected_checkpoint(
+                    "a resources record holds exactly session_id and state",
+                    capture_key=record.checkpointed.capture_key,
+                )
+            if session_id in states:
+                raise rejected_checkpoint(
+                    f"session {session_id} appears twice",
+                    capture_key=record.checkpointed.capture_key,
+                )
+            states[session_id] = record.fields["state"]
+            episode_of[session_id] = record
+        try:
+            await self._hooks.restore_session_states(states)
+        except InvalidSessionState as exc:
+            rejected = episode_of.get(exc.session_id)
+            key = rejected.checkpointed.capture_key if rejected is not None else None
+            raise rejected_checkpoint(
+                f"the server rejected a stored session state: {exc}", capture_key=key
+            ) from exc
+        for session_id, record in episode_of.items():
+            self._track(session_id, record.restored_as, seeded_while_closed=False, restored=True)
+        self._notify()
+
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Free what `install` installed for `episodes` as a retire would, minus the marks.
+
+        Like a retire it first waits for seeds of these episodes and for requests on their
+        sessions, so nothing running recreates the state it frees."""
+        discarded = frozenset(episodes)
+
+        def installed_sessions() -> list[str]:
+            return sorted(s for s in self._installed if self.sessions[s].episode in discarded)
+
+        while any(e in discarded for e in self._seeding):
+            await self._wait_change()
+        while any(self.sessions[s].inflight for s in installed_sessions()):
+            await self._wait_change()
+        for session_id in installed_sessions():
+            if session_id not in self._installed:
+                continue  # freed meanwhile (a retire, a concurrent discard)
+            if self.mode is CheckpointMode.EXPORTED:
+                await self._hooks.retire_session_state(session_id)
+            self._untrack(session_id)
+            self._notify()
+
+    async def retire(self, episode: EpisodeId) -> None:
+        """Wait for seeds, refuse and drain the covered sessions, free them, stop tracking."""
+
+        def covered(other: EpisodeId) -> bool:
+            return other.rollout_id == episode.rollout_id and other.attempt <= episode.attempt
+
+        while any(covered(e) for e in self._seeding):
+            await self._wait_change()
+        session_ids = [
+            s
+            for s in self._by_rollout.get(episode.rollout_id, ())
+            if covered(self.sessions[s].episode)
+        ]
+        for session_id in session_ids:
+            self._retiring.add(session_id)
+            self._restart_blockers.discard(session_id)
+            self.retired_sessions[session_id] = self.sessions[session_id].episode
+        self._notify()
+        while any(s in self.sessions and self.sessions[s].inflight for s in session_ids):
+            await self._wait_change()
+        for session_id in session_ids:
+            if session_id not in self.sessions:
+                continue
+            if self.mode is CheckpointMode.EXPORTED:
+                await self._hooks.retire_session_state(session_id)
+            self._untrack(session_id)
+            self._notify()
+
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        """One record per session: an episode may hold several sessions (one per cookie jar
+        seeded under its prefix), and each is a record of its own."""
+        session_id = record.get("session_id")
+        return (episode, session_id if isinstance(session_id, str) else None)
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        forgotten = set(rollout_ids)
+        for session_id, episode in list(self.retired_sessions.items()):
+            if episode.rollout_id in forgotten:
+                del self.retired_sessions[session_id]
+
+    def restored_pending(self) -> frozenset[EpisodeId]:
+        return frozenset(
+            s.episode
+            for s in self.sessions.values()
+            if s.restored_pending and s.session_id not in self._retiring
+        )
+
+    def episodes(self) -> Sequence[EpisodeInfo]:
+        by_episode: dict[EpisodeId, list[TrackedSession]] = {}
+        for session in self.sessions.values():
+            by_episode.setdefault(session.episode, []).append(session)
+        return [
+            EpisodeInfo(
+                episode,
+                at_boundary=all(not s.inflight for s in sessions),
+                restored_pending=any(s.restored_pending for s in sessions),
+            )
+            for episode, sessions in by_episode.items()
+        ]
+
+    def has_served(self) -> bool:
+        """A session tracked (or used) by the data plane, one held now, one retired here and
+        not yet forgotten, or a seed under a prefix still running (it is about to track one).
+        A refused request, a 400 without a session, a 404 or a seed without a prefix tracked
+        nothing and leaves the process fresh."""
+        return (
+            self._served
+            or bool(self.sessions)
+            or bool(self.retired_sessions)
+            or bool(self._seeding)
+        )
+
+    def facts(self) -> Mapping[str, str]:
+        return {"mode": self.mode.value, "verify": self.verify.value}
+
+    def counters(self) -> Mapping[str, int]:
+        return {"retired_sessions": len(self.retired_sessions)}

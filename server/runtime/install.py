@@ -1,0 +1,182 @@
+"""Install checkpointing into a Starlette or FastAPI app, from one settings object.
+
+Off by default: with `enabled: false` nothing at all is installed (no sidecar, no lifespan
+change, no state), so a server behaves exactly as without this project.
+
+The sidecar starts and stops inside the app's lifespan, on uvicorn's own loop: grpc.aio
+objects are bound to the loop that creates them, and uvicorn re-raises SIGTERM after `serve()`
+returns, so code placed after `serve()` would never run. Health turns NOT_SERVING from the
+signal handler itself, before uvicorn drains HTTP connections, so the kubelet and the
+controller learn of the shutdown at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.metrics import (
+    DataPlaneRefusals,
+    MetricsServer,
+    metrics_endpoint,
+)
+from rollout_checkpoint.server.runtime.participant import Participant
+from rollout_checkpoint.server.runtime.request_endings import RequestEndingsMiddleware
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.sidecar import Sidecar
+from rollout_checkpoint.server.runtime.telemetry import RuntimeObserver
+
+log = logging.getLogger(__name__)
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+class CheckpointRuntime:
+    """What `install_checkpointing` put into the app (also at `app.state.checkpoint`)."""
+
+    def __init__(
+        self,
+        control: ControlPlane,
+        settings: CheckpointSettings,
+        observer: RuntimeObserver | None = None,
+    ) -> None:
+        self.control = control
+        self.settings = settings
+        self.sidecar = Sidecar(control, settings)
+        self.observer = observer or RuntimeObserver()
+        self.metrics = self.observer.metrics
+        self.metrics_server: MetricsServer | None = None
+        if settings.metrics_address is not None:
+            self.metrics_server = MetricsServer(self.metrics, settings.metrics_address)
+        self._previous_handlers: dict[int, SignalHandler] = {}
+        self._shutdown_task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int | None:
+        return self.sidecar.port
+
+    @property
+    def address(self) -> str:
+        return self.sidecar.address
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Where the metrics listener of its own is bound (None when off)."""
+        return None if self.metrics_server is None else self.metrics_server.address
+
+    async def start(self) -> None:
+        await self.sidecar.start()
+        if self.metrics_server is not None:
+            await self.metrics_server.start()
+        self._hook_signals()
+
+    async def stop(self) -> None:
+        self._unhook_signals()
+        await self.sidecar.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+
+    def _hook_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if self._shutdown_task is None:
+                self._shutdown_task = loop.create_task(self.sidecar.begin_shutdown())
+            previous = self._previous_handlers.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+            else:  # nobody else handles it: behave as if we were not here
+                signal.signal(signum, previous or signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous_handlers[signum] = signal.getsignal(signum)
+                signal.signal(signum, on_signal)
+            except ValueError:  # not the main thread (e.g. tests running the app in a thread)
+                self._previous_handlers.pop(signum, None)
+
+    def _unhook_signals(self) -> None:
+        for signum, previous in self._previous_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signum, previous)
+        self._previous_handlers.clear()
+
+
+def install_checkpointing(
+    app: Starlette,
+    participant: Participant,
+    settings: CheckpointSettings | None,
+    *,
+    clock: Clock | None = None,
+    storage: CheckpointStorage | None = None,
+    tracer_provider: Any = None,
+) -> CheckpointRuntime | None:
+    """Wire a participant's control plane and sidecar into `app`'s lifespan.
+
+    Returns None, and touches nothing, when checkpointing is off. Metrics go to a registry of
+    this runtime's own (`runtime.metrics.registry`), served at `metrics_path` on the app
+    and/or on `metrics_address`; spans go to `tracer_provider` (OpenTelemetry's global
+    provider when None; nothing at all without OpenTelemetry).
+    """
+    if settings is None or not settings.enabled:
+        return None
+    if settings.instance:
+        participant.instance = settings.instance
+    observer = RuntimeObserver(tracer_provider=tracer_provider)
+    control = ControlPlane(
+        participant, settings.control_settings(), storage=storage, clock=clock, observer=observer
+    )
+    runtime = CheckpointRuntime(control, settings, observer)
+    app.state.checkpoint = runtime
+    # Outermost but for the refusal counter, which then also counts the 409 `stale_attempt`
+    # answered for a retired in-flight request.
+    app.add_middleware(RequestEndingsMiddleware)
+    app.add_middleware(DataPlaneRefusals, on_refusal=observer.data_refused)
+    if settings.metrics_path is not None:
+        # First, so no catch-all mount of the app shadows it; it is a GET, which the
+        # admission middleware passes through untouched (never counted, never refused).
+        app.router.routes.insert(
+            0, Route(settings.metrics_path, metrics_endpoint(runtime.metrics), methods=["GET"])
+        )
+    original = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(lifespan_app: Any) -> AsyncIterator[Any]:
+        async with original(lifespan_app) as state:
+            await runtime.start()
+            try:
+                yield state
+            finally:
+                await runtime.stop()
+
+    app.router.lifespan_context = lifespan
+    return runtime
+
+
+def serve(
+    app: Starlette, host: str, port: int, *, workers: int = 1, graceful_seconds: int = 10
+) -> None:
+    """Run `app` under uvicorn with one worker (the sidecar lives in that one process)."""
+    import uvicorn
+
+    if workers != 1:
+        raise SystemExit(
+            f"rollout-checkpoint: {workers} workers configured, but a participant runs in exactly "
+            "one worker process (its gRPC sidecar lives there); set workers to 1"
+        )
+    config = uvicorn.Config(
+        app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds
+    )
+    uvicorn.Server(config).run()

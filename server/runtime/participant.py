@@ -1,0 +1,226 @@
+"""The interface a participant kind implements, and the value types it speaks in.
+
+A participant is the part of one server process that owns checkpointable state: it can close
+and open its data plane, say cheaply whether it is ready, export records, install them, and
+stop and free an attempt. The control plane (control_plane.py) wraps it with states, fencing,
+the lease, deadlines and storage; the participant never sees any of that, and never sees gRPC.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+
+MAX_LISTED_BLOCKERS = 100
+
+
+class Kind(enum.StrEnum):
+    """Participant kinds, in prepare order. The value is the kind's storage directory name."""
+
+    ENVIRONMENT = "environment"
+    MODEL = "model"
+    AGENT = "agent"
+    RESOURCES = "resources"
+
+
+class BlockerReason(enum.StrEnum):
+    REQUEST_IN_FLIGHT = "REQUEST_IN_FLIGHT"
+    REQUEST_WITHOUT_EPISODE = "REQUEST_WITHOUT_EPISODE"
+    SEED_IN_PROGRESS = "SEED_IN_PROGRESS"
+    RETIRE_INCOMPLETE = "RETIRE_INCOMPLETE"
+    RESTART_ONLY_SESSION = "RESTART_ONLY_SESSION"
+    EPISODE_STEP_RUNNING = "EPISODE_STEP_RUNNING"
+    STREAMING_RESPONSE = "STREAMING_RESPONSE"
+    INSTALL_IN_PROGRESS = "INSTALL_IN_PROGRESS"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Blocker:
+    capture_key: str
+    reason: BlockerReason
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadinessReport:
+    """What keeps a participant from a safe cut. At most 100 blockers are listed."""
+
+    ready: bool
+    blockers: tuple[Blocker, ...] = ()
+    blocker_count: int = 0
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, blockers: Iterable[Blocker], counts: Mapping[str, int] | None = None
+    ) -> ReadinessReport:
+        """A report from every blocker: ready iff there is none; the first 100 are listed."""
+        ordered = sorted(blockers)
+        return cls(
+            ready=not ordered,
+            blockers=tuple(ordered[:MAX_LISTED_BLOCKERS]),
+            blocker_count=len(ordered),
+            counts=dict(counts or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ExportRecord:
+    """One record of a commit: stored as `{"episode_id": {...}, **fields}`.
+
+    `fields` must not alias live state: the write serializes it in a thread, possibly after
+    the data plane ran again (copy it, for example through JSON, when exporting)."""
+
+    episode_id: EpisodeId
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoredRecord:
+    """One stored record to install: checkpointed as attempt N, installed as attempt N+1."""
+
+    checkpointed: EpisodeId
+    fields: Mapping[str, Any]
+
+    @property
+    def restored_as(self) -> EpisodeId:
+        return self.checkpointed.next_attempt()
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeInfo:
+    episode_id: EpisodeId
+    at_boundary: bool = False
+    restored_pending: bool = False
+
+
+class ParticipantContext(Protocol):
+    """What the control plane offers the participant it wraps."""
+
+    @property
+    def retired(self) -> RetiredAttempts:
+        """The retired-attempt marks the data plane must honour (refuse `stale_attempt`)."""
+        ...
+
+    def changed(self) -> None:
+        """Tell the control plane that readiness may have changed (cheap; call freely)."""
+        ...
+
+    @property
+    def shutting_down(self) -> bool:
+        """True once SIGTERM arrived: requests waiting for a resume should get 503 now."""
+        ...
+
+    @property
+    def start_closed_pending(self) -> bool:
+        """A `start_closed` process that has not yet been restored or resumed."""
+        ...
+
+
+class Participant(abc.ABC):
+    """A participant kind. Hooks run on the event loop; none may block it.
+
+    Raise `CheckpointError` for refusals with a reason (for example an invalid stored record
+    from `install`); any other exception from a hook is reported as `HOOK_FAILED`.
+    """
+
+    kind: Kind
+    instance: str
+    requires_scope: bool = False
+    """True for a participant that keeps state for every episode it ever served (the policy
+    model): an unscoped commit would export all of it, so it is refused (`SCOPE_REQUIRED`)."""
+
+    def attach(self, context: ParticipantContext) -> None:
+        """Called once by the control plane before anything else."""
+        self.context = context
+
+    @abc.abstractmethod
+    def close_admission(self) -> None:
+        """Stop taking new data-plane work. Raising aborts the Prepare (the plane reopens)."""
+
+    @abc.abstractmethod
+    def open_admission(self) -> None:
+        """Take new work again and release whatever waited for it."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """Whether a safe cut is possible now. Called on every wake-up: keep it O(1)."""
+
+    @abc.abstractmethod
+    def report(self) -> ReadinessReport:
+        """The full readiness report; built only when a message is sent."""
+
+    @abc.abstractmethod
+    async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        """Snapshot the records of the episodes in scope (None: every live episode)."""
+
+    @abc.abstractmethod
+    async def install(self, records: Sequence[RestoredRecord]) -> None:
+        """Validate every record, then install all of them as attempt N+1, or none."""
+
+    @abc.abstractmethod
+    async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
+        """Undo a restore: free exactly what `install()` installed for these attempt-N+1 episodes.
+
+        A Restore can fail after its install succeeded (the install outlived the deadline, a
+        Resume raced it). On any failed restore nothing may stay installed and the process must
+        stay fresh, so that a retry of the same restore works: a leftover would make
+        `has_served()` refuse it (FRESH_PROCESS_REQUIRED), and restored state that nothing
+        continues would never be freed. So this frees the installed state through the server's
+        own hooks and stops tracking it, but leaves NO retired marks (a retire's marks would
+        refuse the very attempt the retry installs): nothing here is a Retire. It tolerates
+        repeats and episodes it never installed. Afterwards `has_served()` is False again,
+        unless the data plane served something else meanwhile."""
+
+    @abc.abstractmethod
+    async def retire(self, episode: EpisodeId) -> None:
+        """Stop and free every attempt <= `episode.attempt` of its rollout; tolerate repeats."""
+
+    @abc.abstractmethod
+    def restored_pending(self) -> frozenset[EpisodeId]:
+        """Installed episodes (attempt N+1) that no request has used yet."""
+
+    @abc.abstractmethod
+    def episodes(self) -> Sequence[EpisodeInfo]:
+        """Every live episode held."""
+
+    @abc.abstractmethod
+    def has_served(self) -> bool:
+        """Whether this process holds or has tracked a session or an episode (then it cannot
+        restore: a restore would mix its state with the checkpoint's).
+
+        Only tracking makes a process unfit. A request refused or failed before any session or
+        episode existed (400, 404, 409, a seed without a rollout prefix) leaves it fresh: a
+        stray probe must not cost a replacement process its restore."""
+
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        """What no two stored records of one checkpoint may share (`record` as read, unvalidated).
+
+        The default is the episode: one record per episode, so two records of one episode
+        would install one state and silently drop the other. A kind whose episode may hold
+        several records (resources: one per session) says what tells them apart; a restore
+        that refused what Commit published would lose the checkpoint. Called off the event
+        loop (the restore reads in a thread), so it must be a pure function of its arguments."""
+        return episode
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        """The controller forgot these rollouts: drop what refuses their late requests."""
+        return None
+
+    def shutting_down_now(self) -> None:
+        """SIGTERM arrived: release whatever waits for a resume (it will get 503)."""
+        return None
+
+    def facts(self) -> Mapping[str, str]:
+        """Kind-specific facts for GetParticipant and GetStatus."""
+        return {}
+
+    def counters(self) -> Mapping[str, int]:
+        """Kind-specific counters for GetStatus."""
+        return {}

@@ -1,0 +1,82 @@
+"""The `checkpoint` configuration block, from code, files or `ROLLOUT_CHECKPOINT_*` variables."""
+
+from __future__ import annotations
+
+import re
+from typing import Self
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rollout_checkpoint.server.core.episodes import is_valid_id
+from rollout_checkpoint.server.runtime.control_plane import ControlSettings
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}$")
+
+
+class CheckpointSettings(BaseSettings):
+    """Checkpointing is off unless `enabled`; then a token is required and nothing else is.
+
+    Unknown fields are rejected, so a misspelt option fails at startup instead of being
+    silently ignored.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_CHECKPOINT_", extra="forbid", frozen=True)
+
+    enabled: bool = False
+    token: SecretStr = SecretStr("")
+    instance: str = ""
+    grpc_address: str = "127.0.0.1:0"
+    lease_grace_seconds: float = Field(600.0, gt=0)
+    heartbeat_seconds: float = Field(1.0, gt=0)
+    max_deadline_seconds: float = Field(86400.0, gt=0)
+    allowed_checkpoint_roots: tuple[str, ...] = ()
+    start_closed: bool = False
+    start_closed_timeout_seconds: float | None = Field(None, gt=0)
+    readiness_pause_threshold_seconds: float = Field(30.0, gt=0)
+    reflection: bool = False
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    shutdown_grace_seconds: float = Field(5.0, ge=0)
+    max_message_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    metrics_address: str | None = None
+    """HOST:PORT of a Prometheus `/metrics` listener of its own (off by default)."""
+    metrics_path: str | None = None
+    """A path such as `/metrics` to serve Prometheus metrics on the HTTP app (off by default)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not self.enabled:
+            return self
+        if not self.token.get_secret_value():
+            raise ValueError("checkpoint.token is required when checkpointing is enabled")
+        if self.instance and not is_valid_id(self.instance):
+            raise ValueError("checkpoint.instance must match ^[A-Za-z0-9][A-Za-z0-9._-]*$")
+        if not _ADDRESS.fullmatch(self.grpc_address):
+            raise ValueError("checkpoint.grpc_address must be HOST:PORT")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("checkpoint.tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("client certificates need a server certificate")
+        if self.metrics_address is not None and not _ADDRESS.fullmatch(self.metrics_address):
+            raise ValueError("checkpoint.metrics_address must be HOST:PORT")
+        if self.metrics_path is not None and not (
+            self.metrics_path.startswith("/") and self.metrics_path != "/"
+        ):
+            raise ValueError("checkpoint.metrics_path must be an absolute path such as /metrics")
+        for root in self.allowed_checkpoint_roots:
+            if not root.startswith("/"):
+                raise ValueError("checkpoint.allowed_checkpoint_roots must be absolute paths")
+        return self
+
+    def control_settings(self) -> ControlSettings:
+        return ControlSettings(
+            lease_grace_seconds=self.lease_grace_seconds,
+            heartbeat_seconds=self.heartbeat_seconds,
+            max_deadline_seconds=self.max_deadline_seconds,
+            allowed_checkpoint_roots=self.allowed_checkpoint_roots,
+            start_closed=self.start_closed,
+            start_closed_timeout_seconds=self.start_closed_timeout_seconds,
+            readiness_pause_threshold_seconds=self.readiness_pause_threshold_seconds,
+        )
