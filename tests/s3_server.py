@@ -194,7 +194,8 @@ def sigv4_headers(
     secret_access_key: str,
     now: datetime.datetime | None = None,
 ) -> dict[str, str]:
-    """AWS Signature Version 4 headers for one S3 request (stdlib only).
+    """AWS Signature Version 4 headers for one S3 request (stdlib only); `url`'s path must be
+    URI-encoded already (as `SeaweedS3.request` builds it).
 
     Why hand-written: the fixture must create its bucket and prove readiness without depending
     on the client library under test (and the benchmark compares several), so the server is
@@ -213,7 +214,7 @@ def sigv4_headers(
     canonical = "\n".join(
         [
             method,
-            urllib.parse.quote(parts.path or "/", safe="/-_.~"),
+            parts.path or "/",  # already URI-encoded, once, as S3 signs it
             query,
             "".join(f"{name}:{headers[name]}\n" for name in sorted(headers)),
             signed,
@@ -397,9 +398,6 @@ class SeaweedS3:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
-        # A group member that outlived the leader (none expected: weed is one process).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
 
     def restart(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
         """Kill and start again on the same ports, keys and data directory."""
