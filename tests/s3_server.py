@@ -349,6 +349,7 @@ class SeaweedS3:
                 # Never ready, so nothing to keep; and the master's raft state names the
                 # old address, which the new one must not resume.
                 shutil.rmtree(self.data, ignore_errors=True)
+                self._remove_sockets()
                 self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
                 self.connection = replace(
                     self.connection, endpoint=f"http://127.0.0.1:{self.ports['s3']}"
@@ -405,8 +406,12 @@ class SeaweedS3:
         self.start(timeout)
 
     def close(self) -> None:
-        """Kill, and remove the gRPC sockets weed puts at fixed paths under /tmp."""
+        """Kill, and remove what weed leaves outside the work directory."""
         self.kill()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """weed also serves gRPC on Unix sockets at fixed paths under /tmp, named by port."""
         for name in ("master", "volume", "filer", "s3"):
             with contextlib.suppress(OSError):
                 Path(f"/tmp/seaweedfs-{name}-grpc-{self.ports[name + '_grpc']}.sock").unlink()
