@@ -47,7 +47,7 @@ Every file below the root is opened through directory descriptors with O_NOFOLLO
 symlink planted anywhere in a checkpoint directory is refused rather than followed. The
 format (names, paths, the part manifest's schema) is `server.core.layout`'s, the safe-open
 rules are `server.core.safe_files`', and each part is verified by the participants' own part
-reader (`server.core.part_storage`): one implementation of the format. What keeps that
+reader (`server.core.part_reader`): one implementation of the format. What keeps that
 reader honest is not a second parser but the golden checkpoints under `tests/fixtures/`,
 which both the writer's round trip and `inspect` must reproduce byte for byte.
 """
@@ -72,7 +72,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.server.core import layout, part_storage, safe_files
+from rollout_checkpoint.server.core import layout, part_reader, safe_files
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
 from rollout_checkpoint.server.core.layout import (
@@ -84,7 +84,7 @@ from rollout_checkpoint.server.core.layout import (
     exact_fields,
     load_json,
 )
-from rollout_checkpoint.server.core.part_storage import RecordsCheck
+from rollout_checkpoint.server.core.part_reader import RecordsCheck
 from rollout_checkpoint.server.core.safe_files import closing
 
 __all__ = [
@@ -664,7 +664,7 @@ def _verify_part(
 
     part_fd = _open_part_dir(ckpt_fd, ckpt_path, entry.kind, entry.instance)
     with closing(part_fd), _as_corrupt(part_path):
-        raw = part_storage.read_manifest_bytes(part_fd, shown)
+        raw = part_reader.read_manifest_bytes(part_fd, shown)
         digest = hashlib.sha256(raw).hexdigest()
         if digest != entry.manifest_sha256:
             raise CheckpointCorrupt(
@@ -672,9 +672,9 @@ def _verify_part(
                 f"manifest digest mismatch: its sha256 is {digest}, the fleet manifest "
                 f"records {entry.manifest_sha256}",
             )
-        manifest = part_storage.decode_manifest(raw, shown)
-        part_storage.check_owner(manifest, shown, entry.kind, entry.instance, checkpoint_id)
-        part_storage.scan_records(part_fd, shown, manifest, episode, check)
+        manifest = part_reader.decode_manifest(raw, shown)
+        part_reader.check_owner(manifest, shown, entry.kind, entry.instance, checkpoint_id)
+        part_reader.scan_records(part_fd, shown, manifest, episode, check)
     unique = tuple(sorted(set(keys)))
     summary = ParticipantSummary(
         name=entry.name,
