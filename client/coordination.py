@@ -437,6 +437,12 @@ async def _fan_out(
     return replies
 
 
+fan_out = _fan_out
+"""`fan_out(operation, members, call)`: call every member at once; the replies by member name,
+or one `FleetError` naming every member whose call raised a `ControlError` (any other
+exception is raised as it is). Public for controllers that call members directly (`collect`)."""
+
+
 def describe_failures(error: FleetError) -> dict[str, Any]:
     return {
         name: {

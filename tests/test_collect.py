@@ -13,6 +13,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,15 +28,22 @@ import httpx
 import pytest
 
 from rollout_checkpoint.client.collect import CorruptFile, read_jsonl
+from rollout_checkpoint.client.collect.inputs import TaskRow
+from rollout_checkpoint.client.collect.outcome import Outcome, classify
+from rollout_checkpoint.client.collect.rollouts import RolloutBook
+from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
+from rollout_checkpoint.server.core.episodes import EpisodeId
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "examples" / "prompt_injection_tasks.jsonl"
 TOKEN = "collect-test-token"
 ENV = dict(os.environ, COLLECT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
 CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CRASHING_CLI = [sys.executable, "-m", "tests.collect_crash"]
+"""`collect` with a crash point injected (run from the repository root)."""
 REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
@@ -120,14 +128,15 @@ class Fleets:
     def collect(
         self, fleet: RealFleet, *extra: str, crash_at: str | None = None
     ) -> subprocess.Popen[bytes]:
-        env = dict(ENV)
-        if crash_at is not None:
-            env["ROLLOUT_CHECKPOINT_COLLECT_CRASH_AT"] = crash_at
+        """Run `collect` as a process; with `crash_at` (`<step>@<n>`), the test-only entry
+        `tests.collect_crash`, which SIGKILLs it at that step of its n-th checkpoint."""
+        entry = CLI if crash_at is None else [*CRASHING_CLI, "--crash-at", crash_at]
         log = self.work / f"collect-{len(self.collectors)}.log"
         with log.open("wb") as stderr:
             process = subprocess.Popen(
-                [*CLI, *collect_args(self.work, fleet), *extra],
-                env=env,
+                [*entry, *collect_args(self.work, fleet), *extra],
+                cwd=REPO,
+                env=ENV,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 start_new_session=True,
@@ -631,3 +640,54 @@ def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_not
         [*command, "--resume"], env=ENV, capture_output=True, text=True, timeout=60
     )
     assert resumed.returncode == 0 and "nothing to do" in resumed.stderr
+
+
+def test_a_run_reply_is_classified_as_collected_not_started_or_failed() -> None:
+    def reply(status: int, body: object) -> Outcome:
+        return classify(httpx.Response(status, json=body))
+
+    assert reply(200, {"reward": 1.0}) == Outcome("ok", reply={"reward": 1.0})
+    # Refused before the episode began: nothing ran, the same attempt may go again.
+    assert reply(409, {"error": {"code": "admission_closed"}}).kind == "not_started"
+    assert reply(409, {"error": {"code": "stale_attempt"}}).kind == "failed"
+    # An environment relays its agent's failure inside a 200 reply, with the agent's status.
+    relayed = reply(200, {"error": {"code": "unknown_task"}, "status": 502})
+    assert relayed.kind == "failed" and relayed.error is not None
+    assert relayed.error.startswith("HTTP 502:") and "unknown_task" in relayed.error
+    garbage = classify(httpx.Response(200, content=b"<html>"))
+    assert garbage == Outcome("failed", error="HTTP 200: <html>")
+
+
+def test_the_book_names_the_checkpoint_scope_and_the_state_a_resume_needs() -> None:
+    tasks = [TaskRow(0, "a", {"task_id": "a"}), TaskRow(1, "b", {"task_id": "b"})]
+    book = RolloutBook(tasks, 2, Counts())
+    assert book.counts.total == 4
+    book.apply_output({"a.0": {"rollout_id": "a.0", "attempt": 0, "status": "ok"}})
+    book.rollouts["b.1"].continued = True  # restored as N+1, not re-sent yet
+    book.rollouts["b.1"].attempt = 1
+    book.queue_pending()
+    assert [r.rollout_id for r in book.pending] == ["b.1", "a.1", "b.0"], "continued go first"
+    sent = book.take(2)
+    assert [r.rollout_id for r in sent] == ["b.1", "a.1"] and book.in_flight == 2
+    book.attempt_failed(sent[1], "HTTP 500: boom")
+    book.in_flight -= 1
+    assert book.scope() == [EpisodeId("b.1", 1)], "in flight; not the failed one"
+    sent[1].retired_upto = sent[1].attempt
+    assert not book.exhausted(sent[1], max_attempts=2)
+    book.retry(sent[1])
+    state = book.controller_state(
+        run_id="run-1", checkpoint_id="c1", input_digest="d", num_repeats=2, boot_ids={"m": "x"}
+    )
+    assert state["format"] == "rollout-checkpoint.collect/1"
+    assert state["finished"] == {"a.0": 0} and state["in_flight"] == {"b.1": 1}
+    assert state["failures"] == {"a.1": 1} and state["retired"] == {"a.1": 0}
+    assert state["attempts"] == {"a.0": 0, "a.1": 1, "b.1": 1}
+    assert not book.all_done()
+
+
+def test_no_collect_module_reads_the_environment() -> None:
+    """Fault injection reaches the collector only through `step_hook` (tests.collect_crash):
+    no variable in a user's environment can make a production collector kill itself."""
+    package = REPO / "client" / "collect"
+    for module in package.glob("*.py"):
+        assert not re.search(r"\b(environ|getenv)\b", module.read_text()), module

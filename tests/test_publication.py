@@ -430,7 +430,7 @@ def test_failing_latest_replace_leaves_latest_unchanged(
         raise OSError(5, "Input/output error")
 
     with monkeypatch.context() as patch:
-        patch.setattr(publication.os, "replace", replace)
+        patch.setattr(os, "replace", replace)  # the os module publication moves LATEST with
         with pytest.raises(PublicationError, match="Input/output error"):
             root.publish("c2", parts, [], b"", created_at=T0)
     assert (tmp_path / "LATEST").read_bytes() == b"c1\n"

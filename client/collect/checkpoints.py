@@ -1,0 +1,164 @@
+"""Taking one checkpoint of a running collection, with the collector's state inside.
+
+The fleet prepares; replies already on the wire for episodes the entry point no longer holds
+are awaited (else a rollout that finished would be restored as running, or lost); the scope
+is then every rollout in flight plus every restored rollout not yet re-sent; commit; publish
+with the collector state as the fleet manifest's controller-state blob; resume. Stragglers
+that keep the fleet from preparing are retired and the checkpoint is tried again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import CheckpointEvent, Phase, checkpoint
+from rollout_checkpoint.client.collect.control import ControlCalls
+from rollout_checkpoint.client.collect.journal import DurableAppender
+from rollout_checkpoint.client.collect.rollouts import RolloutBook
+from rollout_checkpoint.client.collect.view import CollectView
+from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.v1 import types_pb2
+
+ON_WIRE_SECONDS = 30.0
+"""How long a checkpoint waits for replies already on the wire. One still missing after that
+stays in the scope: the agent keeps a finished episode's outcome for exactly this case, so the
+restored attempt N+1 delivers it instead of running the episode again."""
+
+CheckpointStepHook = Callable[[str, int], None]
+"""Called with (step, checkpoint number from 1) at each step of each checkpoint: `prepared`
+(the fleet is prepared, nothing committed), `committed` (parts written, nothing published)
+and the publication steps (`after_verify`, `after_fleet_manifest`, `after_latest`). Fault
+tests SIGKILL the collector there; production passes none."""
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What one checkpoint of a collection needs to know besides the fleet."""
+
+    run_id: str
+    input_digest: str
+    num_repeats: int
+    timeout: float
+    """Seconds for one attempt at a checkpoint (prepare to publish)."""
+    straggler_rounds: int
+    """How often stragglers are retired and the checkpoint tried again."""
+    keep: int
+    """Published checkpoints kept by retention."""
+
+
+class CheckpointTaker:
+    """Takes the checkpoints of one collection; `take` runs one while dispatching is paused.
+
+    `step` is called with each step's name (see `CheckpointStepHook`): the collector binds
+    the checkpoint number to it."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        root: CheckpointRoot,
+        book: RolloutBook,
+        output: DurableAppender,
+        view: CollectView,
+        control: ControlCalls,
+        settings: CheckpointSettings,
+        step: Callable[[str], None],
+    ) -> None:
+        self.fleet = fleet
+        self.root = root
+        self.book = book
+        self.output = output
+        self.view = view
+        self.control = control
+        self.settings = settings
+        self.step = step
+        self._deadline = 0.0
+
+    async def take(self, *, stop: bool) -> str | None:
+        """Take and publish one checkpoint: its id, or None when none could be taken (the
+        previous one stays the restore point; the failure is noted, never raised). With
+        `stop` the fleet stays closed afterwards."""
+        settings = self.settings
+        try:
+            for round_number in range(settings.straggler_rounds + 1):
+                self._deadline = time.time() + settings.timeout
+                outcome = None
+                async for event in checkpoint(
+                    self.fleet,
+                    self.root,
+                    self._deadline,
+                    keep=settings.keep,
+                    keep_closed=stop,
+                    fix_scope=self._fix_scope,
+                ):
+                    self._on_event(event)
+                    if event.final:
+                        outcome = event.outcome
+                assert outcome is not None
+                if outcome.published is not None:
+                    return outcome.checkpoint_id
+                blocking = sorted(outcome.progress.blocking_episodes()) if outcome.progress else []
+                if not blocking or round_number == settings.straggler_rounds:
+                    self.view.note(
+                        f"collect: the fleet was not prepared in time ({outcome.prepare_outcome}); "
+                        "no checkpoint taken"
+                    )
+                    return None
+                # Controller obligation 2: the checkpoint was aborted (fleet resumed); retire
+                # the stragglers, whose /run then fails and is retried as a later attempt.
+                await coordination.retire(
+                    self.fleet, self.control.new_id("retire"), self._deadline, blocking
+                )
+                self.view.note(f"collect: retired {len(blocking)} straggler(s); preparing again")
+        except (FleetError, ControlError, PublicationError, OSError) as error:
+            self.view.note(
+                f"collect: checkpoint failed ({error}); the previous one stays the restore point"
+            )
+        return None
+
+    def _on_event(self, event: CheckpointEvent) -> None:
+        self.book.counts.phase = f"checkpoint: {event.phase.lower()}"
+        if event.phase == Phase.SCOPE:
+            self.step("prepared")
+        elif event.phase == Phase.PUBLISH:
+            self.step("committed")
+
+    async def _fix_scope(self, checkpoint_id: str) -> tuple[list[EpisodeId], bytes]:
+        """Called once the fleet is prepared (nothing starts or ends any more): await the
+        replies already on the wire, then name the scope and build the collector state."""
+        fleet = self.fleet
+        entry = [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_ENVIRONMENT]
+        entry = entry or [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_AGENT]
+        pages = await coordination.fan_out(
+            "list episodes", entry, lambda m: m.client.all_episodes()
+        )
+        held = {
+            EpisodeId(e.episode_id.rollout_id, e.episode_id.attempt)
+            for episodes in pages.values()
+            for e in episodes
+        }
+        on_wire = self.book.on_the_wire(held)
+        if on_wire:
+            self.book.counts.phase = f"checkpoint: awaiting {len(on_wire)} reply(ies) on the wire"
+            remaining = self._deadline - time.time() - 5.0
+            await asyncio.wait(on_wire, timeout=max(0.5, min(ON_WIRE_SECONDS, remaining)))
+        await self.output.drain()  # "finished" in the state means durable in the output
+        boots = await coordination.fan_out(
+            "describe", fleet.members, lambda m: m.client.get_participant()
+        )
+        state = self.book.controller_state(
+            run_id=self.settings.run_id,
+            checkpoint_id=checkpoint_id,
+            input_digest=self.settings.input_digest,
+            num_repeats=self.settings.num_repeats,
+            boot_ids={name: boot.boot_id for name, boot in boots.items()},
+        )
+        return self.book.scope(), json.dumps(state, separators=(",", ":"), sort_keys=True).encode()

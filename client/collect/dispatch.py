@@ -1,0 +1,135 @@
+"""Sending rollouts to the entry point: at most `concurrency` in flight, each attempt written
+ahead to the dispatch log, each reply classified and recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+
+from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
+from rollout_checkpoint.client.collect.outcome import classify, transport_failure
+from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
+
+
+class Dispatcher:
+    """Moves pending rollouts of `book` in flight and records their replies.
+
+    Every attempt is in the dispatch log, durably, before its `/run` leaves: after a crash,
+    every attempt that may run somewhere is known. A reply counts only once its output line
+    is durable. An entry point that refuses before the episode began (admission closed) is
+    backed off from (up to 1 s) and the same attempt is sent again.
+
+    `on_change` is called whenever the book changed (a reply, a refusal, a failure);
+    `on_fatal` with an error that must stop the run (the output or the log cannot be
+    written, or a bug): a rollout left "in flight" forever would hang it instead."""
+
+    def __init__(
+        self,
+        book: RolloutBook,
+        output: DurableAppender,
+        dispatch_log: DurableAppender,
+        http: httpx.AsyncClient,
+        *,
+        entry_url: str,
+        concurrency: int,
+        on_change: Callable[[], None],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self.book = book
+        self.output = output
+        self.dispatch_log = dispatch_log
+        self.http = http
+        self.entry_url = entry_url.rstrip("/")
+        self.concurrency = concurrency
+        self.on_change = on_change
+        self.on_fatal = on_fatal
+        self.gate_open = True
+        """Closed while a checkpoint runs (and for good once the run stops)."""
+        self._dispatching = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._backoff_until = 0.0
+        self._backoff = 0.0
+
+    def wake(self) -> None:
+        """Something changed that may allow a dispatch."""
+        self._wake.set()
+
+    async def pause(self) -> None:
+        """Close the gate; returns once a dispatch under way has finished (none starts until
+        `reopen`)."""
+        self.gate_open = False
+        async with self._dispatching:
+            pass
+
+    def reopen(self) -> None:
+        """Open the gate again after `pause`."""
+        self.gate_open = True
+        self.wake()
+
+    async def run(self) -> None:
+        """Dispatch until cancelled; a failure goes to `on_fatal` and ends the loop."""
+        try:
+            while True:
+                while not self._dispatchable():
+                    self._wake.clear()
+                    if self._dispatchable():
+                        break
+                    await self._wake.wait()
+                pause = self._backoff_until - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                    continue
+                async with self._dispatching:
+                    if not self._dispatchable():
+                        continue
+                    batch = self.book.take(self.concurrency - self.book.in_flight)
+                    # Written ahead: after a crash, every attempt that may run is known.
+                    await self.dispatch_log.append(
+                        *(
+                            json_line({"rollout_id": r.rollout_id, "attempt": r.attempt})
+                            for r in batch
+                        )
+                    )
+                    for rollout in batch:
+                        rollout.handle = asyncio.create_task(self._run_one(rollout))
+        except Exception as error:  # the output failed, or a bug: stop rather than hang
+            self.on_fatal(error)
+
+    async def cancel_in_flight(self) -> None:
+        """Cancel every `/run` still waiting for its reply, and wait until they ended."""
+        handles = self.book.running_handles()
+        for handle in handles:
+            handle.cancel()
+        await asyncio.gather(*handles, return_exceptions=True)
+
+    def _dispatchable(self) -> bool:
+        return self.gate_open and bool(self.book.pending) and self.book.in_flight < self.concurrency
+
+    async def _run_one(self, rollout: Rollout) -> None:
+        book = self.book
+        url = f"{self.entry_url}/ng-rollout/{rollout.episode.capture_key}/run"
+        try:
+            try:
+                response = await self.http.post(url, json={"task": rollout.task.row})
+                outcome = classify(response)
+            except httpx.HTTPError as error:
+                outcome = transport_failure(error)
+            if outcome.kind == "ok":
+                assert outcome.reply is not None
+                await self.output.append(json_line(rollout.finished_line(outcome.reply)))
+                book.collected(rollout)
+                self._backoff = 0.0
+            elif outcome.kind == "not_started":
+                book.not_started(rollout)
+                self._backoff = min(max(self._backoff * 2, 0.05), 1.0)
+                self._backoff_until = time.monotonic() + self._backoff
+            else:
+                book.attempt_failed(rollout, outcome.error)
+        except Exception as error:  # the output failed, or a bug: a rollout left "in flight"
+            self.on_fatal(error)  # forever would hang the run, so stop it
+        finally:
+            book.in_flight -= 1
+            self.on_change()

@@ -1,0 +1,50 @@
+"""What a rollout's `/run` reply means: collected, never started, or failed."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+OutcomeKind = Literal["ok", "not_started", "failed"]
+
+
+@dataclass
+class Outcome:
+    """A classified `/run` reply.
+
+    `ok` carries the reply (it goes into the output); `not_started` means the entry point
+    refused before the episode began (admission closed: nothing ran anywhere, so the same
+    attempt may be sent again); `failed` carries the error (the attempt is retired before
+    it is retried)."""
+
+    kind: OutcomeKind
+    reply: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def classify(response: httpx.Response) -> Outcome:
+    """Classify one `/run` reply; never raises (a body that is not JSON is a failure).
+
+    An environment relays its agent's failure inside a 200 reply with an `error` and the
+    agent's `status`: that is a failure too, reported with the agent's status."""
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 200 and isinstance(body, dict) and "error" not in body:
+        return Outcome("ok", reply=body)
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    if response.status_code == 409 and code == "admission_closed":
+        return Outcome("not_started")  # refused before the episode began: nothing ran anywhere
+    detail = json.dumps(error) if error is not None else response.text[:300]
+    status = body.get("status") if isinstance(body, dict) else None
+    return Outcome("failed", error=f"HTTP {status or response.status_code}: {detail}")
+
+
+def transport_failure(error: httpx.HTTPError) -> Outcome:
+    """A `/run` that got no reply at all (connection refused, timeout, reset): failed."""
+    return Outcome("failed", error=f"{type(error).__name__}: {error}")

@@ -1,0 +1,267 @@
+"""Every rollout of a collection, the moves between its states, and what is recorded of it.
+
+`RolloutBook` is the collector's bookkeeping without any I/O: which rollouts wait, run, wait
+to be retired, are done or failed; the checkpoint scope and the controller-state blob are
+read off it. Keeping it free of I/O keeps each transition one place that says what a
+crash at that point leaves behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from rollout_checkpoint.client.collect.inputs import TaskRow, rollout_id_of
+from rollout_checkpoint.client.collect.journal import STATE_FORMAT, attempts_in
+from rollout_checkpoint.client.collect.view import Counts
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+
+
+class Status(enum.Enum):
+    """Where a rollout is in its life."""
+
+    PENDING = "pending"
+    """Waiting for a dispatch slot (also a restored rollout whose attempt N+1 is not sent)."""
+    IN_FLIGHT = "in_flight"
+    """Its attempt is logged and its `/run` sent (or about to be)."""
+    RETIRING = "retiring"
+    """Its attempt failed; it is retired in the next batch, then retried or recorded failed."""
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Rollout:
+    """One (task, repeat): its current attempt and status."""
+
+    rollout_id: str
+    task: TaskRow
+    repeat: int
+    attempt: int = 0
+    status: Status = Status.PENDING
+    failures: int = 0
+    last_error: str | None = None
+    continued: bool = False
+    """Restored into the fleet as `attempt` (N+1), which has not replied yet."""
+    retired_upto: int | None = None
+    """The highest retired attempt, until the rollout is forgotten."""
+    handle: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def episode(self) -> EpisodeId:
+        """The episode of its current attempt."""
+        return EpisodeId(self.rollout_id, self.attempt)
+
+    def finished_line(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """The output line of a collected rollout."""
+        return {
+            "rollout_id": self.rollout_id,
+            "task_id": self.task.task_id,
+            "repeat": self.repeat,
+            "attempt": self.attempt,
+            "status": "ok",
+            "reward": reply.get("reward"),
+            "reply": reply,
+        }
+
+    def failed_line(self) -> dict[str, Any]:
+        """The output line of a rollout that used up its attempts."""
+        return {
+            "rollout_id": self.rollout_id,
+            "task_id": self.task.task_id,
+            "repeat": self.repeat,
+            "attempt": self.attempt,
+            "status": "failed",
+            "reward": None,
+            "failures": self.failures,
+            "error": self.last_error,
+        }
+
+
+class RolloutBook:
+    """Every rollout of the input (`num_repeats` per task), its queues and the counts.
+
+    Only the collector's event loop touches it (no locks); nothing here does I/O."""
+
+    def __init__(self, tasks: Iterable[TaskRow], num_repeats: int, counts: Counts) -> None:
+        self.rollouts: dict[str, Rollout] = {}
+        for task in tasks:
+            for repeat in range(num_repeats):
+                rollout = Rollout(rollout_id_of(task.task_id, repeat), task, repeat)
+                self.rollouts[rollout.rollout_id] = rollout
+        self.pending: collections.deque[Rollout] = collections.deque()
+        self.retire_queue: list[Rollout] = []
+        self.forget_queue: set[str] = set()
+        self.in_flight = 0
+        self.counts = counts
+        counts.total = len(self.rollouts)
+
+    # -- what a previous run left ---------------------------------------------------------------
+
+    def apply_output(self, finished: dict[str, dict[str, Any]]) -> None:
+        """Mark the rollouts the output already holds done or failed (others are ignored)."""
+        for rollout_id, line in finished.items():
+            rollout = self.rollouts.get(rollout_id)
+            if rollout is None:
+                continue
+            rollout.attempt = int(line["attempt"])
+            if line.get("status") == "failed":
+                rollout.status = Status.FAILED
+                self.counts.failed += 1
+            else:
+                rollout.status = Status.DONE
+                self.counts.done += 1
+
+    def apply_marks(self, state: dict[str, Any]) -> None:
+        """Take the failure counts and retire marks of a checkpoint's controller state."""
+        for rollout_id, count in attempts_in(state.get("failures")).items():
+            if rollout_id in self.rollouts:
+                self.rollouts[rollout_id].failures = count
+        for rollout_id, attempt in attempts_in(state.get("retired")).items():
+            if rollout_id in self.rollouts:
+                self.rollouts[rollout_id].retired_upto = attempt
+
+    def queue_pending(self) -> None:
+        """Queue every pending rollout: continued ones first (their N+1 is restored and
+        waits), then restarted ones, then the rest in input order."""
+        order = sorted(
+            (r for r in self.rollouts.values() if r.status is Status.PENDING),
+            key=lambda r: (not r.continued, r.retired_upto is None, r.task.index, r.repeat),
+        )
+        self.pending.extend(order)
+
+    # -- dispatching and replies ----------------------------------------------------------------
+
+    def take(self, count: int) -> list[Rollout]:
+        """Move up to `count` pending rollouts in flight."""
+        batch = [self.pending.popleft() for _ in range(min(count, len(self.pending)))]
+        for rollout in batch:
+            rollout.status = Status.IN_FLIGHT
+        self.in_flight += len(batch)
+        return batch
+
+    def collected(self, rollout: Rollout) -> None:
+        """Its reply is durable in the output. A retired rollout is forgotten next: from
+        then on nothing of its retired attempts can still run."""
+        rollout.status = Status.DONE
+        rollout.continued = False
+        self.counts.done += 1
+        if rollout.retired_upto is not None:
+            self.forget_queue.add(rollout.rollout_id)
+
+    def not_started(self, rollout: Rollout) -> None:
+        """Refused before it began: the same attempt goes first again."""
+        rollout.status = Status.PENDING
+        self.pending.appendleft(rollout)
+
+    def attempt_failed(self, rollout: Rollout, error: str | None) -> None:
+        """Its attempt failed: retired in the next batch before anything else happens to it."""
+        rollout.failures += 1
+        rollout.last_error = error
+        rollout.status = Status.RETIRING
+        rollout.continued = False
+        self.retire_queue.append(rollout)
+
+    def exhausted(self, rollout: Rollout, max_attempts: int) -> bool:
+        """Whether a retired rollout used up its attempts (or the attempt numbers)."""
+        return rollout.failures >= max_attempts or rollout.attempt >= MAX_ATTEMPT - 1
+
+    def recorded_failed(self, rollout: Rollout) -> None:
+        """Its failed line is durable in the output."""
+        rollout.status = Status.FAILED
+        self.counts.failed += 1
+
+    def retry(self, rollout: Rollout) -> None:
+        """Its failed attempt is retired: send it again as the next attempt."""
+        rollout.attempt += 1
+        rollout.status = Status.PENDING
+        self.pending.append(rollout)
+        self.counts.retried += 1
+
+    def forgotten(self, rollout_ids: Iterable[str]) -> None:
+        """The fleet dropped these rollouts' retire marks."""
+        for rollout_id in rollout_ids:
+            self.forget_queue.discard(rollout_id)
+            self.rollouts[rollout_id].retired_upto = None
+
+    def settled(self) -> bool:
+        """Every rollout is done or recorded failed."""
+        return all(r.status in (Status.DONE, Status.FAILED) for r in self.rollouts.values())
+
+    def all_done(self) -> bool:
+        """Settled, and no `/run` is still on its way back."""
+        return self.in_flight == 0 and self.settled()
+
+    def still_marked(self) -> list[str]:
+        """The rollouts that still have retire marks, sorted."""
+        return sorted(r.rollout_id for r in self.rollouts.values() if r.retired_upto is not None)
+
+    def running_handles(self) -> list[asyncio.Task[None]]:
+        """The `/run` tasks that have not ended."""
+        return [r.handle for r in self.rollouts.values() if r.handle and not r.handle.done()]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def on_the_wire(self, held: set[EpisodeId]) -> list[asyncio.Task[None]]:
+        """The `/run` tasks of rollouts in flight whose episode the entry point no longer
+        holds: their reply is on its way back."""
+        return [
+            r.handle
+            for r in self.rollouts.values()
+            if r.status is Status.IN_FLIGHT and r.handle is not None and r.episode not in held
+        ]
+
+    def scope(self) -> list[EpisodeId]:
+        """The checkpoint's scope: every rollout in flight, plus every restored rollout not
+        yet re-sent (named by its attempt N+1: left out, the commit would free it)."""
+        return sorted(
+            r.episode
+            for r in self.rollouts.values()
+            if r.status is Status.IN_FLIGHT or (r.continued and r.status is Status.PENDING)
+        )
+
+    def controller_state(
+        self,
+        *,
+        run_id: str,
+        checkpoint_id: str,
+        input_digest: str,
+        num_repeats: int,
+        boot_ids: dict[str, str],
+    ) -> dict[str, Any]:
+        """The controller-state blob (format `STATE_FORMAT`): what `--resume` needs besides
+        the output and the dispatch log."""
+
+        def pick(select: Callable[[Rollout], bool]) -> dict[str, int]:
+            return {r.rollout_id: r.attempt for r in self.rollouts.values() if select(r)}
+
+        return {
+            "format": STATE_FORMAT,
+            "run_id": run_id,
+            "checkpoint_id": checkpoint_id,
+            "created_at": now_text(),
+            "input_sha256": input_digest,
+            "num_repeats": num_repeats,
+            "boot_ids": boot_ids,
+            "finished": pick(lambda r: r.status is Status.DONE),
+            "failed": pick(lambda r: r.status is Status.FAILED),
+            "in_flight": pick(lambda r: r.status is Status.IN_FLIGHT),
+            "restored_pending": pick(lambda r: r.continued and r.status is Status.PENDING),
+            "attempts": pick(lambda r: r.attempt > 0 or r.status is not Status.PENDING),
+            "failures": {r.rollout_id: r.failures for r in self.rollouts.values() if r.failures},
+            "retired": {
+                r.rollout_id: r.retired_upto
+                for r in self.rollouts.values()
+                if r.retired_upto is not None
+            },
+        }
+
+
+def now_text() -> str:
+    """The current UTC time as RFC 3339 with `Z`."""
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
