@@ -24,18 +24,15 @@ The rules below each prevent a specific loss; each lives with the concept it bel
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
-    Reason,
     deadline_exceeded,
-    invalid_phase,
     invalid_request,
 )
 from rollout_checkpoint.server.core.part_storage import (
@@ -44,7 +41,7 @@ from rollout_checkpoint.server.core.part_storage import (
     validate_checkpoint_dir,
 )
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
-from rollout_checkpoint.server.runtime.commit_job import CommitResult, commit_job_for
+from rollout_checkpoint.server.runtime.commit_job import CommitResult
 from rollout_checkpoint.server.runtime.duties import Duties
 from rollout_checkpoint.server.runtime.lease import Lease, open_after_start_closed
 from rollout_checkpoint.server.runtime.observe import ControlObserver
@@ -59,8 +56,7 @@ from rollout_checkpoint.server.runtime.prepare_stream import (
     UpdateKind,
     prepare_updates,
 )
-from rollout_checkpoint.server.runtime.refusals import conflict
-from rollout_checkpoint.server.runtime.restore_job import RestoreJob, RestoreResult
+from rollout_checkpoint.server.runtime.restore_job import RestoreResult
 from rollout_checkpoint.server.runtime.retirement import Retirement
 from rollout_checkpoint.server.runtime.state_machine import (
     ControlSettings,
@@ -79,10 +75,6 @@ __all__ = [
     "StatusSnapshot",
     "UpdateKind",
 ]
-
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,32 +314,14 @@ class ControlPlane:
         args = (real_dir, scope)
         machine = self._machine
         async with machine.lock:
-            machine.check_not_shutting_down()
-            recorded = machine.replay(checkpoint_id, "commit", args)
-            if recorded is not None:
-                assert isinstance(recorded, CommitResult)
-                return recorded
-            machine.fence(checkpoint_id, "Commit", {State.PREPARED})
-            job = commit_job_for(machine.commit_job, checkpoint_id, real_dir, scope)
-            machine.lease.renew(deadline)
-            if not self.participant.ready():
-                raise invalid_phase(machine.state, "Commit", "the participant is no longer ready")
-            if scope is None and self.participant.requires_scope:
-                raise CheckpointError(
-                    Reason.SCOPE_REQUIRED, "this participant needs an explicit commit scope"
-                )
-            machine.commit_job = job
-            task = job.start(self)
+            joined = machine.join_commit(checkpoint_id, deadline, args, self)
+        if isinstance(joined, CommitResult):
+            return joined
         result = await await_until(
-            self.clock, deadline, task, "the commit did not finish before its deadline"
+            self.clock, deadline, joined, "the commit did not finish before its deadline"
         )
         async with machine.lock:
-            recorded = machine.replay(checkpoint_id, "commit", args)
-            if recorded is not None:
-                assert isinstance(recorded, CommitResult)
-                return recorded
-            machine.mark_committed(checkpoint_id, args, result)
-            return result
+            return machine.finish_commit(checkpoint_id, args, result)
 
     async def restore(
         self,
@@ -360,33 +334,13 @@ class ControlPlane:
         (still closed until Resume). Only a process that has served nothing may restore."""
         self._check_call(checkpoint_id, deadline)
         real_dir = await self._validated_dir(checkpoint_dir, deadline)
-        args = (real_dir, scope)
         machine = self._machine
         async with machine.lock:
-            machine.check_not_shutting_down()
-            recorded = machine.replay(checkpoint_id, "restore", args)
-            if recorded is not None:
-                assert isinstance(recorded, RestoreResult)
-                return recorded
-            machine.fence(checkpoint_id, "Restore", {State.IDLE})
-            job = machine.restore_job
-            if job is not None:
-                if job.checkpoint_id != checkpoint_id or job.args != args:
-                    raise conflict(checkpoint_id, job.checkpoint_id, "another restore is under way")
-                job.deadline = max(job.deadline, deadline)
-            else:
-                if self.participant.has_served():
-                    raise CheckpointError(
-                        Reason.FRESH_PROCESS_REQUIRED,
-                        "this process has already served sessions or episodes; restore into a fresh one",
-                    )
-                job = RestoreJob(checkpoint_id, real_dir, scope, deadline)
-                job.start(machine, self.storage)
-                machine.restore_job = job
-            assert job.task is not None
-            task = job.task
+            joined = machine.join_restore(checkpoint_id, deadline, (real_dir, scope), self.storage)
+        if isinstance(joined, RestoreResult):
+            return joined
         return await await_until(
-            self.clock, deadline, task, "the restore did not finish before its deadline"
+            self.clock, deadline, joined, "the restore did not finish before its deadline"
         )
 
     async def _validated_dir(self, checkpoint_dir: str, deadline: float) -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
     Reason,
@@ -41,8 +42,14 @@ from rollout_checkpoint.server.core.errors import (
     invalid_phase,
 )
 from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
-from rollout_checkpoint.server.runtime.commit_job import CommitJob, CommitResult
+from rollout_checkpoint.server.runtime.commit_job import (
+    CommitHost,
+    CommitJob,
+    CommitResult,
+    commit_job_for,
+)
 from rollout_checkpoint.server.runtime.lease import Lease
 from rollout_checkpoint.server.runtime.observe import ControlObserver
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
@@ -254,15 +261,81 @@ class StateMachine:
                 self.observer.drained(self.clock.now() - self.closed_since)
             self.changed()
 
-    def mark_committed(self, checkpoint_id: str, args: object, result: CommitResult) -> None:
-        """PREPARED -> COMMITTED, recorded for replay."""
+    def join_commit(
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        args: tuple[str, frozenset[EpisodeId] | None],
+        host: CommitHost,
+    ) -> CommitResult | asyncio.Task[CommitResult]:
+        """A Commit's start: its recorded result (a retry), or the task of the job it joins
+        (started if need be; see `commit_job.commit_job_for`). Renews the lease."""
+        self.check_not_shutting_down()
+        recorded = self.replay(checkpoint_id, "commit", args)
+        if recorded is not None:
+            assert isinstance(recorded, CommitResult)
+            return recorded
+        self.fence(checkpoint_id, "Commit", {State.PREPARED})
+        real_dir, scope = args
+        job = commit_job_for(self.commit_job, checkpoint_id, real_dir, scope)
+        self.lease.renew(deadline)
+        if not self.participant.ready():
+            raise invalid_phase(self.state, "Commit", "the participant is no longer ready")
+        if scope is None and self.participant.requires_scope:
+            raise CheckpointError(
+                Reason.SCOPE_REQUIRED, "this participant needs an explicit commit scope"
+            )
+        self.commit_job = job
+        return job.start(host)
+
+    def finish_commit(self, checkpoint_id: str, args: object, result: CommitResult) -> CommitResult:
+        """PREPARED -> COMMITTED, recorded for replay (unless a retry that awaited the same job
+        recorded it first: then its answer)."""
+        recorded = self.results.get((checkpoint_id, "commit"))
+        if recorded is not None:
+            assert isinstance(recorded.result, CommitResult)
+            return recorded.result
         self.fence(checkpoint_id, "Commit", {State.PREPARED})
         self.state = State.COMMITTED
         self.results[(checkpoint_id, "commit")] = Recorded(args, result)
         self.observer.committed(result.manifest.record_count, result.manifest.bytes)
         self.changed()
+        return result
 
     # -- Restore (the transitions of `restore_job.RestoreTransitions`) --------------------
+
+    def join_restore(
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        args: tuple[str, frozenset[EpisodeId]],
+        storage: CheckpointStorage,
+    ) -> RestoreResult | asyncio.Task[RestoreResult]:
+        """A Restore's start: its recorded result (a retry), or the task of the restore of
+        the same arguments (its deadline extended), or a new one — only in a process that
+        has served nothing (FRESH_PROCESS_REQUIRED)."""
+        self.check_not_shutting_down()
+        recorded = self.replay(checkpoint_id, "restore", args)
+        if recorded is not None:
+            assert isinstance(recorded, RestoreResult)
+            return recorded
+        self.fence(checkpoint_id, "Restore", {State.IDLE})
+        job = self.restore_job
+        if job is not None:
+            if job.checkpoint_id != checkpoint_id or job.args != args:
+                raise conflict(checkpoint_id, job.checkpoint_id, "another restore is under way")
+            job.deadline = max(job.deadline, deadline)
+            assert job.task is not None
+            return job.task
+        if self.participant.has_served():
+            raise CheckpointError(
+                Reason.FRESH_PROCESS_REQUIRED,
+                "this process has already served sessions or episodes; restore into a fresh one",
+            )
+        real_dir, scope = args
+        job = RestoreJob(checkpoint_id, real_dir, scope, deadline)
+        self.restore_job = job
+        return job.start(self, storage)
 
     def _check_restore_alive(self, job: RestoreJob, step: str) -> None:
         if job.checkpoint_id in self.resumed:
