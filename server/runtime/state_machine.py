@@ -183,6 +183,17 @@ class StateMachine:
             )
         return recorded.result
 
+    def _replay_or_fence(
+        self, checkpoint_id: str, operation: str, args: object, allowed: set[State]
+    ) -> object | None:
+        """A job's start: refused while shutting down; then its recorded result, consulted
+        before the state check (a retry gets its answer, not INVALID_PHASE); else fenced."""
+        self.check_not_shutting_down()
+        recorded = self.replay(checkpoint_id, operation.lower(), args)
+        if recorded is None:
+            self.fence(checkpoint_id, operation, allowed)
+        return recorded
+
     def remember_resumed(self, checkpoint_id: str) -> None:
         self.resumed[checkpoint_id] = None
         self.resumed.move_to_end(checkpoint_id)
@@ -270,12 +281,10 @@ class StateMachine:
     ) -> CommitResult | asyncio.Task[CommitResult]:
         """A Commit's start: its recorded result (a retry), or the task of the job it joins
         (started if need be; see `commit_job.commit_job_for`). Renews the lease."""
-        self.check_not_shutting_down()
-        recorded = self.replay(checkpoint_id, "commit", args)
+        recorded = self._replay_or_fence(checkpoint_id, "Commit", args, {State.PREPARED})
         if recorded is not None:
             assert isinstance(recorded, CommitResult)
             return recorded
-        self.fence(checkpoint_id, "Commit", {State.PREPARED})
         real_dir, scope = args
         job = commit_job_for(self.commit_job, checkpoint_id, real_dir, scope)
         self.lease.renew(deadline)
@@ -314,12 +323,10 @@ class StateMachine:
         """A Restore's start: its recorded result (a retry), or the task of the restore of
         the same arguments (its deadline extended), or a new one — only in a process that
         has served nothing (FRESH_PROCESS_REQUIRED)."""
-        self.check_not_shutting_down()
-        recorded = self.replay(checkpoint_id, "restore", args)
+        recorded = self._replay_or_fence(checkpoint_id, "Restore", args, {State.IDLE})
         if recorded is not None:
             assert isinstance(recorded, RestoreResult)
             return recorded
-        self.fence(checkpoint_id, "Restore", {State.IDLE})
         job = self.restore_job
         if job is not None:
             if job.checkpoint_id != checkpoint_id or job.args != args:
