@@ -12,7 +12,7 @@ than half installed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,6 +33,8 @@ from rollout_checkpoint.client.publication import (
     PublishedParticipant,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId
+
+log = logging.getLogger(__name__)
 
 ABORT_SECONDS = 30.0
 
@@ -167,9 +169,19 @@ def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:
 
 async def _abort(fleet: Fleet, checkpoint_id: str, deadline: float) -> None:
     """Resume everyone so a checkpoint that will not be published never leaves the fleet
-    closed; a member that cannot be reached reopens when its lease expires."""
-    with contextlib.suppress(FleetError):
+    closed; a member that cannot be reached reopens when its lease expires.
+
+    The checkpoint's own failure is what the caller gets; a failed resume here is only logged.
+    """
+    try:
         await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+    except FleetError as error:
+        log.warning(
+            "checkpoint %s aborted; resuming the fleet failed (%s): going on, those members "
+            "reopen on their own when their lease expires",
+            checkpoint_id,
+            error,
+        )
 
 
 @dataclass

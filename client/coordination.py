@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,8 @@ from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -306,14 +309,32 @@ async def restore(
         # An episode at the highest attempt has no next one: nothing of it can be installed.
         next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
         if next_attempts:
-            with contextlib.suppress(FleetError):
+            try:
                 await _fan_out(
                     "retire",
                     fleet.members,
                     lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
                 )
-        with contextlib.suppress(FleetError):
+            except FleetError as error:
+                # The restore's own failure is what the caller gets; this one is only logged.
+                # Nothing continues those attempts (the controller restarts the rollouts as
+                # later attempts), so at worst their installed state stays allocated on these
+                # members until the process restarts.
+                log.warning(
+                    "restore %s failed; freeing its next attempts afterwards failed too (%s): "
+                    "going on, nothing will continue those attempts",
+                    checkpoint_id,
+                    error,
+                )
+        try:
             await resume(fleet, checkpoint_id, cleanup_deadline)
+        except FleetError as error:
+            log.warning(
+                "restore %s failed; resuming the fleet afterwards failed too (%s): going on, "
+                "those members reopen on their own when their lease expires",
+                checkpoint_id,
+                error,
+            )
         raise FleetError("restore", failure.failures) from None
 
 

@@ -220,7 +220,9 @@ async def test_restore_is_all_or_nothing(tmp_path: Path) -> None:
             assert (marks.highest("r1"), marks.highest("r2")) == (1, 3), name
 
 
-async def test_restore_cleanup_goes_on_when_a_retire_fails(tmp_path: Path) -> None:
+async def test_restore_cleanup_goes_on_when_a_retire_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     directory = str(tmp_path / "ckpt")
     episodes = [EpisodeId("r1")]
     async with fleet_of(Kind.AGENT, Kind.RESOURCES) as old:
@@ -235,6 +237,13 @@ async def test_restore_cleanup_goes_on_when_a_retire_fails(tmp_path: Path) -> No
             status = await harness.client.get_status()
             assert status.state == types_pb2.PARTICIPANT_STATE_IDLE and status.admission_open, name
             assert harness.control.retired_attempts.highest("r1") == 1, name
+    # The cleanup's own failure is logged once (what failed, and why going on is safe); the
+    # caller gets the restore's failure.
+    logged = [r for r in caplog.records if r.name == "rollout_checkpoint.client.coordination"]
+    assert len(logged) == 1 and logged[0].levelname == "WARNING", logged
+    message = logged[0].getMessage()
+    assert "restore-1" in message and "retire failed on 1 member(s): agent" in message
+    assert "nothing will continue those attempts" in message
 
 
 async def test_restore_succeeds_everywhere(tmp_path: Path) -> None:

@@ -31,8 +31,8 @@ from rollout_checkpoint.server.core import errors as server_errors
 from rollout_checkpoint.server.core.clock import SystemClock
 from rollout_checkpoint.server.core.part_storage import _storage_error
 from rollout_checkpoint.server.core.rpc.status import STATUS_DETAILS_KEY, to_status_proto
-from rollout_checkpoint.server.runtime.control_plane import _conflict, _hook_failed, _stale
 from rollout_checkpoint.server.runtime.participant import Kind
+from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
@@ -116,9 +116,9 @@ def test_every_status_a_participant_builds_follows_the_key_rule() -> None:
         server_errors.deadline_exceeded("x", 1.0),
         server_errors.corrupt_checkpoint("x", "/p", "r-a1"),
         server_errors.rejected_checkpoint("x", "/p", "r"),
-        _stale("c1"),
-        _conflict("c1", "c0", "x"),
-        _hook_failed("export", RuntimeError("x")),
+        stale("c1"),
+        conflict("c1", "c0", "x"),
+        hook_failed("export", RuntimeError("x")),
         _storage_error(OSError(28, "No space left on device"), "/p"),
     ]
     for error in made:

@@ -75,7 +75,7 @@ async def test_an_install_that_outlives_its_deadline_is_undone_and_a_retry_works
     h.clock.set(deadline + 1)
     await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED")
     gate.set()
-    await h.until(lambda: h.control._restore_job is None)
+    await h.until(lambda: h.control._machine.restore_job is None)
     # Nothing stays installed, the process is still fresh and open, nothing is fenced.
     assert h.participant.states == {} and h.participant.pending == set()
     assert sorted(h.participant.discarded) == sorted(e.next_attempt() for e in STATES)
@@ -174,7 +174,7 @@ async def test_a_restore_that_never_finishes_reading_ends_at_its_deadline(
         await in_thread(hung)
         h.clock.set(deadline + 1)
         await refused(call, "CHECKPOINT_DEADLINE_EXCEEDED")
-        await h.until(lambda: h.control._restore_job is None)
+        await h.until(lambda: h.control._machine.restore_job is None)
         reply = await h.client.restore("r-1", h.deadline(), checkpoint_dir, list(STATES))
         assert list(reply.restored) == ["r1-a1", "r2-a2", "r3-a1"]
     finally:

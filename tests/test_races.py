@@ -48,8 +48,8 @@ async def settled(h: Harness) -> None:
     """Wait until no commit job or restore job of the control plane is still running."""
     await h.until(
         lambda: (
-            (h.control._commit_job is None or not h.control._commit_job.running)
-            and h.control._restore_job is None
+            (h.control._machine.commit_job is None or not h.control._machine.commit_job.running)
+            and h.control._machine.restore_job is None
         ),
         timeout=30,
     )

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.waiting import cancel_and_wait
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused
+from .double import DoubleParticipant
 
 
 async def seed(h: Harness, key: str) -> int:
@@ -143,8 +149,54 @@ async def test_a_dead_lease_watcher_turns_liveness_off(harness: Harness) -> None
     async def broken(*args: object) -> bool:
         raise RuntimeError("the watcher cannot resume")
 
-    h.control._resume = broken  # type: ignore[method-assign]
+    h.control.resume_on_expiry = broken  # type: ignore[method-assign]
     h.clock.advance(10 + 600 + 1)
     await h.wait_health("participant-liveness", health_pb2.HealthCheckResponse.NOT_SERVING)
     # Control RPCs still answer: only the kubelet's restart can help now.
     assert (await h.client.get_status()).state == types_pb2.PARTICIPANT_STATE_PREPARED
+
+
+async def test_closing_the_control_plane_does_not_swallow_its_own_cancellation() -> None:
+    """`close()` waits for its duties to end; a shutdown that cancels `close()` meanwhile
+    must stop there (it used to be swallowed with the duties' own cancellations)."""
+    control = ControlPlane(DoubleParticipant(), clock=ManualClock())
+    cancelled, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_end() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            await release.wait()  # a duty that takes its time to end once cancelled
+            raise
+
+    control._duties.spawn(slow_to_end())
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(control.close())
+    await asyncio.wait_for(cancelled.wait(), 10)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(closing, 10)
+    release.set()
+    await asyncio.wait_for(control.close(), 10)
+
+
+async def test_cancel_and_wait_swallows_only_the_cancellation_it_asked_for() -> None:
+    first_cancellation = asyncio.Event()
+
+    async def worker() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            first_cancellation.set()
+            await asyncio.Event().wait()  # ends at the next cancellation
+
+    task = asyncio.create_task(worker())
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(cancel_and_wait(task))
+    await asyncio.wait_for(first_cancellation.wait(), 10)
+    waiting.cancel()  # the caller's own cancellation propagates (and reaches the worker)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting, 10)
+    assert task.cancelled()
+    await asyncio.wait_for(cancel_and_wait(task), 10)  # the worker's cancellation is swallowed

@@ -12,13 +12,13 @@ while RESTORED, before a `start_closed` process is resumed, and when shutting do
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from grpc_health.v1 import health_pb2
 
 from rollout_checkpoint.server.core.rpc.standard_services import ListingHealthServicer
 from rollout_checkpoint.server.runtime.control_plane import ControlPlane
+from rollout_checkpoint.server.runtime.waiting import cancel_and_wait
 
 LIVENESS = "participant-liveness"
 READINESS = "participant-readiness"
@@ -57,9 +57,7 @@ class ParticipantHealth:
         """Every name NOT_SERVING at once, before any connection drains."""
         self._shutting_down = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         await self.servicer.enter_graceful_shutdown()
 
     def _on_change(self) -> None:

@@ -1,0 +1,191 @@
+"""The commit job: one checkpoint id's export, write and cleanup, outliving any single Commit.
+
+A Commit RPC starts the job (or joins the running one) and waits for it until its own
+deadline; the job itself goes on, so a controller's retry awaits the same work. The rules each
+prevent a loss:
+
+* Export happens once per checkpoint id. A retry after a failed or slow write stores the same
+  records again; re-exporting would store state from after the cut.
+* The write runs in a thread and cannot be cancelled, but it goes through a `WriteFence`: a
+  Resume stops it, so a checkpoint the controller abandoned never publishes a manifest
+  afterwards, and whoever still waits for the job learns, typed (STALE_CHECKPOINT), that the
+  checkpoint was resumed.
+* Only a running job holds its arguments. A job that failed (a bad directory, a symlink found
+  at write time) was never committed, so a retry with a corrected directory must not be
+  refused; it inherits the failed job's export when the scope is the same.
+* The cleanup (restored episodes the scope leaves out) marks their attempts retired before it
+  frees them: the controller restarts such a rollout from its input as a later attempt, and
+  without the mark a late request of the dropped attempt could recreate state nothing frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.part_storage import (
+    CheckpointStorage,
+    PublishedPart,
+    StopRequested,
+    WriteFence,
+)
+from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+from rollout_checkpoint.server.runtime.participant import ExportRecord
+from rollout_checkpoint.server.runtime.parts import ControlParts
+from rollout_checkpoint.server.runtime.records_codec import serialize_records
+from rollout_checkpoint.server.runtime.refusals import call_hook, conflict, stale
+from rollout_checkpoint.server.runtime.waiting import retrieve_exception
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a Commit published: the part's manifest and its digest, the episodes exported
+    and the attempts retired with it."""
+
+    manifest: StoredManifest
+    manifest_sha256: str
+    exported: tuple[str, ...]
+    retired: tuple[str, ...]
+
+
+class CommitHost(ControlParts, Protocol):
+    """What a commit job works with besides: the control plane's storage and marks."""
+
+    @property
+    def storage(self) -> CheckpointStorage: ...
+
+    @property
+    def retired_attempts(self) -> RetiredAttempts: ...
+
+    def changed(self) -> None: ...
+
+
+@dataclass(eq=False)
+class CommitJob:
+    """One checkpoint id's export, write and cleanup; outlives any single Commit call.
+
+    `phase` (export, write, cleanup, done) tells a Resume what stopping it means: an export is
+    cancelled, a write fenced off, a cleanup waited for."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    scope: frozenset[EpisodeId] | None
+    records: Sequence[ExportRecord] | None = None
+    phase: str = "export"
+    published: PublishedPart | None = None
+    retired: tuple[str, ...] | None = None
+    fence: WriteFence = field(default_factory=WriteFence)
+    task: asyncio.Task[CommitResult] | None = None
+
+    @property
+    def args(self) -> tuple[str, frozenset[EpisodeId] | None]:
+        return (self.checkpoint_dir, self.scope)
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self, host: CommitHost) -> asyncio.Task[CommitResult]:
+        """The job's task, started once (on the running loop) and kept until it ends."""
+        if not self.running:
+            self.task = asyncio.get_running_loop().create_task(self._run(host))
+            self.task.add_done_callback(retrieve_exception)
+        assert self.task is not None
+        return self.task
+
+    async def _run(self, host: CommitHost) -> CommitResult:
+        """Export (once), write (until published), then retire what the scope leaves out.
+
+        A Resume stops the job through its fence (and cancels an export nothing will use);
+        whoever still waits for it then learns, typed, that the checkpoint was resumed."""
+        try:
+            return await self._phases(host)
+        except StopRequested:
+            raise stale(self.checkpoint_id) from None
+        except asyncio.CancelledError:
+            if self.fence.stopped:
+                raise stale(self.checkpoint_id) from None
+            raise
+
+    async def _phases(self, host: CommitHost) -> CommitResult:
+        participant = host.participant
+        if self.records is None:
+            self.phase = "export"
+            with host.observer.phase("export"):
+                self.records = await call_hook("export", participant.export(self.scope))
+        if self.published is None:
+            self.phase = "write"
+            self.fence.check()
+            lines = serialize_records(self.records)
+            with host.observer.phase("write"):
+                self.published = await asyncio.to_thread(
+                    host.storage.write_part,
+                    self.checkpoint_dir,
+                    participant.kind.value,
+                    participant.instance,
+                    self.checkpoint_id,
+                    lines,
+                    self.fence,
+                )
+        if self.retired is None:
+            self.phase = "cleanup"
+            self.retired = await _retire_unscoped_pending(host, self.scope)
+        self.phase = "done"
+        return CommitResult(
+            manifest=self.published.manifest,
+            manifest_sha256=self.published.manifest_sha256,
+            exported=tuple(sorted({r.episode_id.capture_key for r in self.records})),
+            retired=self.retired,
+        )
+
+
+def commit_job_for(
+    current: CommitJob | None,
+    checkpoint_id: str,
+    real_dir: str,
+    scope: frozenset[EpisodeId] | None,
+) -> CommitJob:
+    """The job a Commit of these arguments joins: `current` when its arguments are the same,
+    else a new one.
+
+    Raises CHECKPOINT_CONFLICT while a job of this id with other arguments runs. A job that
+    failed holds no arguments (it was never committed): the new job replaces it, inheriting
+    its export when the scope is the same, since exporting again could store state from after
+    the cut.
+    """
+    if current is None or current.checkpoint_id != checkpoint_id:
+        return CommitJob(checkpoint_id, real_dir, scope)
+    if current.args == (real_dir, scope):
+        return current
+    if current.running:
+        raise conflict(
+            checkpoint_id,
+            None,
+            "a commit of this id with another directory or scope is under way",
+        )
+    inherited = current.records if current.scope == scope else None
+    return CommitJob(checkpoint_id, real_dir, scope, records=inherited)
+
+
+async def _retire_unscoped_pending(
+    host: CommitHost, scope: frozenset[EpisodeId] | None
+) -> tuple[str, ...]:
+    """Free restored state that the controller no longer continues, and refuse its attempt.
+
+    The controller will restart such a rollout from its input as a later attempt; without
+    the mark a late request of the dropped attempt could recreate state nothing frees.
+    """
+    if scope is None:
+        return ()
+    participant = host.participant
+    dropped = sorted(participant.restored_pending() - scope)
+    for episode in dropped:
+        host.retired_attempts.mark(episode)
+    host.changed()
+    for episode in dropped:
+        await call_hook("retire", participant.retire(episode))
+    return tuple(e.capture_key for e in dropped)

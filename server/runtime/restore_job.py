@@ -1,0 +1,191 @@
+"""The restore job: read a part, install it all or nothing, and undo it on any failure.
+
+A Restore RPC starts the job (or joins the running one of the same arguments) and waits for it
+until its own deadline. The rules each prevent a loss:
+
+* Read and verify off the loop, bounded by the deadline: storage that hangs costs this
+  restore, not every later one (and not the event loop).
+* Nothing is installed until the whole selection is read and verified: a torn or corrupt part
+  is refused before the participant holds any of it. Two records of one identity are
+  CORRUPT_CHECKPOINT (one state would silently replace the other), and an episode at the
+  highest attempt is refused: it has no next attempt to restore as.
+* An install is never interrupted — a half-installed set is the one outcome that must not
+  exist — but if it outlived the deadline, or its restore was resumed meanwhile, once it ends
+  its attempt N+1 episodes are freed again through the participant (`discard_installed`)
+  before admission reopens. The process stays fresh, so a retry of the same restore works.
+* The restored episodes' checkpointed attempts are marked retired: a late request of the
+  crashed attempt must never change the restored state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.server.core.errors import corrupt_checkpoint, rejected_checkpoint
+from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
+from rollout_checkpoint.server.runtime.parts import ControlParts
+from rollout_checkpoint.server.runtime.records_codec import restored_record
+from rollout_checkpoint.server.runtime.refusals import call_hook
+from rollout_checkpoint.server.runtime.waiting import await_until, retrieve_exception
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """What a Restore installed: from which checkpoint, and the capture keys restored."""
+
+    source_checkpoint_id: str
+    restored: tuple[str, ...]
+
+
+class RestoreTransitions(ControlParts, Protocol):
+    """The control plane's transitions a restore job makes, each with `lock` held."""
+
+    @property
+    def lock(self) -> asyncio.Lock: ...
+
+    def begin_install(self, job: RestoreJob) -> None:
+        """Refuse a job resumed or past its deadline; else close admission for the install."""
+        ...
+
+    def finish_restore(
+        self, job: RestoreJob, manifest: StoredManifest, records: Sequence[RestoredRecord]
+    ) -> RestoreResult:
+        """Refuse a job resumed or past its deadline; else RESTORED (still closed)."""
+        ...
+
+    def reopen_after_failed_restore(self) -> None:
+        """Reopen admission that this restore closed, unless a later transition owns it."""
+        ...
+
+    def restore_ended(self, job: RestoreJob) -> None:
+        """The job holds the restore slot no more (called without the lock)."""
+        ...
+
+
+@dataclass(eq=False)
+class RestoreJob:
+    checkpoint_id: str
+    checkpoint_dir: str
+    scope: frozenset[EpisodeId]
+    deadline: float
+    phase: str = "read"
+    """read (nothing installed: a Resume may abandon it), install, undo, done."""
+    task: asyncio.Task[RestoreResult] | None = None
+
+    @property
+    def args(self) -> tuple[str, frozenset[EpisodeId]]:
+        return (self.checkpoint_dir, self.scope)
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(
+        self, machine: RestoreTransitions, storage: CheckpointStorage
+    ) -> asyncio.Task[RestoreResult]:
+        """Start the job's task on the running loop (once)."""
+        assert self.task is None
+        self.task = asyncio.get_running_loop().create_task(self._run(machine, storage))
+        self.task.add_done_callback(retrieve_exception)
+        return self.task
+
+    async def _run(self, machine: RestoreTransitions, storage: CheckpointStorage) -> RestoreResult:
+        """Read and verify off the loop, install all or nothing, then RESTORED (closed).
+
+        On any failure nothing stays installed and admission this job closed reopens; the
+        failure is raised to whoever awaits the job."""
+        closed_here = False
+        records: list[RestoredRecord] = []
+        installed = False
+        try:
+            reading = asyncio.ensure_future(
+                asyncio.to_thread(self._read_selected, machine.participant, storage)
+            )
+            reading.add_done_callback(retrieve_exception)
+            with machine.observer.phase("read"):
+                manifest, raw = await await_until(
+                    machine.clock,
+                    self.deadline,
+                    reading,
+                    "the restore's read did not finish before its deadline",
+                )
+            records = [restored_record(r) for r in raw]
+            async with machine.lock:
+                machine.begin_install(self)
+                closed_here = True
+            with machine.observer.phase("install"):
+                await call_hook("install", machine.participant.install(records))
+            installed = True
+            async with machine.lock:
+                return machine.finish_restore(self, manifest, records)
+        except BaseException:
+            if installed:
+                self.phase = "undo"
+                await self._undo_install(machine.participant, records)
+            if closed_here:
+                async with machine.lock:
+                    machine.reopen_after_failed_restore()
+            raise
+        finally:
+            machine.restore_ended(self)
+
+    async def _undo_install(
+        self, participant: Participant, records: Sequence[RestoredRecord]
+    ) -> None:
+        episodes = [r.restored_as for r in records]
+        try:
+            await participant.discard_installed(episodes)
+        except Exception as exc:
+            # Nothing else can free it now; the process reports itself as having served, so
+            # it refuses further restores rather than installing over leftovers.
+            log.error(
+                "restore %s failed and its installed state could not be freed (%s)",
+                self.checkpoint_id,
+                type(exc).__name__,
+                exc_info=exc,
+                extra={"checkpoint_id": self.checkpoint_id},
+            )
+
+    def _read_selected(
+        self, participant: Participant, storage: CheckpointStorage
+    ) -> tuple[StoredManifest, list[dict[str, Any]]]:
+        """The part's manifest and the records of the scope (in a thread: it does I/O)."""
+        wanted = {e.capture_key for e in self.scope}
+        kind = participant.kind.value
+        part = layout.part_path(self.checkpoint_dir, kind, participant.instance)
+        seen: set[object] = set()
+
+        def select(record: dict[str, Any]) -> bool:
+            try:
+                episode = EpisodeId.from_json(record.get("episode_id"))
+            except ValueError as exc:
+                raise corrupt_checkpoint(
+                    f"a record has an invalid episode_id: {exc}", part
+                ) from exc
+            # A writer stores each record identity once; two records of one identity would
+            # install one state and silently drop the other (or install it twice). The kind
+            # says what the identity is: the episode, or (resources) the episode's session.
+            key = episode.capture_key
+            identity = participant.record_identity(episode, record)
+            if identity in seen:
+                raise corrupt_checkpoint(f"two records of episode {key}", part, capture_key=key)
+            seen.add(identity)
+            if key in wanted and episode.attempt >= MAX_ATTEMPT:
+                raise rejected_checkpoint(
+                    f"episode {key} is at the highest attempt: it has no next attempt to restore as",
+                    path=part,
+                    capture_key=key,
+                )
+            return key in wanted
+
+        return storage.read_part(self.checkpoint_dir, kind, participant.instance, select)
