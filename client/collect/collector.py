@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import shlex
 import signal
@@ -70,6 +71,8 @@ from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, load_fleet_file
 from rollout_checkpoint.client.publication import CheckpointRoot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -158,6 +161,10 @@ class Collector:
         if previous.output_cut:
             self.view.note(
                 f"collect: cut a torn last line ({previous.output_cut} bytes) off {options.output}"
+            )
+        if previous.log_cut:
+            self.view.note(
+                f"collect: cut a torn last line ({previous.log_cut} bytes) off {log_path}"
             )
         if book.settled():
             self.view.note(f"collect: every rollout is already in {options.output}; nothing to do")
@@ -376,10 +383,14 @@ class Collector:
         left = book.still_marked()
         deadline = time.time() + self.options.checkpoint_timeout
         for start in range(0, len(left), BATCH):
-            with contextlib.suppress(FleetError, ControlError):
+            try:
                 await coordination.forget(
                     fleet, self.control.new_id("forget"), deadline, left[start : start + BATCH]
                 )
+            except (FleetError, ControlError) as exc:
+                # Safe to go on: the marks only refuse late requests of rollouts that will
+                # never run again; a member that keeps them costs memory, not correctness.
+                log.warning("collect: forgetting finished rollouts failed (%s); going on", exc)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
