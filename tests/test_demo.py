@@ -27,7 +27,11 @@ def demo(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
         timeout=300,
         env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
     )
-    return completed.returncode, json.loads(completed.stdout or "{}"), completed.stderr[-3000:]
+    # Without its JSON report the demo crashed: say how, instead of a KeyError later.
+    assert completed.stdout, (
+        f"the demo printed no report (exit {completed.returncode}):\n{completed.stderr[-6000:]}"
+    )
+    return completed.returncode, json.loads(completed.stdout), completed.stderr[-3000:]
 
 
 def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
@@ -69,16 +73,20 @@ def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
 
 
 def test_negative_control_without_the_resources_restore_fails(tmp_path: Path) -> None:
-    code, report, _ = demo(
+    # As many rollouts at once as above: the checkpoint must cut many of them mid-episode
+    # (holding resources sessions) for the missing restore to break anything. With 8, all of
+    # them often finished before the cut on a loaded machine, and the control then passed.
+    code, report, stderr = demo(
         tmp_path,
         "--rollouts",
-        "8",
+        "24",
         "--concurrency",
-        "8",
+        "24",
         "--checkpoint-after",
         "1",
         "--skip-resources-restore",
     )
-    assert code == 1 and not report["passed"]
+    assert report["numbers"]["in_flight_at_checkpoint"] >= 16, report["numbers"]
+    assert code == 1 and not report["passed"], (report, stderr)
     assert not report["checks"]["trajectories_equal_baseline"]
     assert not report["checks"]["second_checkpoint_matches_first"]
