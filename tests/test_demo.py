@@ -9,6 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+LATENCY = "0.1"
+"""Seconds per scripted model call. The cut comes once the first rollout finished; the
+rollouts one model call longer (16 of the 24) finish about one call later, so the cut finds
+them in flight only if the controller closes the fleet within about one call's time. That
+stays a race with the machine's speed (the demo has no gate to hold them): at 0.05 s (the
+demo's default) about 85 runs on a heavily loaded machine had 17-23 in flight at the cut;
+twice the call time doubles that margin at no measurable cost in run time."""
+
 
 def demo(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     completed = subprocess.run(
@@ -45,6 +53,8 @@ def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
         "24",
         "--checkpoint-after",
         "1",
+        "--latency",
+        LATENCY,
         "--crash-twice",
     )
     assert code == 0, (report, stderr)
@@ -84,6 +94,8 @@ def test_negative_control_without_the_resources_restore_fails(tmp_path: Path) ->
         "24",
         "--checkpoint-after",
         "1",
+        "--latency",
+        LATENCY,
         "--skip-resources-restore",
     )
     assert report["numbers"]["in_flight_at_checkpoint"] >= 16, report["numbers"]
