@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 
 from rollout_checkpoint.server.core.clock import ManualClock
 
@@ -42,17 +43,26 @@ class ObservedClock(ManualClock):
         is not ahead belongs to a sleeper that was woken and has not run yet."""
         return sorted(self._asleep.elements())
 
-    async def sleeping_until(self, when: float, timeout: float = SETTLE_SECONDS) -> None:
-        """Return once every sleeper woken so far has run on and one is asleep until `when`
-        (a time ahead of now)."""
-        assert when > self.now(), f"{when} is not ahead of the clock ({self.now()})"
+    async def settled(
+        self,
+        check: Callable[[list[float]], bool] = lambda asleep: True,
+        what: str = "the sleepers settled",
+        timeout: float = SETTLE_SECONDS,
+    ) -> None:
+        """Return once every sleeper woken so far has run on and `check(self.asleep())`
+        holds."""
         try:
             async with asyncio.timeout(timeout):
-                while not (when in self._asleep and min(self._asleep) > self.now()):
+                while any(t <= self.now() for t in self._asleep) or not check(self.asleep()):
                     self._changed.clear()
                     await self._changed.wait()
         except TimeoutError:
             raise AssertionError(
-                f"no sleeper asleep until {when} within {timeout} s (now {self.now()}, "
-                f"asleep until {self.asleep()})"
+                f"not {what} within {timeout} s (now {self.now()}, asleep until {self.asleep()})"
             ) from None
+
+    async def sleeping_until(self, when: float, timeout: float = SETTLE_SECONDS) -> None:
+        """Return once every sleeper woken so far has run on and one is asleep until `when`
+        (a time ahead of now)."""
+        assert when > self.now(), f"{when} is not ahead of the clock ({self.now()})"
+        await self.settled(lambda asleep: when in asleep, f"a sleeper asleep until {when}", timeout)

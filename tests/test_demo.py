@@ -9,6 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+LATENCY = "0.1"
+"""Seconds per scripted model call. The cut comes once the first rollout finished; the
+rollouts one model call longer (16 of the 24) finish about one call later, so the cut finds
+them in flight only if the controller closes the fleet within about one call's time. That
+stays a race with the machine's speed (the demo has no gate to hold them): at 0.05 s (the
+demo's default) about 85 runs on a heavily loaded machine had 17-23 in flight at the cut;
+twice the call time doubles that margin at no measurable cost in run time."""
+
 
 def demo(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     completed = subprocess.run(
@@ -27,7 +35,11 @@ def demo(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
         timeout=300,
         env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
     )
-    return completed.returncode, json.loads(completed.stdout or "{}"), completed.stderr[-3000:]
+    # Without its JSON report the demo crashed: say how, instead of a KeyError later.
+    assert completed.stdout, (
+        f"the demo printed no report (exit {completed.returncode}):\n{completed.stderr[-6000:]}"
+    )
+    return completed.returncode, json.loads(completed.stdout), completed.stderr[-3000:]
 
 
 def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
@@ -41,6 +53,8 @@ def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
         "24",
         "--checkpoint-after",
         "1",
+        "--latency",
+        LATENCY,
         "--crash-twice",
     )
     assert code == 0, (report, stderr)
@@ -69,16 +83,22 @@ def test_sixteen_episodes_continue_after_sigkill_and_again_after_a_second_crash(
 
 
 def test_negative_control_without_the_resources_restore_fails(tmp_path: Path) -> None:
-    code, report, _ = demo(
+    # As many rollouts at once as above: the checkpoint must cut many of them mid-episode
+    # (holding resources sessions) for the missing restore to break anything. With 8, all of
+    # them often finished before the cut on a loaded machine, and the control then passed.
+    code, report, stderr = demo(
         tmp_path,
         "--rollouts",
-        "8",
+        "24",
         "--concurrency",
-        "8",
+        "24",
         "--checkpoint-after",
         "1",
+        "--latency",
+        LATENCY,
         "--skip-resources-restore",
     )
-    assert code == 1 and not report["passed"]
+    assert report["numbers"]["in_flight_at_checkpoint"] >= 16, report["numbers"]
+    assert code == 1 and not report["passed"], (report, stderr)
     assert not report["checks"]["trajectories_equal_baseline"]
     assert not report["checks"]["second_checkpoint_matches_first"]

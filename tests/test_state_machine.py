@@ -1,7 +1,7 @@
 """A stateful property test: one participant against a reference model of control-plane.md.
 
 Hypothesis drives ONE real participant (tests/double.py's DoubleParticipant behind the real
-sidecar and HTTP app, with a ManualClock) through random sequences of Prepare, Commit,
+sidecar and HTTP app, with an injected clock) through random sequences of Prepare, Commit,
 Restore, Resume, Retire, Forget and Renew with ids from a small pool (so they collide), valid
 and invalid ids, and deadlines that are fine, past or too far ahead, interleaved with seeds,
 updates and held (in-flight) updates on the data plane, clock jumps that expire leases, and
@@ -47,7 +47,6 @@ from hypothesis.stateful import (
 )
 
 from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -55,6 +54,7 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
+from .clocks import ObservedClock
 from .conftest import TOKEN, serve_app
 from .double import DoubleParticipant, create_app
 from .loop_thread import LoopThread, only_when_asked_for
@@ -493,7 +493,7 @@ class Double:
 
     participant: DoubleParticipant
     runtime: CheckpointRuntime
-    clock: ManualClock
+    clock: ObservedClock
     server: uvicorn.Server
     serving: asyncio.Future[None]
     base_url: str
@@ -515,7 +515,7 @@ class Double:
 
     @classmethod
     async def start(cls) -> Double:
-        clock = ManualClock()
+        clock = ObservedClock()
         participant = DoubleParticipant()
         app = create_app(participant)
         settings = CheckpointSettings(enabled=True, token=TOKEN)
@@ -582,11 +582,20 @@ class Participant:
 
     def advance(self, seconds: float, expires: bool) -> None:
         async def go() -> None:
-            self.h.clock.advance(seconds)
+            clock = self.h.clock
+            clock.advance(seconds)
             if expires:
                 await self.h.until(lambda: self.h.control.active_checkpoint_id is None)
-            for _ in range(3):
-                await asyncio.sleep(0)
+                return
+            # Not expired: every timer the move woke has run on, and a lease still held is
+            # watched again (its watcher asleep until it, or until an earlier expiry that
+            # renewals since moved on), so no expiry is still on its way when the next rule
+            # compares the participant with the model.
+            lease = self.h.control.lease_expires_at
+            await clock.settled(
+                lambda asleep: lease is None or any(clock.now() < t <= lease for t in asleep),
+                "the lease watched again",
+            )
 
         self.loop.run(go())
 
@@ -629,7 +638,7 @@ class Participant:
         gate, self.gate = self.gate, None
         if gate is not None:
             self.loop.loop.call_soon_threadsafe(gate.set)
-        responses = [f.result(10) for f in self.held]
+        responses = [f.result(30) for f in self.held]
         self.held.clear()
         self.loop.run(asyncio.sleep(0))
         return responses
