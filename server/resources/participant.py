@@ -96,9 +96,11 @@ class SessionHooks(Protocol):
     that calls them: they may be slow (a sandbox snapshot) but must never block the loop with
     synchronous I/O (use `asyncio.to_thread`). A `CheckpointError` raised by a hook passes to
     the controller as is; any other exception fails the RPC with `HOOK_FAILED` (logged with
-    its traceback). No hook is called while another of the same checkpoint runs: export only
-    at Commit (admission closed, no request in flight on the exported sessions), restore only
-    at Restore in a process that has served no session.
+    its traceback). Export runs only at Commit, with admission closed and no counted request
+    in flight (a replay-safe seed retry or `replay` verify may still run); restore only at
+    Restore, in a process that holds no session; retire may run for several sessions at once
+    (a Retire frees its episodes concurrently) and, from the default `close_session`, beside
+    any request of other sessions.
     """
 
     async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
