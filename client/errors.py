@@ -32,10 +32,15 @@ class ControlError(Exception):
 
     @property
     def decided_by_server(self) -> bool:
+        """Whether the participant decided this outcome (a reason is set), so the outcome is
+        known: switch on `reason`. False: the library or the network failed the call and the
+        outcome on the participant is unknown (retry the same call)."""
         return self.reason is not None
 
     @classmethod
     def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> ControlError:
+        """The ControlError of a failed call: the reason, domain and metadata of the status's
+        `ErrorInfo` when the server sent one, else the bare code and details (no reason)."""
         code, message = error.code(), error.details() or ""
         status = status_of_rpc_error(error)
         info = None if status is None else error_info(status)

@@ -70,20 +70,34 @@ class FleetSpec:
     and how many are kept, and the TLS files of the channels to the members."""
 
     members: tuple[MemberSpec, ...]
+    """`[[participants]]`: at least one, names unique and valid ids."""
     token: str = field(repr=False)
+    """The control token, from `token_file` or the variable `token_env` names (default
+    `ROLLOUT_CHECKPOINT_TOKEN`); never printed."""
     checkpoint_root: str | None = None
+    """Where published checkpoints live (absolute, resolved against the file's folder)."""
     keep: int = 2
+    """How many published checkpoints are kept (a positive integer)."""
     tls_ca_file: str | None = None
+    """The CA that signs the members' certificates; None: plaintext channels."""
     tls_cert_file: str | None = None
+    """The controller's client certificate, for members that require mutual TLS."""
     tls_key_file: str | None = None
+    """The private key of `tls_cert_file`."""
     allow_agents_without_model: bool = False
+    """Accept a fleet with agents but no policy-model participant (refused by default:
+    the agents' model calls would not be part of the cut)."""
 
     @classmethod
     def from_addresses(cls, addresses: Iterable[str], token: str, **options: Any) -> FleetSpec:
+        """A spec without a fleet file: members named `member-<i>` in the given order;
+        `options` are the other fields."""
         members = tuple(MemberSpec(f"member-{i}", address) for i, address in enumerate(addresses))
         return cls(members=members, token=token, **options)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS channel credentials from the files (None: plaintext). Reads them now, so a
+        missing file raises OSError here, before any member is called."""
         if self.tls_ca_file is None:
             return None
         root = Path(self.tls_ca_file).read_bytes()
@@ -191,10 +205,12 @@ class Member:
 
     @property
     def kind_name(self) -> str:
+        """The kind as a word (`environment`, `model`, `agent`, `resources`)."""
         return KIND_NAMES.get(self.kind, "unknown")
 
     @property
     def stage(self) -> int:
+        """The member's position in the prepare order (`STAGE_ORDER`), from 0."""
         return STAGE_ORDER.index(self.kind)
 
 
@@ -228,6 +244,13 @@ class Fleet:
     async def discover(
         cls, spec: FleetSpec, *, tries: int = 3, try_timeout: float = 5.0, backoff: float = 0.5
     ) -> Fleet:
+        """GetParticipant on every member at once, each up to `tries` times (`try_timeout`
+        seconds per try, linear `backoff` between), and the fleet of what answered.
+
+        Raises `DiscoveryError` naming every member that failed (a member that refused, e.g.
+        a wrong token, is not retried: `refused` tells it from one that is down), reported an
+        unknown kind, or, for a fleet of agents without a policy model, unless the spec
+        allows it; the clients are closed then. Close the fleet when done (`async with`)."""
         credentials = spec.credentials()
         clients = {
             m.name: ParticipantClient(
@@ -276,6 +299,7 @@ class Fleet:
         return cls(spec, members)
 
     async def close(self) -> None:
+        """Close every member's channel; idempotent."""
         await asyncio.gather(*(m.client.close() for m in self.members))
 
     async def __aenter__(self) -> Fleet:
@@ -293,6 +317,7 @@ class Fleet:
         ]
 
     def member(self, name: str) -> Member:
+        """The member of this fleet-file name; KeyError when there is none."""
         for member in self.members:
             if member.name == name:
                 return member

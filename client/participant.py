@@ -32,6 +32,16 @@ class ParticipantClient:
 
     The token travels as `authorization` metadata on every call (per call, because gRPC's
     call credentials are silently dropped on plaintext channels).
+
+    Each method is one RPC of `ParticipantService` (participant_service.proto states what
+    each allows and refuses). A refusal raises `ControlError` whose `reason` is the
+    `ErrorInfo` reason the participant decided on; a `ControlError` without a reason (a
+    timeout, a dropped connection, an unreachable address) leaves the outcome on the server
+    unknown: retry the same call, every mutating RPC is idempotent for the same checkpoint
+    id. `deadline` arguments are Unix seconds; the RPC's own timeout runs a little past them
+    (`TRANSPORT_SLACK_SECONDS`) so the participant, which knows, reports a missed deadline.
+    Read-only calls use the constructor's `timeout`. The channel opens lazily: constructing
+    never fails for an unreachable address, the first call does.
     """
 
     def __init__(
@@ -66,6 +76,7 @@ class ParticipantClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel; calls still running fail. Idempotent."""
         await self._channel.close()
 
     def _call_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -86,6 +97,10 @@ class ParticipantClient:
     # -- read-only ----------------------------------------------------------------------
 
     async def get_participant(self) -> pb.GetParticipantResponse:
+        """GetParticipant: kind, instance, boot id (new per process) and versions.
+
+        Read-only, allowed in every state; raises `ControlError` (`TOKEN_INVALID` for a
+        wrong token, no reason when the participant cannot be reached)."""
         return await self._call(
             self._stub.GetParticipant(
                 pb.GetParticipantRequest(), metadata=self._call_metadata(), timeout=self._timeout
@@ -93,6 +108,9 @@ class ParticipantClient:
         )
 
     async def get_status(self) -> pb.GetStatusResponse:
+        """GetStatus: state, active checkpoint id, lease, readiness report and counters.
+
+        Read-only, allowed in every state; raises `ControlError`."""
         return await self._call(
             self._stub.GetStatus(
                 pb.GetStatusRequest(), metadata=self._call_metadata(), timeout=self._timeout
@@ -102,12 +120,21 @@ class ParticipantClient:
     async def list_episodes(
         self, page_size: int = 0, page_token: str = ""
     ) -> pb.ListEpisodesResponse:
+        """ListEpisodes: one page of the live episodes, sorted by capture key (`page_size`
+        0: the server's default). Pass the reply's `next_page_token` for the next page.
+
+        Read-only; raises `ControlError` (`INVALID_REQUEST` for a negative size or a token
+        this participant did not issue, e.g. one from a replaced process)."""
         request = pb.ListEpisodesRequest(page_size=page_size, page_token=page_token)
         return await self._call(
             self._stub.ListEpisodes(request, metadata=self._call_metadata(), timeout=self._timeout)
         )
 
     async def all_episodes(self, page_size: int = 0) -> list[types_pb2.Episode]:
+        """Every live episode, following ListEpisodes pages to the end.
+
+        Pages are consistent per page, not across pages: an episode that starts or ends
+        meanwhile may be missed or seen. Raises `ControlError` from any page."""
         episodes: list[types_pb2.Episode] = []
         token = ""
         while True:
@@ -122,7 +149,16 @@ class ParticipantClient:
     async def prepare(
         self, checkpoint_id: str, deadline: float
     ) -> AsyncIterator[pb.PrepareResponse]:
-        """Yield the Prepare stream's messages; the last has `final` set."""
+        """Yield the Prepare stream's messages; the last has `final` set.
+
+        Prepare closes admission and streams progress until the participant is ready or
+        `deadline` passes: the final message says PREPARED, PREPARING (not ready in time;
+        admission stays closed: Resume, or Prepare again with a later deadline) or IDLE (a
+        Resume or lease expiry ended it). Retrying with the same id re-attaches; a recorded
+        Prepare replays one final message (`replayed`). Leaving the loop early cancels the
+        stream, not the checkpoint. Raises `ControlError`: `STALE_CHECKPOINT`,
+        `CHECKPOINT_CONFLICT`, `INVALID_PHASE`, `CHECKPOINT_DEADLINE_EXCEEDED`,
+        `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised; it reopened)."""
         request = pb.PrepareRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
         call: Any = self._stub.Prepare(
             request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
@@ -141,7 +177,11 @@ class ParticipantClient:
         deadline: float,
         on_update: Callable[[pb.PrepareResponse], None] | None = None,
     ) -> pb.PrepareResponse:
-        """Read the Prepare stream to its final message and return that message."""
+        """Read the Prepare stream to its final message and return that message.
+
+        `on_update` sees every message, the final one included. Raises what `prepare`
+        raises, and `ControlError` UNAVAILABLE without a reason when the stream ended
+        without a final message (the outcome is unknown: Prepare again with the same id)."""
         final: pb.PrepareResponse | None = None
         async for message in self.prepare(checkpoint_id, deadline):
             if on_update is not None:
@@ -155,6 +195,10 @@ class ParticipantClient:
         return final
 
     async def renew(self, checkpoint_id: str, deadline: float) -> pb.RenewResponse:
+        """Renew: extend the active checkpoint's lease to `deadline` + the lease grace (a
+        lease never shrinks). Idempotent. Raises `ControlError`: `STALE_CHECKPOINT`,
+        `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (IDLE), `CHECKPOINT_DEADLINE_EXCEEDED`,
+        `INVALID_REQUEST`."""
         request = pb.RenewRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
         return await self._call(
             self._stub.Renew(
@@ -169,7 +213,15 @@ class ParticipantClient:
         checkpoint_dir: str,
         scope: Iterable[EpisodeId] | None = None,
     ) -> pb.CommitResponse:
-        """Commit; `scope=None` is unscoped (every live episode), an empty iterable is none."""
+        """Commit; `scope=None` is unscoped (every live episode), an empty iterable is none.
+
+        Exports once and publishes this participant's part under `checkpoint_dir` (absolute).
+        Idempotent with the same directory and scope: the identical reply. Raises
+        `ControlError`: `STALE_CHECKPOINT` (also when a Resume stopped it),
+        `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (not PREPARED, or no longer ready),
+        `SCOPE_REQUIRED` (unscoped to a policy model), `CHECKPOINT_DEADLINE_EXCEEDED` (a retry
+        awaits the same write), `UNSERIALIZABLE_STATE`, `HOOK_FAILED`, `STORAGE_FAILED`,
+        `INVALID_CHECKPOINT_STATE`, `INVALID_REQUEST`."""
         request = pb.CommitRequest(
             checkpoint_id=checkpoint_id, deadline=timestamp(deadline), checkpoint_dir=checkpoint_dir
         )
@@ -184,6 +236,15 @@ class ParticipantClient:
     async def restore(
         self, checkpoint_id: str, deadline: float, checkpoint_dir: str, scope: Iterable[EpisodeId]
     ) -> pb.RestoreResponse:
+        """Restore: install the part under `checkpoint_dir` as attempt N+1 of every episode
+        in `scope` (the checkpointed attempts N), all or nothing, into a fresh process.
+        `checkpoint_id` is a new control id of this restore, not the checkpoint's.
+
+        Idempotent with the same directory and scope; on failure nothing stays installed and
+        a retry works. Raises `ControlError`: `FRESH_PROCESS_REQUIRED`, `INVALID_PHASE`,
+        `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `CHECKPOINT_DEADLINE_EXCEEDED`,
+        `INVALID_CHECKPOINT_STATE` (metadata `captureKey` names a rejected episode),
+        `TASK_MISMATCH`, `HOOK_FAILED`, `STORAGE_FAILED`, `INVALID_REQUEST`."""
         request = pb.RestoreRequest(
             checkpoint_id=checkpoint_id,
             deadline=timestamp(deadline),
@@ -197,6 +258,12 @@ class ParticipantClient:
         )
 
     async def resume(self, checkpoint_id: str, deadline: float) -> pb.ResumeResponse:
+        """Resume: reopen admission; also the abort of an unfinished checkpoint.
+
+        Allowed in every state, idempotent (an id already resumed answers `idempotent`); a
+        deadline already past is not refused. Raises `ControlError`: `CHECKPOINT_CONFLICT`
+        (another checkpoint is active), `CHECKPOINT_DEADLINE_EXCEEDED` (a running install or
+        cleanup outlived it: nothing changed, retry later)."""
         request = pb.ResumeRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
         return await self._call(
             self._stub.Resume(
@@ -207,6 +274,13 @@ class ParticipantClient:
     async def retire(
         self, checkpoint_id: str, deadline: float, episodes: Iterable[EpisodeId]
     ) -> pb.RetireResponse:
+        """Retire: refuse, stop and free `episodes` and every earlier attempt of their
+        rollouts; answers once all is freed. Idempotent.
+
+        Allowed in IDLE and in RESTORED with the restore's id. Raises `ControlError`:
+        `INVALID_PHASE` (a checkpoint is open: resume first), `CHECKPOINT_CONFLICT`,
+        `CHECKPOINT_DEADLINE_EXCEEDED` (cut short: the attempts stay refused; retry),
+        `HOOK_FAILED`, `INVALID_REQUEST` (no episodes, or an invalid one)."""
         request = pb.RetireRequest(
             checkpoint_id=checkpoint_id,
             deadline=timestamp(deadline),
@@ -221,6 +295,12 @@ class ParticipantClient:
     async def forget(
         self, checkpoint_id: str, deadline: float, rollout_ids: Iterable[str]
     ) -> pb.ForgetResponse:
+        """Forget: drop the retired marks of rollouts that can no longer run anywhere, so a
+        new attempt of them is admitted again. Idempotent.
+
+        Raises `ControlError`: `RETIRE_INCOMPLETE` (retire them again first),
+        `CHECKPOINT_CONFLICT`, `INVALID_PHASE`, `CHECKPOINT_DEADLINE_EXCEEDED`,
+        `INVALID_REQUEST`."""
         request = pb.ForgetRequest(
             checkpoint_id=checkpoint_id, deadline=timestamp(deadline), rollout_ids=list(rollout_ids)
         )

@@ -541,7 +541,8 @@ class Demo:
         )
         report.check(
             "mean_reward_equals_baseline",
-            rewards and report.numbers["mean_reward"] == report.numbers["baseline_mean_reward"],
+            bool(rewards)
+            and report.numbers["mean_reward"] == report.numbers["baseline_mean_reward"],
             "mean rewards differ",
         )
         agent_records = _records_by_rollout(

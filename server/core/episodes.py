@@ -47,7 +47,14 @@ def rollout_id_problem(rollout_id: str) -> str | None:
 
 @dataclass(frozen=True, order=True, slots=True)
 class EpisodeId:
-    """One attempt of one rollout."""
+    """One attempt of one rollout.
+
+    Attempt 0 is a rollout's first run; a restore continues attempt N as N+1, and a rollout
+    restarted from its input after a retire runs as a later attempt. Construction raises
+    ValueError for an invalid rollout id (see `rollout_id_problem`) or an attempt outside
+    0..`MAX_ATTEMPT`, so an EpisodeId that exists is always valid. Immutable, hashable, and
+    ordered by (rollout id, attempt), which is the order records and blockers are sorted in.
+    """
 
     rollout_id: str
     attempt: int = 0

@@ -92,6 +92,13 @@ class CheckpointError(Exception):
     `code` is a `google.rpc.Code` name; it defaults to the reason's usual code. `field` names
     the offending request field of an `INVALID_REQUEST`; `state` and `operation` fill the
     `PreconditionFailure` of an `INVALID_PHASE`; `retry_after` (seconds) adds a `RetryInfo`.
+
+    A participant hook raises it to refuse with a reason of its own choosing (an invalid
+    stored record: `rejected_checkpoint`); the controller receives exactly this reason, code,
+    message and metadata as a `google.rpc.Status` with one `ErrorInfo` (domain
+    `ERROR_DOMAIN`), and the control plane undoes the RPC as for any failed hook. Any other
+    exception from a hook reaches the controller as `HOOK_FAILED`, without its message.
+    Metadata keys are lowerCamelCase (`captureKey`, `checkpointId`) and values strings.
     """
 
     def __init__(
@@ -119,16 +126,25 @@ class CheckpointError(Exception):
 
 
 def invalid_request(field: str, message: str) -> CheckpointError:
+    """`INVALID_REQUEST` (INVALID_ARGUMENT) naming the offending request `field` (it becomes
+    the `field` metadata and a `BadRequest` field violation): the request is malformed and a
+    retry of the same request fails the same way."""
     return CheckpointError(Reason.INVALID_REQUEST, f"{field}: {message}", field=field)
 
 
 def invalid_phase(state: str, operation: str, message: str) -> CheckpointError:
+    """`INVALID_PHASE` (FAILED_PRECONDITION): `operation` is not allowed in `state`; both go
+    into the metadata (the state also into a `PreconditionFailure`), so a controller can tell
+    which step of its sequence it got wrong (resume first, prepare first, ...)."""
     return CheckpointError(
         Reason.INVALID_PHASE, message, metadata={"state": state, "operation": operation}
     )
 
 
 def deadline_exceeded(message: str, deadline: float) -> CheckpointError:
+    """`CHECKPOINT_DEADLINE_EXCEEDED` with the request's `deadline` (Unix seconds, six
+    decimals) as metadata: the participant, not the transport, decided that the deadline
+    passed, so the outcome is known (nothing changed, or the work continues for a retry)."""
     return CheckpointError(
         Reason.CHECKPOINT_DEADLINE_EXCEEDED, message, metadata={"deadline": f"{deadline:.6f}"}
     )

@@ -35,7 +35,12 @@ def task_digest(task: Any) -> str:
 
 
 class EpisodeParticipant(Participant):
-    """A participant whose state is its episodes' boundaries."""
+    """A participant whose state is its episodes' boundaries.
+
+    The agent participant as is (`Kind.AGENT`); `EnvironmentParticipant` adds the task pin.
+    The server drives its episodes through `episodes_tracker` (begin, step, boundary, end)
+    once the control plane has attached it; every `Participant` method delegates there.
+    """
 
     def __init__(self, kind: Kind, instance: str) -> None:
         self.kind = kind
@@ -48,6 +53,8 @@ class EpisodeParticipant(Participant):
 
     @property
     def episodes_tracker(self) -> EpisodeSteps:
+        """The episode steps of this participant; only after `install_checkpointing` attached
+        it (AssertionError before: with checkpointing off there is nothing to track)."""
         assert self.steps is not None, "the participant is not attached to a control plane"
         return self.steps
 
@@ -74,6 +81,8 @@ class EpisodeParticipant(Participant):
         ]
 
     def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
+        """The stored fields of one episode's record (beside `episode_id`), from its boundary
+        (already a JSON copy). A kind that stores more overrides it and `validate_record`."""
         return {"boundary": boundary}
 
     def validate_record(self, record: RestoredRecord) -> Any:
@@ -115,6 +124,8 @@ class EpisodeParticipant(Participant):
         return self.episodes_tracker.has_served()
 
     def begin(self, episode_id: EpisodeId) -> tuple[TrackedEpisode, Any]:
+        """Start an episode in the running task (see `EpisodeSteps.begin`: it returns the
+        restored boundary, or NO_BOUNDARY, and raises `EpisodeRefused`)."""
         return self.episodes_tracker.begin(episode_id)
 
 
@@ -127,6 +138,8 @@ class EnvironmentParticipant(EpisodeParticipant):
         self._restored_digests: dict[str, str] = {}
 
     def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
+        """`{"task_digest", "boundary"}`: the digest pins the task a replacement must run
+        (the running episode's, a restored one's, or a finished outcome's own)."""
         key = episode_id.capture_key
         digest = self.digests.get(key) or self._restored_digests.get(key)
         if digest is None and isinstance(boundary, dict):
@@ -175,6 +188,8 @@ class EnvironmentParticipant(EpisodeParticipant):
         return episode, restored
 
     def end_task(self, episode: TrackedEpisode) -> None:
+        """End an episode begun with `begin_task` and drop its task pin; call it in a
+        `finally`, so a failed or retired episode stops blocking and being tracked."""
         self.digests.pop(episode.episode_id.capture_key, None)
         self.episodes_tracker.end(episode)
 

@@ -43,15 +43,26 @@ from rollout_checkpoint.server.runtime.request_endings import cancel_request
 
 
 class StepMode(enum.StrEnum):
+    """How a checkpoint treats one step of an episode (`EpisodeSteps.step`)."""
+
     WAIT = "wait"
+    """The default: the checkpoint waits for the step; for anything unsafe to run twice."""
     REPLAY = "replay"
+    """The checkpoint does not wait: the episode counts as parked at the boundary before the
+    step, whose result is held until resume; after a crash the step runs again."""
 
 
 class Phase(enum.StrEnum):
+    """Where a tracked episode is; RUNNING and WAIT_STEP block a checkpoint."""
+
     RUNNING = "running"
+    """Between boundaries: blocks until it records the next one or parks."""
     WAIT_STEP = "wait_step"
+    """Inside a `wait` step: blocks until the step ends."""
     REPLAY_STEP = "replay_step"
+    """Inside a `replay` step: exported at the boundary before the step."""
     PARKED = "parked"
+    """At a boundary while admission is closed: exported, waiting for resume."""
 
 
 class EpisodeRefused(Exception):
@@ -77,6 +88,11 @@ flat for a server that runs forever without Forget calls."""
 
 @dataclass(eq=False)
 class TrackedEpisode:
+    """One live episode of an owner: its phase, its latest boundary (NO_BOUNDARY before the
+    first), whether it is being retired or was restored, the task that runs it (a retire
+    cancels that), and the clocks that keep time parked off its own deadline. Compared by
+    identity: a new start of the same key is another episode."""
+
     episode_id: EpisodeId
     phase: Phase = Phase.RUNNING
     boundary: Any = NO_BOUNDARY
@@ -90,6 +106,7 @@ class TrackedEpisode:
 
     @property
     def blocking(self) -> bool:
+        """Whether it keeps the owner from a safe cut: running, in a wait step, or retiring."""
         return self.retiring or self.phase in (Phase.RUNNING, Phase.WAIT_STEP)
 
     def active_seconds(self, now: float) -> float:
@@ -129,14 +146,17 @@ class EpisodeSteps:
 
     @property
     def admission_open(self) -> bool:
+        """False from the participant's `close_admission` until its `open_admission`."""
         return self._open
 
     def close(self) -> None:
+        """Close admission: new episodes are refused, boundaries recorded from now park."""
         self._open = False
         self._opened = asyncio.Event()
         self._notify()
 
     def open(self) -> None:
+        """Open admission: parked episodes and held replay results continue."""
         self._open = True
         self._opened.set()
         self._notify()
@@ -192,6 +212,9 @@ class EpisodeSteps:
         self.end(episode)
 
     def end(self, episode: TrackedEpisode) -> None:
+        """Stop tracking `episode` (no outcome kept: a checkpoint no longer exports it).
+        Idempotent, and a no-op for an episode already replaced under its key; call it in a
+        `finally` so a failed episode never blocks a checkpoint forever."""
         if self.episodes.get(episode.episode_id.capture_key) is episode:
             self._set_blocking(episode, False)
             del self.episodes[episode.episode_id.capture_key]
@@ -285,6 +308,7 @@ class EpisodeSteps:
     # -- participant side ---------------------------------------------------------------
 
     def ready(self) -> bool:
+        """No episode blocks (O(1): the blocking ones are counted as they change)."""
         return self._blocking == 0
 
     def blockers(self) -> tuple[list[Blocker], int]:
@@ -301,6 +325,7 @@ class EpisodeSteps:
         return listed, self._blocking
 
     def counts(self) -> dict[str, int]:
+        """The readiness report's gauges: live episodes, parked ones, restored pending."""
         parked = sum(
             1 for e in self.episodes.values() if e.phase in (Phase.PARKED, Phase.REPLAY_STEP)
         )
@@ -348,6 +373,7 @@ class EpisodeSteps:
         self._notify()
 
     def restored_pending(self) -> frozenset[EpisodeId]:
+        """Restored boundaries whose replacement has not begun here yet."""
         return frozenset(EpisodeId.from_capture_key(k) for k in self._restored)
 
     def discard_installed(self, episodes: Iterable[EpisodeId]) -> None:
@@ -359,6 +385,8 @@ class EpisodeSteps:
         self._notify()
 
     def drop_restored(self, episode: EpisodeId) -> None:
+        """Drop the restored boundaries and kept outcomes of every attempt <= `episode`'s
+        of its rollout (a retire: nothing may continue them any more)."""
         for key in [k for k in self._restored if _covers(episode, EpisodeId.from_capture_key(k))]:
             del self._restored[key]
         for key in [k for k in self._finished if _covers(episode, EpisodeId.from_capture_key(k))]:
@@ -402,6 +430,7 @@ class EpisodeSteps:
         return self._served or bool(self.episodes) or bool(self._restored) or bool(self._finished)
 
     def episode_infos(self) -> list[EpisodeInfo]:
+        """Every live episode and every restored pending one, for ListEpisodes."""
         infos = [
             EpisodeInfo(e.episode_id, at_boundary=not e.blocking, restored_pending=False)
             for e in self.episodes.values()
@@ -413,6 +442,7 @@ class EpisodeSteps:
         return infos
 
     def live(self) -> Sequence[TrackedEpisode]:
+        """A snapshot of the live episodes (safe to iterate while they change)."""
         return list(self.episodes.values())
 
 
@@ -421,4 +451,5 @@ def _covers(retired: EpisodeId, other: EpisodeId) -> bool:
 
 
 def episodes_in(keys: Iterable[str]) -> list[EpisodeId]:
+    """The episodes these capture keys name (ValueError for an invalid key)."""
     return [EpisodeId.from_capture_key(k) for k in keys]

@@ -50,6 +50,10 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/mess
 
 @dataclass(eq=False)
 class ModelCall:
+    """One generation call admitted by the middleware: its episode (None without a rollout
+    prefix: never recorded), the SHA-256 of its request body, the task serving it (a retire
+    cancels it), and whether its response is streaming (a blocker) or held until resume."""
+
     episode: EpisodeId | None
     request_sha256: str
     task: asyncio.Task[Any] | None
@@ -61,10 +65,19 @@ class ModelCall:
 
 @dataclass
 class Ledger:
+    """The delivered calls of one episode, in order: `{"request_sha256", "response"}` each.
+    This is the model's record of the episode; a held or undelivered call is never in it."""
+
     calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ModelParticipant(Participant):
+    """The policy model's participant (the module docstring states its rules).
+
+    `ModelAdmissionMiddleware` calls the data-plane methods around each generation call. It
+    requires a commit scope (`SCOPE_REQUIRED` otherwise): its ledgers cover every episode it
+    ever served, so an unscoped commit would export all of them."""
+
     requires_scope = True
 
     def __init__(self, instance: str) -> None:
@@ -86,9 +99,12 @@ class ModelParticipant(Participant):
 
     @property
     def admission_open(self) -> bool:
+        """False from Prepare until Resume: new generation calls are refused."""
         return self._open
 
     def refusal(self, episode: EpisodeId | None) -> tuple[str, str] | None:
+        """`(code, detail)` of the 409 a new call of `episode` gets, or None to admit it:
+        `stale_attempt` for a retired attempt, `admission_closed` during a checkpoint."""
         if episode is not None and self.context.retired.is_retired(episode):
             return "stale_attempt", f"attempt {episode.capture_key} was retired"
         if not self._open:
@@ -99,6 +115,8 @@ class ModelParticipant(Participant):
         return None
 
     def call_started(self, episode: EpisodeId | None, request_body: bytes) -> ModelCall:
+        """Track an admitted call (the caller must `call_finished` it in a `finally`); the
+        first call of a restored replacement claims its ledger, so the lineage continues."""
         if episode is not None:
             self._served = True
         call = ModelCall(episode, hashlib.sha256(request_body).hexdigest(), asyncio.current_task())
@@ -110,6 +128,8 @@ class ModelParticipant(Participant):
         return call
 
     def streaming_started(self, call: ModelCall) -> None:
+        """The response began streaming to the caller: it can no longer be held, so the call
+        blocks a checkpoint (`STREAMING_RESPONSE`) until it ends."""
         call.streaming = True
         self.context.changed()
 
@@ -128,6 +148,8 @@ class ModelParticipant(Participant):
         return not self._shutting_down
 
     def delivered(self, call: ModelCall, response_body: bytes) -> None:
+        """The whole response reached the caller: append it to the episode's ledger (a body
+        that is not JSON is kept as its digest). No-op for a call without an episode."""
         if call.episode is None:
             return
         try:
@@ -138,6 +160,7 @@ class ModelParticipant(Participant):
         ledger.calls.append({"request_sha256": call.request_sha256, "response": response})
 
     def call_finished(self, call: ModelCall) -> None:
+        """Stop tracking the call, however it ended; idempotent."""
         self.calls.discard(call)
         self.context.changed()
 

@@ -110,6 +110,8 @@ class McpExposure:
     # -- the session token --------------------------------------------------------------
 
     def token_for(self, session_id: str) -> str:
+        """The signed MCP token naming `session_id` on this server instance. The key is
+        derived from the server's secret, so a restored process accepts the crashed one's."""
         return self._serializer.dumps({"sid": session_id, "srv": self.server.instance})
 
     def session_from_token(self, token: str) -> str | None:

@@ -50,6 +50,9 @@ SessionResolver = Callable[[Scope], str | None]
 
 
 def cookie_session_id(scope: Scope) -> str | None:
+    """The session id in the request's signed cookie (None: no session middleware ran, no
+    cookie, or no session in it). Read from `scope`, so it also sees the id a route just put
+    into the cookie (after `/seed_session`)."""
     session = scope.get("session")
     if not isinstance(session, dict):
         return None
@@ -58,6 +61,11 @@ def cookie_session_id(scope: Scope) -> str | None:
 
 
 class ResourcesAdmissionMiddleware:
+    """The per-request admission rules of a resources server (the module docstring lists
+    them, each with the loss it prevents), reporting every admitted request to the
+    participant. Installed by `ResourcesServer.build_app` inside the session middleware, so
+    the cookie is decoded when it runs; `passthrough_paths` are never counted nor refused."""
+
     def __init__(
         self,
         app: ASGIApp,

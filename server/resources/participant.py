@@ -30,20 +30,58 @@ from rollout_checkpoint.server.runtime.participant import (
 
 
 class CheckpointMode(enum.StrEnum):
+    """How a resources server's session state survives a checkpoint (`checkpoint_mode`).
+
+    A class attribute of the server, read once at construction (a string value is accepted
+    and converted; an unknown one raises ValueError there). The mode decides what blocks a
+    Prepare and what a Commit exports; it never changes while the process runs.
+    """
+
     RESTART_ONLY = "restart_only"
     """The default: live sessions block prepare until their rollout is retired. A server
-    nobody has audited fails closed instead of silently losing state."""
+    nobody has audited fails closed instead of silently losing state.
+
+    Each live session is a `RESTART_ONLY_SESSION` blocker until the controller retires its
+    rollout, which then restarts from its input as a later attempt. Nothing is exported, and
+    a Restore that carries records for this server is refused (`INVALID_CHECKPOINT_STATE`)."""
     STATELESS = "stateless"
+    """Tool results depend only on the request: there is no state to lose. Only requests in
+    flight block a Prepare; nothing is exported; records for this server refuse a Restore."""
     EXPORTED = "exported"
+    """The server implements the three session hooks (`SessionHooks`): a Commit exports every
+    covered session through `export_session_states`, a Restore installs them through
+    `restore_session_states`, a Retire frees them through `retire_session_state`. With
+    checkpointing enabled a server missing a hook fails at construction (TypeError)."""
 
 
 class VerifyMode(enum.StrEnum):
+    """Whether a crash may run `/verify` again (`checkpoint_verify`).
+
+    Every `/seed_session` reply announces it in the `x-ng-checkpoint-verify` header (only
+    when checkpointing is on), so the caller knows before it ever verifies whether a
+    restored episode will re-issue a verify that was in flight at the cut.
+    """
+
     WAIT = "wait"
+    """The default: a checkpoint waits for `/verify` to finish. The verify counts as in flight
+    (it blocks Prepare) and is refused `admission_closed` (409) while a checkpoint is open.
+    Choose it when verifying changes or drops state (it cannot be replayed)."""
     REPLAY = "replay"
+    """`/verify` may run again after a crash and does not change checkpointed state: it is
+    admitted even while admission is closed and never blocks Prepare. A verify that succeeds
+    during a checkpoint ends its session only when admission reopens, so that checkpoint
+    still exports the session and a restored episode can verify again."""
 
 
 class InvalidSessionState(ValueError):
-    """Raised by `restore_session_states` for a stored state it rejects (installs nothing)."""
+    """Raised by `restore_session_states` for a stored state it rejects (installs nothing).
+
+    `session_id` names the rejected session; the Restore then fails with
+    `INVALID_CHECKPOINT_STATE` (FAILED_PRECONDITION) whose `captureKey` names that session's
+    checkpointed episode, nothing stays installed, and the process stays fresh for a retry
+    with another checkpoint. Any other exception from the hook fails the Restore with
+    `HOOK_FAILED` instead (the same rollback, but no episode named).
+    """
 
     def __init__(self, session_id: str, message: str) -> None:
         super().__init__(message)
@@ -51,11 +89,66 @@ class InvalidSessionState(ValueError):
 
 
 class SessionHooks(Protocol):
-    async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]: ...
+    """The three coroutines an `exported` resources server implements (`ResourcesServer`
+    declares them; the participant calls them).
 
-    async def restore_session_states(self, states: dict[str, Any]) -> None: ...
+    They run on the event loop that serves the HTTP handlers, under the deadline of the RPC
+    that calls them: they may be slow (a sandbox snapshot) but must never block the loop with
+    synchronous I/O (use `asyncio.to_thread`). A `CheckpointError` raised by a hook passes to
+    the controller as is; any other exception fails the RPC with `HOOK_FAILED` (logged with
+    its traceback). Export runs only at Commit, with admission closed and no counted request
+    in flight (a replay-safe seed retry or `replay` verify may still run); restore only at
+    Restore, in a process that holds no session; retire may run for several sessions at once
+    (a Retire frees its episodes concurrently) and, from the default `close_session`, beside
+    any request of other sessions.
+    """
 
-    async def retire_session_state(self, session_id: str) -> None: ...
+    async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
+        """Snapshot the state of every session in `session_ids`, all at once.
+
+        Receives the ids of every tracked, not retired session the Commit's scope covers,
+        sorted by (episode, session id), in one call, so a server whose state lives outside
+        the process can snapshot them concurrently. Returns `{session_id: state}`; each state
+        must be JSON (no NaN/Infinity, no objects) and must not alias live state: the records
+        are serialized later, in a thread, possibly after the data plane ran again (copy it,
+        e.g. through JSON). A session missing from the result is treated as already dropped
+        (a failed verification freed it): it stops being tracked and the commit still
+        succeeds. Ids not asked for are ignored.
+
+        Called once per checkpoint id and scope: a retried Commit reuses a finished export,
+        and calls this again only when the export itself failed (or the retry names another
+        scope), so no later state enters the cut. Raising fails the Commit (`HOOK_FAILED`) with
+        nothing written and the participant still PREPARED; a state JSON cannot carry fails it
+        with `UNSERIALIZABLE_STATE` naming the episode.
+        """
+        ...
+
+    async def restore_session_states(self, states: dict[str, Any]) -> None:
+        """Install `states` (`{session_id: state}`, as exported) all or nothing.
+
+        Called by a Restore, only before any session exists here (a failed restore is undone
+        through `retire_session_state`, and its retry calls this again) and with admission
+        closed, with every record in the restore's scope in one call. Validate
+        every state first, then install them all: never a partial set. Reject a state with
+        `InvalidSessionState(session_id, message)` (the Restore fails with
+        `INVALID_CHECKPOINT_STATE` naming its episode); any other exception fails it with
+        `HOOK_FAILED`. Either way the participant tracks none of the sessions, so a state
+        left installed by a partial install would be held with nothing to free it. The
+        session ids are the originals, so the old cookies (and MCP tokens) keep working.
+        """
+        ...
+
+    async def retire_session_state(self, session_id: str) -> None:
+        """Free the state of one session; idempotent.
+
+        Called by a Retire (and by a Commit for restored sessions its scope no longer
+        continues) once no request runs on the session and new ones are refused
+        (`stale_attempt`); by a failed Restore to undo its install; and by the default
+        `close_session`. Must tolerate a second call for state already freed, and an id it
+        never held: a retire cut short by its deadline is retried. Raising fails the RPC
+        (`HOOK_FAILED`) and leaves the session tracked, so the retry calls this again.
+        """
+        ...
 
 
 @dataclass(eq=False)
@@ -71,6 +164,16 @@ class TrackedSession:
 
 
 class ResourcesParticipant(Participant):
+    """The participant of a resources server: sessions tracked per episode from the routes
+    that define their lifecycle, and the server's `SessionHooks` reached for their state.
+
+    `ResourcesServer.build_app` makes one when checkpointing is on, and its admission
+    middleware calls the data-plane methods (synchronous, on the event loop); the control
+    plane calls the `Participant` methods. It never touches gRPC. A server whose sessions
+    begin outside `/seed_session` reports them through `session_started`/`session_ended`
+    (via `ResourcesServer.checkpoint_session_started`/`checkpoint_session_ended`).
+    """
+
     def __init__(
         self, instance: str, mode: CheckpointMode, verify: VerifyMode, hooks: SessionHooks
     ) -> None:
@@ -120,6 +223,7 @@ class ResourcesParticipant(Participant):
 
     @property
     def admission_open(self) -> bool:
+        """False from Prepare until Resume: requests that are not replay-safe are refused."""
         return self._admission_open
 
     @property
@@ -130,6 +234,7 @@ class ResourcesParticipant(Participant):
 
     @property
     def shutting_down(self) -> bool:
+        """True once SIGTERM arrived: waiting requests are answered 503 instead of run."""
         return self._shutting_down
 
     async def wait_for_admission(self) -> bool:
@@ -147,6 +252,8 @@ class ResourcesParticipant(Participant):
         return not self._shutting_down
 
     def is_stale(self, session_id: str | None, episode: EpisodeId | None) -> bool:
+        """Whether the request belongs to a retired attempt, by its prefix's episode or by its
+        session's (refused `stale_attempt`, so a late call cannot recreate freed state)."""
         retired = self.context.retired
         if episode is not None and retired.is_retired(episode):
             return True

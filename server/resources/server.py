@@ -60,6 +60,15 @@ def tool(description: str | None = None, *, name: str | None = None) -> Callable
 
     The tool is served as `POST /<name>` (the body is the arguments) and, when the server
     exposes its tools over MCP, as an MCP tool with the arguments' JSON schema.
+
+    `description` defaults to the method's docstring, `name` to the method's name. `args`
+    must be annotated with a pydantic model (or left out: the raw JSON object is passed); a
+    body that does not validate is answered 422 `invalid_arguments` and the tool never runs,
+    and a request without a session 400 `no_session`. The result must be JSON-serializable.
+    The server's constructor raises TypeError for a tool named like a reserved route
+    (`seed_session`, `verify`, `close_session`, `mcp`, `tools`) or an `args` annotation that
+    is not a pydantic model. With checkpointing on, each call is admitted, counted in flight
+    and refused by the admission middleware like any request on its session.
     """
 
     def mark(function: Any) -> Any:
@@ -75,6 +84,10 @@ def tool(description: str | None = None, *, name: str | None = None) -> Callable
 
 @dataclass(frozen=True)
 class Tool:
+    """One declared tool, as collected from `@tool` at construction: its route name, its
+    description, the pydantic model of its arguments (None: the raw JSON object) and the
+    bound method that runs it with `(session_id, args)`."""
+
     name: str
     description: str
     args_model: type[BaseModel] | None
@@ -98,17 +111,42 @@ class ResourcesServerConfig:
     """How one resources server process runs. `session_secret` None: derived, see `derive_secret`."""
 
     instance: str = "resources"
+    """The instance name: part of the checkpoint's path (`participants/resources/<instance>`),
+    so a replacement must use the same one to restore. `checkpoint.instance`, when set,
+    overrides it for the control plane."""
     checkpoint: CheckpointSettings | None = None
+    """The checkpoint block; None or `enabled: false` installs nothing at all."""
     session_secret: str | None = None
+    """The key that signs session cookies. None: derived from the control token and the
+    instance when checkpointing is on (so a restored process accepts the crashed one's
+    cookies), random per process otherwise."""
     expose_tools_over_mcp: bool | None = None
+    """Serve the tools over MCP at `/mcp` too; None: the class's `expose_tools_over_mcp`."""
     clock: Clock | None = None
     """For tests: the control plane's clock (leases, heartbeats, thresholds)."""
 
 
 class ResourcesServer:
+    """The base of a resources server: subclass it, declare tools with `@tool`, then serve
+    `build_app()`.
+
+    A subclass sets `checkpoint_mode` (`CheckpointMode`; `restart_only` by default, which
+    blocks every checkpoint while a session lives) and `checkpoint_verify` (`VerifyMode`),
+    and overrides `seed_session`, `verify` and `close_session` to hold its per-session state.
+    An `exported` server also implements the three session hooks (`SessionHooks`):
+    constructing it with checkpointing enabled raises TypeError when one is missing, so a
+    server that could not restore fails at startup, not at its first checkpoint. The
+    constructor also raises TypeError for an invalid `@tool` and ValueError for an unknown
+    mode string. Sessions that begin or end outside these routes are reported with
+    `checkpoint_session_started`/`checkpoint_session_ended`.
+    """
+
     checkpoint_mode: ClassVar[CheckpointMode | str] = CheckpointMode.RESTART_ONLY
+    """How session state survives a checkpoint (see `CheckpointMode`)."""
     checkpoint_verify: ClassVar[VerifyMode | str] = VerifyMode.WAIT
+    """Whether a crash may run `/verify` again (see `VerifyMode`)."""
     expose_tools_over_mcp: ClassVar[bool] = False
+    """Also serve the tools over MCP (the config may override it per process)."""
     passthrough_paths: ClassVar[frozenset[str]] = frozenset()
     """Non-data routes of the server (never counted, never refused)."""
 
@@ -132,6 +170,7 @@ class ResourcesServer:
 
     @property
     def checkpoint_enabled(self) -> bool:
+        """Whether the config enables checkpointing (then `build_app` installs the sidecar)."""
         return self.config.checkpoint is not None and self.config.checkpoint.enabled
 
     # -- what subclasses implement ------------------------------------------------------
@@ -150,30 +189,73 @@ class ResourcesServer:
             await self.retire_session_state(session_id)
 
     async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
+        """Return `{session_id: JSON state}` for these sessions, copied, all at once.
+
+        Required for `exported`; called only then, at Commit. A session left out counts as
+        already dropped (the commit succeeds without it); raising fails the Commit with
+        `HOOK_FAILED`. The full contract: `SessionHooks.export_session_states`.
+        """
         raise NotImplementedError
 
     async def restore_session_states(self, states: dict[str, Any]) -> None:
+        """Validate every state of `{session_id: state}`, then install them all, or none.
+
+        Required for `exported`; called by a Restore into a fresh process. Raise
+        `InvalidSessionState(session_id, ...)` for a state you reject (the Restore fails
+        naming its episode; nothing stays installed). The full contract:
+        `SessionHooks.restore_session_states`.
+        """
         raise NotImplementedError
 
     async def retire_session_state(self, session_id: str) -> None:
+        """Free one session's state; a second call, or an unknown id, must succeed.
+
+        Required for `exported`; called by Retire once the session is drained, by a failed
+        Restore to undo its install, and by the default `close_session`. Raising fails the
+        RPC (`HOOK_FAILED`) and the retry calls it again. The full contract:
+        `SessionHooks.retire_session_state`.
+        """
         raise NotImplementedError
 
     # -- lifecycle helpers for sessions that begin elsewhere ----------------------------
 
     def checkpoint_session_started(self, request: Request) -> None:
-        """Call from a route that starts a session (a Gymnasium `/reset`); no-op when off."""
+        """Call from a route that starts a session (a Gymnasium `/reset`); no-op when off.
+
+        Binds the request's cookie session to the episode its rollout prefix names, exactly
+        as a successful `/seed_session` would: the session is tracked (a blocker under
+        `restart_only`, exported under `exported`) until it ends or its rollout is retired.
+        Call it once the route succeeded and the session id is in the cookie. Does nothing
+        without a session or a rollout prefix; a session already tracked keeps its episode
+        (a second call is a retry). Never raises.
+        """
         session_id, episode = cookie_session_id(request.scope), episode_of(request.scope)
         if self.participant is not None and session_id is not None and episode is not None:
             self.participant.session_started(session_id, episode)
 
     def checkpoint_session_ended(self, request: Request) -> None:
-        """Call from a route that ends a session (a terminal `/step`); no-op when off."""
+        """Call from a route that ends a session (a terminal `/step`); no-op when off.
+
+        Stops tracking the request's cookie session, as a successful `/close_session` would:
+        it no longer blocks a Prepare and is no longer exported. It does not free the state
+        (do that in the route, or let `close_session` do it). Idempotent; does nothing for an
+        untracked session; never raises.
+        """
         if self.participant is not None:
             self.participant.session_ended(cookie_session_id(request.scope))
 
     # -- app ----------------------------------------------------------------------------
 
     def build_app(self) -> FastAPI:
+        """The FastAPI app of this server; call it once per process.
+
+        Routes: `/seed_session`, `/verify`, `/close_session`, `GET /tools` and one
+        `POST /<tool>` per tool, with signed session cookies; `/mcp` when tools are exposed
+        over MCP. With checkpointing on it also creates `self.participant`, adds the rollout
+        prefix and admission middlewares, and installs the sidecar into the app's lifespan
+        (`self.runtime`, see `install_checkpointing`): the sidecar starts and stops with the
+        app. With checkpointing off none of these is installed.
+        """
         app = FastAPI(
             title=f"{type(self).__name__} ({self.instance})",
             openapi_url=None,

@@ -43,7 +43,14 @@ SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers |
 
 
 class CheckpointRuntime:
-    """What `install_checkpointing` put into the app (also at `app.state.checkpoint`)."""
+    """What `install_checkpointing` put into the app (also at `app.state.checkpoint`).
+
+    The participant's control plane (`control`), its gRPC sidecar, and the metrics. The app's
+    lifespan calls `start` and `stop`; call them yourself only for an app whose lifespan does
+    not run (tests). `start` also hooks SIGTERM/SIGINT (in the main thread) so health turns
+    NOT_SERVING and control changes are refused before uvicorn drains HTTP, then chains to
+    the handler that was installed before.
+    """
 
     def __init__(
         self,
@@ -64,10 +71,12 @@ class CheckpointRuntime:
 
     @property
     def port(self) -> int | None:
+        """The sidecar's bound port (None before `start`): the real one for a `:0` address."""
         return self.sidecar.port
 
     @property
     def address(self) -> str:
+        """HOST:PORT the sidecar listens on, with the bound port; meaningful after `start`."""
         return self.sidecar.address
 
     @property
@@ -76,12 +85,21 @@ class CheckpointRuntime:
         return None if self.metrics_server is None else self.metrics_server.address
 
     async def start(self) -> None:
+        """Bind and start the sidecar (and the metrics listener), then hook the signals.
+
+        Call once, on the loop that serves the app (grpc.aio objects are bound to the loop
+        that creates them). With `start_closed` admission closes here, before any request.
+        Raises when the address cannot be bound or a TLS file cannot be read: the app's
+        startup fails, rather than serving a participant no controller can reach."""
         await self.sidecar.start()
         if self.metrics_server is not None:
             await self.metrics_server.start()
         self._hook_signals()
 
     async def stop(self) -> None:
+        """Unhook the signals, refuse control changes, stop the sidecar within
+        `shutdown_grace_seconds` (RPCs in flight get that long), then the metrics listener.
+        Safe after a SIGTERM already began the shutdown."""
         self._unhook_signals()
         await self.sidecar.stop()
         if self.metrics_server is not None:
@@ -129,6 +147,15 @@ def install_checkpointing(
     this runtime's own (`runtime.metrics.registry`), served at `metrics_path` on the app
     and/or on `metrics_address`; spans go to `tracer_provider` (OpenTelemetry's global
     provider when None; nothing at all without OpenTelemetry).
+
+    Call it once per app, before the app starts (Starlette refuses middleware added later),
+    with one participant that no other control plane wraps; `settings.instance`, when set,
+    overrides `participant.instance`. Adds the middlewares that answer a retired request 409
+    and count data-plane refusals (outermost, so add the participant's own admission
+    middleware before calling this, as `ResourcesServer.build_app` does). The sidecar binds
+    only when the app starts (see `CheckpointRuntime.start`), so a bad address or TLS file
+    fails the app's startup, not this call. `clock` and `storage` replace the real ones in
+    tests. Serve the app with one worker: the sidecar lives in that process (`serve`).
     """
     if settings is None or not settings.enabled:
         return None

@@ -30,18 +30,34 @@ class Kind(enum.StrEnum):
 
 
 class BlockerReason(enum.StrEnum):
+    """Why a participant is not ready: types.proto `BlockerReason` without its prefix (the
+    wire mapping adds it back, so a value here that the proto lacks would not serialize)."""
+
     REQUEST_IN_FLIGHT = "REQUEST_IN_FLIGHT"
+    """A data-plane request is running; the blocker's capture key names its episode."""
     REQUEST_WITHOUT_EPISODE = "REQUEST_WITHOUT_EPISODE"
+    """A data-plane request that belongs to no episode is running (empty capture key)."""
     SEED_IN_PROGRESS = "SEED_IN_PROGRESS"
+    """A session seed is still running."""
     RETIRE_INCOMPLETE = "RETIRE_INCOMPLETE"
+    """A Retire was cut short and the episode's state is still held: retire it again."""
     RESTART_ONLY_SESSION = "RESTART_ONLY_SESSION"
+    """A live session of a `restart_only` resources server: it blocks until retired."""
     EPISODE_STEP_RUNNING = "EPISODE_STEP_RUNNING"
+    """An episode step is running, is a `wait` step, or is being retired."""
     STREAMING_RESPONSE = "STREAMING_RESPONSE"
+    """A policy-model response has already started streaming."""
     INSTALL_IN_PROGRESS = "INSTALL_IN_PROGRESS"
+    """An install (a Restore) is still running."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Blocker:
+    """One thing that keeps a participant from a safe cut, as a Prepare reports it.
+
+    `capture_key` names the episode it belongs to ("" for none), `detail` is for humans.
+    Blockers sort by (capture key, reason, detail), which is the order they are listed in."""
+
     capture_key: str
     reason: BlockerReason
     detail: str = ""
@@ -90,26 +106,38 @@ class RestoredRecord:
 
     @property
     def restored_as(self) -> EpisodeId:
+        """The attempt this record is installed as (N+1 of the checkpointed attempt N)."""
         return self.checkpointed.next_attempt()
 
 
 @dataclass(frozen=True, slots=True)
 class EpisodeInfo:
+    """One live episode as ListEpisodes reports it: whether it is parked at a boundary (a
+    cut now would export it), and whether it is a restored attempt no request used yet."""
+
     episode_id: EpisodeId
     at_boundary: bool = False
     restored_pending: bool = False
 
 
 class ParticipantContext(Protocol):
-    """What the control plane offers the participant it wraps."""
+    """What the control plane offers the participant it wraps (handed over once, by
+    `Participant.attach`); every member is cheap and runs on the event loop."""
 
     @property
     def retired(self) -> RetiredAttempts:
-        """The retired-attempt marks the data plane must honour (refuse `stale_attempt`)."""
+        """The retired-attempt marks the data plane must honour (refuse `stale_attempt`).
+
+        Marks are set by Retire (and by a Restore for the crashed attempts) before the
+        participant's `retire` runs, only rise, and are dropped by Forget; a request of a
+        marked attempt that ran anyway could recreate state that nothing would free."""
         ...
 
     def changed(self) -> None:
-        """Tell the control plane that readiness may have changed (cheap; call freely)."""
+        """Tell the control plane that readiness may have changed (cheap; call freely).
+
+        A Prepare re-checks `ready()` on the next wake-up; forgetting to call this after a
+        blocker goes away leaves the Prepare waiting until its next heartbeat."""
         ...
 
     @property
@@ -128,6 +156,13 @@ class Participant(abc.ABC):
 
     Raise `CheckpointError` for refusals with a reason (for example an invalid stored record
     from `install`); any other exception from a hook is reported as `HOOK_FAILED`.
+
+    Implement it to make any Starlette/FastAPI server a participant, then hand an instance to
+    `install_checkpointing`. Set `kind` and `instance` in `__init__`. The control plane owns
+    every state transition, the fencing of checkpoint ids, the lease and the deadlines; it
+    calls these methods only when the transition is allowed, one RPC's hook at a time, so a
+    participant needs no checkpoint state of its own. The synchronous methods must not
+    await anything; the coroutines may be slow but run under the calling RPC's deadline.
     """
 
     kind: Kind
@@ -137,32 +172,67 @@ class Participant(abc.ABC):
     model): an unscoped commit would export all of it, so it is refused (`SCOPE_REQUIRED`)."""
 
     def attach(self, context: ParticipantContext) -> None:
-        """Called once by the control plane before anything else."""
+        """Called once by the control plane before anything else.
+
+        An override must call `super().attach(context)`: the other methods reach the retired
+        marks and `changed()` through `self.context`."""
         self.context = context
 
     @abc.abstractmethod
     def close_admission(self) -> None:
-        """Stop taking new data-plane work. Raising aborts the Prepare (the plane reopens)."""
+        """Stop taking new data-plane work. Raising aborts the Prepare (the plane reopens).
+
+        Called when a Prepare starts a checkpoint (and when a Restore or a `start_closed`
+        process closes), always alternating with `open_admission`: never twice in a row.
+        Work already admitted keeps running; `ready()` says when it is out of the way. A
+        raise fails the Prepare with `HOOK_FAILED`, and `open_admission` is called so state
+        and admission never disagree."""
 
     @abc.abstractmethod
     def open_admission(self) -> None:
-        """Take new work again and release whatever waited for it."""
+        """Take new work again and release whatever waited for it.
+
+        Called by Resume (also the abort of a checkpoint), by lease expiry, after a failed
+        Restore, and when a `start_closed` process gives up waiting; only after
+        `close_admission`. Must not raise: a Resume must always reopen."""
 
     @abc.abstractmethod
     def ready(self) -> bool:
-        """Whether a safe cut is possible now. Called on every wake-up: keep it O(1)."""
+        """Whether a safe cut is possible now. Called on every wake-up: keep it O(1).
+
+        Also checked again by Commit: a participant that is no longer ready refuses it
+        (`INVALID_PHASE`) with nothing written. Must agree with `report().ready`."""
 
     @abc.abstractmethod
     def report(self) -> ReadinessReport:
-        """The full readiness report; built only when a message is sent."""
+        """The full readiness report; built only when a message is sent.
+
+        Build it with `ReadinessReport.build` (it lists at most 100 blockers and counts all
+        of them); `counts` are the kind's gauges (inflight, sessions, ...), shown to humans
+        and exported as metrics."""
 
     @abc.abstractmethod
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
-        """Snapshot the records of the episodes in scope (None: every live episode)."""
+        """Snapshot the records of the episodes in scope (None: every live episode).
+
+        Called by Commit, with admission closed and `ready()` true, once per checkpoint id
+        and scope (a retried Commit reuses the records unless this raised). Leave out retired
+        attempts; return one record per `record_identity`. Records must not alias live state
+        (see `ExportRecord`); a field JSON cannot carry fails the Commit with
+        `UNSERIALIZABLE_STATE` naming the episode. Raising fails the Commit (`HOOK_FAILED`,
+        or the `CheckpointError` raised) with nothing written; the state stays PREPARED."""
 
     @abc.abstractmethod
     async def install(self, records: Sequence[RestoredRecord]) -> None:
-        """Validate every record, then install all of them as attempt N+1, or none."""
+        """Validate every record, then install all of them as attempt N+1, or none.
+
+        Called by Restore, only while `has_served()` is False (so at most one install per
+        process succeeds; a failed one is undone and may be retried) and with admission
+        closed, with the records of the restore's scope (read and checked
+        against the manifest already, but their fields unvalidated). Refuse an invalid
+        record with `rejected_checkpoint(..., capture_key=record.checkpointed.capture_key)`;
+        a raise must leave nothing installed. The control plane shields the install from
+        the deadline and calls `discard_installed` if the Restore fails after it."""
 
     @abc.abstractmethod
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
@@ -180,15 +250,27 @@ class Participant(abc.ABC):
 
     @abc.abstractmethod
     async def retire(self, episode: EpisodeId) -> None:
-        """Stop and free every attempt <= `episode.attempt` of its rollout; tolerate repeats."""
+        """Stop and free every attempt <= `episode.attempt` of its rollout; tolerate repeats.
+
+        Called by Retire (in IDLE or RESTORED) and by a Commit for restored episodes its
+        scope leaves out, after the attempts are marked retired (`context.retired`), so new
+        requests of them are already refused. The episodes of one Retire are retired
+        concurrently, one call each. Return only once nothing of them runs or is
+        held. An unknown episode, or one already retired, succeeds. Cut short by the
+        deadline, or raising (`HOOK_FAILED`), it leaves the marks in place and the rollout
+        `RETIRE_INCOMPLETE`: the controller retries, and this runs again."""
 
     @abc.abstractmethod
     def restored_pending(self) -> frozenset[EpisodeId]:
-        """Installed episodes (attempt N+1) that no request has used yet."""
+        """Installed episodes (attempt N+1) that no request has used yet.
+
+        A Commit retires those its scope leaves out (nothing continues them); GetStatus and
+        ListEpisodes report them."""
 
     @abc.abstractmethod
     def episodes(self) -> Sequence[EpisodeInfo]:
-        """Every live episode held."""
+        """Every live episode held, restored pending ones included (ListEpisodes pages them,
+        sorted by capture key; the order returned here does not matter)."""
 
     @abc.abstractmethod
     def has_served(self) -> bool:

@@ -24,22 +24,52 @@ class CheckpointSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ROLLOUT_CHECKPOINT_", extra="forbid", frozen=True)
 
     enabled: bool = False
+    """Off by default: then nothing at all is installed and no other field is checked."""
     token: SecretStr = SecretStr("")
+    """The bearer token every control RPC must carry (`authorization: Bearer <token>`);
+    required when enabled. A resources server also derives its cookie and MCP token keys from
+    it, so a replacement process with the same token accepts the crashed one's sessions."""
     instance: str = ""
+    """The instance name, overriding the participant's own when set (an id: letters, digits,
+    `._-`, not starting with `.` or `-`). Part of the checkpoint path, so a replacement must
+    use the same one to restore."""
     grpc_address: str = "127.0.0.1:0"
+    """HOST:PORT of the gRPC sidecar; port 0 picks a free port (`CheckpointRuntime.port`)."""
     lease_grace_seconds: float = Field(600.0, gt=0)
+    """How long past a request's deadline an open checkpoint lives without a renewal. A lease
+    that expires aborts the checkpoint as a Resume would (admission reopens), so a controller
+    that died never leaves a participant closed for good."""
     heartbeat_seconds: float = Field(1.0, gt=0)
+    """The interval of heartbeat messages on a Prepare stream that has nothing else to say."""
     max_deadline_seconds: float = Field(86400.0, gt=0)
+    """The farthest ahead a request's deadline may lie (`INVALID_REQUEST` beyond), which
+    bounds how long one request can keep a participant's admission closed."""
     allowed_checkpoint_roots: tuple[str, ...] = ()
+    """Absolute directories Commit and Restore may use (resolved, symlinks included); empty
+    allows any directory. A directory outside them is refused `INVALID_REQUEST`."""
     start_closed: bool = False
+    """Start with admission closed until a Restore or Resume arrives: a replacement process
+    then serves nothing before it is restored (a process that served cannot restore)."""
     start_closed_timeout_seconds: float | None = Field(None, gt=0)
+    """With `start_closed`: open anyway after this long without a Restore or Resume (None:
+    `lease_grace_seconds`), so a controller that never comes does not idle the process."""
     readiness_pause_threshold_seconds: float = Field(30.0, gt=0)
+    """How long a checkpoint may keep admission closed before the `participant-readiness`
+    health turns NOT_SERVING; a shorter pause keeps the pod in its Service, so clients see no
+    churn. Liveness never depends on a checkpoint."""
     reflection: bool = False
+    """Also serve gRPC server reflection (for grpcurl without the protos)."""
     tls_cert_file: str | None = None
+    """The sidecar's TLS certificate chain (PEM); set with `tls_key_file`, or neither
+    (plaintext)."""
     tls_key_file: str | None = None
+    """The private key of `tls_cert_file` (PEM)."""
     tls_client_ca_file: str | None = None
+    """Require client certificates signed by this CA (mutual TLS); needs `tls_cert_file`."""
     shutdown_grace_seconds: float = Field(5.0, ge=0)
+    """On shutdown, how long RPCs in flight may still finish before they are cancelled."""
     max_message_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    """The largest gRPC message the sidecar receives or sends."""
     metrics_address: str | None = None
     """HOST:PORT of a Prometheus `/metrics` listener of its own (off by default)."""
     metrics_path: str | None = None
@@ -71,6 +101,7 @@ class CheckpointSettings(BaseSettings):
         return self
 
     def control_settings(self) -> ControlSettings:
+        """The subset the control plane reads (it imports no pydantic)."""
         return ControlSettings(
             lease_grace_seconds=self.lease_grace_seconds,
             heartbeat_seconds=self.heartbeat_seconds,
