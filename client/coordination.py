@@ -302,19 +302,33 @@ async def restore(
             lambda m: m.client.restore(checkpoint_id, deadline, checkpoint_dir, episodes),
         )
     except FleetError as failure:
-        cleanup_deadline = max(deadline, time.time() + CLEANUP_SECONDS)
-        # An episode at the highest attempt has no next one: nothing of it can be installed.
-        next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
-        if next_attempts:
-            with contextlib.suppress(FleetError):
-                await _fan_out(
-                    "retire",
-                    fleet.members,
-                    lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
-                )
-        with contextlib.suppress(FleetError):
-            await resume(fleet, checkpoint_id, cleanup_deadline)
+        await abandon_restore(fleet, checkpoint_id, episodes, deadline)
         raise FleetError("restore", failure.failures) from None
+    except asyncio.CancelledError:
+        # Interrupted (Ctrl-C, SIGTERM): some members may have installed already.
+        await abandon_restore(fleet, checkpoint_id, episodes, deadline)
+        raise
+
+
+async def abandon_restore(
+    fleet: Fleet, checkpoint_id: str, episodes: Iterable[EpisodeId], deadline: float
+) -> None:
+    """Undo a restore that did not complete everywhere: retire the next attempts (N+1) of
+    every scoped episode on every member (which frees whatever got installed), then resume
+    every member even if that retire failed somewhere. Best effort: failures are ignored
+    (a member that cannot be reached reopens when its lease expires)."""
+    cleanup_deadline = max(deadline, time.time() + CLEANUP_SECONDS)
+    # An episode at the highest attempt has no next one: nothing of it can be installed.
+    next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
+    if next_attempts:
+        with contextlib.suppress(FleetError):
+            await _fan_out(
+                "retire",
+                fleet.members,
+                lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
+            )
+    with contextlib.suppress(FleetError):
+        await resume(fleet, checkpoint_id, cleanup_deadline)
 
 
 # -- resume, retire, forget, renew ----------------------------------------------------------
