@@ -346,6 +346,13 @@ def _add_health_verb(verbs: Any) -> None:
         default=None,
         help=f"a health name (repeat; default: {READINESS_HEALTH}, {LIVENESS_HEALTH} and the server)",
     )
+    sub.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for the sidecar to answer (a server still starting)",
+    )
     sub.add_argument("--tls-ca-file", type=Path, default=None, help="CA for a TLS sidecar")
     sub.add_argument("--json", action="store_true", help="machine-readable output, one JSON object")
 
@@ -878,7 +885,15 @@ async def _health(args: argparse.Namespace) -> int:
         if args.tls_ca_file is not None
         else None
     )
-    answers = {s: await _health_status(args.address, s, credentials) for s in services}
+    give_up = time.monotonic() + args.wait
+    while True:
+        try:
+            answers = {s: await _health_status(args.address, s, credentials) for s in services}
+            break
+        except ControlError as error:
+            if error.decided_by_server or time.monotonic() >= give_up:
+                raise
+            await asyncio.sleep(0.1)
     if args.json:
         print(json.dumps({"address": args.address, "services": answers}, sort_keys=True))
     else:
