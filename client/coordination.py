@@ -305,37 +305,51 @@ async def restore(
             lambda m: m.client.restore(checkpoint_id, deadline, checkpoint_dir, episodes),
         )
     except FleetError as failure:
-        cleanup_deadline = max(deadline, time.time() + CLEANUP_SECONDS)
-        # An episode at the highest attempt has no next one: nothing of it can be installed.
-        next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
-        if next_attempts:
-            try:
-                await _fan_out(
-                    "retire",
-                    fleet.members,
-                    lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
-                )
-            except FleetError as error:
-                # The restore's own failure is what the caller gets; this one is only logged.
-                # Nothing continues those attempts (the controller restarts the rollouts as
-                # later attempts), so at worst their installed state stays allocated on these
-                # members until the process restarts.
-                log.warning(
-                    "restore %s failed; freeing its next attempts afterwards failed too (%s): "
-                    "going on, nothing will continue those attempts",
-                    checkpoint_id,
-                    error,
-                )
+        await abandon_restore(fleet, checkpoint_id, episodes, deadline)
+        raise FleetError("restore", failure.failures) from None
+    except asyncio.CancelledError:
+        # Interrupted (Ctrl-C, SIGTERM): some members may have installed already.
+        await abandon_restore(fleet, checkpoint_id, episodes, deadline)
+        raise
+
+
+async def abandon_restore(
+    fleet: Fleet, checkpoint_id: str, episodes: Iterable[EpisodeId], deadline: float
+) -> None:
+    """Undo a restore that did not complete everywhere: retire the next attempts (N+1) of
+    every scoped episode on every member (which frees whatever got installed), then resume
+    every member even if that retire failed somewhere. Best effort: the caller reports the
+    restore's own failure; a failure here is logged and passed over (a member that cannot
+    be reached reopens when its lease expires)."""
+    cleanup_deadline = max(deadline, time.time() + CLEANUP_SECONDS)
+    # An episode at the highest attempt has no next one: nothing of it can be installed.
+    next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
+    if next_attempts:
         try:
-            await resume(fleet, checkpoint_id, cleanup_deadline)
+            await _fan_out(
+                "retire",
+                fleet.members,
+                lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
+            )
         except FleetError as error:
+            # Nothing continues those attempts (the controller restarts the rollouts as later
+            # attempts), so at worst their installed state stays allocated on these members
+            # until the process restarts.
             log.warning(
-                "restore %s failed; resuming the fleet afterwards failed too (%s): going on, "
-                "those members reopen on their own when their lease expires",
+                "restore %s failed; freeing its next attempts afterwards failed too (%s): "
+                "going on, nothing will continue those attempts",
                 checkpoint_id,
                 error,
             )
-        raise FleetError("restore", failure.failures) from None
+    try:
+        await resume(fleet, checkpoint_id, cleanup_deadline)
+    except FleetError as error:
+        log.warning(
+            "restore %s failed; resuming the fleet afterwards failed too (%s): going on, "
+            "those members reopen on their own when their lease expires",
+            checkpoint_id,
+            error,
+        )
 
 
 # -- resume, retire, forget, renew ----------------------------------------------------------

@@ -40,6 +40,7 @@ from rich.console import Console
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import restore_published
+from rollout_checkpoint.client.console import HelpFormatter, epilog
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.publication import CheckpointRoot, PublishedParticipant
 from rollout_checkpoint.examples.prompt_injection import load_tasks
@@ -320,10 +321,19 @@ class Demo:
                     finished.set()
 
         tasks = [asyncio.ensure_future(guarded(r)) for r in rollouts]
-        await asyncio.wait(
-            [asyncio.ensure_future(finished.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED
-        )
+        # The cut comes once `checkpoint_after` rollouts finished (or, if too many failed for
+        # that, once every rollout ended): not when the first rollout task ends.
+        waiters = [
+            asyncio.ensure_future(finished.wait()),
+            asyncio.ensure_future(asyncio.wait(tasks)),
+        ]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
         gate.clear()
+        self.report.numbers["finished_when_the_cut_began"] = sum(
+            r.reply is not None for r in rollouts
+        )
         checkpoint = await self.take_checkpoint(fleet, root, rollouts)
         self.say("[bold]   SIGKILL[/] every fleet process")
         fleet.kill()
@@ -441,8 +451,16 @@ class Demo:
         for rollout in remaining:
             rollout.error = None
             rollout.dispatched = False
+        finished_during = _finished_during_the_cut(first, in_scope)
         self.say(
-            f"   continuing {len(in_scope)} rollouts as attempt {attempt}, starting {len(remaining) - len(in_scope)} not yet run"
+            f"   continuing {len(in_scope) - finished_during} rollouts as attempt {attempt}"
+            + (
+                f" ({finished_during} more finished while the fleet was cut: their replies were "
+                "carried in the checkpoint)"
+                if finished_during
+                else ""
+            )
+            + f", starting {len(remaining) - len(in_scope)} not yet run"
         )
         await run_all(fleet_processes.url("environment"), remaining, self.options.concurrency)
         self.say("[bold]4/4 compare with the baseline[/]")
@@ -636,6 +654,19 @@ def _state(state: int) -> str:
     return {1: "IDLE", 2: "PREPARING", 3: "PREPARED", 4: "COMMITTED", 5: "RESTORED"}.get(state, "?")
 
 
+def _finished_during_the_cut(first: dict[str, Any], in_scope: set[str]) -> int:
+    """Rollouts in scope that the agent's boundary records as done: they finished while the
+    fleet was being cut, so they are answered from the checkpoint, not continued."""
+    agent_records = _records_by_rollout(
+        Path(first["directory"]) / "participants" / "agent" / "agent"
+    )
+    return sum(
+        1
+        for rollout_id in in_scope
+        if "done" in (json.loads(agent_records.get(rollout_id, "{}")).get("boundary") or {})
+    )
+
+
 def _records_by_rollout(part: Path) -> dict[str, str]:
     """rollout id -> the record without its episode id, as canonical text (order kept)."""
     records: dict[str, str] = {}
@@ -672,7 +703,13 @@ def _order_kept(seeded: Any, exported: Any) -> bool:
 
 def parse_args(argv: list[str] | None) -> Options:
     parser = argparse.ArgumentParser(
-        prog="rollout-checkpoint demo", description=__doc__.splitlines()[0]
+        prog="rollout-checkpoint demo",
+        description=__doc__.split("\n\n")[0],
+        epilog=epilog(
+            "rollout-checkpoint demo --rollouts 32 --checkpoint-after 4 --output-dir /tmp/demo",
+            "exit 1 means a check failed (the report names it).",
+        ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--rollouts", type=int, default=32, help="rollouts to run (default 32)")
     parser.add_argument(
@@ -682,7 +719,8 @@ def parse_args(argv: list[str] | None) -> Options:
         "--checkpoint-after",
         type=int,
         default=None,
-        help="checkpoint once this many have finished (default an eighth)",
+        help="checkpoint once this many have finished (default: an eighth of --rollouts; at "
+        "most --rollouts - 1)",
     )
     parser.add_argument(
         "--latency", type=float, default=0.05, help="seconds per scripted model call (default 0.05)"

@@ -14,14 +14,18 @@ NOT_SERVING at once, HTTP drains, then the sidecar stops.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
+import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
+from pydantic import ValidationError
 
+from rollout_checkpoint.client.console import ExitCode, HelpFormatter, epilog
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.logs import configure_logging
@@ -51,9 +55,17 @@ def server_class(name: str) -> type[ResourcesServer]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="rollout-checkpoint serve", description=__doc__.splitlines()[0]
+        prog="rollout-checkpoint serve",
+        description=__doc__.splitlines()[0].rstrip(".")
+        + ". Prints one JSON line (http, grpc, instance, kind, pid) once both listen.",
+        epilog=epilog(
+            "ROLLOUT_CHECKPOINT_TOKEN=change-me rollout-checkpoint serve counter "
+            "--http-address 127.0.0.1:8001 --grpc-address 127.0.0.1:9001",
+            "servers: " + ", ".join(f"{name} ({kind})" for name, kind in sorted(KINDS.items())),
+        ),
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("server", choices=sorted(KINDS))
+    parser.add_argument("server", choices=sorted(KINDS), help="which example server to run")
     parser.add_argument(
         "--http-address", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)"
     )
@@ -167,7 +179,7 @@ def build(
         from rollout_checkpoint.examples.agent import AgentConfig, AgentServer
 
         if args.model_url is None:
-            raise SystemExit("serve agent: --model-url is required")
+            fail(EXIT_USAGE, "agent: --model-url is required")
         servers = dict(item.split("=", 1) for item in args.resources)
         agent = AgentServer(
             AgentConfig(
@@ -178,7 +190,7 @@ def build(
     from rollout_checkpoint.examples.environment import EnvironmentConfig, EnvironmentServer
 
     if args.agent_url is None:
-        raise SystemExit("serve environment: --agent-url is required")
+        fail(EXIT_USAGE, "environment: --agent-url is required")
     environment = EnvironmentServer(
         EnvironmentConfig(
             instance=instance,
@@ -190,10 +202,64 @@ def build(
     return environment.build_app(), environment.runtime
 
 
+EXIT_USAGE = ExitCode.USAGE
+EXIT_ADDRESS_IN_USE = ExitCode.ADDRESS_IN_USE
+
+
+def fail(code: int, message: str) -> NoReturn:
+    """One line on stderr and `code`: a configuration mistake is not a crash to debug."""
+    print(f"rollout-checkpoint serve: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def settings_or_exit(args: argparse.Namespace, instance: str) -> CheckpointSettings | None:
+    """The checkpoint settings, or exit 2 with one line saying what to set."""
+    try:
+        return checkpoint_settings(args, instance)
+    except ValidationError as error:
+        if any("token" in str(e.get("msg", "")) for e in error.errors()):
+            fail(EXIT_USAGE, "no control token: set ROLLOUT_CHECKPOINT_TOKEN or pass --token")
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in e['loc']) or 'checkpoint'}: {e['msg']}"
+            for e in error.errors()
+        )
+        fail(EXIT_USAGE, f"invalid checkpoint settings: {problems}")
+
+
+def check_free(label: str, address: str) -> None:
+    """Exit 8 with one line when `address` cannot be listened on.
+
+    Checked before starting, with a plain socket: gRPC's own bind failure surfaces as a
+    20-line traceback from inside the app's lifespan, and gRPC would even share a port with
+    another gRPC server (SO_REUSEPORT). A port taken between this check and the real bind
+    still fails, the long way."""
+    try:
+        host, port = _split(address)
+    except ValueError:
+        fail(EXIT_USAGE, f"{label} address {address!r} is not HOST:PORT")
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+    except OSError as error:
+        fail(EXIT_ADDRESS_IN_USE, f"cannot listen on {label} address {address}: {error}")
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            reason = "in use" if error.errno == errno.EADDRINUSE else error.strerror
+            fail(EXIT_ADDRESS_IN_USE, f"cannot listen on {label} address {address}: {reason}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     instance = args.instance or args.server
-    checkpoint = checkpoint_settings(args, instance)
+    checkpoint = settings_or_exit(args, instance)
+    check_free("HTTP", args.http_address)
+    if checkpoint is not None:
+        check_free("gRPC", checkpoint.grpc_address)
     token = checkpoint.token.get_secret_value() if checkpoint is not None else args.token
     configure_logging(
         args.log_level,

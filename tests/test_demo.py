@@ -102,3 +102,48 @@ def test_negative_control_without_the_resources_restore_fails(tmp_path: Path) ->
     assert code == 1 and not report["passed"], (report, stderr)
     assert not report["checks"]["trajectories_equal_baseline"]
     assert not report["checks"]["second_checkpoint_matches_first"]
+
+
+def test_the_cut_comes_after_checkpoint_after_rollouts_finished(tmp_path: Path) -> None:
+    """`--checkpoint-after 4`: the cut begins once exactly 4 finished (plus at most the ones
+    in flight that finished in the same moment), never after the first."""
+    concurrency = 3
+    code, report, stderr = demo(
+        tmp_path, "--rollouts", "10", "--concurrency", str(concurrency), "--checkpoint-after", "4"
+    )
+    # Only the cut is checked here (the whole demo passing is the test above).
+    assert code in (0, 1) and report["checks"].get("demo_completed", True), (report, stderr)
+    numbers = report["numbers"]
+    assert 4 <= numbers["finished_when_the_cut_began"] <= 4 + concurrency - 1, numbers
+    # Rollouts in flight at the cut may still finish before the fleet is prepared.
+    assert numbers["finished_when_the_cut_began"] <= numbers["finished_before_checkpoint"]
+    assert numbers["finished_before_checkpoint"] <= 4 + concurrency, numbers
+
+
+def test_the_narrative_agrees_with_the_report(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_checkpoint.client.cli",
+            "demo",
+            "--rollouts",
+            "12",
+            "--concurrency",
+            "12",
+            "--checkpoint-after",
+            "2",
+            "--output-dir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, GRPC_VERBOSITY="ERROR", COLUMNS="400"),
+    )
+    assert completed.returncode in (0, 1), completed.stderr[-3000:]
+    numbers = json.loads((tmp_path / "demo" / "report.json").read_text())["numbers"]
+    narrative = completed.stderr
+    assert f"continuing {numbers['continued']} rollouts as attempt 1" in narrative, narrative
+    if numbers["finished_during_checkpoint"]:
+        assert f"({numbers['finished_during_checkpoint']} more finished" in narrative
