@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import statistics
@@ -83,6 +84,10 @@ class Server:
     log: Path
 
 
+ANNOUNCE_TIMEOUT_SECONDS = 60.0
+"""How long a fleet server may take to print its announcement line."""
+
+
 @dataclass
 class FleetProcesses:
     """One generation of the fleet: five processes with sidecars on free loopback ports."""
@@ -98,9 +103,13 @@ class FleetProcesses:
         return f"http://{self.servers[name].http}"
 
     def kill(self) -> None:
-        for server in self.servers.values():
+        """SIGKILL every server, callers first, each dead before the next is killed.
+
+        Callees started first, so the reverse of the start order kills the environment before
+        the agent and the agent before its callees: a caller that outlived its callee would log
+        a traceback for the connection it lost, which no real crash of the whole fleet shows."""
+        for server in reversed(list(self.servers.values())):
             _signal_group(server.process, signal.SIGKILL)
-        for server in self.servers.values():
             server.process.wait(timeout=30)
 
     def stop(self) -> None:
@@ -191,9 +200,15 @@ def _launch(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Se
             env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
         )
     assert process.stdout is not None
-    line = process.stdout.readline()
+    # Bounded: a server that never announces itself must fail the demo, not hang it.
+    ready, _, _ = select.select([process.stdout], [], [], ANNOUNCE_TIMEOUT_SECONDS)
+    line = process.stdout.readline() if ready else ""
     if not line:
-        raise RuntimeError(f"{name} did not start (exit {process.wait()}); see {log}")
+        _signal_group(process, signal.SIGKILL)
+        raise RuntimeError(
+            f"{name} did not start within {ANNOUNCE_TIMEOUT_SECONDS:g} s "
+            f"(exit {process.wait()}); see {log}"
+        )
     announced = json.loads(line)
     return Server(name, kind, process, announced["http"], announced["grpc"], log)
 

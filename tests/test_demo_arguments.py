@@ -1,10 +1,15 @@
-"""The demo's fleet command lines survive any token (a random token may start with '-')."""
+"""The demo's fleet processes: command lines that survive any token (a random token may start
+with '-'), and a kill order that leaves no caller to outlive its callee."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from rollout_checkpoint.examples.demo import serve_options
+from rollout_checkpoint.examples import demo
+from rollout_checkpoint.examples.demo import FleetProcesses, Server, serve_options
 from rollout_checkpoint.examples.serve import parse_args
 
 
@@ -13,3 +18,22 @@ from rollout_checkpoint.examples.serve import parse_args
 def test_every_token_reaches_the_server_unchanged(token: str, start_closed: bool) -> None:
     args = parse_args(["counter", *serve_options(token, start_closed=start_closed)])
     assert args.token == token and args.start_closed is start_closed
+
+
+def test_a_killed_fleet_dies_callers_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A caller that outlived its callee would log a traceback no real crash shows."""
+    fleet = FleetProcesses("t")
+    for name in ("prompt_injection", "policy_model", "agent", "environment"):
+        process = subprocess.Popen(["sleep", "60"], start_new_session=True, text=True)
+        fleet.servers[name] = Server(name, "k", process, "", "", tmp_path / name)
+    order: list[str] = []
+    signal_group = demo._signal_group
+
+    def recording(process: subprocess.Popen[str], signum: int) -> None:
+        order.append(next(n for n, s in fleet.servers.items() if s.process is process))
+        assert all(fleet.servers[n].process.poll() is not None for n in order[:-1])
+        signal_group(process, signum)
+
+    monkeypatch.setattr(demo, "_signal_group", recording)
+    fleet.kill()
+    assert order == ["environment", "agent", "policy_model", "prompt_injection"]
