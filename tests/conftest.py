@@ -164,18 +164,19 @@ async def stop_harness(harness: Harness) -> None:
     await harness.serving
 
 
-async def serve_app(app: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
-    """Run `app` under uvicorn on 127.0.0.1:0 in this loop; return once it listens."""
-    server = _StartedServer(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            lifespan="on",
-            log_level="warning",
-            timeout_graceful_shutdown=2,
-        )
-    )
+async def serve_app(app: Any, **config: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
+    """Run `app` under uvicorn on 127.0.0.1:0 in this loop; return once it listens.
+
+    `config` overrides uvicorn.Config's options (a load test keeps idle connections open)."""
+    options: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "lifespan": "on",
+        "log_level": "warning",
+        "timeout_graceful_shutdown": 2,
+        **config,
+    }
+    server = _StartedServer(uvicorn.Config(app, **options))
     serving = asyncio.ensure_future(server.serve())
     started = asyncio.ensure_future(server.started_event.wait())
     await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)

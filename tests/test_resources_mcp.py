@@ -37,7 +37,7 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, _StartedServer, drain
+from .conftest import TOKEN, drain, serve_app
 from .processes import announcement, kill_group
 from .processes import start as start_process
 
@@ -76,7 +76,7 @@ class Served:
     server: CounterServer
     base_url: str
     http: httpx.AsyncClient
-    uvicorn: _StartedServer
+    uvicorn: uvicorn.Server
     serving: asyncio.Future[None]
     client: ParticipantClient | None
 
@@ -124,24 +124,7 @@ class Served:
 
 
 async def serve(server: CounterServer) -> Served:
-    app = server.build_app()
-    started = _StartedServer(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            lifespan="on",
-            log_level="warning",
-            timeout_graceful_shutdown=2,
-        )
-    )
-    serving = asyncio.ensure_future(started.serve())
-    up = asyncio.ensure_future(started.started_event.wait())
-    await asyncio.wait({serving, up}, return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():
-        serving.result()
-        raise RuntimeError("the server stopped during startup")
-    port = started.servers[0].sockets[0].getsockname()[1]
+    started, serving, port = await serve_app(server.build_app())
     base_url = f"http://127.0.0.1:{port}"
     client = None
     if server.runtime is not None:
