@@ -24,6 +24,7 @@ from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.v1 import types_pb2
 
 from .clocks import ObservedClock
 from .double import DoubleParticipant, create_app
@@ -255,6 +256,35 @@ def spawn() -> Iterator[Any]:
     finally:
         for double in doubles:
             kill_group(double.process)
+
+
+async def prepared(h: Harness, checkpoint_id: str = "c1") -> None:
+    """Prepare the harness's participant and check that it reached PREPARED."""
+    final = (await drain(h.client.prepare(checkpoint_id, h.deadline())))[-1]
+    assert final.state == types_pb2.PARTICIPANT_STATE_PREPARED
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def temporaries(part: Path) -> list[str]:
+    """The temporary files a part directory holds (a crashed or stopped write's leftovers)."""
+    if not part.exists():
+        return []
+    return sorted(
+        name
+        for name in os.listdir(part)
+        if name.startswith((".records-", ".manifest-")) or name.endswith(".tmp")
+    )
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under `root` (relative), directories included, sorted."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            found.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(found)
 
 
 def grpc_code(name: str) -> grpc.StatusCode:

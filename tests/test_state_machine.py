@@ -34,7 +34,6 @@ import grpc
 import httpx
 import pytest
 import uvicorn
-from google.protobuf import timestamp_pb2
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -50,6 +49,7 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import DEFAULT_CODES, Reason
+from rollout_checkpoint.server.core.rpc.wire import timestamp as stamp
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -379,12 +379,6 @@ def predict(call: Any, *args: Any) -> tuple[Any, ...]:
 
 
 # -- the real participant -----------------------------------------------------------------
-
-
-def stamp(seconds: float) -> timestamp_pb2.Timestamp:
-    value = timestamp_pb2.Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 def scope_message(episodes: frozenset[EpisodeId]) -> types_pb2.EpisodeScope:
