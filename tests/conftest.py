@@ -103,15 +103,7 @@ class Harness:
 
     async def until(self, predicate: Any, timeout: float = 30.0) -> None:
         """Wait until `predicate()` holds, re-checking whenever the control plane changes."""
-        changed = asyncio.Event()
-        self.runtime.control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            self.runtime.control.remove_listener(changed.set)
+        await until_changed(self.runtime.control, predicate, timeout)
 
     async def wait_health(self, service: str, status: int, timeout: float = 30.0) -> None:
         """Watch a health name until it reports `status` (health follows asynchronously)."""
@@ -123,6 +115,20 @@ class Harness:
                     watch.cancel()
                     return
         raise AssertionError(f"health {service!r} never reached {status}")
+
+
+async def until_changed(control: Any, predicate: Any, timeout: float = 30.0) -> None:
+    """Wait until `predicate()` holds, re-checked whenever `control` (a control plane)
+    changes: a state reached by an event, never by sleeping, and bounded by `timeout`."""
+    changed = asyncio.Event()
+    control.add_listener(changed.set)
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await changed.wait()
+                changed.clear()
+    finally:
+        control.remove_listener(changed.set)
 
 
 async def start_harness(

@@ -37,7 +37,7 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, drain, serve_app
+from .conftest import TOKEN, drain, serve_app, until_changed
 from .processes import announcement, kill_group
 from .processes import start as start_process
 
@@ -94,15 +94,7 @@ class Served:
         """Wait until `predicate()` holds, re-checked on every participant change."""
         runtime = self.server.runtime
         assert runtime is not None
-        changed = asyncio.Event()
-        runtime.control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(WAIT):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            runtime.control.remove_listener(changed.set)
+        await until_changed(runtime.control, predicate, WAIT)
 
     async def seed(self, key: str = "r1", initial_count: int = 1) -> dict[str, str]:
         """Seed a session (cookie kept by `http`); return the MCP headers of the reply."""

@@ -56,7 +56,7 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, serve_app
+from .conftest import TOKEN, serve_app, until_changed
 from .double import DoubleParticipant, create_app
 from .loop_thread import LoopThread, only_when_asked_for
 
@@ -408,15 +408,7 @@ class Double:
         return self.runtime.control
 
     async def until(self, predicate: Any, timeout: float = 30.0) -> None:
-        changed = asyncio.Event()
-        self.control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            self.control.remove_listener(changed.set)
+        await until_changed(self.control, predicate, timeout)
 
     @classmethod
     async def start(cls) -> Double:
