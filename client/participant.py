@@ -90,9 +90,12 @@ class ParticipantClient:
 
     async def _call(self, call: Awaitable[T]) -> T:
         try:
-            return await call
+            reply = await call
         except aio.AioRpcError as error:
             raise ControlError.from_rpc_error(error) from None
+        if reply is None:
+            raise unparsable_reply()
+        return reply
 
     # -- read-only ----------------------------------------------------------------------
 
@@ -165,6 +168,8 @@ class ParticipantClient:
         )
         try:
             async for message in call:
+                if message is None:
+                    raise unparsable_reply()
                 yield message
         except aio.AioRpcError as error:
             raise ControlError.from_rpc_error(error) from None
@@ -309,3 +314,13 @@ class ParticipantClient:
                 request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
             )
         )
+
+
+def unparsable_reply() -> ControlError:
+    """A reply whose bytes do not parse as its message. grpc.aio logs the decoding error and
+    hands the caller None instead of raising, which a controller would take for an answer (a
+    Prepare stream would seem to have ended; a Resume, to have succeeded): this makes it the
+    failed call it is, INTERNAL with no reason, as the synchronous grpc library reports it."""
+    return ControlError(
+        grpc.StatusCode.INTERNAL, "the participant's reply does not parse (not this API's message)"
+    )

@@ -24,6 +24,7 @@ from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.v1 import types_pb2
 
 from .clocks import ObservedClock
 from .double import DoubleParticipant, create_app
@@ -102,15 +103,7 @@ class Harness:
 
     async def until(self, predicate: Any, timeout: float = 30.0) -> None:
         """Wait until `predicate()` holds, re-checking whenever the control plane changes."""
-        changed = asyncio.Event()
-        self.runtime.control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            self.runtime.control.remove_listener(changed.set)
+        await until_changed(self.runtime.control, predicate, timeout)
 
     async def wait_health(self, service: str, status: int, timeout: float = 30.0) -> None:
         """Watch a health name until it reports `status` (health follows asynchronously)."""
@@ -122,6 +115,20 @@ class Harness:
                     watch.cancel()
                     return
         raise AssertionError(f"health {service!r} never reached {status}")
+
+
+async def until_changed(control: Any, predicate: Any, timeout: float = 30.0) -> None:
+    """Wait until `predicate()` holds, re-checked whenever `control` (a control plane)
+    changes: a state reached by an event, never by sleeping, and bounded by `timeout`."""
+    changed = asyncio.Event()
+    control.add_listener(changed.set)
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await changed.wait()
+                changed.clear()
+    finally:
+        control.remove_listener(changed.set)
 
 
 async def start_harness(
@@ -164,18 +171,19 @@ async def stop_harness(harness: Harness) -> None:
     await harness.serving
 
 
-async def serve_app(app: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
-    """Run `app` under uvicorn on 127.0.0.1:0 in this loop; return once it listens."""
-    server = _StartedServer(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            lifespan="on",
-            log_level="warning",
-            timeout_graceful_shutdown=2,
-        )
-    )
+async def serve_app(app: Any, **config: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
+    """Run `app` under uvicorn on 127.0.0.1:0 in this loop; return once it listens.
+
+    `config` overrides uvicorn.Config's options (a load test keeps idle connections open)."""
+    options: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "lifespan": "on",
+        "log_level": "warning",
+        "timeout_graceful_shutdown": 2,
+        **config,
+    }
+    server = _StartedServer(uvicorn.Config(app, **options))
     serving = asyncio.ensure_future(server.serve())
     started = asyncio.ensure_future(server.started_event.wait())
     await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)
@@ -254,6 +262,35 @@ def spawn() -> Iterator[Any]:
     finally:
         for double in doubles:
             kill_group(double.process)
+
+
+async def prepared(h: Harness, checkpoint_id: str = "c1") -> None:
+    """Prepare the harness's participant and check that it reached PREPARED."""
+    final = (await drain(h.client.prepare(checkpoint_id, h.deadline())))[-1]
+    assert final.state == types_pb2.PARTICIPANT_STATE_PREPARED
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def temporaries(part: Path) -> list[str]:
+    """The temporary files a part directory holds (a crashed or stopped write's leftovers)."""
+    if not part.exists():
+        return []
+    return sorted(
+        name
+        for name in os.listdir(part)
+        if name.startswith((".records-", ".manifest-")) or name.endswith(".tmp")
+    )
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under `root` (relative), directories included, sorted."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            found.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(found)
 
 
 def grpc_code(name: str) -> grpc.StatusCode:

@@ -28,6 +28,27 @@ ANNOUNCE_SECONDS = 60.0
 load). A safety net only: nothing waits for it to pass."""
 
 
+def run(
+    *args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a tool to completion, capturing its output for `explain`. Bounded at 300 s: a cold
+    Go build of grpc (the conformance controller) takes ~30 s on 2 cores, a wheel build less."""
+    return subprocess.run(
+        [str(a) for a in args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def explain(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a failed `run` printed, for an assertion message."""
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
 def start(
     command: Sequence[str],
     *,

@@ -6,12 +6,12 @@ import logging
 
 import grpc
 import pytest
-from google.protobuf import timestamp_pb2
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.server.core.rpc.wire import timestamp as stamp
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
@@ -31,12 +31,6 @@ UNARY = [
     "Forget",
 ]
 ALL_RPCS = [*UNARY, "Prepare"]
-
-
-def stamp(seconds: float) -> timestamp_pb2.Timestamp:
-    value = timestamp_pb2.Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 def requests(deadline: float) -> dict[str, object]:

@@ -27,7 +27,6 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from google.protobuf import timestamp_pb2
 from google.protobuf.message import Message
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +37,7 @@ from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
 from rollout_checkpoint.server.core.clock import SystemClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.rpc import auth
+from rollout_checkpoint.server.core.rpc.wire import timestamp as stamp
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -63,12 +63,6 @@ WRONG = [
     pytest.param((("authorization", f"Bearer {TOKEN.upper()}"),), id="case"),
     pytest.param((("x-authorization", f"Bearer {TOKEN}"),), id="other-key"),
 ]
-
-
-def stamp(seconds: float) -> timestamp_pb2.Timestamp:
-    value = timestamp_pb2.Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 def coordinator_requests(deadline: float, directory: str) -> dict[str, Message]:

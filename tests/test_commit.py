@@ -14,7 +14,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import Harness, drain, refused, start_harness, stop_harness
+from .conftest import Harness, prepared, refused, start_harness, stop_harness
 
 PART = ("participants", "resources", "double")
 
@@ -26,11 +26,6 @@ def part_dir(checkpoint_dir: str) -> Path:
 def records_of(checkpoint_dir: str) -> list[str]:
     manifest = json.loads((part_dir(checkpoint_dir) / "manifest.json").read_text())
     return (part_dir(checkpoint_dir) / manifest["records_file"]).read_text().splitlines()
-
-
-async def prepared(h: Harness, checkpoint_id: str = "c1") -> None:
-    final = (await drain(h.client.prepare(checkpoint_id, h.deadline())))[-1]
-    assert final.state == types_pb2.PARTICIPANT_STATE_PREPARED
 
 
 async def test_commit_before_prepare_is_invalid_phase(

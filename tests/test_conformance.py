@@ -28,12 +28,11 @@ import pytest
 
 from . import processes
 from .conftest import REPO, TOKEN, kill_group
-from .processes import announcement
+from .processes import announcement, run
 
 CONFORMANCE = REPO / "tests" / "conformance"
 NODE_DIR = CONFORMANCE / "node"
 GO_DIR = CONFORMANCE / "go"
-RUN_TIMEOUT = 300.0  # a cold Go build of grpc takes ~30 s on 2 cores; a run takes ~1 s
 
 
 def explain(proc: subprocess.CompletedProcess[str], *server_logs: Path) -> str:
@@ -101,27 +100,13 @@ def coordinator(counter: Counter, tmp_path: Path) -> Iterator[str]:
         kill_group(process)
 
 
-def run(
-    args: list[str | Path], cwd: Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
-    )
-
-
 def test_node_controller(counter: Counter) -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed: the Node.js conformance controller needs Node 20+")
     if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
         pytest.fail(f"{NODE_DIR}/node_modules is missing: run scripts/test (it runs `npm ci`)")
-    proc = run([node, "controller.js"], NODE_DIR, counter.env())
+    proc = run(node, "controller.js", cwd=NODE_DIR, env=counter.env())
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
     assert proc.returncode == 0, explain(proc, counter.log)
     assert "node controller: all" in proc.stdout, explain(proc, counter.log)
@@ -141,13 +126,13 @@ def test_go_controller(counter: Counter, coordinator: str, tmp_path: Path) -> No
     for name in ("go.mod", "go.sum", "main.go"):
         shutil.copy2(GO_DIR / name, module / name)
     generated = run(
-        ["bash", GO_DIR / "generate.sh", module], REPO, dict(os.environ, PYTHON=sys.executable)
+        "bash", GO_DIR / "generate.sh", module, env=dict(os.environ, PYTHON=sys.executable)
     )
     assert generated.returncode == 0, explain(generated)
-    built = run([go, "build", "-buildvcs=false", "-o", "conformance", "."], module)
+    built = run(go, "build", "-buildvcs=false", "-o", "conformance", ".", cwd=module)
     assert built.returncode == 0, explain(built)
     env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator)
-    proc = run([module / "conformance"], module, env)
+    proc = run(module / "conformance", cwd=module, env=env)
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
     logs = (counter.log, tmp_path / "coordinator.log")
     assert proc.returncode == 0, explain(proc, *logs)

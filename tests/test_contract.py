@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from decimal import Decimal
 from pathlib import Path
@@ -37,28 +36,12 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 
 from .conftest import TOKEN, start_harness, stop_harness
+from .processes import REPO, explain, run
 
-REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 BUF = BIN / "buf"
 # The last released contract; rewritten only on purpose by scripts/refresh-baseline.
 BASELINE = "protos/baseline/v1.binpb"
-
-
-def run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
-def explain(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
 def test_buf_lint() -> None:

@@ -40,7 +40,16 @@ from rollout_checkpoint.server.core.part_storage import (
 )
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import REPO, Harness, drain, refused, start_harness, stop_harness
+from .conftest import (
+    REPO,
+    Harness,
+    drain,
+    refused,
+    start_harness,
+    stop_harness,
+    temporaries,
+    tree,
+)
 
 CHECKPOINT_ID = "crash-1"
 KIND, INSTANCE = "resources", "double"
@@ -112,20 +121,6 @@ def expected_digest() -> str:
 
 def part_of(checkpoint_dir: str) -> Path:
     return Path(checkpoint_dir, "participants", KIND, INSTANCE)
-
-
-def temporaries(part: Path) -> list[str]:
-    if not part.exists():
-        return []
-    return sorted(n for n in os.listdir(part) if n.endswith(".tmp"))
-
-
-def tree(root: Path) -> list[str]:
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            found.append(os.path.relpath(os.path.join(dirpath, name), root))
-    return sorted(found)
 
 
 def start_child(step: str, nth: int, checkpoint_dir: str) -> subprocess.Popen[str]:

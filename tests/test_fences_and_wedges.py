@@ -18,7 +18,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import Harness, drain, refused, start_harness, stop_harness
+from .conftest import Harness, prepared, refused, start_harness, stop_harness
 from .test_commit import GatedStorage
 from .test_restore import STATES, make_checkpoint
 
@@ -27,11 +27,6 @@ PART = ("participants", "resources", "double")
 
 async def in_thread(event: threading.Event) -> None:
     assert await asyncio.to_thread(event.wait, 10)
-
-
-async def prepared(h: Harness, checkpoint_id: str = "c1") -> None:
-    final = (await drain(h.client.prepare(checkpoint_id, h.deadline())))[-1]
-    assert final.state == types_pb2.PARTICIPANT_STATE_PREPARED
 
 
 def spy_on(h: Harness, method: str) -> asyncio.Event:

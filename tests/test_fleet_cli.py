@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from google.protobuf import timestamp_pb2
 from grpc import aio
 
 from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.server.core.rpc.wire import timestamp as stamp
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
@@ -172,12 +172,6 @@ def test_exit_codes_for_unreachable_and_usage(tmp_path: Path) -> None:
     assert cli("status", "--fleet", str(fleet_file)).returncode == 5
     fleet_file.write_text("nonsense = 1\n")
     assert cli("status", "--fleet", str(fleet_file)).returncode == 2
-
-
-def stamp(seconds: float) -> timestamp_pb2.Timestamp:
-    value = timestamp_pb2.Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 async def test_coordinator_service_checkpoint_stream_and_restore(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .clocks import ObservedClock
-from .conftest import TOKEN, serve_app
+from .conftest import TOKEN, serve_app, until_changed
 
 SETTINGS = CheckpointSettings(enabled=True, token=TOKEN)
 
@@ -138,19 +138,6 @@ def deadline(seconds: float = 30) -> float:
     return time.time() + seconds
 
 
-async def until(control: Any, predicate: Any) -> None:
-    """Wait until `predicate()` holds, re-checked whenever that control plane changes."""
-    changed = asyncio.Event()
-    control.add_listener(changed.set)
-    try:
-        async with asyncio.timeout(30):
-            while not predicate():
-                await changed.wait()
-                changed.clear()
-    finally:
-        control.remove_listener(changed.set)
-
-
 async def test_a_checkpoint_without_a_crash_parks_and_releases_everything(tmp_path: Any) -> None:
     tasks = load_tasks()
     rollouts = {f"q{i}": tasks[i % len(tasks)] for i in range(6)}
@@ -180,7 +167,7 @@ async def test_a_checkpoint_without_a_crash_parks_and_releases_everything(tmp_pa
         assert progress.prepared
         hold.set()
         model = f.servers["policy_model"].participant
-        await until(
+        await until_changed(
             f.servers["policy_model"].runtime.control, lambda: any(c.held for c in model.calls)
         )
         status = await f.fleet.member("policy_model").client.get_status()

@@ -45,6 +45,7 @@ from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.server.core.clock import SystemClock
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
+from rollout_checkpoint.server.core.rpc.wire import timestamp as stamp
 from rollout_checkpoint.server.runtime.control_plane import ControlPlane
 from rollout_checkpoint.server.runtime.install import install_checkpointing
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -61,12 +62,6 @@ COORDINATOR = "/rollout_checkpoint.v1.CoordinatorService/"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 DOMAIN = "rollout-checkpoint.dev"
 MAX_ATTEMPT_WIRE = 2**31 - 1
-
-
-def stamp(seconds: float) -> timestamp_pb2.Timestamp:
-    value = timestamp_pb2.Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
 
 
 def participant_requests(deadline: float, directory: str) -> dict[str, tuple[Message, bool]]:

@@ -11,14 +11,14 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from .processes import REPO, explain, run
+
 BIN = Path(sys.executable).parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # {"rollout_checkpoint": "gen/rollout_checkpoint", "rollout_checkpoint.server": "server", ...}
@@ -34,24 +34,6 @@ PROBES = {
     "rollout_checkpoint.client": "client",
     "rollout_checkpoint.examples": "examples",
 }
-
-
-def run(
-    *args: str | Path, cwd: Path = REPO, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
-def explain(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
 def test_editable_imports_resolve_to_the_source_folders() -> None:

@@ -35,7 +35,7 @@ from rollout_checkpoint.server.resources import ResourcesServerConfig
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, _StartedServer, drain
+from .conftest import TOKEN, drain, serve_app
 from .loop_thread import only_when_asked_for
 
 SECRET = "a-fixed-session-secret-for-load"
@@ -52,26 +52,10 @@ class Counter:
     serving: asyncio.Future[None]
 
 
-async def serve_app(app: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
-    """uvicorn on 127.0.0.1:0 in this loop, keeping idle connections open for the whole test
-    (with the default 5 s a POST can race the server closing its idle connection)."""
-    server = _StartedServer(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            lifespan="on",
-            log_level="warning",
-            timeout_keep_alive=300,
-        )
-    )
-    serving = asyncio.ensure_future(server.serve())
-    started = asyncio.ensure_future(server.started_event.wait())
-    await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():
-        serving.result()
-        raise RuntimeError("the server stopped during startup")
-    return server, serving, server.servers[0].sockets[0].getsockname()[1]
+async def serve_load_app(app: Any) -> tuple[uvicorn.Server, asyncio.Future[None], int]:
+    """Keeps idle connections open for the whole test (with the default 5 s a POST can race
+    the server closing its idle connection)."""
+    return await serve_app(app, timeout_keep_alive=300, timeout_graceful_shutdown=None)
 
 
 @contextlib.asynccontextmanager
@@ -82,7 +66,7 @@ async def counter() -> AsyncIterator[Counter]:
         session_secret=SECRET,
     )
     server = CounterServer(config)
-    runner, serving, port = await serve_app(server.build_app())
+    runner, serving, port = await serve_load_app(server.build_app())
     assert server.runtime is not None
     client = ParticipantClient(server.runtime.address, TOKEN)
     try:

@@ -37,7 +37,7 @@ from rollout_checkpoint.server.resources import ResourcesServerConfig
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, drain, refused, serve_app
+from .conftest import TOKEN, drain, refused, serve_app, until_changed
 from .processes import announcement, kill_group
 from .processes import start as start_process
 
@@ -186,16 +186,7 @@ class Model:
 
     async def until(self, predicate: Any) -> None:
         assert self.server.runtime is not None
-        changed = asyncio.Event()
-        control = self.server.runtime.control
-        control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(WAIT):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            control.remove_listener(changed.set)
+        await until_changed(self.server.runtime.control, predicate, WAIT)
 
     async def prepared(self, checkpoint_id: str) -> Any:
         final = await self.client.prepare_until_final(checkpoint_id, self.deadline())

@@ -27,7 +27,7 @@ from rollout_checkpoint.server.resources import (
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, drain, refused, serve_app
+from .conftest import TOKEN, drain, refused, serve_app, until_changed
 from .processes import announcement, kill_group
 from .processes import start as start_process
 
@@ -59,16 +59,7 @@ class Running:
 
     async def until(self, predicate: Any) -> None:
         assert self.server.runtime is not None
-        changed = asyncio.Event()
-        control = self.server.runtime.control
-        control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(30):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            control.remove_listener(changed.set)
+        await until_changed(self.server.runtime.control, predicate)
 
     async def stop(self) -> None:
         for browser in self.browsers:

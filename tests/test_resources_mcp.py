@@ -37,7 +37,7 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, _StartedServer, drain
+from .conftest import TOKEN, drain, serve_app, until_changed
 from .processes import announcement, kill_group
 from .processes import start as start_process
 
@@ -76,7 +76,7 @@ class Served:
     server: CounterServer
     base_url: str
     http: httpx.AsyncClient
-    uvicorn: _StartedServer
+    uvicorn: uvicorn.Server
     serving: asyncio.Future[None]
     client: ParticipantClient | None
 
@@ -94,15 +94,7 @@ class Served:
         """Wait until `predicate()` holds, re-checked on every participant change."""
         runtime = self.server.runtime
         assert runtime is not None
-        changed = asyncio.Event()
-        runtime.control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(WAIT):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            runtime.control.remove_listener(changed.set)
+        await until_changed(runtime.control, predicate, WAIT)
 
     async def seed(self, key: str = "r1", initial_count: int = 1) -> dict[str, str]:
         """Seed a session (cookie kept by `http`); return the MCP headers of the reply."""
@@ -124,24 +116,7 @@ class Served:
 
 
 async def serve(server: CounterServer) -> Served:
-    app = server.build_app()
-    started = _StartedServer(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            lifespan="on",
-            log_level="warning",
-            timeout_graceful_shutdown=2,
-        )
-    )
-    serving = asyncio.ensure_future(started.serve())
-    up = asyncio.ensure_future(started.started_event.wait())
-    await asyncio.wait({serving, up}, return_when=asyncio.FIRST_COMPLETED)
-    if serving.done():
-        serving.result()
-        raise RuntimeError("the server stopped during startup")
-    port = started.servers[0].sockets[0].getsockname()[1]
+    started, serving, port = await serve_app(server.build_app())
     base_url = f"http://127.0.0.1:{port}"
     client = None
     if server.runtime is not None:

@@ -34,7 +34,6 @@ import grpc
 import httpx
 import pytest
 import uvicorn
-from google.protobuf import timestamp_pb2
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -48,6 +47,8 @@ from hypothesis.stateful import (
 
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import DEFAULT_CODES, Reason
+from rollout_checkpoint.server.core.rpc.wire import timestamp as stamp
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -55,7 +56,7 @@ from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
 from .clocks import ObservedClock
-from .conftest import TOKEN, serve_app
+from .conftest import TOKEN, serve_app, until_changed
 from .double import DoubleParticipant, create_app
 from .loop_thread import LoopThread, only_when_asked_for
 
@@ -72,28 +73,17 @@ DIRS = ["d1", "d2"]
 DEADLINES = {"ok": 60.0, "past": -1.0, "far": MAX_DEADLINE + 10.0}
 DEADLINE_KINDS = ["ok"] * 5 + ["past", "far"]
 
-STATES = {
-    types_pb2.PARTICIPANT_STATE_IDLE: "IDLE",
-    types_pb2.PARTICIPANT_STATE_PREPARING: "PREPARING",
-    types_pb2.PARTICIPANT_STATE_PREPARED: "PREPARED",
-    types_pb2.PARTICIPANT_STATE_COMMITTED: "COMMITTED",
-    types_pb2.PARTICIPANT_STATE_RESTORED: "RESTORED",
-}
-CODES = {
-    "INVALID_REQUEST": "INVALID_ARGUMENT",
-    "CHECKPOINT_DEADLINE_EXCEEDED": "DEADLINE_EXCEEDED",
-    "STALE_CHECKPOINT": "ABORTED",
-    "CHECKPOINT_CONFLICT": "ABORTED",
-    "INVALID_PHASE": "FAILED_PRECONDITION",
-    "FRESH_PROCESS_REQUIRED": "FAILED_PRECONDITION",
-}
+
+def state_name(state: types_pb2.ParticipantState.ValueType) -> str:
+    """The model's name of a wire state: the enum value's name without its prefix."""
+    return types_pb2.ParticipantState.Name(state).removeprefix("PARTICIPANT_STATE_")
 
 
 class Refusal(Exception):
     def __init__(self, reason: str, code: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.code = code or CODES[reason]
+        self.code = code or DEFAULT_CODES[Reason(reason)]
 
     def outcome(self) -> tuple[str, str, str]:
         return ("error", self.reason, self.code)
@@ -340,85 +330,6 @@ class Model:
             return True
         return False
 
-    # -- whole sequences, so that a fixed budget reaches the deep states ------------------
-
-    def fresh_id(self) -> str:
-        self.counter += 1
-        return f"k{self.counter}"
-
-    @rule(
-        pooled=st.sampled_from([None, None, *VALID_IDS]),
-        name=st.sampled_from([*DIRS, "new", "new"]),
-        scope=st.one_of(st.none(), st.frozensets(st.sampled_from(EPISODES), max_size=6)),
-        then=st.sampled_from(["resume", "renew", "overwrite", "stay"]),
-    )
-    def checkpoint(
-        self, pooled: str | None, name: str, scope: frozenset[EpisodeId] | None, then: str
-    ) -> None:
-        """Prepare and commit, mostly with a fresh id (as a controller does) and a new
-        directory, sometimes colliding with the pool and with directories already used."""
-        checkpoint_id = pooled or self.fresh_id()
-        if name == "new":
-            name = f"dir-{self.fresh_id()}"
-        self.prepare(checkpoint_id, "ok")
-        self.commit(checkpoint_id, "ok", name, scope)
-        if then == "resume":
-            self.resume(checkpoint_id, "ok")
-        elif then == "renew":
-            self.renew(checkpoint_id, "ok")
-        elif then == "overwrite":  # another checkpoint into the same directory: refused
-            self.resume(checkpoint_id, "ok")
-            other = self.fresh_id()
-            self.prepare(other, "ok")
-            self.commit(other, "ok", name, scope)
-
-    @rule(
-        checkpoint_id=st.sampled_from(VALID_IDS),
-        data=st.data(),
-        scope=st.frozensets(st.sampled_from(EPISODES), min_size=1, max_size=6),
-        then=st.sampled_from(["resume", "retire", "prepare", "continue", "continue", "stay"]),
-        served=st.integers(0, 5),
-    )
-    def restart_and_restore(
-        self,
-        checkpoint_id: str,
-        data: st.DataObject,
-        scope: frozenset[EpisodeId],
-        then: str,
-        served: int,
-    ) -> None:
-        """A fresh process restores a directory that mostly holds a commit (and sometimes
-        serves a request first, which makes it refuse)."""
-        if not self.model.files:  # something to restore: this process checkpoints first
-            for episode in EPISODES[::2]:
-                self.seed(episode, 7)
-            self.checkpoint(None, "new", None, "resume")
-        written = sorted(Path(d).name for d in self.model.files)
-        name = data.draw(st.sampled_from([*written, *written, *written, "never-written"]))
-        self.restart(0)
-        if not served:
-            self.seed(EPISODES[0], 1)
-        self.restore(checkpoint_id, "ok", name, scope)
-        if then == "resume":
-            self.resume(checkpoint_id, "ok")
-        elif then == "retire":  # later, so that the retire's lease renewal shows
-            self.advance_clock(30.0)
-            self.retire(checkpoint_id, "ok", sorted(e.next_attempt() for e in scope)[:1])
-        elif then == "prepare":
-            self.prepare(checkpoint_id, "ok")
-        elif then == "continue":  # some restored episodes go on, the next checkpoint keeps some
-            self.resume(checkpoint_id, "ok")
-            pending = sorted(self.model.pending) or EPISODES
-            for episode in sorted(data.draw(st.frozensets(st.sampled_from(pending)))):
-                self.update(episode, 50)
-            keep = data.draw(st.frozensets(st.sampled_from(pending)))
-            self.checkpoint(None, "new", keep, "resume")
-
-    @rule(episode=st.sampled_from(EPISODES), value=st.integers(0, 99))
-    def hold_then_prepare(self, episode: EpisodeId, value: int) -> None:
-        self.hold(episode, value)
-        self.prepare(self.model.active or "c1", "ok")
-
     # -- data plane ----------------------------------------------------------------------
 
     def admit(self, episode: EpisodeId) -> None:
@@ -470,12 +381,6 @@ def predict(call: Any, *args: Any) -> tuple[Any, ...]:
 # -- the real participant -----------------------------------------------------------------
 
 
-def stamp(seconds: float) -> timestamp_pb2.Timestamp:
-    value = timestamp_pb2.Timestamp()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
-
-
 def scope_message(episodes: frozenset[EpisodeId]) -> types_pb2.EpisodeScope:
     return types_pb2.EpisodeScope(
         episodes=[
@@ -503,15 +408,7 @@ class Double:
         return self.runtime.control
 
     async def until(self, predicate: Any, timeout: float = 30.0) -> None:
-        changed = asyncio.Event()
-        self.control.add_listener(changed.set)
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate():
-                    await changed.wait()
-                    changed.clear()
-        finally:
-            self.control.remove_listener(changed.set)
+        await until_changed(self.control, predicate, timeout)
 
     @classmethod
     async def start(cls) -> Double:
@@ -695,7 +592,7 @@ class ParticipantMachine(RuleBasedStateMachine):
         if isinstance(reply, tuple):
             assert reply == expected
             return
-        assert ("ok", STATES[reply.state], reply.replayed) == expected
+        assert ("ok", state_name(reply.state), reply.replayed) == expected
         assert reply.admission_open == self.model.admission
         assert reply.checkpoint_id == (self.model.active or "")
 
@@ -733,7 +630,7 @@ class ParticipantMachine(RuleBasedStateMachine):
         if isinstance(reply, tuple):
             assert reply == expected
             return
-        assert STATES[reply.state] == "COMMITTED"
+        assert state_name(reply.state) == "COMMITTED"
         got = ("ok", tuple(reply.exported), tuple(reply.retired), reply.manifest.record_count)
         assert got == expected
         assert reply.manifest.checkpoint_id == self.model.files[directory].checkpoint_id
@@ -762,7 +659,7 @@ class ParticipantMachine(RuleBasedStateMachine):
         if isinstance(reply, tuple):
             assert reply == expected
             return
-        assert STATES[reply.state] == "RESTORED"
+        assert state_name(reply.state) == "RESTORED"
         assert ("ok", reply.source_checkpoint_id, tuple(reply.restored)) == expected
 
     @rule(checkpoint_id=st.sampled_from(IDS), kind=st.sampled_from(DEADLINE_KINDS))
@@ -775,7 +672,7 @@ class ParticipantMachine(RuleBasedStateMachine):
         if isinstance(reply, tuple):
             assert reply == expected
             return
-        assert STATES[reply.state] == "IDLE"
+        assert state_name(reply.state) == "IDLE"
         assert ("ok", reply.idempotent) == expected
 
     @rule(
@@ -978,7 +875,7 @@ class ParticipantMachine(RuleBasedStateMachine):
             assert control.retired_attempts.highest(rollout) == model.marks.get(rollout)
         assert participant.has_served() == model.served
         status = self.real.stub.GetStatus(pb.GetStatusRequest(), metadata=AUTH, timeout=30)
-        assert STATES[status.state] == model.state
+        assert state_name(status.state) == model.state
         assert status.admission_open == model.admission
         assert status.checkpoint_id == (model.active or "")
         assert status.restored_pending == len(model.pending)

@@ -27,6 +27,8 @@ from rollout_checkpoint.server.core.part_storage import (
     validate_checkpoint_dir,
 )
 
+from .conftest import temporaries, tree
+
 KIND = "resources"
 INSTANCE = "inst-0"
 MANIFEST_FIELDS = [
@@ -59,27 +61,8 @@ def part_of(ckpt: Path, kind: str = KIND, instance: str = INSTANCE) -> Path:
     return ckpt / "participants" / kind / instance
 
 
-def temporaries(part: Path) -> list[str]:
-    if not part.exists():
-        return []
-    return sorted(
-        name
-        for name in os.listdir(part)
-        if name.startswith((".records-", ".manifest-")) or name.endswith(".tmp")
-    )
-
-
 def records_files(part: Path) -> list[str]:
     return sorted(n for n in os.listdir(part) if n.startswith("records-"))
-
-
-def tree(root: Path) -> list[str]:
-    """Every path under `root` (relative), directories included, sorted."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in [*dirnames, *filenames]:
-            found.append(os.path.relpath(os.path.join(dirpath, name), root))
-    return sorted(found)
 
 
 def write(

@@ -83,11 +83,15 @@ def to_grpc_status(error: CheckpointError) -> grpc.Status:
 
 
 def error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None:
-    """The status's ErrorInfo; None when it has none (the library or the network spoke)."""
+    """The status's ErrorInfo; None when it has none (the library or the network spoke) or
+    its bytes do not parse."""
     for detail in status.details:
         info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info
+        try:
+            if detail.Unpack(info):
+                return info
+        except DecodeError:
+            return None  # an ErrorInfo that does not parse says no reason a caller could trust
     return None
 
 
