@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import CheckpointEvent, Phase, checkpoint
@@ -55,32 +55,22 @@ class CheckpointSettings:
     """Published checkpoints kept by retention."""
 
 
+@dataclass(eq=False)
 class CheckpointTaker:
     """Takes the checkpoints of one collection; `take` runs one while dispatching is paused.
 
     `step` is called with each step's name (see `CheckpointStepHook`): the collector binds
     the checkpoint number to it."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        root: CheckpointRoot,
-        book: RolloutBook,
-        output: DurableAppender,
-        view: CollectView,
-        control: ControlCalls,
-        settings: CheckpointSettings,
-        step: Callable[[str], None],
-    ) -> None:
-        self.fleet = fleet
-        self.root = root
-        self.book = book
-        self.output = output
-        self.view = view
-        self.control = control
-        self.settings = settings
-        self.step = step
-        self._deadline = 0.0
+    fleet: Fleet
+    root: CheckpointRoot
+    book: RolloutBook
+    output: DurableAppender
+    view: CollectView
+    control: ControlCalls
+    settings: CheckpointSettings
+    step: Callable[[str], None]
+    _deadline: float = field(default=0.0, init=False)
 
     async def take(self, *, stop: bool) -> str | None:
         """Take and publish one checkpoint: its id, or None when none could be taken (the
