@@ -19,7 +19,6 @@ from importlib.metadata import version as package_version
 from rollout_checkpoint.client.collect import add_collect_verb, run_collect
 from rollout_checkpoint.client.console import (
     HelpFormatter,
-    epilog,
     exit_code_table,
     run_async,
     run_verb,
@@ -71,12 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_fleet_verbs(verbs)
     add_collect_verb(verbs)
-    collect = verbs.choices["collect"]
-    collect.formatter_class = HelpFormatter
-    collect.epilog = epilog(
-        "rollout-checkpoint collect --fleet fleet.toml --entry-url http://127.0.0.1:8105 "
-        "--input tasks.jsonl --output rollouts.jsonl --checkpoint-dir /tmp/eval-7"
-    )
     add_participant_verbs(verbs)
     return parser
 
