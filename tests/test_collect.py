@@ -621,14 +621,12 @@ def test_a_torn_last_line_is_cut_and_damage_before_it_is_refused(tmp_path: Path)
         read_jsonl(path, "output")
 
 
-def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_nothing_left_is_done(
-    tmp_path: Path,
-) -> None:
+def no_fleet_collect(tmp_path: Path, output: Path) -> list[str]:
+    """`collect` of a one-task input with a fleet file that does not exist: for the checks
+    that must end a run before any fleet is needed."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"task_id": "t"}\n')
-    output = tmp_path / "rollouts.jsonl"
-    output.write_text('{"rollout_id": "t.0", "attempt": 0, "status": "ok", "reward": 1.0}\n')
-    command = [
+    return [
         *CLI,
         "collect",
         "--fleet",
@@ -642,6 +640,14 @@ def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_not
         "--checkpoint-dir",
         str(tmp_path / "checkpoints"),
     ]
+
+
+def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_nothing_left_is_done(
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "rollouts.jsonl"
+    output.write_text('{"rollout_id": "t.0", "attempt": 0, "status": "ok", "reward": 1.0}\n')
+    command = no_fleet_collect(tmp_path, output)
     fresh = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60)
     assert fresh.returncode == 2 and "--resume" in fresh.stderr
     resumed = subprocess.run(
@@ -663,8 +669,6 @@ def test_an_output_in_an_unwritable_place_is_one_line_and_exit_7_before_the_flee
 ) -> None:
     """No fleet exists (its file neither): the output check comes first, so the error is
     immediate, names the output, and nothing is created."""
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text('{"task_id": "t"}\n')
     (tmp_path / "a-file").write_text("")
     (tmp_path / "a-dir").mkdir()
     output = {
@@ -673,20 +677,7 @@ def test_an_output_in_an_unwritable_place_is_one_line_and_exit_7_before_the_flee
         "a_directory": tmp_path / "a-dir",
     }[where]
     checkpoints = tmp_path / "checkpoints"
-    command = [
-        *CLI,
-        "collect",
-        "--fleet",
-        str(tmp_path / "no-fleet.toml"),
-        "--entry-url",
-        "http://127.0.0.1:9",
-        "--input",
-        str(tasks),
-        "--output",
-        str(output),
-        "--checkpoint-dir",
-        str(checkpoints),
-    ]
+    command = no_fleet_collect(tmp_path, output)
     plain = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60)
     assert plain.returncode == ExitCode.OUTPUT_UNWRITABLE == 7, plain.stderr
     assert plain.stderr.startswith(f"rollout-checkpoint: cannot write {output}")
