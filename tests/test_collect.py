@@ -32,6 +32,7 @@ from rollout_checkpoint.client.collect.inputs import TaskRow
 from rollout_checkpoint.client.collect.outcome import Outcome, classify
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import Counts
+from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
@@ -48,7 +49,6 @@ REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
 """Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
-EXIT_STOPPED = 143
 OPEN_FLEETS, CLOSED_FLEETS = 10, 3
 """The fleets this module takes (open, and started closed): the pool boots no more."""
 
@@ -132,12 +132,13 @@ class Fleets:
         `tests.collect_crash`, which SIGKILLs it at that step of its n-th checkpoint."""
         entry = CLI if crash_at is None else [*CRASHING_CLI, "--crash-at", crash_at]
         log = self.work / f"collect-{len(self.collectors)}.log"
-        with log.open("wb") as stderr:
+        out = self.work / f"collect-{len(self.collectors)}.out"
+        with log.open("wb") as stderr, out.open("wb") as stdout:
             process = subprocess.Popen(
                 [*entry, *collect_args(self.work, fleet), *extra],
                 cwd=REPO,
                 env=ENV,
-                stdout=subprocess.DEVNULL,
+                stdout=stdout,
                 stderr=stderr,
                 start_new_session=True,
             )
@@ -146,6 +147,9 @@ class Fleets:
 
     def log(self, process: subprocess.Popen[bytes]) -> str:
         return (self.work / f"collect-{self.collectors.index(process)}.log").read_text()
+
+    def stdout(self, process: subprocess.Popen[bytes]) -> str:
+        return (self.work / f"collect-{self.collectors.index(process)}.out").read_text()
 
     def close(self) -> None:
         for process in self.collectors:
@@ -411,12 +415,16 @@ def test_sigterm_stops_after_a_published_checkpoint_and_resume_completes_the_run
     work = fleets.work
     first, fresh = fleets.start(), fleets.start(closed=True)
     fleet = first.result()
-    process = fleets.collect(fleet)
+    process = fleets.collect(fleet, "--json")
     wait_until(lambda: len(output_lines(work)) >= 3, "three rollouts", process)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == EXIT_STOPPED, fleets.log(process)
+    assert process.wait(timeout=60) == ExitCode.TERMINATED, fleets.log(process)
     manifest = latest(work)
     assert manifest is not None and manifest["continued"], "stopped after a checkpoint mid-run"
+    # --json: progress stayed on stderr; stdout is one summary object.
+    (summary,) = [json.loads(line) for line in fleets.stdout(process).splitlines()]
+    assert summary["stopped"] is True and summary["exit_code"] == ExitCode.TERMINATED
+    assert summary["last_checkpoint"] == manifest["checkpoint_id"] and summary["checkpoints"] >= 1
     message = fleets.log(process)
     assert f"stopped after checkpoint {manifest['checkpoint_id']}" in message
     assert "--resume" in message
@@ -613,14 +621,12 @@ def test_a_torn_last_line_is_cut_and_damage_before_it_is_refused(tmp_path: Path)
         read_jsonl(path, "output")
 
 
-def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_nothing_left_is_done(
-    tmp_path: Path,
-) -> None:
+def no_fleet_collect(tmp_path: Path, output: Path) -> list[str]:
+    """`collect` of a one-task input with a fleet file that does not exist: for the checks
+    that must end a run before any fleet is needed."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"task_id": "t"}\n')
-    output = tmp_path / "rollouts.jsonl"
-    output.write_text('{"rollout_id": "t.0", "attempt": 0, "status": "ok", "reward": 1.0}\n')
-    command = [
+    return [
         *CLI,
         "collect",
         "--fleet",
@@ -634,12 +640,55 @@ def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_not
         "--checkpoint-dir",
         str(tmp_path / "checkpoints"),
     ]
+
+
+def test_a_fresh_run_refuses_an_output_that_holds_rollouts_and_a_resume_with_nothing_left_is_done(
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "rollouts.jsonl"
+    output.write_text('{"rollout_id": "t.0", "attempt": 0, "status": "ok", "reward": 1.0}\n')
+    command = no_fleet_collect(tmp_path, output)
     fresh = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60)
     assert fresh.returncode == 2 and "--resume" in fresh.stderr
     resumed = subprocess.run(
         [*command, "--resume"], env=ENV, capture_output=True, text=True, timeout=60
     )
     assert resumed.returncode == 0 and "nothing to do" in resumed.stderr
+    as_json = subprocess.run(
+        [*command, "--resume", "--json"], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert as_json.returncode == 0 and "nothing to do" in as_json.stderr
+    summary = json.loads(as_json.stdout)
+    assert summary["exit_code"] == 0 and summary["stopped"] is False
+    assert summary["collected"] == summary["total"] == 1 and summary["failed"] == 0
+
+
+@pytest.mark.parametrize("where", ["proc", "under_a_file", "a_directory"])
+def test_an_output_in_an_unwritable_place_is_one_line_and_exit_7_before_the_fleet(
+    tmp_path: Path, where: str
+) -> None:
+    """No fleet exists (its file neither): the output check comes first, so the error is
+    immediate, names the output, and nothing is created."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    output = {
+        "proc": Path("/proc/rollouts.jsonl"),
+        "under_a_file": tmp_path / "a-file" / "rollouts.jsonl",
+        "a_directory": tmp_path / "a-dir",
+    }[where]
+    checkpoints = tmp_path / "checkpoints"
+    command = no_fleet_collect(tmp_path, output)
+    plain = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == ExitCode.OUTPUT_UNWRITABLE == 7, plain.stderr
+    assert plain.stderr.startswith(f"rollout-checkpoint: cannot write {output}")
+    assert plain.stderr.count("\n") == 1 and "Traceback" not in plain.stderr
+    assert plain.stdout == "" and not checkpoints.exists()
+    as_json = subprocess.run(
+        [*command, "--json"], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert as_json.returncode == 7 and as_json.stderr == ""
+    error = json.loads(as_json.stdout)["error"]
+    assert error["exit_code"] == 7 and str(output) in error["message"]
 
 
 def test_a_run_reply_is_classified_as_collected_not_started_or_failed() -> None:

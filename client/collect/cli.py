@@ -1,16 +1,18 @@
 """The `rollout-checkpoint collect` verb: its arguments, and running a `Collector` to an
 exit code.
 
-Exit codes (`errors`): 0 every rollout collected; 1 done, some rollouts recorded as failed;
-2 usage, configuration or input error; 4 a participant refused; 5 a participant was
-unreachable; 6 a corrupt output, dispatch log or checkpoint; 7 the output or dispatch log
-cannot be written; 143 stopped by SIGTERM/SIGINT (after a checkpoint when one could be taken).
+It ends through the CLI's one handler (`console.run_verb` around `console.run_async`), so its
+errors are one line (one JSON object with `--json`) and its exit codes are the rows of the one
+table (`console.ExitCode`) every verb documents: 0 every rollout collected; 1 done, some
+rollouts recorded as failed; 2 usage, configuration or input error; 4 a participant refused;
+5 a participant was unreachable; 6 a corrupt output, dispatch log or checkpoint; 7 the output
+or dispatch log cannot be written (checked before the fleet is touched); 130/143 stopped by
+SIGINT/SIGTERM (after a checkpoint when one could be taken).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,21 +21,25 @@ from rich.console import Console
 
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.collector import CollectOptions, Collector
-from rollout_checkpoint.client.collect.errors import (
-    EXIT_CORRUPT,
-    EXIT_IO,
-    EXIT_REFUSED,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-    CorruptFile,
-    OutputFailed,
-    UsageError,
+from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
+from rollout_checkpoint.client.console import (
+    CliError,
+    ExitCode,
+    HelpFormatter,
+    Output,
+    add_output_flags,
+    epilog,
+    run_async,
+    run_verb,
 )
-from rollout_checkpoint.client.coordination import FleetError
-from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import DiscoveryError, FleetConfigError
 from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError
+from rollout_checkpoint.client.verbs.errors import classify as classify_fleet_error
 from rollout_checkpoint.server.core.errors import Reason
+
+EXAMPLE = (
+    "rollout-checkpoint collect --fleet fleet.toml --entry-url http://127.0.0.1:8105 "
+    "--input tasks.jsonl --output rollouts.jsonl --checkpoint-dir /tmp/eval-7"
+)
 
 
 def add_collect_verb(verbs: Any) -> None:
@@ -42,7 +48,10 @@ def add_collect_verb(verbs: Any) -> None:
         "collect",
         help="collect K rollouts of every task through a fleet, with crash-safe checkpoints",
         description="Collect K rollouts of every task through a fleet, with checkpoints that "
-        "survive a crash of the collector, a server, or everything (see the README).",
+        "survive a crash of the collector, a server, or everything (see the README). Progress "
+        "goes to stderr; `--json` prints a final summary as one JSON object on stdout.",
+        epilog=epilog(EXAMPLE),
+        formatter_class=HelpFormatter,
     )
     sub.add_argument("--fleet", type=Path, required=True, help="fleet file (TOML or YAML)")
     sub.add_argument(
@@ -87,6 +96,7 @@ def add_collect_verb(verbs: Any) -> None:
     sub.add_argument(
         "--keep", type=_positive_int, default=None, help="published checkpoints kept (default 2)"
     )
+    add_output_flags(sub, verbose=False)
 
 
 def _positive_int(text: str) -> int:
@@ -112,9 +122,10 @@ def run_collect(
     """Run the collection `args` (parsed by `add_collect_verb`'s parser) to its exit code.
 
     `command` is the command line, repeated with `--resume` in the message of a stopped run.
-    Every expected failure is printed as one line on stderr and becomes its exit code (see
-    the module doc); nothing else is caught. `step_hook` is for fault tests only (see
-    `CheckpointStepHook`)."""
+    Every expected failure ends as one line on stderr (one JSON object on stdout with
+    `--json`) and its exit code (see the module doc), through `console.run_verb`; an
+    unexpected one keeps its traceback. With `--json` the run ends with one JSON summary line
+    on stdout. `step_hook` is for fault tests only (see `CheckpointStepHook`)."""
     options = CollectOptions(
         fleet=args.fleet,
         entry_url=args.entry_url,
@@ -131,29 +142,49 @@ def run_collect(
         keep=args.keep,
         command=command,
     )
+    as_json = bool(getattr(args, "json", False))
     console = Console(stderr=True, soft_wrap=True)  # plain lines stay whole in logs
 
-    def fail(code: int, message: str) -> int:
-        console.print(f"rollout-checkpoint collect: {message}", markup=False, highlight=False)
+    def collect() -> int:
+        collector = Collector(options, console, step_hook=step_hook)
+        code = run_async(lambda signals: collector.run())
+        if as_json:
+            Output(as_json=True).json_line(summary(collector, options, code))
         return code
 
-    async def main() -> int:
-        return await Collector(options, console, step_hook=step_hook).run()
+    return run_verb(collect, classify, as_json=as_json)
 
-    try:
-        return asyncio.run(main())
-    except (UsageError, FleetConfigError) as error:
-        return fail(EXIT_USAGE, str(error))
-    except (CorruptFile, CheckpointCorrupt) as error:
-        return fail(EXIT_CORRUPT, str(error))
-    except OutputFailed as error:
-        return fail(EXIT_IO, str(error))
-    except DiscoveryError as error:
-        return fail(EXIT_UNREACHABLE, str(error))
-    except FleetError as error:
-        code = EXIT_UNREACHABLE if error.reason == Reason.PARTICIPANT_UNREACHABLE else EXIT_REFUSED
-        return fail(code, str(error))
-    except ControlError as error:
-        return fail(EXIT_REFUSED if error.decided_by_server else EXIT_UNREACHABLE, str(error))
-    except PublicationError as error:
-        return fail(EXIT_CORRUPT, str(error))
+
+def summary(collector: Collector, options: CollectOptions, code: int) -> dict[str, Any]:
+    """The `--json` summary of a finished (or stopped) run."""
+    counts = collector.counts
+    return {
+        "run_id": collector.run_id,
+        "total": counts.total,
+        "collected": counts.done,
+        "failed": counts.failed,
+        "retried": counts.retried,
+        "checkpoints": counts.checkpoints,
+        "last_checkpoint": counts.last_checkpoint,
+        "output": str(options.output),
+        "checkpoint_dir": str(options.checkpoint_dir),
+        "stopped": code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED),
+        "exit_code": int(code),
+    }
+
+
+def classify(error: BaseException) -> CliError | None:
+    """The exit code and one line for an exception that ends a collection (None: a bug).
+
+    Collect's own errors first (a corrupt file is a `ValueError` too, and a checkpoint that
+    does not publish or read back is corrupt state here, not a refusal); the rest as every
+    fleet verb classifies them."""
+    if isinstance(error, OutputFailed):
+        return CliError(ExitCode.OUTPUT_UNWRITABLE, str(error))
+    if isinstance(error, CorruptFile):
+        return CliError(ExitCode.CORRUPT, str(error))
+    if isinstance(error, UsageError):
+        return CliError(ExitCode.USAGE, str(error))
+    if isinstance(error, PublicationError) and not isinstance(error, CheckpointCorrupt):
+        return CliError(ExitCode.CORRUPT, str(error), Reason.INVALID_CHECKPOINT_STATE)
+    return classify_fleet_error(error)

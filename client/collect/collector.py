@@ -49,24 +49,20 @@ from rollout_checkpoint.client.collect.checkpoints import (
 )
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.dispatch import Dispatcher
-from rollout_checkpoint.client.collect.errors import (
-    EXIT_OK,
-    EXIT_SOME_FAILED,
-    EXIT_STOPPED,
-    OutputFailed,
-    UsageError,
-)
+from rollout_checkpoint.client.collect.errors import OutputFailed, UsageError
 from rollout_checkpoint.client.collect.inputs import load_input
 from rollout_checkpoint.client.collect.journal import (
     DISPATCH_LOG,
     DurableAppender,
     Previous,
+    check_appendable,
     json_line,
     read_previous,
 )
 from rollout_checkpoint.client.collect.resume import FleetSetup
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, now_text
 from rollout_checkpoint.client.collect.view import CollectView, Counts
+from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, load_fleet_file
@@ -121,6 +117,7 @@ class Collector:
         )
         self.control = ControlCalls(self.run_id, self.view)
         self.stop_requested = False
+        self.stop_signal = signal.SIGTERM
         self.checkpoint_requested = False
         self.fatal: BaseException | None = None
         self._step_hook = step_hook
@@ -135,13 +132,16 @@ class Collector:
     # -- entry ----------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        """Collect everything; the exit code (`EXIT_OK`, `EXIT_SOME_FAILED`, `EXIT_STOPPED`).
+        """Collect everything; the exit code (`ExitCode.OK`, `FAILURES_RECORDED`, and
+        `INTERRUPTED`/`TERMINATED` after a stop by SIGINT/SIGTERM).
 
-        Raises `UsageError` (bad input, or a collection state that does not fit the options),
+        An `--output` that cannot be appended to raises `OutputFailed` first, before the fleet
+        is touched. Raises `UsageError` (bad input, or a collection state that does not fit the options),
         `CorruptFile`, `OutputFailed`, `FleetConfigError`, `DiscoveryError`, `FleetError`,
         `ControlError` or `PublicationError`; `cli.run_collect` maps each to its exit code.
         Whatever it raises, the output and the dispatch log hold only whole, durable lines."""
         options = self.options
+        await asyncio.to_thread(check_appendable, options.output)
         tasks, input_digest = await asyncio.to_thread(
             load_input, options.input, options.num_repeats
         )
@@ -183,8 +183,8 @@ class Collector:
             loop = asyncio.get_running_loop()
             handled = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
             loop.add_signal_handler(signal.SIGUSR1, self.request_checkpoint)
-            loop.add_signal_handler(signal.SIGTERM, self.request_stop)
-            loop.add_signal_handler(signal.SIGINT, self.request_stop)
+            loop.add_signal_handler(signal.SIGTERM, self.request_stop, signal.SIGTERM)
+            loop.add_signal_handler(signal.SIGINT, self.request_stop, signal.SIGINT)
             try:
                 with self.view:
                     return await self._collect(previous, root, log_path, settings)
@@ -197,9 +197,11 @@ class Collector:
         self.checkpoint_requested = True
         self._notify()
 
-    def request_stop(self) -> None:
-        """Take a checkpoint and stop, leaving the fleet closed (SIGTERM, SIGINT)."""
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Take a checkpoint and stop, leaving the fleet closed (SIGTERM, SIGINT: `signum`
+        chooses the exit code, 143 or 130)."""
         self.stop_requested = True
+        self.stop_signal = signal.Signals(signum)
         self._notify()
 
     async def _collect(
@@ -321,7 +323,7 @@ class Collector:
         return self._exit_code()
 
     def _exit_code(self) -> int:
-        return EXIT_SOME_FAILED if self.counts.failed else EXIT_OK
+        return ExitCode.FAILURES_RECORDED if self.counts.failed else ExitCode.OK
 
     async def _retire_failed(self) -> None:
         """Retire failed attempts (between checkpoints: refused while one is open), then send
@@ -439,4 +441,4 @@ class Collector:
                 f"collect: stopped WITHOUT a new checkpoint ({done}/{self.counts.total} rollouts "
                 f"in {self.options.output}). To continue from the last one: {again}"
             )
-        return EXIT_STOPPED
+        return ExitCode.INTERRUPTED if self.stop_signal == signal.SIGINT else ExitCode.TERMINATED

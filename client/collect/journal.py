@@ -64,6 +64,24 @@ def read_jsonl(path: Path, what: str) -> tuple[list[dict[str, Any]], int]:
     return records, cut
 
 
+def check_appendable(path: Path) -> None:
+    """Raise `OutputFailed` (one line: the path and the OS's reason) unless `path` can be
+    opened for appending; leaves the file system as it found it.
+
+    Run before anything else, so an `--output` in an unwritable place (`/proc/x.jsonl`, a path
+    under a file, a read-only directory) ends the run at once instead of after the fleet was
+    discovered and set up."""
+    existed = path.exists()
+    try:
+        with path.open("ab"):
+            pass
+    except OSError as error:
+        raise OutputFailed(f"cannot write {path}: {error.strerror or error}") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 class DurableAppender:
     """Appends lines to a file; `append` returns once they are flushed and fsynced.
 
@@ -83,8 +101,12 @@ class DurableAppender:
         self._error: OutputFailed | None = None
 
     async def open(self) -> None:
-        """Open the file for appending (created if missing) and start the writer task."""
-        self._file = await asyncio.to_thread(self.path.open, "ab")
+        """Open the file for appending (created if missing) and start the writer task;
+        `OutputFailed` when it cannot be opened."""
+        try:
+            self._file = await asyncio.to_thread(self.path.open, "ab")
+        except OSError as error:
+            raise OutputFailed(f"cannot write {self.path}: {error.strerror or error}") from None
         self._task = asyncio.create_task(self._run())
 
     async def append(self, *lines: bytes) -> None:

@@ -1,0 +1,40 @@
+"""`coordinator`: serve CoordinatorService for one fleet until SIGTERM, announcing its
+address as one JSON line once it listens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from rollout_checkpoint.client.console import CliError, ExitCode
+from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
+
+
+async def coordinator_verb(args: argparse.Namespace) -> int:
+    """Serve the coordinator until SIGTERM; `CliError` (exit 8) when its address is taken, `FleetConfigError` for a missing fleet file."""
+    from rollout_checkpoint.client.coordinator.service import Coordinator
+
+    if not args.fleet.is_file():
+        raise FleetConfigError(f"{args.fleet}: no such fleet file")
+    spec = load_fleet_file(args.fleet)
+    coordinator = Coordinator(spec, args.grpc_address, reflection_enabled=args.reflection)
+
+    def announce(server: Coordinator) -> None:
+        host = args.grpc_address.rsplit(":", 1)[0]
+        print(
+            json.dumps(
+                {"grpc": f"{host}:{server.port}", "pid": os.getpid(), "members": len(spec.members)}
+            ),
+            flush=True,
+        )
+
+    try:
+        await coordinator.serve_forever(on_started=announce)
+    except RuntimeError as error:
+        if "bind" not in str(error).lower():
+            raise
+        raise CliError(
+            ExitCode.ADDRESS_IN_USE, f"cannot listen on {args.grpc_address}: in use or invalid"
+        ) from None
+    return ExitCode.OK

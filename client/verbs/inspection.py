@@ -1,0 +1,67 @@
+"""`inspect`: verify a published checkpoint directory completely, following `LATEST` from
+a checkpoint root, and saying what a directory is when it holds no published checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rollout_checkpoint.client.collect.journal import DISPATCH_LOG
+from rollout_checkpoint.client.console import CliError, ExitCode
+from rollout_checkpoint.client.publication import verify_checkpoint
+from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME, LATEST_NAME, PARTICIPANTS_DIR
+
+
+def inspect_verb(args: argparse.Namespace) -> int:
+    """Verify `args.directory` (or the checkpoint its `LATEST` names) and print the summary.
+
+    `CliError` (exit 2) for a missing directory or one that holds no published checkpoint;
+    `CheckpointCorrupt` (exit 6) when it does not verify."""
+    directory: Path = args.directory
+    if not directory.exists():
+        raise CliError(ExitCode.USAGE, f"{directory}: no such directory")
+    if not directory.is_dir():
+        raise CliError(ExitCode.USAGE, f"{directory}: not a directory")
+    note = None
+    if not (directory / FLEET_MANIFEST_NAME).exists():
+        directory, note = _what_directory_is(directory)
+    summary = verify_checkpoint(directory)
+    if args.json:
+        print(json.dumps(summary.to_json(), sort_keys=True))
+    else:
+        if note:
+            print(note)
+        print(summary.format_text())
+    return ExitCode.OK
+
+
+def _what_directory_is(directory: Path) -> tuple[Path, str | None]:
+    """Follow `LATEST` from a checkpoint root (or a collect --checkpoint-dir); refuse, saying
+    what it is, a directory that holds no published checkpoint."""
+    latest = directory / LATEST_NAME
+    collect_dir = (directory / DISPATCH_LOG).exists()
+    what = "a collect --checkpoint-dir" if collect_dir else "a checkpoint root"
+    if latest.is_file():
+        checkpoint_id = latest.read_text().strip()
+        return directory / checkpoint_id, f"{directory} is {what}: LATEST names {checkpoint_id}"
+    if collect_dir:
+        raise CliError(
+            ExitCode.USAGE,
+            f"{directory} is a collect --checkpoint-dir with no published checkpoint yet (no "
+            f"{LATEST_NAME})",
+        )
+    if (directory / PARTICIPANTS_DIR).is_dir():
+        parts = sorted(
+            f"{kind.name}/{instance.name}"
+            for kind in (directory / PARTICIPANTS_DIR).iterdir()
+            if kind.is_dir()
+            for instance in kind.iterdir()
+        )
+        raise CliError(
+            ExitCode.USAGE,
+            f"{directory} holds committed parts ({', '.join(parts) or 'none'}) but no "
+            f"{FLEET_MANIFEST_NAME}: a participant commit that was never published as a fleet "
+            "checkpoint (`checkpoint` publishes; `commit` alone does not)",
+        )
+    return directory, None
