@@ -98,7 +98,7 @@ async def test_start_closed_serves_nothing_until_resume(spawn: Any) -> None:
         try:
             assert await next_status(watch) == NOT_SERVING
             resumed = await client.resume("boot-1", deadline())
-            assert resumed.idempotent  # nothing was active: the id is only fenced
+            assert not resumed.idempotent  # it opened the start_closed process
             assert await next_status(watch) == SERVING
         finally:
             watch.cancel()
