@@ -9,8 +9,9 @@ checkpoint). A restored replacement (attempt N+1) continues from that boundary.
 
 Model calls are replay steps: the model holds a response during a checkpoint, and one that
 arrives anyway is held here until resume, so an episode counted at its boundary never leaves
-it. A 409 `admission_closed` from the model means "you are at the boundary before this
-call": the episode parks there and re-issues the call after resume.
+it. A 409 `admission_closed` (or `awaiting_restore`, a model process started closed) from the
+model means "you are at the boundary before this call": the episode parks there and re-issues
+the call after resume.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from rollout_checkpoint.server.runtime.rollout_prefix import (
 )
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .relay import error_response, json_object, refusal_code
+from .relay import CLOSED_CODES, error_response, json_object, refusal_code
 
 VERIFY_HEADER = "x-ng-checkpoint-verify"
 SYSTEM_PROMPT = (
@@ -253,7 +254,7 @@ class Episode:
                 response = await self.http.post(url, json=request)
                 refused = refusal_code(response)
                 if (
-                    refused == "admission_closed"
+                    refused in CLOSED_CODES
                     and self.tracker is not None
                     and self.tracker.admission_open
                 ):
@@ -261,7 +262,7 @@ class Episode:
                     # stay at the boundary and re-issue shortly.
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
-            if refused == "admission_closed":
+            if refused in CLOSED_CODES:
                 if (
                     self.tracker is not None
                     and self.tracked is not None

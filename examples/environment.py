@@ -38,7 +38,7 @@ from rollout_checkpoint.server.runtime.rollout_prefix import (
 )
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .relay import error_response, json_object, refusal_code
+from .relay import CLOSED_CODES, error_response, json_object, refusal_code
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,10 @@ class EnvironmentServer:
                     url, json={"task": task, "resources_server": self.config.resources_server}
                 )
                 code = refusal_code(response)
-                if code == "admission_closed" and (tracker is None or tracker.admission_open):
+                if code in CLOSED_CODES and (tracker is None or tracker.admission_open):
                     await asyncio.sleep(delay)  # the agent is still closed: stay at the boundary
                     delay = min(delay * 2, 1.0)
-            if code == "admission_closed":
+            if code in CLOSED_CODES:
                 if tracker is not None and tracked is not None and not tracker.admission_open:
                     await tracker.park(tracked)
                 continue

@@ -10,9 +10,14 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+CLOSED_CODES = frozenset({"admission_closed", "awaiting_restore"})
+"""The refusals that mean "closed for now, retry the same call after resume": a checkpoint
+in progress, or a `start_closed` callee waiting for its Restore or Resume. Nothing ran."""
+
 
 def refusal_code(response: httpx.Response) -> str | None:
-    """The `error.code` of a 409 data-plane refusal (`admission_closed`, `stale_attempt`)."""
+    """The `error.code` of a 409 data-plane refusal (`admission_closed`, `awaiting_restore`,
+    `stale_attempt`)."""
     if response.status_code != 409:
         return None
     try:

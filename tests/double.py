@@ -3,7 +3,7 @@
 It implements the participant interface with plain episode states and can be told to hold
 requests in flight, block a hook until released, or make a hook fail. The HTTP app serves a
 data plane under `/ng-rollout/<capture_key>/...` with the same refusals as real servers
-(409 `admission_closed` / `stale_attempt`). Run it as a process with `python -m tests.double`.
+(409 `admission_closed` / `awaiting_restore` / `stale_attempt`). Run it as a process with `python -m tests.double`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.participant import (
+    AWAITING_RESTORE,
+    AWAITING_RESTORE_DETAIL,
     Blocker,
     BlockerReason,
     EpisodeInfo,
@@ -88,6 +90,8 @@ class DoubleParticipant(Participant):
     def _admit(self, episode: EpisodeId) -> None:
         if self.context.retired.is_retired(episode):
             raise Refused("stale_attempt", f"attempt {episode.capture_key} was retired")
+        if self.context.start_closed_pending:
+            raise Refused(AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
         if not self.admission:
             raise Refused("admission_closed", "a checkpoint is in progress")
 

@@ -698,6 +698,7 @@ def test_a_run_reply_is_classified_as_collected_not_started_or_failed() -> None:
     assert reply(200, {"reward": 1.0}) == Outcome("ok", reply={"reward": 1.0})
     # Refused before the episode began: nothing ran, the same attempt may go again.
     assert reply(409, {"error": {"code": "admission_closed"}}).kind == "not_started"
+    assert reply(409, {"error": {"code": "awaiting_restore"}}).kind == "not_started"
     assert reply(409, {"error": {"code": "stale_attempt"}}).kind == "failed"
     # An environment relays its agent's failure inside a 200 reply, with the agent's status.
     relayed = reply(200, {"error": {"code": "unknown_task"}, "status": 502})

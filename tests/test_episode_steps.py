@@ -33,6 +33,22 @@ def make() -> tuple[EpisodeSteps, RetiredAttempts, Clock]:
     return EpisodeSteps(lambda: marks, lambda: None, clock), marks, clock
 
 
+async def test_a_sealed_owner_refuses_awaiting_restore_and_a_checkpoint_admission_closed() -> None:
+    sealed = True
+    steps = EpisodeSteps(lambda: RetiredAttempts(), lambda: None, Clock(), sealed=lambda: sealed)
+    steps.close()  # a start_closed process closes admission before any request
+    with pytest.raises(EpisodeRefused) as refused:
+        steps.begin(EpisodeId("r1"))
+    assert refused.value.code == "awaiting_restore"
+    sealed = False
+    steps.open()
+    steps.begin(EpisodeId("r1"))
+    steps.close()  # a checkpoint
+    with pytest.raises(EpisodeRefused) as refused:
+        steps.begin(EpisodeId("r2"))
+    assert refused.value.code == "admission_closed"
+
+
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)

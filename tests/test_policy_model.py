@@ -520,6 +520,24 @@ async def test_a_streamed_reply_carries_the_same_message_as_event_stream() -> No
 # -- 3. the participant ----------------------------------------------------------------------
 
 
+async def test_a_start_closed_model_refuses_awaiting_restore_until_resumed() -> None:
+    # No checkpoint is in progress: the refusal says what the process waits for.
+    async with model(start_closed=True) as m:
+        (rollout,) = rollouts(CLINIC, falls=False, count=1)
+        early = await m.post(rollout, chat(CLINIC))
+        assert early.status_code == 409
+        assert early.json()["error"] == {
+            "code": "awaiting_restore",
+            "detail": "this process started closed and waits for its controller's Restore or Resume",
+        }
+        assert not (await m.client.resume("boot-1", m.deadline())).idempotent
+        assert (await m.post(rollout, chat(CLINIC))).status_code == 200
+        await m.prepared("c1")
+        closed = await m.post(rollout, chat(CLINIC))
+        assert closed.json()["error"]["code"] == "admission_closed"
+        await m.client.resume("c1", m.deadline())
+
+
 async def test_prepare_never_waits_for_generation_and_the_response_is_held(
     tmp_path: Path,
 ) -> None:

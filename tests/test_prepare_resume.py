@@ -9,7 +9,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import Harness, drain, refused
+from .conftest import Harness, drain, refused, start_harness, stop_harness
 
 PREPARING = types_pb2.PARTICIPANT_STATE_PREPARING
 PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
@@ -148,6 +148,23 @@ async def test_resume_of_an_unseen_id_fences_a_late_prepare(harness: Harness) ->
     assert reply.idempotent
     await refused(drain(h.client.prepare("never-prepared", h.deadline())), "STALE_CHECKPOINT")
     assert (await h.client.get_status()).state == IDLE
+
+
+async def test_the_resume_that_opens_a_start_closed_process_is_not_idempotent() -> None:
+    # It changed something (admission opened, readiness rose): a controller reading
+    # `idempotent` must not conclude the process was open already. Later Resumes change
+    # nothing and say so.
+    h = await start_harness(start_closed=True)
+    try:
+        assert not (await h.client.get_status()).admission_open
+        opening = await h.client.resume("boot-1", h.deadline())
+        assert opening.state == IDLE and not opening.idempotent
+        assert (await h.client.get_status()).admission_open
+        assert (await h.client.resume("boot-1", h.deadline())).idempotent
+        assert (await h.client.resume("boot-2", h.deadline())).idempotent  # only fenced
+        await refused(drain(h.client.prepare("boot-1", h.deadline())), "STALE_CHECKPOINT")
+    finally:
+        await stop_harness(h)
 
 
 async def test_resume_with_a_past_deadline_still_reopens(harness: Harness) -> None:

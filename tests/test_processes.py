@@ -68,9 +68,10 @@ async def seed(http: httpx.AsyncClient, key: str, state: Any) -> httpx.Response:
     return await http.post(f"/ng-rollout/{key}/seed", json={"state": state})
 
 
-def assert_admission_closed(response: httpx.Response) -> None:
+def assert_awaiting_restore(response: httpx.Response) -> None:
+    """A start_closed process before its Resume: its own refusal, not `admission_closed`."""
     assert response.status_code == 409, response.text
-    assert response.json()["error"]["code"] == "admission_closed"
+    assert response.json()["error"]["code"] == "awaiting_restore"
 
 
 def deadline(seconds: float = 30.0) -> float:
@@ -83,7 +84,7 @@ def deadline(seconds: float = 30.0) -> float:
 async def test_start_closed_serves_nothing_until_resume(spawn: Any) -> None:
     double = spawn("--start-closed")
     async with opened(double) as (client, http, health):
-        assert_admission_closed(await seed(http, "r1", {"n": 1}))
+        assert_awaiting_restore(await seed(http, "r1", {"n": 1}))
         assert (await http.get("/ng-rollout/r1/state")).status_code == 404
         # Health needs no token; only readiness is down.
         assert await check(health, READINESS) == NOT_SERVING
@@ -98,7 +99,7 @@ async def test_start_closed_serves_nothing_until_resume(spawn: Any) -> None:
         try:
             assert await next_status(watch) == NOT_SERVING
             resumed = await client.resume("boot-1", deadline())
-            assert resumed.idempotent  # nothing was active: the id is only fenced
+            assert not resumed.idempotent  # it opened the start_closed process
             assert await next_status(watch) == SERVING
         finally:
             watch.cancel()
@@ -154,7 +155,7 @@ async def test_checkpoint_sigkill_restore_into_a_start_closed_process_and_contin
             )
             assert (await http.get("/ng-rollout/r1/state")).status_code == 404
             # ...but the data plane stays closed, and readiness down, until Resume.
-            assert_admission_closed(await seed(http, "r2", {"n": 2}))
+            assert_awaiting_restore(await seed(http, "r2", {"n": 2}))
             assert await check(health, READINESS) == NOT_SERVING
 
             resumed = await client.resume("restore-1", deadline())

@@ -331,6 +331,36 @@ async def test_commit_scope_releases_unused_restored_sessions(tmp_path: Path) ->
         assert late.status_code == 409 and late.json()["error"]["code"] == "stale_attempt"
 
 
+async def test_a_start_closed_server_refuses_awaiting_restore_and_counts_it() -> None:
+    async with running(start_closed=True, metrics_path="/metrics") as r:
+        episode = r.browser()
+        for path, body in (
+            ("/ng-rollout/r1/seed_session", {"initial_count": 1}),  # even a replay-safe seed
+            ("/ng-rollout/r1/increment_counter", {"count": 1}),
+        ):
+            early = await episode.post(path, json=body)
+            assert early.status_code == 409
+            assert early.json()["error"] == {
+                "code": "awaiting_restore",
+                "detail": "this process started closed and waits for its controller's "
+                "Restore or Resume",
+            }
+        assert not r.participant.has_served()
+        scraped = (await episode.get("/metrics")).text
+        assert (
+            'rollout_checkpoint_refusals_total{plane="data",reason="awaiting_restore"} 2.0'
+            in scraped
+        )
+        assert not (await r.client.resume("boot-1", r.deadline())).idempotent
+        seeded = await episode.post("/ng-rollout/r1/seed_session", json={"initial_count": 1})
+        assert seeded.status_code == 200
+        # A checkpoint later on is `admission_closed` again.
+        await prepared(r, "c1")
+        closed = await episode.post("/ng-rollout/r1/increment_counter", json={"count": 1})
+        assert closed.json()["error"]["code"] == "admission_closed"
+        await r.client.resume("c1", r.deadline())
+
+
 async def test_seed_reply_header_says_the_verify_mode_and_nothing_when_off() -> None:
     async with running(WeatherServer, instance="weather") as r:
         reply = await r.browser().post("/ng-rollout/r1/seed_session", json={})

@@ -38,8 +38,10 @@ def classify(response: httpx.Response) -> Outcome:
         return Outcome("ok", reply=body)
     error = body.get("error") if isinstance(body, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
-    if response.status_code == 409 and code == "admission_closed":
-        return Outcome("not_started")  # refused before the episode began: nothing ran anywhere
+    if response.status_code == 409 and code in ("admission_closed", "awaiting_restore"):
+        # Refused before the episode began (a checkpoint in progress, or a start_closed
+        # process waiting for its Restore or Resume): nothing ran anywhere.
+        return Outcome("not_started")
     detail = json.dumps(error) if error is not None else response.text[:300]
     status = body.get("status") if isinstance(body, dict) else None
     return Outcome("failed", error=f"HTTP {status or response.status_code}: {detail}")

@@ -49,7 +49,11 @@ class EpisodeParticipant(Participant):
 
     def attach(self, context: Any) -> None:
         super().attach(context)
-        self.steps = EpisodeSteps(lambda: context.retired, context.changed)
+        self.steps = EpisodeSteps(
+            lambda: context.retired,
+            context.changed,
+            sealed=lambda: bool(context.start_closed_pending),
+        )
 
     @property
     def episodes_tracker(self) -> EpisodeSteps:

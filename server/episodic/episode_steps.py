@@ -34,6 +34,8 @@ from typing import Any
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import (
+    AWAITING_RESTORE,
+    AWAITING_RESTORE_DETAIL,
     MAX_LISTED_BLOCKERS,
     Blocker,
     BlockerReason,
@@ -125,8 +127,13 @@ class EpisodeSteps:
         retired: Callable[[], RetiredAttempts],
         changed: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        sealed: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`sealed`: whether the owner is a `start_closed` process still waiting for its
+        controller's Restore or Resume (its closed admission then refuses `awaiting_restore`)."""
         self._retired = retired
+        self._sealed = sealed
         self._changed_callback = changed
         self._clock = clock
         self.episodes: dict[str, TrackedEpisode] = {}
@@ -173,13 +180,16 @@ class EpisodeSteps:
         """Start an episode; returns it and its restored boundary (NO_BOUNDARY when none).
 
         Refused: a retired attempt (`stale_attempt`), a key already live (`episode_running`),
-        a new episode while admission is closed (`admission_closed`)."""
+        a new episode while admission is closed: `awaiting_restore` in a `start_closed` process
+        before its Restore or Resume (no checkpoint is in progress), else `admission_closed`."""
         key = episode_id.capture_key
         if self._retired().is_retired(episode_id):
             raise EpisodeRefused("stale_attempt", f"attempt {key} was retired")
         if key in self.episodes:
             raise EpisodeRefused("episode_running", f"episode {key} is already running here")
         if not self._open:
+            if self._sealed():
+                raise EpisodeRefused(AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
             raise EpisodeRefused(
                 "admission_closed", "a checkpoint is in progress; retry after resume"
             )

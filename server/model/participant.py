@@ -4,7 +4,8 @@ The policy model prepares before the agents, and it never waits for generation:
 
 * With admission closed, new generation calls are refused (409 `admission_closed`). To the
   agent that means "you are at the boundary before this call": it parks and re-issues the
-  call after resume.
+  call after resume. A `start_closed` process refuses them `awaiting_restore` until its
+  controller's Restore or Resume (no checkpoint is in progress; the caller retries the same).
 * Calls admitted before the close keep running, but their response is *held* until resume
   unless it already started streaming. An undelivered response leaves its agent at the
   boundary before the call, which a restored agent simply re-issues — so the only blockers
@@ -33,6 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.runtime.participant import (
+    AWAITING_RESTORE,
+    AWAITING_RESTORE_DETAIL,
     Blocker,
     BlockerReason,
     EpisodeInfo,
@@ -104,9 +107,12 @@ class ModelParticipant(Participant):
 
     def refusal(self, episode: EpisodeId | None) -> tuple[str, str] | None:
         """`(code, detail)` of the 409 a new call of `episode` gets, or None to admit it:
-        `stale_attempt` for a retired attempt, `admission_closed` during a checkpoint."""
+        `stale_attempt` for a retired attempt, `awaiting_restore` in a `start_closed` process
+        before its Restore or Resume, `admission_closed` during a checkpoint."""
         if episode is not None and self.context.retired.is_retired(episode):
             return "stale_attempt", f"attempt {episode.capture_key} was retired"
+        if self.context.start_closed_pending:
+            return AWAITING_RESTORE, AWAITING_RESTORE_DETAIL
         if not self._open:
             return (
                 "admission_closed",

@@ -15,17 +15,22 @@ Per request, in this order, each rule for the loss it prevents:
    episode it served, whose state then silently leaves every later checkpoint, and any
    tracked cookie could act under a made-up rollout. The request never runs, so it never
    re-binds the session and never touches its state (a close included).
-4. With admission closed, anything that is not replay-safe is refused `admission_closed`.
+4. A `start_closed` process before its controller's Restore or Resume refuses everything,
+   even a replay-safe seed, `awaiting_restore`: a process that served cannot restore
+   (FRESH_PROCESS_REQUIRED). Its own code, not `admission_closed`, because no checkpoint is in
+   progress: the process waits for its controller.
+5. With admission closed, anything that is not replay-safe is refused `admission_closed`.
    `/seed_session` (and `/verify` under `replay`) is admitted: the checkpoint does not wait
    for it, and a session first seeded now is neither a blocker nor exported by this
    checkpoint. A seed of a session already tracked is a retry: the session keeps its episode,
    its export and its blocker status.
-5. Everything else admitted counts as in flight for its whole duration; the decrement is
+6. Everything else admitted counts as in flight for its whole duration; the decrement is
    synchronous in a `finally`, so no cancellation can leave a request counted.
 
 Refusals are HTTP 409 `{"error": {"code": "stale_attempt" | "episode_mismatch" |
-"admission_closed", "detail": ...}}` (503 `shutting_down` for a waiting request whose server
-stops).
+"awaiting_restore" | "admission_closed", "detail": ...}}` (503 `shutting_down` for a waiting
+request whose server stops). Every 409 is counted by code in
+`rollout_checkpoint_refusals_total{plane="data"}`.
 
 The session of a request is its cookie's; for an MCP call, the session its signed token names
 (a missing or bad token names none, and the MCP endpoint rejects the call), because that is
@@ -40,6 +45,7 @@ from collections.abc import Callable, Collection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.resources.participant import ResourcesParticipant, VerifyMode
+from rollout_checkpoint.server.runtime.participant import AWAITING_RESTORE, AWAITING_RESTORE_DETAIL
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 VERIFY_HEADER = b"x-ng-checkpoint-verify"
@@ -116,8 +122,11 @@ class ResourcesAdmissionMiddleware:
                 "this session belongs to another episode: use its own rollout prefix",
             )
             return
+        if participant.sealed:
+            await _respond(send, 409, AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
+            return
         replay_safe = is_seed or (is_verify and participant.verify is VerifyMode.REPLAY)
-        if participant.sealed or (not replay_safe and not participant.admission_open):
+        if not replay_safe and not participant.admission_open:
             await _respond(
                 send, 409, "admission_closed", "a checkpoint is in progress; retry after resume"
             )

@@ -4,7 +4,7 @@ A resources server keeps tool state under a session id (the signed cookie, or an
 token). This participant learns each session's lifecycle from `/seed_session`, `/verify` and
 `/close_session`, counts requests in flight, refuses what must not run, and reaches the
 server's own session hooks to export, restore and free state. It knows nothing of gRPC; the
-admission rules that run per request live in resources_middleware.py.
+admission rules that run per request live in middleware.py.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.resources.session_table import SessionTable, TrackedSession
 from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
@@ -151,18 +151,6 @@ class SessionHooks(Protocol):
         ...
 
 
-@dataclass(eq=False)
-class TrackedSession:
-    """A session bound to its episode for its whole life; a seed retry changes none of this."""
-
-    session_id: str
-    episode: EpisodeId
-    restored_pending: bool = False
-    seeded_while_closed: bool = False
-    inflight: int = 0
-    end_deferred: bool = False
-
-
 class ResourcesParticipant(Participant):
     """The participant of a resources server: sessions tracked per episode from the routes
     that define their lifecycle, and the server's `SessionHooks` reached for their state.
@@ -171,7 +159,9 @@ class ResourcesParticipant(Participant):
     middleware calls the data-plane methods (synchronous, on the event loop); the control
     plane calls the `Participant` methods. It never touches gRPC. A server whose sessions
     begin outside `/seed_session` reports them through `session_started`/`session_ended`
-    (via `ResourcesServer.checkpoint_session_started`/`checkpoint_session_ended`).
+    (via `ResourcesServer.checkpoint_session_started`/`checkpoint_session_ended`). The
+    sessions themselves, their indexes and blocker sets live in a `SessionTable`; this class
+    decides when they change, counts requests and seeds, waits, and calls the hooks.
     """
 
     def __init__(
@@ -182,23 +172,12 @@ class ResourcesParticipant(Participant):
         self.mode = mode
         self.verify = verify
         self._hooks = hooks
-        self.sessions: dict[str, TrackedSession] = {}
-        self._by_rollout: dict[str, set[str]] = {}
-        self.retired_sessions: dict[str, EpisodeId] = {}
-        """Sessions of retired attempts, refused (`stale_attempt`) until their rollout is forgotten."""
-        self._retiring: set[str] = set()
-        self._restart_blockers: set[str] = set()
-        self._busy: set[TrackedSession] = set()
-        """Every tracked session object with requests in flight, so a readiness report costs
-        O(blockers), not O(sessions): a prepare of a server holding 10,000 idle sessions
-        reports twice, and GetStatus and the metrics gauges report too."""
+        self._table = SessionTable(restart_only=mode is CheckpointMode.RESTART_ONLY)
         self._seeding: dict[EpisodeId, int] = {}
         self._binding: dict[str, tuple[EpisodeId, int]] = {}
         """Untracked sessions with a seed running under a prefix: the episode the seed will
         bind them to, and how many such seeds run. A concurrent request naming another episode
         is refused, so two racing first seeds cannot bind one session twice."""
-        self._installed: set[str] = set()
-        """Sessions that `install` tracked: what `discard_installed` may free."""
         self.inflight = 0
         self.waiting = 0
         """Requests (MCP calls, closes) waiting for a resume; never in flight, never blockers."""
@@ -208,6 +187,16 @@ class ResourcesParticipant(Participant):
         self._served = False
         """The data plane tracked or used a session (sticky): see `has_served`."""
         self._changed = asyncio.Event()
+
+    @property
+    def sessions(self) -> Mapping[str, TrackedSession]:
+        """Every tracked session by id (read-only: the table changes only through this class)."""
+        return self._table.sessions
+
+    @property
+    def retired_sessions(self) -> Mapping[str, EpisodeId]:
+        """Sessions of retired attempts, refused (`stale_attempt`) until their rollout is forgotten."""
+        return self._table.retired_sessions
 
     # -- notifications ------------------------------------------------------------------
 
@@ -257,12 +246,7 @@ class ResourcesParticipant(Participant):
         retired = self.context.retired
         if episode is not None and retired.is_retired(episode):
             return True
-        if session_id is None:
-            return False
-        if session_id in self.retired_sessions:
-            return True
-        session = self.sessions.get(session_id)
-        return session is not None and retired.is_retired(session.episode)
+        return session_id is not None and self._table.is_stale(session_id, retired)
 
     def is_mismatched(self, session_id: str | None, episode: EpisodeId | None) -> bool:
         """Whether the request's prefix names another episode than its session's.
@@ -273,7 +257,7 @@ class ResourcesParticipant(Participant):
         still running under a prefix, so a racing request cannot bind it elsewhere either."""
         if session_id is None or episode is None:
             return False
-        session = self.sessions.get(session_id)
+        session = self._table.get(session_id)
         if session is not None:
             return session.episode != episode
         binding = self._binding.get(session_id)
@@ -284,7 +268,7 @@ class ResourcesParticipant(Participant):
 
         Also for the requests that are not counted in flight (a seed retry, a replay verify):
         whatever ran on restored state continues it, so a commit must not free it as unused."""
-        session = self.sessions.get(session_id) if session_id is not None else None
+        session = self._table.get(session_id)
         if session is not None:
             session.restored_pending = False
             self._served = True
@@ -296,13 +280,12 @@ class ResourcesParticipant(Participant):
         untracked (closed, retired) before the request ends, and the decrement must undo
         exactly this increment."""
         self.inflight += 1
-        session = self.sessions.get(session_id) if session_id is not None else None
+        session = self._table.get(session_id)
         if session is None:
             self._inflight_without_session += 1
         else:
-            session.inflight += 1
+            self._table.request_started(session)
             self.claim(session_id)
-            self._busy.add(session)
         self._notify()
         return session
 
@@ -312,9 +295,7 @@ class ResourcesParticipant(Participant):
         if counted is None:
             self._inflight_without_session -= 1
         else:
-            counted.inflight -= 1
-            if not counted.inflight:
-                self._busy.discard(counted)
+            self._table.request_finished(counted)
         self._notify()
 
     def seed_started(self, episode: EpisodeId | None, session_id: str | None) -> None:
@@ -323,7 +304,7 @@ class ResourcesParticipant(Participant):
         if episode is None:
             return
         self._seeding[episode] = self._seeding.get(episode, 0) + 1
-        if session_id is not None and session_id not in self.sessions:
+        if session_id is not None and session_id not in self._table.sessions:
             _, running = self._binding.get(session_id, (episode, 0))
             self._binding[session_id] = (episode, running + 1)
 
@@ -357,12 +338,13 @@ class ResourcesParticipant(Participant):
     def session_ended(self, session_id: str | None, *, deferred: bool = False) -> None:
         """A successful close or verify. A replay verify during a checkpoint ends the session only
         at reopen, so that checkpoint still exports it: the restore re-runs the verify."""
-        if session_id is None or session_id not in self.sessions:
+        session = self._table.get(session_id)
+        if session is None:
             return
         if deferred:
-            self.sessions[session_id].end_deferred = True
+            session.end_deferred = True
             return
-        self._untrack(session_id)
+        self._table.untrack(session.session_id)
         self._notify()
 
     # -- tracking -----------------------------------------------------------------------
@@ -378,46 +360,10 @@ class ResourcesParticipant(Participant):
         else:
             del self._binding[session_id]
 
-    def _track(
-        self,
-        session_id: str,
-        episode: EpisodeId,
-        *,
-        seeded_while_closed: bool,
-        restored: bool = False,
-    ) -> None:
-        """Track a session that begins (seeded, started or restored) under `episode`.
-
-        A session already tracked is left exactly as it is: a second seed is a retry, and a
-        retry that reset the flags would drop a live episode from the checkpoint under way
-        (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
-        it must block. Nor is a session ever moved to another episode (see `is_mismatched`)."""
-        if session_id in self.sessions:
-            return
-        session = TrackedSession(
-            session_id, episode, restored_pending=restored, seeded_while_closed=seeded_while_closed
-        )
-        self.sessions[session_id] = session
-        self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
-        if restored:
-            self._installed.add(session_id)
-        else:
+    def _track(self, session_id: str, episode: EpisodeId, *, seeded_while_closed: bool) -> None:
+        """Track a session the data plane began (see `SessionTable.track`): it has served."""
+        if self._table.track(session_id, episode, seeded_while_closed=seeded_while_closed):
             self._served = True
-        if self.mode is CheckpointMode.RESTART_ONLY and not seeded_while_closed:
-            self._restart_blockers.add(session_id)
-
-    def _untrack(self, session_id: str) -> None:
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            return
-        rollout = self._by_rollout.get(session.episode.rollout_id)
-        if rollout is not None:
-            rollout.discard(session_id)
-            if not rollout:
-                del self._by_rollout[session.episode.rollout_id]
-        self._retiring.discard(session_id)
-        self._restart_blockers.discard(session_id)
-        self._installed.discard(session_id)
 
     # -- Participant --------------------------------------------------------------------
 
@@ -427,17 +373,7 @@ class ResourcesParticipant(Participant):
 
     def open_admission(self) -> None:
         self._admission_open = True
-        for session in list(self.sessions.values()):
-            if session.end_deferred:
-                self._untrack(session.session_id)
-                continue
-            if session.seeded_while_closed:
-                session.seeded_while_closed = False
-                if (
-                    self.mode is CheckpointMode.RESTART_ONLY
-                    and session.session_id not in self._retiring
-                ):
-                    self._restart_blockers.add(session.session_id)
+        self._table.reopened()
         self._notify()
 
     def shutting_down_now(self) -> None:
@@ -445,44 +381,10 @@ class ResourcesParticipant(Participant):
         self._notify()
 
     def ready(self) -> bool:
-        return self.inflight == 0 and not self._retiring and not self._restart_blockers
+        return self.inflight == 0 and self._table.ready()
 
     def report(self) -> ReadinessReport:
-        # Only sessions that can block are visited: retiring, restart_only, or with requests
-        # in flight (a busy object that is no longer the tracked one for its id is skipped,
-        # as iterating `sessions` would). Each yields at most one blocker, by priority.
-        candidates = self._retiring | self._restart_blockers
-        candidates.update(s.session_id for s in self._busy if self.sessions.get(s.session_id) is s)
-        blockers: list[Blocker] = []
-        for session_id in candidates:
-            session = self.sessions.get(session_id)
-            if session is None:
-                continue
-            key = session.episode.capture_key
-            if session.session_id in self._retiring:
-                blockers.append(
-                    Blocker(
-                        key,
-                        BlockerReason.RETIRE_INCOMPLETE,
-                        "a retire has not freed this session yet",
-                    )
-                )
-            elif session.inflight:
-                blockers.append(
-                    Blocker(
-                        key,
-                        BlockerReason.REQUEST_IN_FLIGHT,
-                        f"{session.inflight} request(s) in flight",
-                    )
-                )
-            elif session.session_id in self._restart_blockers:
-                blockers.append(
-                    Blocker(
-                        key,
-                        BlockerReason.RESTART_ONLY_SESSION,
-                        "restart_only: retire this rollout to continue",
-                    )
-                )
+        blockers = self._table.blockers()
         if self._inflight_without_session:
             blockers.append(
                 Blocker(
@@ -492,16 +394,13 @@ class ResourcesParticipant(Participant):
                 )
             )
         return ReadinessReport.build(
-            blockers, {"inflight": self.inflight, "sessions": len(self.sessions)}
+            blockers, {"inflight": self.inflight, "sessions": len(self._table.sessions)}
         )
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
         if self.mode is not CheckpointMode.EXPORTED:
             return []
-        candidates = sorted(
-            (s for s in self.sessions.values() if self._exportable(s, scope)),
-            key=lambda s: (s.episode, s.session_id),
-        )
+        candidates = self._table.exportable(scope, self.context.retired)
         if not candidates:
             return []
         states = await self._hooks.export_session_states([s.session_id for s in candidates])
@@ -509,7 +408,7 @@ class ResourcesParticipant(Participant):
         for session in candidates:
             if session.session_id not in states:
                 # The server no longer holds it (e.g. a verification failed after dropping it).
-                self._untrack(session.session_id)
+                self._table.untrack(session.session_id)
                 continue
             records.append(
                 ExportRecord(
@@ -520,13 +419,6 @@ class ResourcesParticipant(Participant):
         self._notify()
         return records
 
-    def _exportable(self, session: TrackedSession, scope: frozenset[EpisodeId] | None) -> bool:
-        if session.session_id in self._retiring or session.seeded_while_closed:
-            return False
-        if self.context.retired.is_retired(session.episode):
-            return False
-        return scope is None or session.episode in scope
-
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         if not records:
             return
@@ -534,7 +426,7 @@ class ResourcesParticipant(Participant):
             raise rejected_checkpoint(
                 f"a {self.mode} resources server cannot restore session state"
             )
-        if self.sessions or self.inflight:
+        if self._table.sessions or self.inflight:
             raise rejected_checkpoint("restore needs a process that has not served sessions")
         states: dict[str, Any] = {}
         episode_of: dict[str, RestoredRecord] = {}
@@ -565,7 +457,9 @@ class ResourcesParticipant(Participant):
                 f"the server rejected a stored session state: {exc}", capture_key=key
             ) from exc
         for session_id, record in episode_of.items():
-            self._track(session_id, record.restored_as, seeded_while_closed=False, restored=True)
+            self._table.track(
+                session_id, record.restored_as, seeded_while_closed=False, restored=True
+            )
         self._notify()
 
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
@@ -574,20 +468,17 @@ class ResourcesParticipant(Participant):
         Like a retire it first waits for seeds of these episodes and for requests on their
         sessions, so nothing running recreates the state it frees."""
         discarded = frozenset(episodes)
-
-        def installed_sessions() -> list[str]:
-            return sorted(s for s in self._installed if self.sessions[s].episode in discarded)
-
+        sessions = self._table.sessions
         while any(e in discarded for e in self._seeding):
             await self._wait_change()
-        while any(self.sessions[s].inflight for s in installed_sessions()):
+        while any(sessions[s].inflight for s in self._table.installed_in(discarded)):
             await self._wait_change()
-        for session_id in installed_sessions():
-            if session_id not in self._installed:
+        for session_id in self._table.installed_in(discarded):
+            if not self._table.is_installed(session_id):
                 continue  # freed meanwhile (a retire, a concurrent discard)
             if self.mode is CheckpointMode.EXPORTED:
                 await self._hooks.retire_session_state(session_id)
-            self._untrack(session_id)
+            self._table.untrack(session_id)
             self._notify()
 
     async def retire(self, episode: EpisodeId) -> None:
@@ -598,24 +489,17 @@ class ResourcesParticipant(Participant):
 
         while any(covered(e) for e in self._seeding):
             await self._wait_change()
-        session_ids = [
-            s
-            for s in self._by_rollout.get(episode.rollout_id, ())
-            if covered(self.sessions[s].episode)
-        ]
-        for session_id in session_ids:
-            self._retiring.add(session_id)
-            self._restart_blockers.discard(session_id)
-            self.retired_sessions[session_id] = self.sessions[session_id].episode
+        session_ids = self._table.begin_retire(episode)
         self._notify()
-        while any(s in self.sessions and self.sessions[s].inflight for s in session_ids):
+        sessions = self._table.sessions
+        while any(s in sessions and sessions[s].inflight for s in session_ids):
             await self._wait_change()
         for session_id in session_ids:
-            if session_id not in self.sessions:
+            if session_id not in sessions:
                 continue
             if self.mode is CheckpointMode.EXPORTED:
                 await self._hooks.retire_session_state(session_id)
-            self._untrack(session_id)
+            self._table.untrack(session_id)
             self._notify()
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
@@ -625,30 +509,13 @@ class ResourcesParticipant(Participant):
         return (episode, session_id if isinstance(session_id, str) else None)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
-        forgotten = set(rollout_ids)
-        for session_id, episode in list(self.retired_sessions.items()):
-            if episode.rollout_id in forgotten:
-                del self.retired_sessions[session_id]
+        self._table.forget(rollout_ids)
 
     def restored_pending(self) -> frozenset[EpisodeId]:
-        return frozenset(
-            s.episode
-            for s in self.sessions.values()
-            if s.restored_pending and s.session_id not in self._retiring
-        )
+        return self._table.restored_pending()
 
     def episodes(self) -> Sequence[EpisodeInfo]:
-        by_episode: dict[EpisodeId, list[TrackedSession]] = {}
-        for session in self.sessions.values():
-            by_episode.setdefault(session.episode, []).append(session)
-        return [
-            EpisodeInfo(
-                episode,
-                at_boundary=all(not s.inflight for s in sessions),
-                restored_pending=any(s.restored_pending for s in sessions),
-            )
-            for episode, sessions in by_episode.items()
-        ]
+        return self._table.episodes()
 
     def has_served(self) -> bool:
         """A session tracked (or used) by the data plane, one held now, one retired here and
@@ -657,8 +524,8 @@ class ResourcesParticipant(Participant):
         nothing and leaves the process fresh."""
         return (
             self._served
-            or bool(self.sessions)
-            or bool(self.retired_sessions)
+            or bool(self._table.sessions)
+            or bool(self._table.retired_sessions)
             or bool(self._seeding)
         )
 
@@ -666,4 +533,4 @@ class ResourcesParticipant(Participant):
         return {"mode": self.mode.value, "verify": self.verify.value}
 
     def counters(self) -> Mapping[str, int]:
-        return {"retired_sessions": len(self.retired_sessions)}
+        return {"retired_sessions": len(self._table.retired_sessions)}

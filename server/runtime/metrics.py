@@ -10,7 +10,8 @@ unbounded and never a label: they go to traces and logs.
     rollout_checkpoint_records{operation}, rollout_checkpoint_bytes{operation}
                                                                        per commit and restore
     rollout_checkpoint_refusals_total{plane,reason}                    control: ErrorInfo reasons;
-                                                                       data: admission_closed, stale_attempt,
+                                                                       data: admission_closed,
+                                                                       awaiting_restore, stale_attempt,
                                                                        episode_mismatch
     rollout_checkpoint_lease_expiries_total
     rollout_checkpoint_prepare_not_ready_total                         prepares that reached their deadline
@@ -43,12 +44,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_checkpoint.server.runtime.participant import AWAITING_RESTORE
+
 log = logging.getLogger(__name__)
 
 DURATION_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 RECORD_BUCKETS = (0, 1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
 BYTE_BUCKETS = (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10)
-DATA_PLANE_REASONS = frozenset({"admission_closed", "stale_attempt", "episode_mismatch"})
+DATA_PLANE_REASONS = frozenset(
+    {"admission_closed", AWAITING_RESTORE, "stale_attempt", "episode_mismatch"}
+)
 """The data plane's refusal codes (HTTP 409 `{"error": {"code": ...}}`)."""
 
 

@@ -19,6 +19,17 @@ from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 
 MAX_LISTED_BLOCKERS = 100
 
+AWAITING_RESTORE = "awaiting_restore"
+"""The data-plane refusal (HTTP 409 code) of a `start_closed` process before its Restore or
+Resume, in every participant kind. Not `admission_closed`: no checkpoint is in progress, and
+an operator reading "retry after resume" would look for one; the process waits for its
+controller (`ParticipantContext.start_closed_pending`). A caller retries it like
+`admission_closed`: the request did not run."""
+AWAITING_RESTORE_DETAIL = (
+    "this process started closed and waits for its controller's Restore or Resume"
+)
+"""The `detail` beside `AWAITING_RESTORE`."""
+
 
 class Kind(enum.StrEnum):
     """Participant kinds, in prepare order. The value is the kind's storage directory name."""

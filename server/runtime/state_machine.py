@@ -422,12 +422,18 @@ class StateMachine:
         return job.task, None
 
     def _finish_unstarted(self, checkpoint_id: str, *, idempotent: bool) -> bool:
+        """Fence an id whose checkpoint never started here; returns the reply's `idempotent`.
+
+        The Resume that opens a `start_closed` process changed something (admission opened,
+        readiness rose), so it answers False even where fencing alone would be idempotent: a
+        controller reading True would believe the process was already open."""
         self.remember_resumed(checkpoint_id)
-        if self.start_closed_pending:
+        opened = self.start_closed_pending
+        if opened:
             self.start_closed_pending = False
             self.open_admission()
         self.changed()
-        return idempotent
+        return idempotent and not opened
 
     def finish_resume(self, checkpoint_id: str) -> bool:
         """Back to IDLE and open; returns whether there was nothing to end (idempotent)."""

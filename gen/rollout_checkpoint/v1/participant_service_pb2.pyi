@@ -718,8 +718,9 @@ class ResumeResponse(_message.Message):
     state: _types_pb2.ParticipantState.ValueType
     """IDLE."""
     idempotent: _builtins.bool
-    """True when the id had already been resumed, or never reached this
-    participant.
+    """True when this Resume changed nothing: the id had already been resumed,
+    or never reached this participant (fenced only). False when it ended a
+    checkpoint or a restore, or opened a `start_closed` process.
     """
     def __init__(
         self,

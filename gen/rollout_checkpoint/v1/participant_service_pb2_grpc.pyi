@@ -218,7 +218,9 @@ class ParticipantServiceStub:
     `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
     never reached this participant) the id is remembered as resumed and the
     reply is idempotent: this fences a delayed Prepare of an aborted
-    checkpoint. A Restore of this id still reading is abandoned (nothing was
+    checkpoint. The exception is the first Resume of a `start_closed` process
+    (before any Restore): it opens admission, so it answers
+    `idempotent: false`. A Restore of this id still reading is abandoned (nothing was
     installed; the Restore answers `STALE_CHECKPOINT`); one installing is
     waited for, and then resumed like any restore; a Restore of another id
     under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
@@ -413,7 +415,9 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
     never reached this participant) the id is remembered as resumed and the
     reply is idempotent: this fences a delayed Prepare of an aborted
-    checkpoint. A Restore of this id still reading is abandoned (nothing was
+    checkpoint. The exception is the first Resume of a `start_closed` process
+    (before any Restore): it opens admission, so it answers
+    `idempotent: false`. A Restore of this id still reading is abandoned (nothing was
     installed; the Restore answers `STALE_CHECKPOINT`); one installing is
     waited for, and then resumed like any restore; a Restore of another id
     under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
@@ -653,7 +657,9 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare
         never reached this participant) the id is remembered as resumed and the
         reply is idempotent: this fences a delayed Prepare of an aborted
-        checkpoint. A Restore of this id still reading is abandoned (nothing was
+        checkpoint. The exception is the first Resume of a `start_closed` process
+        (before any Restore): it opens admission, so it answers
+        `idempotent: false`. A Restore of this id still reading is abandoned (nothing was
         installed; the Restore answers `STALE_CHECKPOINT`); one installing is
         waited for, and then resumed like any restore; a Restore of another id
         under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
