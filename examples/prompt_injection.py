@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,10 +30,17 @@ from starlette.exceptions import HTTPException
 
 from rollout_checkpoint.server.resources import (
     CheckpointMode,
-    InvalidSessionState,
     ResourcesServer,
     VerifyMode,
     tool,
+)
+from rollout_checkpoint.server.resources.json_state import (
+    SCHEMA_VERSION,
+    EnvironmentStates,
+)
+from rollout_checkpoint.server.resources.json_state import through_json as _through_json
+from rollout_checkpoint.server.resources.json_state import (
+    validate_environment_state as validate_state,
 )
 from rollout_checkpoint.server.resources.middleware import cookie_session_id
 from rollout_checkpoint.server.resources.server import RESERVED_ROUTES
@@ -51,9 +56,7 @@ __all__ = [
     "validate_state",
 ]
 
-log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
 TASKS_FILE = "prompt_injection_tasks.jsonl"
 COUNTERS_KEY = "_id_counters"
 """Where an environment keeps the counters its created ids come from."""
@@ -260,81 +263,12 @@ def _matches(value: object, wanted: str | None) -> bool:
 # -- checkpoint state -----------------------------------------------------------------------
 
 
-def _json_problem(value: object) -> str | None:
-    """Why `value` is not plain JSON (string keys, finite numbers), or None. No recursion."""
-    stack: list[tuple[object, str]] = [(value, "environment")]
-    while stack:
-        item, where = stack.pop()
-        if item is None or isinstance(item, str | bool | int):
-            continue
-        if isinstance(item, float):
-            if not math.isfinite(item):
-                return f"{where} is {item!r}, which JSON cannot carry"
-            continue
-        if isinstance(item, list):
-            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
-            continue
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if not isinstance(key, str):
-                    return f"{where} has a key that is not a string: {key!r}"
-                stack.append((child, f"{where}.{key}"))
-            continue
-        return f"{where} is a {type(item).__name__}, not a JSON value"
-    return None
-
-
-def _through_json(value: object) -> Any:
-    """An independent copy made the way storage writes it: key order kept, and ValueError or
-    TypeError for anything JSON (as UTF-8 text) cannot carry."""
-    text = json.dumps(value, allow_nan=False, ensure_ascii=False)
-    return json.loads(text.encode("utf-8"))
-
-
 def _plain_json(value: object) -> bool:
     try:
         _through_json(value)
     except (ValueError, TypeError, RecursionError):
         return False
     return True
-
-
-def validate_state(session_id: str, state: object) -> dict[str, Any]:
-    """Check one stored state against schema version 1; return an independent environment.
-
-    Strict: exactly `{schema_version: 1, environment: <JSON object>}`. No coercion (the
-    environment as JSON text is invalid, `true` is not 1), no NaN or Infinity anywhere.
-    Raises `InvalidSessionState` naming the session.
-    """
-
-    def invalid(reason: str) -> InvalidSessionState:
-        return InvalidSessionState(session_id, f"session {session_id}: {reason}")
-
-    if not isinstance(state, dict):
-        raise invalid(f"a state is a JSON object, not {type(state).__name__}")
-    if set(state) != {"schema_version", "environment"}:
-        extra = sorted(str(k) for k in set(state) - {"schema_version", "environment"})
-        missing = sorted({"schema_version", "environment"} - set(state))
-        raise invalid(
-            "a state holds exactly schema_version and environment"
-            + (f" (extra: {', '.join(extra)})" if extra else "")
-            + (f" (missing: {', '.join(missing)})" if missing else "")
-        )
-    version = state["schema_version"]
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise invalid(f"schema_version {version!r} is not supported (this server reads 1)")
-    environment = state["environment"]
-    if not isinstance(environment, dict):
-        kind = "JSON text" if isinstance(environment, str) else type(environment).__name__
-        raise invalid(f"the environment must be a JSON object, not {kind}")
-    problem = _json_problem(environment)
-    if problem is not None:
-        raise invalid(problem)
-    try:
-        copy: dict[str, Any] = _through_json(environment)
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise invalid(f"the environment cannot be carried as JSON: {exc}") from None
-    return copy
 
 
 # -- scoring --------------------------------------------------------------------------------
@@ -532,29 +466,10 @@ class PromptInjectionServer(ResourcesServer):
     # -- checkpoint hooks -----------------------------------------------------------------
 
     async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
-        states: dict[str, Any] = {}
-        for session_id in session_ids:
-            environment = self.environments.get(session_id)
-            if environment is None:
-                continue  # dropped (verified, closed, retired): left out of the checkpoint
-            try:
-                copy: Any = _through_json(environment)
-            except (ValueError, TypeError, RecursionError) as exc:
-                # The hook knows session ids, not episodes. Leaving the live value in the
-                # record lets the commit's own serializer (the same JSON rules) refuse it as
-                # UNSERIALIZABLE_STATE naming the episode; raising here would only give
-                # HOOK_FAILED. Admission is closed, so nothing mutates it meanwhile.
-                log.warning("session %s holds a value JSON cannot carry: %s", session_id, exc)
-                copy = environment
-            states[session_id] = {"schema_version": SCHEMA_VERSION, "environment": copy}
-        return states
+        return await EnvironmentStates(self.environments).export_session_states(session_ids)
 
     async def restore_session_states(self, states: dict[str, Any]) -> None:
-        # Every state is validated (and copied) before any is installed: never a partial set.
-        installs = {
-            session_id: validate_state(session_id, state) for session_id, state in states.items()
-        }
-        self.environments.update(installs)
+        await EnvironmentStates(self.environments).restore_session_states(states)
 
     async def retire_session_state(self, session_id: str) -> None:
         self.environments.pop(session_id, None)

@@ -26,6 +26,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from rollout_checkpoint.client.console import ExitCode, HelpFormatter, epilog
+from rollout_checkpoint.server.core.extras import MissingExtra
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.logs import configure_logging
@@ -267,7 +268,10 @@ def main(argv: list[str] | None = None) -> None:
         secrets=[token or ""],
         stream=sys.stderr,
     )
-    app, runtime = build(args, instance, checkpoint)
+    try:
+        app, runtime = build(args, instance, checkpoint)
+    except MissingExtra as error:  # e.g. --mcp without the mcp extra: one line, exit 2
+        fail(EXIT_USAGE, str(error))
     host, port = _split(args.http_address)
 
     class AnnouncingServer(uvicorn.Server):

@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
-from grpc_reflection.v1alpha import reflection
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import (
@@ -47,10 +46,12 @@ from rollout_checkpoint.server.core.errors import (
     Reason,
     invalid_request,
 )
+from rollout_checkpoint.server.core.extras import REFLECTION, require
 from rollout_checkpoint.server.core.rpc import handlers
 from rollout_checkpoint.server.core.rpc.auth import BearerTokenInterceptor
 from rollout_checkpoint.server.core.rpc.standard_services import (
     HEALTH_SERVICE,
+    REFLECTION_SERVICE,
     ListingHealthServicer,
     health_handler,
     hostile_input_log,
@@ -406,6 +407,8 @@ class Coordinator:
     def __init__(
         self, spec: FleetSpec, address: str, *, reflection_enabled: bool = False, grace: float = 5.0
     ) -> None:
+        if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
+            require(REFLECTION, "coordinator --reflection")
         self.servicer = CoordinatorServicer(spec)
         self.health = ListingHealthServicer()
         self.address = address
@@ -422,7 +425,7 @@ class Coordinator:
         hostile = hostile_input_log()
         handlers = [self.servicer.generic_handler(), health_handler(self.health, hostile)]
         if self.reflection_enabled:
-            names = (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)
+            names = (SERVICE_NAME, HEALTH_SERVICE, REFLECTION_SERVICE)
             handlers.append(reflection_handler(names, hostile))
         server.add_generic_rpc_handlers(handlers)
         self.port = server.add_insecure_port(self.address)

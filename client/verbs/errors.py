@@ -12,10 +12,13 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, FleetConfigError
 from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError
 from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.extras import MissingExtra
 
 
 def classify(error: BaseException) -> CliError | None:
     """The exit code and one line for an exception of the client library (None: a bug)."""
+    if isinstance(error, MissingExtra):  # e.g. --reflection without grpcio-reflection
+        return CliError(ExitCode.USAGE, str(error))
     if isinstance(error, FleetConfigError):
         return CliError(ExitCode.USAGE, str(error))
     if isinstance(error, DiscoveryError):

@@ -55,14 +55,15 @@ SESSION_KEY = "rollout_checkpoint.session_id"
 SessionResolver = Callable[[Scope], str | None]
 
 
-def cookie_session_id(scope: Scope) -> str | None:
+def cookie_session_id(scope: Scope, key: str = SESSION_KEY) -> str | None:
     """The session id in the request's signed cookie (None: no session middleware ran, no
     cookie, or no session in it). Read from `scope`, so it also sees the id a route just put
-    into the cookie (after `/seed_session`)."""
+    into the cookie (after `/seed_session`). `key`: where in the cookie session the id is
+    (ours, or another framework's, e.g. NeMo Gym's `SESSION_ID_KEY`)."""
     session = scope.get("session")
     if not isinstance(session, dict):
         return None
-    value = session.get(SESSION_KEY)
+    value = session.get(key)
     return value if isinstance(value, str) else None
 
 
@@ -70,7 +71,8 @@ class ResourcesAdmissionMiddleware:
     """The per-request admission rules of a resources server (the module docstring lists
     them, each with the loss it prevents), reporting every admitted request to the
     participant. Installed by `ResourcesServer.build_app` inside the session middleware, so
-    the cookie is decoded when it runs; `passthrough_paths` are never counted nor refused."""
+    the cookie is decoded when it runs; `passthrough_paths` are never counted nor refused;
+    `session_key` is where the cookie session holds the session id."""
 
     def __init__(
         self,
@@ -80,8 +82,10 @@ class ResourcesAdmissionMiddleware:
         mcp_path: str | None = None,
         mcp_session: SessionResolver | None = None,
         passthrough_paths: Collection[str] = (),
+        session_key: str = SESSION_KEY,
     ) -> None:
         self.app = app
+        self.session_key = session_key
         self.participant = participant
         self.mcp_path = mcp_path
         self.mcp_session = mcp_session
@@ -160,7 +164,7 @@ class ResourcesAdmissionMiddleware:
         finally:
             succeeded = 200 <= status < 300
             if is_seed:
-                session_after = cookie_session_id(scope)
+                session_after = cookie_session_id(scope, self.session_key)
                 participant.seed_finished(
                     episode,
                     session_id,
@@ -180,7 +184,7 @@ class ResourcesAdmissionMiddleware:
         never on the cookie's), otherwise the cookie's."""
         if is_mcp:
             return self.mcp_session(scope) if self.mcp_session is not None else None
-        return cookie_session_id(scope)
+        return cookie_session_id(scope, self.session_key)
 
 
 async def _respond(

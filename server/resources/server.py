@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.middleware.sessions import SessionMiddleware
 
 from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.core.extras import MCP, require
 from rollout_checkpoint.server.resources.middleware import (
     SESSION_KEY,
     ResourcesAdmissionMiddleware,
@@ -255,6 +256,9 @@ class ResourcesServer:
         prefix and admission middlewares, and installs the sidecar into the app's lifespan
         (`self.runtime`, see `install_checkpointing`): the sidecar starts and stops with the
         app. With checkpointing off none of these is installed.
+
+        Raises `MissingExtra` when MCP is exposed without the `mcp` extra (mcp 2.x), or
+        checkpointing asks for reflection without the `reflection` extra.
         """
         app = FastAPI(
             title=f"{type(self).__name__} ({self.instance})",
@@ -273,6 +277,9 @@ class ResourcesServer:
             )
         mcp = None
         if self.mcp_enabled:
+            # The mcp extra is imported only here: MissingExtra (one line naming the extra)
+            # when it is absent or is mcp 1.x, e.g. beside nemo-gym 0.4.0 (core/extras.py).
+            require(MCP, "expose_tools_over_mcp")
             from rollout_checkpoint.server.resources.mcp import McpExposure
 
             mcp = McpExposure(self)

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import grpc
 from grpc import aio
-from grpc_reflection.v1alpha import reflection
 
+from rollout_checkpoint.server.core.extras import REFLECTION, require
 from rollout_checkpoint.server.core.rpc.auth import BearerTokenInterceptor
 from rollout_checkpoint.server.core.rpc.standard_services import (
     HEALTH_SERVICE,
+    REFLECTION_SERVICE,
     health_handler,
     hostile_input_log,
     reflection_handler,
@@ -35,6 +36,8 @@ class Sidecar:
     """Start it from a running loop (the ASGI lifespan); stop it there too."""
 
     def __init__(self, control: ControlPlane, settings: CheckpointSettings) -> None:
+        if settings.reflection:  # MissingExtra now, while the app is built, not in its lifespan
+            require(REFLECTION, "reflection: true (CheckpointSettings.reflection)")
         self.control = control
         self.settings = settings
         self.servicer = ParticipantServicer(control)
@@ -65,7 +68,7 @@ class Sidecar:
         hostile = hostile_input_log()
         handlers = [self.servicer.generic_handler(), health_handler(self.health.servicer, hostile)]
         if self.settings.reflection:
-            names = (SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)
+            names = (SERVICE_NAME, HEALTH_SERVICE, REFLECTION_SERVICE)
             handlers.append(reflection_handler(names, hostile))
         server.add_generic_rpc_handlers(handlers)
         credentials = self._credentials()

@@ -3,7 +3,10 @@
 Run by the Python 3.12 env that `scripts/nemo-gym-env` prints (nemo-gym 0.4.0 from PyPI):
 
     $(scripts/nemo-gym-env) tests/nemo_gym/launch.py indirect_prompt_injection
-    -> {"http": "127.0.0.1:40123", "instance": "...", "kind": "nemo-gym:...", "pid": 4711}
+    -> {"http": "127.0.0.1:40123", "grpc": null, "instance": "...", "kind": "nemo-gym:...", "pid": 4711}
+
+`--checkpoint` wraps the server with `rollout_checkpoint.server.nemo_gym` (then `grpc` is the
+sidecar's address); the interpreter must have rollout-checkpoint installed.
 
 Why not `ng_run`: its `run_webserver()` reads the global config from a head server, starts
 a Ray cluster and may fork uvicorn workers, none of which a test of one server needs (and
@@ -123,6 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-address", default="127.0.0.1:0", help="HOST:PORT (0: free)")
     parser.add_argument("--bare", action="store_true", help="setup_webserver()'s app alone")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="checkpoint it with rollout_checkpoint.server.nemo_gym (token from "
+        "$ROLLOUT_CHECKPOINT_TOKEN); the announcement then names the sidecar's grpc address",
+    )
+    parser.add_argument("--grpc-address", default="127.0.0.1:0", help="the sidecar's HOST:PORT")
+    parser.add_argument(
+        "--start-closed", action="store_true", help="a replacement: admission closed until restored"
+    )
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -134,6 +147,18 @@ def main(argv: list[str] | None = None) -> None:
     app = server.setup_webserver()
     if not args.bare:
         add_run_webserver_layers(server, app)
+    runtime = None
+    if args.checkpoint:
+        # The integration under test; needs rollout-checkpoint installed in this interpreter.
+        from rollout_checkpoint.server.nemo_gym import checkpoint_nemo_gym_server
+        from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+
+        settings = CheckpointSettings(
+            enabled=True, grpc_address=args.grpc_address, start_closed=args.start_closed
+        )
+        installed = checkpoint_nemo_gym_server(server, app, settings)
+        assert installed is not None
+        runtime = installed.runtime
 
     class AnnouncingServer(uvicorn.Server):
         """Prints the announcement once uvicorn's socket listens (port 0 resolved)."""
@@ -145,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             bound = self.servers[0].sockets[0].getsockname()
             announcement = {
                 "http": f"{host}:{bound[1]}",
+                "grpc": runtime.address if runtime is not None else None,
                 "instance": instance,
                 "kind": f"nemo-gym:{args.server}",
                 "pid": os.getpid(),

@@ -17,20 +17,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc import aio
 from grpc_health.v1 import health, health_pb2
-from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.extras import REFLECTION, require
 from rollout_checkpoint.server.core.rpc.status import to_grpc_status
+
+if TYPE_CHECKING:
+    from grpc_reflection.v1alpha import reflection_pb2
 
 log = logging.getLogger(__name__)
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
+# grpc_reflection.v1alpha.reflection.SERVICE_NAME, spelled out: grpcio-reflection is an
+# optional extra, imported only when reflection is configured (core/extras.py).
+REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
 Req = TypeVar("Req", bound=Message)
 Context = aio.ServicerContext[Any, Any]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -155,7 +161,13 @@ def health_handler(
 def reflection_handler(
     service_names: Iterable[str], hostile: RateLimitedLog
 ) -> grpc.GenericRpcHandler:
-    """Server reflection of `service_names`, parsing each request message itself."""
+    """Server reflection of `service_names`, parsing each request message itself.
+
+    Raises `MissingExtra` (one line: install rollout-checkpoint[reflection]) when
+    grpcio-reflection is not installed; call it while starting, before anything binds."""
+    require(REFLECTION, "gRPC server reflection")
+    from grpc_reflection.v1alpha import reflection, reflection_pb2
+
     servicer = reflection.aio.ReflectionServicer(tuple(service_names))
     refuse = _refuser(hostile)
 
@@ -178,7 +190,7 @@ def reflection_handler(
         info, None, _serialize
     )
     return grpc.method_handlers_generic_handler(
-        reflection.SERVICE_NAME, {"ServerReflectionInfo": handler}
+        REFLECTION_SERVICE, {"ServerReflectionInfo": handler}
     )
 
 
