@@ -260,7 +260,7 @@ class Fleet:
     async def discover(
         cls, spec: FleetSpec, *, tries: int = 3, try_timeout: float = 5.0, backoff: float = 0.5
     ) -> Fleet:
-        """GetParticipant on every member at once, each up to `tries` times (`try_timeout`
+        """GetParticipant on every member (`spec.fan_out` at once), each up to `tries` times (`try_timeout`
         seconds per try, linear `backoff` between), and the fleet of what answered.
 
         Raises `DiscoveryError` naming every member that failed (a member that refused, e.g.
@@ -274,9 +274,14 @@ class Fleet:
             )
             for m in spec.members
         }
+        slots = asyncio.Semaphore(spec.fan_out)
+
+        async def describe(client: ParticipantClient) -> Any:
+            async with slots:
+                return await _describe(client, tries, backoff)
+
         results = await asyncio.gather(
-            *(_describe(clients[m.name], tries, backoff) for m in spec.members),
-            return_exceptions=True,
+            *(describe(clients[m.name]) for m in spec.members), return_exceptions=True
         )
         failures: dict[str, str] = {}
         errors: dict[str, ControlError] = {}
