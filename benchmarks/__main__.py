@@ -3,6 +3,7 @@
     python -m benchmarks                         # the defaults (under 10 minutes on 2 cores)
     python -m benchmarks --scale tiny            # every benchmark at a tiny size (seconds)
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
+    python -m benchmarks --only light --merge    # rerun one; keep the others' last results
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import secrets
@@ -166,6 +168,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
     parser.add_argument("--light-sizes", type=_ints, help="benchmark 6: e.g. 100,300,1000")
     parser.add_argument("--light-hosts", type=int, help="benchmark 6: host processes")
     parser.add_argument("--fan-out", type=int, help="benchmark 6: calls at once per stage")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results of benchmarks not run now from <output>/latest.json",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     params = SCALES[args.scale]
@@ -231,6 +238,27 @@ async def run_all(names: list[str], ctx: Context) -> dict[str, BenchResult]:
     return results
 
 
+def merged(payload: dict[str, Any], previous_path: Path) -> dict[str, Any]:
+    """`payload` plus the results of every benchmark it lacks from the run at `previous_path`
+    (named under `earlier_run`: its machine and time, since its figures came from there).
+    Without a previous file, `payload` as it is."""
+    if not previous_path.exists():
+        return payload
+    previous = json.loads(previous_path.read_text())
+    kept = {n: r for n, r in previous["benchmarks"].items() if n not in payload["benchmarks"]}
+    if not kept:
+        return payload
+    return {
+        **payload,
+        "params": {**previous.get("params", {}), **payload["params"]},
+        "benchmarks": {**kept, **payload["benchmarks"]},
+        "earlier_run": {
+            "benchmarks": sorted(kept),
+            **{k: previous.get(k) for k in ("scale", "finished_at", "seconds", "machine")},
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args, params = parse_args(argv)
     names = [n for n in BENCHMARKS if not args.only or n in args.only.split(",")]
@@ -257,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "benchmarks": {name: result.to_json() for name, result in results.items()},
     }
+    if args.merge:
+        payload = merged(payload, args.output / "latest.json")
     json_path, md_path = report.write(payload, args.output)
     print(report.summary(payload))
     print(f"\nwrote {json_path} and {md_path}")
