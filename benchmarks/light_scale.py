@@ -31,6 +31,7 @@ from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
 from .common import BenchResult, Processes, Server, deadline_in, ms, now, ratios
+from .fleetutil import launch_coordinator
 
 TIMEOUT = 300.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -60,25 +61,6 @@ def member_specs(hosts: list[Server]) -> list[MemberSpec]:
     """Every member the hosts announced, in member order (light-0000, light-0001, ...)."""
     named = [MemberSpec(name, address) for h in hosts for name, address in h.announced["members"]]
     return sorted(named, key=lambda m: m.name)
-
-
-def start_coordinator(
-    processes: Processes, members: list[MemberSpec], root: Path, fan_out: int, name: str
-) -> Server:
-    """`rollout-checkpoint coordinator` over `members`, publishing under `root`."""
-    directory = processes.workdir / name
-    directory.mkdir(parents=True, exist_ok=True)
-    token_file = directory / "token"
-    token_file.write_text(processes.token)
-    token_file.chmod(0o600)
-    lines = ['token_file = "token"', f'checkpoint_root = "{root}"', "keep = 1"]
-    lines.append(f"fan_out = {fan_out}")
-    for member in members:
-        lines += ["[[participants]]", f'name = "{member.name}"', f'address = "{member.address}"']
-    fleet_file = directory / "fleet.toml"
-    fleet_file.write_text("\n".join(lines) + "\n")
-    argv = ["-m", "rollout_checkpoint.client.cli", "coordinator", "--fleet", str(fleet_file)]
-    return processes.launch(name, [*argv, "--grpc-address", "127.0.0.1:0"])
 
 
 async def library_cycle(fleet: Fleet, root: CheckpointRoot) -> dict[str, float]:
@@ -158,7 +140,11 @@ async def run(ctx: Any) -> BenchResult:
             root = work / f"service-{size}"
             root.mkdir(parents=True, exist_ok=True)
             coordinators[size] = await asyncio.to_thread(
-                start_coordinator, processes, specs[:size], root, fan_out, f"light-coord-{size}"
+                launch_coordinator,
+                processes,
+                specs[:size],
+                f"light-coord-{size}",
+                [f'checkpoint_root = "{root}"', "keep = 1", f"fan_out = {fan_out}"],
             )
             channels.append(aio.insecure_channel(coordinators[size].grpc or ""))
             stubs[size] = cpb_grpc.CoordinatorServiceStub(channels[-1])
