@@ -3,6 +3,7 @@
     python -m benchmarks                         # the defaults (under 10 minutes on 2 cores)
     python -m benchmarks --scale tiny            # every benchmark at a tiny size (seconds)
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
+    python -m benchmarks --only light --merge    # rerun one; keep the others' last results
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import secrets
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import control_rpc, dataplane, fleet_scale, prepare, report, throughput
+from . import control_rpc, dataplane, fleet_scale, light_scale, prepare, report, throughput
 from .common import SPREAD, BenchResult, Processes
 
 BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
@@ -34,6 +36,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "dataplane": dataplane.run,
     "control": control_rpc.run,
     "fleet": fleet_scale.run,
+    "light": light_scale.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -64,6 +67,11 @@ class Params:
     fleet_sizes: list[int]
     fleet_sessions: int
     """Benchmark 5: participants, and live sessions per resources member."""
+    light_sizes: list[int]
+    light_hosts: int
+    fan_out: int | None
+    """Benchmark 6: lightweight members per fleet (multiples of 4), the processes serving
+    them, and the coordinator's fan-out bound (None: the fleet file's default)."""
 
 
 SCALES: dict[str, Params] = {
@@ -82,6 +90,9 @@ SCALES: dict[str, Params] = {
         control_calls=400,
         fleet_sizes=[4, 8, 16],
         fleet_sessions=100,
+        light_sizes=[100, 300, 1000],
+        light_hosts=2,
+        fan_out=None,
     ),
     "tiny": Params(
         repeats=2,
@@ -98,6 +109,9 @@ SCALES: dict[str, Params] = {
         control_calls=30,
         fleet_sizes=[4, 8],
         fleet_sessions=5,
+        light_sizes=[8, 20],
+        light_hosts=2,
+        fan_out=None,
     ),
 }
 
@@ -151,6 +165,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
     parser.add_argument("--duration", type=float, help="benchmark 3: seconds per load run")
     parser.add_argument("--control-calls", type=int, help="benchmark 4: calls per run")
     parser.add_argument("--fleet-sizes", type=_ints, help="benchmark 5: e.g. 4,8,16")
+    parser.add_argument("--light-sizes", type=_ints, help="benchmark 6: e.g. 100,300,1000")
+    parser.add_argument("--light-hosts", type=int, help="benchmark 6: host processes")
+    parser.add_argument("--fan-out", type=int, help="benchmark 6: calls at once per stage")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results of benchmarks not run now from <output>/latest.json",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     params = SCALES[args.scale]
@@ -169,13 +191,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "duration",
             "control_calls",
             "fleet_sizes",
+            "light_sizes",
+            "light_hosts",
+            "fan_out",
         )
         if getattr(args, name) is not None
     }
     params = replace(params, **overrides)
     if min(params.repeats, params.store_repeats, params.rollout_repeats, params.load_repeats) < 1:
         parser.error("repeats must be at least 1")
-    if any(size % 4 for size in params.fleet_sizes):
+    if any(size % 4 for size in [*params.fleet_sizes, *params.light_sizes]):
         parser.error("fleet sizes are multiples of 4 (one participant of each kind per group)")
     unknown = {n for n in args.only.split(",") if n} - set(BENCHMARKS)
     if unknown:
@@ -213,6 +238,27 @@ async def run_all(names: list[str], ctx: Context) -> dict[str, BenchResult]:
     return results
 
 
+def merged(payload: dict[str, Any], previous_path: Path) -> dict[str, Any]:
+    """`payload` plus the results of every benchmark it lacks from the run at `previous_path`
+    (named under `earlier_run`: its machine and time, since its figures came from there).
+    Without a previous file, `payload` as it is."""
+    if not previous_path.exists():
+        return payload
+    previous = json.loads(previous_path.read_text())
+    kept = {n: r for n, r in previous["benchmarks"].items() if n not in payload["benchmarks"]}
+    if not kept:
+        return payload
+    return {
+        **payload,
+        "params": {**previous.get("params", {}), **payload["params"]},
+        "benchmarks": {**kept, **payload["benchmarks"]},
+        "earlier_run": {
+            "benchmarks": sorted(kept),
+            **{k: previous.get(k) for k in ("scale", "finished_at", "seconds", "machine")},
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args, params = parse_args(argv)
     names = [n for n in BENCHMARKS if not args.only or n in args.only.split(",")]
@@ -239,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "benchmarks": {name: result.to_json() for name, result in results.items()},
     }
+    if args.merge:
+        payload = merged(payload, args.output / "latest.json")
     json_path, md_path = report.write(payload, args.output)
     print(report.summary(payload))
     print(f"\nwrote {json_path} and {md_path}")

@@ -130,14 +130,25 @@ def start_coordinator(
     processes: Processes, servers: Sequence[Server], name: str = "coordinator"
 ) -> Server:
     """`rollout-checkpoint coordinator --fleet FILE` over these servers, as its own process."""
+    return launch_coordinator(processes, fleet_spec(servers, processes.token).members, name)
+
+
+def launch_coordinator(
+    processes: Processes,
+    members: Sequence[MemberSpec],
+    name: str = "coordinator",
+    settings: Sequence[str] = (),
+) -> Server:
+    """`rollout-checkpoint coordinator` over `members`, as its own process; `settings` are
+    more top-level fleet-file lines (`checkpoint_root = "..."`, `fan_out = 64`)."""
     directory = processes.workdir / name
     directory.mkdir(parents=True, exist_ok=True)
     token_file = directory / "token"
     token_file.write_text(processes.token)
     token_file.chmod(0o600)
-    lines = ['token_file = "token"']
-    for server in servers:
-        lines += ["[[participants]]", f'name = "{server.name}"', f'address = "{server.grpc}"']
+    lines = ['token_file = "token"', *settings]
+    for member in members:
+        lines += ["[[participants]]", f'name = "{member.name}"', f'address = "{member.address}"']
     fleet_file = directory / "fleet.toml"
     fleet_file.write_text("\n".join(lines) + "\n")
     return processes.launch(

@@ -35,7 +35,16 @@ def _machine_line(payload: dict[str, Any]) -> str:
         f"finished {payload['finished_at']} in {payload['seconds']:.0f} s. Every figure is the "
         f"median over its repeats with the {payload['spread']} over the same repeats (n); "
         "every ratio is the median of per-repeat ratios of runs interleaved in this invocation."
-    )
+    ) + _earlier_run(payload)
+
+
+def _earlier_run(payload: dict[str, Any]) -> str:
+    """Which results a `--merge` kept from an earlier run, and when that run finished."""
+    earlier = payload.get("earlier_run")
+    if not earlier:
+        return ""
+    names = ", ".join(earlier["benchmarks"])
+    return f" Kept from the run finished {earlier['finished_at']} (`--merge`): {names}."
 
 
 def markdown(payload: dict[str, Any]) -> str:

@@ -11,6 +11,10 @@ participants keep the state (and replay recorded results). Each rule prevents a 
   callee that already forgot the attempt.
 * Restore is all or nothing: a fleet where some members restored and others did not would
   continue rollouts with half their state.
+
+Within a stage every member is called concurrently, at most `fleet.spec.fan_out` at once
+(`DEFAULT_FAN_OUT`, 64): a bounded fan-out keeps a 1,000-member stage from opening every call
+in one burst (see `fan_out`). Stages stay sequential: that is the ordering above.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, TypeVar
 import grpc
 
 from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import Fleet, Kind, Member
+from rollout_checkpoint.client.fleet import DEFAULT_FAN_OUT, Fleet, Kind, Member
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -81,8 +85,10 @@ class FleetError(Exception):
 # -- prepare --------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemberProgress:
+    """One member's part of a `FleetProgress` (frozen: snapshots share unchanged entries)."""
+
     name: str
     kind: Kind
     reached: bool = False
@@ -137,31 +143,38 @@ class FleetProgress:
 async def prepare(
     fleet: Fleet, checkpoint_id: str, deadline: float
 ) -> AsyncIterator[FleetProgress]:
-    """Prepare stage by stage, yielding a snapshot whenever any member's progress arrives.
+    """Prepare stage by stage, yielding a snapshot whenever members' progress arrives
+    (every update already received goes into the same snapshot).
 
     The last snapshot has `outcome` set. A member's refusal raises `FleetError` once every
     member of its stage has answered (its first update or its own refusal), so the error
     names every member that refused, not just the fastest; then the other streams of the
     stage are cancelled, which does not abort anything: Resume does. Members answer at once
-    (the first update is immediate), and each stream is bounded by the deadline."""
+    (the first update is immediate), and each stream is bounded by the deadline. At most
+    `fleet.spec.fan_out` streams of a stage wait for their first update at once; a stream
+    that answered stays open without holding a slot, so a member still draining never keeps
+    the rest of its stage from closing admission."""
     started = time.monotonic()
+    starting = asyncio.Semaphore(fleet.spec.fan_out)
     progress = {m.name: MemberProgress(m.name, m.kind) for m in fleet.members}
     sequence = 0
 
     def snapshot(stage: Kind, outcome: str | None = None) -> FleetProgress:
+        # Entries are frozen and replaced on change, so a snapshot shares them: copying
+        # every member per update made a 1,000-member prepare quadratic (seconds of CPU).
         nonlocal sequence
         sequence += 1
-        members = [replace(progress[m.name]) for m in fleet.members]
+        members = [progress[m.name] for m in fleet.members]
         return FleetProgress(stage, members, sequence, time.monotonic() - started, outcome)
 
     for stage, members in fleet.stages():
         for member in members:
-            progress[member.name].reached = True
+            progress[member.name] = replace(progress[member.name], reached=True)
         updates: asyncio.Queue[tuple[str, pb.PrepareResponse | ControlError | None]] = (
             asyncio.Queue()
         )
         readers = [
-            asyncio.ensure_future(_read_prepare(m, checkpoint_id, deadline, updates))
+            asyncio.ensure_future(_read_prepare(m, checkpoint_id, deadline, updates, starting))
             for m in members
         ]
         try:
@@ -169,21 +182,29 @@ async def prepare(
             unanswered = {m.name for m in members}
             failures: dict[str, ControlError] = {}
             while pending and not (failures and not unanswered):
+                # Every update already queued goes into one snapshot: a stage of 1,000
+                # answering at once is a few snapshots, not 1,000 of 1,000 members each.
+                changed = False
                 name, update = await updates.get()
-                unanswered.discard(name)
-                entry = progress[name]
-                if update is None:
-                    pending -= 1
-                    entry.done = True
-                    continue
-                if isinstance(update, ControlError):
-                    pending -= 1
-                    entry.error = update
-                    failures[name] = update
-                    continue
-                entry.state = update.state
-                entry.readiness = update.readiness
-                yield snapshot(stage)
+                while True:
+                    unanswered.discard(name)
+                    if update is None:
+                        pending -= 1
+                        progress[name] = replace(progress[name], done=True)
+                    elif isinstance(update, ControlError):
+                        pending -= 1
+                        progress[name] = replace(progress[name], error=update)
+                        failures[name] = update
+                    else:
+                        progress[name] = replace(
+                            progress[name], state=update.state, readiness=update.readiness
+                        )
+                        changed = True
+                    if updates.empty() or not pending or (failures and not unanswered):
+                        break
+                    name, update = updates.get_nowait()
+                if changed:
+                    yield snapshot(stage)
             if failures:
                 raise FleetError("prepare", failures)
         finally:
@@ -204,13 +225,26 @@ async def _read_prepare(
     checkpoint_id: str,
     deadline: float,
     updates: asyncio.Queue[tuple[str, pb.PrepareResponse | ControlError | None]],
+    starting: asyncio.Semaphore,
 ) -> None:
+    """Relay one member's Prepare stream to `updates`, then None (or its `ControlError`).
+
+    Holds a slot of `starting` from the call until its first message (or its end)."""
+    holding = False
     try:
+        await starting.acquire()
+        holding = True
         async for message in member.client.prepare(checkpoint_id, deadline):
+            if holding:
+                holding = False
+                starting.release()
             await updates.put((member.name, message))
     except ControlError as error:
         await updates.put((member.name, error))
         return
+    finally:
+        if holding:
+            starting.release()
     await updates.put((member.name, None))
 
 
@@ -250,7 +284,9 @@ class FleetCommit:
 
 async def derive_scope(fleet: Fleet) -> frozenset[EpisodeId]:
     """The union of every member's ListEpisodes (take it after prepare, when nothing moves)."""
-    pages = await _fan_out("list episodes", fleet.members, lambda m: m.client.all_episodes())
+    pages = await _fan_out(
+        "list episodes", fleet.members, lambda m: m.client.all_episodes(), fleet.spec.fan_out
+    )
     return frozenset(
         EpisodeId(e.episode_id.rollout_id, e.episode_id.attempt)
         for episodes in pages.values()
@@ -277,6 +313,7 @@ async def commit(
         "commit",
         fleet.members,
         lambda m: m.client.commit(checkpoint_id, deadline, checkpoint_dir, resolved),
+        fleet.spec.fan_out,
     )
     return FleetCommit(replies, resolved)
 
@@ -303,6 +340,7 @@ async def restore(
             "restore",
             fleet.members,
             lambda m: m.client.restore(checkpoint_id, deadline, checkpoint_dir, episodes),
+            fleet.spec.fan_out,
         )
     except FleetError as failure:
         await abandon_restore(fleet, checkpoint_id, episodes, deadline)
@@ -330,6 +368,7 @@ async def abandon_restore(
                 "retire",
                 fleet.members,
                 lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
+                fleet.spec.fan_out,
             )
         except FleetError as error:
             # Nothing continues those attempts (the controller restarts the rollouts as later
@@ -363,7 +402,10 @@ async def resume(fleet: Fleet, checkpoint_id: str, deadline: float) -> dict[str,
         try:
             replies.update(
                 await _fan_out(
-                    "resume", members, lambda m: m.client.resume(checkpoint_id, deadline)
+                    "resume",
+                    members,
+                    lambda m: m.client.resume(checkpoint_id, deadline),
+                    fleet.spec.fan_out,
                 )
             )
         except FleetError as error:
@@ -390,7 +432,10 @@ async def retire(
 ) -> None:
     for group in _caller_groups(fleet):
         await _fan_out(
-            "retire", group, lambda m: m.client.retire(checkpoint_id, deadline, episodes)
+            "retire",
+            group,
+            lambda m: m.client.retire(checkpoint_id, deadline, episodes),
+            fleet.spec.fan_out,
         )
 
 
@@ -399,14 +444,20 @@ async def forget(
 ) -> None:
     for group in _caller_groups(fleet):
         await _fan_out(
-            "forget", group, lambda m: m.client.forget(checkpoint_id, deadline, rollout_ids)
+            "forget",
+            group,
+            lambda m: m.client.forget(checkpoint_id, deadline, rollout_ids),
+            fleet.spec.fan_out,
         )
 
 
 async def renew(fleet: Fleet, checkpoint_id: str, deadline: float) -> float:
     """Renew everywhere; returns the earliest lease expiry."""
     replies = await _fan_out(
-        "renew", fleet.members, lambda m: m.client.renew(checkpoint_id, deadline)
+        "renew",
+        fleet.members,
+        lambda m: m.client.renew(checkpoint_id, deadline),
+        fleet.spec.fan_out,
     )
     return min(r.lease_expires_at.ToNanoseconds() / 1e9 for r in replies.values())
 
@@ -454,10 +505,20 @@ async def prepare_retiring_stragglers(
 
 
 async def _fan_out(
-    operation: str, members: Sequence[Member], call: Callable[[Member], Awaitable[T]]
+    operation: str,
+    members: Sequence[Member],
+    call: Callable[[Member], Awaitable[T]],
+    limit: int = DEFAULT_FAN_OUT,
 ) -> dict[str, T]:
-    """Call every member at once; collect every failure and raise them together."""
-    results = await asyncio.gather(*(call(m) for m in members), return_exceptions=True)
+    """Call every member concurrently, at most `limit` at once; collect every failure and
+    raise them together."""
+    slots = asyncio.Semaphore(limit)
+
+    async def bounded(member: Member) -> T:
+        async with slots:
+            return await call(member)
+
+    results = await asyncio.gather(*(bounded(m) for m in members), return_exceptions=True)
     replies: dict[str, T] = {}
     failures: dict[str, ControlError] = {}
     for member, result in zip(members, results, strict=True):
@@ -473,9 +534,11 @@ async def _fan_out(
 
 
 fan_out = _fan_out
-"""`fan_out(operation, members, call)`: call every member at once; the replies by member name,
-or one `FleetError` naming every member whose call raised a `ControlError` (any other
-exception is raised as it is). Public for controllers that call members directly (`collect`)."""
+"""`fan_out(operation, members, call, limit=DEFAULT_FAN_OUT)`: call every member
+concurrently, at most `limit` calls at once (pass `fleet.spec.fan_out`); the replies by
+member name, or one `FleetError` naming every member whose call raised a `ControlError` (any
+other exception is raised as it is), once every call ended. Public for controllers that call
+members directly (`collect`)."""
 
 
 def describe_failures(error: FleetError) -> dict[str, Any]:

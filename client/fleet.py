@@ -56,6 +56,15 @@ class FleetConfigError(ValueError):
     """The fleet file is invalid."""
 
 
+DEFAULT_FAN_OUT = 64
+"""Calls a controller makes at once within one stage (the fleet file's `fan_out`).
+
+Unbounded, a 1,000-member stage would open 1,000 calls in one burst: the controller's event
+loop and the gRPC completion queue serialize them anyway, every call's timeout starts in the
+burst, and a deadline could pass for the last members while the first are still answering.
+64 keeps a fleet of 1,000 on one core busy without a burst; raise it for slow members."""
+
+
 @dataclass(frozen=True)
 class MemberSpec:
     """One fleet member as the fleet file names it: its name and its sidecar's address."""
@@ -87,6 +96,8 @@ class FleetSpec:
     allow_agents_without_model: bool = False
     """Accept a fleet with agents but no policy-model participant (refused by default:
     the agents' model calls would not be part of the cut)."""
+    fan_out: int = DEFAULT_FAN_OUT
+    """How many members a controller calls at once within one stage (a positive integer)."""
 
     @classmethod
     def from_addresses(cls, addresses: Iterable[str], token: str, **options: Any) -> FleetSpec:
@@ -130,6 +141,7 @@ def load_fleet_file(path: str | Path, *, environ: dict[str, str] | None = None) 
 
 _KNOWN_KEYS = {
     "participants",
+    "fan_out",
     "token_env",
     "token_file",
     "checkpoint_root",
@@ -167,6 +179,9 @@ def _spec_from(
     keep = data.get("keep", 2)
     if type(keep) is not int or keep < 1:
         raise FleetConfigError("keep is a positive integer")
+    fan_out = data.get("fan_out", DEFAULT_FAN_OUT)
+    if type(fan_out) is not int or fan_out < 1:
+        raise FleetConfigError("fan_out is a positive integer")
     return FleetSpec(
         members=tuple(members),
         token=token,
@@ -176,6 +191,7 @@ def _spec_from(
         tls_cert_file=resolve("tls_cert_file"),
         tls_key_file=resolve("tls_key_file"),
         allow_agents_without_model=bool(data.get("allow_agents_without_model", False)),
+        fan_out=fan_out,
     )
 
 
@@ -244,7 +260,7 @@ class Fleet:
     async def discover(
         cls, spec: FleetSpec, *, tries: int = 3, try_timeout: float = 5.0, backoff: float = 0.5
     ) -> Fleet:
-        """GetParticipant on every member at once, each up to `tries` times (`try_timeout`
+        """GetParticipant on every member (`spec.fan_out` at once), each up to `tries` times (`try_timeout`
         seconds per try, linear `backoff` between), and the fleet of what answered.
 
         Raises `DiscoveryError` naming every member that failed (a member that refused, e.g.
@@ -258,9 +274,14 @@ class Fleet:
             )
             for m in spec.members
         }
+        slots = asyncio.Semaphore(spec.fan_out)
+
+        async def describe(client: ParticipantClient) -> Any:
+            async with slots:
+                return await _describe(client, tries, backoff)
+
         results = await asyncio.gather(
-            *(_describe(clients[m.name], tries, backoff) for m in spec.members),
-            return_exceptions=True,
+            *(describe(clients[m.name]) for m in spec.members), return_exceptions=True
         )
         failures: dict[str, str] = {}
         errors: dict[str, ControlError] = {}

@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome
+from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import (
+    DEFAULT_FAN_OUT,
     DiscoveryError,
     Fleet,
     FleetSpec,
@@ -64,13 +68,14 @@ class RunningFleet:
 
 
 @contextlib.asynccontextmanager
-async def fleet_of(*kinds: Kind) -> AsyncIterator[RunningFleet]:
+async def fleet_of(*kinds: Kind, fan_out: int = DEFAULT_FAN_OUT) -> AsyncIterator[RunningFleet]:
+    """One member per kind given, named after its kind (`<kind><i>` when a kind repeats)."""
     log: list[str] = []
     clock = ManualClock()
     harnesses: dict[str, Harness] = {}
     try:
-        for kind in kinds:
-            name = kind.value
+        for index, kind in enumerate(kinds):
+            name = kind.value if kinds.count(kind) == 1 else f"{kind.value}{index}"
             harnesses[name] = await start_harness(
                 participant=LoggingDouble(name, kind, log), clock=clock
             )
@@ -78,6 +83,7 @@ async def fleet_of(*kinds: Kind) -> AsyncIterator[RunningFleet]:
             members=tuple(MemberSpec(n, h.grpc_address) for n, h in harnesses.items()),
             token=TOKEN,
             allow_agents_without_model=True,
+            fan_out=fan_out,
         )
         fleet = await Fleet.discover(spec)
         for member in fleet.members:
@@ -102,6 +108,39 @@ async def test_prepare_closes_stages_in_order_and_resume_reopens_in_reverse() ->
         assert f.log == ["close environment", "close model", "close agent", "close resources"]
         await coordination.resume(f.fleet, "c1", f.deadline())
         assert f.log[4:] == ["open resources", "open agent", "open model", "open environment"]
+
+
+async def test_a_stage_larger_than_the_fan_out_bound_is_prepared_and_resumed_whole() -> None:
+    # fan_out=1: a Prepare stream frees its slot at its first update and stays open, so
+    # the next member's Prepare starts while the first is still being watched.
+    async with fleet_of(*[Kind.RESOURCES] * 3, Kind.ENVIRONMENT, fan_out=1) as f:
+        final = await coordination.prepare_until_done(f.fleet, "c1", f.deadline())
+        assert final.prepared and all(m.done for m in final.members)
+        assert sorted(f.log) == sorted(f"close {m.name}" for m in f.fleet.members)
+        await coordination.resume(f.fleet, "c1", f.deadline())
+        assert len(f.log) == 8
+
+
+async def test_fan_out_calls_at_most_its_limit_at_once_and_collects_every_failure() -> None:
+    running = 0
+    most = 0
+
+    async def call(member: Any) -> str:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.01)
+        running -= 1
+        if member.name.endswith("7"):
+            raise ControlError(grpc.StatusCode.UNAVAILABLE, "down")
+        return member.name
+
+    members: list[Any] = [types.SimpleNamespace(name=f"m{i}") for i in range(20)]
+    with pytest.raises(FleetError) as refused:
+        await coordination.fan_out("probe", members, call, 4)
+    assert most == 4 and set(refused.value.failures) == {"m7", "m17"}
+    replies = await coordination.fan_out("probe", members[:7], call, 3)
+    assert list(replies) == [f"m{i}" for i in range(7)] and most == 4
 
 
 async def test_an_unready_stage_stops_prepare_there() -> None:
@@ -361,19 +400,23 @@ def test_fleet_files(tmp_path: Path) -> None:
     )
     spec = load_fleet_file(toml, environ={"ROLLOUT_CHECKPOINT_TOKEN": "t"})
     assert spec.members == (MemberSpec("a", "127.0.0.1:1"),) and spec.keep == 3
+    assert spec.fan_out == DEFAULT_FAN_OUT == 64
     assert spec.checkpoint_root == str(tmp_path / "ckpts") and spec.token == "t"
     yaml_file = tmp_path / "fleet.yaml"
     (tmp_path / "token").write_text("from-file\n")
     yaml_file.write_text(
-        "token_file: token\nparticipants:\n  - {name: b, address: '127.0.0.1:2'}\n"
+        "token_file: token\nfan_out: 8\nparticipants:\n  - {name: b, address: '127.0.0.1:2'}\n"
     )
     assert load_fleet_file(yaml_file, environ={}).token == "from-file"
+    assert load_fleet_file(yaml_file, environ={}).fan_out == 8
     from rollout_checkpoint.client.fleet import FleetConfigError
 
     for bad in (
         "participants: []\n",
         "nonsense: 1\nparticipants: [{name: a, address: x}]\n",
         "participants: [{name: '../x', address: x}]\n",
+        "fan_out: 0\nparticipants: [{name: a, address: x}]\n",
+        "fan_out: many\nparticipants: [{name: a, address: x}]\n",
     ):
         yaml_file.write_text(bad)
         with pytest.raises(FleetConfigError):

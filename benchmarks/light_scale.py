@@ -1,0 +1,199 @@
+"""Benchmark 6: fleet checkpoints of 100, 300 and 1,000 lightweight participants.
+
+The largest fleet is started once, split over `light_hosts` host processes
+(`benchmarks.light_fleet`: many real sidecars per process, each its own port and control
+plane, over an always-ready participant with a few tiny episodes); a fleet of size S is its
+first S members, spread over every host, so the sizes run interleaved round by round on the
+same processes. Each round checkpoints every size twice: prepare + commit (unscoped: each
+member exports what it holds) + publish + resume through the coordination library and
+`client/publication/` in this process (`checkpointing.checkpoint`), then the same through
+the CoordinatorService (`rollout-checkpoint coordinator`, its own process; its Checkpoint
+RPC). The coordinator's CPU per member is its process CPU time over the checkpoint divided
+by the members: this process's for the library, the coordinator process's for the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from grpc import aio
+
+from rollout_checkpoint.client.checkpointing import checkpoint
+from rollout_checkpoint.client.fleet import DEFAULT_FAN_OUT, Fleet, FleetSpec, MemberSpec
+from rollout_checkpoint.client.participant import timestamp
+from rollout_checkpoint.client.publication import CheckpointRoot
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
+
+from .common import BenchResult, Processes, Server, deadline_in, ms, now, ratios
+from .fleetutil import launch_coordinator
+
+TIMEOUT = 300.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux `/proc/<pid>/stat`)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def start_hosts(processes: Processes, members: int, hosts: int) -> list[Server]:
+    """`hosts` light-fleet processes serving members 0 .. `members` - 1 between them."""
+    token_file = processes.workdir / "light-token"
+    token_file.write_text(processes.token)
+    token_file.chmod(0o600)
+    servers = []
+    for h in range(hosts):
+        count = len(range(h, members, hosts))
+        argv = ["-m", "benchmarks.light_fleet", "--members", str(count), "--first", str(h)]
+        argv += ["--stride", str(hosts), "--token-file", str(token_file)]
+        servers.append(processes.launch(f"light-host-{h}", argv))
+    return servers
+
+
+def member_specs(hosts: list[Server]) -> list[MemberSpec]:
+    """Every member the hosts announced, in member order (light-0000, light-0001, ...)."""
+    named = [MemberSpec(name, address) for h in hosts for name, address in h.announced["members"]]
+    return sorted(named, key=lambda m: m.name)
+
+
+async def library_cycle(fleet: Fleet, root: CheckpointRoot) -> dict[str, float]:
+    """One published checkpoint through `checkpointing.checkpoint`; seconds and CPU seconds."""
+    cpu = time.process_time()
+    started = now()
+    outcome = None
+    async for event in checkpoint(fleet, root, deadline_in(TIMEOUT), scope=None, keep=1):
+        outcome = event.outcome if event.final else outcome
+    total = now() - started
+    cpu = time.process_time() - cpu
+    if outcome is None or outcome.published is None:
+        raise RuntimeError(f"the light fleet checkpoint was not published: {outcome}")
+    return {
+        "total": total,
+        "prepare": outcome.prepare_seconds,
+        "commit": outcome.commit_seconds,
+        "publish": outcome.publish_seconds,
+        "cpu": cpu,
+    }
+
+
+async def service_cycle(
+    stub: cpb_grpc.CoordinatorServiceStub, metadata: Any, coordinator: Server
+) -> dict[str, float]:
+    """One published checkpoint through the CoordinatorService's Checkpoint RPC."""
+    request = cpb.CheckpointRequest(deadline=timestamp(deadline_in(TIMEOUT)))
+    cpu = process_cpu_seconds(coordinator.process.pid)
+    started = now()
+    last = None
+    async for message in stub.Checkpoint(request, metadata=metadata, timeout=TIMEOUT):
+        last = message
+    total = now() - started
+    cpu = process_cpu_seconds(coordinator.process.pid) - cpu
+    if last is None or last.phase != cpb.CHECKPOINT_PHASE_DONE:
+        raise RuntimeError(f"the coordinator's checkpoint did not finish: {last}")
+    return {"total": total, "cpu": cpu}
+
+
+async def run(ctx: Any) -> BenchResult:
+    params = ctx.params
+    processes: Processes = ctx.processes
+    sizes = sorted(params.light_sizes)
+    fan_out = params.fan_out or DEFAULT_FAN_OUT
+    result = BenchResult(
+        "light",
+        "6. Fleet of lightweight participants (prepare + commit + publish + resume)",
+        f"{sizes[-1]} real sidecars (each its own port and control plane, over an always-ready "
+        f"participant with a few tiny episodes) in {params.light_hosts} host processes; a "
+        "fleet of S is its first S members. Each round checkpoints every size through the "
+        "coordination library + publication in the benchmark process, then through the "
+        "CoordinatorService (its own process); unscoped commits. CPU per member: the "
+        "coordinator process's CPU time over the checkpoint / members. Fan-out bound per "
+        f"stage: {fan_out} calls at once.",
+        params={
+            "sizes": sizes,
+            "hosts": params.light_hosts,
+            "repeats": params.repeats,
+            "fan_out": fan_out,
+        },
+    )
+    ctx.say(f"light: starting {sizes[-1]} sidecars in {params.light_hosts} processes")
+    hosts = await asyncio.to_thread(start_hosts, processes, sizes[-1], params.light_hosts)
+    specs = member_specs(hosts)
+    fleets: dict[int, Fleet] = {}
+    coordinators: dict[int, Server] = {}
+    channels: list[aio.Channel] = []
+    metadata = (("authorization", f"Bearer {processes.token}"),)
+    library: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
+    service: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
+    work = ctx.workdir / "light-checkpoints"
+    try:
+        stubs = {}
+        for size in sizes:
+            spec = FleetSpec(members=tuple(specs[:size]), token=processes.token, fan_out=fan_out)
+            fleets[size] = await Fleet.discover(spec)
+            root = work / f"service-{size}"
+            root.mkdir(parents=True, exist_ok=True)
+            coordinators[size] = await asyncio.to_thread(
+                launch_coordinator,
+                processes,
+                specs[:size],
+                f"light-coord-{size}",
+                [f'checkpoint_root = "{root}"', "keep = 1", f"fan_out = {fan_out}"],
+            )
+            channels.append(aio.insecure_channel(coordinators[size].grpc or ""))
+            stubs[size] = cpb_grpc.CoordinatorServiceStub(channels[-1])
+        roots = {size: CheckpointRoot(work / f"library-{size}") for size in sizes}
+        for repeat in range(-1, params.repeats):  # round -1 warms every channel, unmeasured
+            if repeat >= 0:
+                ctx.say(f"light: round {repeat + 1}/{params.repeats}")
+            for size in sizes:
+                timing = await library_cycle(fleets[size], roots[size])
+                served = await service_cycle(stubs[size], metadata, coordinators[size])
+                if repeat >= 0:
+                    library[size].append(timing)
+                    service[size].append(served)
+    finally:
+        await asyncio.gather(*(f.close() for f in fleets.values()))
+        await asyncio.gather(*(c.close() for c in channels))
+        processes.stop_servers([*coordinators.values(), *hosts])
+        shutil.rmtree(work, ignore_errors=True)
+    for size in sizes:
+        label = f"{size} members"
+        for phase in ("total", "prepare", "commit", "publish"):
+            result.figure(
+                label,
+                "library: checkpoint" if phase == "total" else f"library: {phase}",
+                "ms",
+                [ms(t[phase]) for t in library[size]],
+            )
+        result.figure(
+            label,
+            "library: coordinator CPU per member",
+            "µs",
+            [t["cpu"] / size * 1e6 for t in library[size]],
+        )
+        result.figure(label, "service: checkpoint", "ms", [ms(t["total"]) for t in service[size]])
+        result.figure(
+            label,
+            "service: coordinator CPU per member",
+            "µs",
+            [t["cpu"] / size * 1e6 for t in service[size]],
+        )
+    smallest = sizes[0]
+    for size in sizes[1:]:
+        for name, timings in (("library", library), ("service", service)):
+            result.ratio(
+                f"{size} / {smallest} members ({name}, end to end)",
+                f"{size} {name} checkpoint",
+                f"{smallest} {name} checkpoint",
+                ratios(
+                    [t["total"] for t in timings[size]], [t["total"] for t in timings[smallest]]
+                ),
+            )
+    return result
