@@ -128,7 +128,7 @@ class CheckpointTaker:
         entry = [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_ENVIRONMENT]
         entry = entry or [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_AGENT]
         pages = await coordination.fan_out(
-            "list episodes", entry, lambda m: m.client.all_episodes()
+            "list episodes", entry, lambda m: m.client.all_episodes(), fleet.spec.fan_out
         )
         held = {
             EpisodeId(e.episode_id.rollout_id, e.episode_id.attempt)
@@ -142,7 +142,7 @@ class CheckpointTaker:
             await asyncio.wait(on_wire, timeout=max(0.5, min(ON_WIRE_SECONDS, remaining)))
         await self.output.drain()  # "finished" in the state means durable in the output
         boots = await coordination.fan_out(
-            "describe", fleet.members, lambda m: m.client.get_participant()
+            "describe", fleet.members, lambda m: m.client.get_participant(), fleet.spec.fan_out
         )
         state = self.book.controller_state(
             run_id=self.settings.run_id,

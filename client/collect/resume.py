@@ -130,7 +130,7 @@ class FleetSetup:
         collector left open (its fleet kept running) is ended, so Retire is allowed."""
         fleet = self.fleet
         statuses = await coordination.fan_out(
-            "status", fleet.members, lambda m: m.client.get_status()
+            "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
         )
         fresh = self.control.new_id("open")
         for _, members in reversed(fleet.stages()):
@@ -138,6 +138,7 @@ class FleetSetup:
                 "resume",
                 members,
                 lambda m: m.client.resume(statuses[m.name].checkpoint_id or fresh, deadline),
+                fleet.spec.fan_out,
             )
 
     async def _restart_unfinished(self, top: dict[str, int], deadline: float) -> None:
