@@ -284,7 +284,7 @@ class FleetCommit:
 
 async def derive_scope(fleet: Fleet) -> frozenset[EpisodeId]:
     """The union of every member's ListEpisodes (take it after prepare, when nothing moves)."""
-    pages = await _fan_out(
+    pages = await fan_out(
         "list episodes", fleet.members, lambda m: m.client.all_episodes(), fleet.spec.fan_out
     )
     return frozenset(
@@ -309,7 +309,7 @@ async def commit(
     else:
         assert not isinstance(scope, str)
         resolved = frozenset(scope)
-    replies = await _fan_out(
+    replies = await fan_out(
         "commit",
         fleet.members,
         lambda m: m.client.commit(checkpoint_id, deadline, checkpoint_dir, resolved),
@@ -336,7 +336,7 @@ async def restore(
     controller restarts those rollouts from their inputs as later attempts."""
     episodes = frozenset(scope)
     try:
-        return await _fan_out(
+        return await fan_out(
             "restore",
             fleet.members,
             lambda m: m.client.restore(checkpoint_id, deadline, checkpoint_dir, episodes),
@@ -364,7 +364,7 @@ async def abandon_restore(
     next_attempts = sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)
     if next_attempts:
         try:
-            await _fan_out(
+            await fan_out(
                 "retire",
                 fleet.members,
                 lambda m: m.client.retire(checkpoint_id, cleanup_deadline, next_attempts),
@@ -401,7 +401,7 @@ async def resume(fleet: Fleet, checkpoint_id: str, deadline: float) -> dict[str,
     for _, members in reversed(fleet.stages()):
         try:
             replies.update(
-                await _fan_out(
+                await fan_out(
                     "resume",
                     members,
                     lambda m: m.client.resume(checkpoint_id, deadline),
@@ -431,7 +431,7 @@ async def retire(
     fleet: Fleet, checkpoint_id: str, deadline: float, episodes: Sequence[EpisodeId]
 ) -> None:
     for group in _caller_groups(fleet):
-        await _fan_out(
+        await fan_out(
             "retire",
             group,
             lambda m: m.client.retire(checkpoint_id, deadline, episodes),
@@ -443,7 +443,7 @@ async def forget(
     fleet: Fleet, checkpoint_id: str, deadline: float, rollout_ids: Sequence[str]
 ) -> None:
     for group in _caller_groups(fleet):
-        await _fan_out(
+        await fan_out(
             "forget",
             group,
             lambda m: m.client.forget(checkpoint_id, deadline, rollout_ids),
@@ -453,7 +453,7 @@ async def forget(
 
 async def renew(fleet: Fleet, checkpoint_id: str, deadline: float) -> float:
     """Renew everywhere; returns the earliest lease expiry."""
-    replies = await _fan_out(
+    replies = await fan_out(
         "renew",
         fleet.members,
         lambda m: m.client.renew(checkpoint_id, deadline),
@@ -504,14 +504,16 @@ async def prepare_retiring_stragglers(
 # -- fan-out --------------------------------------------------------------------------------
 
 
-async def _fan_out(
+async def fan_out(
     operation: str,
     members: Sequence[Member],
     call: Callable[[Member], Awaitable[T]],
     limit: int = DEFAULT_FAN_OUT,
 ) -> dict[str, T]:
-    """Call every member concurrently, at most `limit` at once; collect every failure and
-    raise them together."""
+    """Call every member concurrently, at most `limit` calls at once (pass
+    `fleet.spec.fan_out`); the replies by member name, or one `FleetError` naming every member
+    whose call raised a `ControlError` (any other exception is raised as it is), once every
+    call ended. Public for controllers that call members directly (`collect`)."""
     slots = asyncio.Semaphore(limit)
 
     async def bounded(member: Member) -> T:
@@ -531,14 +533,6 @@ async def _fan_out(
     if failures:
         raise FleetError(operation, failures)
     return replies
-
-
-fan_out = _fan_out
-"""`fan_out(operation, members, call, limit=DEFAULT_FAN_OUT)`: call every member
-concurrently, at most `limit` calls at once (pass `fleet.spec.fan_out`); the replies by
-member name, or one `FleetError` naming every member whose call raised a `ControlError` (any
-other exception is raised as it is), once every call ended. Public for controllers that call
-members directly (`collect`)."""
 
 
 def describe_failures(error: FleetError) -> dict[str, Any]:

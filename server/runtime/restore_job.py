@@ -113,13 +113,12 @@ class RestoreJob:
             )
             reading.add_done_callback(retrieve_exception)
             with machine.observer.phase("read"):
-                manifest, raw = await await_until(
+                manifest, records = await await_until(
                     machine.clock,
                     self.deadline,
                     reading,
                     "the restore's read did not finish before its deadline",
                 )
-            records = [restored_record(r) for r in raw]
             async with machine.lock:
                 machine.begin_install(self)
                 closed_here = True
@@ -158,8 +157,10 @@ class RestoreJob:
 
     def _read_selected(
         self, participant: Participant, storage: CheckpointStorage
-    ) -> tuple[StoredManifest, list[dict[str, Any]]]:
-        """The part's manifest and the records of the scope (in a thread: it does I/O)."""
+    ) -> tuple[StoredManifest, list[RestoredRecord]]:
+        """The part's manifest and the records of the scope, ready to install (in a thread:
+        it does I/O, and turning thousands of parsed records into `RestoredRecord`s is no
+        work for the event loop)."""
         wanted = {e.capture_key for e in self.scope}
         kind = participant.kind.value
         part = layout.part_path(self.checkpoint_dir, kind, participant.instance)
@@ -188,4 +189,5 @@ class RestoreJob:
                 )
             return key in wanted
 
-        return storage.read_part(self.checkpoint_dir, kind, participant.instance, select)
+        manifest, raw = storage.read_part(self.checkpoint_dir, kind, participant.instance, select)
+        return manifest, [restored_record(r) for r in raw]
