@@ -45,6 +45,7 @@ from rollout_checkpoint.server.runtime.participant import (
     ReadinessReport,
     RestoredRecord,
 )
+from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.request_endings import cancel_request
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
@@ -304,7 +305,7 @@ class ModelAdmissionMiddleware:
         episode = episode_of(scope)
         refusal = participant.refusal(episode)
         if refusal is not None:
-            await _respond(send, 409, *refusal)
+            await send_refusal(send, 409, *refusal)
             return
         body = await _read_body(receive)
         call = participant.call_started(episode, body)
@@ -357,7 +358,7 @@ class ModelAdmissionMiddleware:
         try:
             await self.app(scope, replay_body, capture)
         except _ShuttingDown:
-            await _respond(send, 503, "shutting_down", "the server is shutting down; retry")
+            await send_refusal(send, 503, "shutting_down", "the server is shutting down; retry")
             return
         if streamed:
             if stream_complete:
@@ -368,7 +369,7 @@ class ModelAdmissionMiddleware:
         # The whole response is here. Deliver it now, or hold it until resume: an undelivered
         # response leaves the agent at the boundary before the call.
         if not await self.participant.hold_until_open(call):
-            await _respond(send, 503, "shutting_down", "the server is shutting down; retry")
+            await send_refusal(send, 503, "shutting_down", "the server is shutting down; retry")
             return
         payload = b"".join(chunks)
         await send(start)
@@ -392,13 +393,3 @@ async def _read_body(receive: Receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(parts)
-
-
-async def _respond(send: Send, status: int, code: str, detail: str) -> None:
-    payload = json.dumps({"error": {"code": code, "detail": detail}}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(payload)).encode()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})

@@ -39,13 +39,13 @@ the session the tool runs on.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.resources.participant import ResourcesParticipant, VerifyMode
 from rollout_checkpoint.server.runtime.participant import AWAITING_RESTORE, AWAITING_RESTORE_DETAIL
+from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 VERIFY_HEADER = b"x-ng-checkpoint-verify"
@@ -111,15 +111,15 @@ class ResourcesAdmissionMiddleware:
         session_id = self._session_id(scope, is_mcp)
 
         if (is_mcp or is_close) and not await participant.wait_for_admission():
-            await _respond(
+            await send_refusal(
                 send, 503, "shutting_down", "the server is shutting down; retry", retry_after=1
             )
             return
         if not is_close and participant.is_stale(session_id, episode):
-            await _respond(send, 409, "stale_attempt", "this attempt was retired")
+            await send_refusal(send, 409, "stale_attempt", "this attempt was retired")
             return
         if participant.is_mismatched(session_id, episode):
-            await _respond(
+            await send_refusal(
                 send,
                 409,
                 "episode_mismatch",
@@ -127,11 +127,11 @@ class ResourcesAdmissionMiddleware:
             )
             return
         if participant.sealed:
-            await _respond(send, 409, AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
+            await send_refusal(send, 409, AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
             return
         replay_safe = is_seed or (is_verify and participant.verify is VerifyMode.REPLAY)
         if not replay_safe and not participant.admission_open:
-            await _respond(
+            await send_refusal(
                 send, 409, "admission_closed", "a checkpoint is in progress; retry after resume"
             )
             return
@@ -185,14 +185,3 @@ class ResourcesAdmissionMiddleware:
         if is_mcp:
             return self.mcp_session(scope) if self.mcp_session is not None else None
         return cookie_session_id(scope, self.session_key)
-
-
-async def _respond(
-    send: Send, status: int, code: str, detail: str, *, retry_after: int | None = None
-) -> None:
-    body = json.dumps({"error": {"code": code, "detail": detail}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

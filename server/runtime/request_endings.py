@@ -22,7 +22,6 @@ that cancels a request which a retire also cancelled still propagates.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import weakref
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +116,7 @@ class _ResponseProgress:
         """A refusal when nothing was sent yet; the end of the body when it was started (a
         truncated stream reads as ended, not as a server error)."""
         if not self.started:
-            body = json.dumps({"error": {"code": own.code, "detail": own.detail}}).encode()
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ]
-            await self.send({"type": "http.response.start", "status": 409, "headers": headers})
-            await self.send({"type": "http.response.body", "body": body})
+            await send_refusal(self.send, 409, own.code, own.detail)
         elif not self.complete:
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 

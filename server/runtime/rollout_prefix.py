@@ -7,11 +7,10 @@ without the prefix belongs to no episode.
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 
 PREFIX = "/ng-rollout/"
 EPISODE_KEY = "rollout_checkpoint.episode"
@@ -55,7 +54,4 @@ async def _bad_prefix(scope: Scope, send: Send, detail: str) -> None:
     if scope["type"] != "http":
         await send({"type": "websocket.close", "code": 1008})
         return
-    body = json.dumps({"error": {"code": "invalid_rollout_prefix", "detail": detail}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 400, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send_refusal(send, 400, "invalid_rollout_prefix", detail)
