@@ -20,12 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from grpc import aio
 from grpc_health.v1 import health, health_pb2
 
-from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.core.extras import REFLECTION, require
+from rollout_checkpoint.server.core.rpc.handlers import parse, serialize
 from rollout_checkpoint.server.core.rpc.status import to_grpc_status
 
 if TYPE_CHECKING:
@@ -107,13 +108,6 @@ class ListingHealthServicer(health.aio.HealthServicer):
         )
 
 
-class UnparsableRequest(Exception):
-    """Request bytes that are not the method's request message."""
-
-    def __init__(self, request_type: type[Message]) -> None:
-        super().__init__(f"the request bytes do not parse as {request_type.DESCRIPTOR.full_name}")
-
-
 def hostile_input_log() -> RateLimitedLog:
     """One per server: at most one line per minute however fast garbage arrives."""
     return RateLimitedLog(log)
@@ -127,8 +121,8 @@ def health_handler(
 
     async def check(raw: bytes, context: Context) -> Message | None:
         try:
-            request = _parse(health_pb2.HealthCheckRequest, raw)
-        except UnparsableRequest as error:
+            request = parse(health_pb2.HealthCheckRequest, raw)
+        except CheckpointError as error:
             await refuse(context, error)
             return None
         reply: Message = await servicer.Check(request, context)
@@ -136,24 +130,24 @@ def health_handler(
 
     async def watch(raw: bytes, context: Context) -> None:
         try:
-            request = _parse(health_pb2.HealthCheckRequest, raw)
-        except UnparsableRequest as error:
+            request = parse(health_pb2.HealthCheckRequest, raw)
+        except CheckpointError as error:
             await refuse(context, error)
             return
         await servicer.Watch(request, context)
 
     async def listing(raw: bytes, context: Context) -> Message | None:
         try:
-            request = _parse(HEALTH_LIST_REQUEST, raw)
-        except UnparsableRequest as error:
+            request = parse(HEALTH_LIST_REQUEST, raw)
+        except CheckpointError as error:
             await refuse(context, error)
             return None
         return await servicer.List(request, context)
 
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        "Check": grpc.unary_unary_rpc_method_handler(check, None, _serialize),
-        "Watch": grpc.unary_stream_rpc_method_handler(watch, None, _serialize),
-        "List": grpc.unary_unary_rpc_method_handler(listing, None, _serialize),
+        "Check": grpc.unary_unary_rpc_method_handler(check, None, serialize),
+        "Watch": grpc.unary_stream_rpc_method_handler(watch, None, serialize),
+        "List": grpc.unary_unary_rpc_method_handler(listing, None, serialize),
     }
     return grpc.method_handlers_generic_handler(HEALTH_SERVICE, handlers)
 
@@ -174,7 +168,7 @@ def reflection_handler(
     async def info(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Message]:
         async def parsed() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
             async for raw in requests:
-                yield _parse(reflection_pb2.ServerReflectionRequest, raw)
+                yield parse(reflection_pb2.ServerReflectionRequest, raw)
 
         try:
             # The type stub says coroutine; it is an async generator.
@@ -183,34 +177,22 @@ def reflection_handler(
             )
             async for response in responses:
                 yield response
-        except UnparsableRequest as error:
+        except CheckpointError as error:
             await refuse(context, error)
 
     handler: grpc.RpcMethodHandler[Any, Any] = grpc.stream_stream_rpc_method_handler(
-        info, None, _serialize
+        info, None, serialize
     )
     return grpc.method_handlers_generic_handler(
         REFLECTION_SERVICE, {"ServerReflectionInfo": handler}
     )
 
 
-def _parse(request_type: type[Req], raw: bytes) -> Req:
-    try:
-        return request_type.FromString(raw)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise UnparsableRequest(request_type) from exc
-
-
-def _refuser(hostile: RateLimitedLog) -> Callable[[Context, UnparsableRequest], Awaitable[None]]:
-    async def refuse(context: Context, error: UnparsableRequest) -> None:
+def _refuser(hostile: RateLimitedLog) -> Callable[[Context, CheckpointError], Awaitable[None]]:
+    async def refuse(context: Context, error: CheckpointError) -> None:
         hostile.warning(
-            "refused request bytes that do not parse, from %s: %s", context.peer(), error
+            "refused request bytes that do not parse, from %s: %s", context.peer(), error.message
         )
-        refusal = CheckpointError(Reason.INVALID_REQUEST, str(error), field="request")
-        await context.abort_with_status(to_grpc_status(refusal))
+        await context.abort_with_status(to_grpc_status(error))
 
     return refuse
-
-
-def _serialize(message: Message) -> bytes:
-    return message.SerializeToString()
