@@ -192,6 +192,43 @@ class RestoredCheckpoint:
     controller_state: bytes
 
 
+@dataclass(frozen=True)
+class RestoreSource:
+    """A published checkpoint verified whole and matched to the fleet: what to restore."""
+
+    checkpoint_id: str
+    directory: str
+    continued: tuple[EpisodeId, ...]
+    """The episodes to continue (attempt N): the given scope, else the manifest's."""
+    controller_state: bytes
+
+
+async def verified_source(
+    fleet: Fleet,
+    root: CheckpointRoot,
+    *,
+    source: str | None = None,
+    scope: Iterable[EpisodeId] | None = None,
+) -> RestoreSource:
+    """Verify a published checkpoint whole (off the loop) and check that every member has a
+    part in it, before any member installs anything: a torn part or a missing member is
+    refused everywhere rather than half installed. `source` None or "LATEST": the latest.
+
+    Raises `NoPublishedCheckpoint`, `CheckpointCorrupt` (both `PublicationError`)."""
+    summary = await asyncio.to_thread(root.inspect, source)
+    manifest = summary.manifest
+    parts = {(p.kind, p.instance) for p in manifest.participants}
+    missing = [m.name for m in fleet.members if (m.kind_name, m.instance) not in parts]
+    if missing:
+        raise CheckpointCorrupt(
+            root.directory(manifest.checkpoint_id),
+            f"no part in checkpoint {manifest.checkpoint_id} for member(s) {', '.join(missing)}",
+        )
+    continued = tuple(sorted(scope)) if scope is not None else manifest.continued
+    directory = str(root.directory(manifest.checkpoint_id))
+    return RestoreSource(manifest.checkpoint_id, directory, continued, manifest.controller_state)
+
+
 async def restore_published(
     fleet: Fleet,
     root: CheckpointRoot,
@@ -205,18 +242,10 @@ async def restore_published(
 
     `checkpoint_id` is the fresh control id of this restore; `source` names the published
     checkpoint (None or "LATEST": the latest). Every member must have a part in it."""
-    summary = await asyncio.to_thread(root.inspect, source)
-    manifest = summary.manifest
-    parts = {(p.kind, p.instance) for p in manifest.participants}
-    missing = [m.name for m in fleet.members if (m.kind_name, m.instance) not in parts]
-    if missing:
-        raise CheckpointCorrupt(
-            root.directory(manifest.checkpoint_id),
-            f"no part in checkpoint {manifest.checkpoint_id} for member(s) {', '.join(missing)}",
-        )
-    continued = tuple(sorted(scope)) if scope is not None else manifest.continued
-    directory = str(root.directory(manifest.checkpoint_id))
-    replies = await coordination.restore(fleet, checkpoint_id, deadline, directory, continued)
+    verified = await verified_source(fleet, root, source=source, scope=scope)
+    replies = await coordination.restore(
+        fleet, checkpoint_id, deadline, verified.directory, verified.continued
+    )
     return RestoredCheckpoint(
-        manifest.checkpoint_id, dict(replies), continued, manifest.controller_state
+        verified.checkpoint_id, dict(replies), verified.continued, verified.controller_state
     )

@@ -9,6 +9,7 @@ from typing import Any, Self, TypeVar
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -146,6 +147,21 @@ class ParticipantClient:
             token = page.next_page_token
             if not token:
                 return episodes
+
+    async def watch_health(self, service: str) -> AsyncIterator[int]:
+        """grpc.health.v1 Watch of `service` (no token needed): yields each status
+        (`HealthCheckResponse.ServingStatus`) as the participant announces it, until the
+        stream breaks, which raises `ControlError` (no reason: the process went away)."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        stub: Any = health_pb2_grpc.HealthStub(self._channel)  # grpcio-health ships no stubs
+        call = stub.Watch(request)
+        try:
+            async for reply in call:
+                yield reply.status
+        except aio.AioRpcError as error:
+            raise ControlError.from_rpc_error(error) from None
+        finally:
+            call.cancel()
 
     # -- checkpoint ---------------------------------------------------------------------
 

@@ -12,9 +12,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 from google.rpc import status_pb2
 
 from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.coordinator.fleet_events import WatcherTooSlow
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.handlers import Metadata, checkpoint_status
@@ -58,6 +60,10 @@ def status_of(error: BaseException) -> status_pb2.Status:
         return checkpoint_status(error)
     if isinstance(error, FleetError):
         return status_proto(error.code.name, error.reason, str(error), fleet_metadata(error))
+    if isinstance(error, WatcherTooSlow):  # documented without a reason: reconnect
+        return status_pb2.Status(
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=str(error)
+        )
     if isinstance(error, ControlError):
         reason = error.reason or Reason.PARTICIPANT_UNREACHABLE.value
         metadata = {k: v for k, v in error.metadata.items() if is_metadata_key(k)}

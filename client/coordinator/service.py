@@ -33,8 +33,11 @@ from rollout_checkpoint.client.coordinator.calls import (
     TracingObserver,
     status_of,
 )
+from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
+from rollout_checkpoint.client.coordinator.supervisor import Supervisor, SupervisorSettings
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
+from rollout_checkpoint.client.membership import FleetWatch
 from rollout_checkpoint.client.publication import (
     CheckpointRoot,
     NoPublishedCheckpoint,
@@ -86,9 +89,19 @@ _PHASES = {
 
 
 class CoordinatorServicer:
-    def __init__(self, spec: FleetSpec, *, max_deadline_seconds: float = 86400.0) -> None:
+    def __init__(
+        self,
+        spec: FleetSpec,
+        *,
+        max_deadline_seconds: float = 86400.0,
+        events: FleetEventLog | None = None,
+    ) -> None:
         self.spec = spec
         self.max_deadline_seconds = max_deadline_seconds
+        self.events = events or FleetEventLog()
+        self.member_watch: FleetWatch | None = None
+        """Started by the first WatchFleet of a coordinator that does not supervise (a
+        supervisor watches the members itself)."""
         self._fleet: Fleet | None = None
         self._discovery = asyncio.Lock()
 
@@ -289,6 +302,15 @@ class CoordinatorServicer:
         except PublicationError as error:
             raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
 
+    async def watch_fleet(
+        self, request: cpb.WatchFleetRequest
+    ) -> AsyncIterator[cpb.WatchFleetResponse]:
+        if self.member_watch is None:
+            self.member_watch = FleetWatch(self.spec, self.events.member_changed)
+            self.member_watch.start()
+        async for event in self.events.read(request.after_sequence, live_only=request.live_only):
+            yield cpb.WatchFleetResponse(event=event)
+
     # -- checks -------------------------------------------------------------------------
 
     def _deadline(self, request: Any, field: str, *, allow_past: bool = False) -> float:
@@ -405,11 +427,25 @@ class Coordinator:
     parsing its own request bytes, so garbage is a typed INVALID_REQUEST, never UNKNOWN."""
 
     def __init__(
-        self, spec: FleetSpec, address: str, *, reflection_enabled: bool = False, grace: float = 5.0
+        self,
+        spec: FleetSpec,
+        address: str,
+        *,
+        reflection_enabled: bool = False,
+        grace: float = 5.0,
+        supervise: SupervisorSettings | None = None,
     ) -> None:
         if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
             require(REFLECTION, "coordinator --reflection")
-        self.servicer = CoordinatorServicer(spec)
+        self.events = FleetEventLog()
+        self.servicer = CoordinatorServicer(spec, events=self.events)
+        self.supervisor = (
+            Supervisor(spec, self.events, supervise) if supervise is not None else None
+        )
+        if self.supervisor is not None:
+            # The supervisor's own watch reports member changes; a second one would only
+            # double the probes.
+            self.servicer.member_watch = self.supervisor.watch
         self.health = ListingHealthServicer()
         self.address = address
         self.reflection_enabled = reflection_enabled
@@ -433,10 +469,17 @@ class Coordinator:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
+        if self.supervisor is not None:
+            await self.supervisor.start()
         return self.port
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        elif self.servicer.member_watch is not None:
+            await self.servicer.member_watch.close()
+        self.events.close()
         if self._server is not None:
             await self._server.stop(self.grace)
         await self.servicer.forget_fleet()

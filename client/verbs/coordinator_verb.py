@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import TYPE_CHECKING
 
 from rollout_checkpoint.client.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
+
+if TYPE_CHECKING:
+    from rollout_checkpoint.client.coordinator.supervisor import SupervisorSettings
 
 
 async def coordinator_verb(args: argparse.Namespace) -> int:
@@ -18,7 +22,12 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
     if not args.fleet.is_file():
         raise FleetConfigError(f"{args.fleet}: no such fleet file")
     spec = load_fleet_file(args.fleet)
-    coordinator = Coordinator(spec, args.grpc_address, reflection_enabled=args.reflection)
+    supervise = supervisor_settings(args) if args.supervise else None
+    if supervise is not None and spec.checkpoint_root is None:
+        raise FleetConfigError(f"{args.fleet}: --supervise needs checkpoint_root in the fleet file")
+    coordinator = Coordinator(
+        spec, args.grpc_address, reflection_enabled=args.reflection, supervise=supervise
+    )
 
     def announce(server: Coordinator) -> None:
         host = args.grpc_address.rsplit(":", 1)[0]
@@ -38,3 +47,22 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
             ExitCode.ADDRESS_IN_USE, f"cannot listen on {args.grpc_address}: in use or invalid"
         ) from None
     return ExitCode.OK
+
+
+def supervisor_settings(args: argparse.Namespace) -> SupervisorSettings:
+    """The `--supervise` flags as settings."""
+    from rollout_checkpoint.client.coordinator.supervisor import (
+        RestartStrategy,
+        SupervisorSettings,
+    )
+
+    return SupervisorSettings(
+        checkpoint_every=args.checkpoint_every or None,
+        checkpoint_seconds=args.checkpoint_deadline,
+        recovery_seconds=args.recovery_deadline,
+        strategy=RestartStrategy(
+            max_tries=args.max_recoveries,
+            window_seconds=args.recovery_window,
+            backoff_seconds=args.recovery_backoff,
+        ),
+    )

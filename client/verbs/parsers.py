@@ -220,6 +220,81 @@ def add_fleet_verbs(verbs: Any) -> None:
     sub.add_argument(
         "--reflection", action="store_true", help="serve gRPC server reflection (for grpcurl)"
     )
+    supervise = sub.add_argument_group(
+        "supervision",
+        "With --supervise the coordinator also takes checkpoints by itself and, when a member "
+        "is replaced (a new boot id), restores the whole fleet from LATEST and reopens it; a "
+        "fresh fleet (no LATEST yet) is only opened. WatchFleet streams what it does.",
+    )
+    supervise.add_argument(
+        "--supervise", action="store_true", help="checkpoint periodically and recover by itself"
+    )
+    supervise.add_argument(
+        "--checkpoint-every",
+        type=_non_negative_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="seconds between checkpoints; 0: never checkpoint, only recover",
+    )
+    supervise.add_argument(
+        "--checkpoint-deadline",
+        type=_positive_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="deadline of one checkpoint (prepare, commit, publish)",
+    )
+    supervise.add_argument(
+        "--recovery-deadline",
+        type=_positive_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="deadline of one recovery try, including the wait for members that are down",
+    )
+    supervise.add_argument(
+        "--max-recoveries",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="recovery tries allowed within --recovery-window; one more gives up",
+    )
+    supervise.add_argument(
+        "--recovery-window",
+        type=_positive_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="the window --max-recoveries counts in",
+    )
+    supervise.add_argument(
+        "--recovery-backoff",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait after a failed try, doubled after each further one (at most 30 s)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return value
 
 
 def _add_health_verb(verbs: Any) -> None:

@@ -976,3 +976,413 @@ class CheckpointResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckpointResponse: _TypeAlias = CheckpointResponse  # noqa: Y015
+
+@_typing.final
+class WatchFleetRequest(_message.Message):
+    """Request of WatchFleet."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    LIVE_ONLY_FIELD_NUMBER: _builtins.int
+    after_sequence: _builtins.int
+    """Replay the held events whose sequence is above this one first; 0 replays
+    every held event.
+    """
+    live_only: _builtins.bool
+    """Send only new events (no replay at all); `after_sequence` is ignored."""
+    def __init__(
+        self,
+        *,
+        after_sequence: _builtins.int = ...,
+        live_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "live_only", b"live_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchFleetRequest: _TypeAlias = WatchFleetRequest  # noqa: Y015
+
+@_typing.final
+class WatchFleetResponse(_message.Message):
+    """One message of WatchFleet: exactly one event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def event(self) -> Global___FleetEvent:
+        """The event."""
+
+    def __init__(
+        self,
+        *,
+        event: Global___FleetEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchFleetResponse: _TypeAlias = WatchFleetResponse  # noqa: Y015
+
+@_typing.final
+class FleetEvent(_message.Message):
+    """Something that happened to the fleet."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    COORDINATOR_BOOT_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_UP_FIELD_NUMBER: _builtins.int
+    MEMBER_DOWN_FIELD_NUMBER: _builtins.int
+    MEMBER_REPLACED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_PUBLISHED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_NOT_PUBLISHED_FIELD_NUMBER: _builtins.int
+    RECOVERY_STARTED_FIELD_NUMBER: _builtins.int
+    RECOVERY_FINISHED_FIELD_NUMBER: _builtins.int
+    RECOVERY_FAILED_FIELD_NUMBER: _builtins.int
+    RECOVERY_GIVEN_UP_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """1 for the coordinator process's first event, then +1 per event."""
+    coordinator_boot_id: _builtins.str
+    """A random id, new for every coordinator process."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When it happened."""
+
+    @_builtins.property
+    def member_up(self) -> Global___MemberChange:
+        """A member answers: first seen, or back with the same boot id."""
+
+    @_builtins.property
+    def member_down(self) -> Global___MemberChange:
+        """A member stopped answering (its health stream broke or a probe failed)."""
+
+    @_builtins.property
+    def member_replaced(self) -> Global___MemberChange:
+        """A member answers with a new boot id: its process was replaced and its
+        in-memory state is gone.
+        """
+
+    @_builtins.property
+    def checkpoint_published(self) -> Global___CheckpointPublished:
+        """The supervisor published a checkpoint (`LATEST` points at it)."""
+
+    @_builtins.property
+    def checkpoint_not_published(self) -> Global___CheckpointNotPublished:
+        """A supervisor checkpoint was not published (aborted; the fleet resumed)."""
+
+    @_builtins.property
+    def recovery_started(self) -> Global___RecoveryStarted:
+        """The supervisor starts recovering the fleet."""
+
+    @_builtins.property
+    def recovery_finished(self) -> Global___RecoveryFinished:
+        """The fleet is open again after a recovery."""
+
+    @_builtins.property
+    def recovery_failed(self) -> Global___RecoveryFailed:
+        """One recovery try failed; the supervisor tries again after a backoff."""
+
+    @_builtins.property
+    def recovery_given_up(self) -> Global___RecoveryGivenUp:
+        """The restart strategy's limit is reached: the supervisor stopped acting."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        coordinator_boot_id: _builtins.str = ...,
+        member_up: Global___MemberChange | None = ...,
+        member_down: Global___MemberChange | None = ...,
+        member_replaced: Global___MemberChange | None = ...,
+        checkpoint_published: Global___CheckpointPublished | None = ...,
+        checkpoint_not_published: Global___CheckpointNotPublished | None = ...,
+        recovery_started: Global___RecoveryStarted | None = ...,
+        recovery_finished: Global___RecoveryFinished | None = ...,
+        recovery_failed: Global___RecoveryFailed | None = ...,
+        recovery_given_up: Global___RecoveryGivenUp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_not_published", b"checkpoint_not_published", "checkpoint_published", b"checkpoint_published", "event", b"event", "member_down", b"member_down", "member_replaced", b"member_replaced", "member_up", b"member_up", "recovery_failed", b"recovery_failed", "recovery_finished", b"recovery_finished", "recovery_given_up", b"recovery_given_up", "recovery_started", b"recovery_started", "time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_not_published", b"checkpoint_not_published", "checkpoint_published", b"checkpoint_published", "coordinator_boot_id", b"coordinator_boot_id", "event", b"event", "member_down", b"member_down", "member_replaced", b"member_replaced", "member_up", b"member_up", "recovery_failed", b"recovery_failed", "recovery_finished", b"recovery_finished", "recovery_given_up", b"recovery_given_up", "recovery_started", b"recovery_started", "sequence", b"sequence", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["member_up", "member_down", "member_replaced", "checkpoint_published", "checkpoint_not_published", "recovery_started", "recovery_finished", "recovery_failed", "recovery_given_up"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___FleetEvent: _TypeAlias = FleetEvent  # noqa: Y015
+
+@_typing.final
+class MemberChange(_message.Message):
+    """A member's change."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_FIELD_NUMBER: _builtins.int
+    PREVIOUS_BOOT_ID_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    previous_boot_id: _builtins.str
+    """The boot id before (set for `member_replaced`)."""
+    detail: _builtins.str
+    """Why, in words (for `member_down`: the transport error)."""
+    @_builtins.property
+    def member(self) -> Global___Member:
+        """The member now (its boot id is the new one for `member_replaced`; kind
+        and instance are unset while it never answered).
+        """
+
+    def __init__(
+        self,
+        *,
+        member: Global___Member | None = ...,
+        previous_boot_id: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "member", b"member", "previous_boot_id", b"previous_boot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemberChange: _TypeAlias = MemberChange  # noqa: Y015
+
+@_typing.final
+class CheckpointPublished(_message.Message):
+    """A checkpoint the supervisor published."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    DIRECTORY_FIELD_NUMBER: _builtins.int
+    CONTINUED_FIELD_NUMBER: _builtins.int
+    RECORD_COUNT_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """Its id."""
+    directory: _builtins.str
+    """Its directory."""
+    record_count: _builtins.int
+    """Records over all members."""
+    bytes: _builtins.int
+    """Bytes of records over all members."""
+    @_builtins.property
+    def continued(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.EpisodeId]:
+        """The episodes it continues, sorted."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        directory: _builtins.str = ...,
+        continued: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        record_count: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "continued", b"continued", "directory", b"directory", "record_count", b"record_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointPublished: _TypeAlias = CheckpointPublished  # noqa: Y015
+
+@_typing.final
+class CheckpointNotPublished(_message.Message):
+    """A supervisor checkpoint that was not published."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    PREPARE_OUTCOME_FIELD_NUMBER: _builtins.int
+    BLOCKERS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """Its id."""
+    prepare_outcome: Global___FleetPrepareOutcome.ValueType
+    """How its prepare ended (NOT_PREPARED: the blockers are listed)."""
+    @_builtins.property
+    def blockers(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberBlocker]:
+        """Blockers of the members not prepared, at most 100."""
+
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """The failure, when a call failed (unset for NOT_PREPARED or ENDED)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        prepare_outcome: Global___FleetPrepareOutcome.ValueType = ...,
+        blockers: _abc.Iterable[Global___MemberBlocker] | None = ...,
+        error: _status_pb2.Status | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blockers", b"blockers", "checkpoint_id", b"checkpoint_id", "error", b"error", "prepare_outcome", b"prepare_outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointNotPublished: _TypeAlias = CheckpointNotPublished  # noqa: Y015
+
+@_typing.final
+class RecoveryStarted(_message.Message):
+    """A recovery starting."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECOVERY_ID_FIELD_NUMBER: _builtins.int
+    SOURCE_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    REPLACED_MEMBERS_FIELD_NUMBER: _builtins.int
+    TRY_NUMBER_FIELD_NUMBER: _builtins.int
+    recovery_id: _builtins.str
+    """The control id of the recovery's Restore and Resume (derived from the
+    source checkpoint and the members' boot ids, so two supervisors that see
+    the same fleet send the same calls and the members replay them).
+    """
+    source_checkpoint_id: _builtins.str
+    """The published checkpoint restored; empty when there is none yet (the
+    fresh members are only opened).
+    """
+    try_number: _builtins.int
+    """1 for the first try within the restart strategy's window, then +1."""
+    @_builtins.property
+    def replaced_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The members that were replaced (or started closed) and caused it."""
+
+    def __init__(
+        self,
+        *,
+        recovery_id: _builtins.str = ...,
+        source_checkpoint_id: _builtins.str = ...,
+        replaced_members: _abc.Iterable[_builtins.str] | None = ...,
+        try_number: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recovery_id", b"recovery_id", "replaced_members", b"replaced_members", "source_checkpoint_id", b"source_checkpoint_id", "try_number", b"try_number"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecoveryStarted: _TypeAlias = RecoveryStarted  # noqa: Y015
+
+@_typing.final
+class RecoveryFinished(_message.Message):
+    """A recovery that finished: the whole fleet is open again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECOVERY_ID_FIELD_NUMBER: _builtins.int
+    SOURCE_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    CONTINUED_FIELD_NUMBER: _builtins.int
+    RESTARTED_FIELD_NUMBER: _builtins.int
+    CONTROLLER_STATE_FIELD_NUMBER: _builtins.int
+    DURATION_FIELD_NUMBER: _builtins.int
+    recovery_id: _builtins.str
+    """As in RecoveryStarted."""
+    source_checkpoint_id: _builtins.str
+    """As in RecoveryStarted."""
+    controller_state: _builtins.bytes
+    """The opaque controller state stored with the checkpoint."""
+    @_builtins.property
+    def continued(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.EpisodeId]:
+        """The continued rollouts, each as its new attempt (N+1), sorted: re-send
+        each as that attempt; it continues from its last safe point.
+        """
+
+    @_builtins.property
+    def restarted(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.EpisodeId]:
+        """Rollouts that were in flight but are not continued (they started after
+        the checkpoint, or it did not cover them), each at the highest attempt
+        that was retired: re-send each from its input as the next attempt.
+        """
+
+    @_builtins.property
+    def duration(self) -> _duration_pb2.Duration:
+        """From the first sign of the replacement to the fleet open again."""
+
+    def __init__(
+        self,
+        *,
+        recovery_id: _builtins.str = ...,
+        source_checkpoint_id: _builtins.str = ...,
+        continued: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        restarted: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        controller_state: _builtins.bytes = ...,
+        duration: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["continued", b"continued", "controller_state", b"controller_state", "duration", b"duration", "recovery_id", b"recovery_id", "restarted", b"restarted", "source_checkpoint_id", b"source_checkpoint_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecoveryFinished: _TypeAlias = RecoveryFinished  # noqa: Y015
+
+@_typing.final
+class RecoveryFailed(_message.Message):
+    """One recovery try that failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECOVERY_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    RETRY_IN_FIELD_NUMBER: _builtins.int
+    recovery_id: _builtins.str
+    """As in RecoveryStarted."""
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """The failure (a member's refusal or `PARTICIPANT_UNREACHABLE`)."""
+
+    @_builtins.property
+    def retry_in(self) -> _duration_pb2.Duration:
+        """When the next try starts."""
+
+    def __init__(
+        self,
+        *,
+        recovery_id: _builtins.str = ...,
+        error: _status_pb2.Status | None = ...,
+        retry_in: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "retry_in", b"retry_in"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "recovery_id", b"recovery_id", "retry_in", b"retry_in"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecoveryFailed: _TypeAlias = RecoveryFailed  # noqa: Y015
+
+@_typing.final
+class RecoveryGivenUp(_message.Message):
+    """The restart strategy's limit was reached."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """Why, in words (the limit and the last failure)."""
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """The last failure."""
+
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        error: _status_pb2.Status | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecoveryGivenUp: _TypeAlias = RecoveryGivenUp  # noqa: Y015

@@ -80,6 +80,11 @@ class CoordinatorServiceStub:
                 request_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.WatchFleet = channel.unary_stream(
+                '/rollout_checkpoint.v1.CoordinatorService/WatchFleet',
+                request_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -207,6 +212,39 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchFleet(self, request, context):
+        """Streams what happens to the fleet: members up, down and replaced,
+        checkpoints published or failed, recoveries started, finished, failed and
+        given up.
+
+        Read-only and idempotent; allowed at any time, with or without
+        `--supervise` (without it only member events are sent: the coordinator
+        then takes no checkpoint and recovers nothing by itself). The stream
+        first replays the events the coordinator still holds (the newest 1024)
+        whose `sequence` is above `after_sequence`, then sends each new event as
+        it happens, until the client cancels or the coordinator stops (the
+        stream then ends with OK). `sequence` counts from 1 per coordinator
+        process and `coordinator_boot_id` changes with the process: a controller
+        that reconnects sends the last sequence it saw, and when the boot id
+        changed it reads the members' state afresh (`ListParticipants`) instead.
+        A client that falls more than 1024 events behind is cut off with
+        RESOURCE_EXHAUSTED (no ErrorInfo reason): reconnect with the last
+        sequence it saw.
+
+        A trainer that drives rollouts itself acts on two events: on
+        `recovery_finished` it re-sends every rollout in `continued` as the
+        attempt given there (it continues from its last safe point) and every
+        rollout in `restarted` from its input as the next attempt after the one
+        given there (its state was lost with the crash); on `recovery_given_up`
+        it stops and asks a person: the supervisor takes no checkpoint and
+        recovers nothing any more, `LATEST` is untouched, and no member holds a
+        half-installed restore (a failed try is undone all or nothing, as
+        Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +292,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.CheckpointRequest.FromString,
                     response_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'WatchFleet': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchFleet,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -500,6 +543,33 @@ class CoordinatorService:
             '/rollout_checkpoint.v1.CoordinatorService/Checkpoint',
             rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.CheckpointRequest.SerializeToString,
             rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchFleet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollout_checkpoint.v1.CoordinatorService/WatchFleet',
+            rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetResponse.FromString,
             options,
             channel_credentials,
             insecure,

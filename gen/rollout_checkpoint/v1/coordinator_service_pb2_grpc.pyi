@@ -143,6 +143,35 @@ class CoordinatorServiceStub:
     too (nothing is published) and fails the call with the members' errors.
     Safe to retry with the same id.
     """
+    WatchFleet: _grpc.UnaryStreamMultiCallable[_coordinator_service_pb2.WatchFleetRequest, _coordinator_service_pb2.WatchFleetResponse]
+    """Streams what happens to the fleet: members up, down and replaced,
+    checkpoints published or failed, recoveries started, finished, failed and
+    given up.
+
+    Read-only and idempotent; allowed at any time, with or without
+    `--supervise` (without it only member events are sent: the coordinator
+    then takes no checkpoint and recovers nothing by itself). The stream
+    first replays the events the coordinator still holds (the newest 1024)
+    whose `sequence` is above `after_sequence`, then sends each new event as
+    it happens, until the client cancels or the coordinator stops (the
+    stream then ends with OK). `sequence` counts from 1 per coordinator
+    process and `coordinator_boot_id` changes with the process: a controller
+    that reconnects sends the last sequence it saw, and when the boot id
+    changed it reads the members' state afresh (`ListParticipants`) instead.
+    A client that falls more than 1024 events behind is cut off with
+    RESOURCE_EXHAUSTED (no ErrorInfo reason): reconnect with the last
+    sequence it saw.
+
+    A trainer that drives rollouts itself acts on two events: on
+    `recovery_finished` it re-sends every rollout in `continued` as the
+    attempt given there (it continues from its last safe point) and every
+    rollout in `restarted` from its input as the next attempt after the one
+    given there (its state was lost with the crash); on `recovery_given_up`
+    it stops and asks a person: the supervisor takes no checkpoint and
+    recovers nothing any more, `LATEST` is untouched, and no member holds a
+    half-installed restore (a failed try is undone all or nothing, as
+    Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
+    """
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -233,6 +262,35 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
     too (nothing is published) and fails the call with the members' errors.
     Safe to retry with the same id.
+    """
+    WatchFleet: _aio.UnaryStreamMultiCallable[_coordinator_service_pb2.WatchFleetRequest, _coordinator_service_pb2.WatchFleetResponse]  # type: ignore[assignment]
+    """Streams what happens to the fleet: members up, down and replaced,
+    checkpoints published or failed, recoveries started, finished, failed and
+    given up.
+
+    Read-only and idempotent; allowed at any time, with or without
+    `--supervise` (without it only member events are sent: the coordinator
+    then takes no checkpoint and recovers nothing by itself). The stream
+    first replays the events the coordinator still holds (the newest 1024)
+    whose `sequence` is above `after_sequence`, then sends each new event as
+    it happens, until the client cancels or the coordinator stops (the
+    stream then ends with OK). `sequence` counts from 1 per coordinator
+    process and `coordinator_boot_id` changes with the process: a controller
+    that reconnects sends the last sequence it saw, and when the boot id
+    changed it reads the members' state afresh (`ListParticipants`) instead.
+    A client that falls more than 1024 events behind is cut off with
+    RESOURCE_EXHAUSTED (no ErrorInfo reason): reconnect with the last
+    sequence it saw.
+
+    A trainer that drives rollouts itself acts on two events: on
+    `recovery_finished` it re-sends every rollout in `continued` as the
+    attempt given there (it continues from its last safe point) and every
+    rollout in `restarted` from its input as the next attempt after the one
+    given there (its state was lost with the crash); on `recovery_given_up`
+    it stops and asks a person: the supervisor takes no checkpoint and
+    recovers nothing any more, `LATEST` is untouched, and no member holds a
+    half-installed restore (a failed try is undone all or nothing, as
+    Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
     """
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -375,6 +433,41 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
         too (nothing is published) and fails the call with the members' errors.
         Safe to retry with the same id.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchFleet(
+        self,
+        request: _coordinator_service_pb2.WatchFleetRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_service_pb2.WatchFleetResponse], _abc.AsyncIterator[_coordinator_service_pb2.WatchFleetResponse]]:
+        """Streams what happens to the fleet: members up, down and replaced,
+        checkpoints published or failed, recoveries started, finished, failed and
+        given up.
+
+        Read-only and idempotent; allowed at any time, with or without
+        `--supervise` (without it only member events are sent: the coordinator
+        then takes no checkpoint and recovers nothing by itself). The stream
+        first replays the events the coordinator still holds (the newest 1024)
+        whose `sequence` is above `after_sequence`, then sends each new event as
+        it happens, until the client cancels or the coordinator stops (the
+        stream then ends with OK). `sequence` counts from 1 per coordinator
+        process and `coordinator_boot_id` changes with the process: a controller
+        that reconnects sends the last sequence it saw, and when the boot id
+        changed it reads the members' state afresh (`ListParticipants`) instead.
+        A client that falls more than 1024 events behind is cut off with
+        RESOURCE_EXHAUSTED (no ErrorInfo reason): reconnect with the last
+        sequence it saw.
+
+        A trainer that drives rollouts itself acts on two events: on
+        `recovery_finished` it re-sends every rollout in `continued` as the
+        attempt given there (it continues from its last safe point) and every
+        rollout in `restarted` from its input as the next attempt after the one
+        given there (its state was lost with the crash); on `recovery_given_up`
+        it stops and asks a person: the supervisor takes no checkpoint and
+        recovers nothing any more, `LATEST` is untouched, and no member holds a
+        half-installed restore (a failed try is undone all or nothing, as
+        Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
         """
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,206 @@
+"""Recovering a fleet in place after a member was replaced: the whole fleet back to `LATEST`.
+
+A replaced member lost its in-memory state; the survivors still hold theirs, newer than any
+checkpoint. Continuing from that mix would run rollouts with half their state, so the whole
+fleet goes back to the latest published checkpoint, all or nothing, exactly as a restore into
+fresh processes does — the survivors take part through a *rejoining* Restore, which first
+retires everything they hold (so no late request of a cut attempt can change the restored
+state) and then installs like a fresh process. The rules, each for a crash or a race:
+
+* **One id per recovery, derived from what it restores** (`recovery_id`: the source
+  checkpoint and every member's boot id). Two supervisors that see the same fleet send the
+  same Restore and Resume, which the members replay; a supervisor that sees another fleet
+  (a further replacement) sends another id, which the members fence with
+  CHECKPOINT_CONFLICT. Nothing a losing supervisor does can undo the winner's restore.
+* **Checkpoints the crash cut are ended first** (a member still PREPARING, PREPARED,
+  COMMITTED or RESTORED under another id is resumed with that id): Restore is allowed only
+  in IDLE, and nothing will ever finish a checkpoint whose coordinator saw a member die.
+* **A failed try is undone only on request** (`abandon_on_failure`). Undoing retires every
+  restored attempt N+1 for good, so a supervisor that will try again leaves the members as
+  they are (a retry with the same id replays where it succeeded); it undoes only when it
+  gives up. A try that lost a race (CHECKPOINT_CONFLICT, STALE_CHECKPOINT: another
+  controller's checkpoint or restore holds the fleet) is never undone by this one.
+* **No checkpoint yet** (a fresh install): the members started closed are opened; there is
+  nothing to restore.
+
+What the controller learns (`Recovery`): the continued rollouts as their new attempts, and the
+rollouts that were in flight but are not continued (their attempts retired by the rejoin), to
+restart from their inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import verified_source
+from rollout_checkpoint.client.coordination import FleetError, fan_out
+from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client.publication import CheckpointRoot, NoPublishedCheckpoint
+from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
+
+log = logging.getLogger(__name__)
+
+IDLE = types_pb2.PARTICIPANT_STATE_IDLE
+LOST_RACE = frozenset({Reason.CHECKPOINT_CONFLICT, Reason.STALE_CHECKPOINT})
+
+
+def awaiting_restore(status: pb.GetStatusResponse) -> bool:
+    """Whether a member is a `start_closed` process waiting for its Restore or Resume: IDLE
+    with admission closed happens in no other case (types.proto, ParticipantState)."""
+    return status.state == IDLE and not status.admission_open
+
+
+def recovery_id(source_checkpoint_id: str | None, boot_ids: Mapping[str, str]) -> str:
+    """The control id of the recovery of this fleet (these boot ids) from this checkpoint
+    (None: no checkpoint yet): the same for every supervisor that sees the same fleet."""
+    text = "\n".join(
+        [source_checkpoint_id or "-"] + [f"{n}={b}" for n, b in sorted(boot_ids.items())]
+    )
+    return "recover-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class RecoveryLostRace(Exception):
+    """Another controller's checkpoint or restore holds (part of) the fleet: this recovery
+    stopped without undoing anything. `error` is the members' refusal."""
+
+    def __init__(self, error: FleetError) -> None:
+        super().__init__(f"another controller holds the fleet: {error}")
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A finished recovery: the fleet is open again."""
+
+    recovery_id: str
+    source_checkpoint_id: str | None
+    """None: there was no published checkpoint; the fresh members were only opened."""
+    continued: tuple[EpisodeId, ...]
+    """The continued rollouts as their new attempts (N+1), sorted."""
+    restarted: tuple[EpisodeId, ...]
+    """Rollouts in flight before the recovery that are not continued, each at the highest
+    attempt that was retired (restart it from its input as the next one), sorted."""
+    controller_state: bytes = b""
+    opened: tuple[str, ...] = ()
+    """Members that were opened without a restore (no checkpoint yet)."""
+
+
+async def recover(
+    fleet: Fleet,
+    root: CheckpointRoot,
+    deadline: float,
+    *,
+    source: str | None = None,
+    scope: Iterable[EpisodeId] | None = None,
+    abandon_on_failure: bool = False,
+) -> Recovery:
+    """Restore `source` (None: `LATEST`) into the whole fleet, survivors included, and resume
+    it; with no checkpoint published yet, open the members started closed.
+
+    `scope` (default: the checkpoint's continued episodes) is what is continued. Raises
+    `FleetError` (members refused or unreachable; undone all or nothing first when
+    `abandon_on_failure`), `RecoveryLostRace`, `PublicationError` (a corrupt checkpoint:
+    nothing was installed anywhere)."""
+    statuses = await fan_out(
+        "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
+    )
+    boot_ids = {m.name: m.boot_id for m in fleet.members}
+    try:
+        verified = await verified_source(fleet, root, source=source, scope=scope)
+    except NoPublishedCheckpoint:
+        return await _open_fresh(fleet, statuses, recovery_id(None, boot_ids), deadline)
+    control_id = recovery_id(verified.checkpoint_id, boot_ids)
+    await _end_cut_checkpoints(fleet, statuses, control_id, deadline)
+    in_flight = await _live_episodes(fleet)
+    episodes = frozenset(verified.continued)
+    try:
+        await fan_out(
+            "restore",
+            fleet.members,
+            lambda m: m.client.restore(
+                control_id, deadline, verified.directory, episodes, rejoin=True
+            ),
+            fleet.spec.fan_out,
+        )
+    except FleetError as error:
+        if any(e.reason in LOST_RACE for e in error.failures.values()):
+            raise RecoveryLostRace(error) from None
+        if abandon_on_failure:
+            await coordination.abandon_restore(fleet, control_id, episodes, deadline)
+        raise
+    await coordination.resume(fleet, control_id, deadline)
+    continued_rollouts = {e.rollout_id for e in episodes}
+    return Recovery(
+        control_id,
+        verified.checkpoint_id,
+        continued=tuple(sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)),
+        restarted=_highest_attempts(e for e in in_flight if e.rollout_id not in continued_rollouts),
+        controller_state=verified.controller_state,
+    )
+
+
+async def _open_fresh(
+    fleet: Fleet, statuses: Mapping[str, pb.GetStatusResponse], control_id: str, deadline: float
+) -> Recovery:
+    """No checkpoint to restore: open every member started closed (their first Resume)."""
+    closed = [m for m in fleet.members if awaiting_restore(statuses[m.name])]
+    for _, members in reversed(fleet.stages()):
+        waiting = [m for m in members if m in closed]
+        if waiting:
+            await fan_out(
+                "resume",
+                waiting,
+                lambda m: m.client.resume(control_id, deadline),
+                fleet.spec.fan_out,
+            )
+    return Recovery(control_id, None, (), (), opened=tuple(m.name for m in closed))
+
+
+async def _end_cut_checkpoints(
+    fleet: Fleet, statuses: Mapping[str, pb.GetStatusResponse], control_id: str, deadline: float
+) -> None:
+    """Resume members still inside another checkpoint or restore (not this recovery's own,
+    which a retry must replay, not end)."""
+    cut = [
+        m
+        for m in fleet.members
+        if statuses[m.name].state != IDLE and statuses[m.name].checkpoint_id != control_id
+    ]
+    if cut:
+        log.info(
+            "recovery %s: ending the checkpoints the crash cut on %s",
+            control_id,
+            ", ".join(m.name for m in cut),
+        )
+        await fan_out(
+            "resume",
+            cut,
+            lambda m: m.client.resume(statuses[m.name].checkpoint_id, deadline),
+            fleet.spec.fan_out,
+        )
+
+
+async def _live_episodes(fleet: Fleet) -> list[EpisodeId]:
+    """Every episode any member holds now (before the rejoin retires them)."""
+    pages = await fan_out(
+        "list-episodes", fleet.members, lambda m: m.client.all_episodes(), fleet.spec.fan_out
+    )
+    return [
+        EpisodeId(e.episode_id.rollout_id, e.episode_id.attempt)
+        for episodes in pages.values()
+        for e in episodes
+    ]
+
+
+def _highest_attempts(episodes: Iterable[EpisodeId]) -> tuple[EpisodeId, ...]:
+    highest: dict[str, int] = {}
+    for episode in episodes:
+        highest[episode.rollout_id] = max(highest.get(episode.rollout_id, 0), episode.attempt)
+    return tuple(sorted(EpisodeId(r, a) for r, a in highest.items()))
