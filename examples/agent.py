@@ -46,7 +46,7 @@ from rollout_checkpoint.server.runtime.rollout_prefix import (
 )
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .relay import CLOSED_CODES, error_response, json_object, refusal_code
+from .relay import CLOSED_CODES, error_response, json_object, post_replayable, refusal_code
 
 VERIFY_HEADER = "x-ng-checkpoint-verify"
 SYSTEM_PROMPT = (
@@ -139,6 +139,10 @@ class AgentServer:
             )
         except UpstreamFailed as failure:
             return error_response(502, "upstream_failed", str(failure))
+        except httpx.TransportError as failure:
+            # A resources server went away mid-step (a step unsafe to re-issue): the episode
+            # fails cleanly; the controller retries it, or a recovery continues it.
+            return error_response(502, "upstream_unreachable", type(failure).__name__)
         finally:
             if tracker is not None and tracked is not None:
                 tracker.end(tracked)
@@ -251,7 +255,7 @@ class Episode:
         delay = self.config.retry_seconds
         while True:
             async with self._replay_step():
-                response = await self.http.post(url, json=request)
+                response = await post_replayable(self.http, url, json=request)
                 refused = refusal_code(response)
                 if (
                     refused in CLOSED_CODES

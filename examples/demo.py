@@ -72,6 +72,8 @@ class Options:
     timeout: float = 60.0
     crash_twice: bool = False
     skip_resources_restore: bool = False
+    self_heal: bool = False
+    victim: str = "policy_model"
 
 
 @dataclass
@@ -82,6 +84,8 @@ class Server:
     http: str
     grpc: str
     log: Path
+    args: list[str] = field(default_factory=list)
+    """What it was started with (`serve` arguments): a replacement reuses them."""
 
 
 ANNOUNCE_TIMEOUT_SECONDS = 60.0
@@ -109,21 +113,21 @@ class FleetProcesses:
         the agent and the agent before its callees: a caller that outlived its callee would log
         a traceback for the connection it lost, which no real crash of the whole fleet shows."""
         for server in reversed(list(self.servers.values())):
-            _signal_group(server.process, signal.SIGKILL)
+            signal_group(server.process, signal.SIGKILL)
             server.process.wait(timeout=30)
 
     def stop(self) -> None:
         for server in self.servers.values():
-            _signal_group(server.process, signal.SIGTERM)
+            signal_group(server.process, signal.SIGTERM)
         for server in self.servers.values():
             try:
                 server.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                _signal_group(server.process, signal.SIGKILL)
+                signal_group(server.process, signal.SIGKILL)
                 server.process.wait(timeout=10)
 
 
-def _signal_group(process: subprocess.Popen[str], signum: int) -> None:
+def signal_group(process: subprocess.Popen[str], signum: int) -> None:
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signum)
@@ -184,10 +188,12 @@ async def start_fleet(
 
 
 async def _start(fleet: FleetProcesses, logs: Path, name: str, kind: str, args: list[str]) -> None:
-    fleet.servers[name] = await asyncio.to_thread(_launch, fleet.label, logs, name, kind, args)
+    fleet.servers[name] = await asyncio.to_thread(
+        launch_server, fleet.label, logs, name, kind, args
+    )
 
 
-def _launch(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Server:
+def launch_server(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Server:
     """Start one server in its own process group and read the line it prints once it listens."""
     log = logs / f"{label}-{name}.log"
     with log.open("w") as stderr:
@@ -204,13 +210,13 @@ def _launch(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Se
     ready, _, _ = select.select([process.stdout], [], [], ANNOUNCE_TIMEOUT_SECONDS)
     line = process.stdout.readline() if ready else ""
     if not line:
-        _signal_group(process, signal.SIGKILL)
+        signal_group(process, signal.SIGKILL)
         raise RuntimeError(
             f"{name} did not start within {ANNOUNCE_TIMEOUT_SECONDS:g} s "
             f"(exit {process.wait()}); see {log}"
         )
     announced = json.loads(line)
-    return Server(name, kind, process, announced["http"], announced["grpc"], log)
+    return Server(name, kind, process, announced["http"], announced["grpc"], log, args)
 
 
 # -- rollouts -------------------------------------------------------------------------------
@@ -292,8 +298,15 @@ class Demo:
         root = CheckpointRoot(work / "checkpoints")
         try:
             baseline = await self.baseline(logs)
-            first, survivors = await self.interrupted_run(logs, root)
-            await self.restore_and_continue(logs, root, first, survivors, baseline)
+            if self.options.self_heal:
+                from rollout_checkpoint.examples.self_heal import SelfHealDemo
+
+                healing = SelfHealDemo(self.options, self.options.victim, self.say, self.token)
+                healing.report = self.report
+                await healing.run(work, baseline)
+            else:
+                first, survivors = await self.interrupted_run(logs, root)
+                await self.restore_and_continue(logs, root, first, survivors, baseline)
         finally:
             for fleet in self.fleets:
                 fleet.stop()
@@ -754,6 +767,18 @@ def parse_args(argv: list[str] | None) -> Options:
         action="store_true",
         help="negative control: restore every member but the resources servers (the demo must then fail)",
     )
+    parser.add_argument(
+        "--self-heal",
+        action="store_true",
+        help="instead: run the fleet under `coordinator --supervise`, SIGKILL one member "
+        "mid-flight and watch the supervisor restore and reopen the fleet by itself",
+    )
+    parser.add_argument(
+        "--victim",
+        default="policy_model",
+        choices=["policy_model", "agent", "environment", "prompt_injection", "counter"],
+        help="with --self-heal: the member to kill (default policy_model)",
+    )
     args = parser.parse_args(argv)
     if args.rollouts < 2 or args.concurrency < 1:
         parser.error("--rollouts must be at least 2 and --concurrency at least 1")
@@ -769,6 +794,8 @@ def parse_args(argv: list[str] | None) -> Options:
         args.json,
         crash_twice=args.crash_twice,
         skip_resources_restore=args.skip_resources_restore,
+        self_heal=args.self_heal,
+        victim=args.victim,
     )
 
 

@@ -38,7 +38,7 @@ from rollout_checkpoint.server.runtime.rollout_prefix import (
 )
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .relay import CLOSED_CODES, error_response, json_object, refusal_code
+from .relay import CLOSED_CODES, error_response, json_object, post_replayable, refusal_code
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,10 @@ class EnvironmentServer:
                 else contextlib.nullcontext()
             )
             async with step:
-                response = await self.http.post(
-                    url, json={"task": task, "resources_server": self.config.resources_server}
+                response = await post_replayable(
+                    self.http,
+                    url,
+                    json={"task": task, "resources_server": self.config.resources_server},
                 )
                 code = refusal_code(response)
                 if code in CLOSED_CODES and (tracker is None or tracker.admission_open):

@@ -10,9 +10,26 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-CLOSED_CODES = frozenset({"admission_closed", "awaiting_restore"})
+UNREACHABLE = "callee_unreachable"
+"""What `post_replayable` reports for a callee that cannot be reached (down, or being replaced)."""
+
+CLOSED_CODES = frozenset({"admission_closed", "awaiting_restore", UNREACHABLE})
 """The refusals that mean "closed for now, retry the same call after resume": a checkpoint
-in progress, or a `start_closed` callee waiting for its Restore or Resume. Nothing ran."""
+in progress, a `start_closed` callee waiting for its Restore or Resume, or a callee that
+cannot be reached at all (its replacement will be restored). Nothing ran here, so the caller
+stays at its boundary: if the fleet is restored meanwhile, the recovery retires this attempt
+and the controller continues the rollout from the checkpoint."""
+
+
+async def post_replayable(http: httpx.AsyncClient, url: str, **request: Any) -> httpx.Response:
+    """POST a call that is safe to re-issue (a replay step); a transport failure becomes a
+    409 `callee_unreachable` refusal, so the caller waits at its boundary instead of failing
+    the episode (and logging a traceback) because a callee's process died."""
+    try:
+        return await http.post(url, **request)
+    except httpx.TransportError as error:
+        detail = f"{type(error).__name__} calling {url}"
+        return httpx.Response(409, json={"error": {"code": UNREACHABLE, "detail": detail}})
 
 
 def refusal_code(response: httpx.Response) -> str | None:
