@@ -24,6 +24,7 @@ from rollout_checkpoint.client.coordination import (
     FleetError,
     FleetProgress,
     Outcome,
+    awaiting_restore,
 )
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.publication import (
@@ -33,6 +34,7 @@ from rollout_checkpoint.client.publication import (
     PublishedParticipant,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ async def checkpoint(
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
     progress: FleetProgress | None = None
+    await refuse_members_awaiting_restore(fleet)
     try:
         async for progress in coordination.prepare(fleet, checkpoint_id, deadline):
             yield CheckpointEvent(Phase.PREPARE, progress)
@@ -159,6 +162,27 @@ async def checkpoint(
         yield CheckpointEvent(Phase.RESUME, progress)
         await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
     yield CheckpointEvent(Phase.DONE, progress, outcome)
+
+
+async def refuse_members_awaiting_restore(fleet: Fleet) -> None:
+    """Refuse to checkpoint a fleet in which a member started closed and awaits its restore.
+
+    Such a member is a replacement that holds none of the fleet's state: its part would be
+    empty, and publishing it would make `LATEST` forget everything the crashed process held —
+    the next recovery would restore the loss. Raises `CheckpointError` INVALID_PHASE with
+    metadata `awaitingRestore` (the member names, comma-separated)."""
+    statuses = await coordination.fan_out(
+        "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
+    )
+    waiting = sorted(name for name, status in statuses.items() if awaiting_restore(status))
+    if waiting:
+        raise CheckpointError(
+            Reason.INVALID_PHASE,
+            f"member(s) {', '.join(waiting)} started closed and await their restore: "
+            "restore or resume them before checkpointing the fleet",
+            code="FAILED_PRECONDITION",
+            metadata={"awaitingRestore": ",".join(waiting)},
+        )
 
 
 def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:

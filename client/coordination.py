@@ -501,6 +501,13 @@ async def prepare_retiring_stragglers(
     return StragglerResult(progress, checkpoint_id, rounds, retired)
 
 
+def awaiting_restore(status: pb.GetStatusResponse) -> bool:
+    """Whether a member is a `start_closed` process waiting for its Restore or Resume: IDLE
+    with admission closed happens in no other case (types.proto, ParticipantState). Such a
+    member holds none of the fleet's state yet."""
+    return status.state == types_pb2.PARTICIPANT_STATE_IDLE and not status.admission_open
+
+
 # -- fan-out --------------------------------------------------------------------------------
 
 

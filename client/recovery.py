@@ -20,6 +20,9 @@ state) and then installs like a fresh process. The rules, each for a crash or a 
   they are (a retry with the same id replays where it succeeded); it undoes only when it
   gives up. A try that lost a race (CHECKPOINT_CONFLICT, STALE_CHECKPOINT: another
   controller's checkpoint or restore holds the fleet) is never undone by this one.
+* **A recovery already done is finished, not repeated**: when every member answers the
+  restore with STALE_CHECKPOINT, another supervisor already restored and resumed this very
+  recovery (same id), so only its resume is completed.
 * **No checkpoint yet** (a fresh install): the members started closed are opened; there is
   nothing to restore.
 
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import verified_source
-from rollout_checkpoint.client.coordination import FleetError, fan_out
+from rollout_checkpoint.client.coordination import FleetError, awaiting_restore, fan_out
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.publication import CheckpointRoot, NoPublishedCheckpoint
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
@@ -49,12 +52,6 @@ log = logging.getLogger(__name__)
 
 IDLE = types_pb2.PARTICIPANT_STATE_IDLE
 LOST_RACE = frozenset({Reason.CHECKPOINT_CONFLICT, Reason.STALE_CHECKPOINT})
-
-
-def awaiting_restore(status: pb.GetStatusResponse) -> bool:
-    """Whether a member is a `start_closed` process waiting for its Restore or Resume: IDLE
-    with admission closed happens in no other case (types.proto, ParticipantState)."""
-    return status.state == IDLE and not status.admission_open
 
 
 def recovery_id(source_checkpoint_id: str | None, boot_ids: Mapping[str, str]) -> str:
@@ -90,6 +87,9 @@ class Recovery:
     controller_state: bytes = b""
     opened: tuple[str, ...] = ()
     """Members that were opened without a restore (no checkpoint yet)."""
+    replayed: bool = False
+    """Another supervisor had already restored this very recovery; this one only finished
+    its resume (`restarted` is then empty: this one retired nothing)."""
 
 
 async def recover(
@@ -120,6 +120,7 @@ async def recover(
     await _end_cut_checkpoints(fleet, statuses, control_id, deadline)
     in_flight = await _live_episodes(fleet)
     episodes = frozenset(verified.continued)
+    replayed = False
     try:
         await fan_out(
             "restore",
@@ -130,19 +131,30 @@ async def recover(
             fleet.spec.fan_out,
         )
     except FleetError as error:
-        if any(e.reason in LOST_RACE for e in error.failures.values()):
+        if all(e.reason == Reason.STALE_CHECKPOINT for e in error.failures.values()):
+            # This very recovery (same checkpoint, same processes) was already restored and
+            # resumed there by another supervisor that saw the same fleet: finish its resume.
+            replayed = True
+        elif any(e.reason in LOST_RACE for e in error.failures.values()):
             raise RecoveryLostRace(error) from None
-        if abandon_on_failure:
-            await coordination.abandon_restore(fleet, control_id, episodes, deadline)
-        raise
+        else:
+            if abandon_on_failure:
+                await coordination.abandon_restore(fleet, control_id, episodes, deadline)
+            raise
     await coordination.resume(fleet, control_id, deadline)
     continued_rollouts = {e.rollout_id for e in episodes}
+    restarted = (
+        ()
+        if replayed
+        else _highest_attempts(e for e in in_flight if e.rollout_id not in continued_rollouts)
+    )
     return Recovery(
         control_id,
         verified.checkpoint_id,
         continued=tuple(sorted(e.next_attempt() for e in episodes if e.attempt < MAX_ATTEMPT)),
-        restarted=_highest_attempts(e for e in in_flight if e.rollout_id not in continued_rollouts),
+        restarted=restarted,
         controller_state=verified.controller_state,
+        replayed=replayed,
     )
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import CheckpointOutcome, checkpoint, verified_source
-from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome
+from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome, awaiting_restore
 from rollout_checkpoint.client.coordinator.calls import status_of
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.errors import ControlError
@@ -47,7 +47,6 @@ from rollout_checkpoint.client.publication import CheckpointRoot, PublicationErr
 from rollout_checkpoint.client.recovery import (
     Recovery,
     RecoveryLostRace,
-    awaiting_restore,
     recover,
     recovery_id,
 )
@@ -221,6 +220,10 @@ class Supervisor:
                     if event.outcome is not None:
                         outcome = event.outcome
         except (FleetError, PublicationError, CheckpointError) as error:
+            if isinstance(error, CheckpointError) and "awaitingRestore" in error.metadata:
+                # A replacement the watch has not reported yet: recover before anything else.
+                for name in error.metadata["awaitingRestore"].split(","):
+                    self._replaced.setdefault(name, time.time())
             self.events.emit(
                 checkpoint_not_published=cpb.CheckpointNotPublished(
                     checkpoint_id=checkpoint_id, error=status_of(_fleet_error(error))
@@ -254,7 +257,12 @@ class Supervisor:
     # -- recoveries -----------------------------------------------------------------------
 
     async def _recover(self) -> None:
-        """One recovery try (or giving up)."""
+        """One recovery try, or giving up when the strategy's limit is reached.
+
+        A replaced member lost its state whether or not it started closed (a replacement
+        started open, or opened by a Resume, holds nothing of the fleet's state either), so
+        every replacement leads to a recovery; one that another supervisor already finished
+        is recognized by its id and only completed (`recovery.recover`)."""
         now = time.time()
         window = self.settings.strategy.window_seconds
         while self._tries and self._tries[0] < now - window:
@@ -265,48 +273,25 @@ class Supervisor:
                 f"(strategy limit {self.settings.strategy.max_tries})"
             )
             return
-        self._tries.append(now)
         first_sign = min(self._replaced.values())
-        replaced = sorted(self._replaced)
-        try_number = len(self._tries)
         deadline = now + self.settings.recovery_seconds
-        self.events.emit(
-            recovery_started=cpb.RecoveryStarted(
-                replaced_members=replaced,
-                try_number=try_number,
-                source_checkpoint_id=self.root.latest() or "",
-            )
-        )
         try:
             await self._wait_for_members(deadline)
             fleet = await self._discover(self.spec)
-            async with fleet:
-                recovery = await recover(fleet, self.root, deadline)
-        except (
-            FleetError,
-            DiscoveryError,
-            PublicationError,
-            RecoveryLostRace,
-            TimeoutError,
-        ) as error:
-            self._last_error = error
-            backoff = min(
-                self.settings.strategy.max_backoff_seconds,
-                self.settings.strategy.backoff_seconds * 2 ** (try_number - 1),
-            )
-            self.events.emit(
-                recovery_failed=cpb.RecoveryFailed(
-                    error=status_of(_fleet_error(error)), retry_in=duration(backoff)
-                )
-            )
-            log.warning(
-                "supervisor: recovery try %d failed (%s); next in %g s", try_number, error, backoff
-            )
-            await asyncio.sleep(backoff)
+        except (DiscoveryError, TimeoutError) as error:
+            await self._failed_try(self._start_try(now), error)
             return
+        async with fleet:
+            try_number = self._start_try(now)
+            try:
+                recovery = await recover(fleet, self.root, deadline)
+            except (FleetError, PublicationError, RecoveryLostRace) as error:
+                await self._failed_try(try_number, error)
+                return
         self._replaced.clear()
         self._tries.clear()
         self.recoveries.append(recovery)
+        seconds = max(0.0, time.time() - first_sign)
         self.events.emit(
             recovery_finished=cpb.RecoveryFinished(
                 recovery_id=recovery.recovery_id,
@@ -314,16 +299,46 @@ class Supervisor:
                 continued=[episode_message(e) for e in recovery.continued],
                 restarted=[episode_message(e) for e in recovery.restarted],
                 controller_state=recovery.controller_state,
-                duration=duration(max(0.0, time.time() - first_sign)),
+                duration=duration(seconds),
             )
         )
         log.info(
             "supervisor: fleet recovered from %s in %.2f s: %d continued, %d to restart",
             recovery.source_checkpoint_id or "(no checkpoint: opened)",
-            time.time() - first_sign,
+            seconds,
             len(recovery.continued),
             len(recovery.restarted),
         )
+
+    def _start_try(self, now: float) -> int:
+        """Count a try against the strategy and announce it; returns its number."""
+        self._tries.append(now)
+        self.events.emit(
+            recovery_started=cpb.RecoveryStarted(
+                replaced_members=sorted(self._replaced),
+                try_number=len(self._tries),
+                source_checkpoint_id=self.root.latest() or "",
+            )
+        )
+        return len(self._tries)
+
+    async def _failed_try(self, try_number: int, error: BaseException) -> None:
+        """Report a failed try and wait out its backoff (the members are left as they are:
+        the next try replays where this one succeeded)."""
+        self._last_error = error
+        strategy = self.settings.strategy
+        backoff = min(
+            strategy.max_backoff_seconds, strategy.backoff_seconds * 2 ** (try_number - 1)
+        )
+        self.events.emit(
+            recovery_failed=cpb.RecoveryFailed(
+                error=status_of(_fleet_error(error)), retry_in=duration(backoff)
+            )
+        )
+        log.warning(
+            "supervisor: recovery try %d failed (%s); next in %g s", try_number, error, backoff
+        )
+        await asyncio.sleep(backoff)
 
     async def _wait_for_members(self, deadline: float) -> None:
         while self.watch.down() or set(self._replaced) - set(self.watch.boot_ids()):

@@ -206,6 +206,9 @@ class CoordinatorServiceServicer:
         the checkpoint is aborted (every member resumed) and the final message
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
         too (nothing is published) and fails the call with the members' errors.
+        Refused before anything starts with `INVALID_PHASE` (metadata
+        `awaitingRestore`) while a member started closed and awaits its restore:
+        its empty part would make `LATEST` forget what the crashed process held.
         Safe to retry with the same id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -141,6 +141,9 @@ class CoordinatorServiceStub:
     the checkpoint is aborted (every member resumed) and the final message
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
     too (nothing is published) and fails the call with the members' errors.
+    Refused before anything starts with `INVALID_PHASE` (metadata
+    `awaitingRestore`) while a member started closed and awaits its restore:
+    its empty part would make `LATEST` forget what the crashed process held.
     Safe to retry with the same id.
     """
     WatchFleet: _grpc.UnaryStreamMultiCallable[_coordinator_service_pb2.WatchFleetRequest, _coordinator_service_pb2.WatchFleetResponse]
@@ -261,6 +264,9 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     the checkpoint is aborted (every member resumed) and the final message
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
     too (nothing is published) and fails the call with the members' errors.
+    Refused before anything starts with `INVALID_PHASE` (metadata
+    `awaitingRestore`) while a member started closed and awaits its restore:
+    its empty part would make `LATEST` forget what the crashed process held.
     Safe to retry with the same id.
     """
     WatchFleet: _aio.UnaryStreamMultiCallable[_coordinator_service_pb2.WatchFleetRequest, _coordinator_service_pb2.WatchFleetResponse]  # type: ignore[assignment]
@@ -432,6 +438,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         the checkpoint is aborted (every member resumed) and the final message
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
         too (nothing is published) and fails the call with the members' errors.
+        Refused before anything starts with `INVALID_PHASE` (metadata
+        `awaitingRestore`) while a member started closed and awaits its restore:
+        its empty part would make `LATEST` forget what the crashed process held.
         Safe to retry with the same id.
         """
 

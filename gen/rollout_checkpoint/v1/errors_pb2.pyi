@@ -80,6 +80,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     `STATE`. The participant's state does not allow the RPC (for example
     Commit before Prepare, Retire while a checkpoint is open, or Commit after
     readiness regressed: "no longer ready"). Metadata: `state`, `operation`.
+    From the coordinator (Checkpoint, and a supervisor's own checkpoints):
+    a member started closed and awaits its restore, so its part would be
+    empty; metadata `awaitingRestore` names those members, comma-separated
+    (restore or resume them first).
     """
     ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED: _ErrorReason.ValueType  # 4
     """DEADLINE_EXCEEDED. The request's absolute deadline had passed when it
@@ -197,6 +201,10 @@ ERROR_REASON_INVALID_PHASE: ErrorReason.ValueType  # 3
 `STATE`. The participant's state does not allow the RPC (for example
 Commit before Prepare, Retire while a checkpoint is open, or Commit after
 readiness regressed: "no longer ready"). Metadata: `state`, `operation`.
+From the coordinator (Checkpoint, and a supervisor's own checkpoints):
+a member started closed and awaits its restore, so its part would be
+empty; metadata `awaitingRestore` names those members, comma-separated
+(restore or resume them first).
 """
 ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED: ErrorReason.ValueType  # 4
 """DEADLINE_EXCEEDED. The request's absolute deadline had passed when it
