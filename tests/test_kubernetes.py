@@ -9,7 +9,7 @@ to the participants is TLS, with the README's certificate (made here with its op
 accepted for every member's fleet address and by the exec probes; the control Service is
 headless and publishes not-ready pods, and the fleet file names pods through it;
 participants and coordinator mount one ReadWriteMany volume at the path the participants
-allow; commands are real CLI verbs whose flags parse (the README's first Resume too), and the
+allow; commands are real CLI verbs whose flags parse (the README's `kubectl exec` lines too), and the
 environment maps onto the settings `serve` builds; grace periods and the startup window fit
 the settings.
 """
@@ -363,7 +363,12 @@ def test_commands_are_cli_verbs_whose_flags_parse() -> None:
         else:
             args = parser.parse_args(command[1:])
             assert args.command == "coordinator"
+            # The coordinator supervises: a replaced pod is restored and a fresh install
+            # opened with no person (issue 15), so it needs somewhere to publish to.
+            assert args.supervise and args.checkpoint_every > 0
+            fleet_file = yaml.safe_load(one("ConfigMap")["data"][args.fleet.name])
             mount = {m["name"]: m["mountPath"] for m in container(workload)["volumeMounts"]}
+            assert Path(fleet_file["checkpoint_root"]).is_relative_to(mount["checkpoints"])
             assert Path(args.fleet).parent == Path(mount["fleet"])
             assert args.fleet.name in one("ConfigMap")["data"]
 
@@ -745,12 +750,12 @@ async def test_the_probes_keep_a_start_closed_pod_alive_but_not_ready(tmp_path: 
         await stop_harness(h)
 
 
-# -- the first Resume -----------------------------------------------------------------------
+# -- no first Resume: the supervisor opens a fresh install ----------------------------------
 
 
 def readme_exec_commands() -> list[list[str]]:
     """Every `kubectl exec deploy/... -- CMD` of the README's Kubernetes section, joined
-    across continuation lines and split as the shell would (the `$(date …)` id left as is)."""
+    across continuation lines and split as the shell would."""
     commands = []
     for block in readme_shell_blocks():
         for line in block.replace("\\\n", " ").splitlines():
@@ -759,10 +764,12 @@ def readme_exec_commands() -> list[list[str]]:
     return commands
 
 
-def test_the_first_resume_runs_in_the_coordinator_pod() -> None:
+def test_the_readme_fleet_verbs_run_in_the_coordinator_pod() -> None:
+    # A fresh install needs no hand-run Resume any more (the supervisor opens it), so the
+    # README runs only a read-only verb by hand, in the pod that has everything it needs.
     commands = readme_exec_commands()
     verbs = [command[command.index("--") + 2] for command in commands]
-    assert verbs == ["resume", "restore", "resume"]
+    assert verbs == ["status"]
     c = container(coordinator())
     fleet_mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["fleet"]
     parser = cli._parser()
@@ -771,17 +778,13 @@ def test_the_first_resume_runs_in_the_coordinator_pod() -> None:
         assert command[4] == f"deploy/{coordinator()['metadata']['name']}"
         argv = command[command.index("--") + 1 :]
         assert argv[0] == c["command"][0] == "rollout-checkpoint"
-        checkpoint_id = argv[-1].replace("$(date -u +%Y%m%dT%H%M%SZ)", "20261201T120000Z")
-        args = parser.parse_args([*argv[1:-1], checkpoint_id])
+        args = parser.parse_args(argv[1:])
         assert Path(args.fleet).parent == Path(fleet_mount)
         assert args.fleet.name in one("ConfigMap")["data"]
-        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", checkpoint_id), checkpoint_id
     # The pod has what the fleet file needs: the token (token_env) and the CA (tls_ca_file).
     fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
     assert "valueFrom" in env(c)[fleet["token_env"]]
     assert Path(fleet["tls_ca_file"]).parent == Path(mount_of_secret(coordinator(), TLS_SECRET))
-    # The first id is new each time (a Resume of an already-resumed id would be STALE).
-    assert "$(date" in commands[0][-1]
     # The coordinator is Ready on its own (its port is plaintext, its probes native gRPC),
     # so `kubectl exec deploy/...` finds it while every participant is still not Ready.
     for kind in ("livenessProbe", "readinessProbe"):
