@@ -200,11 +200,14 @@ async def restore_published(
     *,
     source: str | None = None,
     scope: Iterable[EpisodeId] | None = None,
+    rejoin: bool = False,
 ) -> RestoredCheckpoint:
     """Verify a published checkpoint whole, then restore it into the fleet, all or nothing.
 
     `checkpoint_id` is the fresh control id of this restore; `source` names the published
-    checkpoint (None or "LATEST": the latest). Every member must have a part in it."""
+    checkpoint (None or "LATEST": the latest). Every member must have a part in it.
+    `rejoin`: restore a fleet whose members may have served, such as the survivors of a
+    crash whose crashed member was replaced (`coordination.restore`)."""
     summary = await asyncio.to_thread(root.inspect, source)
     manifest = summary.manifest
     parts = {(p.kind, p.instance) for p in manifest.participants}
@@ -216,7 +219,9 @@ async def restore_published(
         )
     continued = tuple(sorted(scope)) if scope is not None else manifest.continued
     directory = str(root.directory(manifest.checkpoint_id))
-    replies = await coordination.restore(fleet, checkpoint_id, deadline, directory, continued)
+    replies = await coordination.restore(
+        fleet, checkpoint_id, deadline, directory, continued, rejoin=rejoin
+    )
     return RestoredCheckpoint(
         manifest.checkpoint_id, dict(replies), continued, manifest.controller_state
     )
