@@ -395,7 +395,8 @@ class ControlPlane:
         A write that has not begun publishing is fenced off at once and never waited for;
         one whose manifest link is under way (it cannot be withdrawn) and a cancelled export
         are waited for until the deadline, and admission reopens then regardless. A restore
-        still reading is abandoned; one installing, and a commit's cleanup, are waited for
+        still reading is abandoned (a rejoin's still discarding too: its retires go on to
+        their end, as a Retire's do); one installing, and a commit's cleanup, are waited for
         (past the deadline the Resume is refused and nothing changed: retry it).
         """
         machine = self._machine

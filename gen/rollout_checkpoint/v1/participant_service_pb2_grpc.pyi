@@ -225,7 +225,7 @@ class ParticipantServiceStub:
     still serving something it did not list (a seed that was already
     running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
     With `rejoin`, a fresh process restores as without it (it holds nothing
-    to discard). If the restore fails after the discard, the discarded
+    to discard; only its data plane is sealed as above until Resume). If the restore fails after the discard, the discarded
     episodes stay retired (they are not coming back) and admission reopens
     as after any failed restore.
 
@@ -462,7 +462,7 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     still serving something it did not list (a seed that was already
     running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
     With `rejoin`, a fresh process restores as without it (it holds nothing
-    to discard). If the restore fails after the discard, the discarded
+    to discard; only its data plane is sealed as above until Resume). If the restore fails after the discard, the discarded
     episodes stay retired (they are not coming back) and admission reopens
     as after any failed restore.
 
@@ -738,7 +738,7 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         still serving something it did not list (a seed that was already
         running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
         With `rejoin`, a fresh process restores as without it (it holds nothing
-        to discard). If the restore fails after the discard, the discarded
+        to discard; only its data plane is sealed as above until Resume). If the restore fails after the discard, the discarded
         episodes stay retired (they are not coming back) and admission reopens
         as after any failed restore.
 
