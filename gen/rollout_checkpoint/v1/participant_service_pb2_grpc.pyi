@@ -225,9 +225,9 @@ class ParticipantServiceStub:
     still serving something it did not list (a seed that was already
     running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
     With `rejoin`, a fresh process restores as without it (it holds nothing
-    to discard; only its data plane is sealed as above until Resume). If the restore fails after the discard, the discarded
-    episodes stay retired (they are not coming back) and admission reopens
-    as after any failed restore.
+    to discard; only its data plane is sealed, as above). If the restore
+    fails after the discard, the discarded episodes stay retired (they are
+    not coming back) and admission reopens as after any failed restore.
 
     Idempotent with the same directory, scope and `rejoin`: a retry must
     repeat `rejoin`, and another value is `CHECKPOINT_CONFLICT` like any
@@ -462,9 +462,9 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     still serving something it did not list (a seed that was already
     running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
     With `rejoin`, a fresh process restores as without it (it holds nothing
-    to discard; only its data plane is sealed as above until Resume). If the restore fails after the discard, the discarded
-    episodes stay retired (they are not coming back) and admission reopens
-    as after any failed restore.
+    to discard; only its data plane is sealed, as above). If the restore
+    fails after the discard, the discarded episodes stay retired (they are
+    not coming back) and admission reopens as after any failed restore.
 
     Idempotent with the same directory, scope and `rejoin`: a retry must
     repeat `rejoin`, and another value is `CHECKPOINT_CONFLICT` like any
@@ -738,9 +738,9 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         still serving something it did not list (a seed that was already
         running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
         With `rejoin`, a fresh process restores as without it (it holds nothing
-        to discard; only its data plane is sealed as above until Resume). If the restore fails after the discard, the discarded
-        episodes stay retired (they are not coming back) and admission reopens
-        as after any failed restore.
+        to discard; only its data plane is sealed, as above). If the restore
+        fails after the discard, the discarded episodes stay retired (they are
+        not coming back) and admission reopens as after any failed restore.
 
         Idempotent with the same directory, scope and `rejoin`: a retry must
         repeat `rejoin`, and another value is `CHECKPOINT_CONFLICT` like any
