@@ -261,14 +261,17 @@ async def restore_published(
     *,
     source: str | None = None,
     scope: Iterable[EpisodeId] | None = None,
+    rejoin: bool = False,
 ) -> RestoredCheckpoint:
     """Verify a published checkpoint whole, then restore it into the fleet, all or nothing.
 
     `checkpoint_id` is the fresh control id of this restore; `source` names the published
-    checkpoint (None or "LATEST": the latest). Every member must have a part in it."""
+    checkpoint (None or "LATEST": the latest). Every member must have a part in it.
+    `rejoin`: restore a fleet whose members may have served, such as the survivors of a
+    crash whose crashed member was replaced (`coordination.restore`)."""
     verified = await verified_source(fleet, root, source=source, scope=scope)
     replies = await coordination.restore(
-        fleet, checkpoint_id, deadline, verified.directory, verified.continued
+        fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
     )
     return RestoredCheckpoint(
         verified.checkpoint_id, dict(replies), verified.continued, verified.controller_state

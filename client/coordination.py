@@ -327,8 +327,14 @@ async def restore(
     deadline: float,
     checkpoint_dir: str,
     scope: Iterable[EpisodeId],
+    *,
+    rejoin: bool = False,
 ) -> dict[str, pb.RestoreResponse]:
     """Restore every member, all or nothing.
+
+    `rejoin`: members may have served (the survivors of a crash whose crashed member was
+    replaced): each first retires every episode it holds and forgets having served; a fresh
+    member restores as without it.
 
     On any failure: retire the next attempts (N+1) of every scoped episode everywhere (which
     frees whatever got installed and refuses those attempts until forgotten), resume every
@@ -339,7 +345,9 @@ async def restore(
         return await fan_out(
             "restore",
             fleet.members,
-            lambda m: m.client.restore(checkpoint_id, deadline, checkpoint_dir, episodes),
+            lambda m: m.client.restore(
+                checkpoint_id, deadline, checkpoint_dir, episodes, rejoin=rejoin
+            ),
             fleet.spec.fan_out,
         )
     except FleetError as failure:

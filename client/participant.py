@@ -255,14 +255,24 @@ class ParticipantClient:
         )
 
     async def restore(
-        self, checkpoint_id: str, deadline: float, checkpoint_dir: str, scope: Iterable[EpisodeId]
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeId],
+        *,
+        rejoin: bool = False,
     ) -> pb.RestoreResponse:
         """Restore: install the part under `checkpoint_dir` as attempt N+1 of every episode
         in `scope` (the checkpointed attempts N), all or nothing, into a fresh process.
         `checkpoint_id` is a new control id of this restore, not the checkpoint's.
 
-        Idempotent with the same directory and scope; on failure nothing stays installed and
-        a retry works. Raises `ControlError`: `FRESH_PROCESS_REQUIRED`, `INVALID_PHASE`,
+        `rejoin`: the process may have served (a survivor of a fleet whose crashed member was
+        replaced): it first retires every episode it holds (late requests of them are then
+        refused `stale_attempt`) and forgets having served, then restores like a fresh one.
+
+        Idempotent with the same directory, scope and `rejoin`; on failure nothing stays
+        installed and a retry works. Raises `ControlError`: `FRESH_PROCESS_REQUIRED`, `INVALID_PHASE`,
         `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `CHECKPOINT_DEADLINE_EXCEEDED`,
         `INVALID_CHECKPOINT_STATE` (metadata `captureKey` names a rejected episode),
         `TASK_MISMATCH`, `HOOK_FAILED`, `STORAGE_FAILED`, `INVALID_REQUEST`."""
@@ -271,6 +281,7 @@ class ParticipantClient:
             deadline=timestamp(deadline),
             checkpoint_dir=checkpoint_dir,
             scope=scope_message(scope),
+            rejoin=rejoin,
         )
         return await self._call(
             self._stub.Restore(

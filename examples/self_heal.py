@@ -263,7 +263,8 @@ class SelfHealDemo:
         self, events: FleetEvents, training: asyncio.Future[None], at_least: int
     ) -> cpb.CheckpointPublished:
         waiting = asyncio.ensure_future(events.published_with(at_least, self.options.timeout))
-        done, _ = await asyncio.wait({waiting, training}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {waiting, training}
+        done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if waiting not in done:
             waiting.cancel()
             raise DemoFailed(

@@ -193,6 +193,12 @@ class DoubleParticipant(Participant):
     def has_served(self) -> bool:
         return self.served
 
+    def forget_served(self) -> None:
+        """Forget having served unless a state is still held or a request still runs."""
+        if "forget_served" in self.fail:
+            raise self.fail["forget_served"]
+        self.served = bool(self.states or self.inflight)
+
     def facts(self) -> Mapping[str, str]:
         return {"mode": "exported", "verify": "wait"}
 

@@ -166,6 +166,79 @@ def test_a_corrupted_checkpoint_fails_inspect_and_restore_before_any_install(
         assert all(m["state"] == "IDLE" and m["restored_pending"] == 0 for m in status["members"])
 
 
+def test_cli_restores_a_fleet_that_has_served_with_rejoin(tmp_path: Path) -> None:
+    """The survivors of a crash (here: the same processes, still serving after the cut)
+    restore only with --rejoin; the participant verb and the fleet verb both pass it."""
+    with real_fleet(tmp_path) as fleet:
+        with httpx.Client(base_url=fleet.http("counter")) as episode:
+            episode.post("/ng-rollout/r1/seed_session", json={"initial_count": 4})
+            episode.post("/ng-rollout/r1/increment_counter", json={"count": 3})
+            taken = cli("checkpoint", "--fleet", str(fleet.fleet_file), "--json", "ckpt-a")
+            assert taken.returncode == 0, taken.stderr
+            directory = json_lines(taken.stdout)[-1]["result"]["directory"]
+            episode.post("/ng-rollout/r1/increment_counter", json={"count": 5})  # past the cut
+            cookies = episode.cookies
+        address = fleet.servers["counter"].announced["grpc"]
+        restore = ["participant", "restore", "--address", address, "restore-1"]
+        restore += ["--dir", directory, "--episode", "r1"]
+        plain = cli(*restore)
+        assert plain.returncode != 0 and "FRESH_PROCESS_REQUIRED" in plain.stderr, plain.stderr
+        rejoined = cli(*restore, "--rejoin")
+        assert rejoined.returncode == 0, rejoined.stderr
+        assert json.loads(rejoined.stdout)["restored"] == ["r1-a1"]
+        # The fleet verb: the counter replays the same restore, the weather (fresh) restores.
+        whole = cli("restore", "--fleet", str(fleet.fleet_file), "--json", "--rejoin", "restore-1")
+        assert whole.returncode == 0, whole.stderr
+        assert json_lines(whole.stdout)[-1]["restored"] == {"counter": ["r1-a1"], "weather": []}
+        assert cli("resume", "--fleet", str(fleet.fleet_file), "restore-1").returncode == 0
+        with httpx.Client(base_url=fleet.http("counter"), cookies=cookies) as episode:
+            assert episode.post("/ng-rollout/r1-a1/get_counter_value", json={}).json() == {
+                "count": 7
+            }
+            stale = episode.post("/ng-rollout/r1/get_counter_value", json={})
+            assert stale.status_code == 409 and stale.json()["error"]["code"] == "stale_attempt"
+
+
+async def test_coordinator_service_restores_a_fleet_that_has_served_with_rejoin(
+    tmp_path: Path,
+) -> None:
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    with real_fleet(tmp_path) as fleet:
+        async with httpx.AsyncClient(base_url=fleet.http("counter")) as episode:
+            await episode.post("/ng-rollout/r1/seed_session", json={"initial_count": 2})
+            assert cli("checkpoint", "--fleet", str(fleet.fleet_file), "ckpt-r").returncode == 0
+            await episode.post("/ng-rollout/r1/increment_counter", json={"count": 5})  # past it
+            cookies = episode.cookies
+        coordinator = start([*CLI, "coordinator", "--fleet", str(fleet.fleet_file)])
+        try:
+            async with aio.insecure_channel(coordinator.announced["grpc"]) as channel:
+                stub = cpb_grpc.CoordinatorServiceStub(channel)
+                restored = await stub.Restore(
+                    cpb.CoordinatorServiceRestoreRequest(
+                        checkpoint_id="restore-r", deadline=stamp(time.time() + 60), rejoin=True
+                    ),
+                    metadata=metadata,
+                    timeout=60,
+                )
+                assert restored.source_checkpoint_id == "ckpt-r"
+                assert [(m.name, list(m.restored)) for m in restored.members] == [
+                    ("counter", ["r1-a1"]),
+                    ("weather", []),
+                ]
+                await stub.Resume(
+                    cpb.CoordinatorServiceResumeRequest(
+                        checkpoint_id="restore-r", deadline=stamp(time.time() + 10)
+                    ),
+                    metadata=metadata,
+                    timeout=10,
+                )
+        finally:
+            stop(coordinator)
+        async with httpx.AsyncClient(base_url=fleet.http("counter"), cookies=cookies) as episode:
+            value = await episode.post("/ng-rollout/r1-a1/get_counter_value", json={})
+            assert value.json() == {"count": 2}
+
+
 def test_exit_codes_for_unreachable_and_usage(tmp_path: Path) -> None:
     fleet_file = tmp_path / "fleet.toml"
     fleet_file.write_text('[[participants]]\nname = "gone"\naddress = "127.0.0.1:9"\n')

@@ -64,8 +64,14 @@ class CounterFleet:
         self.members: dict[str, Counter] = {}
         self._generation = 0
 
-    def start(self, name: str, *, start_closed: bool = False, http: str = "127.0.0.1:0",
-              grpc: str = "127.0.0.1:0") -> Counter:
+    def start(
+        self,
+        name: str,
+        *,
+        start_closed: bool = False,
+        http: str = "127.0.0.1:0",
+        grpc: str = "127.0.0.1:0",
+    ) -> Counter:
         self._generation += 1
         log = self.logs / f"{name}-{self._generation}.log"
         command = [*SERVE, "--instance", name, "--http-address", http, "--grpc-address", grpc]
@@ -173,9 +179,7 @@ async def increment(
     )
 
 
-async def value(
-    http: httpx.AsyncClient, member: Counter, key: str, cookies: dict[str, str]
-) -> int:
+async def value(http: httpx.AsyncClient, member: Counter, key: str, cookies: dict[str, str]) -> int:
     response = await http.post(
         f"http://{member.http}/ng-rollout/{key}/get_counter_value", json={}, cookies=cookies
     )
@@ -236,7 +240,9 @@ async def test_a_replaced_member_restores_the_whole_fleet(
         published = await publish_checkpoint(spec, root)
         assert [e.capture_key for e in published.continued] == ["r"]
         # A survivor moves on past the checkpoint: the recovery must roll it back.
-        assert (await increment(http, counters.members["c0"], "r", cookies["c0"], 10)).status_code == 200
+        assert (
+            await increment(http, counters.members["c0"], "r", cookies["c0"], 10)
+        ).status_code == 200
         assert await value(http, counters.members["c0"], "r", cookies["c0"]) == 15
 
         async with supervising(spec, NO_CHECKPOINTS) as coordinator:

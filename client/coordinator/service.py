@@ -209,7 +209,13 @@ class CoordinatorServicer:
         try:
             restored = await self._guard(
                 restore_published(
-                    fleet, self.root(), request.checkpoint_id, deadline, source=source, scope=scope
+                    fleet,
+                    self.root(),
+                    request.checkpoint_id,
+                    deadline,
+                    source=source,
+                    scope=scope,
+                    rejoin=request.rejoin,
                 )
             )
         except NoPublishedCheckpoint as error:

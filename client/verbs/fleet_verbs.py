@@ -316,7 +316,13 @@ async def _restore(run: VerbRun) -> int:
     started = time.monotonic()
     opened.checkpoint_id = args.checkpoint_id
     restored = await restore_published(
-        fleet, root, args.checkpoint_id, deadline, source=args.source, scope=args.episode
+        fleet,
+        root,
+        args.checkpoint_id,
+        deadline,
+        source=args.source,
+        scope=args.episode,
+        rejoin=args.rejoin,
     )
     opened.checkpoint_id = None  # restored: the fleet stays closed until the operator resumes
     replies = {n: list(r.restored) for n, r in restored.replies.items()}  # type: ignore[attr-defined]

@@ -68,7 +68,8 @@ _VERBS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "restore": (
         "restore a published checkpoint, all or nothing",
         "Verify a published checkpoint whole, then restore it into fresh processes started "
-        "closed, all or nothing. The fleet stays closed until `resume` with the same id.",
+        "closed (with --rejoin: also into survivors that have served), all or nothing. The "
+        "fleet stays closed until `resume` with the same id.",
         "rollout-checkpoint restore --fleet fleet.toml restore-1",
         (
             "checkpoint_id: the id of this restore operation (a new id, resumed later), not the "
@@ -181,6 +182,12 @@ def add_fleet_verbs(verbs: Any) -> None:
         action="append",
         type=episode_arg,
         help="continue only these (repeat; default: every episode the checkpoint continues)",
+    )
+    sub.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="members may have served (the survivors of a crash whose crashed member was "
+        "replaced): each first retires every episode it holds",
     )
     fleet_verb("resume")
     sub = fleet_verb("retire")

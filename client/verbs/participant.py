@@ -108,6 +108,13 @@ def add_participant_verbs(verbs: Any) -> None:
                 action="store_true",
                 help="commit with an empty scope (not unscoped)",
             )
+        if name == "restore":
+            sub.add_argument(
+                "--rejoin",
+                action="store_true",
+                help="restore a process that has served (a survivor of a crashed fleet): it "
+                "first retires every episode it holds and forgets having served",
+            )
         if name == "retire":
             sub.add_argument(
                 "episodes", nargs="+", type=episode_arg, help="rollout ids or capture keys"
@@ -170,7 +177,11 @@ async def _checkpoint_rpc(
         scope = [] if args.empty_scope else args.episode
         _print(await client.commit(checkpoint_id, deadline, args.dir, scope))
     elif args.rpc == "restore":
-        _print(await client.restore(checkpoint_id, deadline, args.dir, args.episode or []))
+        _print(
+            await client.restore(
+                checkpoint_id, deadline, args.dir, args.episode or [], rejoin=args.rejoin
+            )
+        )
     elif args.rpc == "resume":
         _print(await client.resume(checkpoint_id, deadline))
     elif args.rpc == "retire":

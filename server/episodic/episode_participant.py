@@ -127,6 +127,9 @@ class EpisodeParticipant(Participant):
     def has_served(self) -> bool:
         return self.episodes_tracker.has_served()
 
+    def forget_served(self) -> None:
+        self.episodes_tracker.forget_served()
+
     def begin(self, episode_id: EpisodeId) -> tuple[TrackedEpisode, Any]:
         """Start an episode in the running task (see `EpisodeSteps.begin`: it returns the
         restored boundary, or NO_BOUNDARY, and raises `EpisodeRefused`)."""
@@ -174,6 +177,15 @@ class EnvironmentParticipant(EpisodeParticipant):
         await super().discard_installed(episodes)
         for episode in episodes:
             self._restored_digests.pop(episode.capture_key, None)
+
+    def forget_served(self) -> None:
+        """Also drop the task pins of restored episodes no longer held (a retire drops the
+        boundary, not its pin): a pin kept would refuse (TASK_MISMATCH) a fresh start of
+        that key with another task after the rejoining restore."""
+        super().forget_served()
+        pending = {e.capture_key for e in self.restored_pending()}
+        for key in [k for k in self._restored_digests if k not in pending]:
+            del self._restored_digests[key]
 
     def begin_task(self, episode_id: EpisodeId, task: Any) -> tuple[TrackedEpisode, Any]:
         """Start an episode for `task`; a restored replacement must bring the same task."""

@@ -439,6 +439,15 @@ class EpisodeSteps:
         boundaries are held. A refused or invalid start began nothing."""
         return self._served or bool(self.episodes) or bool(self._restored) or bool(self._finished)
 
+    def forget_served(self) -> None:
+        """A rejoining restore retired every live and restored episode: forget having served
+        (the sticky flag and the finished outcomes) so the restore may install here. An
+        outcome was kept only for a checkpoint cut while its reply travelled; the restore
+        brings back whatever the last checkpoint holds of it. Live episodes (none, unless
+        one was not retired) still count in `has_served`."""
+        self._served = False
+        self._finished.clear()
+
     def episode_infos(self) -> list[EpisodeInfo]:
         """Every live episode and every restored pending one, for ListEpisodes."""
         infos = [

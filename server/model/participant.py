@@ -274,6 +274,15 @@ class ModelParticipant(Participant):
     def episodes(self) -> Sequence[EpisodeInfo]:
         infos = [EpisodeInfo(e, at_boundary=True) for e in self.ledgers]
         infos.extend(EpisodeInfo(e, at_boundary=True, restored_pending=True) for e in self.restored)
+        # An episode whose first call is still running has no ledger yet, but it is live
+        # here: a rejoining restore must retire it too (its response could still be
+        # delivered and start a ledger beside the restored ones).
+        listed = set(self.ledgers) | set(self.restored)
+        calling: dict[EpisodeId, bool] = {}
+        for call in self.calls:
+            if call.episode is not None and call.episode not in listed:
+                calling[call.episode] = calling.get(call.episode, False) or call.streaming
+        infos.extend(EpisodeInfo(e, at_boundary=not streaming) for e, streaming in calling.items())
         return infos
 
     def has_served(self) -> bool:
@@ -281,6 +290,14 @@ class ModelParticipant(Participant):
         prefix tracks no episode (nothing of it is ever exported), so like a refused call it
         leaves the process fresh."""
         return self._served or bool(self.ledgers) or bool(self.restored)
+
+    def forget_served(self) -> None:
+        """A rejoining restore retired every episode listed: drop the ledgers left (those of
+        finished episodes) and the sticky flag. A call of an episode that is still tracked
+        and was not cancelled by a retire keeps the process served: its response could still
+        enter a ledger beside the restored ones. A cancelled one never delivers."""
+        self.ledgers.clear()
+        self._served = any(c.episode is not None and not c.retired for c in self.calls)
 
     def facts(self) -> Mapping[str, str]:
         return {"held_responses": "until_resume"}

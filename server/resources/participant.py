@@ -529,6 +529,20 @@ class ResourcesParticipant(Participant):
             or bool(self._seeding)
         )
 
+    def forget_served(self) -> None:
+        """A rejoining restore retired every tracked session: forget the sticky flag and the
+        retired sessions, so the process counts as fresh.
+
+        The retired sessions go too, though they fence late requests: the restore installs
+        the checkpointed sessions under their original ids, which are the very sessions just
+        retired here, and a remembered one would refuse its restored successor
+        `stale_attempt` for good. The attempt marks stay, so every late request that names
+        a discarded attempt is still refused; one that names no rollout reaches a session
+        the server no longer holds, as it would in a fresh replacement. A seed still running
+        keeps the process served (it is about to track a session)."""
+        self._served = False
+        self._table.forget_retired_sessions()
+
     def facts(self) -> Mapping[str, str]:
         return {"mode": self.mode.value, "verify": self.verify.value}
 

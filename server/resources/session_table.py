@@ -155,6 +155,11 @@ class SessionTable:
             if episode.rollout_id in forgotten:
                 del self.retired_sessions[session_id]
 
+    def forget_retired_sessions(self) -> None:
+        """Drop every retired session (a rejoining restore: see
+        `ResourcesParticipant.forget_served`)."""
+        self.retired_sessions.clear()
+
     # -- views --------------------------------------------------------------------------
 
     def is_stale(self, session_id: str, retired: RetiredAttempts) -> bool:

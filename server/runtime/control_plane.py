@@ -19,6 +19,9 @@ The rules below each prevent a specific loss; each lives with the concept it bel
 * The lease turns a dead controller into a Resume: the fleet never stays closed forever
   (`lease`).
 * A deadline ends a call's wait, never the work (`waiting`): a retry awaits the same work.
+* A rejoining Restore makes a survivor of a crashed fleet fresh again by retiring all it
+  holds through the same steps as Retire (`retirement`), so a fleet one of whose members
+  was replaced can be restored whole (`restore_job`).
 """
 
 from __future__ import annotations
@@ -222,7 +225,9 @@ class ControlPlane:
 
     @property
     def start_closed_pending(self) -> bool:
-        return self._machine.start_closed_pending
+        """The data plane is sealed: a `start_closed` process before its restore or resume,
+        or one whose rejoining restore is under way (`ParticipantContext`)."""
+        return self._machine.awaiting_restore
 
     @property
     def lease_expires_at(self) -> float | None:
@@ -329,14 +334,20 @@ class ControlPlane:
         deadline: float,
         checkpoint_dir: str,
         scope: frozenset[EpisodeId],
+        *,
+        rejoin: bool = False,
     ) -> RestoreResult:
         """Install the scoped episodes of a part as their next attempts; IDLE -> RESTORED
-        (still closed until Resume). Only a process that has served nothing may restore."""
+        (still closed until Resume). Only a process that has served nothing may restore,
+        unless it `rejoin`s: then it first retires every episode it holds and forgets having
+        served (`restore_job`). A retry must repeat `rejoin` (it is one of the arguments)."""
         self._check_call(checkpoint_id, deadline)
         real_dir = await self._validated_dir(checkpoint_dir, deadline)
         machine = self._machine
         async with machine.lock:
-            joined = machine.join_restore(checkpoint_id, deadline, (real_dir, scope), self.storage)
+            joined = machine.join_restore(
+                checkpoint_id, deadline, (real_dir, scope, rejoin), self.storage, self._retirement
+            )
         if isinstance(joined, RestoreResult):
             return joined
         return await await_until(
@@ -384,7 +395,8 @@ class ControlPlane:
         A write that has not begun publishing is fenced off at once and never waited for;
         one whose manifest link is under way (it cannot be withdrawn) and a cancelled export
         are waited for until the deadline, and admission reopens then regardless. A restore
-        still reading is abandoned; one installing, and a commit's cleanup, are waited for
+        still reading is abandoned (a rejoin's still discarding too: its retires go on to
+        their end, as a Retire's do); one installing, and a commit's cleanup, are waited for
         (past the deadline the Resume is refused and nothing changed: retry it).
         """
         machine = self._machine

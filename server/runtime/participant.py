@@ -21,7 +21,7 @@ MAX_LISTED_BLOCKERS = 100
 
 AWAITING_RESTORE = "awaiting_restore"
 """The data-plane refusal (HTTP 409 code) of a `start_closed` process before its Restore or
-Resume, in every participant kind. Not `admission_closed`: no checkpoint is in progress, and
+Resume (and of a survivor during its rejoining Restore), in every participant kind. Not `admission_closed`: no checkpoint is in progress, and
 an operator reading "retry after resume" would look for one; the process waits for its
 controller (`ParticipantContext.start_closed_pending`). A caller retries it like
 `admission_closed`: the request did not run."""
@@ -158,7 +158,11 @@ class ParticipantContext(Protocol):
 
     @property
     def start_closed_pending(self) -> bool:
-        """A `start_closed` process that has not yet been restored or resumed."""
+        """A `start_closed` process that has not yet been restored or resumed, or a process
+        whose rejoining Restore is under way (or RESTORED by one, until Resume). Either waits
+        for its controller: the data plane refuses everything new `awaiting_restore`, even
+        what a closed admission lets through, because what it tracked now would be served
+        state beside what the restore installs."""
         ...
 
 
@@ -238,7 +242,8 @@ class Participant(abc.ABC):
         """Validate every record, then install all of them as attempt N+1, or none.
 
         Called by Restore, only while `has_served()` is False (so at most one install per
-        process succeeds; a failed one is undone and may be retried) and with admission
+        process succeeds, unless a rejoining Restore made it forget having served; a failed
+        one is undone and may be retried) and with admission
         closed, with the records of the restore's scope (read and checked
         against the manifest already, but their fields unvalidated). Refuse an invalid
         record with `rejected_checkpoint(..., capture_key=record.checkpointed.capture_key)`;
@@ -291,6 +296,26 @@ class Participant(abc.ABC):
         Only tracking makes a process unfit. A request refused or failed before any session or
         episode existed (400, 404, 409, a seed without a rollout prefix) leaves it fresh: a
         stray probe must not cost a replacement process its restore."""
+
+    def forget_served(self) -> None:
+        """Called by a rejoining Restore once every held episode was retired: drop the memory
+        of having served (finished outcomes, ledgers of finished episodes, sticky served
+        flags) so that `has_served()` is False again.
+
+        A survivor of a fleet whose crashed member was replaced is restored with the rest of
+        the fleet from the last checkpoint; without this it could never restore, and the
+        whole fleet would have to start over. By the time this runs, admission is closed,
+        nothing new can start here, and every episode `episodes()` listed is retired (its
+        attempt marked, its work ended, its state freed), so what is left is only the
+        memory of it. Keep what still runs: something not retired (not listed) must keep
+        `has_served()` True, and the Restore is then refused FRESH_PROCESS_REQUIRED rather
+        than installing beside it. Never touch the retired-attempt marks (`context.retired`):
+        they fence the late requests of what was discarded. Runs on the event loop with the
+        control plane's lock held: it must not block or await.
+
+        The default keeps the memory, so a kind that does not implement this is refused
+        FRESH_PROCESS_REQUIRED, as without `rejoin`."""
+        return None
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         """What no two stored records of one checkpoint may share (`record` as read, unvalidated).

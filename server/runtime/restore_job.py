@@ -15,6 +15,16 @@ until its own deadline. The rules each prevent a loss:
   before admission reopens. The process stays fresh, so a retry of the same restore works.
 * The restored episodes' checkpointed attempts are marked retired: a late request of the
   crashed attempt must never change the restored state.
+* A rejoining restore (`rejoin`: a survivor of a fleet whose crashed member was replaced)
+  first discards what the process holds: admission closed and the data plane sealed from
+  the join on (a seed admitted between the discard and the install would be served state
+  beside the restored one), then every held episode retired exactly as by Retire (marks
+  under the lock before any hook runs; a late request of a discarded attempt must never
+  reach the restored state), then `Participant.forget_served`. Only then does it read and
+  install like a restore into a fresh process; a process still served after the discard is
+  refused FRESH_PROCESS_REQUIRED rather than installing beside what it serves. A Resume
+  during the discard abandons it like one during the read: the retires go on to their end,
+  nothing is forgotten or installed.
 """
 
 from __future__ import annotations
@@ -47,11 +57,36 @@ class RestoreResult:
     restored: tuple[str, ...]
 
 
+class Discard(Protocol):
+    """How a rejoining restore retires what the process holds: `retirement.Retirement`'s two
+    steps, so the discarded episodes are retired exactly as by Retire."""
+
+    def mark(self, episodes: Sequence[EpisodeId]) -> None:
+        """With the lock held: mark the attempts retired before any hook runs."""
+        ...
+
+    async def free(
+        self, episodes: Sequence[EpisodeId], deadline: float, *, wait_for_install: bool
+    ) -> None:
+        """Stop and free the marked episodes through the participant, until the deadline."""
+        ...
+
+
 class RestoreTransitions(ControlParts, Protocol):
     """The control plane's transitions a restore job makes, each with `lock` held."""
 
     @property
     def lock(self) -> asyncio.Lock: ...
+
+    def begin_discard(self, job: RestoreJob) -> list[EpisodeId]:
+        """Refuse a job resumed or past its deadline; else every episode the process holds
+        (to retire: listed, restored pending ones included)."""
+        ...
+
+    def finish_discard(self, job: RestoreJob) -> None:
+        """Refuse a job resumed or past its deadline; else forget having served (refused
+        FRESH_PROCESS_REQUIRED if the process still has) and go on to the read."""
+        ...
 
     def begin_install(self, job: RestoreJob) -> None:
         """Refuse a job resumed or past its deadline; else close admission for the install."""
@@ -63,8 +98,9 @@ class RestoreTransitions(ControlParts, Protocol):
         """Refuse a job resumed or past its deadline; else RESTORED (still closed)."""
         ...
 
-    def reopen_after_failed_restore(self) -> None:
-        """Reopen admission that this restore closed, unless a later transition owns it."""
+    def reopen_after_failed_restore(self, job: RestoreJob) -> None:
+        """Reopen admission that this restore closed (and unseal a rejoin's data plane),
+        unless a later transition owns it."""
         ...
 
     def restore_ended(self, job: RestoreJob) -> None:
@@ -78,36 +114,50 @@ class RestoreJob:
     checkpoint_dir: str
     scope: frozenset[EpisodeId]
     deadline: float
+    rejoin: bool = False
+    """A rejoining restore: discard what the process holds first (the module docstring)."""
     phase: str = "read"
-    """read (nothing installed: a Resume may abandon it), install, undo, done."""
+    """discard (a rejoin), read (nothing installed: a Resume may abandon either), install,
+    undo, done."""
     task: asyncio.Task[RestoreResult] | None = None
 
+    def __post_init__(self) -> None:
+        if self.rejoin:
+            self.phase = "discard"
+
     @property
-    def args(self) -> tuple[str, frozenset[EpisodeId]]:
-        return (self.checkpoint_dir, self.scope)
+    def args(self) -> tuple[str, frozenset[EpisodeId], bool]:
+        """What a retry must repeat: the directory, the scope and `rejoin`."""
+        return (self.checkpoint_dir, self.scope, self.rejoin)
 
     @property
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
 
     def start(
-        self, machine: RestoreTransitions, storage: CheckpointStorage
+        self, machine: RestoreTransitions, storage: CheckpointStorage, discard: Discard
     ) -> asyncio.Task[RestoreResult]:
-        """Start the job's task on the running loop (once)."""
+        """Start the job's task on the running loop (once). A rejoin's join closed admission
+        already; the job reopens it if it fails."""
         assert self.task is None
-        self.task = asyncio.get_running_loop().create_task(self._run(machine, storage))
+        self.task = asyncio.get_running_loop().create_task(self._run(machine, storage, discard))
         self.task.add_done_callback(retrieve_exception)
         return self.task
 
-    async def _run(self, machine: RestoreTransitions, storage: CheckpointStorage) -> RestoreResult:
-        """Read and verify off the loop, install all or nothing, then RESTORED (closed).
+    async def _run(
+        self, machine: RestoreTransitions, storage: CheckpointStorage, discard: Discard
+    ) -> RestoreResult:
+        """Discard (a rejoin), read and verify off the loop, install all or nothing, then
+        RESTORED (closed).
 
-        On any failure nothing stays installed and admission this job closed reopens; the
-        failure is raised to whoever awaits the job."""
-        closed_here = False
+        On any failure nothing stays installed (what the discard retired stays retired) and
+        admission this job closed reopens; the failure is raised to whoever awaits the job."""
+        closed_here = self.rejoin
         records: list[RestoredRecord] = []
         installed = False
         try:
+            if self.rejoin:
+                await self._discard(machine, discard)
             reading = asyncio.ensure_future(
                 asyncio.to_thread(self._read_selected, machine.participant, storage)
             )
@@ -133,10 +183,27 @@ class RestoreJob:
                 await self._undo_install(machine.participant, records)
             if closed_here:
                 async with machine.lock:
-                    machine.reopen_after_failed_restore()
+                    machine.reopen_after_failed_restore(self)
             raise
         finally:
             machine.restore_ended(self)
+
+    async def _discard(self, machine: RestoreTransitions, discard: Discard) -> None:
+        """Retire every episode the process holds, as Retire would, then forget having served.
+
+        The marks are set under the lock before any hook runs, and the hooks run outside it
+        (a Resume can always abandon the restore meanwhile: its retires still go on to their
+        end, as a Retire's do). Cut short by the deadline or failing, the restore fails; the
+        episodes stay retired."""
+        async with machine.lock:
+            held = machine.begin_discard(self)
+            if held:
+                discard.mark(held)
+        if held:
+            with machine.observer.phase("discard"):
+                await discard.free(held, self.deadline, wait_for_install=False)
+        async with machine.lock:
+            machine.finish_discard(self)
 
     async def _undo_install(
         self, participant: Participant, records: Sequence[RestoredRecord]

@@ -1,5 +1,9 @@
 """Retire and Forget: free finished or abandoned attempts, then drop their marks.
 
+A rejoining Restore discards what a survivor holds through the same two steps (`mark` under
+the lock, then `free`), so its episodes are retired exactly as by Retire and a discard cut
+short blocks Forget the same way.
+
 * Retire marks the attempts first, under the lock: from then on late requests of these
   attempts are refused, whether or not this retire finishes (a late request could otherwise
   recreate state nothing frees).
@@ -44,21 +48,42 @@ class Retirement:
         machine = self._machine
         if not episodes:
             raise invalid_request("episodes", "must name at least one episode")
-        rollouts = {e.rollout_id for e in episodes}
         async with machine.lock:
             machine.check_not_shutting_down()
             machine.check_retire_phase(checkpoint_id, deadline, "Retire")
-            # Mark first: from here on late requests of these attempts are refused, whether or
-            # not this retire finishes.
-            for episode in episodes:
-                machine.retired_attempts.mark(episode)
-            for rollout in rollouts:
-                self._running[rollout] = self._running.get(rollout, 0) + 1
-            machine.changed()
+            self.mark(episodes)
+        await self.free(episodes, deadline, wait_for_install=True)
+        return tuple(e.capture_key for e in episodes)
+
+    def mark(self, episodes: Sequence[EpisodeId]) -> None:
+        """With the lock held: mark the attempts retired and count their rollouts as being
+        retired (Forget is RETIRE_INCOMPLETE for them until `free` finished).
+
+        Marks come first: from here on late requests of these attempts are refused, whether
+        or not the retire finishes. Every `mark` must be followed by one `free` of the same
+        episodes (which ends the count)."""
+        machine = self._machine
+        for episode in episodes:
+            machine.retired_attempts.mark(episode)
+        for rollout in {e.rollout_id for e in episodes}:
+            self._running[rollout] = self._running.get(rollout, 0) + 1
+        machine.changed()
+
+    async def free(
+        self, episodes: Sequence[EpisodeId], deadline: float, *, wait_for_install: bool
+    ) -> None:
+        """Free marked episodes through the participant's `retire` hook, all at once, until
+        the deadline (the hooks go on after it; DEADLINE_EXCEEDED, HOOK_FAILED).
+
+        `wait_for_install`: first wait for a running restore's install (a Retire: an episode
+        freed while it is being installed would come back). A rejoining restore's own discard
+        passes False: the restore it would wait for is itself, and nothing is installed yet."""
+        machine = self._machine
+        rollouts = {e.rollout_id for e in episodes}
         finished = False
         try:
             restore = machine.restore_job
-            if restore is not None and restore.task is not None:
+            if wait_for_install and restore is not None and restore.task is not None:
                 await await_until(
                     machine.clock,
                     deadline,
@@ -83,7 +108,6 @@ class Retirement:
                 else:
                     self._cut_short.add(rollout)
             machine.changed()
-        return tuple(e.capture_key for e in episodes)
 
     async def forget(
         self, checkpoint_id: str, deadline: float, rollout_ids: Sequence[str]

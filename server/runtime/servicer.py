@@ -142,7 +142,11 @@ class ParticipantServicer:
             raise invalid_request("scope", "is required for a restore (it may be empty)")
         scope = _scope(request.scope, "scope")
         result = await self.control.restore(
-            request.checkpoint_id, deadline, request.checkpoint_dir, scope
+            request.checkpoint_id,
+            deadline,
+            request.checkpoint_dir,
+            scope,
+            rejoin=request.rejoin,
         )
         return _restore_response(result)
 

@@ -19,8 +19,13 @@ The rules each prevent a loss:
 * State and admission never disagree: a Prepare whose close_admission hook fails is undone
   whole.
 * Readiness (the `participant-readiness` health answer) drops for a `start_closed` process
-  before its restore or resume, while RESTORED, and for a pause longer than the threshold; a
-  short checkpoint pause keeps the pod in its Service so clients see no churn.
+  before its restore or resume, during a rejoining restore, while RESTORED, and for a pause
+  longer than the threshold; a short checkpoint pause keeps the pod in its Service so
+  clients see no churn.
+* A rejoining restore seals the data plane from its join until it fails or is resumed, as a
+  `start_closed` process is sealed: closed admission still lets replay-safe work through
+  (a seed), and what that tracked after the discard would be served state beside the
+  restored one.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from rollout_checkpoint.server.runtime.lease import Lease
 from rollout_checkpoint.server.runtime.observe import ControlObserver
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
 from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
-from rollout_checkpoint.server.runtime.restore_job import RestoreJob, RestoreResult
+from rollout_checkpoint.server.runtime.restore_job import Discard, RestoreJob, RestoreResult
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +136,17 @@ class StateMachine:
         self.admission_open = True
         self.closed_since: float | None = None
         self.start_closed_pending = False
+        self.rejoin_sealed = False
+        """A rejoining restore is under way (or RESTORED by one, until Resume): the data plane
+        refuses everything new, as a `start_closed` process does before its restore (see
+        `awaiting_restore`)."""
         self.shutting_down = False
 
     # -- readiness ------------------------------------------------------------------------
 
     def readiness_serving(self) -> bool:
         """Should new HTTP traffic come here? (See the module docstring for why.)"""
-        if self.shutting_down or self.start_closed_pending or self.state is State.RESTORED:
+        if self.shutting_down or self.awaiting_restore or self.state is State.RESTORED:
             return False
         if self.admission_open or self.closed_since is None:
             return True
@@ -149,6 +158,12 @@ class StateMachine:
         if self.admission_open or self.closed_since is None:
             return None
         return self.closed_since + self.settings.readiness_pause_threshold_seconds
+
+    @property
+    def awaiting_restore(self) -> bool:
+        """The data plane is sealed (`ParticipantContext.start_closed_pending`): a
+        `start_closed` process before its restore or resume, or a rejoining restore."""
+        return self.start_closed_pending or self.rejoin_sealed
 
     # -- fencing and replay ---------------------------------------------------------------
 
@@ -179,7 +194,7 @@ class StateMachine:
             raise conflict(
                 checkpoint_id,
                 None,
-                f"this id completed {operation} with another directory or scope",
+                f"this id completed {operation} with other arguments (directory, scope or rejoin)",
             )
         return recorded.result
 
@@ -317,12 +332,15 @@ class StateMachine:
         self,
         checkpoint_id: str,
         deadline: float,
-        args: tuple[str, frozenset[EpisodeId]],
+        args: tuple[str, frozenset[EpisodeId], bool],
         storage: CheckpointStorage,
+        discard: Discard,
     ) -> RestoreResult | asyncio.Task[RestoreResult]:
         """A Restore's start: its recorded result (a retry), or the task of the restore of
         the same arguments (its deadline extended), or a new one — only in a process that
-        has served nothing (FRESH_PROCESS_REQUIRED)."""
+        has served nothing (FRESH_PROCESS_REQUIRED), unless it rejoins (`args`' last item):
+        then admission closes and the data plane is sealed here, under the lock, so nothing
+        new starts between the discard and the install."""
         recorded = self._replay_or_fence(checkpoint_id, "Restore", args, {State.IDLE})
         if recorded is not None:
             assert isinstance(recorded, RestoreResult)
@@ -334,21 +352,54 @@ class StateMachine:
             job.deadline = max(job.deadline, deadline)
             assert job.task is not None
             return job.task
-        if self.participant.has_served():
+        real_dir, scope, rejoin = args
+        if not rejoin and self.participant.has_served():
             raise CheckpointError(
                 Reason.FRESH_PROCESS_REQUIRED,
-                "this process has already served sessions or episodes; restore into a fresh one",
+                "this process has already served sessions or episodes; restore into a fresh "
+                "one, or restore this one with rejoin",
             )
-        real_dir, scope = args
-        job = RestoreJob(checkpoint_id, real_dir, scope, deadline)
+        job = RestoreJob(checkpoint_id, real_dir, scope, deadline, rejoin=rejoin)
+        if rejoin:
+            try:
+                self.close_admission()
+            except Exception as exc:
+                # Nothing changed (admission is still recorded open): refuse the restore.
+                raise hook_failed("close_admission", exc) from exc
+            self.rejoin_sealed = True
+            self.changed()
         self.restore_job = job
-        return job.start(self, storage)
+        return job.start(self, storage, discard)
 
     def _check_restore_alive(self, job: RestoreJob, step: str) -> None:
         if job.checkpoint_id in self.resumed:
             raise stale(job.checkpoint_id)
         if self.clock.now() > job.deadline:
             raise deadline_exceeded(f"the restore's {step} outlived its deadline", job.deadline)
+
+    def begin_discard(self, job: RestoreJob) -> list[EpisodeId]:
+        self._check_restore_alive(job, "discard")
+        held = {info.episode_id for info in self.participant.episodes()}
+        held.update(self.participant.restored_pending())
+        return sorted(held)
+
+    def finish_discard(self, job: RestoreJob) -> None:
+        self._check_restore_alive(job, "discard")
+        try:
+            self.participant.forget_served()
+        except Exception as exc:
+            raise hook_failed("forget_served", exc) from exc
+        if self.participant.has_served():
+            # Installing beside what still runs here would mix its state with the
+            # checkpoint's: exactly what FRESH_PROCESS_REQUIRED exists to prevent.
+            raise CheckpointError(
+                Reason.FRESH_PROCESS_REQUIRED,
+                "this process still serves sessions or episodes after discarding every one "
+                "it listed (its kind cannot forget having served, or something it did not "
+                "list was running); retry the restore, or restore into a fresh process",
+            )
+        job.phase = "read"
+        self.changed()
 
     def begin_install(self, job: RestoreJob) -> None:
         self._check_restore_alive(job, "read")
@@ -376,8 +427,11 @@ class StateMachine:
         self.changed()
         return result
 
-    def reopen_after_failed_restore(self) -> None:
-        if self.state is State.IDLE and not self.start_closed_pending:
+    def reopen_after_failed_restore(self, job: RestoreJob) -> None:
+        if job.rejoin and self.state is State.IDLE:
+            self.rejoin_sealed = False
+            self.changed()
+        if self.state is State.IDLE and not self.awaiting_restore:
             self.open_admission()
             self.changed()
 
@@ -396,9 +450,11 @@ class StateMachine:
             assert restore.task is not None
             if restore.checkpoint_id != checkpoint_id:
                 raise conflict(checkpoint_id, restore.checkpoint_id, "a restore is under way")
-            if restore.phase != "read":
+            if restore.phase not in ("discard", "read"):
                 return restore.task, "a restore's install is still running; retry the resume"
             # Nothing is installed yet: the read's result will be dropped (the id is stale).
+            # A rejoin's discard goes on to its end like a Retire's (its marks are set, so
+            # reopening cannot let a discarded attempt back in); nothing is forgotten.
             return self._finish_unstarted(checkpoint_id, idempotent=False)
         if self.state is State.IDLE and self.active_id is None:
             # The Prepare never reached us (an earlier stage failed): fence its late arrival.
@@ -428,9 +484,10 @@ class StateMachine:
         readiness rose), so it answers False even where fencing alone would be idempotent: a
         controller reading True would believe the process was already open."""
         self.remember_resumed(checkpoint_id)
-        opened = self.start_closed_pending
+        opened = self.awaiting_restore
         if opened:
             self.start_closed_pending = False
+            self.rejoin_sealed = False
             self.open_admission()
         self.changed()
         return idempotent and not opened
@@ -449,6 +506,7 @@ class StateMachine:
                 )
             self.commit_job = None
         self.start_closed_pending = False
+        self.rejoin_sealed = False
         self.open_admission()
         self.remember_resumed(checkpoint_id)
         self.state = State.IDLE

@@ -503,11 +503,20 @@ class CoordinatorServiceRestoreRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     SOURCE_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    REJOIN_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """A fresh control id for this restore."""
     source_checkpoint_id: _builtins.str
     """The published checkpoint to restore: its id, or empty (or `LATEST`) for
     the one `<checkpoint_root>/LATEST` points at.
+    """
+    rejoin: _builtins.bool
+    """Sent to every member as ParticipantService.RestoreRequest.rejoin: restore
+    a fleet whose members may have served (the survivors of a crash whose
+    crashed member was replaced). Each such member first retires every
+    episode it holds and forgets having served; a fresh member restores as
+    without it. False: a member that has served refuses
+    `FRESH_PROCESS_REQUIRED` and the whole restore fails.
     """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
@@ -526,10 +535,11 @@ class CoordinatorServiceRestoreRequest(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         source_checkpoint_id: _builtins.str = ...,
         scope: _types_pb2.EpisodeScope | None = ...,
+        rejoin: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "scope", b"scope", "source_checkpoint_id", b"source_checkpoint_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "rejoin", b"rejoin", "scope", b"scope", "source_checkpoint_id", b"source_checkpoint_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -136,7 +136,8 @@ class CoordinatorServiceServicer:
 
     def Restore(self, request, context):
         """Restores a published checkpoint into a fleet of fresh processes, all or
-        nothing.
+        nothing; with `rejoin`, into a fleet whose survivors have served (one
+        member was replaced): every member first retires all it holds.
 
         Reads the fleet manifest (`LATEST` or the named id under the
         coordinator's checkpoint root) and verifies it against every participant
@@ -147,7 +148,10 @@ class CoordinatorServiceServicer:
         mark until the controller forgets the rollouts), resumes everyone (even if
         that retire failed somewhere), and fails with `PARTICIPANT_FAILED` naming
         the failed members. On success every member is RESTORED with admission
-        closed: call Resume. Idempotent with the same arguments.
+        closed: call Resume. Idempotent with the same arguments (`rejoin`
+        included). Errors: as ParticipantService.Restore, per member
+        (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
+        that has served when `rejoin` is false).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

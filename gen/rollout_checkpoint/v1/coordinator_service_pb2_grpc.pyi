@@ -91,7 +91,8 @@ class CoordinatorServiceStub:
     """
     Restore: _grpc.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceRestoreRequest, _coordinator_service_pb2.CoordinatorServiceRestoreResponse]
     """Restores a published checkpoint into a fleet of fresh processes, all or
-    nothing.
+    nothing; with `rejoin`, into a fleet whose survivors have served (one
+    member was replaced): every member first retires all it holds.
 
     Reads the fleet manifest (`LATEST` or the named id under the
     coordinator's checkpoint root) and verifies it against every participant
@@ -102,7 +103,10 @@ class CoordinatorServiceStub:
     mark until the controller forgets the rollouts), resumes everyone (even if
     that retire failed somewhere), and fails with `PARTICIPANT_FAILED` naming
     the failed members. On success every member is RESTORED with admission
-    closed: call Resume. Idempotent with the same arguments.
+    closed: call Resume. Idempotent with the same arguments (`rejoin`
+    included). Errors: as ParticipantService.Restore, per member
+    (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
+    that has served when `rejoin` is false).
     """
     Resume: _grpc.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceResumeRequest, _coordinator_service_pb2.CoordinatorServiceResumeResponse]
     """Resumes (or aborts) the checkpoint on every member, in reverse stage order.
@@ -214,7 +218,8 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """
     Restore: _aio.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceRestoreRequest, _coordinator_service_pb2.CoordinatorServiceRestoreResponse]  # type: ignore[assignment]
     """Restores a published checkpoint into a fleet of fresh processes, all or
-    nothing.
+    nothing; with `rejoin`, into a fleet whose survivors have served (one
+    member was replaced): every member first retires all it holds.
 
     Reads the fleet manifest (`LATEST` or the named id under the
     coordinator's checkpoint root) and verifies it against every participant
@@ -225,7 +230,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     mark until the controller forgets the rollouts), resumes everyone (even if
     that retire failed somewhere), and fails with `PARTICIPANT_FAILED` naming
     the failed members. On success every member is RESTORED with admission
-    closed: call Resume. Idempotent with the same arguments.
+    closed: call Resume. Idempotent with the same arguments (`rejoin`
+    included). Errors: as ParticipantService.Restore, per member
+    (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
+    that has served when `rejoin` is false).
     """
     Resume: _aio.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceResumeRequest, _coordinator_service_pb2.CoordinatorServiceResumeResponse]  # type: ignore[assignment]
     """Resumes (or aborts) the checkpoint on every member, in reverse stage order.
@@ -358,7 +366,8 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_service_pb2.CoordinatorServiceRestoreResponse, _abc.Awaitable[_coordinator_service_pb2.CoordinatorServiceRestoreResponse]]:
         """Restores a published checkpoint into a fleet of fresh processes, all or
-        nothing.
+        nothing; with `rejoin`, into a fleet whose survivors have served (one
+        member was replaced): every member first retires all it holds.
 
         Reads the fleet manifest (`LATEST` or the named id under the
         coordinator's checkpoint root) and verifies it against every participant
@@ -369,7 +378,10 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         mark until the controller forgets the rollouts), resumes everyone (even if
         that retire failed somewhere), and fails with `PARTICIPANT_FAILED` naming
         the failed members. On success every member is RESTORED with admission
-        closed: call Resume. Idempotent with the same arguments.
+        closed: call Resume. Idempotent with the same arguments (`rejoin`
+        included). Errors: as ParticipantService.Restore, per member
+        (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
+        that has served when `rejoin` is false).
         """
 
     @_abc_1.abstractmethod

@@ -106,7 +106,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     ERROR_REASON_FRESH_PROCESS_REQUIRED: _ErrorReason.ValueType  # 6
     """FAILED_PRECONDITION. Restore needs a process that has served no session
-    and no episode; start a fresh process (for example with `start_closed`).
+    and no episode; start a fresh process (for example with `start_closed`),
+    or restore this one with `rejoin`. With `rejoin`: the process still
+    counted as having served after discarding everything it held (its kind
+    cannot forget having served, or something it did not list was still
+    running, such as a seed); a retry may succeed.
     """
     ERROR_REASON_SCOPE_REQUIRED: _ErrorReason.ValueType  # 7
     """INVALID_ARGUMENT. An unscoped Commit to a participant that keeps state for
@@ -227,7 +231,11 @@ everything yet; retire it again first. Metadata: `rolloutIds`.
 """
 ERROR_REASON_FRESH_PROCESS_REQUIRED: ErrorReason.ValueType  # 6
 """FAILED_PRECONDITION. Restore needs a process that has served no session
-and no episode; start a fresh process (for example with `start_closed`).
+and no episode; start a fresh process (for example with `start_closed`),
+or restore this one with `rejoin`. With `rejoin`: the process still
+counted as having served after discarding everything it held (its kind
+cannot forget having served, or something it did not list was still
+running, such as a seed); a retry may succeed.
 """
 ERROR_REASON_SCOPE_REQUIRED: ErrorReason.ValueType  # 7
 """INVALID_ARGUMENT. An unscoped Commit to a participant that keeps state for

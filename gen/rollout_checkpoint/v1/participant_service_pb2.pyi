@@ -617,10 +617,19 @@ class RestoreRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    REJOIN_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """A fresh control id for this restore (not the checkpointed id)."""
     checkpoint_dir: _builtins.str
     """The checkpoint directory to read, with the same rules as Commit."""
+    rejoin: _builtins.bool
+    """Restore into a process that may have served (a survivor of a fleet one
+    of whose members was replaced): first retire every episode it holds and
+    forget having served, then restore as a fresh process would (see
+    Restore). False: a process that has served refuses
+    `FRESH_PROCESS_REQUIRED`. Part of the restore's arguments: a retry must
+    repeat it.
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline. Required."""
@@ -638,10 +647,11 @@ class RestoreRequest(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         checkpoint_dir: _builtins.str = ...,
         scope: _types_pb2.EpisodeScope | None = ...,
+        rejoin: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "rejoin", b"rejoin", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

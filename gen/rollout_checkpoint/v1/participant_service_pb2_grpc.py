@@ -222,30 +222,69 @@ class ParticipantServiceServicer:
         """Installs a checkpointed part as attempt N+1 of every episode in scope.
 
         Allowed in IDLE, in a process that has served no session and no episode
-        (`FRESH_PROCESS_REQUIRED` otherwise). The request carries a fresh control
-        id of its own; the manifest's checkpoint id comes back as
-        `source_checkpoint_id`. Reads the part off the event loop, streaming, and
-        verifies manifest fields, kind, instance, digest and count over the
-        *whole* records file; keeps only the records whose episode is in the scope
-        and validates those; the read is bounded by the deadline. Then closes
-        admission and installs them all through the participant, all or nothing,
-        shielded from the deadline. On any failure nothing stays installed: an
-        install that outlived the deadline (or that a Resume raced) is undone
-        once it ends, before admission reopens; the state stays IDLE, the process
-        stays fresh, and a retry of the same restore works. "Served" means
-        tracked a session or an episode: a request refused or failed before any
-        existed does not make a process unfit. On success: attempts <= N of
-        every restored rollout are marked retired (a late request of the crashed
-        attempt gets `stale_attempt`, as after a Retire), state RESTORED, the
-        active id is this request's id, the lease is renewed, and admission stays
-        closed until Resume. Idempotent with the same directory and scope.
+        (`FRESH_PROCESS_REQUIRED` otherwise), or, with `rejoin`, in one that has
+        (see below). The request carries a fresh control id of its own; the
+        manifest's checkpoint id comes back as `source_checkpoint_id`. Reads the
+        part off the event loop, streaming, and verifies manifest fields, kind,
+        instance, digest and count over the *whole* records file; keeps only the
+        records whose episode is in the scope and validates those; the read is
+        bounded by the deadline. Then closes admission and installs them all
+        through the participant, all or nothing, shielded from the deadline. On
+        any failure nothing stays installed: an install that outlived the
+        deadline (or that a Resume raced) is undone once it ends, before
+        admission reopens; the state stays IDLE, the process stays fresh, and a
+        retry of the same restore works. "Served" means tracked a session or an
+        episode: a request refused or failed before any existed does not make a
+        process unfit. On success: attempts <= N of every restored rollout are
+        marked retired (a late request of the crashed attempt gets
+        `stale_attempt`, as after a Retire), state RESTORED, the active id is
+        this request's id, the lease is renewed, and admission stays closed until
+        Resume.
+
+        A rejoining restore (`rejoin`) is for a survivor: a process of a fleet
+        one of whose members was replaced, which the controller restores whole
+        from the last checkpoint. Without it such a process could never be
+        restored, and the fleet could only be restarted from scratch. On the
+        first call admission closes at once and the data plane refuses
+        everything new with `awaiting_restore`, as in a `start_closed` process,
+        until the restore fails or is resumed (a seed admitted after the discard
+        would be served state that no checkpoint holds). Then every episode the
+        process holds (what ListEpisodes lists, restored-pending ones included) is
+        retired exactly as by Retire: its attempt and every earlier one are
+        marked retired first (late requests of them get `stale_attempt`), its
+        work is cancelled and its state freed, and the restore waits until that
+        ended (a discard cut short by the deadline leaves the rollouts
+        `RETIRE_INCOMPLETE` for Forget, as a Retire would). Then the process
+        drops its memory of having served (finished outcomes, ledgers, retired
+        sessions; never the attempt marks) and counts as fresh: it reads and
+        installs like a fresh process. A kind that cannot forget, or a process
+        still serving something it did not list (a seed that was already
+        running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.
+        With `rejoin`, a fresh process restores as without it (it holds nothing
+        to discard; only its data plane is sealed, as above). If the restore
+        fails after the discard, the discarded episodes stay retired (they are
+        not coming back) and admission reopens as after any failed restore.
+
+        Idempotent with the same directory, scope and `rejoin`: a retry must
+        repeat `rejoin`, and another value is `CHECKPOINT_CONFLICT` like any
+        other argument change (a retry without it would be refused
+        `FRESH_PROCESS_REQUIRED` by the process the first call made fresh).
+
+        A Resume of this id during the discard or the read abandons the restore
+        at once, as a Resume during the read always did: admission reopens, the
+        discard's retires go on to their end like a Retire's and its episodes
+        stay retired, nothing is forgotten or installed, and the Restore answers
+        `STALE_CHECKPOINT`.
 
         Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
-        `FRESH_PROCESS_REQUIRED`, `CHECKPOINT_DEADLINE_EXCEEDED`,
+        `FRESH_PROCESS_REQUIRED` (a process that served, without `rejoin`; with
+        it, one still serving after the discard), `CHECKPOINT_DEADLINE_EXCEEDED`
+        (also a discard that did not end in time),
         `INVALID_CHECKPOINT_STATE` (DATA_LOSS: missing or corrupt part, digest or
         count mismatch; FAILED_PRECONDITION: another kind or instance, a record
         the participant rejects, naming the episode), `TASK_MISMATCH`,
-        `HOOK_FAILED`, `STORAGE_FAILED`, `INVALID_REQUEST`.
+        `HOOK_FAILED` (also a retire of the discard), `STORAGE_FAILED`,
+        `INVALID_REQUEST`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -260,8 +299,9 @@ class ParticipantServiceServicer:
         reply is idempotent: this fences a delayed Prepare of an aborted
         checkpoint. The exception is the first Resume of a `start_closed` process
         (before any Restore): it opens admission, so it answers
-        `idempotent: false`. A Restore of this id still reading is abandoned (nothing was
-        installed; the Restore answers `STALE_CHECKPOINT`); one installing is
+        `idempotent: false`. A Restore of this id still reading, or still
+        discarding (a `rejoin`), is abandoned (nothing was installed; admission
+        reopens; the Restore answers `STALE_CHECKPOINT`); one installing is
         waited for, and then resumed like any restore; a Restore of another id
         under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active
         one, else `CHECKPOINT_CONFLICT`): stops any write so it never publishes
