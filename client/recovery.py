@@ -33,6 +33,7 @@ restart from their inputs.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Iterable, Mapping
@@ -41,8 +42,14 @@ from dataclasses import dataclass
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import verified_source
 from rollout_checkpoint.client.coordination import FleetError, awaiting_restore, fan_out
-from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import CheckpointRoot, NoPublishedCheckpoint
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
+from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.client.publication import (
+    CheckpointRoot,
+    NoPublishedCheckpoint,
+    PublicationError,
+)
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -51,6 +58,8 @@ from rollout_checkpoint.v1 import types_pb2
 log = logging.getLogger(__name__)
 
 IDLE = types_pb2.PARTICIPANT_STATE_IDLE
+RESTORED = types_pb2.PARTICIPANT_STATE_RESTORED
+RECOVERY_PREFIX = "recover-"
 LOST_RACE = frozenset({Reason.CHECKPOINT_CONFLICT, Reason.STALE_CHECKPOINT})
 
 
@@ -60,7 +69,7 @@ def recovery_id(source_checkpoint_id: str | None, boot_ids: Mapping[str, str]) -
     text = "\n".join(
         [source_checkpoint_id or "-"] + [f"{n}={b}" for n, b in sorted(boot_ids.items())]
     )
-    return "recover-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+    return RECOVERY_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 class RecoveryLostRace(Exception):
@@ -156,6 +165,43 @@ async def recover(
         controller_state=verified.controller_state,
         replayed=replayed,
     )
+
+
+async def undo_unfinished_recovery(
+    spec: FleetSpec, root: CheckpointRoot, deadline: float
+) -> tuple[str, ...]:
+    """Undo what failed recovery tries left behind, all or nothing, and nothing else: every
+    member still RESTORED under a recovery id has the restored attempts N+1 retired (what it
+    installed is freed and can never be continued) and is resumed. Members started closed
+    stay closed (opening them would put an empty member into the fleet), members that do not
+    answer are skipped (a RESTORED one reopens at its lease). Returns the members undone."""
+    try:
+        summary = await asyncio.to_thread(root.inspect, None)
+    except PublicationError:
+        return ()
+    next_attempts = [
+        e.next_attempt() for e in summary.manifest.continued if e.attempt < MAX_ATTEMPT
+    ]
+    credentials = spec.credentials()
+    undone: list[str] = []
+
+    async def undo(member: MemberSpec) -> None:
+        async with ParticipantClient(
+            member.address, spec.token, credentials=credentials, timeout=5.0
+        ) as client:
+            try:
+                status = await client.get_status()
+                if status.state != RESTORED or not status.checkpoint_id.startswith(RECOVERY_PREFIX):
+                    return
+                if next_attempts:
+                    await client.retire(status.checkpoint_id, deadline, next_attempts)
+                await client.resume(status.checkpoint_id, deadline)
+                undone.append(member.name)
+            except ControlError as error:
+                log.warning("undoing the recovery on %s failed (%s)", member.name, error)
+
+    await asyncio.gather(*(undo(m) for m in spec.members))
+    return tuple(sorted(undone))
 
 
 async def _open_fresh(

@@ -27,13 +27,13 @@ def test_a_killed_fleet_dies_callers_first(monkeypatch: pytest.MonkeyPatch, tmp_
         process = subprocess.Popen(["sleep", "60"], start_new_session=True, text=True)
         fleet.servers[name] = Server(name, "k", process, "", "", tmp_path / name)
     order: list[str] = []
-    signal_group = demo._signal_group
+    signal_group = demo.signal_group
 
     def recording(process: subprocess.Popen[str], signum: int) -> None:
         order.append(next(n for n, s in fleet.servers.items() if s.process is process))
         assert all(fleet.servers[n].process.poll() is not None for n in order[:-1])
         signal_group(process, signum)
 
-    monkeypatch.setattr(demo, "_signal_group", recording)
+    monkeypatch.setattr(demo, "signal_group", recording)
     fleet.kill()
     assert order == ["environment", "agent", "policy_model", "prompt_injection"]

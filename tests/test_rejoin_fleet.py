@@ -28,8 +28,8 @@ from rollout_checkpoint.examples.demo import (
     FleetProcesses,
     Options,
     Rollout,
-    _launch,
-    _signal_group,
+    launch_server,
+    signal_group,
     _trajectory,
     make_rollouts,
     run_all,
@@ -69,9 +69,9 @@ async def run_until_checkpointed(
 def replace_agent(processes: FleetProcesses, logs: Path, token: str) -> None:
     """SIGKILL the agent, then start its replacement closed on the same addresses."""
     dead = processes.servers["agent"]
-    _signal_group(dead.process, signal.SIGKILL)
+    signal_group(dead.process, signal.SIGKILL)
     dead.process.wait(timeout=30)
-    processes.servers["agent"] = _launch(
+    processes.servers["agent"] = launch_server(
         "replacement",
         logs,
         "agent",
@@ -117,8 +117,6 @@ async def test_a_fleet_with_one_member_replaced_rejoins_and_matches_the_baseline
             await coordination.resume(fleet, str(checkpoint["id"]), deadline)
         # The survivors go on serving past the cut until the agent dies under them.
         await asyncio.to_thread(replace_agent, processes, logs, demo.token)
-        await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
-        await client.aclose()
 
         deadline = time.time() + TIMEOUT
         async with await Fleet.discover(processes.spec(demo.token)) as fleet:
@@ -133,6 +131,11 @@ async def test_a_fleet_with_one_member_replaced_rejoins_and_matches_the_baseline
             restored = await restore_published(fleet, root, "restore-1", deadline, rejoin=True)
             assert list(restored.continued) == scope
             await coordination.resume(fleet, "restore-1", deadline)
+        # The environment kept its episodes at their boundary while the agent was gone (its
+        # relay re-issues a call that cannot reach its callee); the rejoin retired them, so
+        # their requests end now (409 stale_attempt).
+        await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+        await client.aclose()
 
         # Continue every checkpointed rollout as attempt N+1, whatever it did after the cut.
         in_scope = {e.rollout_id for e in scope}

@@ -17,7 +17,8 @@ latest completed checkpoint with no person involved. The rules, each for a failu
 * **A restart strategy bounds the tries**: at most `max_tries` recovery tries within
   `window_seconds`, with a doubling backoff between them. A try that fails leaves the members
   as they are (a retry replays where it succeeded); when the limit is reached the last try is
-  undone all or nothing (every restored attempt N+1 retired, every member resumed), the
+  undone all or nothing (every member it left RESTORED has the attempts N+1 retired and is
+  resumed; members started closed stay closed, so no empty member joins the fleet), the
   supervisor stops acting, and `recovery_given_up` says why. A coordinator restarted by hand
   starts with a fresh strategy.
 * **Another supervisor cannot corrupt anything**: a recovery's id is derived from the
@@ -35,8 +36,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import CheckpointOutcome, checkpoint, verified_source
+from rollout_checkpoint.client.checkpointing import CheckpointOutcome, checkpoint
 from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome, awaiting_restore
 from rollout_checkpoint.client.coordinator.calls import status_of
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
@@ -48,7 +48,7 @@ from rollout_checkpoint.client.recovery import (
     Recovery,
     RecoveryLostRace,
     recover,
-    recovery_id,
+    undo_unfinished_recovery,
 )
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.wire import duration, episode_message
@@ -291,6 +291,10 @@ class Supervisor:
         self._replaced.clear()
         self._tries.clear()
         self.recoveries.append(recovery)
+        # Checkpoint the recovered fleet at once: until a checkpoint names the restored
+        # attempts N+1, a second crash could only restore N+1 again, which the survivors that
+        # already ran it have retired.
+        self._next_checkpoint = time.monotonic()
         seconds = max(0.0, time.time() - first_sign)
         self.events.emit(
             recovery_finished=cpb.RecoveryFinished(
@@ -362,22 +366,10 @@ class Supervisor:
 
     async def _undo_last_try(self) -> None:
         """All or nothing: no member may stay with half a restore (best effort)."""
-        try:
-            fleet = await self._discover(self.spec)
-        except DiscoveryError as error:
-            log.warning("supervisor: giving up without undoing the last try (%s)", error)
-            return
-        async with fleet:
-            try:
-                verified = await verified_source(fleet, self.root)
-            except PublicationError:
-                return
-            control_id = recovery_id(
-                verified.checkpoint_id, {m.name: m.boot_id for m in fleet.members}
-            )
-            await coordination.abandon_restore(
-                fleet, control_id, verified.continued, time.time() + self.settings.recovery_seconds
-            )
+        deadline = time.time() + self.settings.recovery_seconds
+        undone = await undo_unfinished_recovery(self.spec, self.root, deadline)
+        if undone:
+            log.warning("supervisor: undid the unfinished recovery on %s", ", ".join(undone))
 
 
 _PREPARE_OUTCOMES = {

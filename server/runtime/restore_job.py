@@ -20,7 +20,10 @@ until its own deadline. The rules each prevent a loss:
   the join on (a seed admitted between the discard and the install would be served state
   beside the restored one), then every held episode retired exactly as by Retire (marks
   under the lock before any hook runs; a late request of a discarded attempt must never
-  reach the restored state), then `Participant.forget_served`. Only then does it read and
+  reach the restored state) — except restored pending ones, which no request ever used:
+  they are dropped without a mark (`discard_installed`), since a mark would refuse the
+  very attempts N+1 that a second try of the same recovery installs again — then
+  `Participant.forget_served`. Only then does it read and
   install like a restore into a fresh process; a process still served after the discard is
   refused FRESH_PROCESS_REQUIRED rather than installing beside what it serves. A Resume
   during the discard abandons it like one during the read: the retires go on to their end,
@@ -78,9 +81,10 @@ class RestoreTransitions(ControlParts, Protocol):
     @property
     def lock(self) -> asyncio.Lock: ...
 
-    def begin_discard(self, job: RestoreJob) -> list[EpisodeId]:
-        """Refuse a job resumed or past its deadline; else every episode the process holds
-        (to retire: listed, restored pending ones included)."""
+    def begin_discard(self, job: RestoreJob) -> tuple[list[EpisodeId], list[EpisodeId]]:
+        """Refuse a job resumed or past its deadline; else what the process holds: the
+        episodes to retire (every one a request has used) and the restored pending ones to
+        drop without a mark (no request ever used them)."""
         ...
 
     def finish_discard(self, job: RestoreJob) -> None:
@@ -196,11 +200,16 @@ class RestoreJob:
         end, as a Retire's do). Cut short by the deadline or failing, the restore fails; the
         episodes stay retired."""
         async with machine.lock:
-            held = machine.begin_discard(self)
+            held, pending = machine.begin_discard(self)
             if held:
                 discard.mark(held)
-        if held:
-            with machine.observer.phase("discard"):
+        with machine.observer.phase("discard"):
+            if pending:
+                # Installed by an earlier restore and never used: no request of them can be
+                # late, and a mark would refuse the very attempts this restore may install
+                # again (an earlier recovery try of the same checkpoint left them here).
+                await call_hook("discard_installed", machine.participant.discard_installed(pending))
+            if held:
                 await discard.free(held, self.deadline, wait_for_install=False)
         async with machine.lock:
             machine.finish_discard(self)

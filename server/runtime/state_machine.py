@@ -377,11 +377,11 @@ class StateMachine:
         if self.clock.now() > job.deadline:
             raise deadline_exceeded(f"the restore's {step} outlived its deadline", job.deadline)
 
-    def begin_discard(self, job: RestoreJob) -> list[EpisodeId]:
+    def begin_discard(self, job: RestoreJob) -> tuple[list[EpisodeId], list[EpisodeId]]:
         self._check_restore_alive(job, "discard")
-        held = {info.episode_id for info in self.participant.episodes()}
-        held.update(self.participant.restored_pending())
-        return sorted(held)
+        pending = set(self.participant.restored_pending())
+        held = {info.episode_id for info in self.participant.episodes()} - pending
+        return sorted(held), sorted(pending)
 
     def finish_discard(self, job: RestoreJob) -> None:
         self._check_restore_alive(job, "discard")

@@ -212,8 +212,11 @@ class ParticipantServiceStub:
     first call admission closes at once and the data plane refuses
     everything new with `awaiting_restore`, as in a `start_closed` process,
     until the restore fails or is resumed (a seed admitted after the discard
-    would be served state that no checkpoint holds). Then every episode the
-    process holds (what ListEpisodes lists, restored-pending ones included) is
+    would be served state that no checkpoint holds). Restored-pending
+    episodes (installed by an earlier restore, never used by a request) are
+    dropped without a mark: no request of them can be late, and a mark would
+    refuse the very attempts a second try of the same recovery installs
+    again. Every other episode the process holds (what ListEpisodes lists) is
     retired exactly as by Retire: its attempt and every earlier one are
     marked retired first (late requests of them get `stale_attempt`), its
     work is cancelled and its state freed, and the restore waits until that
@@ -449,8 +452,11 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     first call admission closes at once and the data plane refuses
     everything new with `awaiting_restore`, as in a `start_closed` process,
     until the restore fails or is resumed (a seed admitted after the discard
-    would be served state that no checkpoint holds). Then every episode the
-    process holds (what ListEpisodes lists, restored-pending ones included) is
+    would be served state that no checkpoint holds). Restored-pending
+    episodes (installed by an earlier restore, never used by a request) are
+    dropped without a mark: no request of them can be late, and a mark would
+    refuse the very attempts a second try of the same recovery installs
+    again. Every other episode the process holds (what ListEpisodes lists) is
     retired exactly as by Retire: its attempt and every earlier one are
     marked retired first (late requests of them get `stale_attempt`), its
     work is cancelled and its state freed, and the restore waits until that
@@ -725,8 +731,11 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         first call admission closes at once and the data plane refuses
         everything new with `awaiting_restore`, as in a `start_closed` process,
         until the restore fails or is resumed (a seed admitted after the discard
-        would be served state that no checkpoint holds). Then every episode the
-        process holds (what ListEpisodes lists, restored-pending ones included) is
+        would be served state that no checkpoint holds). Restored-pending
+        episodes (installed by an earlier restore, never used by a request) are
+        dropped without a mark: no request of them can be late, and a mark would
+        refuse the very attempts a second try of the same recovery installs
+        again. Every other episode the process holds (what ListEpisodes lists) is
         retired exactly as by Retire: its attempt and every earlier one are
         marked retired first (late requests of them get `stale_attempt`), its
         work is cancelled and its state freed, and the restore waits until that
