@@ -46,7 +46,15 @@ from rollout_checkpoint.server.runtime.rollout_prefix import (
 )
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .relay import CLOSED_CODES, error_response, json_object, post_replayable, refusal_code
+from .relay import (
+    CLOSED_CODES,
+    CalleeUnreachable,
+    UnreachableClock,
+    error_response,
+    json_object,
+    post_replayable,
+    refusal_code,
+)
 
 VERIFY_HEADER = "x-ng-checkpoint-verify"
 SYSTEM_PROMPT = (
@@ -65,6 +73,8 @@ class AgentConfig:
     checkpoint: CheckpointSettings | None = None
     max_steps: int = 16
     retry_seconds: float = 0.05
+    unreachable_seconds: float = 120.0
+    """How long a model call waits for a model that cannot be reached (`UnreachableClock`)."""
 
 
 class AgentServer:
@@ -143,6 +153,8 @@ class AgentServer:
             # A resources server went away mid-step (a step unsafe to re-issue): the episode
             # fails cleanly; the controller retries it, or a recovery continues it.
             return error_response(502, "upstream_unreachable", type(failure).__name__)
+        except CalleeUnreachable as failure:
+            return error_response(502, "upstream_unreachable", str(failure))
         finally:
             if tracker is not None and tracked is not None:
                 tracker.end(tracked)
@@ -253,10 +265,12 @@ class Episode:
         }
         url = self.config.model_url + rollout_path(self.episode_id, "/v1/chat/completions")
         delay = self.config.retry_seconds
+        unreachable = UnreachableClock(self.config.unreachable_seconds)
         while True:
             async with self._replay_step():
                 response = await post_replayable(self.http, url, json=request)
                 refused = refusal_code(response)
+                unreachable.saw(refused)
                 if (
                     refused in CLOSED_CODES
                     and self.tracker is not None

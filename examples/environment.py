@@ -38,7 +38,15 @@ from rollout_checkpoint.server.runtime.rollout_prefix import (
 )
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .relay import CLOSED_CODES, error_response, json_object, post_replayable, refusal_code
+from .relay import (
+    CLOSED_CODES,
+    CalleeUnreachable,
+    UnreachableClock,
+    error_response,
+    json_object,
+    post_replayable,
+    refusal_code,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,8 @@ class EnvironmentConfig:
     resources_server: str = "prompt_injection"
     checkpoint: CheckpointSettings | None = None
     retry_seconds: float = 0.05
+    unreachable_seconds: float = 120.0
+    """How long a relay waits for an agent that cannot be reached (`UnreachableClock`)."""
 
 
 class EnvironmentServer:
@@ -113,6 +123,8 @@ class EnvironmentServer:
             return error_response(
                 409, "stale_attempt", f"attempt {episode_id.capture_key} was retired"
             )
+        except CalleeUnreachable as failure:
+            return error_response(502, "upstream_unreachable", str(failure))
         finally:
             if participant is not None and tracked is not None:
                 participant.end_task(tracked)
@@ -126,6 +138,7 @@ class EnvironmentServer:
         url = self.config.agent_url + rollout_path(episode, "/run")
         tracker = self.participant.episodes_tracker if self.participant is not None else None
         delay = self.config.retry_seconds
+        unreachable = UnreachableClock(self.config.unreachable_seconds)
         while True:
             step = (
                 tracker.step(tracked, StepMode.REPLAY)
@@ -139,6 +152,7 @@ class EnvironmentServer:
                     json={"task": task, "resources_server": self.config.resources_server},
                 )
                 code = refusal_code(response)
+                unreachable.saw(code)
                 if code in CLOSED_CODES and (tracker is None or tracker.admission_open):
                     await asyncio.sleep(delay)  # the agent is still closed: stay at the boundary
                     delay = min(delay * 2, 1.0)

@@ -4,6 +4,7 @@ answering one."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -19,6 +20,33 @@ in progress, a `start_closed` callee waiting for its Restore or Resume, or a cal
 cannot be reached at all (its replacement will be restored). Nothing ran here, so the caller
 stays at its boundary: if the fleet is restored meanwhile, the recovery retires this attempt
 and the controller continues the rollout from the checkpoint."""
+
+
+class CalleeUnreachable(Exception):
+    """A callee stayed unreachable longer than the caller waits for it (`UnreachableClock`)."""
+
+
+class UnreachableClock:
+    """How long a re-issuable call has found its callee unreachable in a row.
+
+    A replacement being restored answers again within seconds, so the caller waits at its
+    boundary; a callee that never comes back (a wrong URL, a dead host) must still fail the
+    episode after `limit` seconds, not hold the request forever."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._since: float | None = None
+
+    def saw(self, code: str | None) -> None:
+        """Note one attempt's outcome; raise `CalleeUnreachable` past the limit."""
+        if code != UNREACHABLE:
+            self._since = None
+            return
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        elif now - self._since > self.limit:
+            raise CalleeUnreachable(f"the callee was unreachable for more than {self.limit:g} s")
 
 
 async def post_replayable(http: httpx.AsyncClient, url: str, **request: Any) -> httpx.Response:

@@ -271,9 +271,15 @@ DEAD = "http://127.0.0.1:1"
 async def episode_server(kind: str) -> AsyncIterator[EpisodeServer]:
     settings = CheckpointSettings(enabled=True, token=TOKEN)
     server: Any = (
-        AgentServer(AgentConfig(model_url=DEAD, servers={"pi": DEAD}, checkpoint=settings))
+        AgentServer(
+            AgentConfig(
+                model_url=DEAD, servers={"pi": DEAD}, checkpoint=settings, unreachable_seconds=0.2
+            )
+        )
         if kind == "agent"
-        else EnvironmentServer(EnvironmentConfig(agent_url=DEAD, checkpoint=settings))
+        else EnvironmentServer(
+            EnvironmentConfig(agent_url=DEAD, checkpoint=settings, unreachable_seconds=0.2)
+        )
     )
     runner, serving, port = await serve_app(server.build_app())
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
