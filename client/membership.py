@@ -45,7 +45,7 @@ RETRY_SECONDS = 0.25
 """How soon a member that is down is probed again (doubling up to `MAX_RETRY_SECONDS`): a
 replacement is usually up within a second or two, and every second it waits unnoticed is a
 second the fleet stays closed."""
-MAX_RETRY_SECONDS = 2.0
+MAX_RETRY_SECONDS = 1.0
 
 
 class Change(enum.StrEnum):

@@ -223,7 +223,7 @@ class Supervisor:
             if isinstance(error, CheckpointError) and "awaitingRestore" in error.metadata:
                 # A replacement the watch has not reported yet: recover before anything else.
                 for name in error.metadata["awaitingRestore"].split(","):
-                    self._replaced.setdefault(name, time.time())
+                    self._replaced.setdefault(name, self._down_since.get(name, time.time()))
             self.events.emit(
                 checkpoint_not_published=cpb.CheckpointNotPublished(
                     checkpoint_id=checkpoint_id, error=status_of(_fleet_error(error))
@@ -244,6 +244,13 @@ class Supervisor:
                 )
             )
             return
+        log.info(
+            "supervisor: published %s (%d continued, %d records, %d bytes)",
+            checkpoint_id,
+            len(outcome.continued),
+            outcome.record_count,
+            outcome.bytes,
+        )
         self.events.emit(
             checkpoint_published=cpb.CheckpointPublished(
                 checkpoint_id=checkpoint_id,
@@ -317,6 +324,11 @@ class Supervisor:
     def _start_try(self, now: float) -> int:
         """Count a try against the strategy and announce it; returns its number."""
         self._tries.append(now)
+        log.info(
+            "supervisor: recovery try %d starts (replaced: %s)",
+            len(self._tries),
+            ", ".join(sorted(self._replaced)),
+        )
         self.events.emit(
             recovery_started=cpb.RecoveryStarted(
                 replaced_members=sorted(self._replaced),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from rollout_checkpoint.client.console import CliError, ExitCode
@@ -22,6 +24,11 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
     if not args.fleet.is_file():
         raise FleetConfigError(f"{args.fleet}: no such fleet file")
     spec = load_fleet_file(args.fleet)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     supervise = supervisor_settings(args) if args.supervise else None
     if supervise is not None and spec.checkpoint_root is None:
         raise FleetConfigError(f"{args.fleet}: --supervise needs checkpoint_root in the fleet file")

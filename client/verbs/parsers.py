@@ -227,6 +227,13 @@ def add_fleet_verbs(verbs: Any) -> None:
     sub.add_argument(
         "--reflection", action="store_true", help="serve gRPC server reflection (for grpcurl)"
     )
+    sub.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what the coordinator logs to stderr (info: members up, down and replaced, "
+        "checkpoints, recoveries)",
+    )
     supervise = sub.add_argument_group(
         "supervision",
         "With --supervise the coordinator also takes checkpoints by itself and, when a member "
