@@ -48,6 +48,7 @@ from rollout_checkpoint.client.recovery import (
     Recovery,
     RecoveryLostRace,
     recover,
+    recovery_id,
     undo_unfinished_recovery,
 )
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
@@ -199,7 +200,7 @@ class Supervisor:
         if self.watch.down():
             log.info("supervisor: checkpoint skipped, members down: %s", sorted(self.watch.down()))
             return
-        checkpoint_id = self.root.new_checkpoint_id()
+        checkpoint_id = await asyncio.to_thread(self.root.new_checkpoint_id)
         deadline = time.time() + self.settings.checkpoint_seconds
         outcome: CheckpointOutcome | None = None
         try:
@@ -288,8 +289,10 @@ class Supervisor:
         except (DiscoveryError, TimeoutError) as error:
             await self._failed_try(self._start_try(now), error)
             return
+        latest = await asyncio.to_thread(self.root.latest)
         async with fleet:
-            try_number = self._start_try(now)
+            boot_ids = {m.name: m.boot_id for m in fleet.members}
+            try_number = self._start_try(now, latest, recovery_id(latest, boot_ids))
             try:
                 recovery = await recover(fleet, self.root, deadline)
             except (FleetError, PublicationError, RecoveryLostRace) as error:
@@ -321,7 +324,7 @@ class Supervisor:
             len(recovery.restarted),
         )
 
-    def _start_try(self, now: float) -> int:
+    def _start_try(self, now: float, latest: str | None = None, control_id: str = "") -> int:
         """Count a try against the strategy and announce it; returns its number."""
         self._tries.append(now)
         log.info(
@@ -331,9 +334,10 @@ class Supervisor:
         )
         self.events.emit(
             recovery_started=cpb.RecoveryStarted(
+                recovery_id=control_id,
                 replaced_members=sorted(self._replaced),
                 try_number=len(self._tries),
-                source_checkpoint_id=self.root.latest() or "",
+                source_checkpoint_id=latest or "",
             )
         )
         return len(self._tries)
