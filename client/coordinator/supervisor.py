@@ -179,13 +179,15 @@ class Supervisor:
 
     async def _check_members_on_start(self) -> None:
         """A member started closed needs a recovery now (no event will ever announce it)."""
+        wait = 0.5
         while True:
             try:
                 fleet = await self._discover(self.spec)
                 break
             except DiscoveryError as error:
                 log.warning("supervisor: waiting for every member to answer (%s)", error)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(wait)
+                wait = min(10.0, wait * 2)
         async with fleet:
             for member in fleet.members:
                 with contextlib.suppress(ControlError):
