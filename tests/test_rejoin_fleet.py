@@ -28,13 +28,13 @@ from rollout_checkpoint.examples.demo import (
     FleetProcesses,
     Options,
     Rollout,
-    launch_server,
-    signal_group,
     _trajectory,
+    launch_server,
     make_rollouts,
     run_all,
     run_one,
     serve_options,
+    signal_group,
 )
 
 from .conftest import refused
