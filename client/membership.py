@@ -33,8 +33,7 @@ from grpc_health.v1 import health_pb2
 
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, Kind, MemberSpec
-from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.verbs.names import LIVENESS_HEALTH
+from rollout_checkpoint.client.participant import LIVENESS_HEALTH, ParticipantClient
 from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
