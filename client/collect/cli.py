@@ -87,6 +87,7 @@ def add_collect_verb(verbs: Any) -> None:
         "--max-recoveries",
         type=_non_negative_int,
         default=3,
+        metavar="N",
         help="times a member lost mid-run (SIGKILLed, its replacement up on the same address) "
         "is recovered in place: the run's latest checkpoint restored into the whole fleet, "
         "the rollouts it cut continued or restarted; once more, the run stops (exit 5) for a "

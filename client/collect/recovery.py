@@ -39,6 +39,9 @@ collector itself. Every rule below exists for a crash or a race at the step befo
   the new one's.
 * **The fleet is discovered again** before a recovery: the clients then carry the
   replacement's boot id, and the recovery's id (derived from the boot ids) is this fleet's.
+* **A replacement must start closed** (`--start-closed`, as a pod restarted on the same
+  address does in the Kubernetes manifests): until the recovery retired the survivors'
+  episodes, a replacement that admitted traffic could serve them with none of their state.
 * **The tries are bounded** (`max_recoveries`, every try counted, a failed one too): a member
   in a crash loop stops the run as a SIGTERM does, with the `--resume` command, instead of
   recovering forever. A member that stays down longer than the timeout stops it the same way.
@@ -118,9 +121,6 @@ class InPlaceRecovery:
         self.on_loss = on_loss
         self.tries = 0
         """Recovery tries made (each counts against `max_recoveries`)."""
-        self.recovered_seconds: list[float] = []
-        """For each finished recovery: seconds from the first sign of the loss to the fleet
-        open again and the rollouts queued."""
         self._down: set[str] = set()
         self._replaced: dict[str, float] = {}
         """Members replaced and not recovered yet, with when it was seen (`time.time()`)."""
@@ -305,7 +305,6 @@ class InPlaceRecovery:
         await self._retire(fleet, finished, deadline)
         book.recovered(continued, restarted)
         seconds = time.time() - (self._first_sign or time.time())
-        self.recovered_seconds.append(seconds)
         book.counts.recoveries += 1
         source = f"checkpoint {restored_from}" if restored_from else "no checkpoint"
         self.view.note(
