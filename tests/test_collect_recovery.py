@@ -7,7 +7,8 @@ closed on the same addresses (as Kubernetes restarts a pod). Without any `--resu
 running collector restores its latest checkpoint into the whole fleet (the survivors rejoin)
 and finishes: every rollout exactly once, trajectories equal to an uninterrupted run. A member
 that keeps dying exhausts `--max-recoveries`: the collector stops with the `--resume` command
-(exit 5), and that command finishes the job. Waiting on the collector is bounded polling of
+(exit 5), and that command finishes the job. A member that only stalled (the same process
+back) makes the collector pause, and restores nothing. Waiting on the collector is bounded polling of
 the files it writes (`test_collect.wait_until`); the fleet's servers announce themselves.
 """
 
@@ -55,7 +56,7 @@ from .test_collect import (
 
 RECOVERY_RESTORED = re.compile(r"\[checkpoint_id=recover-[0-9a-f]+\]: restore ok")
 """What a member logs once the in-place recovery's Restore installed the checkpoint."""
-FLEETS = 4
+FLEETS = 5
 """The fleets this module boots (the baseline's and one per test), two at a time, ahead of
 the tests that take them."""
 
@@ -264,6 +265,32 @@ def test_a_member_that_keeps_dying_stops_the_run_for_a_resume_that_finishes_it(
     resumed = fleets.collect(fleet, *command, "--resume")
     assert resumed.wait(timeout=120) == ExitCode.OK, fleets.log(resumed)
     assert_exactly_once_as_the_baseline(work, baseline)
+
+
+def test_a_member_that_only_stalled_is_back_as_the_same_process_and_nothing_is_restored(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """The policy model SIGSTOPped until the collector sees it down (its probe times out),
+    then SIGCONTed: the same process (same boot id) lost nothing, so nothing is restored or
+    retired; dispatching resumes and the stalled rollouts finish as their first attempt. (No
+    periodic checkpoints: a Prepare sent to a stopped process would wait for its deadline.)"""
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet)
+    wait_until(lambda: len(output_lines(work)) >= 2, "two rollouts", process)
+    model = fleet.processes.servers["policy_model"]
+    signal_group(model.process, signal.SIGSTOP)
+    try:
+        seen = "member policy_model is down"
+        wait_until(lambda: seen in fleets.log(process), "the stalled member seen down", process)
+    finally:
+        signal_group(model.process, signal.SIGCONT)
+    assert process.wait(timeout=60) == ExitCode.OK, fleets.log(process)
+    log = fleets.log(process)
+    assert "every member is back as the same process" in log, log
+    assert "recover" not in log.replace("0 recovery(ies)", ""), log
+    by_id = assert_exactly_once_as_the_baseline(work, baseline)
+    assert all(line["attempt"] == 0 for line in by_id.values()), "nothing was redone"
 
 
 # -- without a fleet -------------------------------------------------------------------------------
