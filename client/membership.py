@@ -8,7 +8,9 @@ two ways, and neither alone would do:
 * its `participant-liveness` health stream (grpc.health.v1 Watch), which breaks the moment
   the process dies or its connection drops, so a crash is seen at once, not at the next poll;
 * its boot id (`GetParticipant`), read whenever the stream (re)opens and at least every
-  `probe_seconds`: a new boot id is a new process, whatever the health stream said.
+  `probe_seconds`: a new boot id is a new process, whatever the health stream said. A member
+  that serves no health service (UNIMPLEMENTED) is watched by this probe alone, rather than
+  reported down and up again every probe.
 
 The watch keeps no opinion about what to do: it reports `MemberEvent`s (UP, DOWN, REPLACED) to
 one callback, in order per member. The supervisor (`coordinator.supervisor`) and `collect`
@@ -31,8 +33,7 @@ from grpc_health.v1 import health_pb2
 
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, Kind, MemberSpec
-from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.verbs.names import LIVENESS_HEALTH
+from rollout_checkpoint.client.participant import LIVENESS_HEALTH, ParticipantClient
 from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,11 @@ class FleetWatch:
             except TimeoutError:
                 continue  # read the boot id again: a replacement keeps the health stream short
             except ControlError as error:
+                if error.code == grpc.StatusCode.UNIMPLEMENTED:
+                    # A participant without the health service: it answered GetParticipant,
+                    # so it is up; only its boot id, read every probe, can tell a crash.
+                    await asyncio.sleep(self._probe_seconds)
+                    continue
                 self._went_down(member, str(error.message or error.code.name))
 
     async def _follow_health(self, client: ParticipantClient) -> None:

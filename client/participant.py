@@ -15,11 +15,26 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.rpc.tracing import context_metadata
 from rollout_checkpoint.server.core.rpc.wire import episode_message, scope_message, timestamp
+from rollout_checkpoint.v1 import constants_pb2, types_pb2
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
-from rollout_checkpoint.v1 import types_pb2
 
 T = TypeVar("T")
+
+
+def _health_name(value: constants_pb2.HealthServiceName.ValueType) -> str:
+    """The wire string of a `HealthServiceName` (its `wire_value` option in constants.proto)."""
+    descriptor = constants_pb2.HealthServiceName.DESCRIPTOR.values_by_number[value]
+    name: str = descriptor.GetOptions().Extensions[constants_pb2.wire_value]
+    return name
+
+
+READINESS_HEALTH = _health_name(constants_pb2.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS)
+"""The health name answering "may new traffic come here?" (`watch_health`, `health`)."""
+LIVENESS_HEALTH = _health_name(constants_pb2.HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS)
+"""The health name answering "is this process alive?" (what `membership` follows)."""
+SERVER_HEALTH = _health_name(constants_pb2.HEALTH_SERVICE_NAME_SERVER)
+"""The whole server's health (the empty name)."""
 
 TRANSPORT_SLACK_SECONDS = 5.0
 """The RPC timeout runs this long past the request's deadline, so the participant (which

@@ -124,9 +124,9 @@ async def recover(
     try:
         verified = await verified_source(fleet, root, source=source, scope=scope)
     except NoPublishedCheckpoint:
-        return await _open_fresh(fleet, statuses, recovery_id(None, boot_ids), deadline)
+        return await open_fresh(fleet, statuses, recovery_id(None, boot_ids), deadline)
     control_id = recovery_id(verified.checkpoint_id, boot_ids)
-    await _end_cut_checkpoints(fleet, statuses, control_id, deadline)
+    await end_cut_checkpoints(fleet, statuses, control_id, deadline)
     in_flight = await _live_episodes(fleet)
     episodes = frozenset(verified.continued)
     replayed = False
@@ -204,10 +204,14 @@ async def undo_unfinished_recovery(
     return tuple(sorted(undone))
 
 
-async def _open_fresh(
+async def open_fresh(
     fleet: Fleet, statuses: Mapping[str, pb.GetStatusResponse], control_id: str, deadline: float
 ) -> Recovery:
-    """No checkpoint to restore: open every member started closed (their first Resume)."""
+    """No checkpoint to restore: open every member started closed (their first Resume), in
+    reverse stage order. `statuses` are the members' GetStatus replies.
+
+    Nothing held by the other members is touched: a controller whose survivors hold
+    episodes that the fresh member lost its part of (`collect`) retires them first."""
     closed = [m for m in fleet.members if awaiting_restore(statuses[m.name])]
     for _, members in reversed(fleet.stages()):
         waiting = [m for m in members if m in closed]
@@ -221,11 +225,12 @@ async def _open_fresh(
     return Recovery(control_id, None, (), (), opened=tuple(m.name for m in closed))
 
 
-async def _end_cut_checkpoints(
+async def end_cut_checkpoints(
     fleet: Fleet, statuses: Mapping[str, pb.GetStatusResponse], control_id: str, deadline: float
 ) -> None:
-    """Resume members still inside another checkpoint or restore (not this recovery's own,
-    which a retry must replay, not end)."""
+    """Resume members still inside another checkpoint or restore (not `control_id`'s own,
+    which a retry must replay, not end): Restore and Retire are refused until they are
+    ended, and nothing else will end a checkpoint whose controller saw a member die."""
     cut = [
         m
         for m in fleet.members

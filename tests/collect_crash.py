@@ -4,8 +4,10 @@
 
 `--crash-at <step>@<n>` kills the collector at `<step>` of its n-th checkpoint (n defaults to
 1): `prepared` (the fleet is prepared), `committed` (parts written, nothing published) or a
-publication step (`after_verify`, `after_fleet_manifest`, `after_latest`). The hook reaches the
-collector through `run_collect(step_hook=...)`; production code has no switch for it.
+publication step (`after_verify`, `after_fleet_manifest`, `after_latest`). `--stop-at` instead
+SIGSTOPs it there (the test SIGCONTs it once it has done something to the fleet meanwhile). The
+hook reaches the collector through `run_collect(step_hook=...)`; production code has no switch
+for it.
 """
 
 from __future__ import annotations
@@ -31,14 +33,17 @@ def crash_point(text: str) -> tuple[str, int]:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.collect_crash")
-    parser.add_argument("--crash-at", type=crash_point, required=True, help="<step>@<n>")
+    point = parser.add_mutually_exclusive_group(required=True)
+    point.add_argument("--crash-at", type=crash_point, help="<step>@<n>: SIGKILL there")
+    point.add_argument("--stop-at", type=crash_point, help="<step>@<n>: SIGSTOP there")
     add_collect_verb(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    crash_at: tuple[str, int] = args.crash_at
+    at: tuple[str, int] = args.crash_at or args.stop_at
+    signum = signal.SIGKILL if args.crash_at else signal.SIGSTOP
 
     def step_hook(step: str, checkpoint_number: int) -> None:
-        if (step, checkpoint_number) == crash_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if (step, checkpoint_number) == at:
+            os.kill(os.getpid(), signum)
 
     return run_collect(
         args, [sys.executable, "-m", "tests.collect_crash", *argv], step_hook=step_hook

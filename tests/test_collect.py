@@ -126,11 +126,20 @@ class Fleets:
         return future
 
     def collect(
-        self, fleet: RealFleet, *extra: str, crash_at: str | None = None
+        self,
+        fleet: RealFleet,
+        *extra: str,
+        crash_at: str | None = None,
+        stop_at: str | None = None,
     ) -> subprocess.Popen[bytes]:
         """Run `collect` as a process; with `crash_at` (`<step>@<n>`), the test-only entry
-        `tests.collect_crash`, which SIGKILLs it at that step of its n-th checkpoint."""
-        entry = CLI if crash_at is None else [*CRASHING_CLI, "--crash-at", crash_at]
+        `tests.collect_crash`, which SIGKILLs it at that step of its n-th checkpoint (with
+        `stop_at`, SIGSTOPs it there)."""
+        entry = CLI
+        if crash_at is not None:
+            entry = [*CRASHING_CLI, "--crash-at", crash_at]
+        elif stop_at is not None:
+            entry = [*CRASHING_CLI, "--stop-at", stop_at]
         log = self.work / f"collect-{len(self.collectors)}.log"
         out = self.work / f"collect-{len(self.collectors)}.out"
         with log.open("wb") as stderr, out.open("wb") as stdout:

@@ -40,6 +40,7 @@ from rollout_checkpoint.client.coordination import FleetError, Outcome
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec, MemberSpec
+from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.client.participant import TRANSPORT_SLACK_SECONDS
 from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.errors import Reason
@@ -461,6 +462,42 @@ async def test_a_member_replaced_mid_checkpoint_fails_it_typed_and_is_reported_w
         assert f.fleet.member("scripted").boot_id == "boot-1"  # what the library discovered
         await f.assert_resumed("ck-replaced")
         f.assert_nothing_published()
+
+
+async def test_a_member_without_the_health_service_is_watched_by_its_boot_id_alone(
+    scripted: ScriptedParticipant, grpc_addr: str
+) -> None:
+    """A participant may serve ParticipantService and nothing else: its health Watch is
+    UNIMPLEMENTED. The member watch (what `collect` and the supervisor act on) probes its boot
+    id instead of reporting it down and up again every probe, and still sees a replacement."""
+    loop = asyncio.get_running_loop()
+    probed, changed = asyncio.Event(), asyncio.Event()
+    events: list[MemberEvent] = []
+
+    def probe(request: pb.GetParticipantRequest, context: grpc.ServicerContext) -> Any:
+        if len(scripted.requests("GetParticipant")) >= 4:  # three probes after the first
+            loop.call_soon_threadsafe(probed.set)
+        return scripted.GetParticipant(request, context)
+
+    def on_event(event: MemberEvent) -> None:
+        events.append(event)
+        changed.set()
+
+    scripted.script["GetParticipant"] = probe
+    spec = FleetSpec(members=(MemberSpec("scripted", grpc_addr),), token=TOKEN)
+    watch = FleetWatch(spec, on_event, known={"scripted": "boot-1"}, probe_seconds=0.05)
+    watch.start()
+    try:
+        async with asyncio.timeout(30):
+            await probed.wait()
+            assert events == [] and watch.down() == frozenset()
+            scripted.boot_id = "boot-2"
+            await changed.wait()
+    finally:
+        await watch.close()
+    (replaced,) = events
+    assert replaced.change is Change.REPLACED
+    assert (replaced.previous_boot_id, replaced.boot_id) == ("boot-1", "boot-2")
 
 
 # -- a Commit that answers after its deadline --------------------------------------------------

@@ -17,7 +17,8 @@ module:
 * `resume`: setting the fleet up from what a previous run left;
 * `checkpoints`: taking one checkpoint with the collector's state inside;
 * `dispatch`: sending rollouts, the dispatch log written ahead, recording replies;
-* `collector`: the `Collector` (setup, retiring, the checkpoint schedule, stopping);
+* `recovery`: a member lost mid-run, and the fleet recovered in place without exiting;
+* `collector`: the `Collector` (setup, retiring, the checkpoint schedule, recovering, stopping);
 * `cli`: the argparse verb and `run_collect` (exit codes in `errors`).
 """
 

@@ -26,6 +26,7 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.v1 import types_pb2
 
 ON_WIRE_SECONDS = 30.0
@@ -60,7 +61,8 @@ class CheckpointTaker:
     """Takes the checkpoints of one collection; `take` runs one while dispatching is paused.
 
     `step` is called with each step's name (see `CheckpointStepHook`): the collector binds
-    the checkpoint number to it."""
+    the checkpoint number to it. `fleet` is replaced by the one discovered again after an
+    in-place recovery."""
 
     fleet: Fleet
     root: CheckpointRoot
@@ -71,6 +73,8 @@ class CheckpointTaker:
     settings: CheckpointSettings
     step: Callable[[str], None]
     _deadline: float = field(default=0.0, init=False)
+    _checkpoint_id: str | None = field(default=None, init=False)
+    _published: bool = field(default=False, init=False)
 
     async def take(self, *, stop: bool) -> str | None:
         """Take and publish one checkpoint: its id, or None when none could be taken (the
@@ -80,6 +84,7 @@ class CheckpointTaker:
         try:
             for round_number in range(settings.straggler_rounds + 1):
                 self._deadline = time.time() + settings.timeout
+                self._checkpoint_id, self._published = None, False
                 outcome = None
                 async for event in checkpoint(
                     self.fleet,
@@ -108,7 +113,17 @@ class CheckpointTaker:
                     self.fleet, self.control.new_id("retire"), self._deadline, blocking
                 )
                 self.view.note(f"collect: retired {len(blocking)} straggler(s); preparing again")
-        except (FleetError, ControlError, PublicationError, OSError) as error:
+        except (FleetError, ControlError, CheckpointError, PublicationError, OSError) as error:
+            # CheckpointError: a member started closed awaits its restore (a replacement the
+            # member watch reports too, and the collector recovers from).
+            if self._published and self._checkpoint_id is not None:
+                # Published, then a member was lost before it resumed: the checkpoint is whole
+                # (every part was committed) and LATEST names it.
+                self.view.note(
+                    f"collect: resuming the fleet after checkpoint {self._checkpoint_id} "
+                    f"failed ({error})"
+                )
+                return self._checkpoint_id
             self.view.note(
                 f"collect: checkpoint failed ({error}); the previous one stays the restore point"
             )
@@ -120,10 +135,13 @@ class CheckpointTaker:
             self.step("prepared")
         elif event.phase == Phase.PUBLISH:
             self.step("committed")
+        elif event.phase == Phase.RESUME:
+            self._published = True
 
     async def _fix_scope(self, checkpoint_id: str) -> tuple[list[EpisodeId], bytes]:
         """Called once the fleet is prepared (nothing starts or ends any more): await the
         replies already on the wire, then name the scope and build the collector state."""
+        self._checkpoint_id = checkpoint_id
         fleet = self.fleet
         entry = [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_ENVIRONMENT]
         entry = entry or [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_AGENT]

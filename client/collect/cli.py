@@ -5,9 +5,11 @@ It ends through the CLI's one handler (`console.run_verb` around `console.run_as
 errors are one line (one JSON object with `--json`) and its exit codes are the rows of the one
 table (`console.ExitCode`) every verb documents: 0 every rollout collected; 1 done, some
 rollouts recorded as failed; 2 usage, configuration or input error; 4 a participant refused;
-5 a participant was unreachable; 6 a corrupt output, dispatch log or checkpoint; 7 the output
-or dispatch log cannot be written (checked before the fleet is touched); 130/143 stopped by
-SIGINT/SIGTERM (after a checkpoint when one could be taken).
+5 a participant was unreachable, or lost (down past --checkpoint-timeout, or replaced once more
+than --max-recoveries allows: the run stops with the `--resume` command, as on SIGTERM); 6 a
+corrupt output, dispatch log or checkpoint; 7 the output or dispatch log cannot be written
+(checked before the fleet is touched); 130/143 stopped by SIGINT/SIGTERM (after a checkpoint
+when one could be taken).
 """
 
 from __future__ import annotations
@@ -82,10 +84,21 @@ def add_collect_verb(verbs: Any) -> None:
         help="failures of one rollout before it is recorded as failed (default 3)",
     )
     sub.add_argument(
+        "--max-recoveries",
+        type=_non_negative_int,
+        default=3,
+        metavar="N",
+        help="times a member lost mid-run (SIGKILLed, its replacement up on the same address) "
+        "is recovered in place: the run's latest checkpoint restored into the whole fleet, "
+        "the rollouts it cut continued or restarted; once more, the run stops (exit 5) for a "
+        "--resume. 0: never recover in place (default 3)",
+    )
+    sub.add_argument(
         "--checkpoint-timeout",
         type=_positive_float,
         default=300.0,
-        help="seconds for one checkpoint (default 300)",
+        help="seconds for one checkpoint, and for one recovery including the wait for a lost "
+        "member to answer again (default 300)",
     )
     sub.add_argument(
         "--request-timeout",
@@ -103,6 +116,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
     return value
 
 
@@ -137,6 +157,7 @@ def run_collect(
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         max_attempts=args.max_attempts,
+        max_recoveries=args.max_recoveries,
         checkpoint_timeout=args.checkpoint_timeout,
         request_timeout=args.request_timeout,
         keep=args.keep,
@@ -165,10 +186,11 @@ def summary(collector: Collector, options: CollectOptions, code: int) -> dict[st
         "failed": counts.failed,
         "retried": counts.retried,
         "checkpoints": counts.checkpoints,
+        "recoveries": counts.recoveries,
         "last_checkpoint": counts.last_checkpoint,
         "output": str(options.output),
         "checkpoint_dir": str(options.checkpoint_dir),
-        "stopped": code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED),
+        "stopped": collector.stopped,
         "exit_code": int(code),
     }
 

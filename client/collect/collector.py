@@ -19,6 +19,12 @@ crash (of the collector, a server, or everything) at the step before it:
   `max_attempts` failures, after which the rollout is recorded in the output as failed. A
   retried attempt that was not retired could leave the failed attempt's half-built state
   running next to it.
+* **A member lost mid-run is recovered in place** (`recovery.InPlaceRecovery`): dispatching
+  stops, this run's latest checkpoint is restored into the whole fleet (the survivors
+  rejoin), and the rollouts it cut continue or restart, at most `max_recoveries` times. The
+  alternative, exiting for a `--resume`, would stop a whole evaluation for one pod restart.
+  Past that bound the run stops as on SIGTERM (without a checkpoint: a fleet that lost a
+  member's state cannot take one) and says how to resume.
 * **`resume`** reads the output, the dispatch log and `LATEST` (`journal.read_previous`) and
   sets the fleet up from them (`resume.FleetSetup`). Nothing is ever restored from an
   unpublished checkpoint (the library only restores published ones).
@@ -59,13 +65,14 @@ from rollout_checkpoint.client.collect.journal import (
     json_line,
     read_previous,
 )
+from rollout_checkpoint.client.collect.recovery import GaveUp, InPlaceRecovery
 from rollout_checkpoint.client.collect.resume import FleetSetup
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, now_text
 from rollout_checkpoint.client.collect.view import CollectView, Counts
 from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import Fleet, load_fleet_file
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
 from rollout_checkpoint.client.publication import CheckpointRoot
 
 log = logging.getLogger(__name__)
@@ -85,6 +92,8 @@ class CollectOptions:
     checkpoint_every: float | None = None
     resume: bool = False
     max_attempts: int = 3
+    max_recoveries: int = 3
+    """Recoveries in place after a lost member (0: none; the run stops for a `--resume`)."""
     checkpoint_timeout: float = 300.0
     request_timeout: float = 3600.0
     keep: int | None = None
@@ -118,6 +127,8 @@ class Collector:
         self.control = ControlCalls(self.run_id, self.view)
         self.stop_requested = False
         self.stop_signal = signal.SIGTERM
+        self.stopped = False
+        """The run stopped before every rollout was collected (a signal, a lost member)."""
         self.checkpoint_requested = False
         self.fatal: BaseException | None = None
         self._step_hook = step_hook
@@ -128,6 +139,7 @@ class Collector:
         self.output: DurableAppender | None = None
         self.dispatch_log: DurableAppender | None = None
         self.dispatcher: Dispatcher | None = None
+        self.recovery: InPlaceRecovery | None = None
 
     # -- entry ----------------------------------------------------------------------------------
 
@@ -170,8 +182,8 @@ class Collector:
             self.view.note(f"collect: every rollout is already in {options.output}; nothing to do")
             return self._exit_code()
         spec = load_fleet_file(options.fleet)
-        async with await Fleet.discover(spec) as fleet:
-            self.fleet = fleet
+        self.fleet = await Fleet.discover(spec)
+        try:  # a recovery swaps the fleet for one discovered again: close whichever is current
             settings = CheckpointSettings(
                 run_id=self.run_id,
                 input_digest=input_digest,
@@ -187,10 +199,13 @@ class Collector:
             loop.add_signal_handler(signal.SIGINT, self.request_stop, signal.SIGINT)
             try:
                 with self.view:
-                    return await self._collect(previous, root, log_path, settings)
+                    return await self._collect(previous, root, log_path, settings, spec)
             finally:
                 for signum in handled:
                     loop.remove_signal_handler(signum)
+        finally:
+            if self.fleet is not None:
+                await self.fleet.close()
 
     def request_checkpoint(self) -> None:
         """Take a checkpoint as soon as possible and continue (SIGUSR1)."""
@@ -205,7 +220,12 @@ class Collector:
         self._notify()
 
     async def _collect(
-        self, previous: Previous, root: CheckpointRoot, log_path: Path, settings: CheckpointSettings
+        self,
+        previous: Previous,
+        root: CheckpointRoot,
+        log_path: Path,
+        settings: CheckpointSettings,
+        spec: FleetSpec,
     ) -> int:
         options, fleet, book = self.options, self.fleet, self.book
         assert fleet is not None and book is not None
@@ -244,6 +264,18 @@ class Collector:
                     on_change=self._notify,
                     on_fatal=self._fail,
                 )
+                self.recovery = InPlaceRecovery(
+                    spec,
+                    root,
+                    book,
+                    self.view,
+                    self.control,
+                    run_id=self.run_id,
+                    max_recoveries=options.max_recoveries,
+                    timeout=options.checkpoint_timeout,
+                    on_loss=self._member_lost,
+                )
+                self.recovery.start(fleet)
                 dispatcher = asyncio.create_task(self.dispatcher.run())
                 self.counts.phase = "collecting"
                 try:
@@ -252,6 +284,7 @@ class Collector:
                     dispatcher.cancel()
                     await asyncio.gather(dispatcher, return_exceptions=True)
                     await self._cancel_in_flight()  # before their client closes under them
+                    await self.recovery.close()
         finally:
             await self.output.close()
             await self.dispatch_log.close()
@@ -272,6 +305,17 @@ class Collector:
         self._control_wake.set()
         if self.dispatcher is not None:
             self.dispatcher.wake()
+        if self.recovery is not None:
+            self.recovery.wake()
+
+    def _member_lost(self) -> None:
+        """A member was first seen lost: nothing new leaves until the fleet is recovered, and
+        the failures it may have caused stop counting (`RolloutBook.member_lost`)."""
+        assert self.book is not None
+        self.book.member_lost()
+        if self.dispatcher is not None:
+            self.dispatcher.close_gate()
+        self._notify()
 
     def _fail(self, error: BaseException) -> None:
         self.fatal = error
@@ -294,6 +338,14 @@ class Collector:
             now = time.monotonic()
             if self.stop_requested:
                 return await self._stop()
+            if self.recovery is not None and self.recovery.lost and not book.all_done():
+                # Before any checkpoint (one without the lost member cannot be taken) and
+                # any retire (the lost member would refuse it).
+                stopped = await self._recover()
+                if stopped is not None:
+                    return stopped
+                next_at = time.monotonic() + every if every else None
+                continue
             if self.checkpoint_requested or (next_at is not None and now >= next_at):
                 self.checkpoint_requested = False
                 await self._checkpoint(stop=False)
@@ -343,7 +395,7 @@ class Collector:
         self.control.succeeded()
         del book.retire_queue[: len(batch)]
         for rollout in batch:
-            rollout.retired_upto = rollout.attempt
+            book.retired(rollout, rollout.attempt)
             if book.exhausted(rollout, self.options.max_attempts):
                 try:
                     await output.append(json_line(rollout.failed_line()))
@@ -406,7 +458,7 @@ class Collector:
         try:
             published = await self.checkpoints.take(stop=stop)
         finally:
-            if not stop:
+            if not stop and not (self.recovery is not None and self.recovery.lost):
                 self.dispatcher.reopen()
             self.counts.phase = "collecting" if not stop else "stopping"
             self._notify()
@@ -422,14 +474,64 @@ class Collector:
         if self._step_hook is not None:
             self._step_hook(name, self._checkpoint_number)
 
+    # -- a lost member ------------------------------------------------------------------------
+
+    async def _recover(self) -> int | None:
+        """Recover the fleet in place (`recovery.InPlaceRecovery`) and go on: None. The exit
+        code when the run stopped instead (the bound of recoveries reached, or a member
+        that stays down)."""
+        assert self.recovery is not None and self.dispatcher is not None
+        assert self.checkpoints is not None and self.fleet is not None
+        await self.dispatcher.pause()
+        try:
+            fleet = await self.recovery.recover(
+                self.fleet, self.dispatcher.settle_in_flight, lambda: self.stop_requested
+            )
+        except GaveUp as error:
+            return await self._give_up(str(error))
+        if fleet is None:
+            return None  # a stop was requested while waiting: the loop stops next
+        if fleet is not self.fleet:
+            old, self.fleet = self.fleet, fleet
+            self.checkpoints.fleet = fleet
+            await old.close()
+            # Checkpoint at once: until a checkpoint names the restored attempts N+1, a
+            # second loss could continue none of them (they were used since).
+            self.checkpoint_requested = True
+        if self.recovery.lost:
+            return None  # lost again meanwhile: the loop recovers again before anything else
+        self.counts.phase = "collecting"
+        self.dispatcher.reopen()
+        self._notify()
+        await asyncio.sleep(0)  # the continued rollouts leave before that checkpoint closes
+        return None
+
+    async def _give_up(self, reason: str) -> int:
+        """Stop without a checkpoint (a fleet that lost a member's state cannot take one;
+        `LATEST` stays the restore point) and say how to resume."""
+        self.counts.phase = "stopped: a member was lost"
+        await self._cancel_in_flight()
+        self.stopped = True
+        done = self.counts.done + self.counts.failed
+        self.view.note(
+            f"collect: {reason}; stopped WITHOUT a new checkpoint ({done}/{self.counts.total} "
+            f"rollouts in {self.options.output}). Once the fleet is whole again, continue from "
+            f"the last one: {self._resume_command()}"
+        )
+        return ExitCode.UNREACHABLE
+
+    def _resume_command(self) -> str:
+        command = list(self.options.command) or ["rollout-checkpoint", "collect", "..."]
+        if "--resume" not in command:
+            command.append("--resume")
+        return " ".join(shlex.quote(part) for part in command)
+
     async def _stop(self) -> int:
         self.counts.phase = "stopping: checkpoint"
         published = await self._checkpoint(stop=True)
         await self._cancel_in_flight()
-        command = list(self.options.command) or ["rollout-checkpoint", "collect", "..."]
-        if "--resume" not in command:
-            command.append("--resume")
-        again = " ".join(shlex.quote(part) for part in command)
+        self.stopped = True
+        again = self._resume_command()
         done = self.counts.done + self.counts.failed
         if published is not None:
             self.view.note(

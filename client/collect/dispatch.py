@@ -57,10 +57,15 @@ class Dispatcher:
         """Something changed that may allow a dispatch."""
         self._wake.set()
 
+    def close_gate(self) -> None:
+        """Start nothing new until `reopen` (a dispatch under way still finishes: `pause`
+        waits for it)."""
+        self.gate_open = False
+
     async def pause(self) -> None:
         """Close the gate; returns once a dispatch under way has finished (none starts until
         `reopen`)."""
-        self.gate_open = False
+        self.close_gate()
         async with self._dispatching:
             pass
 
@@ -104,6 +109,20 @@ class Dispatcher:
         for handle in handles:
             handle.cancel()
         await asyncio.gather(*handles, return_exceptions=True)
+
+    async def settle_in_flight(self, within: float) -> int:
+        """Wait up to `within` seconds for every `/run` still waiting for its reply to end,
+        then cancel the rest; returns how many were cancelled. Only for attempts that are
+        retired everywhere (a recovery): nothing of them can run on, so dropping their
+        request loses nothing."""
+        handles = self.book.running_handles()
+        if handles:
+            await asyncio.wait(handles, timeout=within)
+        left = self.book.running_handles()
+        for handle in left:
+            handle.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return len(left)
 
     def _dispatchable(self) -> bool:
         return self.gate_open and bool(self.book.pending) and self.book.in_flight < self.concurrency

@@ -228,10 +228,7 @@ def read_previous(output: Path, log: Path, root: CheckpointRoot, input_digest: s
         if isinstance(rollout_id, str) and type(attempt) is int:
             previous.dispatched[rollout_id] = max(previous.dispatched.get(rollout_id, 0), attempt)
     try:
-        latest = root.latest()
-        if latest is not None:
-            raw = (root.directory(latest) / FLEET_MANIFEST_NAME).read_bytes()
-            previous.manifest = FleetManifest.decode(raw)
+        previous.manifest = read_latest_manifest(root)
     except (PublicationError, OSError, ValueError) as error:
         previous.problem = f"LATEST cannot be read: {error}"
         return previous
@@ -242,11 +239,8 @@ def read_previous(output: Path, log: Path, root: CheckpointRoot, input_digest: s
             f"{log} is missing next to checkpoint {previous.manifest.checkpoint_id}: without it "
             "the attempts sent after the checkpoint are unknown"
         )
-    try:
-        state = json.loads(previous.manifest.controller_state)
-    except ValueError:
-        state = None
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+    state = collect_state(previous.manifest)
+    if state is None:
         raise UsageError(
             f"{root.path}: LATEST ({previous.manifest.checkpoint_id}) was not published by "
             "collect; use a checkpoint directory of its own"
@@ -265,3 +259,25 @@ def attempts_in(value: object) -> dict[str, int]:
     if not isinstance(value, dict):
         return {}
     return {k: v for k, v in value.items() if isinstance(k, str) and type(v) is int}
+
+
+def read_latest_manifest(root: CheckpointRoot) -> FleetManifest | None:
+    """The fleet manifest `LATEST` names (None: nothing published yet), read without
+    verifying the parts (blocking: run it in a thread). Raises `PublicationError`, `OSError`
+    or `ValueError` for one that cannot be read."""
+    latest = root.latest()
+    if latest is None:
+        return None
+    return FleetManifest.decode((root.directory(latest) / FLEET_MANIFEST_NAME).read_bytes())
+
+
+def collect_state(manifest: FleetManifest) -> dict[str, Any] | None:
+    """The controller state of a checkpoint `collect` published (format `STATE_FORMAT`);
+    None for any other controller's."""
+    try:
+        state = json.loads(manifest.controller_state)
+    except ValueError:
+        return None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        return None
+    return state

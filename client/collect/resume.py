@@ -119,9 +119,7 @@ class FleetSetup:
             return False
         await coordination.resume(self.fleet, restore_id, deadline)
         for episode in scope:
-            rollout = self.book.rollouts[episode.rollout_id]
-            rollout.attempt = episode.attempt + 1
-            rollout.continued = True
+            self.book.continues(self.book.rollouts[episode.rollout_id], episode.attempt + 1)
         self.view.note(f"collect: restored {name}: {len(scope)} rollout(s) continue as attempt N+1")
         return True
 
@@ -157,7 +155,7 @@ class FleetSetup:
             await coordination.retire(self.fleet, self.control.new_id("retire"), deadline, batch)
             for episode in batch:
                 rollout = self.book.rollouts[episode.rollout_id]
-                rollout.retired_upto = episode.attempt
+                self.book.retired(rollout, episode.attempt)
                 rollout.attempt = episode.attempt + 1
         if restart:
             self.view.note(

@@ -30,7 +30,8 @@ class Status(enum.Enum):
     IN_FLIGHT = "in_flight"
     """Its attempt is logged and its `/run` sent (or about to be)."""
     RETIRING = "retiring"
-    """Its attempt failed; it is retired in the next batch, then retried or recorded failed."""
+    """Its attempt failed; it is retired in the next batch, then retried or recorded failed
+    (or, cut by a lost member, restarted by the recovery)."""
     DONE = "done"
     FAILED = "failed"
 
@@ -50,6 +51,15 @@ class Rollout:
     """Restored into the fleet as `attempt` (N+1), which has not replied yet."""
     retired_upto: int | None = None
     """The highest retired attempt, until the rollout is forgotten."""
+    highest_used: int = -1
+    """The highest attempt that was ever sent or installed by a restore (-1: none): every
+    attempt that may hold state somewhere is at most this. Unlike `retired_upto` it is never
+    forgotten."""
+    sent_in: int = 0
+    """The book's `generation` when its current attempt was sent."""
+    failure_counted: bool = False
+    """Whether the failure of its current attempt counts against `max_attempts` (a failure
+    of an attempt a lost member cut does not)."""
     handle: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -98,6 +108,9 @@ class RolloutBook:
         self.retire_queue: list[Rollout] = []
         self.forget_queue: set[str] = set()
         self.in_flight = 0
+        self.generation = 0
+        """Raised each time a member is seen lost: an attempt sent in an earlier generation
+        that fails was cut by the loss, not failed by its rollout."""
         self.counts = counts
         counts.total = len(self.rollouts)
 
@@ -124,7 +137,25 @@ class RolloutBook:
                 self.rollouts[rollout_id].failures = count
         for rollout_id, attempt in attempts_in(state.get("retired")).items():
             if rollout_id in self.rollouts:
-                self.rollouts[rollout_id].retired_upto = attempt
+                rollout = self.rollouts[rollout_id]
+                rollout.retired_upto = attempt
+                rollout.highest_used = max(rollout.highest_used, attempt)
+
+    def retired(self, rollout: Rollout, attempt: int) -> None:
+        """Every attempt of `rollout` up to `attempt` is retired everywhere (marks set). A
+        rollout already done is forgotten next: nothing of it runs any more."""
+        rollout.retired_upto = attempt
+        rollout.highest_used = max(rollout.highest_used, attempt)
+        if rollout.status is Status.DONE:
+            self.forget_queue.add(rollout.rollout_id)
+
+    def continues(self, rollout: Rollout, attempt: int) -> None:
+        """A restore installed `rollout` as `attempt` (N+1): it is re-sent as that attempt,
+        which continues from its checkpointed boundary."""
+        rollout.attempt = attempt
+        rollout.continued = True
+        rollout.status = Status.PENDING
+        rollout.highest_used = max(rollout.highest_used, attempt)
 
     def queue_pending(self) -> None:
         """Queue every pending rollout: continued ones first (their N+1 is restored and
@@ -142,6 +173,8 @@ class RolloutBook:
         batch = [self.pending.popleft() for _ in range(min(count, len(self.pending)))]
         for rollout in batch:
             rollout.status = Status.IN_FLIGHT
+            rollout.highest_used = max(rollout.highest_used, rollout.attempt)
+            rollout.sent_in = self.generation
         self.in_flight += len(batch)
         return batch
 
@@ -160,8 +193,14 @@ class RolloutBook:
         self.pending.appendleft(rollout)
 
     def attempt_failed(self, rollout: Rollout, error: str | None) -> None:
-        """Its attempt failed: retired in the next batch before anything else happens to it."""
-        rollout.failures += 1
+        """Its attempt failed: retired in the next batch before anything else happens to it.
+
+        The failure counts against `max_attempts` unless a member was seen lost since the
+        attempt was sent: then the loss cut it (a callee gone, a rejoin that retired it), and
+        a rollout must not be recorded failed for a crash it had no part in."""
+        rollout.failure_counted = rollout.sent_in == self.generation
+        if rollout.failure_counted:
+            rollout.failures += 1
         rollout.last_error = error
         rollout.status = Status.RETIRING
         rollout.continued = False
@@ -188,6 +227,70 @@ class RolloutBook:
         for rollout_id in rollout_ids:
             self.forget_queue.discard(rollout_id)
             self.rollouts[rollout_id].retired_upto = None
+
+    # -- a lost member ----------------------------------------------------------------------------
+
+    def member_lost(self) -> None:
+        """A member was seen down or replaced: every attempt sent so far may have been cut by
+        it. Failures not yet retired are no longer counted: a failure reply can arrive before
+        the loss is seen (a tool call to a resources server that just died), and it could not
+        have been retired since (the dead member refuses every Retire)."""
+        self.generation += 1
+        for rollout in self.retire_queue:
+            if rollout.failure_counted:
+                rollout.failures -= 1
+                rollout.failure_counted = False
+
+    def continuable(self, continued: Iterable[EpisodeId]) -> list[EpisodeId]:
+        """The episodes of a checkpoint's `continued` that a restore may continue now: the
+        rollout is unfinished and no attempt after the checkpointed one was ever sent or
+        installed. A later attempt may still have requests on their way between survivors,
+        which would land on the restored N+1 if it were reused; such a rollout restarts."""
+        return sorted(
+            e
+            for e in continued
+            if (rollout := self.rollouts.get(e.rollout_id)) is not None
+            and rollout.status not in (Status.DONE, Status.FAILED)
+            and rollout.highest_used <= e.attempt
+            and e.attempt < MAX_ATTEMPT
+        )
+
+    def installing(self, episodes: Iterable[EpisodeId]) -> None:
+        """A restore is about to install these episodes' next attempts (N+1): count them as
+        used before it starts, so a restore that fails half way is never continued from."""
+        for episode in episodes:
+            rollout = self.rollouts[episode.rollout_id]
+            rollout.highest_used = max(rollout.highest_used, episode.attempt + 1)
+
+    def may_run(self, excluding: set[str]) -> list[EpisodeId]:
+        """Every unfinished rollout (other than `excluding`) with an attempt that may hold
+        state somewhere and is not retired, at its highest such attempt."""
+        return sorted(
+            EpisodeId(r.rollout_id, r.highest_used)
+            for r in self.rollouts.values()
+            if r.rollout_id not in excluding
+            and r.status not in (Status.DONE, Status.FAILED)
+            and r.highest_used > (r.retired_upto if r.retired_upto is not None else -1)
+        )
+
+    def recovered(self, continued: Iterable[EpisodeId], restarted: Iterable[EpisodeId]) -> None:
+        """The fleet was recovered in place and every request cut by the loss has ended:
+        `continued` (as N+1) go first, then `restarted` (each retired up to the attempt
+        given) from their inputs as the next attempt, then the rest. Rollouts that finished
+        meanwhile stay finished."""
+        for episode in continued:
+            rollout = self.rollouts[episode.rollout_id]
+            if rollout.status not in (Status.DONE, Status.FAILED):
+                self.continues(rollout, episode.attempt)
+        for episode in restarted:
+            rollout = self.rollouts[episode.rollout_id]
+            if rollout.status not in (Status.DONE, Status.FAILED):
+                rollout.attempt = episode.attempt + 1
+                rollout.continued = False
+                rollout.status = Status.PENDING
+        self.retire_queue = [r for r in self.retire_queue if r.status is Status.RETIRING]
+        self.pending.clear()
+        self.queue_pending()
 
     def settled(self) -> bool:
         """Every rollout is done or recorded failed."""

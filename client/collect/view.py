@@ -22,6 +22,8 @@ class Counts:
     failed: int = 0
     retried: int = 0
     checkpoints: int = 0
+    recoveries: int = 0
+    """Recoveries in place after a member was lost."""
     last_checkpoint: str | None = None
     last_checkpoint_at: float | None = None
     phase: str = "starting"
@@ -75,6 +77,7 @@ class CollectView:
         return (
             f"collect: {c.done + c.failed}/{c.total} done ({c.failed} failed), "
             f"{self.in_flight()} in flight, {c.retried} retried, {c.checkpoints} checkpoint(s), "
+            f"{c.recoveries} recovery(ies), "
             f"last {self._last_checkpoint(' ')}, {c.phase}, "
             f"{time.monotonic() - self.started:.0f}s"
         )
@@ -90,6 +93,7 @@ class CollectView:
         table.add_row("failed", str(c.failed))
         table.add_row("retried", str(c.retried))
         table.add_row("checkpoints", str(c.checkpoints))
+        table.add_row("recoveries", str(c.recoveries))
         table.add_row("last checkpoint", self._last_checkpoint("  "))
         table.add_row("now", c.phase)
         return table

@@ -1,9 +1,11 @@
-"""The wire's values as the CLI shows and parses them: participant state names, health
-service names, RFC 3339 times, the `--episode` argument.
+"""The wire's values as the CLI shows and parses them: participant state names, RFC 3339
+times, the `--episode` argument.
 
-One place for each, so every verb prints a state, a time or a health name the same way and a
-new value in the protos shows up everywhere at once (the state names are derived from
-`types.proto`, the health names from `constants.proto`, never re-typed)."""
+One place for each, so every verb prints a state or a time the same way and a new value in the
+protos shows up everywhere at once (the state names are derived from `types.proto`, never
+re-typed). The health names live with the client that watches them
+(`participant.READINESS_HEALTH` and its siblings, derived from `constants.proto`): the member
+watch under `collect` and the supervisor needs them without the CLI's verbs."""
 
 from __future__ import annotations
 
@@ -11,22 +13,11 @@ import argparse
 from datetime import UTC, datetime
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.v1 import constants_pb2, types_pb2
+from rollout_checkpoint.v1 import types_pb2
 
 TOKEN_ENV = "ROLLOUT_CHECKPOINT_TOKEN"
 STATE_PREFIX = "PARTICIPANT_STATE_"
 
-
-def _health_name(value: constants_pb2.HealthServiceName.ValueType) -> str:
-    """The wire string of a `HealthServiceName` (its `wire_value` option in constants.proto)."""
-    descriptor = constants_pb2.HealthServiceName.DESCRIPTOR.values_by_number[value]
-    name: str = descriptor.GetOptions().Extensions[constants_pb2.wire_value]
-    return name
-
-
-READINESS_HEALTH = _health_name(constants_pb2.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS)
-LIVENESS_HEALTH = _health_name(constants_pb2.HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS)
-SERVER_HEALTH = _health_name(constants_pb2.HEALTH_SERVICE_NAME_SERVER)
 
 EPISODE_FORMAT = (
     "--episode: a rollout id (`r7`, attempt 1) or a capture key `<rollout_id>-a<attempt>` "

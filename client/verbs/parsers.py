@@ -9,13 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout_checkpoint.client.console import HelpFormatter, add_output_flags, epilog
-from rollout_checkpoint.client.verbs.names import (
-    EPISODE_FORMAT,
-    LIVENESS_HEALTH,
-    READINESS_HEALTH,
-    TOKEN_ENV,
-    episode_arg,
-)
+from rollout_checkpoint.client.participant import LIVENESS_HEALTH, READINESS_HEALTH
+from rollout_checkpoint.client.verbs.names import EPISODE_FORMAT, TOKEN_ENV, episode_arg
 
 FLEET_VERBS = (
     "status",

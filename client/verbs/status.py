@@ -22,14 +22,14 @@ from rich.table import Table
 from rollout_checkpoint.client.console import PROG, ExitCode, make_console
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import KIND_NAMES, FleetSpec, MemberSpec
-from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.verbs.errors import control_error
-from rollout_checkpoint.client.verbs.names import (
+from rollout_checkpoint.client.participant import (
     LIVENESS_HEALTH,
     READINESS_HEALTH,
     SERVER_HEALTH,
-    state_name,
+    ParticipantClient,
 )
+from rollout_checkpoint.client.verbs.errors import control_error
+from rollout_checkpoint.client.verbs.names import state_name
 from rollout_checkpoint.server.core.errors import Reason
 
 HEALTH_TIMEOUT_SECONDS = 5.0
