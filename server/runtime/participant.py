@@ -183,8 +183,9 @@ class Participant(abc.ABC):
     kind: Kind
     instance: str
     requires_scope: bool = False
-    """True for a participant that keeps state for every episode it ever served (the policy
-    model): an unscoped commit would export all of it, so it is refused (`SCOPE_REQUIRED`)."""
+    """True for a participant that keeps state for episodes it cannot tell finished (the
+    policy model, until a commit leaves them out: see `committed`): an unscoped commit would
+    export all of it, so it is refused (`SCOPE_REQUIRED`)."""
 
     def attach(self, context: ParticipantContext) -> None:
         """Called once by the control plane before anything else.
