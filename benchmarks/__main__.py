@@ -112,7 +112,7 @@ SCALES: dict[str, Params] = {
         fan_out=None,
         finished=10000,
         bounded_inflight=50,
-        bounded_latency=0.05,
+        bounded_latency=0.2,
         checkpoint_every=0,
     ),
     "tiny": Params(

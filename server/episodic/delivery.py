@@ -37,6 +37,9 @@ class DeliveryReports(Protocol):
 
 
 class ReplyDeliveryMiddleware:
+    """Reports, when a request under a rollout prefix ends, whether its reply was handed to
+    the server (the module docstring says what counts)."""
+
     def __init__(self, app: ASGIApp, reports: DeliveryReports) -> None:
         self.app = app
         self.reports = reports

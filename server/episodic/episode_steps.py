@@ -231,9 +231,9 @@ class EpisodeSteps:
 
         The outcome leaves ListEpisodes at once, so no later derived scope names it. It is
         kept, unlisted, only until this owner's next commit or reopening, and only among the
-        last deliveries as many as episodes ran here at once: a caller that prepared before
-        this owner may hold the reply unread, cut at the boundary before its call, and its
-        replacement's call must get this outcome rather than run the episode again."""
+        last max(64, most episodes live here at once) deliveries: a caller that prepared
+        before this owner may hold the reply unread, cut at the boundary before its call, and
+        its replacement's call must get this outcome rather than run the episode again."""
         self._outcomes.delivered(episode_id.capture_key)
         self._notify()
 
