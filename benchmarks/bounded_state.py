@@ -56,6 +56,7 @@ class Measured:
     ledgers_before_commit: int = 0
     rss_before_commit: dict[str, int] = field(default_factory=dict)
     finished_seconds: float = 0.0
+    prepare_seconds: float = 0.0
 
 
 def rss_bytes(server: Server) -> int:
@@ -89,9 +90,18 @@ async def tracked_entries(fleet: Fleet, group: Group) -> dict[str, int]:
     return counts
 
 
-async def drive(address: str, names: list[str], workers: int) -> None:
-    """Run these rollouts to the end through the environment, `workers` at a time."""
+def longest_task() -> dict[str, Any]:
+    """The task with the longest reference plan: its rollouts stay in flight the longest."""
     tasks = [json.loads(text) for text in task_rows()]
+    return max(tasks, key=lambda task: len(task["reference_plan"]))
+
+
+async def drive(
+    address: str, names: list[str], workers: int, only: dict[str, Any] | None = None
+) -> None:
+    """Run these rollouts to the end through the environment, `workers` at a time (each on
+    the example task its number picks, or all on `only`)."""
+    tasks = [only] if only is not None else [json.loads(text) for text in task_rows()]
     queue = list(reversed(names))
 
     async def work() -> None:
@@ -161,11 +171,12 @@ async def one_run(
             await run_finished(fleet, group, finished, in_flight, every, workdir)
             measured.finished_seconds = now() - started
             ledgers = await model_ledgers(fleet, group)
+            names = [f"live-{i}" for i in range(in_flight)]
             live = asyncio.ensure_future(
-                drive(group.environment.http, [f"live-{i}" for i in range(in_flight)], in_flight)
+                drive(group.environment.http, names, in_flight, longest_task())
             )
             # Cut them mid-episode, once each has a delivered model call (a new ledger each;
-            # every rollout makes at least 3, so at the default 0.2 s per generation none ends
+            # the longest task makes 6, so at the default 0.2 s per generation none ends
             # before the cut): a ledger, a session and a boundary to export.
             async with asyncio.timeout(TIMEOUT):
                 while await model_ledgers(fleet, group) < ledgers + in_flight:
@@ -173,9 +184,11 @@ async def one_run(
                         live.result()
                         raise RuntimeError("the rollouts meant to be in flight all finished")
                     await asyncio.sleep(0.002)  # the state lives in another process
+            preparing = now()
             progress = await coordination.prepare_until_done(fleet, tag, deadline_in(TIMEOUT))
             if not progress.prepared:
                 raise RuntimeError(f"not prepared: {progress.outcome} {progress.blockers()}")
+            measured.prepare_seconds = now() - preparing
             measured.ledgers_before_commit = await model_ledgers(fleet, group)
             measured.rss_before_commit = {role: rss_bytes(s) for role, s in roles(group).items()}
             directory = workdir / tag
@@ -201,6 +214,7 @@ def report(result: BenchResult, label: str, finished: int, m: Measured) -> None:
     case = f"{label}: {finished:,} finished, {m.in_flight} in flight"
     result.figure(case, "checkpoint size", "bytes", [m.checkpoint_bytes])
     result.figure(case, "rollouts in the checkpoint scope", "episodes", [m.in_flight])
+    result.figure(case, "prepare (Prepare call -> PREPARED)", "ms", [m.prepare_seconds * 1000])
     for role, value in m.rss.items():
         result.figure(case, f"{role} resident memory", "MB", [value / 2**20])
     for role, value in m.tracked.items():
