@@ -57,6 +57,8 @@ class Measured:
     rss_before_commit: dict[str, int] = field(default_factory=dict)
     finished_seconds: float = 0.0
     prepare_seconds: float = 0.0
+    failed: int = 0
+    """Rollouts answered HTTP 500 (see `drive`)."""
 
 
 def rss_bytes(server: Server) -> int:
@@ -98,11 +100,16 @@ def longest_task() -> dict[str, Any]:
 
 async def drive(
     address: str, names: list[str], workers: int, only: dict[str, Any] | None = None
-) -> None:
+) -> int:
     """Run these rollouts to the end through the environment, `workers` at a time (each on
-    the example task its number picks, or all on `only`)."""
+    the example task its number picks, or all on `only`); returns how many failed.
+
+    A rollout may fail (HTTP 500) when the example agent's keep-alive connection to the model
+    is closed by the model's server just as it is reused (httpx `ReadError`; both sides
+    expire idle connections after 5 s): counted, not fatal, so a long run is not lost."""
     tasks = [only] if only is not None else [json.loads(text) for text in task_rows()]
     queue = list(reversed(names))
+    failures: list[str] = []
 
     async def work() -> None:
         connection = await Connection.open(address)
@@ -113,12 +120,15 @@ async def drive(
                 reply = await connection.request(
                     "POST", f"/ng-rollout/{rollout}/run", json_body({"task": task})
                 )
-                if reply.status != 200:
+                if reply.status == 500:
+                    failures.append(rollout)
+                elif reply.status != 200:
                     raise RuntimeError(f"{rollout}: HTTP {reply.status} {reply.body[:200]!r}")
         finally:
             await connection.close()
 
     await asyncio.gather(*(work() for _ in range(min(workers, len(names)) or 1)))
+    return len(failures)
 
 
 async def model_ledgers(fleet: Fleet, group: Group) -> int:
@@ -143,14 +153,17 @@ async def checkpoint(fleet: Fleet, checkpoint_id: str, directory: Path) -> int:
 
 async def run_finished(
     fleet: Fleet, group: Group, finished: int, workers: int, every: int, workdir: Path
-) -> None:
-    """Run `finished` rollouts to the end; with `every`, a checkpoint after each `every`."""
+) -> int:
+    """Run `finished` rollouts to the end; with `every`, a checkpoint after each `every`.
+    Returns how many failed."""
     names = [f"done-{i}" for i in range(finished)]
+    failed = 0
     for start in range(0, finished, every or finished or 1):
         chunk = names[start : start + (every or finished)]
-        await drive(group.environment.http, chunk, workers)
+        failed += await drive(group.environment.http, chunk, workers)
         if every and start + len(chunk) < finished:
             await checkpoint(fleet, f"periodic-{start}", workdir / "periodic")
+    return failed
 
 
 async def one_run(
@@ -168,7 +181,7 @@ async def one_run(
         fleet = await discover(group.servers, processes.token)
         async with fleet:
             started = now()
-            await run_finished(fleet, group, finished, in_flight, every, workdir)
+            measured.failed = await run_finished(fleet, group, finished, in_flight, every, workdir)
             measured.finished_seconds = now() - started
             ledgers = await model_ledgers(fleet, group)
             names = [f"live-{i}" for i in range(in_flight)]
@@ -203,7 +216,7 @@ async def one_run(
             measured.rss = {role: rss_bytes(s) for role, s in roles(group).items()}
             measured.tracked = await tracked_entries(fleet, group)
             await coordination.resume(fleet, tag, deadline_in(TIMEOUT))
-            await live
+            measured.failed += await live
             shutil.rmtree(directory, ignore_errors=True)
     finally:
         processes.stop_servers(group.servers)
@@ -215,6 +228,7 @@ def report(result: BenchResult, label: str, finished: int, m: Measured) -> None:
     result.figure(case, "checkpoint size", "bytes", [m.checkpoint_bytes])
     result.figure(case, "rollouts in the checkpoint scope", "episodes", [m.in_flight])
     result.figure(case, "prepare (Prepare call -> PREPARED)", "ms", [m.prepare_seconds * 1000])
+    result.figure(case, "rollouts failed (HTTP 500, a keep-alive race)", "rollouts", [m.failed])
     for role, value in m.rss.items():
         result.figure(case, f"{role} resident memory", "MB", [value / 2**20])
     for role, value in m.tracked.items():
