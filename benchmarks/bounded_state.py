@@ -24,6 +24,7 @@ checkpoints as it goes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from rollout_checkpoint.client.fleet import Fleet
 
 from .common import BenchResult, Processes, Server, deadline_in, now, ratios
 from .fleetutil import Group, discover, start_groups
-from .httpraw import Connection, json_body
+from .httpraw import Connection, HttpError, Response, json_body
 from .states import task_rows
 
 TIMEOUT = 600.0
@@ -106,7 +107,8 @@ async def drive(
 
     A rollout may fail (HTTP 500) when the example agent's keep-alive connection to the model
     is closed by the model's server just as it is reused (httpx `ReadError`; both sides
-    expire idle connections after 5 s): counted, not fatal, so a long run is not lost."""
+    expire idle connections after 5 s): counted, not fatal, so a long run is not lost. The
+    environment's server closes the connection after such a 500: the worker reconnects."""
     tasks = [only] if only is not None else [json.loads(text) for text in task_rows()]
     queue = list(reversed(names))
     failures: list[str] = []
@@ -117,15 +119,22 @@ async def drive(
             while queue:
                 rollout = queue.pop()
                 task = tasks[int(rollout.rsplit("-", 1)[1]) % len(tasks)]
-                reply = await connection.request(
-                    "POST", f"/ng-rollout/{rollout}/run", json_body({"task": task})
-                )
+                try:
+                    reply = await connection.request(
+                        "POST", f"/ng-rollout/{rollout}/run", json_body({"task": task})
+                    )
+                except (HttpError, OSError):
+                    reply = Response(500)
                 if reply.status == 500:
                     failures.append(rollout)
+                    with contextlib.suppress(OSError):
+                        await connection.close()
+                    connection = await Connection.open(address)
                 elif reply.status != 200:
                     raise RuntimeError(f"{rollout}: HTTP {reply.status} {reply.body[:200]!r}")
         finally:
-            await connection.close()
+            with contextlib.suppress(OSError):
+                await connection.close()
 
     await asyncio.gather(*(work() for _ in range(min(workers, len(names)) or 1)))
     return len(failures)
