@@ -27,7 +27,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import control_rpc, dataplane, fleet_scale, light_scale, prepare, report, throughput
+from . import (
+    bounded_state,
+    control_rpc,
+    dataplane,
+    fleet_scale,
+    light_scale,
+    prepare,
+    report,
+    throughput,
+)
 from .common import SPREAD, BenchResult, Processes
 
 BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
@@ -37,6 +46,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "control": control_rpc.run,
     "fleet": fleet_scale.run,
     "light": light_scale.run,
+    "bounded": bounded_state.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -72,6 +82,13 @@ class Params:
     fan_out: int | None
     """Benchmark 6: lightweight members per fleet (multiples of 4), the processes serving
     them, and the coordinator's fan-out bound (None: the fleet file's default)."""
+    finished: int
+    bounded_inflight: int
+    bounded_latency: float
+    checkpoint_every: int
+    """Benchmark 7: rollouts run to the end before the checkpoint (run A), rollouts in flight
+    at it (every run, and the dispatch concurrency), seconds per scripted generation, and
+    (run C, off at 0) a checkpoint after every so many finished rollouts."""
 
 
 SCALES: dict[str, Params] = {
@@ -93,6 +110,10 @@ SCALES: dict[str, Params] = {
         light_sizes=[100, 300, 1000],
         light_hosts=2,
         fan_out=None,
+        finished=10000,
+        bounded_inflight=50,
+        bounded_latency=0.2,
+        checkpoint_every=0,
     ),
     "tiny": Params(
         repeats=2,
@@ -112,6 +133,10 @@ SCALES: dict[str, Params] = {
         light_sizes=[8, 20],
         light_hosts=2,
         fan_out=None,
+        finished=60,
+        bounded_inflight=5,
+        bounded_latency=0.05,
+        checkpoint_every=20,
     ),
 }
 
@@ -168,6 +193,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
     parser.add_argument("--light-sizes", type=_ints, help="benchmark 6: e.g. 100,300,1000")
     parser.add_argument("--light-hosts", type=int, help="benchmark 6: host processes")
     parser.add_argument("--fan-out", type=int, help="benchmark 6: calls at once per stage")
+    parser.add_argument("--finished", type=int, help="benchmark 7: rollouts finished in run A")
+    parser.add_argument("--bounded-inflight", type=int, help="benchmark 7: rollouts in flight")
+    parser.add_argument(
+        "--bounded-latency", type=float, help="benchmark 7: seconds per model generation"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="benchmark 7: also run C, checkpointing after every N finished rollouts (0: off)",
+    )
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -194,6 +229,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "light_sizes",
             "light_hosts",
             "fan_out",
+            "finished",
+            "bounded_inflight",
+            "bounded_latency",
+            "checkpoint_every",
         )
         if getattr(args, name) is not None
     }

@@ -138,7 +138,10 @@ class AgentServer:
                 return error_response(409, refused.code, refused.detail)
         try:
             if isinstance(restored, dict) and "done" in restored:
-                return JSONResponse(restored["done"])  # finished before the crash: deliver it
+                # Finished before the crash: deliver it, kept again while its reply is on the wire.
+                if tracker is not None and tracked is not None:
+                    tracker.finish(tracked, restored)
+                return JSONResponse(restored["done"])
             result = await Episode(self, episode_id, task, resources, tracked, restored).run()
             if tracker is not None and tracked is not None:
                 tracker.finish(tracked, {"done": result})

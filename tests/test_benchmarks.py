@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("prepare", "throughput", "dataplane", "control", "fleet", "light")
+BENCHMARKS = ("prepare", "throughput", "dataplane", "control", "fleet", "light", "bounded")
 
 
 def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Path) -> None:

@@ -236,3 +236,95 @@ async def test_blockers_are_counted_incrementally_and_capped() -> None:
         await steps.boundary(episode, {})
         steps.end(episode)
     assert steps.blockers()[1] == 90
+
+
+# -- finished episodes: what an owner keeps of them (outcomes.py) ------------------------------
+
+
+def finished(steps: EpisodeSteps, key: str, outcome: Any = None) -> EpisodeId:
+    episode = EpisodeId.from_capture_key(key)
+    tracked, _ = steps.begin(episode)
+    steps.finish(tracked, {"done": key} if outcome is None else outcome)
+    return episode
+
+
+def listed(steps: EpisodeSteps) -> list[tuple[str, bool]]:
+    return sorted((i.episode_id.capture_key, i.at_boundary) for i in steps.episode_infos())
+
+
+async def test_an_outcome_is_listed_while_its_reply_is_on_the_wire_and_not_once_delivered() -> None:
+    steps, _, _ = make()
+    r1 = finished(steps, "r1")
+    # On the wire: a derived scope must name it, and a commit of that scope exports it.
+    assert listed(steps) == [("r1", True)]
+    assert steps.export(frozenset({r1})) == [(r1, {"done": "r1"})]
+    steps.delivered(r1)
+    assert listed(steps) == []
+    steps.close()
+    steps.committed(frozenset())
+    assert steps.export(frozenset({r1})) == []
+    assert steps.counts()["outcomes"] == 0
+
+
+async def test_a_reply_delivered_before_the_close_is_exported_for_a_caller_holding_it() -> None:
+    # The caller (an environment) closed first and holds the reply unread: its episode is cut
+    # at the boundary before the call and names this one in the scope.
+    steps, _, _ = make()
+    r1 = finished(steps, "r1")
+    steps.delivered(r1)
+    steps.close()
+    assert steps.export(frozenset({r1})) == [(r1, {"done": "r1"})]
+    steps.committed(frozenset({r1}))  # exported: nothing needs it any more
+    assert steps.export(frozenset({r1})) == []
+    # A checkpoint that ends without a commit here (an abort) releases it at the reopening.
+    steps.open()
+    r2 = finished(steps, "r2")
+    steps.delivered(r2)
+    steps.close()
+    assert steps.export(frozenset({r2})) == [(r2, {"done": "r2"})]
+    steps.open()
+    steps.close()
+    assert steps.export(frozenset({r2})) == []
+
+
+async def test_a_failed_delivery_keeps_the_outcome_unlisted_until_a_commit_leaves_it_out() -> None:
+    steps, _, _ = make()
+    r1 = finished(steps, "r1")
+    steps.delivery_failed(r1)
+    assert listed(steps) == []
+    steps.close()
+    steps.committed(frozenset({r1}))  # a controller that still counts it in flight
+    assert steps.export(frozenset({r1})) == [(r1, {"done": "r1"})]
+    steps.open()  # a reopening keeps it: nobody has the reply
+    steps.close()
+    steps.committed(frozenset({EpisodeId("other")}))
+    assert steps.export(frozenset({r1})) == []
+
+
+async def test_delivered_outcomes_are_bounded_by_the_most_episodes_live_at_once() -> None:
+    steps, _, _ = make()
+    running = [steps.begin(EpisodeId(f"w{i}"))[0] for i in range(100)]
+    for tracked in running:
+        steps.finish(tracked, {"done": tracked.episode_id.capture_key})
+        steps.delivered(tracked.episode_id)
+    for i in range(1000):  # one at a time: the peak stays 100
+        steps.delivered(finished(steps, f"s{i}"))
+    assert steps.counts()["outcomes"] == 100
+    assert steps.export(frozenset({EpisodeId("s999")})) != []
+    assert steps.export(frozenset({EpisodeId("s899")})) == []
+    steps.close()
+    steps.open()
+    assert steps.counts()["outcomes"] == 0
+
+
+async def test_an_unscoped_commit_keeps_outcomes_on_the_wire_and_a_new_run_supersedes_one() -> None:
+    steps, _, _ = make()
+    r1 = finished(steps, "r1", {"done": "first"})
+    steps.close()
+    steps.committed(None)
+    assert listed(steps) == [("r1", True)]
+    steps.open()
+    tracked, _ = steps.begin(r1)  # the caller runs the key again: the old outcome is moot
+    assert listed(steps) == [("r1", False)]
+    steps.finish(tracked, {"done": "second"})
+    assert steps.export(frozenset({r1})) == [(r1, {"done": "second"})]

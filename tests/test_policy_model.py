@@ -720,6 +720,68 @@ async def test_shutdown_answers_held_responses_with_503() -> None:
         assert m.participant.ledgers == {}
 
 
+# -- 3b. bounded state: what the model keeps of finished episodes -----------------------------
+
+
+async def test_list_episodes_names_calls_in_flight_or_held_never_a_finished_ledger() -> None:
+    finished, running = rollouts(CLINIC, falls=False)
+    async with model() as m:
+        await m.post(finished, chat(CLINIC))  # delivered: its ledger is kept, not live here
+        m.gate.hold("generate", running)
+        m.start(running, chat(CLINIC))
+        await m.gate.reached("generate", running)
+        assert set(m.participant.ledgers) == {EpisodeId(finished)}
+        listed = await m.client.all_episodes()
+        assert [(e.capture_key, e.at_boundary) for e in listed] == [(running, True)]
+
+
+async def test_a_published_commit_releases_the_ledgers_its_scope_leaves_out(
+    tmp_path: Path,
+) -> None:
+    continued, finished, running = rollouts(CLINIC, falls=False, count=3)
+    async with model() as m:
+        replies = [await m.post(r, chat(CLINIC)) for r in (continued, finished, running)]
+        release = m.gate.hold("generate", running)
+        second = m.start(running, chat(CLINIC, after(chat(CLINIC)["messages"], replies[-1])))
+        await m.gate.reached("generate", running)
+        await m.prepared("c1")
+        scope = [EpisodeId(continued)]
+
+        # A commit that fails after its export (the part directory is a symlink at write
+        # time) releases nothing: its retry must find what it exports.
+        bad = tmp_path / "bad"
+        (bad / "participants" / "model").mkdir(parents=True)
+        (tmp_path / "elsewhere").mkdir()
+        (bad / "participants" / "model" / "policy_model").symlink_to(tmp_path / "elsewhere")
+        await refused(m.client.commit("c1", m.deadline(), str(bad), scope), "INVALID_REQUEST")
+        assert set(m.participant.ledgers) == {EpisodeId(r) for r in (continued, finished, running)}
+
+        good = str(tmp_path / "good")
+        committed = await m.client.commit("c1", m.deadline(), good, scope)
+        assert list(committed.exported) == [continued]
+        # Left out and idle: released. Left out but with a call in flight: kept for now.
+        assert set(m.participant.ledgers) == {EpisodeId(continued), EpisodeId(running)}
+        # A retry replays the recorded result: the same manifest, nothing else released.
+        assert await m.client.commit("c1", m.deadline(), good, scope) == committed
+        assert set(m.participant.ledgers) == {EpisodeId(continued), EpisodeId(running)}
+
+        await m.client.resume("c1", m.deadline())
+        release.set()
+        assert (await second).status_code == 200
+        await m.prepared("c2")
+        await m.client.commit("c2", m.deadline(), str(tmp_path / "c2"), scope)
+        assert set(m.participant.ledgers) == {EpisodeId(continued)}
+
+
+async def test_forget_drops_the_ledgers_of_forgotten_rollouts() -> None:
+    forgotten, kept = rollouts(CLINIC, falls=False)
+    async with model() as m:
+        await m.post(forgotten, chat(CLINIC))
+        await m.post(kept, chat(CLINIC))
+        await m.client.forget("x", m.deadline(), [forgotten])
+        assert set(m.participant.ledgers) == {EpisodeId(kept)}
+
+
 # -- 4. proxy mode ---------------------------------------------------------------------------
 
 

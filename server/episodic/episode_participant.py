@@ -6,10 +6,15 @@ Environment record:  {"episode_id": ..., "task_digest": "<sha256>", "boundary": 
 A restored record is held under its replacement (attempt N+1) until that replacement's run
 begins here and claims it, once. A checkpoint taken before the replacement starts exports the
 restored record again under N+1, so a second crash still continues (as N+2).
+
+A finished episode's outcome is kept only while a checkpoint may need it (outcomes.py): the
+participant installs `ReplyDeliveryMiddleware` through `install_checkpointing`, which tells
+it when each reply left, and releases the rest at each commit.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -17,8 +22,10 @@ from typing import Any
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, rejected_checkpoint
+from rollout_checkpoint.server.episodic.delivery import ReplyDeliveryMiddleware
 from rollout_checkpoint.server.episodic.episode_steps import EpisodeSteps, TrackedEpisode
 from rollout_checkpoint.server.runtime.participant import (
+    AsgiWrapper,
     ExportRecord,
     Kind,
     Participant,
@@ -117,6 +124,20 @@ class EpisodeParticipant(Participant):
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         self.episodes_tracker.forget(rollout_ids)
+
+    def committed(self, scope: frozenset[EpisodeId] | None) -> None:
+        self.episodes_tracker.committed(scope)
+
+    def data_plane_middleware(self) -> Sequence[AsgiWrapper]:
+        return [functools.partial(ReplyDeliveryMiddleware, reports=self)]
+
+    def delivered(self, episode_id: EpisodeId) -> None:
+        """The reply of `episode_id`'s run left (see `EpisodeSteps.delivered`)."""
+        self.episodes_tracker.delivered(episode_id)
+
+    def delivery_failed(self, episode_id: EpisodeId) -> None:
+        """The reply of `episode_id`'s run never left (see `EpisodeSteps.delivery_failed`)."""
+        self.episodes_tracker.delivery_failed(episode_id)
 
     def restored_pending(self) -> frozenset[EpisodeId]:
         return self.episodes_tracker.restored_pending()

@@ -18,6 +18,10 @@ An episode is a sequence of steps. After each completed step its owner records a
   until then, so a duplicate start of the same key is refused and a retry waits again. The
   cancellation goes through `cancel_request`, so the request ends as a 409 `stale_attempt`
   with one INFO line (request_endings.py), not as a logged traceback and a 500.
+* A finished episode leaves only its outcome, kept while a checkpoint may still need it:
+  until its reply is delivered, then until the checkpoint that could cut a caller holding
+  it ends here (outcomes.py). So what an owner holds, and what its checkpoints name, is
+  what is in flight, not its history.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.episodic.outcomes import FinishedOutcomes
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import (
     AWAITING_RESTORE,
@@ -81,11 +85,6 @@ class EpisodeRetired(Exception):
 
 
 NO_BOUNDARY = object()
-
-FINISHED_KEPT = 10_000
-"""Finished episodes whose outcome is kept for a checkpoint (newest first). An outcome is
-needed only while its reply may still be on the wire to the caller; the bound keeps memory
-flat for a server that runs forever without Forget calls."""
 
 
 @dataclass(eq=False)
@@ -139,7 +138,7 @@ class EpisodeSteps:
         self.episodes: dict[str, TrackedEpisode] = {}
         self._restored: dict[str, Any] = {}
         """Restored boundaries keyed by the replacement's capture key, handed out once."""
-        self._finished: OrderedDict[str, Any] = OrderedDict()
+        self._outcomes = FinishedOutcomes()
         """Outcomes of finished episodes, keyed by capture key (see `finish`)."""
         self._blocking = 0
         self._served = False
@@ -163,9 +162,11 @@ class EpisodeSteps:
         self._notify()
 
     def open(self) -> None:
-        """Open admission: parked episodes and held replay results continue."""
+        """Open admission: parked episodes and held replay results continue, and the
+        delivered outcomes kept for this checkpoint's callers go (see `delivered`)."""
         self._open = True
         self._opened.set()
+        self._outcomes.checkpoint_ended(len(self.episodes))
         self._notify()
 
     async def wait_open(self) -> None:
@@ -194,6 +195,7 @@ class EpisodeSteps:
                 "admission_closed", "a checkpoint is in progress; retry after resume"
             )
         self._served = True
+        self._outcomes.discard(key)  # a new run of the key supersedes its old outcome
         restored = self._restored.pop(key, NO_BOUNDARY)
         episode = TrackedEpisode(
             episode_id, restored=restored is not NO_BOUNDARY, started_at=self._clock()
@@ -202,24 +204,53 @@ class EpisodeSteps:
             episode.boundary = restored
         episode.task = asyncio.current_task()
         self.episodes[key] = episode
+        self._outcomes.saw_live(len(self.episodes))
         self._set_blocking(episode, True)
         self._notify()
         return episode, restored
 
     def finish(self, episode: TrackedEpisode, outcome: Any) -> None:
-        """End an episode and keep its outcome as its last boundary.
+        """End an episode and keep its outcome as its last boundary, until it is released.
 
         The reply that carries the outcome to the caller can still be on the wire when a
         checkpoint cuts the fleet: the caller (which prepared first) still holds the episode,
         and this owner no longer does. A commit whose scope names the episode exports the
         outcome, so a restored replacement delivers it instead of running the episode again.
+        While the reply is on the wire ListEpisodes lists the episode, so a derived scope
+        names it too. Once `delivered`, the outcome is no longer listed and goes at this
+        owner's next commit or reopening: kept for ever, every finished episode would stay
+        in memory and in every later derived scope (outcomes.py states the whole rule).
         """
-        key = episode.episode_id.capture_key
-        self._finished[key] = outcome
-        self._finished.move_to_end(key)
-        while len(self._finished) > FINISHED_KEPT:
-            self._finished.popitem(last=False)
+        self._outcomes.finished(episode.episode_id.capture_key, outcome)
         self.end(episode)
+
+    def delivered(self, episode_id: EpisodeId) -> None:
+        """The last body of the reply that carried `episode_id`'s outcome was handed to the
+        HTTP server (`ReplyDeliveryMiddleware` calls this; a no-op for an episode that left
+        no outcome on the wire).
+
+        The outcome leaves ListEpisodes at once, so no later derived scope names it. It is
+        kept, unlisted, only until this owner's next commit or reopening, and only among the
+        last max(64, most episodes live here at once) deliveries: a caller that prepared
+        before this owner may hold the reply unread, cut at the boundary before its call, and
+        its replacement's call must get this outcome rather than run the episode again."""
+        self._outcomes.delivered(episode_id.capture_key)
+        self._notify()
+
+    def delivery_failed(self, episode_id: EpisodeId) -> None:
+        """The reply carrying `episode_id`'s outcome never reached the HTTP server (its send
+        or the app raised): the outcome stays, unlisted, for a controller that still counts
+        the episode in flight and names it, until a commit leaves it out (or FINISHED_KEPT
+        newer failures push it out). A no-op for an episode with no outcome on the wire."""
+        self._outcomes.failed(episode_id.capture_key)
+        self._notify()
+
+    def committed(self, scope: frozenset[EpisodeId] | None) -> None:
+        """This owner's part of a checkpoint of `scope` is written, with every outcome the
+        scope names: release delivered outcomes, and with an explicit scope every outcome it
+        leaves out (the controller no longer continues those episodes)."""
+        self._outcomes.committed(scope, len(self.episodes))
+        self._notify()
 
     def end(self, episode: TrackedEpisode) -> None:
         """Stop tracking `episode` (no outcome kept: a checkpoint no longer exports it).
@@ -335,7 +366,8 @@ class EpisodeSteps:
         return listed, self._blocking
 
     def counts(self) -> dict[str, int]:
-        """The readiness report's gauges: live episodes, parked ones, restored pending."""
+        """The readiness report's gauges: live episodes, parked ones, restored pending, and
+        the outcomes of finished episodes still kept."""
         parked = sum(
             1 for e in self.episodes.values() if e.phase in (Phase.PARKED, Phase.REPLAY_STEP)
         )
@@ -343,6 +375,7 @@ class EpisodeSteps:
             "episodes": len(self.episodes),
             "parked": parked,
             "restored_pending": len(self._restored),
+            "outcomes": len(self._outcomes),
         }
 
     def export(self, scope: frozenset[EpisodeId] | None) -> list[tuple[EpisodeId, Any]]:
@@ -366,7 +399,7 @@ class EpisodeSteps:
             if scope is None or episode_id in scope:
                 exported.append((episode_id, boundary))
         if scope is not None:  # finished episodes are not live: only an explicit scope names them
-            for key, outcome in self._finished.items():
+            for key, outcome in self._outcomes.items():
                 episode_id = EpisodeId.from_capture_key(key)
                 if (
                     episode_id in scope
@@ -399,16 +432,12 @@ class EpisodeSteps:
         of its rollout (a retire: nothing may continue them any more)."""
         for key in [k for k in self._restored if _covers(episode, EpisodeId.from_capture_key(k))]:
             del self._restored[key]
-        for key in [k for k in self._finished if _covers(episode, EpisodeId.from_capture_key(k))]:
-            del self._finished[key]
+        self._outcomes.drop(lambda other: _covers(episode, other))
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """The controller is done with these rollouts: their outcomes are no longer needed."""
         forgotten = set(rollout_ids)
-        for key in [
-            k for k in self._finished if EpisodeId.from_capture_key(k).rollout_id in forgotten
-        ]:
-            del self._finished[key]
+        self._outcomes.drop(lambda episode: episode.rollout_id in forgotten)
 
     async def retire(self, episode: EpisodeId) -> None:
         """Stop and forget every covered attempt: cancel once, wait for the end (its final
@@ -437,7 +466,7 @@ class EpisodeSteps:
     def has_served(self) -> bool:
         """An episode began here (even one that failed and left nothing), or restored
         boundaries are held. A refused or invalid start began nothing."""
-        return self._served or bool(self.episodes) or bool(self._restored) or bool(self._finished)
+        return self._served or bool(self.episodes) or bool(self._restored) or bool(self._outcomes)
 
     def forget_served(self) -> None:
         """A rejoining restore retired every live and restored episode: forget having served
@@ -446,10 +475,12 @@ class EpisodeSteps:
         brings back whatever the last checkpoint holds of it. Live episodes (none, unless
         one was not retired) still count in `has_served`."""
         self._served = False
-        self._finished.clear()
+        self._outcomes.drop(lambda episode: True)
 
     def episode_infos(self) -> list[EpisodeInfo]:
-        """Every live episode and every restored pending one, for ListEpisodes."""
+        """Every live episode, every restored pending one, and every finished one whose
+        reply is still on the wire (at its last boundary: its outcome), for ListEpisodes.
+        Never a finished episode whose reply was delivered (see `delivered`)."""
         infos = [
             EpisodeInfo(e.episode_id, at_boundary=not e.blocking, restored_pending=False)
             for e in self.episodes.values()
@@ -457,6 +488,11 @@ class EpisodeSteps:
         infos.extend(
             EpisodeInfo(EpisodeId.from_capture_key(k), at_boundary=True, restored_pending=True)
             for k in self._restored
+        )
+        infos.extend(
+            EpisodeInfo(EpisodeId.from_capture_key(k), at_boundary=True)
+            for k in self._outcomes.on_wire()
+            if k not in self.episodes and k not in self._restored
         )
         return infos
 

@@ -11,8 +11,16 @@ The policy model prepares before the agents, and it never waits for generation:
   boundary before the call, which a restored agent simply re-issues — so the only blockers
   are responses already streaming.
 * The record of an episode is its ledger of *delivered* calls (request digest and response):
-  a held or undelivered call is not part of the cut. A commit needs an explicit scope,
-  because the ledger holds every episode this model ever served.
+  a held or undelivered call is not part of the cut. A commit needs an explicit scope: the
+  model cannot tell a finished episode from one between two calls, so it cannot say which
+  ledgers an unscoped commit ("every live episode") means.
+* For the same reason ListEpisodes lists only the episodes live *here*: a call in flight or
+  held, or a restored ledger no call claimed yet. An episode between calls is listed by its
+  agent, so a derived scope still names it and its ledger is exported.
+* A ledger is released at the first successful commit whose scope leaves it out while no
+  call of it runs or is held (the scope is every episode the controller continues), and
+  when its rollout is retired or forgotten. Listing every ledger, or keeping it, grew every
+  derived checkpoint and the model's memory with every episode the fleet ever ran.
 * Retire cancels the attempt's calls in flight and drops its ledger.
 
 The middleware works for any ASGI app that serves `/v1/chat/completions` (or `/v1/responses`,
@@ -79,8 +87,11 @@ class ModelParticipant(Participant):
     """The policy model's participant (the module docstring states its rules).
 
     `ModelAdmissionMiddleware` calls the data-plane methods around each generation call. It
-    requires a commit scope (`SCOPE_REQUIRED` otherwise): its ledgers cover every episode it
-    ever served, so an unscoped commit would export all of them."""
+    requires a commit scope (`SCOPE_REQUIRED` otherwise): its ledgers cover every episode
+    served since the last commit that left them out, finished ones included, so an unscoped
+    commit would export all of them. `committed` releases those a commit left out: without
+    it the model would keep every episode it ever served (`ledgers` grew by one per rollout,
+    and ListEpisodes named them all in every derived scope)."""
 
     requires_scope = True
 
@@ -272,18 +283,38 @@ class ModelParticipant(Participant):
         return frozenset(self.restored)
 
     def episodes(self) -> Sequence[EpisodeInfo]:
-        infos = [EpisodeInfo(e, at_boundary=True) for e in self.ledgers]
-        infos.extend(EpisodeInfo(e, at_boundary=True, restored_pending=True) for e in self.restored)
-        # An episode whose first call is still running has no ledger yet, but it is live
-        # here: a rejoining restore must retire it too (its response could still be
-        # delivered and start a ledger beside the restored ones).
-        listed = set(self.ledgers) | set(self.restored)
-        calling: dict[EpisodeId, bool] = {}
+        """Episodes with a call in flight or held (not at a boundary while one streams), and
+        restored ledgers no call claimed yet: never a ledger merely kept (see the class)."""
+        streaming: dict[EpisodeId, bool] = {}
         for call in self.calls:
-            if call.episode is not None and call.episode not in listed:
-                calling[call.episode] = calling.get(call.episode, False) or call.streaming
-        infos.extend(EpisodeInfo(e, at_boundary=not streaming) for e, streaming in calling.items())
+            if call.episode is not None:
+                streaming[call.episode] = streaming.get(call.episode, False) or call.streaming
+        infos = [EpisodeInfo(e, at_boundary=not s) for e, s in streaming.items()]
+        infos.extend(
+            EpisodeInfo(e, at_boundary=True, restored_pending=True)
+            for e in self.restored
+            if e not in streaming
+        )
         return infos
+
+    def committed(self, scope: frozenset[EpisodeId] | None) -> None:
+        """Release the ledgers the commit's scope leaves out and no call uses now: the
+        controller does not continue them. One whose call still runs or is held stays until
+        a later commit leaves it out again (its agent may still be running it)."""
+        if scope is None:
+            return
+        busy = {c.episode for c in self.calls}
+        for episode in [e for e in self.ledgers if e not in scope and e not in busy]:
+            del self.ledgers[episode]
+            self._installed.discard(episode)
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        """The controller is done with these rollouts: their ledgers go too."""
+        forgotten = set(rollout_ids)
+        for ledgers in (self.ledgers, self.restored):
+            for episode in [e for e in ledgers if e.rollout_id in forgotten]:
+                del ledgers[episode]
+        self._installed = {e for e in self._installed if e.rollout_id not in forgotten}
 
     def has_served(self) -> bool:
         """A call of an episode started here, or a ledger is held. A call without a rollout

@@ -16,11 +16,15 @@ prevent a loss:
 * The cleanup (restored episodes the scope leaves out) marks their attempts retired before it
   frees them: the controller restarts such a rollout from its input as a later attempt, and
   without the mark a late request of the dropped attempt could recreate state nothing frees.
+* Then the participant releases what the checkpoint no longer needs (`Participant.committed`):
+  only once the part is published, so a failed commit releases nothing its retry must export,
+  and only once per job, so a replayed commit (its recorded result) changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +43,8 @@ from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
 from rollout_checkpoint.server.runtime.refusals import call_hook, conflict, stale
 from rollout_checkpoint.server.runtime.waiting import retrieve_exception
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +139,9 @@ class CommitJob:
                 )
         if self.retired is None:
             self.phase = "cleanup"
-            self.retired = await _retire_unscoped_pending(host, self.scope)
+            retired = await _retire_unscoped_pending(host, self.scope)
+            _release_committed(host, self.checkpoint_id, self.scope)
+            self.retired = retired
         self.phase = "done"
         return CommitResult(
             manifest=self.published.manifest,
@@ -169,6 +177,23 @@ def commit_job_for(
         )
     inherited = current.records if current.scope == scope else None
     return CommitJob(checkpoint_id, real_dir, scope, records=inherited)
+
+
+def _release_committed(
+    host: CommitHost, checkpoint_id: str, scope: frozenset[EpisodeId] | None
+) -> None:
+    """Let the participant release what the published part no longer needs. A failure is
+    logged and kept from the commit: the part is published, and the state stays until the
+    next commit releases it."""
+    try:
+        host.participant.committed(scope)
+    except Exception:
+        log.exception(
+            "checkpoint %s: releasing state after the commit failed",
+            checkpoint_id,
+            extra={"checkpoint_id": checkpoint_id},
+        )
+    host.changed()
 
 
 async def _retire_unscoped_pending(

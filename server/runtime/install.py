@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from rollout_checkpoint.server.core.clock import Clock
@@ -152,7 +153,9 @@ def install_checkpointing(
     with one participant that no other control plane wraps; `settings.instance`, when set,
     overrides `participant.instance`. Adds the middlewares that answer a retired request 409
     and count data-plane refusals (outermost, so add the participant's own admission
-    middleware before calling this, as `ResourcesServer.build_app` does). The sidecar binds
+    middleware before calling this, as `ResourcesServer.build_app` does), and the
+    participant's own `data_plane_middleware` innermost (inside the rollout prefix, wherever
+    the app added it: an episode owner's reply-delivery report). The sidecar binds
     only when the app starts (see `CheckpointRuntime.start`), so a bad address or TLS file
     fails the app's startup, not this call. `clock` and `storage` replace the real ones in
     tests. Serve the app with one worker: the sidecar lives in that process (`serve`).
@@ -171,6 +174,8 @@ def install_checkpointing(
     # answered for a retired in-flight request.
     app.add_middleware(RequestEndingsMiddleware)
     app.add_middleware(DataPlaneRefusals, on_refusal=observer.data_refused)
+    # Innermost, whatever the app adds later: inside the rollout prefix and next to the routes.
+    app.user_middleware.extend(Middleware(wrap) for wrap in participant.data_plane_middleware())
     if settings.metrics_path is not None:
         # First, so no catch-all mount of the app shadows it; it is a GET, which the
         # admission middleware passes through untouched (never counted, never refused).

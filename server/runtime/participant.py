@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +18,10 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 
 MAX_LISTED_BLOCKERS = 100
+
+AsgiWrapper = Callable[[Any], Any]
+"""A middleware as a function of the ASGI app it wraps (`wrapper(app)` is the wrapped app):
+this module names no Starlette type, so the control plane stays free of the web stack."""
 
 AWAITING_RESTORE = "awaiting_restore"
 """The data-plane refusal (HTTP 409 code) of a `start_closed` process before its Restore or
@@ -183,8 +187,9 @@ class Participant(abc.ABC):
     kind: Kind
     instance: str
     requires_scope: bool = False
-    """True for a participant that keeps state for every episode it ever served (the policy
-    model): an unscoped commit would export all of it, so it is refused (`SCOPE_REQUIRED`)."""
+    """True for a participant that keeps state for episodes it cannot tell finished (the
+    policy model, until a commit leaves them out: see `committed`): an unscoped commit would
+    export all of it, so it is refused (`SCOPE_REQUIRED`)."""
 
     def attach(self, context: ParticipantContext) -> None:
         """Called once by the control plane before anything else.
@@ -286,7 +291,12 @@ class Participant(abc.ABC):
     @abc.abstractmethod
     def episodes(self) -> Sequence[EpisodeInfo]:
         """Every live episode held, restored pending ones included (ListEpisodes pages them,
-        sorted by capture key; the order returned here does not matter)."""
+        sorted by capture key; the order returned here does not matter).
+
+        Live means in flight here now, never merely served once: a controller that derives
+        its commit scope unions these lists, so an episode listed after it finished would
+        enter every later checkpoint's scope and `continued` list, and the state kept for it
+        would never be released (see `committed`)."""
 
     @abc.abstractmethod
     def has_served(self) -> bool:
@@ -328,8 +338,29 @@ class Participant(abc.ABC):
         return episode
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
-        """The controller forgot these rollouts: drop what refuses their late requests."""
+        """The controller forgot these rollouts: drop what refuses their late requests, and
+        whatever else is still kept of them."""
         return None
+
+    def committed(self, scope: frozenset[EpisodeId] | None) -> None:
+        """This participant's part of a checkpoint of `scope` is durably written (None: an
+        unscoped commit): release state of episodes the checkpoint no longer needs.
+
+        The commit scope is every episode the controller continues, so what an explicit
+        scope leaves out will not be continued from this fleet's state; a participant that
+        cannot tell by itself when an episode ended (the policy model) frees it here, or it
+        would keep every episode it ever served. Called once per Commit's job, after the
+        write and the retire of unscoped restored episodes, never for a failed commit (whose
+        retry must find the state it exports), and not again for a replayed one. A raise is
+        logged and changes nothing else: the part is already published."""
+        return None
+
+    def data_plane_middleware(self) -> Sequence[AsgiWrapper]:
+        """ASGI middleware of this kind that `install_checkpointing` puts innermost into the
+        app, in this order (the first outermost): inside the rollout prefix (so `episode_of`
+        works) and next to the routes. The episode owners' reply-delivery report
+        (episodic/delivery.py) comes this way, so no server can forget to install it."""
+        return ()
 
     def shutting_down_now(self) -> None:
         """SIGTERM arrived: release whatever waits for a resume (it will get 503)."""

@@ -98,6 +98,19 @@ class ParticipantServiceStub:
     100, so a controller that derives a commit scope unions these pages
     across the fleet. Pages are consistent per page, not across pages: an
     episode that starts or ends between two calls may be missed or seen.
+
+    Live means in flight here now, never merely served once, so a derived
+    scope (and a checkpoint's `continued` list) holds what is in flight, not
+    the fleet's history. An episode owner (agent, environment) lists a
+    running episode, a restored one not yet claimed, and a finished one whose
+    reply is still on the wire (at its boundary: its outcome); once the reply
+    was handed to its HTTP server the episode is no longer listed. A policy
+    model lists an episode with a call in flight or held, and a restored
+    ledger not yet claimed: an episode between two calls is listed by its
+    agent. What a finished episode leaves is released by the participant
+    itself: an owner's outcome at its next Commit or Resume after delivery,
+    a model's ledger at the first Commit whose scope leaves it out (see
+    Commit); a controller never has to Forget for the fleet to stay bounded.
     Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
     participant did not issue.
     """
@@ -168,6 +181,14 @@ class ParticipantServiceStub:
     attempt. (A later upstream revision freed such state without the mark;
     this API keeps the mark so a late request of that attempt cannot recreate
     state nothing would free.)
+
+    Once the part is published, the participant also releases what the
+    checkpoint no longer needs: the scope is every episode the controller
+    continues, so a policy model drops the ledgers it leaves out (unless a call
+    of that episode still runs or is held), and an episode owner drops the
+    outcomes of finished episodes whose reply was delivered, and those the
+    scope leaves out. A failed commit releases nothing; a replayed one
+    releases nothing more.
 
     State COMMITTED; admission stays closed until Resume. Idempotent with the
     same directory and scope: the identical reply.
@@ -338,6 +359,19 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     100, so a controller that derives a commit scope unions these pages
     across the fleet. Pages are consistent per page, not across pages: an
     episode that starts or ends between two calls may be missed or seen.
+
+    Live means in flight here now, never merely served once, so a derived
+    scope (and a checkpoint's `continued` list) holds what is in flight, not
+    the fleet's history. An episode owner (agent, environment) lists a
+    running episode, a restored one not yet claimed, and a finished one whose
+    reply is still on the wire (at its boundary: its outcome); once the reply
+    was handed to its HTTP server the episode is no longer listed. A policy
+    model lists an episode with a call in flight or held, and a restored
+    ledger not yet claimed: an episode between two calls is listed by its
+    agent. What a finished episode leaves is released by the participant
+    itself: an owner's outcome at its next Commit or Resume after delivery,
+    a model's ledger at the first Commit whose scope leaves it out (see
+    Commit); a controller never has to Forget for the fleet to stay bounded.
     Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
     participant did not issue.
     """
@@ -408,6 +442,14 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     attempt. (A later upstream revision freed such state without the mark;
     this API keeps the mark so a late request of that attempt cannot recreate
     state nothing would free.)
+
+    Once the part is published, the participant also releases what the
+    checkpoint no longer needs: the scope is every episode the controller
+    continues, so a policy model drops the ledgers it leaves out (unless a call
+    of that episode still runs or is held), and an episode owner drops the
+    outcomes of finished episodes whose reply was delivered, and those the
+    scope leaves out. A failed commit releases nothing; a replayed one
+    releases nothing more.
 
     State COMMITTED; admission stays closed until Resume. Idempotent with the
     same directory and scope: the identical reply.
@@ -593,6 +635,19 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         100, so a controller that derives a commit scope unions these pages
         across the fleet. Pages are consistent per page, not across pages: an
         episode that starts or ends between two calls may be missed or seen.
+
+        Live means in flight here now, never merely served once, so a derived
+        scope (and a checkpoint's `continued` list) holds what is in flight, not
+        the fleet's history. An episode owner (agent, environment) lists a
+        running episode, a restored one not yet claimed, and a finished one whose
+        reply is still on the wire (at its boundary: its outcome); once the reply
+        was handed to its HTTP server the episode is no longer listed. A policy
+        model lists an episode with a call in flight or held, and a restored
+        ledger not yet claimed: an episode between two calls is listed by its
+        agent. What a finished episode leaves is released by the participant
+        itself: an owner's outcome at its next Commit or Resume after delivery,
+        a model's ledger at the first Commit whose scope leaves it out (see
+        Commit); a controller never has to Forget for the fleet to stay bounded.
         Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
         participant did not issue.
         """
@@ -681,6 +736,14 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         attempt. (A later upstream revision freed such state without the mark;
         this API keeps the mark so a late request of that attempt cannot recreate
         state nothing would free.)
+
+        Once the part is published, the participant also releases what the
+        checkpoint no longer needs: the scope is every episode the controller
+        continues, so a policy model drops the ledgers it leaves out (unless a call
+        of that episode still runs or is held), and an episode owner drops the
+        outcomes of finished episodes whose reply was delivered, and those the
+        scope leaves out. A failed commit releases nothing; a replayed one
+        releases nothing more.
 
         State COMMITTED; admission stays closed until Resume. Idempotent with the
         same directory and scope: the identical reply.
