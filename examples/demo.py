@@ -196,9 +196,20 @@ async def _start(fleet: FleetProcesses, logs: Path, name: str, kind: str, args: 
 def launch_server(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Server:
     """Start one server in its own process group and read the line it prints once it listens."""
     log = logs / f"{label}-{name}.log"
+    command = [sys.executable, "-m", "rollout_checkpoint.examples.serve", *args]
+    process, announced = start_announcing(command, name, log)
+    return Server(name, kind, process, announced["http"], announced["grpc"], log, args)
+
+
+def start_announcing(
+    command: list[str], name: str, log: Path
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Start `command` in its own process group (stderr to `log`) and read the JSON line it
+    prints once it listens. Bounded: a process that never announces itself must fail the
+    demo, not hang it."""
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "rollout_checkpoint.examples.serve", *args],
+            command,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -206,7 +217,6 @@ def launch_server(label: str, logs: Path, name: str, kind: str, args: list[str])
             env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
         )
     assert process.stdout is not None
-    # Bounded: a server that never announces itself must fail the demo, not hang it.
     ready, _, _ = select.select([process.stdout], [], [], ANNOUNCE_TIMEOUT_SECONDS)
     line = process.stdout.readline() if ready else ""
     if not line:
@@ -215,8 +225,8 @@ def launch_server(label: str, logs: Path, name: str, kind: str, args: list[str])
             f"{name} did not start within {ANNOUNCE_TIMEOUT_SECONDS:g} s "
             f"(exit {process.wait()}); see {log}"
         )
-    announced = json.loads(line)
-    return Server(name, kind, process, announced["http"], announced["grpc"], log, args)
+    announced: dict[str, Any] = json.loads(line)
+    return process, announced
 
 
 # -- rollouts -------------------------------------------------------------------------------
@@ -568,17 +578,7 @@ class Demo:
         attempt: int,
     ) -> None:
         report = self.report
-        failed = [r.rollout_id for r in rollouts if r.reply is None]
-        report.check("every_rollout_finished", not failed, f"no reply for {failed}")
-        differing = [
-            r.rollout_id
-            for r in rollouts
-            if r.reply is not None
-            and _trajectory(r.reply) != _trajectory(baseline[r.rollout_id].reply or {})
-        ]
-        report.check(
-            "trajectories_equal_baseline", not differing, f"differ from the baseline: {differing}"
-        )
+        check_trajectories(report, rollouts, baseline)
         rewards = [float(r.reply.get("reward") or 0.0) for r in rollouts if r.reply is not None]
         base_rewards = [float((b.reply or {}).get("reward") or 0.0) for b in baseline.values()]
         report.numbers["mean_reward"] = round(statistics.fmean(rewards), 6) if rewards else None
@@ -704,6 +704,23 @@ def _records_by_rollout(part: Path) -> dict[str, str]:
             episode = record.pop("episode_id")
             records[episode["rollout_id"]] = json.dumps(record, ensure_ascii=False)
     return records
+
+
+def check_trajectories(
+    report: Report, rollouts: list[Rollout], baseline: dict[str, Rollout]
+) -> None:
+    """Every rollout got a reply, and each reply's trajectory equals the baseline's."""
+    failed = [r.rollout_id for r in rollouts if r.reply is None]
+    report.check("every_rollout_finished", not failed, f"no reply for {failed}")
+    differing = [
+        r.rollout_id
+        for r in rollouts
+        if r.reply is not None
+        and _trajectory(r.reply) != _trajectory(baseline[r.rollout_id].reply or {})
+    ]
+    report.check(
+        "trajectories_equal_baseline", not differing, f"differ from the baseline: {differing}"
+    )
 
 
 def _trajectory(reply: dict[str, Any]) -> Any:

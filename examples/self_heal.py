@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -40,17 +37,17 @@ from rollout_checkpoint.examples.demo import (
     Options,
     Report,
     Rollout,
-    _trajectory,
+    check_trajectories,
     launch_server,
     make_rollouts,
     signal_group,
+    start_announcing,
     start_fleet,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
-ANNOUNCE_TIMEOUT_SECONDS = 60.0
 RECOVERY_TIMEOUT_SECONDS = 120.0
 CHECKPOINT_EVERY_SECONDS = 1.0
 
@@ -300,22 +297,14 @@ class SelfHealDemo:
             "--recovery-backoff",
             "0.5",
         ]
-        with (logs / "coordinator.log").open("w") as stderr:
-            process = subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                start_new_session=True,
-                env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
+        try:
+            process, announced = start_announcing(
+                command, "the coordinator", logs / "coordinator.log"
             )
+        except RuntimeError as error:
+            raise DemoFailed(str(error)) from None
         self.coordinator = process
-        assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], ANNOUNCE_TIMEOUT_SECONDS)
-        line = process.stdout.readline() if ready else ""
-        if not line:
-            raise DemoFailed(f"the coordinator did not start; see {logs / 'coordinator.log'}")
-        address: str = json.loads(line)["grpc"]
+        address: str = announced["grpc"]
         return address
 
     def _replace(self, fleet: FleetProcesses, logs: Path) -> None:
@@ -332,17 +321,7 @@ class SelfHealDemo:
         self, rollouts: list[Rollout], baseline: dict[str, Rollout], trainer: Trainer
     ) -> None:
         report = self.report
-        missing = [r.rollout_id for r in rollouts if r.reply is None]
-        report.check("every_rollout_finished", not missing, f"no reply for {missing}")
-        differing = [
-            r.rollout_id
-            for r in rollouts
-            if r.reply is not None
-            and _trajectory(r.reply) != _trajectory(baseline[r.rollout_id].reply or {})
-        ]
-        report.check(
-            "trajectories_equal_baseline", not differing, f"trajectories differ: {differing}"
-        )
+        check_trajectories(report, rollouts, baseline)
         report.check(
             "some_rollout_continued_from_the_checkpoint",
             bool(trainer.continued),

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.coordination import FleetError, FleetProgress, Outcome
 from rollout_checkpoint.client.coordinator.fleet_events import WatcherTooSlow
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
@@ -23,6 +23,29 @@ from rollout_checkpoint.server.core.rpc.handlers import Metadata, checkpoint_sta
 from rollout_checkpoint.server.core.rpc.status import is_metadata_key, status_proto
 from rollout_checkpoint.server.core.rpc.tracing import server_span
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+
+MAX_LISTED_BLOCKERS = 100
+"""Blockers a FleetProgress or a supervisor event lists (their count is sent besides)."""
+
+PREPARE_OUTCOMES = {
+    Outcome.PREPARED: cpb.FLEET_PREPARE_OUTCOME_PREPARED,
+    Outcome.NOT_PREPARED: cpb.FLEET_PREPARE_OUTCOME_NOT_PREPARED,
+    Outcome.ENDED: cpb.FLEET_PREPARE_OUTCOME_ENDED,
+}
+
+
+def prepare_outcome(outcome: str | None) -> cpb.FleetPrepareOutcome.ValueType:
+    """A fleet prepare's outcome on the wire (UNSPECIFIED while it is not final)."""
+    return PREPARE_OUTCOMES.get(outcome or "", cpb.FLEET_PREPARE_OUTCOME_UNSPECIFIED)
+
+
+def listed_blockers(progress: FleetProgress) -> list[cpb.MemberBlocker]:
+    """The first `MAX_LISTED_BLOCKERS` blockers of a fleet prepare, each with its member."""
+    return [
+        cpb.MemberBlocker(member=name, blocker=blocker)
+        for name, blocker in progress.blockers()[:MAX_LISTED_BLOCKERS]
+    ]
+
 
 SERVICE = cpb.DESCRIPTOR.services_by_name["CoordinatorService"]
 SERVICE_NAME = SERVICE.full_name

@@ -26,11 +26,14 @@ from rollout_checkpoint.client.checkpointing import (
     checkpoint,
     restore_published,
 )
-from rollout_checkpoint.client.coordination import DERIVE, FleetProgress, MemberProgress, Outcome
+from rollout_checkpoint.client.coordination import DERIVE, FleetProgress, MemberProgress
 from rollout_checkpoint.client.coordinator.calls import (
+    PREPARE_OUTCOMES,
     SERVICE,
     SERVICE_NAME,
     TracingObserver,
+    listed_blockers,
+    prepare_outcome,
     status_of,
 )
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
@@ -72,13 +75,6 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_LISTED_BLOCKERS = 100
-
-_OUTCOMES = {
-    Outcome.PREPARED: cpb.FLEET_PREPARE_OUTCOME_PREPARED,
-    Outcome.NOT_PREPARED: cpb.FLEET_PREPARE_OUTCOME_NOT_PREPARED,
-    Outcome.ENDED: cpb.FLEET_PREPARE_OUTCOME_ENDED,
-}
 _PHASES = {
     Phase.PREPARE: cpb.CHECKPOINT_PHASE_PREPARE,
     Phase.COMMIT: cpb.CHECKPOINT_PHASE_COMMIT,
@@ -379,17 +375,14 @@ def _member_progress(member: MemberProgress) -> cpb.MemberProgress:
 
 
 def _progress(progress: FleetProgress) -> cpb.FleetProgress:
-    blockers = progress.blockers()
     return cpb.FleetProgress(
         stage=progress.stage,
         members=[_member_progress(m) for m in progress.members],
-        blockers=[
-            cpb.MemberBlocker(member=name, blocker=b) for name, b in blockers[:MAX_LISTED_BLOCKERS]
-        ],
+        blockers=listed_blockers(progress),
         blocker_count=progress.blocker_count(),
         sequence=progress.sequence,
         elapsed=duration(progress.elapsed),
-        outcome=_OUTCOMES.get(progress.outcome or "", cpb.FLEET_PREPARE_OUTCOME_UNSPECIFIED),
+        outcome=prepare_outcome(progress.outcome),
     )
 
 
@@ -411,7 +404,7 @@ def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
     if outcome is not None:
         result = response.result
         result.checkpoint_id = outcome.checkpoint_id
-        result.prepare_outcome = _OUTCOMES[outcome.prepare_outcome]
+        result.prepare_outcome = PREPARE_OUTCOMES[outcome.prepare_outcome]
         result.prepare_duration.CopyFrom(duration(outcome.prepare_seconds))
         result.commit_duration.CopyFrom(duration(outcome.commit_seconds))
         result.publish_duration.CopyFrom(duration(outcome.publish_seconds))

@@ -37,8 +37,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rollout_checkpoint.client.checkpointing import CheckpointOutcome, checkpoint
-from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome, awaiting_restore
-from rollout_checkpoint.client.coordinator.calls import status_of
+from rollout_checkpoint.client.coordination import DERIVE, FleetError, awaiting_restore
+from rollout_checkpoint.client.coordinator.calls import (
+    listed_blockers,
+    prepare_outcome,
+    status_of,
+)
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
@@ -56,8 +60,6 @@ from rollout_checkpoint.server.core.rpc.wire import duration, episode_message
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 
 log = logging.getLogger(__name__)
-
-MAX_LISTED_BLOCKERS = 100
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,6 @@ class Supervisor:
         self._wake = asyncio.Event()
         self._replaced: dict[str, float] = {}
         """Members replaced and not yet recovered, with when the first sign was seen."""
-        self._first_sign: float | None = None
         self._down_since: dict[str, float] = {}
         self._tries: deque[float] = deque()
         self._next_checkpoint = time.monotonic() + (settings.checkpoint_every or 0.0)
@@ -236,14 +237,11 @@ class Supervisor:
         assert outcome is not None
         if outcome.published is None:
             progress = outcome.progress
-            blockers = progress.blockers()[:MAX_LISTED_BLOCKERS] if progress is not None else []
             self.events.emit(
                 checkpoint_not_published=cpb.CheckpointNotPublished(
                     checkpoint_id=checkpoint_id,
-                    prepare_outcome=_PREPARE_OUTCOMES.get(
-                        outcome.prepare_outcome, cpb.FLEET_PREPARE_OUTCOME_UNSPECIFIED
-                    ),
-                    blockers=[cpb.MemberBlocker(member=n, blocker=b) for n, b in blockers],
+                    prepare_outcome=prepare_outcome(outcome.prepare_outcome),
+                    blockers=listed_blockers(progress) if progress is not None else [],
                 )
             )
             return
@@ -388,13 +386,6 @@ class Supervisor:
         undone = await undo_unfinished_recovery(self.spec, self.root, deadline)
         if undone:
             log.warning("supervisor: undid the unfinished recovery on %s", ", ".join(undone))
-
-
-_PREPARE_OUTCOMES = {
-    Outcome.PREPARED: cpb.FLEET_PREPARE_OUTCOME_PREPARED,
-    Outcome.NOT_PREPARED: cpb.FLEET_PREPARE_OUTCOME_NOT_PREPARED,
-    Outcome.ENDED: cpb.FLEET_PREPARE_OUTCOME_ENDED,
-}
 
 
 def _fleet_error(error: BaseException) -> BaseException:
