@@ -863,4 +863,9 @@ def _print_report(console: Console, payload: dict[str, Any], kept: Path | None) 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the importable module's `main`, not this `__main__` copy: `self_heal` imports
+    # `rollout_checkpoint.examples.demo`, and a `DemoFailed` it raises must be the class
+    # `main` catches (a second copy of the module has a second class).
+    from rollout_checkpoint.examples import demo
+
+    sys.exit(demo.main())

@@ -4,7 +4,7 @@ No person restores anything. The fleet runs under `rollout-checkpoint coordinato
 (a real process) and a trainer that drives its rollouts itself and follows `WatchFleet`:
 
 1. baseline: the rollouts on an uninterrupted fleet, every trajectory recorded;
-2. the same rollouts on a fresh fleet, while the supervisor checkpoints it every second;
+2. the same rollouts on a fresh fleet, while the supervisor checkpoints it every half second;
 3. once a published checkpoint continues rollouts that are in flight, one member (the policy
    model by default) is SIGKILLed and its replacement started closed on the same addresses,
    as Kubernetes restarts a pod;
@@ -49,7 +49,9 @@ from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
 RECOVERY_TIMEOUT_SECONDS = 120.0
-CHECKPOINT_EVERY_SECONDS = 1.0
+CHECKPOINT_EVERY_SECONDS = 0.5
+"""Often enough that a checkpoint catches rollouts in flight: a checkpoint names only those
+(finished ones are released), and the example's rollouts take about a second or two."""
 
 
 @dataclass
@@ -226,7 +228,7 @@ class SelfHealDemo:
         trainer = Trainer(fleet.url("environment"), events, options.concurrency)
         training = asyncio.ensure_future(trainer.run(rollouts))
         try:
-            at_least = max(1, min(options.concurrency, options.rollouts) // 2)
+            at_least = max(1, min(options.concurrency, options.rollouts) // 4)
             published = await self._first_useful_checkpoint(events, training, at_least)
             in_flight = sum(r.dispatched and r.reply is None for r in rollouts)
             self.say(
