@@ -4,6 +4,7 @@
     python -m benchmarks --scale tiny            # every benchmark at a tiny size (seconds)
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
     python -m benchmarks --only light --merge    # rerun one; keep the others' last results
+    python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -27,7 +28,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import control_rpc, dataplane, fleet_scale, light_scale, prepare, report, throughput
+from . import (
+    control_rpc,
+    dataplane,
+    fleet_scale,
+    light_scale,
+    nemo_gym,
+    prepare,
+    report,
+    throughput,
+)
 from .common import SPREAD, BenchResult, Processes
 
 BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
@@ -37,6 +47,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "control": control_rpc.run,
     "fleet": fleet_scale.run,
     "light": light_scale.run,
+    "nemo_gym": nemo_gym.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -72,6 +83,10 @@ class Params:
     fan_out: int | None
     """Benchmark 6: lightweight members per fleet (multiples of 4), the processes serving
     them, and the coordinator's fan-out bound (None: the fleet file's default)."""
+    nemo_gym_sessions: list[int]
+    nemo_gym_repeats: int
+    """Benchmark 7: sessions mid-episode on NeMo Gym's IPI server; prepares, commits and
+    restores (each restore in a fresh process) per size."""
 
 
 SCALES: dict[str, Params] = {
@@ -93,6 +108,8 @@ SCALES: dict[str, Params] = {
         light_sizes=[100, 300, 1000],
         light_hosts=2,
         fan_out=None,
+        nemo_gym_sessions=[1, 16, 64, 256],
+        nemo_gym_repeats=5,
     ),
     "tiny": Params(
         repeats=2,
@@ -112,6 +129,8 @@ SCALES: dict[str, Params] = {
         light_sizes=[8, 20],
         light_hosts=2,
         fan_out=None,
+        nemo_gym_sessions=[1, 4],
+        nemo_gym_repeats=2,
     ),
 }
 
@@ -169,6 +188,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
     parser.add_argument("--light-hosts", type=int, help="benchmark 6: host processes")
     parser.add_argument("--fan-out", type=int, help="benchmark 6: calls at once per stage")
     parser.add_argument(
+        "--nemo-gym-sessions", type=_ints, help="benchmark 7: sessions, e.g. 1,16,64"
+    )
+    parser.add_argument(
+        "--nemo-gym-repeats", type=int, help="benchmark 7: prepares, commits, restores per size"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results of benchmarks not run now from <output>/latest.json",
@@ -194,11 +219,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "light_sizes",
             "light_hosts",
             "fan_out",
+            "nemo_gym_sessions",
+            "nemo_gym_repeats",
         )
         if getattr(args, name) is not None
     }
     params = replace(params, **overrides)
-    if min(params.repeats, params.store_repeats, params.rollout_repeats, params.load_repeats) < 1:
+    if (
+        min(
+            params.repeats,
+            params.store_repeats,
+            params.rollout_repeats,
+            params.load_repeats,
+            params.nemo_gym_repeats,
+        )
+        < 1
+    ):
         parser.error("repeats must be at least 1")
     if any(size % 4 for size in [*params.fleet_sizes, *params.light_sizes]):
         parser.error("fleet sizes are multiples of 4 (one participant of each kind per group)")

@@ -51,6 +51,9 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = ["# rollout-checkpoint benchmarks", "", _machine_line(payload), ""]
     for result in payload["benchmarks"].values():
         lines += [f"## {result['title']}", "", result["measures"], ""]
+        if result.get("skipped"):
+            lines += [f"Skipped: {result['skipped']}", ""]
+            continue
         lines += ["| case | metric | median | min-max | n |", "| --- | --- | ---: | ---: | ---: |"]
         for figure in result["figures"]:
             note = f" ({figure['note']})" if figure["note"] else ""
@@ -83,6 +86,8 @@ def summary(payload: dict[str, Any]) -> str:
     lines = [_machine_line(payload), ""]
     for result in payload["benchmarks"].values():
         lines.append(f"{result['title']}  ({result['seconds']:.0f} s)")
+        if result.get("skipped"):
+            lines.append(f"  skipped: {result['skipped']}")
         for figure in result["figures"]:
             lines.append(
                 f"  {figure['case']:<56} {figure['metric']:<46} "

@@ -1,7 +1,9 @@
 """The benchmarks still run: `python -m benchmarks --scale tiny` end to end, in a subprocess.
 
 This proves every benchmark starts its servers, drives them and reports numbers. It never
-asserts on speed: the figures are reported, not gates.
+asserts on speed: the figures are reported, not gates. The NeMo Gym one needs the cached
+nemo-gym env (`scripts/nemo-gym-env`, which `scripts/test` builds): where it is built it must
+report numbers, where it is not it must say so and report none.
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .nemo_gym.beside import BesideError, ready_env
+
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("prepare", "throughput", "dataplane", "control", "fleet", "light")
+BENCHMARKS = ("prepare", "throughput", "dataplane", "control", "fleet", "light", "nemo_gym")
+
+
+def nemo_gym_env_is_built() -> bool:
+    try:
+        ready_env()
+    except BesideError:
+        return False
+    return True
 
 
 def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Path) -> None:
@@ -32,8 +44,15 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
     payload = json.loads((output / "latest.json").read_text())
     assert payload["scale"] == "tiny"
     assert set(payload["benchmarks"]) == set(BENCHMARKS)
+    skipped = payload["benchmarks"]["nemo_gym"]["skipped"]
+    if nemo_gym_env_is_built():
+        assert skipped == "", skipped
+    else:
+        assert skipped.startswith("no nemo-gym env here (nemo-gym-env: "), skipped
+        assert not payload["benchmarks"].pop("nemo_gym")["figures"]
     for name, result in payload["benchmarks"].items():
         assert result["figures"], name
+        assert not result["skipped"], (name, result["skipped"])
         for figure in result["figures"]:
             assert figure["n"] >= 1, (name, figure)
             for key in ("median", "min", "max"):
