@@ -274,24 +274,46 @@ async def run_all(names: list[str], ctx: Context) -> dict[str, BenchResult]:
     return results
 
 
+RUN_FIELDS = ("scale", "finished_at", "seconds", "machine")
+
+
+def earlier_runs(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs a `--merge` kept results from: each with its benchmarks, machine and time
+    (the older single `earlier_run` read as a list of one)."""
+    if "earlier_runs" in payload:
+        runs: list[dict[str, Any]] = payload["earlier_runs"]
+        return runs
+    return [payload["earlier_run"]] if payload.get("earlier_run") else []
+
+
 def merged(payload: dict[str, Any], previous_path: Path) -> dict[str, Any]:
-    """`payload` plus the results of every benchmark it lacks from the run at `previous_path`
-    (named under `earlier_run`: its machine and time, since its figures came from there).
-    Without a previous file, `payload` as it is."""
+    """`payload` plus the results of every benchmark it lacks from the run at `previous_path`.
+
+    Under `earlier_runs`, each kept benchmark is named with the run it really came from (its
+    machine and time, since its figures came from there): the previous run for its own
+    results, and the older runs it had itself kept for theirs, so merging again and again
+    never credits an old figure to a newer run. Without a previous file, `payload` as it is."""
     if not previous_path.exists():
         return payload
     previous = json.loads(previous_path.read_text())
     kept = {n: r for n, r in previous["benchmarks"].items() if n not in payload["benchmarks"]}
     if not kept:
         return payload
+    runs = []
+    older_names: set[str] = set()
+    for run in earlier_runs(previous):
+        names = sorted(set(run["benchmarks"]) & set(kept))
+        older_names |= set(names)
+        if names:
+            runs.append({**run, "benchmarks": names})
+    own = sorted(set(kept) - older_names)
+    if own:
+        runs.append({"benchmarks": own, **{k: previous.get(k) for k in RUN_FIELDS}})
     return {
-        **payload,
+        **{k: v for k, v in payload.items() if k not in ("earlier_run", "earlier_runs")},
         "params": {**previous.get("params", {}), **payload["params"]},
         "benchmarks": {**kept, **payload["benchmarks"]},
-        "earlier_run": {
-            "benchmarks": sorted(kept),
-            **{k: previous.get(k) for k in ("scale", "finished_at", "seconds", "machine")},
-        },
+        "earlier_runs": sorted(runs, key=lambda run: str(run["finished_at"])),
     }
 
 

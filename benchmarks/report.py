@@ -39,12 +39,16 @@ def _machine_line(payload: dict[str, Any]) -> str:
 
 
 def _earlier_run(payload: dict[str, Any]) -> str:
-    """Which results a `--merge` kept from an earlier run, and when that run finished."""
-    earlier = payload.get("earlier_run")
-    if not earlier:
+    """Which results a `--merge` kept from earlier runs, and when each of those finished."""
+    runs = payload.get("earlier_runs") or (
+        [payload["earlier_run"]] if payload.get("earlier_run") else []
+    )
+    if not runs:
         return ""
-    names = ", ".join(earlier["benchmarks"])
-    return f" Kept from the run finished {earlier['finished_at']} (`--merge`): {names}."
+    kept = "; ".join(
+        f"{', '.join(run['benchmarks'])} from the run finished {run['finished_at']}" for run in runs
+    )
+    return f" Kept from earlier runs (`--merge`): {kept}."
 
 
 def markdown(payload: dict[str, Any]) -> str:

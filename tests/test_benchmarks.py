@@ -63,3 +63,52 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
     markdown = (output / "latest.md").read_text()
     for result in payload["benchmarks"].values():
         assert result["title"] in markdown
+
+
+def test_merging_twice_credits_each_kept_result_to_the_run_it_came_from(tmp_path: Path) -> None:
+    """`--merge` of one benchmark onto results that were themselves merged: the results kept
+    from the oldest run still name that run, not the newer one they passed through."""
+    from benchmarks.__main__ import merged
+    from benchmarks.report import markdown
+
+    def run(finished_at: str, *names: str, **extra: object) -> dict[str, object]:
+        machine = {"cores": 2, "cpu_model": "x", "python": "3.11", "load_average_at_start": [0]}
+        results = {
+            name: {"title": name, "measures": "", "figures": [], "ratios": []} for name in names
+        }
+        return {
+            "scale": "default",
+            "params": {},
+            "spread": "min-max",
+            "machine": machine,
+            "seconds": 1.0,
+            "finished_at": finished_at,
+            "benchmarks": results,
+            **extra,
+        }
+
+    oldest = run("2026-01-01", "prepare", "light")
+    previous = tmp_path / "latest.json"
+    previous.write_text(json.dumps(oldest))
+    middle = merged(run("2026-02-01", "light"), previous)
+    previous.write_text(json.dumps(middle))
+    newest = merged(run("2026-03-01", "nemo_gym"), previous)
+
+    assert set(newest["benchmarks"]) == {"prepare", "light", "nemo_gym"}
+    assert [(r["benchmarks"], r["finished_at"]) for r in newest["earlier_runs"]] == [
+        (["prepare"], "2026-01-01"),
+        (["light"], "2026-02-01"),
+    ]
+    assert "prepare from the run finished 2026-01-01; light from the run finished 2026-02-01" in (
+        markdown(newest)
+    )
+    # The single `earlier_run` of results merged before this form is read the same way.
+    legacy = run(
+        "2026-02-01", "prepare", "light", earlier_run={**oldest, "benchmarks": ["prepare"]}
+    )
+    previous.write_text(json.dumps(legacy))
+    again = merged(run("2026-03-01", "nemo_gym"), previous)
+    assert [(r["benchmarks"], r["finished_at"]) for r in again["earlier_runs"]] == [
+        (["prepare"], "2026-01-01"),
+        (["light"], "2026-02-01"),
+    ]
