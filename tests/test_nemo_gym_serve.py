@@ -68,7 +68,7 @@ def test_without_nemo_gym_the_verb_says_what_is_missing_and_exits_2(server: str)
     assert one_error_line(completed) == (
         f"rollout-checkpoint serve: nemo-gym:{server} needs nemo-gym==0.4.0 "
         "(nemo-gym is not installed): install nemo-gym==0.4.0 in this environment "
-        "(it needs Python 3.12)"
+        "(it needs Python >= 3.12)"
     )
 
 

@@ -9,7 +9,7 @@ instead of an ImportError traceback from inside the app's lifespan or, worse, fr
 an unrelated module. Stdlib only: the core's values import no third-party package.
 
 nemo-gym is checked the same way (`serve nemo-gym:<server>`), though it is no extra of ours:
-it needs Python 3.12 and brings ray, and who serves NeMo Gym's servers has it already. Its
+it needs Python >= 3.12 and brings ray, and who serves NeMo Gym's servers has it already. Its
 line says to install nemo-gym itself (`Extra.install`).
 """
 
@@ -56,7 +56,7 @@ NEMO_GYM = Extra(
     "nemo-gym",
     "nemo-gym==0.4.0",
     ("nemo_gym.server_utils",),
-    install="nemo-gym==0.4.0 in this environment (it needs Python 3.12)",
+    install="nemo-gym==0.4.0 in this environment (it needs Python >= 3.12)",
 )
 
 
