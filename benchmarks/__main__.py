@@ -4,6 +4,7 @@
     python -m benchmarks --scale tiny            # every benchmark at a tiny size (seconds)
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
     python -m benchmarks --only light --merge    # rerun one; keep the others' last results
+    python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -33,6 +34,7 @@ from . import (
     dataplane,
     fleet_scale,
     light_scale,
+    nemo_gym,
     prepare,
     report,
     throughput,
@@ -47,6 +49,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "fleet": fleet_scale.run,
     "light": light_scale.run,
     "bounded": bounded_state.run,
+    "nemo_gym": nemo_gym.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -89,6 +92,10 @@ class Params:
     """Benchmark 7: rollouts run to the end before the checkpoint (run A), rollouts in flight
     at it (every run, and the dispatch concurrency), seconds per scripted generation, and
     (run C, off at 0) a checkpoint after every so many finished rollouts."""
+    nemo_gym_sessions: list[int]
+    nemo_gym_repeats: int
+    """Benchmark 8: sessions mid-episode on NeMo Gym's IPI server; prepares, commits and
+    restores (each restore in a fresh process) per size."""
 
 
 SCALES: dict[str, Params] = {
@@ -114,6 +121,8 @@ SCALES: dict[str, Params] = {
         bounded_inflight=50,
         bounded_latency=0.2,
         checkpoint_every=0,
+        nemo_gym_sessions=[1, 16, 64, 256],
+        nemo_gym_repeats=5,
     ),
     "tiny": Params(
         repeats=2,
@@ -137,6 +146,8 @@ SCALES: dict[str, Params] = {
         bounded_inflight=5,
         bounded_latency=0.05,
         checkpoint_every=20,
+        nemo_gym_sessions=[1, 4],
+        nemo_gym_repeats=2,
     ),
 }
 
@@ -204,6 +215,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
         help="benchmark 7: also run C, checkpointing after every N finished rollouts (0: off)",
     )
     parser.add_argument(
+        "--nemo-gym-sessions", type=_ints, help="benchmark 8: sessions, e.g. 1,16,64"
+    )
+    parser.add_argument(
+        "--nemo-gym-repeats", type=int, help="benchmark 8: prepares, commits, restores per size"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results of benchmarks not run now from <output>/latest.json",
@@ -233,11 +250,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "bounded_inflight",
             "bounded_latency",
             "checkpoint_every",
+            "nemo_gym_sessions",
+            "nemo_gym_repeats",
         )
         if getattr(args, name) is not None
     }
     params = replace(params, **overrides)
-    if min(params.repeats, params.store_repeats, params.rollout_repeats, params.load_repeats) < 1:
+    if (
+        min(
+            params.repeats,
+            params.store_repeats,
+            params.rollout_repeats,
+            params.load_repeats,
+            params.nemo_gym_repeats,
+        )
+        < 1
+    ):
         parser.error("repeats must be at least 1")
     if any(size % 4 for size in [*params.fleet_sizes, *params.light_sizes]):
         parser.error("fleet sizes are multiples of 4 (one participant of each kind per group)")
@@ -277,24 +305,46 @@ async def run_all(names: list[str], ctx: Context) -> dict[str, BenchResult]:
     return results
 
 
+RUN_FIELDS = ("scale", "finished_at", "seconds", "machine")
+
+
+def earlier_runs(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs a `--merge` kept results from: each with its benchmarks, machine and time
+    (the older single `earlier_run` read as a list of one)."""
+    if "earlier_runs" in payload:
+        runs: list[dict[str, Any]] = payload["earlier_runs"]
+        return runs
+    return [payload["earlier_run"]] if payload.get("earlier_run") else []
+
+
 def merged(payload: dict[str, Any], previous_path: Path) -> dict[str, Any]:
-    """`payload` plus the results of every benchmark it lacks from the run at `previous_path`
-    (named under `earlier_run`: its machine and time, since its figures came from there).
-    Without a previous file, `payload` as it is."""
+    """`payload` plus the results of every benchmark it lacks from the run at `previous_path`.
+
+    Under `earlier_runs`, each kept benchmark is named with the run it really came from (its
+    machine and time, since its figures came from there): the previous run for its own
+    results, and the older runs it had itself kept for theirs, so merging again and again
+    never credits an old figure to a newer run. Without a previous file, `payload` as it is."""
     if not previous_path.exists():
         return payload
     previous = json.loads(previous_path.read_text())
     kept = {n: r for n, r in previous["benchmarks"].items() if n not in payload["benchmarks"]}
     if not kept:
         return payload
+    runs = []
+    older_names: set[str] = set()
+    for run in earlier_runs(previous):
+        names = sorted(set(run["benchmarks"]) & set(kept))
+        older_names |= set(names)
+        if names:
+            runs.append({**run, "benchmarks": names})
+    own = sorted(set(kept) - older_names)
+    if own:
+        runs.append({"benchmarks": own, **{k: previous.get(k) for k in RUN_FIELDS}})
     return {
-        **payload,
+        **{k: v for k, v in payload.items() if k not in ("earlier_run", "earlier_runs")},
         "params": {**previous.get("params", {}), **payload["params"]},
         "benchmarks": {**kept, **payload["benchmarks"]},
-        "earlier_run": {
-            "benchmarks": sorted(kept),
-            **{k: previous.get(k) for k in ("scale", "finished_at", "seconds", "machine")},
-        },
+        "earlier_runs": sorted(runs, key=lambda run: str(run["finished_at"])),
     }
 
 

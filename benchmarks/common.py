@@ -109,6 +109,8 @@ class BenchResult:
     ratios: list[Ratio] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    skipped: str = ""
+    """Why it measured nothing (what it needs is absent here); empty when it ran."""
 
     def figure(
         self, case: str, metric: str, unit: str, samples: Iterable[float], note: str = ""
@@ -131,6 +133,7 @@ class BenchResult:
             "measures": self.measures,
             "params": self.params,
             "seconds": round(self.seconds, 2),
+            "skipped": self.skipped,
             "figures": [f.to_json() for f in self.figures],
             "ratios": [r.to_json() for r in self.ratios],
         }
@@ -167,20 +170,33 @@ class Processes:
         self._count = 0
 
     def launch(
-        self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        python: Path | None = None,
+        cwd: Path = REPO,
     ) -> Server:
-        """Start `python <argv>` in its own process group; wait for its announcement line."""
+        """Start `python <argv>` in its own process group; wait for its announcement line.
+
+        `python`: another interpreter than this one (the env beside nemo-gym); it then gets
+        this environment minus what would point it at our venv."""
         self._count += 1
         log = self.logs / f"{self._count:03d}-{name}.log"
+        inherited = dict(os.environ)
+        if python is not None:
+            for variable in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+                inherited.pop(variable, None)
         with log.open("w") as stderr:
             process = subprocess.Popen(
-                [sys.executable, *argv],
+                [str(python or sys.executable), *argv],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
                 start_new_session=True,
-                env=dict(os.environ, GRPC_VERBOSITY="ERROR", **(env or {})),
-                cwd=REPO,
+                env=dict(inherited, GRPC_VERBOSITY="ERROR", **(env or {})),
+                cwd=cwd,
             )
         self._started.append(process)
         assert process.stdout is not None

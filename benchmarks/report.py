@@ -39,18 +39,25 @@ def _machine_line(payload: dict[str, Any]) -> str:
 
 
 def _earlier_run(payload: dict[str, Any]) -> str:
-    """Which results a `--merge` kept from an earlier run, and when that run finished."""
-    earlier = payload.get("earlier_run")
-    if not earlier:
+    """Which results a `--merge` kept from earlier runs, and when each of those finished."""
+    runs = payload.get("earlier_runs") or (
+        [payload["earlier_run"]] if payload.get("earlier_run") else []
+    )
+    if not runs:
         return ""
-    names = ", ".join(earlier["benchmarks"])
-    return f" Kept from the run finished {earlier['finished_at']} (`--merge`): {names}."
+    kept = "; ".join(
+        f"{', '.join(run['benchmarks'])} from the run finished {run['finished_at']}" for run in runs
+    )
+    return f" Kept from earlier runs (`--merge`): {kept}."
 
 
 def markdown(payload: dict[str, Any]) -> str:
     lines = ["# rollout-checkpoint benchmarks", "", _machine_line(payload), ""]
     for result in payload["benchmarks"].values():
         lines += [f"## {result['title']}", "", result["measures"], ""]
+        if result.get("skipped"):
+            lines += [f"Skipped: {result['skipped']}", ""]
+            continue
         lines += ["| case | metric | median | min-max | n |", "| --- | --- | ---: | ---: | ---: |"]
         for figure in result["figures"]:
             note = f" ({figure['note']})" if figure["note"] else ""
@@ -83,6 +90,8 @@ def summary(payload: dict[str, Any]) -> str:
     lines = [_machine_line(payload), ""]
     for result in payload["benchmarks"].values():
         lines.append(f"{result['title']}  ({result['seconds']:.0f} s)")
+        if result.get("skipped"):
+            lines.append(f"  skipped: {result['skipped']}")
         for figure in result["figures"]:
             lines.append(
                 f"  {figure['case']:<56} {figure['metric']:<46} "

@@ -36,9 +36,12 @@ SERVED_KINDS = (
     ("policy_model", "model"),
     ("agent", "agent"),
     ("environment", "environment"),
+    ("nemo-gym:indirect_prompt_injection", "NeMo Gym's own, resources, exported, verify wait"),
+    ("nemo-gym:example_session_state_mgmt", "NeMo Gym's own, resources, exported"),
 )
 """What `serve` runs (examples/serve.py's KINDS; a test keeps the two equal). Listed here
-because the CLI never imports the participant runtime."""
+because the CLI never imports the participant runtime. The `nemo-gym:` ones need nemo-gym
+installed in the same environment."""
 
 
 def _version() -> str:
@@ -65,8 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     verbs.add_parser(
         "serve",
-        help=f"run an example fleet server with its sidecar: {', '.join(n for n, _ in SERVED_KINDS)}; "
-        "serve --help",
+        help="run an example fleet server, or one of NeMo Gym's, with its sidecar: "
+        f"{', '.join(n for n, _ in SERVED_KINDS)}; serve --help",
     )
     add_fleet_verbs(verbs)
     add_collect_verb(verbs)
@@ -75,11 +78,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _exec_module(module: str, args: list[str]) -> int:
-    """Replace this process with `python -m module args`.
+    """Replace this process with `python -P -m module args`.
 
     The CLI never imports the participant runtime; exec keeps signals going straight to the
-    server, so SIGTERM shuts it down gracefully."""
-    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    server, so SIGTERM shuts it down gracefully. `-P`: `-m` would put the working directory
+    first on `sys.path`, where any folder named like an installed package shadows it
+    (run from our own checkout, our `benchmarks/` hides the `benchmarks` package nemo-gym
+    installs); the module and everything it imports come from the environment alone."""
+    os.execv(sys.executable, [sys.executable, "-P", "-m", module, *args])
     return 0  # pragma: no cover - execv does not return
 
 

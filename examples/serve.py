@@ -1,14 +1,20 @@
-"""Run one example fleet server with its checkpoint sidecar, as its own process.
+"""Run one fleet server (an example, or one of NeMo Gym's own) with its checkpoint sidecar.
 
     python -m rollout_checkpoint.examples.serve counter --http-address 127.0.0.1:0
     python -m rollout_checkpoint.examples.serve policy_model --latency 0.05
     python -m rollout_checkpoint.examples.serve agent --model-url http://127.0.0.1:8001 \
         --resources prompt_injection=http://127.0.0.1:8002
     python -m rollout_checkpoint.examples.serve environment --agent-url http://127.0.0.1:8003
+    python -m rollout_checkpoint.examples.serve nemo-gym:indirect_prompt_injection
 
 Once HTTP and gRPC both listen it prints one JSON line to stdout (`http`, `grpc`, `instance`,
-`kind`, `pid`) so scripts and tests can find it. SIGTERM shuts it down gracefully: health goes
-NOT_SERVING at once, HTTP drains, then the sidecar stops.
+`kind`, `pid`) so scripts and tests can find it; nothing else ever goes to stdout. SIGTERM
+shuts it down gracefully: health goes NOT_SERVING at once, HTTP drains, then the sidecar stops.
+
+`nemo-gym:<server>` serves one of NeMo Gym's own resources servers (`indirect_prompt_injection`,
+`example_session_state_mgmt`) from the nemo-gym installed in this environment, built as
+`ng_run` builds it but without Ray (`rollout_checkpoint.server.nemo_gym.servers`), checkpointed
+with the shipped hooks; its instance name defaults to ng_run's, which also keys its cookies.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ import json
 import os
 import socket
 import sys
-from typing import Any, NoReturn
+from dataclasses import replace
+from typing import IO, Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
 
 from rollout_checkpoint.client.console import ExitCode, HelpFormatter, epilog
-from rollout_checkpoint.server.core.extras import MissingExtra
+from rollout_checkpoint.server.core.extras import NEMO_GYM, MissingExtra, require
+from rollout_checkpoint.server.nemo_gym.servers import KEEP_ALIVE_SECONDS
+from rollout_checkpoint.server.nemo_gym.servers import SERVERS as NEMO_GYM_SERVERS
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.logs import configure_logging
@@ -41,11 +50,25 @@ GRACEFUL_SHUTDOWN_SECONDS = 10
 """uvicorn's graceful-shutdown timeout: how long SIGTERM waits for HTTP requests to finish
 (before the sidecar's own `shutdown_grace_seconds`); deploy/kubernetes sizes
 terminationGracePeriodSeconds from both."""
-KINDS = {name: "resources" for name in RESOURCES} | {
-    "policy_model": "model",
-    "agent": "agent",
-    "environment": "environment",
+NEMO_GYM_PREFIX = "nemo-gym:"
+NEMO_GYM_KINDS = {f"{NEMO_GYM_PREFIX}{name}": kind for name, kind in NEMO_GYM_SERVERS.items()}
+"""NeMo Gym's own servers, by the name `serve` takes (`nemo-gym:<NeMo Gym's package name>`)."""
+KINDS = (
+    {name: "resources" for name in RESOURCES}
+    | {
+        "policy_model": "model",
+        "agent": "agent",
+        "environment": "environment",
+    }
+    | {name: "resources" for name in NEMO_GYM_KINDS}
+)
+NOT_FOR_NEMO_GYM = {
+    "mcp": "--mcp",
+    "session_secret": "--session-secret",
 }
+"""Resources flags a NeMo Gym server cannot honour (it has no MCP endpoint of ours, and its
+cookie secret is its own, derived from its class and instance name): refused rather than
+silently ignored, since a secret the operator set and we dropped would be a surprise."""
 
 
 def server_class(name: str) -> type[ResourcesServer]:
@@ -63,10 +86,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "ROLLOUT_CHECKPOINT_TOKEN=change-me rollout-checkpoint serve counter "
             "--http-address 127.0.0.1:8001 --grpc-address 127.0.0.1:9001",
             "servers: " + ", ".join(f"{name} ({kind})" for name, kind in sorted(KINDS.items())),
+            "nemo-gym:<server>: NeMo Gym's own server, from the nemo-gym installed in this "
+            "environment (tested: 0.4.0 on Python 3.12); --instance defaults to ng_run's.",
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("server", choices=sorted(KINDS), help="which example server to run")
+    parser.add_argument(
+        "server",
+        choices=sorted(KINDS),
+        metavar="SERVER",
+        help="which server to run (servers: below)",
+    )
     parser.add_argument(
         "--http-address", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)"
     )
@@ -78,7 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-checkpoint", action="store_true", help="run without checkpointing")
     parser.add_argument(
-        "--instance", default=None, help="instance name (default: the server's name)"
+        "--instance",
+        default=None,
+        help="instance name (default: the server's name; nemo-gym:<server>: ng_run's "
+        "instance name, which also names its session cookie and secret)",
     )
     parser.add_argument(
         "--start-closed",
@@ -149,10 +182,43 @@ def checkpoint_settings(args: argparse.Namespace, instance: str) -> CheckpointSe
     return CheckpointSettings(**overrides)
 
 
+def default_instance(server: str) -> str:
+    """The instance name when `--instance` is not given: the server's name, or for a NeMo
+    Gym server the one `ng_run` gives it (its cookie's name and secret derive from it)."""
+    if server in NEMO_GYM_KINDS:
+        return NEMO_GYM_KINDS[server].instance
+    return server
+
+
+def build_nemo_gym(
+    server: str, instance: str, http_address: str, checkpoint: CheckpointSettings | None
+) -> tuple[Any, CheckpointRuntime | None]:
+    """One of NeMo Gym's own servers, as `ng_run`'s `run_webserver()` serves it, checkpointed
+    with the shipped hooks. Raises `MissingExtra` (exit 2) without nemo-gym or without this
+    server in the installed nemo-gym, before anything is built."""
+    # Imported here: the integration imports nemo-gym's session key when it installs.
+    from rollout_checkpoint.server.nemo_gym import (
+        add_run_webserver_layers,
+        build_server,
+        checkpoint_nemo_gym_server,
+    )
+
+    kind = NEMO_GYM_KINDS[server]
+    require(replace(NEMO_GYM, modules=(*NEMO_GYM.modules, kind.module)), server)
+    host, port = _split(http_address)
+    nemo_gym_server = build_server(kind, instance, host, port)
+    app = nemo_gym_server.setup_webserver()
+    add_run_webserver_layers(nemo_gym_server, app)
+    installed = checkpoint_nemo_gym_server(nemo_gym_server, app, checkpoint)
+    return app, installed.runtime if installed is not None else None
+
+
 def build(
     args: argparse.Namespace, instance: str, checkpoint: CheckpointSettings | None
 ) -> tuple[Any, CheckpointRuntime | None]:
     """The app and its checkpoint runtime for the chosen server."""
+    if args.server in NEMO_GYM_KINDS:
+        return build_nemo_gym(args.server, instance, args.http_address, checkpoint)
     if args.server in RESOURCES:
         config = ResourcesServerConfig(
             instance=instance,
@@ -254,9 +320,30 @@ def check_free(label: str, address: str) -> None:
             fail(EXIT_ADDRESS_IN_USE, f"cannot listen on {label} address {address}: {reason}")
 
 
+def refuse_inapplicable_flags(args: argparse.Namespace) -> None:
+    """Exit 2 with one line for a flag the chosen server cannot honour."""
+    if args.server in NEMO_GYM_KINDS:
+        for attribute, flag in NOT_FOR_NEMO_GYM.items():
+            if getattr(args, attribute):
+                fail(EXIT_USAGE, f"{flag} does not apply to {args.server}")
+
+
+def announcement_stream() -> IO[str]:
+    """The real stdout, for the one announcement line; `sys.stdout` becomes stderr.
+
+    A reader takes the first line and may never drain the pipe, so anything else printed to
+    stdout would fill it and block the server: NeMo Gym prints freely (its exception
+    middleware, its validation handler), and so may any library a server imports."""
+    announce = sys.stdout
+    sys.stdout = sys.stderr
+    return announce
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    instance = args.instance or args.server
+    announce = announcement_stream()
+    refuse_inapplicable_flags(args)
+    instance = args.instance or default_instance(args.server)
     checkpoint = settings_or_exit(args, instance)
     check_free("HTTP", args.http_address)
     if checkpoint is not None:
@@ -270,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         app, runtime = build(args, instance, checkpoint)
-    except MissingExtra as error:  # e.g. --mcp without the mcp extra: one line, exit 2
+    except MissingExtra as error:  # --mcp without the mcp extra, nemo-gym:* without nemo-gym
         fail(EXIT_USAGE, str(error))
     host, port = _split(args.http_address)
 
@@ -287,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kind": KINDS[args.server],
                 "pid": os.getpid(),
             }
-            print(json.dumps(announcement), flush=True)
+            print(json.dumps(announcement), file=announce, flush=True)
 
     config = uvicorn.Config(
         app,
@@ -298,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,  # uvicorn's lines go through the same (structured) handler
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
+    if args.server in NEMO_GYM_KINDS:  # NeMo Gym's agents count on run_webserver()'s keep-alive
+        config.timeout_keep_alive = KEEP_ALIVE_SECONDS
     AnnouncingServer(config).run()
 
 

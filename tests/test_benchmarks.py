@@ -1,7 +1,9 @@
 """The benchmarks still run: `python -m benchmarks --scale tiny` end to end, in a subprocess.
 
 This proves every benchmark starts its servers, drives them and reports numbers. It never
-asserts on speed: the figures are reported, not gates.
+asserts on speed: the figures are reported, not gates. The NeMo Gym one needs the cached
+nemo-gym env (`scripts/nemo-gym-env`, which `scripts/test` builds): where it is built it must
+report numbers, where it is not it must say so and report none.
 """
 
 from __future__ import annotations
@@ -13,8 +15,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .nemo_gym.beside import BesideError, ready_env
+
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("prepare", "throughput", "dataplane", "control", "fleet", "light", "bounded")
+BENCHMARKS = (
+    "prepare",
+    "throughput",
+    "dataplane",
+    "control",
+    "fleet",
+    "light",
+    "bounded",
+    "nemo_gym",
+)
+
+
+def nemo_gym_env_is_built() -> bool:
+    try:
+        ready_env()
+    except BesideError:
+        return False
+    return True
 
 
 def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Path) -> None:
@@ -32,8 +53,15 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
     payload = json.loads((output / "latest.json").read_text())
     assert payload["scale"] == "tiny"
     assert set(payload["benchmarks"]) == set(BENCHMARKS)
+    skipped = payload["benchmarks"]["nemo_gym"]["skipped"]
+    if nemo_gym_env_is_built():
+        assert skipped == "", skipped
+    else:
+        assert skipped.startswith("no nemo-gym env here (nemo-gym-env: "), skipped
+        assert not payload["benchmarks"].pop("nemo_gym")["figures"]
     for name, result in payload["benchmarks"].items():
         assert result["figures"], name
+        assert not result["skipped"], (name, result["skipped"])
         for figure in result["figures"]:
             assert figure["n"] >= 1, (name, figure)
             for key in ("median", "min", "max"):
@@ -44,3 +72,52 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
     markdown = (output / "latest.md").read_text()
     for result in payload["benchmarks"].values():
         assert result["title"] in markdown
+
+
+def test_merging_twice_credits_each_kept_result_to_the_run_it_came_from(tmp_path: Path) -> None:
+    """`--merge` of one benchmark onto results that were themselves merged: the results kept
+    from the oldest run still name that run, not the newer one they passed through."""
+    from benchmarks.__main__ import merged
+    from benchmarks.report import markdown
+
+    def run(finished_at: str, *names: str, **extra: object) -> dict[str, object]:
+        machine = {"cores": 2, "cpu_model": "x", "python": "3.11", "load_average_at_start": [0]}
+        results = {
+            name: {"title": name, "measures": "", "figures": [], "ratios": []} for name in names
+        }
+        return {
+            "scale": "default",
+            "params": {},
+            "spread": "min-max",
+            "machine": machine,
+            "seconds": 1.0,
+            "finished_at": finished_at,
+            "benchmarks": results,
+            **extra,
+        }
+
+    oldest = run("2026-01-01", "prepare", "light")
+    previous = tmp_path / "latest.json"
+    previous.write_text(json.dumps(oldest))
+    middle = merged(run("2026-02-01", "light"), previous)
+    previous.write_text(json.dumps(middle))
+    newest = merged(run("2026-03-01", "nemo_gym"), previous)
+
+    assert set(newest["benchmarks"]) == {"prepare", "light", "nemo_gym"}
+    assert [(r["benchmarks"], r["finished_at"]) for r in newest["earlier_runs"]] == [
+        (["prepare"], "2026-01-01"),
+        (["light"], "2026-02-01"),
+    ]
+    assert "prepare from the run finished 2026-01-01; light from the run finished 2026-02-01" in (
+        markdown(newest)
+    )
+    # The single `earlier_run` of results merged before this form is read the same way.
+    legacy = run(
+        "2026-02-01", "prepare", "light", earlier_run={**oldest, "benchmarks": ["prepare"]}
+    )
+    previous.write_text(json.dumps(legacy))
+    again = merged(run("2026-03-01", "nemo_gym"), previous)
+    assert [(r["benchmarks"], r["finished_at"]) for r in again["earlier_runs"]] == [
+        (["prepare"], "2026-01-01"),
+        (["light"], "2026-02-01"),
+    ]

@@ -310,6 +310,24 @@ def test_top_level_help_lists_every_served_kind_and_version() -> None:
     assert run("--version").stdout.startswith("rollout-checkpoint ")
 
 
+def test_serve_imports_nothing_from_the_working_directory(tmp_path: Path) -> None:
+    """`serve` runs from any directory, even one holding a folder named like a package it
+    imports (here uvicorn; run from our checkout, `benchmarks/` would hide nemo-gym's)."""
+    shadow = tmp_path / "uvicorn"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text('raise ImportError("the uvicorn of the working directory")')
+    completed = subprocess.run(
+        [*CLI, "serve", "--help"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "nemo-gym:indirect_prompt_injection" in completed.stdout
+
+
 def test_the_health_verb_answers_without_a_token(tmp_path: Path) -> None:
     with real_fleet(tmp_path, start_closed=True) as fleet:
         address = fleet.servers["counter"].announced["grpc"]

@@ -1,13 +1,14 @@
 """NeMo Gym's own servers (0.4.0 from PyPI), checkpointed mid-episode, SIGKILLed and restored.
 
-Each server runs as a process of the Python 3.12 env beside nemo-gym (`beside_nemo_gym`: our
-package installed next to the cached env, see test_nemo_gym_install.py), wrapped by
-`tests/nemo_gym/launch.py --checkpoint` (`rollout_checkpoint.server.nemo_gym`). One episode is
-driven the way NeMo Gym's agents drive it (one cookie jar: seed, tool calls, verify) under the
-rollout prefix; mid-episode it is prepared and committed, the process is SIGKILLed, a
-replacement starts closed, restores the episode as attempt 1, resumes, and the episode
-continues with its old cookie. The same requests, run uninterrupted on the replacement as
-another rollout, must give every tool output and the server's own `/verify` reward equal.
+Each server runs as `rollout-checkpoint serve nemo-gym:<server>`, a process of the Python 3.12
+env beside nemo-gym (`beside_nemo_gym`: our package installed next to the cached env, see
+tests/nemo_gym/beside.py), announcing itself with the one JSON line every `serve` prints. One
+episode is driven the way NeMo Gym's agents drive it (one cookie jar: seed, tool calls, verify)
+under the rollout prefix; mid-episode it is prepared and committed, the process is SIGKILLed, a
+replacement starts closed on the same HTTP and gRPC addresses, restores the episode as attempt
+N+1, resumes, and the episode continues with its old cookie (the same NeMo Gym session id). The
+same requests, run uninterrupted on the replacement as another rollout, must give every tool
+output and the server's own `/verify` reward equal.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from .test_nemo_gym_smoke import (
     ANNOUNCE_TIMEOUT_S,
     COUNTER,
     IPI,
-    LAUNCHER,
     child_env,
     kill_group,
     read_announcement,
     response_object,
+    session_id,
 )
 from .test_nemo_gym_smoke import nemo_env as nemo_env
 
@@ -105,13 +106,26 @@ EPISODES: dict[str, tuple[dict[str, Any], list[Call], list[Call], dict[str, Any]
 }
 
 
+# ng_run's instance names (the default of `serve nemo-gym:<server>`): they key the cookie.
+INSTANCE = {
+    COUNTER: "example_session_state_mgmt_resources_server",
+    IPI: "indirect_prompt_injection_resources_server",
+}
+
+
+def serve_command(python: Path, server: str, *extra: str) -> list[str]:
+    """`rollout-checkpoint serve nemo-gym:<server>`, the console script of the env beside
+    nemo-gym (next to its python)."""
+    return [str(python.parent / "rollout-checkpoint"), "serve", f"nemo-gym:{server}", *extra]
+
+
 class Process:
     def __init__(self, python: Path, server: str, work: Path, *extra: str) -> None:
         self.log = work / f"{server}-{time.monotonic_ns()}.log"
         with self.log.open("wb") as err:
             self.process = subprocess.Popen(
-                [str(python), str(LAUNCHER), server, "--checkpoint", *extra],
-                cwd=work,  # outside the repo: our `benchmarks` would shadow nemo-gym's
+                serve_command(python, server, *extra),
+                cwd=work,
                 env=child_env() | {"ROLLOUT_CHECKPOINT_TOKEN": TOKEN},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -121,6 +135,13 @@ class Process:
         self.announcement: dict[str, Any] = read_announcement(
             self.process, self.log, ANNOUNCE_TIMEOUT_S
         )
+        assert self.announcement == {
+            "http": self.announcement["http"],
+            "grpc": self.announcement["grpc"],
+            "instance": INSTANCE[server],
+            "kind": "resources",
+            "pid": self.process.pid,  # the console script exec'd the server
+        }, self.announcement
         self.base_url = f"http://{self.announcement['http']}"
         self.control = ParticipantClient(self.announcement["grpc"], TOKEN)
 
@@ -176,14 +197,25 @@ async def test_checkpoint_kill_restore_continue_equals_uninterrupted(
         assert seeded.status_code == 200, seeded.text
         verify_mode = seeded.headers["x-ng-checkpoint-verify"]
         outputs = await run_calls(http, first.base_url, episode, before)
+        session = session_id(http, server)
 
         await drain(first.control.prepare("c1", deadline()))
         committed = await first.control.commit("c1", deadline(), checkpoint_dir)
         assert list(committed.exported) == ["r1"]
         kill_group(first.process)
 
-        second = Process(beside_nemo_gym, server, work, "--start-closed")
+        second = Process(
+            beside_nemo_gym,
+            server,
+            work,
+            "--start-closed",
+            "--http-address",
+            first.announcement["http"],
+            "--grpc-address",
+            first.announcement["grpc"],
+        )
         processes.append(second)
+        assert second.base_url == first.base_url
         started = time.monotonic()
         restored = await second.control.restore(
             "restore-1", deadline(), checkpoint_dir, [EpisodeId("r1")]
@@ -196,6 +228,7 @@ async def test_checkpoint_kill_restore_continue_equals_uninterrupted(
         verified = await call(
             http, second.base_url, continued, "/verify", verify_body(before + after, outputs, extra)
         )
+        assert session_id(http, server) == session, "the episode went on under another session"
 
     # The same episode, uninterrupted, on the replacement (a fresh cookie jar).
     reference = EpisodeId("r2")

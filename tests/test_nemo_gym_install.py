@@ -6,8 +6,9 @@ nemo-gym 0.4.0 pins `mcp>=1.27,<2`; our core install no longer needs mcp (an ext
 The cached environment (`scripts/nemo-gym-env`) is shared by other tests and must not be
 modified, so this installs into a throwaway venv of the same interpreter that *sees* the cached
 env's site-packages through a `.pth` file (after its own, so anything it installs would shadow
-the env's copy). pip resolves our dependencies against everything visible: what the env already
-satisfies stays, what is missing lands in the throwaway venv. Then:
+the env's copy; `tests/nemo_gym/beside.py`). pip resolves our dependencies against everything
+visible: what the env already satisfies stays, what is missing lands in the throwaway venv.
+Then:
 
 - nothing installed in the throwaway venv is also a distribution of the env (no dependency of
   ours replaced one of nemo-gym's: the `mcp 2` conflict would show here first);
@@ -29,23 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from .test_nemo_gym_smoke import REPO, NemoGymEnv, child_env
+from .nemo_gym.beside import BesideError, install_beside, purelib, run
+from .test_nemo_gym_smoke import NemoGymEnv
 from .test_nemo_gym_smoke import nemo_env as nemo_env  # the shared fixture
-
-# The parts of the tree a wheel is built from (pyproject's package-dir, readme).
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "gen", "server", "client", "examples")
-PIP_TIMEOUT_S = 300.0
-
-
-def run(*command: str | Path, timeout: float = PIP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(part) for part in command],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env() | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def distributions(site_packages: Path) -> set[str]:
@@ -56,38 +43,15 @@ def distributions(site_packages: Path) -> set[str]:
     }
 
 
-def purelib(python: Path) -> Path:
-    result = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    assert result.returncode == 0, result.stderr
-    return Path(result.stdout.strip())
-
-
 @pytest.fixture(scope="module")
 def beside_nemo_gym(nemo_env: NemoGymEnv, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The python of a throwaway venv seeing nemo-gym's env, with `pip install <our tree>`."""
-    root = tmp_path_factory.mktemp("beside-nemo-gym")
-    env_before = sorted(p.name for p in nemo_env.site_packages.glob("*.dist-info"))
-    created = run(nemo_env.python, "-m", "venv", "--without-pip", root / "venv", timeout=60)
-    assert created.returncode == 0, created.stderr
-    python = root / "venv" / "bin" / "python"
-    (purelib(python) / "nemo_gym_env.pth").write_text(f"{nemo_env.site_packages}\n")
-    tree = root / "tree"
-    for name in WHEEL_SOURCES:
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            tree.mkdir(exist_ok=True)
-            shutil.copy2(source, tree / name)
-    # The cached env's pip drives the throwaway interpreter (`--python`), so the venv needs
-    # no pip of its own; without extras: the core install.
-    installed = run(
-        nemo_env.python, "-m", "pip", "--python", python, "install", "--no-compile", tree
-    )
-    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
-    assert "Not uninstalling" not in installed.stdout, installed.stdout
-    assert sorted(p.name for p in nemo_env.site_packages.glob("*.dist-info")) == env_before
-    return python
+    """The python of a throwaway venv seeing nemo-gym's env, with `pip install <our tree>`
+    (its `bin/` also holds our `rollout-checkpoint` console script). Fails loudly when pip
+    fails, would replace one of nemo-gym's packages, or changed the shared env."""
+    try:
+        return install_beside(nemo_env.python, tmp_path_factory.mktemp("beside-nemo-gym"))
+    except BesideError as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 def pip(nemo_env: NemoGymEnv, python: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-ENV_SCRIPT = REPO / "scripts" / "nemo-gym-env"
+from .nemo_gym.beside import ENV_SCRIPT, REPO, child_env
+
 LAUNCHER = REPO / "tests" / "nemo_gym" / "launch.py"
 
 # A cold build is about 2.5 minutes on an idle machine; a loaded 2-core CI box gets slack.
@@ -75,12 +75,6 @@ class Served:
     @property
     def base_url(self) -> str:
         return f"http://{self.announcement['http']}"
-
-
-def child_env() -> dict[str, str]:
-    """Our environment minus what would point the 3.12 interpreter at the 3.11 venv."""
-    drop = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"}
-    return {k: v for k, v in os.environ.items() if k not in drop}
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +206,7 @@ def servers(
             kill_group(process)
 
 
-def session_id(client: httpx.Client, server: str) -> str:
+def session_id(client: httpx.Client | httpx.AsyncClient, server: str) -> str:
     """The NeMo Gym session id inside the signed cookie (base64 JSON before the first dot)."""
     value = client.cookies[COOKIE[server]]
     payload = value.split(".", 1)[0]

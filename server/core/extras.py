@@ -7,6 +7,10 @@ time; the code that serves the feature calls `require` first, when the feature i
 and a missing (or too old) package ends startup with one line naming the extra to install,
 instead of an ImportError traceback from inside the app's lifespan or, worse, from importing
 an unrelated module. Stdlib only: the core's values import no third-party package.
+
+nemo-gym is checked the same way (`serve nemo-gym:<server>`), though it is no extra of ours:
+it needs Python >= 3.12 and brings ray, and who serves NeMo Gym's servers has it already. Its
+line says to install nemo-gym itself (`Extra.install`).
 """
 
 from __future__ import annotations
@@ -15,18 +19,27 @@ import importlib
 import importlib.metadata
 from dataclasses import dataclass
 
-__all__ = ["MCP", "REFLECTION", "Extra", "MissingExtra", "require"]
+__all__ = ["MCP", "NEMO_GYM", "REFLECTION", "Extra", "MissingExtra", "require"]
 
 
 @dataclass(frozen=True)
 class Extra:
     """One optional extra: its name in `pip install rollout-checkpoint[name]`, the
-    distribution and version range it installs, and the top-level modules that must import."""
+    distribution and version range it installs, and the modules that must import.
+
+    `install`: what the operator should install when it is not `rollout-checkpoint[name]`
+    (a package that is no extra of ours)."""
 
     name: str
     distribution: str
     requirement: str
     modules: tuple[str, ...]
+    install: str | None = None
+
+    @property
+    def remedy(self) -> str:
+        """The end of the one line: what to install."""
+        return f"install {self.install or f'rollout-checkpoint[{self.name}]'}"
 
 
 # `mcp_types` is a separate package of the mcp 2.x line: with mcp 1.x (what nemo-gym 0.4.0
@@ -34,6 +47,16 @@ class Extra:
 MCP = Extra("mcp", "mcp", "mcp>=2.3,<3", ("mcp", "mcp_types"))
 REFLECTION = Extra(
     "reflection", "grpcio-reflection", "grpcio-reflection>=1.85.1", ("grpc_reflection",)
+)
+# What `serve nemo-gym:<server>` needs: NeMo Gym's server utilities (the session key, the
+# ServerClient); the server's own module is added per server. 0.4.0 is the version tested
+# (tests/test_nemo_gym_*.py), the newest that runs on Python 3.12.
+NEMO_GYM = Extra(
+    "nemo-gym",
+    "nemo-gym",
+    "nemo-gym==0.4.0",
+    ("nemo_gym.server_utils",),
+    install="nemo-gym==0.4.0 in this environment (it needs Python >= 3.12)",
 )
 
 
@@ -52,10 +75,7 @@ class MissingExtra(Exception):
             if installed
             else f"{extra.distribution} is not installed"
         )
-        super().__init__(
-            f"{feature} needs {extra.requirement} ({found}): "
-            f"install rollout-checkpoint[{extra.name}]"
-        )
+        super().__init__(f"{feature} needs {extra.requirement} ({found}): {extra.remedy}")
 
 
 def require(extra: Extra, feature: str) -> None:

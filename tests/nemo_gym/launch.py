@@ -1,22 +1,19 @@
-"""Serve one of NeMo Gym's own resources servers outside `ng_run`, for our tests.
+"""Serve one of NeMo Gym's own resources servers outside `ng_run`, *without* rollout-checkpoint.
 
-Run by the Python 3.12 env that `scripts/nemo-gym-env` prints (nemo-gym 0.4.0 from PyPI):
+Run by the Python 3.12 env that `scripts/nemo-gym-env` prints (nemo-gym 0.4.0 from PyPI,
+and nothing of ours installed):
 
     $(scripts/nemo-gym-env) tests/nemo_gym/launch.py indirect_prompt_injection
     -> {"http": "127.0.0.1:40123", "grpc": null, "instance": "...", "kind": "nemo-gym:...", "pid": 4711}
 
-`--checkpoint` wraps the server with `rollout_checkpoint.server.nemo_gym` (then `grpc` is the
-sidecar's address); the interpreter must have rollout-checkpoint installed.
-
-Why not `ng_run`: its `run_webserver()` reads the global config from a head server, starts
-a Ray cluster and may fork uvicorn workers, none of which a test of one server needs (and
-Ray alone costs seconds and gigabytes). Instead the server is built exactly as
-`run_webserver()` builds it (the instance config, a `ServerClient` that is never called),
-then `setup_webserver()` gives its FastAPI app, and by default the same three additions
-`run_webserver()` makes to that app (the `GET /` liveness route, the exception middleware
-that turns a handler's exception into a 500 with `repr(e)`, the logging validation-error
-handler), so the HTTP behaviour is what a real NeMo Gym deployment serves. `--bare` serves
-`setup_webserver()`'s app alone, the form an integration wraps.
+The reference for "as without us": the server is built by the very code
+`rollout-checkpoint serve nemo-gym:<server>` runs (`server/nemo_gym/servers.py`, which
+imports nothing of ours, loaded here by its file path since the package is not installed in
+this env): `build_server`, `setup_webserver()` and by default the three app additions
+`run_webserver()` makes (`add_run_webserver_layers`), so the HTTP behaviour is what a real
+NeMo Gym deployment serves. `--bare` serves `setup_webserver()`'s app alone, the form an
+integration wraps. To checkpoint one, run `rollout-checkpoint serve nemo-gym:<server>` from
+an env with both installed (tests/test_nemo_gym_checkpoint.py).
 
 The announcement convention is the one `rollout-checkpoint serve` uses: one JSON line on
 stdout once the socket listens, nothing else ever on stdout. NeMo Gym and Ray print to
@@ -28,137 +25,49 @@ drains the pipe, and a full pipe would block the server.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
-from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
+from pathlib import Path
+from types import ModuleType
+from typing import IO, Any
 
 ANNOUNCE: IO[str] = sys.stdout
 sys.stdout = sys.stderr
 
-
-@dataclass(frozen=True)
-class ServerKind:
-    """Where one NeMo Gym server lives in the nemo-gym wheel (top-level packages)."""
-
-    module: str
-    server_class: str
-    config_class: str
-    # The instance name `ng_run` gives it with the package's own config file
-    # (configs/<name>.yaml, top-level key). The session cookie's name and signing secret
-    # are both f"{server_class}___{instance}", so using the same name as ng_run keeps
-    # cookies interchangeable with a real deployment.
-    instance: str
+SERVERS_MODULE = Path(__file__).resolve().parents[2] / "server" / "nemo_gym" / "servers.py"
 
 
-SERVERS: dict[str, ServerKind] = {
-    "indirect_prompt_injection": ServerKind(
-        "resources_servers.indirect_prompt_injection.app",
-        "IPIResourcesServer",
-        "IPIResourcesServerConfig",
-        "indirect_prompt_injection_resources_server",
-    ),
-    "example_session_state_mgmt": ServerKind(
-        "resources_servers.example_session_state_mgmt.app",
-        "StatefulCounterResourcesServer",
-        "StatefulCounterResourcesServerConfig",
-        "example_session_state_mgmt_resources_server",
-    ),
-}
-
-
-def build_server(kind: ServerKind, instance: str, host: str, port: int) -> Any:
-    """The server object as `run_webserver()` would construct it, minus the global config.
-
-    `ServerClient` is required by the model but only used to call *other* servers (agents
-    and models), which a resources server never does; a head server at port 0 and an empty
-    global config make any accidental use fail fast instead of reaching a real process.
-    """
-    import importlib
-
-    from nemo_gym.config_types import BaseServerConfig
-    from nemo_gym.server_utils import ServerClient
-    from omegaconf import OmegaConf
-
-    module = importlib.import_module(kind.module)
-    server_cls = getattr(module, kind.server_class)
-    config_cls = getattr(module, kind.config_class)
-    # The config class is the annotation of the server's `config` field (how
-    # BaseServer.load_config_from_global_config finds it); check our table agrees.
-    assert server_cls.model_fields["config"].annotation is config_cls, kind
-    config = config_cls(host=host, port=port, entrypoint="app.py", name=instance)
-    server_client = ServerClient(
-        head_server_config=BaseServerConfig(host="127.0.0.1", port=0),
-        global_config_dict=OmegaConf.create({}),
-    )
-    return server_cls(config=config, server_client=server_client)
-
-
-def add_run_webserver_layers(server: Any, app: FastAPI) -> None:
-    """The app-level additions `SimpleServer.run_webserver()` makes after `setup_webserver()`.
-
-    Left out on purpose: Ray, `set_ulimit`, log prefixing, profiling and the access-log
-    filter, which change the process rather than what a client sees over HTTP.
-    """
-    from fastapi import Request
-    from fastapi.exception_handlers import request_validation_exception_handler
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import Response
-
-    server.setup_liveness(app)
-    server.setup_exception_middleware(app)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_exception_handler(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        print(f"Hit validation exception! Errors: {json.dumps(exc.errors(), default=str)}")
-        return await request_validation_exception_handler(request, exc)
+def load_servers() -> ModuleType:
+    """`rollout_checkpoint.server.nemo_gym.servers`, from its file (not installed here)."""
+    spec = importlib.util.spec_from_file_location("nemo_gym_servers", SERVERS_MODULE)
+    assert spec is not None and spec.loader is not None, SERVERS_MODULE
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> None:
+    servers = load_servers()
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("server", choices=sorted(SERVERS))
+    parser.add_argument("server", choices=sorted(servers.SERVERS))
     parser.add_argument("--instance", help="config.name (default: ng_run's instance name)")
     parser.add_argument("--http-address", default="127.0.0.1:0", help="HOST:PORT (0: free)")
     parser.add_argument("--bare", action="store_true", help="setup_webserver()'s app alone")
     parser.add_argument("--log-level", default="warning")
-    parser.add_argument(
-        "--checkpoint",
-        action="store_true",
-        help="checkpoint it with rollout_checkpoint.server.nemo_gym (token from "
-        "$ROLLOUT_CHECKPOINT_TOKEN); the announcement then names the sidecar's grpc address",
-    )
-    parser.add_argument("--grpc-address", default="127.0.0.1:0", help="the sidecar's HOST:PORT")
-    parser.add_argument(
-        "--start-closed", action="store_true", help="a replacement: admission closed until restored"
-    )
     args = parser.parse_args(argv)
 
     import uvicorn
 
-    kind = SERVERS[args.server]
+    kind = servers.SERVERS[args.server]
     instance = args.instance or kind.instance
     host, _, port = args.http_address.rpartition(":")
-    server = build_server(kind, instance, host, int(port))
+    server = servers.build_server(kind, instance, host, int(port))
     app = server.setup_webserver()
     if not args.bare:
-        add_run_webserver_layers(server, app)
-    runtime = None
-    if args.checkpoint:
-        # The integration under test; needs rollout-checkpoint installed in this interpreter.
-        from rollout_checkpoint.server.nemo_gym import checkpoint_nemo_gym_server
-        from rollout_checkpoint.server.runtime.settings import CheckpointSettings
-
-        settings = CheckpointSettings(
-            enabled=True, grpc_address=args.grpc_address, start_closed=args.start_closed
-        )
-        installed = checkpoint_nemo_gym_server(server, app, settings)
-        assert installed is not None
-        runtime = installed.runtime
+        servers.add_run_webserver_layers(server, app)
 
     class AnnouncingServer(uvicorn.Server):
         """Prints the announcement once uvicorn's socket listens (port 0 resolved)."""
@@ -170,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             bound = self.servers[0].sockets[0].getsockname()
             announcement = {
                 "http": f"{host}:{bound[1]}",
-                "grpc": runtime.address if runtime is not None else None,
+                "grpc": None,
                 "instance": instance,
                 "kind": f"nemo-gym:{args.server}",
                 "pid": os.getpid(),
@@ -184,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         port=int(port),
         log_level=args.log_level,
         timeout_graceful_shutdown=1,
-        timeout_keep_alive=30,
+        timeout_keep_alive=servers.KEEP_ALIVE_SECONDS,
     )
     AnnouncingServer(config).run()
 
