@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .conftest import TOKEN, start_harness, stop_harness
 from .double import DoubleParticipant
+from .tls_files import self_signed
 
 
 def test_off_by_default_installs_nothing() -> None:
@@ -70,35 +70,8 @@ async def test_reflection_on_by_configuration() -> None:
         await stop_harness(h)
 
 
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    key, cert = directory / "key.pem", directory / "cert.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return key, cert
-
-
 async def test_tls(tmp_path: Path) -> None:
-    key, cert = make_certificate(tmp_path)
+    key, cert = self_signed(tmp_path)
     h = await start_harness(tls_cert_file=str(cert), tls_key_file=str(key))
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())

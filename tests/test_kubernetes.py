@@ -43,6 +43,7 @@ from rollout_checkpoint.client.coordinator.service import SERVICE_NAME as COORDI
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec, load_fleet_file
 from rollout_checkpoint.examples import serve
+from rollout_checkpoint.server.core.rpc.tls import server_credentials
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
@@ -112,6 +113,10 @@ def participants() -> dict[str, Any]:
 
 def coordinator() -> dict[str, Any]:
     return one("Deployment", "rollout-checkpoint-coordinator")
+
+
+def coordinator_service() -> dict[str, Any]:
+    return one("Service", "rollout-checkpoint-coordinator")
 
 
 def flag(command: list[str], name: str) -> str:
@@ -575,11 +580,17 @@ def test_control_traffic_is_tls_from_a_secret_made_by_hand() -> None:
     # Every participant probe verifies the sidecar against the Secret's CA.
     for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert exec_probe_args(c[kind]).ca_file == f"{tls}/ca.crt"
-    # The coordinator gets the CA only, never the key; the fleet file names that CA, so the
-    # coordinator (and every fleet verb run in its pod) dials the members over TLS.
+    # The coordinator serves its own port with the same certificate and key, and the fleet
+    # file names the CA, so it (and every fleet verb run in its pod) dials the members over
+    # TLS; the probes of its port verify it against that CA too.
     (volume,) = secret_volumes(coordinator(), TLS_SECRET)
-    assert volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert "items" not in volume["secret"]
     ca = mount_of_secret(coordinator(), TLS_SECRET)
+    command = container(coordinator())["command"]
+    assert flag(command, "--tls-cert-file") == f"{ca}/tls.crt"
+    assert flag(command, "--tls-key-file") == f"{ca}/tls.key"
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert exec_probe_args(container(coordinator())[kind]).ca_file == f"{ca}/ca.crt"
     fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
     assert fleet["tls_ca_file"] == f"{ca}/ca.crt"
     assert "tls_cert_file" not in fleet and "tls_key_file" not in fleet
@@ -726,8 +737,45 @@ async def test_the_readme_certificate_serves_every_member_and_the_probes(tmp_pat
             "--address", f"localhost:{h.runtime.port}", "--ca-file", str(tmp_path / "nope"), ""
         )
         assert code == 2 and "--ca-file" in stderr, stderr
+        # The coordinator serves its port with the same files, as its command line says: a
+        # controller verifies it by its Service name, and its exec probes pass as written.
+        await check_the_coordinator_serves_the_readme_certificate(tmp_path, spec)
     finally:
         await stop_harness(h)
+
+
+async def check_the_coordinator_serves_the_readme_certificate(
+    tmp_path: Path, spec: FleetSpec
+) -> None:
+    # The manifest's files, as the README's commands made them here.
+    command = container(coordinator())["command"]
+    cert, key = (
+        tmp_path / Path(flag(command, f)).name for f in ("--tls-cert-file", "--tls-key-file")
+    )
+    credentials = server_credentials(cert, key, None)
+    server = Coordinator(spec, "127.0.0.1:0", credentials=credentials)
+    await server.start()
+    try:
+        trusted = grpc.ssl_channel_credentials((tmp_path / "ca.crt").read_bytes())
+        service = coordinator_service()["metadata"]["name"]
+        for name in (service, f"{service}.default.svc", f"{service}.default.svc.cluster.local"):
+            options = [("grpc.ssl_target_name_override", name)]
+            async with aio.secure_channel(
+                f"127.0.0.1:{server.port}", trusted, options=options
+            ) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                request = health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE)
+                reply = await health.Check(request, timeout=30)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        c = container(coordinator())
+        for kind in ("livenessProbe", "readinessProbe"):
+            args = kubelet_probe_args(c[kind], server.port or 0, tmp_path / "ca.crt")
+            code, stderr = await run_probe(*args)
+            assert code == 0, (kind, stderr)
+        with pytest.raises(aio.AioRpcError):  # plaintext gets no answer
+            await health_status(f"127.0.0.1:{server.port}", COORDINATOR_SERVICE)
+    finally:
+        await server.stop()
 
 
 async def test_the_probes_keep_a_start_closed_pod_alive_but_not_ready(tmp_path: Path) -> None:
@@ -785,7 +833,9 @@ def test_the_readme_fleet_verbs_run_in_the_coordinator_pod() -> None:
     fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
     assert "valueFrom" in env(c)[fleet["token_env"]]
     assert Path(fleet["tls_ca_file"]).parent == Path(mount_of_secret(coordinator(), TLS_SECRET))
-    # The coordinator is Ready on its own (its port is plaintext, its probes native gRPC),
-    # so `kubectl exec deploy/...` finds it while every participant is still not Ready.
+    # The coordinator is Ready on its own (its probes ask its own port, never a member), so
+    # `kubectl exec deploy/...` finds it while every participant is still not Ready.
     for kind in ("livenessProbe", "readinessProbe"):
-        assert "grpc" in c[kind] and "exec" not in c[kind]
+        target = probe_target(c[kind])
+        assert target["port"] == port(c, "grpc")
+        assert target["service"] in ("", COORDINATOR_SERVICE)

@@ -423,7 +423,10 @@ def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
 
 class Coordinator:
     """The coordinator server: CoordinatorService + health (+ reflection when asked), each
-    parsing its own request bytes, so garbage is a typed INVALID_REQUEST, never UNKNOWN."""
+    parsing its own request bytes, so garbage is a typed INVALID_REQUEST, never UNKNOWN.
+
+    With `credentials` (`server_credentials`) its port is TLS, optionally mutual: controllers
+    in other pods send the fleet's token with every call, which plaintext would expose."""
 
     def __init__(
         self,
@@ -433,6 +436,7 @@ class Coordinator:
         reflection_enabled: bool = False,
         grace: float = 5.0,
         supervise: SupervisorSettings | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
             require(REFLECTION, "coordinator --reflection")
@@ -449,6 +453,7 @@ class Coordinator:
         self.address = address
         self.reflection_enabled = reflection_enabled
         self.grace = grace
+        self.credentials = credentials
         self.port: int | None = None
         self._server: aio.Server | None = None
 
@@ -463,7 +468,10 @@ class Coordinator:
             names = (SERVICE_NAME, HEALTH_SERVICE, REFLECTION_SERVICE)
             handlers.append(reflection_handler(names, hostile))
         server.add_generic_rpc_handlers(handlers)
-        self.port = server.add_insecure_port(self.address)
+        if self.credentials is None:
+            self.port = server.add_insecure_port(self.address)
+        else:
+            self.port = server.add_secure_port(self.address, self.credentials)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()

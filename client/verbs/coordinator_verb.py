@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from rollout_checkpoint.client.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
+from rollout_checkpoint.server.core.rpc.tls import TlsFilesError, server_credentials
 
 if TYPE_CHECKING:
     from rollout_checkpoint.client.coordinator.supervisor import SupervisorSettings
@@ -29,11 +30,21 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        credentials = server_credentials(
+            args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file
+        )
+    except TlsFilesError as error:
+        raise CliError(ExitCode.USAGE, f"coordinator: {error}") from None
     supervise = supervisor_settings(args) if args.supervise else None
     if supervise is not None and spec.checkpoint_root is None:
         raise FleetConfigError(f"{args.fleet}: --supervise needs checkpoint_root in the fleet file")
     coordinator = Coordinator(
-        spec, args.grpc_address, reflection_enabled=args.reflection, supervise=supervise
+        spec,
+        args.grpc_address,
+        reflection_enabled=args.reflection,
+        supervise=supervise,
+        credentials=credentials,
     )
 
     def announce(server: Coordinator) -> None:

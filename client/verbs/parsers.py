@@ -222,6 +222,22 @@ def add_fleet_verbs(verbs: Any) -> None:
     sub.add_argument(
         "--reflection", action="store_true", help="serve gRPC server reflection (for grpcurl)"
     )
+    tls = sub.add_argument_group(
+        "TLS",
+        "Serve the coordinator's port over TLS (plaintext is for loopback and tests: every call "
+        "carries the fleet's token). Independent of the fleet file's tls_* settings, which are "
+        "how the coordinator dials the members.",
+    )
+    tls.add_argument(
+        "--tls-cert-file", type=Path, metavar="PEM", help="the server's certificate chain"
+    )
+    tls.add_argument("--tls-key-file", type=Path, metavar="PEM", help="its private key")
+    tls.add_argument(
+        "--tls-client-ca-file",
+        type=Path,
+        metavar="PEM",
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
     sub.add_argument(
         "--log-level",
         default="info",

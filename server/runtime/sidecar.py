@@ -10,7 +10,6 @@ garbage is a typed INVALID_REQUEST, never UNKNOWN with a logged traceback.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import grpc
 from grpc import aio
@@ -24,6 +23,7 @@ from rollout_checkpoint.server.core.rpc.standard_services import (
     hostile_input_log,
     reflection_handler,
 )
+from rollout_checkpoint.server.core.rpc.tls import server_credentials
 from rollout_checkpoint.server.runtime.control_plane import ControlPlane
 from rollout_checkpoint.server.runtime.health import ParticipantHealth
 from rollout_checkpoint.server.runtime.servicer import SERVICE_NAME, ParticipantServicer
@@ -104,13 +104,8 @@ class Sidecar:
         await self.control.close()
 
     def _credentials(self) -> grpc.ServerCredentials | None:
-        if self.settings.tls_cert_file is None or self.settings.tls_key_file is None:
-            return None
-        key = Path(self.settings.tls_key_file).read_bytes()
-        cert = Path(self.settings.tls_cert_file).read_bytes()
-        client_ca = None
-        if self.settings.tls_client_ca_file is not None:
-            client_ca = Path(self.settings.tls_client_ca_file).read_bytes()
-        return grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        return server_credentials(
+            self.settings.tls_cert_file,
+            self.settings.tls_key_file,
+            self.settings.tls_client_ca_file,
         )

@@ -1,0 +1,48 @@
+"""Server TLS credentials for a gRPC port, shared by the sidecar and the coordinator.
+
+Both ports carry the bearer token in their metadata: off loopback, plaintext would hand it to
+anyone on the path. The files are read once, when the port is added, so a renewed
+certificate takes a restart (as Kubernetes Secrets mounted as files expect)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+
+class TlsFilesError(ValueError):
+    """A TLS file that cannot be read or a key without its certificate; the message names the
+    file and the problem, never its contents."""
+
+
+def server_credentials(
+    cert_file: str | Path | None, key_file: str | Path | None, client_ca_file: str | Path | None
+) -> grpc.ServerCredentials | None:
+    """TLS credentials from PEM files, or None (plaintext) when no certificate is given.
+
+    With `client_ca_file` every client must present a certificate signed by that CA (mutual
+    TLS). The certificate and its key go together: one without the other would silently
+    serve plaintext where TLS was meant."""
+    if cert_file is None and key_file is None:
+        if client_ca_file is not None:
+            raise TlsFilesError("a client CA needs a server certificate and key as well")
+        return None
+    if cert_file is None or key_file is None:
+        raise TlsFilesError("the TLS certificate and its private key go together")
+    cert = _read(cert_file, "TLS certificate")
+    key = _read(key_file, "TLS private key")
+    client_ca = _read(client_ca_file, "client CA") if client_ca_file is not None else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def _read(path: str | Path, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise TlsFilesError(f"{what} {path}: {error.strerror or error}") from None
+    if b"-----BEGIN " not in data:
+        raise TlsFilesError(f"{what} {path}: not a PEM file")
+    return data
