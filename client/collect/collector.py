@@ -26,8 +26,10 @@ crash (of the collector, a server, or everything) at the step before it:
   Past that bound the run stops as on SIGTERM (without a checkpoint: a fleet that lost a
   member's state cannot take one) and says how to resume.
 * **`resume`** reads the output, the dispatch log and `LATEST` (`journal.read_previous`) and
-  sets the fleet up from them (`resume.FleetSetup`). Nothing is ever restored from an
-  unpublished checkpoint (the library only restores published ones).
+  sets the fleet up from them (`resume.FleetSetup`): `LATEST` restored into the fleet as it
+  is found, survivors rejoining, so a crash of the collector alone costs no rollout its
+  progress. Nothing is ever restored from an unpublished checkpoint (the library only
+  restores published ones).
 """
 
 from __future__ import annotations

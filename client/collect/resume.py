@@ -1,18 +1,25 @@
-"""Setting up the fleet before the first dispatch: restore `LATEST` into a restarted fleet,
-then retire and restart every rollout that was dispatched but is neither finished nor
-continued.
+"""Setting up the fleet before the first dispatch: restore `LATEST` into the fleet, then
+retire and restart every rollout that was dispatched but is neither finished nor continued.
 
-If the fleet was restarted (its boot ids differ from the checkpoint's), `LATEST` is restored
-into it, all or nothing, and each continued rollout is re-sent as attempt N+1, continuing from
-its boundary. If the fleet kept running (same boot ids) there is nothing to restore into.
-Either way every rollout that was dispatched but is neither finished nor continued is retired
-(every attempt up to the highest that may exist) and restarted from its input as a later
-attempt. A failed restore restarts its rollouts the same way. A checkpoint published by an
-earlier run than the last one that dispatched is not restored: that later run may have
-re-sent its continuations.
+`LATEST` is restored into the fleet as it is found, all or nothing, and each continued rollout
+is re-sent as attempt N+1, continuing from its boundary. A fleet of fresh processes (every
+member started closed and awaits its restore) takes a plain Restore. A fleet with members
+that kept running (only the collector died, or some members were replaced) takes a rejoining
+Restore (`rejoin`): every survivor first retires what it holds, so a rollout that went on
+without its collector is rolled back to its checkpointed boundary instead of restarting from
+its input. A survivor may still carry requests of an attempt the dead collector sent after
+the checkpoint; reusing that attempt's number for the restored N+1 would let them in, so on a
+fleet with survivors a rollout is continued only if no later attempt was ever dispatched
+(else it restarts). Either way every rollout that was dispatched but is neither finished nor
+continued is retired (every attempt up to the highest that may exist) and restarted from its
+input as a later attempt. A failed restore restarts its rollouts the same way. A checkpoint
+published by an earlier run than the last one that dispatched is not restored: that later
+run may have re-sent its continuations.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import restore_published
@@ -20,10 +27,12 @@ from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import Previous, attempts_in
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.coordination import FleetError, awaiting_restore
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
+from rollout_checkpoint.client.recovery import end_cut_checkpoints
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 
 class FleetSetup:
@@ -67,10 +76,15 @@ class FleetSetup:
     async def _maybe_restore(
         self, previous: Previous, top: dict[str, int], deadline: float
     ) -> bool:
-        """Restore `LATEST` when the fleet is a fresh one and the checkpoint is the last run's
-        and continues something; raise `top` to every N+1 a restore may have created."""
+        """Restore `LATEST` when the checkpoint is the last run's and continues something
+        (rejoining the members that kept running); raise `top` to every N+1 a restore may
+        have created."""
         manifest, state = previous.manifest, previous.state
         assert manifest is not None and state is not None
+        statuses = await coordination.fan_out(
+            "status", self.fleet.members, lambda m: m.client.get_status(), self.fleet.spec.fan_out
+        )
+        survivors = not all(awaiting_restore(s) for s in statuses.values())
         rollouts = self.book.rollouts
         scope = [
             e
@@ -78,34 +92,52 @@ class FleetSetup:
             if e.rollout_id in rollouts
             and rollouts[e.rollout_id].status is Status.PENDING
             and e.attempt < MAX_ATTEMPT
+            and not (survivors and self._later_attempt_sent(e, top))
         ]
         for episode in manifest.continued:
             if episode.attempt < MAX_ATTEMPT:
                 top[episode.rollout_id] = max(top.get(episode.rollout_id, 0), episode.attempt + 1)
-        current = {m.name: m.boot_id for m in self.fleet.members}
         name = manifest.checkpoint_id
         if previous.runs and previous.runs[-1] != state.get("run_id"):
             self.view.note(
                 f"collect: run {previous.runs[-1]} dispatched after checkpoint {name}: "
                 "nothing is restored"
             )
-        elif state.get("boot_ids") == current:
-            self.view.note(
-                f"collect: the fleet kept running since checkpoint {name} (same boot ids): "
-                "nothing to restore into"
-            )
         elif not scope:
             self.view.note(f"collect: checkpoint {name} continues no unfinished rollout")
         else:
-            return await self._restore(name, scope, deadline)
+            return await self._restore(name, scope, deadline, statuses if survivors else None)
         return False
 
-    async def _restore(self, name: str, scope: list[EpisodeId], deadline: float) -> bool:
+    def _later_attempt_sent(self, episode: EpisodeId, top: Mapping[str, int]) -> bool:
+        """Whether an attempt after `episode`'s was dispatched or retired (may still have
+        requests on their way between survivors)."""
+        rollout = self.book.rollouts[episode.rollout_id]
+        return max(top.get(episode.rollout_id, 0), rollout.highest_used) > episode.attempt
+
+    async def _restore(
+        self,
+        name: str,
+        scope: list[EpisodeId],
+        deadline: float,
+        survivors: Mapping[str, pb.GetStatusResponse] | None,
+    ) -> bool:
+        """Restore checkpoint `name` continuing `scope`; `survivors` (the members' statuses)
+        when some member kept running: the restore then rejoins them, after ending any
+        checkpoint the dead collector left open there (Restore is refused inside one)."""
         restore_id = self.control.new_id("restore")
         self.book.counts.phase = f"restoring {name}"
         try:
+            if survivors is not None:
+                await end_cut_checkpoints(self.fleet, survivors, restore_id, deadline)
             await restore_published(
-                self.fleet, self.root, restore_id, deadline, source=name, scope=scope
+                self.fleet,
+                self.root,
+                restore_id,
+                deadline,
+                source=name,
+                scope=scope,
+                rejoin=survivors is not None,
             )
         except FleetError as error:
             # All or nothing: the library retired every N+1 and resumed the fleet.
@@ -120,7 +152,10 @@ class FleetSetup:
         await coordination.resume(self.fleet, restore_id, deadline)
         for episode in scope:
             self.book.continues(self.book.rollouts[episode.rollout_id], episode.attempt + 1)
-        self.view.note(f"collect: restored {name}: {len(scope)} rollout(s) continue as attempt N+1")
+        into = "the fleet, its survivors rejoining" if survivors is not None else "a fresh fleet"
+        self.view.note(
+            f"collect: restored {name} into {into}: {len(scope)} rollout(s) continue as attempt N+1"
+        )
         return True
 
     async def _reopen(self, deadline: float) -> None:
