@@ -17,18 +17,22 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import TOKEN, refused
+from .conftest import TOKEN, refused, serve_app
 from .processes import kill_group, started
 
 WORKERS = 3
@@ -257,3 +261,120 @@ async def test_missing_worker_blocks_prepare_and_a_worker_lost_while_closed_unti
 
 async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+# -- environment: episodes on every worker, claims after restore -------------------------
+
+
+class StubAgent:
+    """An agent whose `/run` waits for `gate`; its reply depends only on the task, so a
+    continued run answers byte for byte as an uninterrupted one."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.arrived: list[str] = []
+
+    def app(self) -> Starlette:
+        async def run(request: Request) -> JSONResponse:
+            self.arrived.append(request.path_params["key"])
+            body = await request.json()
+            await self.gate.wait()
+            return JSONResponse({"answer": body["task"]["question"].upper(), "reward": 1.0})
+
+        return Starlette(routes=[Route("/ng-rollout/{key}/run", run, methods=["POST"])])
+
+
+@pytest.fixture
+async def stub_agent() -> AsyncIterator[tuple[StubAgent, str]]:
+    agent = StubAgent()
+    server, serving, port = await serve_app(agent.app())
+    try:
+        yield agent, f"http://127.0.0.1:{port}"
+    finally:
+        agent.gate.set()
+        server.should_exit = True
+        await serving
+
+
+def task(i: int) -> dict[str, Any]:
+    return {"question": f"q{i}", "id": i}
+
+
+async def test_environment_workers_checkpoint_sigkill_restore_claims_continue(
+    serve_workers: Callable[..., Served],
+    stub_agent: tuple[StubAgent, str],
+    tmp_path: Path,
+) -> None:
+    agent, agent_url = stub_agent
+    runs = 24
+    first = serve_workers("environment", "--agent-url", agent_url)
+    # The uninterrupted baseline: the same tasks, run to the end.
+    agent.gate.set()
+    baseline = {}
+    for i in range(3):
+        reply = await post(first.base_url, f"/ng-rollout/base{i}/run", {"task": task(i)})
+        assert reply.status_code == 200, reply.text
+        baseline[i] = reply.content
+    agent.gate.clear()
+    agent.arrived.clear()
+    in_flight = [
+        asyncio.ensure_future(post(first.base_url, f"/ng-rollout/r{i}/run", {"task": task(i % 3)}))
+        for i in range(runs)
+    ]
+
+    async def all_arrived() -> bool:
+        return len(agent.arrived) == runs
+
+    await until(all_arrived, "every run to reach the agent")
+    client = first.client
+    final = await client.prepare_until_final("ckpt-1", deadline())
+    assert final.state == PREPARED, final
+    scope = [EpisodeId(f"r{i}", 0) for i in range(runs)]
+    checkpoint_dir = str(tmp_path / "ckpt")
+    committed = await client.commit("ckpt-1", deadline(), checkpoint_dir, scope=scope)
+    assert len(committed.exported) == runs
+    records = part_records(checkpoint_dir, "environment", "environment")
+    assert {r["worker"] for r in records} == set(range(WORKERS))  # in flight on every worker
+    await client.close()
+    kill_group(first.process)
+    await asyncio.gather(*in_flight, return_exceptions=True)
+
+    fresh = serve_workers("environment", "--agent-url", agent_url, "--start-closed")
+    client = fresh.client
+    await client.restore("restore-1", deadline(), checkpoint_dir, scope=scope)
+    pending = sorted(e.capture_key for e in await client.all_episodes() if e.restored_pending)
+    assert pending == sorted(f"r{i}-a1" for i in range(runs))
+    await client.resume("restore-1", deadline())
+
+    # A checkpoint before any replacement ran exports every unclaimed record again, under
+    # its attempt N+1, unchanged (the worker that owned it included).
+    assert (await client.prepare_until_final("ckpt-2", deadline())).state == PREPARED
+    second_dir = str(tmp_path / "ckpt2")
+    await client.commit(
+        "ckpt-2", deadline(), second_dir, scope=[EpisodeId(f"r{i}", 1) for i in range(runs)]
+    )
+
+    def without_id(record: dict[str, Any]) -> tuple[str, str]:
+        rest = {k: v for k, v in record.items() if k != "episode_id"}
+        return record["episode_id"]["rollout_id"], json.dumps(rest)
+
+    again = part_records(second_dir, "environment", "environment")
+    assert sorted(map(without_id, again)) == sorted(map(without_id, records))
+    assert {r["episode_id"]["attempt"] for r in again} == {1}
+    # While the checkpoint is open a replacement cannot claim its record.
+    reply = await post(fresh.base_url, "/ng-rollout/r0-a1/run", {"task": task(0)})
+    assert reply.status_code == 409 and reply.json()["error"]["code"] == "admission_closed"
+    await client.resume("ckpt-2", deadline())
+
+    agent.gate.set()
+    replies = await asyncio.gather(
+        *(
+            post(fresh.base_url, f"/ng-rollout/r{i}-a1/run", {"task": task(i % 3)})
+            for i in range(runs)
+        )
+    )
+    for i, reply in enumerate(replies):
+        assert reply.status_code == 200, reply.text
+        assert reply.content == baseline[i % 3]  # byte for byte
+    assert (await client.get_status()).restored_pending == 0  # each claimed exactly once
+    await client.close()
