@@ -246,9 +246,7 @@ async def test_missing_worker_blocks_prepare_and_a_worker_lost_while_closed_unti
         )
 
     await until(lost_and_back, "WORKER_LOST with every worker back")
-    await refused(
-        client.commit("p1", deadline(), str(tmp_path / "ckpt")), "INVALID_PHASE"
-    )
+    await refused(client.commit("p1", deadline(), str(tmp_path / "ckpt")), "INVALID_PHASE")
     assert not (tmp_path / "ckpt" / "participants").exists()
     await client.resume("p1", deadline())
     final = await client.prepare_until_final("p2", deadline())

@@ -168,6 +168,7 @@ class WorkerBridge:
         if op == "close":
             self._close(body["generation"], bool(body.get("sealed")))
         elif op == "open":
+            self._apply_marks((body or {}).get("marks") or {})
             if self._closed:
                 self._closed = False
                 self._sealed = False

@@ -256,7 +256,9 @@ class WorkerPool(Participant):
     def open_admission(self) -> None:
         self._closed = False
         self._lost_while_closed.clear()
-        self._broadcast("open")
+        # The marks a Restore set after its install (the crashed attempts) reach the workers
+        # here, before their first request: admission was closed until now.
+        self._broadcast("open", {"marks": self.context.retired.snapshot()})
         self.context.changed()
 
     def _reported(self, worker: Worker) -> bool:
