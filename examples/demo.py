@@ -75,7 +75,7 @@ class Options:
     self_heal: bool = False
     victim: str = "policy_model"
     workers: int = 1
-    """HTTP worker processes of each resources and environment server (`serve --workers`)."""
+    """HTTP worker processes of each resources, agent and environment server (`--workers`)."""
 
 
 @dataclass
@@ -180,6 +180,7 @@ async def start_fleet(
             f"prompt_injection={fleet.url('prompt_injection')}",
             "--resources",
             f"counter={fleet.url('counter')}",
+            *workers,
             *common,
         ],
     )
@@ -806,7 +807,7 @@ def parse_args(argv: list[str] | None) -> Options:
         "--workers",
         type=int,
         default=1,
-        help="HTTP worker processes per resources and environment server (default 1)",
+        help="HTTP worker processes per resources, agent and environment server (default 1)",
     )
     args = parser.parse_args(argv)
     if args.rollouts < 2 or args.concurrency < 1:

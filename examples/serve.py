@@ -360,11 +360,15 @@ def announcement_stream() -> IO[str]:
     return announce
 
 
-WORKER_KINDS = {"resources": Placement.SESSIONS, "environment": Placement.CLAIMS}
+WORKER_KINDS = {
+    "resources": Placement.SESSIONS,
+    "environment": Placement.CLAIMS,
+    "agent": Placement.CLAIMS,
+}
 """Kinds that run with several workers, and where their restored records go: a resources
 session lives across requests, so it goes back to the worker its cookie routes to; an
-environment episode lives inside one `/run`, so its record waits in the main process for the
-worker that receives the replacement's run."""
+environment or agent episode lives inside one `/run`, so its record waits in the main
+process for the worker that receives the replacement's run."""
 MAIN_ONLY_FLAGS = {"--workers": True, "--grpc-address": True, "--start-closed": False}
 """Flags of the main process that a worker's command line leaves out (True: with a value)."""
 
@@ -394,7 +398,8 @@ def refuse_for_workers(args: argparse.Namespace) -> None:
     kind = KINDS[args.server]
     if kind not in WORKER_KINDS or args.server in NEMO_GYM_KINDS:
         fail(
-            EXIT_USAGE, f"--workers applies to resources and environment servers, not {args.server}"
+            EXIT_USAGE,
+            f"--workers applies to resources, environment and agent servers, not {args.server}",
         )
     if args.mcp:
         fail(EXIT_USAGE, "--mcp does not apply with --workers (MCP tokens are not routed)")
@@ -478,7 +483,12 @@ def main(argv: list[str] | None = None) -> None:
     refuse_for_workers(args)
     if os.environ.get(WORKER_SOCKET_ENV):  # one worker of a `--workers N` main process
         instance = args.instance or default_instance(args.server)
-        configure_logging(args.log_level, json_lines=args.log_format == "json", stream=sys.stderr)
+        configure_logging(
+            args.log_level,
+            json_lines=args.log_format == "json",
+            secrets=[os.environ.get("ROLLOUT_CHECKPOINT_TOKEN", "")],
+            stream=sys.stderr,
+        )
         app, _ = build(args, instance, settings_or_exit(args, instance))
         serve_worker(args, app)
         return

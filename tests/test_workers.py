@@ -376,3 +376,26 @@ async def test_environment_workers_checkpoint_sigkill_restore_claims_continue(
         assert reply.content == baseline[i % 3]  # byte for byte
     assert (await client.get_status()).restored_pending == 0  # each claimed exactly once
     await client.close()
+
+
+def test_workers_are_refused_where_they_cannot_apply(capsys: pytest.CaptureFixture[str]) -> None:
+    from rollout_checkpoint.examples import serve
+
+    for argv, said in (
+        (["policy_model", "--workers", "2"], "not policy_model"),
+        (["counter", "--workers", "2", "--mcp"], "--mcp does not apply"),
+        (["counter", "--workers", "0"], "at least 1"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            serve.refuse_for_workers(serve.parse_args([*argv, "--token", TOKEN]))
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
+
+
+def test_a_worker_runs_the_same_command_without_what_only_the_main_process_takes() -> None:
+    from rollout_checkpoint.examples.serve import worker_command
+
+    command = worker_command(
+        ["counter", "--workers", "3", "--grpc-address=127.0.0.1:9001", "--start-closed", "-v"]
+    )
+    assert command[1:] == ["-m", "rollout_checkpoint.examples.serve", "counter", "-v"]

@@ -241,13 +241,15 @@ def install_worker(app: Starlette, participant: Participant) -> WorkerBridge:
 def serve(
     app: Starlette, host: str, port: int, *, workers: int = 1, graceful_seconds: int = 10
 ) -> None:
-    """Run `app` under uvicorn with one worker (the sidecar lives in that one process)."""
+    """Run `app` under uvicorn with one worker (the sidecar lives in that one process; see
+    `workers.serve_with_workers` for several)."""
     import uvicorn
 
     if workers != 1:
         raise SystemExit(
-            f"rollout-checkpoint: {workers} workers configured, but a participant runs in exactly "
-            "one worker process (its gRPC sidecar lives there); set workers to 1"
+            f"rollout-checkpoint: {workers} workers configured, but this runs one process (the "
+            "gRPC sidecar lives there); set workers to 1, or run several workers with "
+            "rollout_checkpoint.server.runtime.workers.serve_with_workers"
         )
     config = uvicorn.Config(
         app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds

@@ -45,7 +45,7 @@ WORKER_HTTP_FD_ENV = "ROLLOUT_CHECKPOINT_WORKER_HTTP_FD"
 """Set by the main process for its workers: the shared listening HTTP socket, inherited."""
 WORKER_DIR_ENV = "ROLLOUT_CHECKPOINT_WORKER_DIR"
 """Set by the main process for its workers: the private directory of the sockets."""
-OPEN_PUSH_SECONDS = 0.05
+OPEN_PUSH_SECONDS = 0.25
 """While admission is open a worker's readiness matters to nobody at once (no Prepare waits
 on it): its changes are pushed at most this often. While closed they go at once."""
 
