@@ -201,7 +201,9 @@ async def test_resources_workers_checkpoint_sigkill_restore_continue(
             cookies,
         )
         assert reply.json()["reward"] == 1.0, reply.text
-    assert (await client.get_status()).restored_pending == 0  # every session was claimed
+    # Every session was claimed (a worker's state reaches the main process within 0.25 s
+    # while admission is open).
+    await until(lambda: _equals(_pending(client), 0), "every claim to be reported")
     await client.close()
 
 
@@ -259,6 +261,10 @@ async def test_missing_worker_blocks_prepare_and_a_worker_lost_while_closed_unti
 
 async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
+
+
+async def _pending(client: ParticipantClient) -> int:
+    return int((await client.get_status()).restored_pending)
 
 
 # -- environment: episodes on every worker, claims after restore -------------------------
@@ -375,6 +381,7 @@ async def test_environment_workers_checkpoint_sigkill_restore_claims_continue(
         assert reply.status_code == 200, reply.text
         assert reply.content == baseline[i % 3]  # byte for byte
     assert (await client.get_status()).restored_pending == 0  # each claimed exactly once
+
     await client.close()
 
 
