@@ -183,8 +183,10 @@ class WorkerPool(Participant):
         if not 0 <= index < self.configured:
             raise ValueError(f"worker index {index} outside 0..{self.configured - 1}")
         old = self.workers.get(index)
-        if old is not None:
+        if old is not None:  # its replacement came first: it is as lost as a dead one
             old.link.close()
+            if self._closed:
+                self._lost_while_closed.add(index)
         if index in self._ever:
             self.restarts += 1
         self._ever.add(index)
