@@ -21,6 +21,7 @@ routes by a stable hash of its session id, the same hash the restore placed it b
 from __future__ import annotations
 
 import json
+import logging
 from base64 import b64decode
 from typing import Any
 
@@ -29,7 +30,10 @@ import itsdangerous
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.worker_pool import owner_by_session_id
+
+log = logging.getLogger(__name__)
 
 OWNER_KEY = "rollout_checkpoint.owner"
 """Where in the signed cookie session the owning worker's index is."""
@@ -131,9 +135,22 @@ class SessionRouter:
         headers = [(n, v) for n, v in scope["headers"] if n.lower() not in _HOP_BY_HOP]
         headers.append((FORWARDED_HEADER, str(self.index).encode()))
         self.forwarded += 1
-        reply = await self._client(target).request(
-            scope["method"], url, headers=headers, content=bytes(body)
-        )
+        try:
+            reply = await self._client(target).request(
+                scope["method"], url, headers=headers, content=bytes(body)
+            )
+        except httpx.TransportError as error:
+            # The owner is gone (it died and is being restarted): the session's state died
+            # with it, and a retry reaches the restarted worker, which says so itself.
+            log.warning("worker %d: forwarding to worker %d failed: %r", self.index, target, error)
+            await send_refusal(
+                send,
+                503,
+                "worker_unavailable",
+                f"worker {target}, which holds this session, is not running; retry",
+                retry_after=1,
+            )
+            return
         content = reply.content  # decoded: so its encoding header goes too
         out = [
             (n.lower(), v)
