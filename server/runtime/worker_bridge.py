@@ -92,6 +92,7 @@ class WorkerBridge:
         self._link: Link | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._push_handle: asyncio.Handle | None = None
+        self._report_handle: asyncio.Handle | None = None
         participant.attach(self)
 
     # -- ParticipantContext --------------------------------------------------------------
@@ -102,13 +103,15 @@ class WorkerBridge:
 
     def changed(self) -> None:
         """Push this worker's readiness to the main process: at once while closed (a
-        Prepare waits on it), else coalesced."""
-        if self._link is None or self._push_handle is not None:
+        Prepare waits on it), and its inventory (episodes, restored pending, served) at most
+        every `OPEN_PUSH_SECONDS`: listing every session on each request that ends during a
+        Prepare would cost O(sessions) per request."""
+        if self._link is None:
             return
         loop = asyncio.get_running_loop()
-        if self._closed:
-            self._push_handle = loop.call_soon(self._push)
-        else:
+        if self._closed and self._report_handle is None:
+            self._report_handle = loop.call_soon(self._push_report)
+        if self._push_handle is None:
             self._push_handle = loop.call_later(OPEN_PUSH_SECONDS, self._push)
 
     @property
@@ -232,20 +235,38 @@ class WorkerBridge:
     def _facts(self) -> dict[str, str]:
         return dict(self.participant.facts())
 
-    def _push(self) -> None:
-        self._push_handle = None
-        link = self._link
-        if link is None or link.closed:
-            return
-        participant = self.participant
-        report = participant.report()
-        state = {
+    def _report(self) -> dict[str, Any]:
+        report = self.participant.report()
+        return {
             "generation": self._generation,
             "closed": self._closed,
             "ready": report.ready,
             "blockers": [[b.capture_key, b.reason.value, b.detail] for b in report.blockers],
             "blocker_count": report.blocker_count,
             "counts": dict(report.counts),
+        }
+
+    def _push_report(self) -> None:
+        """The readiness report alone (O(blockers listed)): what a waiting Prepare needs."""
+        self._report_handle = None
+        link = self._link
+        if link is not None and not link.closed:
+            with contextlib.suppress(LinkClosed):
+                link.send("report", self._report())
+
+    def _push(self) -> None:
+        """The readiness report and the inventory (O(episodes held))."""
+        if self._push_handle is not None:
+            self._push_handle.cancel()
+            self._push_handle = None
+        if self._report_handle is not None:
+            self._report_handle.cancel()
+            self._report_handle = None
+        link = self._link
+        if link is None or link.closed:
+            return
+        participant = self.participant
+        state = self._report() | {
             "served": participant.has_served(),
             "restored_pending": episode_keys(participant.restored_pending()),
             "episodes": [

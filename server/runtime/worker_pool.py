@@ -167,9 +167,15 @@ class WorkerPool(Participant):
             raise ValueError(f"unknown bridge call {op!r}")
 
         def listen(op: str, body: Any) -> None:
-            if op == "state" and worker is not None and self.workers.get(worker.index) is worker:
+            if worker is None or self.workers.get(worker.index) is not worker:
+                return
+            if op == "state":
                 worker.state = _state_from(body)
-                self.context.changed()
+            elif op == "report":
+                _report_into(worker.state, body)
+            else:
+                return
+            self.context.changed()
 
         link = Link(reader, writer, handler=handle, listener=listen)
         try:
@@ -468,14 +474,17 @@ class WorkerPool(Participant):
         return totals
 
 
+def _report_into(state: WorkerState, body: Any) -> None:
+    state.generation = int(body["generation"])
+    state.closed = bool(body["closed"])
+    state.ready = bool(body["ready"])
+    state.blockers = [Blocker(k, BlockerReason(r), d) for k, r, d in body["blockers"]]
+    state.blocker_count = int(body["blocker_count"])
+    state.counts = {str(k): int(v) for k, v in body["counts"].items()}
+
+
 def _state_from(body: Any) -> WorkerState:
-    return WorkerState(
-        generation=int(body["generation"]),
-        closed=bool(body["closed"]),
-        ready=bool(body["ready"]),
-        blockers=[Blocker(k, BlockerReason(r), d) for k, r, d in body["blockers"]],
-        blocker_count=int(body["blocker_count"]),
-        counts={str(k): int(v) for k, v in body["counts"].items()},
+    state = WorkerState(
         served=bool(body["served"]),
         restored_pending=frozenset(EpisodeId.from_capture_key(k) for k in body["restored_pending"]),
         episodes=[
@@ -484,3 +493,5 @@ def _state_from(body: Any) -> WorkerState:
         ],
         counters={str(k): int(v) for k, v in body["counters"].items()},
     )
+    _report_into(state, body)
+    return state
