@@ -258,6 +258,23 @@ async def test_missing_worker_blocks_prepare_and_a_worker_lost_while_closed_unti
     assert sorted(committed.exported) == sorted(alive)
     await client.close()
 
+    # A worker whose main process died stops itself: nobody could close it for a checkpoint.
+    os.kill(served.process.pid, signal.SIGKILL)
+
+    async def worker_gone() -> bool:
+        return not running(pids[2])
+
+    await until(worker_gone, "the orphaned worker to stop")
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
 
 async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
