@@ -6,6 +6,12 @@
         --resources prompt_injection=http://127.0.0.1:8002
     python -m rollout_checkpoint.examples.serve environment --agent-url http://127.0.0.1:8003
     python -m rollout_checkpoint.examples.serve nemo-gym:indirect_prompt_injection
+    python -m rollout_checkpoint.examples.serve prompt_injection --workers 4
+
+`--workers N` (resources, environment and agent servers) runs N HTTP worker processes behind the
+one port and keeps ONE participant: this process binds the port, runs the control plane and the
+sidecar, and starts the workers as this same command with the worker variables set
+(server/runtime/workers.py); its announcement adds `workers` and `worker_pids`.
 
 Once HTTP and gRPC both listen it prints one JSON line to stdout (`http`, `grpc`, `instance`,
 `kind`, `pid`) so scripts and tests can find it; nothing else ever goes to stdout. SIGTERM
