@@ -392,7 +392,8 @@ def worker_command(argv: list[str]) -> list[str]:
             skip = MAIN_ONLY_FLAGS[name] and "=" not in arg
             continue
         command.append(arg)
-    return [sys.executable, "-m", "rollout_checkpoint.examples.serve", *command]
+    # -P as `rollout-checkpoint serve` runs it: no working-directory folder shadows a package.
+    return [sys.executable, "-P", "-m", "rollout_checkpoint.examples.serve", *command]
 
 
 def refuse_for_workers(args: argparse.Namespace) -> None:

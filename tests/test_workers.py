@@ -422,4 +422,4 @@ def test_a_worker_runs_the_same_command_without_what_only_the_main_process_takes
     command = worker_command(
         ["counter", "--workers", "3", "--grpc-address=127.0.0.1:9001", "--start-closed", "-v"]
     )
-    assert command[1:] == ["-m", "rollout_checkpoint.examples.serve", "counter", "-v"]
+    assert command[1:] == ["-P", "-m", "rollout_checkpoint.examples.serve", "counter", "-v"]

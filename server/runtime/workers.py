@@ -75,7 +75,8 @@ class WorkerSupervisor:
         self.http_socket = http_socket
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = 0
-        self._stopping = False
+        self.stopping = False
+        """Set on SIGTERM/SIGINT: a worker that exits from now on is not restarted."""
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -91,22 +92,24 @@ class WorkerSupervisor:
 
     async def _keep(self, index: int) -> None:
         failures = 0
-        while not self._stopping:
+        while not self.stopping:
             process = await self._spawn(index)
             self.processes[index] = process
             code = await process.wait()
-            if self._stopping:
-                return
-            self.restarts += 1
-            log.warning("worker %d (pid %d) exited with %s: restarting", index, process.pid, code)
+            # A Ctrl-C on a terminal signals the whole group: the workers may exit before
+            # the main process's own handler ran, so wait before deciding it was a crash.
             delay = RESTART_BACKOFF_SECONDS[min(failures, len(RESTART_BACKOFF_SECONDS) - 1)]
             failures += 1
             await asyncio.sleep(delay)
+            if self.stopping:
+                return
+            self.restarts += 1
+            log.warning("worker %d (pid %d) exited with %s: restarting", index, process.pid, code)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM every worker (they drain their HTTP requests), SIGKILL what is left after
         `grace` seconds."""
-        self._stopping = True
+        self.stopping = True
         for process in self.processes.values():
             if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -171,8 +174,13 @@ async def serve_with_workers(
     supervisor = WorkerSupervisor(worker_command, pool.configured, env, http_socket)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        supervisor.stopping = True
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     try:
         await runtime.sidecar.start()
         if runtime.metrics_server is not None:
