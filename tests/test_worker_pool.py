@@ -231,3 +231,28 @@ async def test_retire_reaches_every_worker_and_forget_waits_for_the_slowest(
     assert EpisodeId("r1") not in p.worker(1).states
     await p.client.forget("t2", deadline(), ["r1"])
     assert not any(p.bridges[i].retired.is_retired(EpisodeId("r1")) for i in range(3))
+
+
+async def test_a_restore_is_all_or_nothing_across_workers(
+    pools: Callable[..., Any], tmp_path: Path
+) -> None:
+    p = await pools()
+    for index in range(3):
+        p.worker(index).seed(EpisodeId(f"r{index}"), {"n": index})
+    assert (await p.client.prepare_until_final("c1", deadline())).state == PREPARED
+    await p.client.commit("c1", deadline(), str(tmp_path))
+    q = await pools()
+    q.worker(1).fail["install"] = RuntimeError("worker 1 cannot install")
+    scope = [EpisodeId(f"r{i}") for i in range(3)]
+    await refused(q.client.restore("x1", deadline(), str(tmp_path), scope=scope), "HOOK_FAILED")
+    # What the other workers installed was undone: nothing stays, the process stays fresh.
+    assert all(q.worker(i).states == {} for i in range(3))
+    await until(lambda: not q.pool.has_served(), "the workers' pushes")
+    del q.worker(1).fail["install"]
+    restored = await q.client.restore("x1", deadline(), str(tmp_path), scope=scope)
+    assert sorted(restored.restored) == ["r0-a1", "r1-a1", "r2-a1"]
+    assert [q.worker(i).states for i in range(3)] == [
+        {EpisodeId("r0", 1): {"n": 0}},
+        {EpisodeId("r1", 1): {"n": 1}},
+        {EpisodeId("r2", 1): {"n": 2}},
+    ]
