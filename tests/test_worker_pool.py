@@ -256,3 +256,22 @@ async def test_a_restore_is_all_or_nothing_across_workers(
         {EpisodeId("r1", 1): {"n": 1}},
         {EpisodeId("r2", 1): {"n": 2}},
     ]
+
+
+async def test_a_survivor_with_several_workers_rejoins_a_restore(
+    pools: Callable[..., Any], tmp_path: Path
+) -> None:
+    p = await pools()
+    for index in range(3):
+        p.worker(index).seed(EpisodeId(f"r{index}"), {"n": index})
+    assert (await p.client.prepare_until_final("c1", deadline())).state == PREPARED
+    await p.client.commit("c1", deadline(), str(tmp_path))
+    await p.client.resume("c1", deadline())
+    p.worker(0).seed(EpisodeId("r0"), {"n": 100})  # it went on after the checkpoint
+    scope = [EpisodeId(f"r{i}") for i in range(3)]
+    await refused(
+        p.client.restore("x1", deadline(), str(tmp_path), scope=scope), "FRESH_PROCESS_REQUIRED"
+    )
+    restored = await p.client.restore("x2", deadline(), str(tmp_path), scope=scope, rejoin=True)
+    assert sorted(restored.restored) == ["r0-a1", "r1-a1", "r2-a1"]
+    assert p.worker(0).states == {EpisodeId("r0", 1): {"n": 0}}  # the checkpoint's, not 100

@@ -442,7 +442,14 @@ class WorkerPool(Participant):
         return bool(self._held) or any(w.state.served for w in self.workers.values())
 
     def forget_served(self) -> None:
+        """Every worker forgets; until its next push says so itself, a worker counts as
+        fresh iff it holds no episode any more (the rejoining Restore retired every one it
+        listed, and its push after each retire is already here). A worker that still holds
+        something keeps it served, and its own install refuses to mix anyway."""
         self._broadcast("forget_served")
+        for worker in self.workers.values():
+            state = worker.state
+            state.served = bool(state.episodes or state.restored_pending)
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         if self._identity is not None:
