@@ -247,8 +247,8 @@ def serve(
 
     if workers != 1:
         raise SystemExit(
-            f"rollout-checkpoint: {workers} workers configured, but this runs one process (the "
-            "gRPC sidecar lives there); set workers to 1, or run several workers with "
+            f"rollout-checkpoint: {workers} workers configured, but this runs exactly one worker "
+            "process (the gRPC sidecar lives there); set workers to 1, or run several with "
             "rollout_checkpoint.server.runtime.workers.serve_with_workers"
         )
     config = uvicorn.Config(
