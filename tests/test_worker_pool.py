@@ -275,3 +275,24 @@ async def test_a_survivor_with_several_workers_rejoins_a_restore(
     restored = await p.client.restore("x2", deadline(), str(tmp_path), scope=scope, rejoin=True)
     assert sorted(restored.restored) == ["r0-a1", "r1-a1", "r2-a1"]
     assert p.worker(0).states == {EpisodeId("r0", 1): {"n": 0}}  # the checkpoint's, not 100
+
+
+async def test_a_worker_state_json_cannot_carry_fails_the_commit_naming_its_episode(
+    pools: Callable[..., Any], tmp_path: Path
+) -> None:
+    p = await pools()
+    p.worker(0).seed(EpisodeId("fine"), {"n": 2**80})  # a big integer survives the bridge
+    p.worker(2).seed(EpisodeId("bad"), {"n": float("nan")})
+    assert (await p.client.prepare_until_final("c1", deadline())).state == PREPARED
+    error = await refused(p.client.commit("c1", deadline(), str(tmp_path)), "UNSERIALIZABLE_STATE")
+    assert error.metadata["captureKey"] == "bad"
+    assert not (tmp_path / "participants").exists()
+    del p.worker(2).states[EpisodeId("bad")]
+    await p.client.resume("c1", deadline())
+    assert (await p.client.prepare_until_final("c2", deadline())).state == PREPARED
+    await p.client.commit("c2", deadline(), str(tmp_path))
+    part = tmp_path / "participants" / "resources" / "double"
+    manifest = json.loads((part / "manifest.json").read_text())
+    line = (part / manifest["records_file"]).read_text().splitlines()[0]
+    stored = {"episode_id": {"rollout_id": "fine", "attempt": 0}, "state": {"n": 2**80}}
+    assert line == json.dumps({**stored, "worker": 0}, separators=(",", ":"))

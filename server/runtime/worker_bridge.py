@@ -30,6 +30,7 @@ from typing import Any
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
+from rollout_checkpoint.server.runtime.records_codec import serialize_records
 from rollout_checkpoint.server.runtime.worker_link import Link, LinkClosed
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,11 @@ class WorkerBridge:
             records = await participant.export(
                 None if scope is None else frozenset(episodes_from(scope))
             )
-            return [
-                {"episode": r.episode_id.capture_key, "fields": dict(r.fields)} for r in records
-            ]
+            # Encoded here, in a thread, with the part's own codec: a value JSON cannot carry
+            # fails the Commit UNSERIALIZABLE_STATE naming its episode, as in one process,
+            # and the main process stores exactly these lines' content.
+            lines = await asyncio.to_thread(lambda: list(serialize_records(records)))
+            return [line.decode() for line in lines]
         elif op == "install":
             self._apply_marks(body.get("marks") or {})
             await participant.install(_records(body["records"]))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import zlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -333,11 +334,12 @@ class WorkerPool(Participant):
             )
         replies = await self._call_all("export", {"scope": episode_keys(scope)})
         records: list[ExportRecord] = []
-        for index, items in sorted(replies.items()):
-            for item in items:
-                fields = dict(item["fields"])
+        for index, lines in sorted(replies.items()):
+            for line in lines:
+                fields = json.loads(line)  # key order and big integers kept
+                episode = EpisodeId.from_json(fields.pop("episode_id"))
                 fields[WORKER_FIELD] = index
-                records.append(ExportRecord(EpisodeId.from_capture_key(item["episode"]), fields))
+                records.append(ExportRecord(episode, fields))
         for key, record in self._held.items():
             episode = EpisodeId.from_capture_key(key)
             if scope is None or episode in scope:
