@@ -38,6 +38,7 @@ from . import (
     prepare,
     report,
     throughput,
+    workers,
 )
 from .common import SPREAD, BenchResult, Processes
 
@@ -50,6 +51,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "light": light_scale.run,
     "bounded": bounded_state.run,
     "nemo_gym": nemo_gym.run,
+    "workers": workers.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -96,6 +98,10 @@ class Params:
     nemo_gym_repeats: int
     """Benchmark 8: sessions mid-episode on NeMo Gym's IPI server; prepares, commits and
     restores (each restore in a fresh process) per size."""
+    workers_sessions: int = 1000
+    workers_repeats: int = 5
+    """Benchmark 10: sessions on each server (1 worker, 4 workers); prepares and commits of
+    each, interleaved."""
 
 
 SCALES: dict[str, Params] = {
@@ -123,6 +129,8 @@ SCALES: dict[str, Params] = {
         checkpoint_every=0,
         nemo_gym_sessions=[1, 16, 64, 256],
         nemo_gym_repeats=5,
+        workers_sessions=1000,
+        workers_repeats=5,
     ),
     "tiny": Params(
         repeats=2,
@@ -148,6 +156,8 @@ SCALES: dict[str, Params] = {
         checkpoint_every=20,
         nemo_gym_sessions=[1, 4],
         nemo_gym_repeats=2,
+        workers_sessions=20,
+        workers_repeats=2,
     ),
 }
 
@@ -221,6 +231,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
         "--nemo-gym-repeats", type=int, help="benchmark 8: prepares, commits, restores per size"
     )
     parser.add_argument(
+        "--workers-sessions", type=int, help="benchmark 10: sessions on each server"
+    )
+    parser.add_argument(
+        "--workers-repeats", type=int, help="benchmark 10: prepares and commits per server"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results of benchmarks not run now from <output>/latest.json",
@@ -252,6 +268,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "checkpoint_every",
             "nemo_gym_sessions",
             "nemo_gym_repeats",
+            "workers_sessions",
+            "workers_repeats",
         )
         if getattr(args, name) is not None
     }
@@ -263,6 +281,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             params.rollout_repeats,
             params.load_repeats,
             params.nemo_gym_repeats,
+            params.workers_repeats,
         )
         < 1
     ):

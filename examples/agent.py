@@ -131,8 +131,9 @@ class AgentServer:
         tracker = self.participant.episodes_tracker if self.participant is not None else None
         tracked: TrackedEpisode | None = None
         restored: Any = NO_BOUNDARY
-        if tracker is not None:
+        if tracker is not None and self.participant is not None:
             try:
+                await self.participant.claim_restored(episode_id)  # one of several workers
                 tracked, restored = tracker.begin(episode_id)
             except EpisodeRefused as refused:
                 return error_response(409, refused.code, refused.detail)

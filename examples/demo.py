@@ -74,6 +74,8 @@ class Options:
     skip_resources_restore: bool = False
     self_heal: bool = False
     victim: str = "policy_model"
+    workers: int = 1
+    """HTTP worker processes of each resources, agent and environment server (`--workers`)."""
 
 
 @dataclass
@@ -149,9 +151,13 @@ async def start_fleet(
     """Start the fleet callee-first: every server's address is known before its caller starts."""
     fleet = FleetProcesses(label)
     common = serve_options(token, start_closed=start_closed)
+    # Several workers per resources and environment server: still one participant each.
+    workers = ["--workers", str(options.workers)] if options.workers > 1 else []
     first = await asyncio.gather(
-        _start(fleet, logs, "prompt_injection", "resources", ["prompt_injection", *common]),
-        _start(fleet, logs, "counter", "resources", ["counter", *common]),
+        _start(
+            fleet, logs, "prompt_injection", "resources", ["prompt_injection", *workers, *common]
+        ),
+        _start(fleet, logs, "counter", "resources", ["counter", *workers, *common]),
         _start(
             fleet,
             logs,
@@ -174,6 +180,7 @@ async def start_fleet(
             f"prompt_injection={fleet.url('prompt_injection')}",
             "--resources",
             f"counter={fleet.url('counter')}",
+            *workers,
             *common,
         ],
     )
@@ -182,7 +189,7 @@ async def start_fleet(
         logs,
         "environment",
         "environment",
-        ["environment", "--agent-url", fleet.url("agent"), *common],
+        ["environment", "--agent-url", fleet.url("agent"), *workers, *common],
     )
     return fleet
 
@@ -796,9 +803,17 @@ def parse_args(argv: list[str] | None) -> Options:
         choices=["policy_model", "agent", "environment", "prompt_injection", "counter"],
         help="with --self-heal: the member to kill (default policy_model)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="HTTP worker processes per resources, agent and environment server (default 1)",
+    )
     args = parser.parse_args(argv)
     if args.rollouts < 2 or args.concurrency < 1:
         parser.error("--rollouts must be at least 2 and --concurrency at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     checkpoint_after = (
         args.checkpoint_after if args.checkpoint_after is not None else max(1, args.rollouts // 8)
     )
@@ -813,6 +828,7 @@ def parse_args(argv: list[str] | None) -> Options:
         skip_resources_restore=args.skip_resources_restore,
         self_heal=args.self_heal,
         victim=args.victim,
+        workers=args.workers,
     )
 
 

@@ -107,6 +107,7 @@ class EnvironmentServer:
         tracked: TrackedEpisode | None = None
         if participant is not None:
             try:
+                await participant.claim_restored(episode_id)
                 tracked, _ = participant.begin_task(episode_id, task)
             except EpisodeRefused as refused:
                 return error_response(409, refused.code, refused.detail)

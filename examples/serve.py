@@ -6,6 +6,12 @@
         --resources prompt_injection=http://127.0.0.1:8002
     python -m rollout_checkpoint.examples.serve environment --agent-url http://127.0.0.1:8003
     python -m rollout_checkpoint.examples.serve nemo-gym:indirect_prompt_injection
+    python -m rollout_checkpoint.examples.serve prompt_injection --workers 4
+
+`--workers N` (resources, environment and agent servers) runs N HTTP worker processes behind the
+one port and keeps ONE participant: this process binds the port, runs the control plane and the
+sidecar, and starts the workers as this same command with the worker variables set
+(server/runtime/workers.py); its announcement adds `workers` and `worker_pids`.
 
 Once HTTP and gRPC both listen it prints one JSON line to stdout (`http`, `grpc`, `instance`,
 `kind`, `pid`) so scripts and tests can find it; nothing else ever goes to stdout. SIGTERM
@@ -20,6 +26,7 @@ with the shipped hooks; its instance name defaults to ng_run's, which also keys 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import json
@@ -39,7 +46,20 @@ from rollout_checkpoint.server.nemo_gym.servers import SERVERS as NEMO_GYM_SERVE
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.logs import configure_logging
+from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.worker_bridge import (
+    WORKER_HTTP_FD_ENV,
+    WORKER_INDEX_ENV,
+    WORKER_SOCKET_ENV,
+    worker_http_socket,
+)
+from rollout_checkpoint.server.runtime.worker_pool import (
+    Placement,
+    WorkerPool,
+    record_identity_by_session,
+)
+from rollout_checkpoint.server.runtime.workers import serve_with_workers
 
 RESOURCES = {
     "weather": "rollout_checkpoint.examples.weather:WeatherServer",
@@ -117,6 +137,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--start-closed",
         action="store_true",
         help="start with admission closed (a replacement process)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="HTTP worker processes behind the one port (resources and environment servers; "
+        "still one participant: the sidecar runs in the main process)",
     )
     parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
@@ -339,10 +366,139 @@ def announcement_stream() -> IO[str]:
     return announce
 
 
+WORKER_KINDS = {
+    "resources": Placement.SESSIONS,
+    "environment": Placement.CLAIMS,
+    "agent": Placement.CLAIMS,
+}
+"""Kinds that run with several workers, and where their restored records go: a resources
+session lives across requests, so it goes back to the worker its cookie routes to; an
+environment or agent episode lives inside one `/run`, so its record waits in the main
+process for the worker that receives the replacement's run."""
+MAIN_ONLY_FLAGS = {"--workers": True, "--grpc-address": True, "--start-closed": False}
+"""Flags of the main process that a worker's command line leaves out (True: with a value)."""
+
+
+def worker_command(argv: list[str]) -> list[str]:
+    """A worker's command: this one without what only the main process takes."""
+    command: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in MAIN_ONLY_FLAGS:
+            skip = MAIN_ONLY_FLAGS[name] and "=" not in arg
+            continue
+        command.append(arg)
+    # -P as `rollout-checkpoint serve` runs it: no working-directory folder shadows a package.
+    return [sys.executable, "-P", "-m", "rollout_checkpoint.examples.serve", *command]
+
+
+def refuse_for_workers(args: argparse.Namespace) -> None:
+    """Exit 2 with one line when `--workers` cannot apply."""
+    if args.workers < 1:
+        fail(EXIT_USAGE, "--workers must be at least 1")
+    if args.workers == 1:
+        return
+    kind = KINDS[args.server]
+    if kind not in WORKER_KINDS or args.server in NEMO_GYM_KINDS:
+        fail(
+            EXIT_USAGE,
+            f"--workers applies to resources, environment and agent servers, not {args.server}",
+        )
+    if args.mcp:
+        fail(EXIT_USAGE, "--mcp does not apply with --workers (MCP tokens are not routed)")
+    if args.no_checkpoint:
+        fail(EXIT_USAGE, "--workers needs checkpointing (the sessions are routed by its bridge)")
+
+
+def serve_main_of_workers(
+    args: argparse.Namespace,
+    argv: list[str],
+    instance: str,
+    checkpoint: CheckpointSettings,
+    announce: IO[str],
+) -> None:
+    """The main process of `--workers N`: the control plane, the sidecar and the workers."""
+    import asyncio
+
+    kind = Kind(KINDS[args.server])
+    placement = WORKER_KINDS[kind.value]
+    pool = WorkerPool(
+        kind,
+        instance,
+        args.workers,
+        placement=placement,
+        identity=record_identity_by_session if placement is Placement.SESSIONS else None,
+    )
+    host, port = _split(args.http_address)
+
+    def announced(addresses: dict[str, Any]) -> None:
+        line = {
+            "http": addresses["http"],
+            "grpc": addresses["grpc"],
+            "instance": instance,
+            "kind": kind.value,
+            "pid": os.getpid(),
+            "workers": addresses["workers"],
+            "worker_pids": addresses["worker_pids"],
+        }
+        print(json.dumps(line), file=announce, flush=True)
+
+    asyncio.run(
+        serve_with_workers(
+            pool,
+            checkpoint,
+            worker_command(argv),
+            http_host=host,
+            http_port=port,
+            announce=announced,
+            graceful_seconds=GRACEFUL_SHUTDOWN_SECONDS,
+        )
+    )
+
+
+def serve_worker(args: argparse.Namespace, app: Any) -> None:
+    """One worker of a `--workers N` server: the inherited HTTP socket and its own Unix
+    socket (requests forwarded by a worker to the one that owns their session); no
+    announcement (the main process announces) and no control port."""
+    index = int(os.environ[WORKER_INDEX_ENV])
+    shared = socket.socket(fileno=int(os.environ[WORKER_HTTP_FD_ENV]))
+    own_path = worker_http_socket(index)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(own_path)  # left by the worker this one replaces
+    own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    own.bind(own_path)
+    own.listen(256)
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level=args.log_level,
+        log_config=None,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    uvicorn.Server(config).run(sockets=[shared, own])
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     announce = announcement_stream()
     refuse_inapplicable_flags(args)
+    refuse_for_workers(args)
+    if os.environ.get(WORKER_SOCKET_ENV):  # one worker of a `--workers N` main process
+        instance = args.instance or default_instance(args.server)
+        configure_logging(
+            args.log_level,
+            json_lines=args.log_format == "json",
+            secrets=[os.environ.get("ROLLOUT_CHECKPOINT_TOKEN", "")],
+            stream=sys.stderr,
+        )
+        app, _ = build(args, instance, settings_or_exit(args, instance))
+        serve_worker(args, app)
+        return
     instance = args.instance or default_instance(args.server)
     checkpoint = settings_or_exit(args, instance)
     check_free("HTTP", args.http_address)
@@ -355,6 +511,10 @@ def main(argv: list[str] | None = None) -> None:
         secrets=[token or ""],
         stream=sys.stderr,
     )
+    if args.workers > 1:
+        assert checkpoint is not None  # refuse_for_workers
+        serve_main_of_workers(args, argv, instance, checkpoint, announce)
+        return
     try:
         app, runtime = build(args, instance, checkpoint)
     except MissingExtra as error:  # --mcp without the mcp extra, nemo-gym:* without nemo-gym

@@ -27,6 +27,7 @@ BENCHMARKS = (
     "light",
     "bounded",
     "nemo_gym",
+    "workers",
 )
 
 

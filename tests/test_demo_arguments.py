@@ -37,3 +37,25 @@ def test_a_killed_fleet_dies_callers_first(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(demo, "signal_group", recording)
     fleet.kill()
     assert order == ["environment", "agent", "policy_model", "prompt_injection"]
+
+
+async def test_workers_reach_the_resources_agent_and_environment_servers_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`demo --workers N`: each resources, agent and environment server gets `--workers N`,
+    the policy model (which cannot have several) none."""
+    started: dict[str, list[str]] = {}
+
+    def launch(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Server:
+        started[name] = args
+        process = subprocess.Popen(["true"], text=True)
+        process.wait()
+        return Server(name, kind, process, "127.0.0.1:1", "127.0.0.1:2", logs / name, args)
+
+    monkeypatch.setattr(demo, "launch_server", launch)
+    options = demo.parse_args(["--workers", "3"])
+    assert options.workers == 3
+    await demo.start_fleet("first", tmp_path, "token", options, start_closed=False)
+    for name in ("prompt_injection", "counter", "agent", "environment"):
+        assert parse_args(started[name]).workers == 3, name
+    assert parse_args(started["policy_model"]).workers == 1

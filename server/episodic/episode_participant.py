@@ -23,7 +23,11 @@ from typing import Any
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, rejected_checkpoint
 from rollout_checkpoint.server.episodic.delivery import ReplyDeliveryMiddleware
-from rollout_checkpoint.server.episodic.episode_steps import EpisodeSteps, TrackedEpisode
+from rollout_checkpoint.server.episodic.episode_steps import (
+    EpisodeRefused,
+    EpisodeSteps,
+    TrackedEpisode,
+)
 from rollout_checkpoint.server.runtime.participant import (
     AsgiWrapper,
     ExportRecord,
@@ -150,6 +154,27 @@ class EpisodeParticipant(Participant):
 
     def forget_served(self) -> None:
         self.episodes_tracker.forget_served()
+
+    async def claim_restored(self, episode_id: EpisodeId) -> None:
+        """In one worker of several: claim `episode_id`'s restored record from the main
+        process before `begin`, so the replacement continues from its boundary whichever
+        worker its run reached (exactly one claim gets it; worker_pool.py). A no-op in a
+        one-process server, where the install put the record here already.
+
+        Raises `EpisodeRefused` while a checkpoint is open: a record claimed then would be in
+        no worker's export and the main process's alike, or in both."""
+        claim = getattr(self.context, "claim", None)
+        if claim is None:
+            return
+        try:
+            record = await claim(episode_id)
+        except CheckpointError as refused:
+            code = refused.metadata.get("code", "admission_closed")
+            raise EpisodeRefused(code, refused.message) from None
+        if record is not None:
+            boundary = self.validate_record(record)
+            self.installed([record])
+            self.episodes_tracker.install({record.restored_as: boundary})
 
     def begin(self, episode_id: EpisodeId) -> tuple[TrackedEpisode, Any]:
         """Start an episode in the running task (see `EpisodeSteps.begin`: it returns the

@@ -38,9 +38,15 @@ from rollout_checkpoint.server.resources.participant import (
     ResourcesParticipant,
     VerifyMode,
 )
+from rollout_checkpoint.server.resources.session_router import OWNER_KEY, SessionRouter
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+from rollout_checkpoint.server.runtime.worker_bridge import (
+    worker_count,
+    worker_http_socket,
+    worker_index,
+)
 
 __all__ = [
     "CheckpointMode",
@@ -309,6 +315,19 @@ class ResourcesServer:
             self.runtime = install_checkpointing(
                 app, self.participant, self.config.checkpoint, clock=self.config.clock
             )
+            index = worker_index()
+            if index is not None:  # one of several workers: outermost, the session router
+                if self.mcp is not None:
+                    raise ValueError("MCP tokens are not routed between workers: one worker only")
+                app.add_middleware(
+                    SessionRouter,
+                    secret=self.session_secret,
+                    cookie="rollout_session",
+                    session_key=SESSION_KEY,
+                    index=index,
+                    workers=worker_count(),
+                    socket_of=worker_http_socket,
+                )
         return app
 
     # -- routes -------------------------------------------------------------------------
@@ -319,6 +338,10 @@ class ResourcesServer:
             return body
         session_id = cookie_session_id(request.scope) or uuid.uuid4().hex
         request.session[SESSION_KEY] = session_id
+        owner = worker_index() if self.checkpoint_enabled else None
+        if owner is not None and OWNER_KEY not in request.session:
+            # The worker that seeds a session holds its state: its cookie routes here.
+            request.session[OWNER_KEY] = owner
         reply = dict(await self.seed_session(session_id, body))
         if self.mcp is not None:
             reply["mcp"] = self.mcp.connection_info(session_id)

@@ -34,5 +34,10 @@ class RetiredAttempts:
         for rollout_id in rollout_ids:
             self._highest.pop(rollout_id, None)
 
+    def snapshot(self) -> dict[str, int]:
+        """Every mark, rollout -> highest retired attempt: what a worker that joins later
+        must refuse too (worker_bridge.py)."""
+        return dict(self._highest)
+
     def __len__(self) -> int:
         return len(self._highest)

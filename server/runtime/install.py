@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
@@ -37,6 +38,11 @@ from rollout_checkpoint.server.runtime.request_endings import RequestEndingsMidd
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.server.runtime.sidecar import Sidecar
 from rollout_checkpoint.server.runtime.telemetry import RuntimeObserver
+from rollout_checkpoint.server.runtime.worker_bridge import (
+    WORKER_INDEX_ENV,
+    WORKER_SOCKET_ENV,
+    WorkerBridge,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +164,19 @@ def install_checkpointing(
     the app added it: an episode owner's reply-delivery report). The sidecar binds
     only when the app starts (see `CheckpointRuntime.start`), so a bad address or TLS file
     fails the app's startup, not this call. `clock` and `storage` replace the real ones in
-    tests. Serve the app with one worker: the sidecar lives in that process (`serve`).
+    tests. Serve the app with one worker (the sidecar lives in that process), or under
+    `workers.serve_with_workers`: then this process is one of several workers
+    (`WORKER_SOCKET_ENV` is set), the control plane and the sidecar live in the main process,
+    and this installs the same data-plane middlewares with the participant driven over the
+    local bridge (`install_worker`), and returns None.
     """
     if settings is None or not settings.enabled:
         return None
     if settings.instance:
         participant.instance = settings.instance
+    if os.environ.get(WORKER_SOCKET_ENV):
+        install_worker(app, participant)
+        return None
     observer = RuntimeObserver(tracer_provider=tracer_provider)
     control = ControlPlane(
         participant, settings.control_settings(), storage=storage, clock=clock, observer=observer
@@ -197,16 +210,46 @@ def install_checkpointing(
     return runtime
 
 
+def install_worker(app: Starlette, participant: Participant) -> WorkerBridge:
+    """Make `app` one worker of a multi-worker server (see `worker_bridge.py`): the same
+    data-plane middlewares as `install_checkpointing`, the participant attached to the
+    bridge, and a lifespan that registers with the main process before the first request
+    (so a worker started while a checkpoint is open closes before it serves anything)."""
+    bridge = WorkerBridge(
+        participant, os.environ[WORKER_SOCKET_ENV], int(os.environ[WORKER_INDEX_ENV])
+    )
+    app.state.checkpoint_worker = bridge
+    observer = RuntimeObserver()
+    app.add_middleware(RequestEndingsMiddleware)
+    app.add_middleware(DataPlaneRefusals, on_refusal=observer.data_refused)
+    app.user_middleware.extend(Middleware(wrap) for wrap in participant.data_plane_middleware())
+    original = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(lifespan_app: Any) -> AsyncIterator[Any]:
+        async with original(lifespan_app) as state:
+            await bridge.connect()
+            try:
+                yield state
+            finally:
+                await bridge.disconnect()
+
+    app.router.lifespan_context = lifespan
+    return bridge
+
+
 def serve(
     app: Starlette, host: str, port: int, *, workers: int = 1, graceful_seconds: int = 10
 ) -> None:
-    """Run `app` under uvicorn with one worker (the sidecar lives in that one process)."""
+    """Run `app` under uvicorn with one worker (the sidecar lives in that one process; see
+    `workers.serve_with_workers` for several)."""
     import uvicorn
 
     if workers != 1:
         raise SystemExit(
-            f"rollout-checkpoint: {workers} workers configured, but a participant runs in exactly "
-            "one worker process (its gRPC sidecar lives there); set workers to 1"
+            f"rollout-checkpoint: {workers} workers configured, but this runs exactly one worker "
+            "process (the gRPC sidecar lives there); set workers to 1, or run several with "
+            "rollout_checkpoint.server.runtime.workers.serve_with_workers"
         )
     config = uvicorn.Config(
         app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds

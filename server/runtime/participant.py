@@ -64,6 +64,12 @@ class BlockerReason(enum.StrEnum):
     """A policy-model response has already started streaming."""
     INSTALL_IN_PROGRESS = "INSTALL_IN_PROGRESS"
     """An install (a Restore) is still running."""
+    WORKER_MISSING = "WORKER_MISSING"
+    """A worker of a multi-worker server is not running, or has not reported since the
+    checkpoint closed (worker_pool.py)."""
+    WORKER_LOST = "WORKER_LOST"
+    """A worker of a multi-worker server died while the checkpoint was open: what it ran is
+    gone, so the checkpoint is not ready until Resume (worker_pool.py)."""
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -141,6 +141,16 @@ class _BlockerReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Blocker
     """A policy-model response has already started streaming."""
     BLOCKER_REASON_INSTALL_IN_PROGRESS: _BlockerReason.ValueType  # 8
     """An install (restore) is still running."""
+    BLOCKER_REASON_WORKER_MISSING: _BlockerReason.ValueType  # 9
+    """A worker of a multi-worker server is not running, or has not reported
+    its readiness since the checkpoint closed (`detail` names it; the
+    capture key is empty). Clears once the worker runs and reports.
+    """
+    BLOCKER_REASON_WORKER_LOST: _BlockerReason.ValueType  # 10
+    """A worker of a multi-worker server died while the checkpoint was open:
+    the episodes it ran are gone, so the participant is not ready until
+    Resume (then retire what the worker ran, and prepare again).
+    """
 
 class BlockerReason(_BlockerReason, metaclass=_BlockerReasonEnumTypeWrapper):
     """Why an episode (or a request outside any episode) keeps a participant from
@@ -171,6 +181,16 @@ BLOCKER_REASON_STREAMING_RESPONSE: BlockerReason.ValueType  # 7
 """A policy-model response has already started streaming."""
 BLOCKER_REASON_INSTALL_IN_PROGRESS: BlockerReason.ValueType  # 8
 """An install (restore) is still running."""
+BLOCKER_REASON_WORKER_MISSING: BlockerReason.ValueType  # 9
+"""A worker of a multi-worker server is not running, or has not reported
+its readiness since the checkpoint closed (`detail` names it; the
+capture key is empty). Clears once the worker runs and reports.
+"""
+BLOCKER_REASON_WORKER_LOST: BlockerReason.ValueType  # 10
+"""A worker of a multi-worker server died while the checkpoint was open:
+the episodes it ran are gone, so the participant is not ready until
+Resume (then retire what the worker ran, and prepare again).
+"""
 Global___BlockerReason: _TypeAlias = BlockerReason  # noqa: Y015
 
 @_typing.final
