@@ -22,7 +22,10 @@ from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
+from rollout_checkpoint.client.publication import (
+    PublicationError,
+    PublicationRoot,
+)
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 
 
@@ -34,7 +37,7 @@ class FleetSetup:
     def __init__(
         self,
         fleet: Fleet,
-        root: CheckpointRoot,
+        root: PublicationRoot,
         book: RolloutBook,
         view: CollectView,
         control: ControlCalls,
