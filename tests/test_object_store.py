@@ -412,8 +412,10 @@ def test_without_obstore_a_url_is_a_typed_error_naming_the_extra(tmp_path: objec
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    assert "root: object-store checkpoints need the optional dependency obstore" in out.stdout
-    assert "[s3]" in out.stdout
+    assert (
+        "root: object-store checkpoint locations (s3://, gs://, az://) needs obstore" in out.stdout
+    )
+    assert "install rollout-checkpoint[s3]" in out.stdout
     assert (
         "part: STORAGE_FAILED UNAVAILABLE" in out.stdout and "'missing_extra': 's3'" in out.stdout
     )

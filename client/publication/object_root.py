@@ -55,6 +55,7 @@ from rollout_checkpoint.client.publication.verify import CheckpointSummary, Part
 from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
+from rollout_checkpoint.server.core.extras import MissingExtra
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
     LATEST_NAME,
@@ -67,7 +68,6 @@ from rollout_checkpoint.server.core.object_parts import (
     scan_object_records,
 )
 from rollout_checkpoint.server.core.object_store import (
-    MissingObjectStoreExtra,
     ObjectLocation,
     ObjectStoreClient,
     ObjectStoreFailure,
@@ -85,7 +85,7 @@ _LATEST_SWAPS = 16
 """How often a publication re-reads LATEST after losing its compare-and-swap to another."""
 
 
-def _store_errors(error: ObjectStoreFailure | MissingObjectStoreExtra) -> PublicationError:
+def _store_errors(error: ObjectStoreFailure | MissingExtra) -> PublicationError:
     return PublicationError(str(error))
 
 
@@ -112,7 +112,7 @@ class ObjectCheckpointRoot:
         self._lock = threading.Lock()
         try:
             self._client: ObjectStoreClient = client_for(self.root)
-        except (ObjectStoreFailure, MissingObjectStoreExtra) as exc:
+        except (ObjectStoreFailure, MissingExtra) as exc:
             raise _store_errors(exc) from None
 
     def __repr__(self) -> str:
@@ -438,7 +438,7 @@ class ObjectCheckpointRoot:
     def _call(self, operation: Callable[[], _T]) -> _T:
         try:
             return operation()
-        except (ObjectStoreFailure, MissingObjectStoreExtra) as exc:
+        except (ObjectStoreFailure, MissingExtra) as exc:
             raise _store_errors(exc) from None
 
 

@@ -46,6 +46,7 @@ from rollout_checkpoint.server.core.errors import (
     invalid_request,
     rejected_checkpoint,
 )
+from rollout_checkpoint.server.core.extras import MissingExtra
 from rollout_checkpoint.server.core.layout import (
     MANIFEST_LIMIT,
     MANIFEST_NAME,
@@ -53,7 +54,6 @@ from rollout_checkpoint.server.core.layout import (
     StoredManifest,
 )
 from rollout_checkpoint.server.core.object_store import (
-    MissingObjectStoreExtra,
     ObjectLocation,
     ObjectStoreClient,
     ObjectStoreFailure,
@@ -75,7 +75,7 @@ _JOIN = 1 << 20
 """Records are joined into chunks of about this size before the upload."""
 
 
-def storage_failed(error: ObjectStoreFailure | MissingObjectStoreExtra) -> CheckpointError:
+def storage_failed(error: ObjectStoreFailure | MissingExtra) -> CheckpointError:
     """STORAGE_FAILED (UNAVAILABLE): the store is unreachable, refused the credentials, or the
     extra is missing. The message is the failure's own, which never holds a credential."""
     metadata = {"storage": "object_store"}
@@ -120,7 +120,7 @@ class ObjectPartStorage:
         try:
             client = self._client(part)
             return self._write(client, part, kind, instance, checkpoint_id, lines, fence)
-        except (ObjectStoreFailure, MissingObjectStoreExtra) as exc:
+        except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None
 
     def _write(
@@ -205,7 +205,7 @@ class ObjectPartStorage:
 
             scan_object_records(client, part, manifest, keep)
             return manifest, kept
-        except (ObjectStoreFailure, MissingObjectStoreExtra) as exc:
+        except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None
 
 

@@ -21,8 +21,8 @@ Why each rule exists:
   a commit whose store is down must fail within its deadline (STORAGE_FAILED, retryable)
   instead, so retries are bounded here (`RETRY_SECONDS`).
 * **obstore is imported lazily** (the optional `[s3]` extra): a local-only installation never
-  needs it, and one that names a URL without it gets `MissingObjectStoreExtra`, which says
-  which extra to install.
+  needs it, and one that names a URL without it gets `extras.MissingExtra`, whose one line
+  says which extra to install.
 
 Everything here blocks (network I/O): callers run it in a thread.
 """
@@ -36,6 +36,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+
+from rollout_checkpoint.server.core.extras import S3, require
 
 OBJECT_SCHEMES = ("s3", "gs", "az")
 """URL schemes of object-store locations (all through obstore; only s3:// is tested, against
@@ -154,16 +156,6 @@ def allowed_url(location: ObjectLocation, allowed_roots: Sequence[str]) -> bool:
     return False
 
 
-class MissingObjectStoreExtra(RuntimeError):
-    """An object-store location was named but obstore is not installed."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "object-store checkpoints need the optional dependency obstore: "
-            "pip install 'rollout-checkpoint[s3]'"
-        )
-
-
 class ObjectStoreFailure(Exception):
     """An object-store operation failed (unreachable, refused credentials, a server error).
 
@@ -197,10 +189,9 @@ def safe_message(error: BaseException, limit: int = 300) -> str:
 
 
 def _obstore() -> Any:
-    try:
-        import obstore
-    except ImportError as exc:
-        raise MissingObjectStoreExtra() from exc
+    require(S3, "object-store checkpoint locations (s3://, gs://, az://)")
+    import obstore
+
     return obstore
 
 
