@@ -5,6 +5,7 @@
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
     python -m benchmarks --only light --merge    # rerun one; keep the others' last results
     python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
+    python -m benchmarks --only object_store     # SeaweedFS (needs scripts/seaweedfs built)
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -35,6 +36,7 @@ from . import (
     fleet_scale,
     light_scale,
     nemo_gym,
+    object_store,
     prepare,
     report,
     throughput,
@@ -50,6 +52,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "light": light_scale.run,
     "bounded": bounded_state.run,
     "nemo_gym": nemo_gym.run,
+    "object_store": object_store.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -96,6 +99,10 @@ class Params:
     nemo_gym_repeats: int
     """Benchmark 8: sessions mid-episode on NeMo Gym's IPI server; prepares, commits and
     restores (each restore in a fresh process) per size."""
+    object_store_states: list[tuple[int, int]]
+    object_store_repeats: int
+    """Benchmark 9: (records, bytes per record) of a part on SeaweedFS; commits, restores and
+    raw puts and gets per case."""
 
 
 SCALES: dict[str, Params] = {
@@ -123,6 +130,8 @@ SCALES: dict[str, Params] = {
         checkpoint_every=0,
         nemo_gym_sessions=[1, 16, 64, 256],
         nemo_gym_repeats=5,
+        object_store_states=[(10000, 5000), (1000, 50000)],
+        object_store_repeats=7,
     ),
     "tiny": Params(
         repeats=2,
@@ -148,6 +157,8 @@ SCALES: dict[str, Params] = {
         checkpoint_every=20,
         nemo_gym_sessions=[1, 4],
         nemo_gym_repeats=2,
+        object_store_states=[(50, 2000)],
+        object_store_repeats=2,
     ),
 }
 
@@ -221,6 +232,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
         "--nemo-gym-repeats", type=int, help="benchmark 8: prepares, commits, restores per size"
     )
     parser.add_argument(
+        "--object-store-states", type=_states, help="benchmark 9: e.g. 10000x5000,1000x50000"
+    )
+    parser.add_argument(
+        "--object-store-repeats", type=int, help="benchmark 9: commits and restores per case"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results of benchmarks not run now from <output>/latest.json",
@@ -252,6 +269,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "checkpoint_every",
             "nemo_gym_sessions",
             "nemo_gym_repeats",
+            "object_store_states",
+            "object_store_repeats",
         )
         if getattr(args, name) is not None
     }
@@ -263,6 +282,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             params.rollout_repeats,
             params.load_repeats,
             params.nemo_gym_repeats,
+            params.object_store_repeats,
         )
         < 1
     ):
