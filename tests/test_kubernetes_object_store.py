@@ -22,7 +22,14 @@ from rollout_checkpoint.server.core.object_store import parse_object_url
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .conftest import REPO
-from .test_kubernetes import identity, objects, render, validate_strictly, walk
+from .test_kubernetes import (
+    identity,
+    objects,
+    readme_kubernetes,
+    render,
+    validate_strictly,
+    walk,
+)
 
 OVERLAY = REPO / "deploy" / "kubernetes-object-store"
 SECRET = "rollout-checkpoint-object-store"
@@ -74,6 +81,7 @@ def test_credentials_come_only_from_a_secret_made_by_hand(
             assert not variable["name"].startswith("AWS_"), (identity(workload), variable)
     text = (OVERLAY / "kustomization.yaml").read_text()
     assert f"kubectl create secret generic {SECRET}" in text
+    assert f"create secret generic {SECRET}" in readme_kubernetes()
 
 
 def test_participants_allow_the_url_the_fleet_file_publishes_under(

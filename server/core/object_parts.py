@@ -165,11 +165,11 @@ class ObjectPartStorage:
         )
         manifest_bytes = manifest.encode()
         manifest_key = part.key(MANIFEST_NAME)
-        existing = client.get(manifest_key, limit=MANIFEST_LIMIT + 1)
+        existing = _published_manifest(client, manifest_key)
         if existing is not None:
             # A retry of a write that published already (or a different commit): settle it
             # without uploading the records again.
-            return _settle_existing(client, part, manifest, manifest_bytes, existing.data, False)
+            return _settle_existing(client, part, manifest, manifest_bytes, existing, False)
         self._step("before_records_put")
         body: bytes | list[bytes] = b"".join(chunks) if len(chunks) <= 1 else chunks
         client.put(part.key(manifest.records_file), body, size=size)
@@ -179,10 +179,8 @@ class ObjectPartStorage:
         self._step("before_manifest_create")
         if client.create(manifest_key, manifest_bytes):
             return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
-        existing = client.get(manifest_key, limit=MANIFEST_LIMIT + 1)
-        return _settle_existing(
-            client, part, manifest, manifest_bytes, existing.data if existing else b"", True
-        )
+        existing = _published_manifest(client, manifest_key)
+        return _settle_existing(client, part, manifest, manifest_bytes, existing or b"", True)
 
     def read_part(
         self,
@@ -257,6 +255,16 @@ def scan_object_records(
     if size_only:
         return
     scan_record_chunks(chunks, part.url, manifest, on_record)
+
+
+def _published_manifest(client: ObjectStoreClient, key: str) -> bytes | None:
+    """The bytes of the manifest published under `key` (None when there is none). One larger
+    than any manifest is nobody's manifest of ours: it compares as a different commit."""
+    try:
+        stored = client.get(key, limit=MANIFEST_LIMIT)
+    except ValueError:
+        return b""
+    return None if stored is None else stored.data
 
 
 def _settle_existing(
