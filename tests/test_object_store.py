@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import httpx
 import obstore
 import pytest
 
@@ -35,7 +38,8 @@ from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
 from rollout_checkpoint.server.core.object_store import ObjectLocation, client_for
 from rollout_checkpoint.v1 import types_pb2
 
-from .conftest import drain, refused, start_harness, stop_harness
+from .conftest import TOKEN, drain, refused, start_harness, stop_harness
+from .processes import kill_group, started
 from .s3_server import S3Connection, SeaweedS3
 from .test_s3_server import store_for
 
@@ -419,3 +423,65 @@ def test_without_obstore_a_url_is_a_typed_error_naming_the_extra(tmp_path: objec
     assert (
         "part: STORAGE_FAILED UNAVAILABLE" in out.stdout and "'missing_extra': 's3'" in out.stdout
     )
+
+
+def test_cli_checkpoint_inspect_and_restore_source_on_s3(
+    tmp_path: Path, s3_env: S3Connection, url: str
+) -> None:
+    """The fleet verbs with an s3:// root: `checkpoint` publishes there, `inspect` verifies
+    it, and `restore --source` installs it into a fresh fleet started closed; every process
+    gets the store's credentials from the environment only (the fleet file holds a URL)."""
+    env = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "rollout_checkpoint.client.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    def counter(*extra: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+        command = [sys.executable, "-m", "rollout_checkpoint.examples.serve", "counter"]
+        return started([*command, "--session-secret", "fixed-secret", *extra], env=env)
+
+    def fleet_file(name: str, announced: dict[str, str]) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(
+            f'checkpoint_root = "{url}"\n[[participants]]\nname = "counter"\n'
+            f'address = "{announced["grpc"]}"\n'
+        )
+        return path
+
+    first, announced = counter()
+    try:
+        with httpx.Client(base_url=f"http://{announced['http']}") as episode:
+            seeded = episode.post("/ng-rollout/r1/seed_session", json={"initial_count": 4})
+            assert seeded.status_code == 200
+            episode.post("/ng-rollout/r1/increment_counter", json={"count": 3})
+            cookies = episode.cookies
+        taken = cli("checkpoint", "--fleet", str(fleet_file("first", announced)), "ckpt-a")
+        assert taken.returncode == 0, taken.stderr
+    finally:
+        kill_group(first)
+    inspected = cli("inspect", f"{url}/ckpt-a", "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["participants"][0]["episodes"] == ["r1"]
+    fresh, fresh_announced = counter("--start-closed")
+    try:
+        fresh_file = fleet_file("fresh", fresh_announced)
+        restored = cli("restore", "--fleet", str(fresh_file), "--source", "ckpt-a", "restore-1")
+        assert restored.returncode == 0, restored.stderr
+        assert cli("resume", "--fleet", str(fresh_file), "restore-1").returncode == 0
+        with httpx.Client(base_url=f"http://{fresh_announced['http']}", cookies=cookies) as ep:
+            got = ep.post("/ng-rollout/r1-a1/get_counter_value", json={})
+            assert got.json() == {"count": 7}
+    finally:
+        kill_group(fresh)
+    # Without the credentials in its environment the CLI fails typed, saying nothing secret.
+    del env["AWS_SECRET_ACCESS_KEY"], env["AWS_ACCESS_KEY_ID"]
+    refused = cli("inspect", url)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert s3_env.secret_access_key not in refused.stderr + refused.stdout

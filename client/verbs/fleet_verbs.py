@@ -72,6 +72,8 @@ def _root(args: argparse.Namespace, spec: FleetSpec) -> PublicationRoot:
         )
     try:
         return open_checkpoint_root(root)
+    except ValueError as error:  # an object-store URL that is no valid location
+        raise FleetConfigError(f"checkpoint root {root}: {error}") from error
     except OSError as error:
         raise FleetConfigError(
             f"checkpoint root {root}: {error.strerror or error} (it must be a directory "
