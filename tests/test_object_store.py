@@ -480,8 +480,11 @@ def test_cli_checkpoint_inspect_and_restore_source_on_s3(
             assert got.json() == {"count": 7}
     finally:
         kill_group(fresh)
-    # Without the credentials in its environment the CLI fails typed, saying nothing secret.
-    del env["AWS_SECRET_ACCESS_KEY"], env["AWS_ACCESS_KEY_ID"]
+    # With credentials the store refuses, the CLI fails in one typed line, echoing none.
+    wrong = "wrong" + secrets.token_hex(16)
+    env["AWS_SECRET_ACCESS_KEY"] = wrong
     refused = cli("inspect", url)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
-    assert s3_env.secret_access_key not in refused.stderr + refused.stdout
+    assert "refused the credentials" in refused.stderr
+    assert wrong not in refused.stderr + refused.stdout
+    assert s3_env.access_key_id not in refused.stderr + refused.stdout
