@@ -22,10 +22,7 @@ from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import (
-    PublicationError,
-    PublicationRoot,
-)
+from rollout_checkpoint.client.publication import PublicationError, PublicationRoot
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 
 
