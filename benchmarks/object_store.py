@@ -11,7 +11,8 @@ credentials in the standard variables, as a participant gets them:
 * restore: `read_part` of that part (the manifest GET, the records streamed, hashed and every
   line parsed and selected);
 * raw: one PUT of the same records bytes (same client, same part size and concurrency), and
-  one GET of them into memory.
+  one GET of them into memory; and that GET plus `json.loads` of every line, the part of a
+  restore no store can avoid (parsing dominates a restore of small records).
 
 Commits alternate with raw puts and restores with raw gets, so each ratio compares runs taken
 side by side. The conditional put's own cost is measured apart: the same small manifest
@@ -127,6 +128,7 @@ def _measure(
         puts: list[float] = []
         restores: list[float] = []
         gets: list[float] = []
+        parses: list[float] = []
         for repeat in range(repeats):
             name = f"c{count}x{size}-{repeat}"
             started = now()
@@ -147,13 +149,27 @@ def _measure(
             gets.append(now() - started)
             if stored is None or len(stored.data) != len(body):
                 raise RuntimeError("the raw get lost bytes")
+            # The part of a restore no store can avoid: parsing every record it keeps.
+            started = now()
+            parsed = [json.loads(line) for line in stored.data.split(b"\n") if line]
+            parses.append(gets[-1] + now() - started)
+            del parsed
         case = f"{count} x {size / 1000:g} KB ({len(body) / MB:.1f} MB)"
         result.figure(f"{case}: commit", "write_part", "ms", map(ms, commits))
         result.figure(f"{case}: raw put", "one PUT", "ms", map(ms, puts))
         result.figure(f"{case}: restore", "read_part", "ms", map(ms, restores))
         result.figure(f"{case}: raw get", "one GET", "ms", map(ms, gets))
         result.ratio(f"{case}: commit / raw put", "commit", "raw put", ratios(commits, puts))
+        result.figure(
+            f"{case}: raw get + parse", "one GET, json.loads per line", "ms", map(ms, parses)
+        )
         result.ratio(f"{case}: restore / raw get", "restore", "raw get", ratios(restores, gets))
+        result.ratio(
+            f"{case}: restore / raw get + parse",
+            "restore",
+            "raw get + parse",
+            ratios(restores, parses),
+        )
     # What a conditional put costs on its own: a small manifest, If-None-Match vs plain.
     manifest = b'{"schema_version": 1, "records_file": "records-x.jsonl"}\n' * 4
     creates: list[float] = []
