@@ -16,6 +16,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -488,3 +489,36 @@ def test_cli_checkpoint_inspect_and_restore_source_on_s3(
     assert "refused the credentials" in refused.stderr
     assert wrong not in refused.stderr + refused.stdout
     assert s3_env.access_key_id not in refused.stderr + refused.stdout
+
+
+async def test_a_resume_during_an_object_store_write_stops_it_before_the_manifest(
+    s3_env: S3Connection, url: str
+) -> None:
+    """The WriteFence on the store: a Resume while the records are on their way makes the
+    writer stop before its conditional manifest put, the Commit answers STALE_CHECKPOINT, and
+    no manifest ever appears (a checkpoint the controller abandoned never publishes)."""
+    checkpoint_dir = f"{url}/c1"
+    reached, release = threading.Event(), threading.Event()
+
+    def hold_before_records(step: str) -> None:
+        if step == "before_records_put":
+            reached.set()
+            release.wait(30)
+
+    storage = PartStorage(objects=ObjectPartStorage(crash_hook=hold_before_records))
+    h = await start_harness(storage=storage)
+    try:
+        h.participant.seed(EpisodeId("r1"), {"n": 1})
+        await drain(h.client.prepare("c1", h.deadline()))
+        commit = asyncio.ensure_future(h.client.commit("c1", h.deadline(), checkpoint_dir))
+        assert await asyncio.to_thread(reached.wait, 30)
+        resumed = await h.client.resume("c1", h.deadline())
+        assert resumed.state == types_pb2.PARTICIPANT_STATE_IDLE
+        release.set()
+        await refused(commit, "STALE_CHECKPOINT", "ABORTED")
+        status = await h.client.get_status()
+        assert status.admission_open
+    finally:
+        release.set()
+        await stop_harness(h)
+    assert "participants/resources/double/manifest.json" not in keys_below(s3_env, checkpoint_dir)
