@@ -99,8 +99,10 @@ class Params:
     nemo_gym_repeats: int
     """Benchmark 8: sessions mid-episode on NeMo Gym's IPI server; prepares, commits and
     restores (each restore in a fresh process) per size."""
-    object_store_states: list[tuple[int, int]]
-    object_store_repeats: int
+    object_store_states: list[tuple[int, int]] = field(
+        default_factory=lambda: [(10000, 5000), (1000, 50000)]
+    )
+    object_store_repeats: int = 7
     """Benchmark 9: (records, bytes per record) of a part on SeaweedFS; commits, restores and
     raw puts and gets per case."""
 
