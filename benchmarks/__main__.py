@@ -5,6 +5,7 @@
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
     python -m benchmarks --only light --merge    # rerun one; keep the others' last results
     python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
+    python -m benchmarks --only object_store     # SeaweedFS (needs scripts/seaweedfs built)
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -35,6 +36,7 @@ from . import (
     fleet_scale,
     light_scale,
     nemo_gym,
+    object_store,
     prepare,
     report,
     throughput,
@@ -51,6 +53,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "light": light_scale.run,
     "bounded": bounded_state.run,
     "nemo_gym": nemo_gym.run,
+    "object_store": object_store.run,
     "workers": workers.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
@@ -98,6 +101,12 @@ class Params:
     nemo_gym_repeats: int
     """Benchmark 8: sessions mid-episode on NeMo Gym's IPI server; prepares, commits and
     restores (each restore in a fresh process) per size."""
+    object_store_states: list[tuple[int, int]] = field(
+        default_factory=lambda: [(10000, 5000), (1000, 50000)]
+    )
+    object_store_repeats: int = 7
+    """Benchmark 9: (records, bytes per record) of a part on SeaweedFS; commits, restores and
+    raw puts and gets per case."""
     workers_sessions: int = 1000
     workers_repeats: int = 5
     """Benchmark 10: sessions on each server (1 worker, 4 workers); prepares and commits of
@@ -129,6 +138,8 @@ SCALES: dict[str, Params] = {
         checkpoint_every=0,
         nemo_gym_sessions=[1, 16, 64, 256],
         nemo_gym_repeats=5,
+        object_store_states=[(10000, 5000), (1000, 50000)],
+        object_store_repeats=7,
         workers_sessions=1000,
         workers_repeats=5,
     ),
@@ -156,6 +167,8 @@ SCALES: dict[str, Params] = {
         checkpoint_every=20,
         nemo_gym_sessions=[1, 4],
         nemo_gym_repeats=2,
+        object_store_states=[(50, 2000)],
+        object_store_repeats=2,
         workers_sessions=20,
         workers_repeats=2,
     ),
@@ -231,6 +244,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
         "--nemo-gym-repeats", type=int, help="benchmark 8: prepares, commits, restores per size"
     )
     parser.add_argument(
+        "--object-store-states", type=_states, help="benchmark 9: e.g. 10000x5000,1000x50000"
+    )
+    parser.add_argument(
+        "--object-store-repeats", type=int, help="benchmark 9: commits and restores per case"
+    )
+    parser.add_argument(
         "--workers-sessions", type=int, help="benchmark 10: sessions on each server"
     )
     parser.add_argument(
@@ -268,6 +287,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "checkpoint_every",
             "nemo_gym_sessions",
             "nemo_gym_repeats",
+            "object_store_states",
+            "object_store_repeats",
             "workers_sessions",
             "workers_repeats",
         )
@@ -281,6 +302,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             params.rollout_repeats,
             params.load_repeats,
             params.nemo_gym_repeats,
+            params.object_store_repeats,
             params.workers_repeats,
         )
         < 1

@@ -29,7 +29,7 @@ from rollout_checkpoint.client.coordination import (
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.publication import (
     CheckpointCorrupt,
-    CheckpointRoot,
+    PublicationRoot,
     PublishedCheckpoint,
     PublishedParticipant,
 )
@@ -95,7 +95,7 @@ class CheckpointEvent:
 
 async def checkpoint(
     fleet: Fleet,
-    root: CheckpointRoot,
+    root: PublicationRoot,
     deadline: float,
     *,
     checkpoint_id: str | None = None,
@@ -229,7 +229,7 @@ class RestoreSource:
 
 async def verified_source(
     fleet: Fleet,
-    root: CheckpointRoot,
+    root: PublicationRoot,
     *,
     source: str | None = None,
     scope: Iterable[EpisodeId] | None = None,
@@ -255,7 +255,7 @@ async def verified_source(
 
 async def restore_published(
     fleet: Fleet,
-    root: CheckpointRoot,
+    root: PublicationRoot,
     checkpoint_id: str,
     deadline: float,
     *,

@@ -4,7 +4,7 @@ A fleet file (TOML or YAML) names every participant and its sidecar address, whe
 comes from, TLS, and the controller's checkpoint root:
 
     token_env = "ROLLOUT_CHECKPOINT_TOKEN"     # or token_file = "/run/secrets/token"
-    checkpoint_root = "/checkpoints/run-7"    # where published checkpoints live
+    checkpoint_root = "/checkpoints/run-7"    # where published checkpoints live (or s3://b/p)
     keep = 2                                   # published checkpoints kept
     [[participants]]
     name = "counter"
@@ -30,6 +30,7 @@ import grpc
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.server.core.episodes import is_valid_id
+from rollout_checkpoint.server.core.object_store import is_object_url, parse_object_url
 from rollout_checkpoint.v1 import types_pb2
 
 Kind: TypeAlias = "types_pb2.ParticipantKind.ValueType"
@@ -174,6 +175,13 @@ def _spec_from(
 
     def resolve(key: str) -> str | None:
         value = data.get(key)
+        if value is not None and is_object_url(str(value)):
+            # An object-store root: checked, never resolved as a path. It carries no
+            # credentials (user info is refused): those come from the environment only.
+            try:
+                return parse_object_url(str(value)).url
+            except ValueError as exc:
+                raise FleetConfigError(f"{key} {value!r}: {exc}") from None
         return None if value is None else str((base / str(value)).resolve())
 
     keep = data.get("keep", 2)

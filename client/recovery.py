@@ -46,9 +46,9 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.client.publication import (
-    CheckpointRoot,
     NoPublishedCheckpoint,
     PublicationError,
+    PublicationRoot,
 )
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import Reason
@@ -103,7 +103,7 @@ class Recovery:
 
 async def recover(
     fleet: Fleet,
-    root: CheckpointRoot,
+    root: PublicationRoot,
     deadline: float,
     *,
     source: str | None = None,
@@ -168,7 +168,7 @@ async def recover(
 
 
 async def undo_unfinished_recovery(
-    spec: FleetSpec, root: CheckpointRoot, deadline: float
+    spec: FleetSpec, root: PublicationRoot, deadline: float
 ) -> tuple[str, ...]:
     """Undo what failed recovery tries left behind, all or nothing, and nothing else: every
     member still RESTORED under a recovery id has the restored attempts N+1 retired (what it

@@ -29,8 +29,13 @@ from rollout_checkpoint.v1 import types_pb2
 from .clocks import ObservedClock
 from .double import DoubleParticipant, create_app
 from .processes import REPO, kill_group, started
+from .s3_server import s3_server_fixture
 
 __all__ = ["REPO", "kill_group"]  # imported from here by the test modules
+
+# The session's S3 server (SeaweedFS), shared by every module that asks for `s3_server`:
+# registered once here, since pytest keys a fixture by where it is registered.
+s3_server = s3_server_fixture
 
 TOKEN = "s3cret-token-for-tests"
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

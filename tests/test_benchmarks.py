@@ -3,7 +3,8 @@
 This proves every benchmark starts its servers, drives them and reports numbers. It never
 asserts on speed: the figures are reported, not gates. The NeMo Gym one needs the cached
 nemo-gym env (`scripts/nemo-gym-env`, which `scripts/test` builds): where it is built it must
-report numbers, where it is not it must say so and report none.
+report numbers, where it is not it must say so and report none. The object-store one needs the
+cached SeaweedFS binary (`scripts/seaweedfs`, which `scripts/test` builds), likewise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.object_store import built_weed
 
 from .nemo_gym.beside import BesideError, ready_env
 
@@ -27,6 +30,7 @@ BENCHMARKS = (
     "light",
     "bounded",
     "nemo_gym",
+    "object_store",
     "workers",
 )
 
@@ -47,7 +51,7 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
         env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
         check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
@@ -60,6 +64,12 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
     else:
         assert skipped.startswith("no nemo-gym env here (nemo-gym-env: "), skipped
         assert not payload["benchmarks"].pop("nemo_gym")["figures"]
+    skipped = payload["benchmarks"]["object_store"]["skipped"]
+    if built_weed() is not None:
+        assert skipped == "", skipped
+    else:
+        assert skipped.startswith("no SeaweedFS weed binary built here"), skipped
+        assert not payload["benchmarks"].pop("object_store")["figures"]
     for name, result in payload["benchmarks"].items():
         assert result["figures"], name
         assert not result["skipped"], (name, result["skipped"])

@@ -24,10 +24,7 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store
 
-from . import s3_server as s3_support
 from .s3_server import S3Connection, SeaweedS3
-
-s3_server = s3_support.s3_server_fixture
 
 PART = 5 * 1024 * 1024  # S3's smallest part (all but the last)
 

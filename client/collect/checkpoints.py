@@ -24,7 +24,10 @@ from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
+from rollout_checkpoint.client.publication import (
+    PublicationError,
+    PublicationRoot,
+)
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.v1 import types_pb2
@@ -65,7 +68,7 @@ class CheckpointTaker:
     in-place recovery."""
 
     fleet: Fleet
-    root: CheckpointRoot
+    root: PublicationRoot
     book: RolloutBook
     output: DurableAppender
     view: CollectView

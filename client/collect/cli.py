@@ -37,6 +37,7 @@ from rollout_checkpoint.client.console import (
 from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError
 from rollout_checkpoint.client.verbs.errors import classify as classify_fleet_error
 from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.object_store import is_object_url
 
 EXAMPLE = (
     "rollout-checkpoint collect --fleet fleet.toml --entry-url http://127.0.0.1:8105 "
@@ -67,9 +68,10 @@ def add_collect_verb(verbs: Any) -> None:
     sub.add_argument("--concurrency", type=_positive_int, default=32, help="rollouts in flight")
     sub.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=_checkpoint_location,
         required=True,
-        help="checkpoints, LATEST and the dispatch log (a directory of its own)",
+        help="checkpoints, LATEST and the dispatch log (a directory of its own), or an "
+        "object-store URL s3://bucket/prefix (the dispatch log then lies next to --output)",
     )
     sub.add_argument(
         "--checkpoint-every", type=_positive_float, default=None, help="seconds between checkpoints"
@@ -110,6 +112,11 @@ def add_collect_verb(verbs: Any) -> None:
         "--keep", type=_positive_int, default=None, help="published checkpoints kept (default 2)"
     )
     add_output_flags(sub, verbose=False)
+
+
+def _checkpoint_location(text: str) -> Path | str:
+    """A directory (a Path) or an object-store URL (kept as the string it is)."""
+    return text if is_object_url(text) else Path(text)
 
 
 def _positive_int(text: str) -> int:

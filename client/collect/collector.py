@@ -60,10 +60,10 @@ from rollout_checkpoint.client.collect.dispatch import Dispatcher
 from rollout_checkpoint.client.collect.errors import OutputFailed, UsageError
 from rollout_checkpoint.client.collect.inputs import load_input
 from rollout_checkpoint.client.collect.journal import (
-    DISPATCH_LOG,
     DurableAppender,
     Previous,
     check_appendable,
+    dispatch_log_path,
     json_line,
     read_previous,
 )
@@ -75,7 +75,7 @@ from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
-from rollout_checkpoint.client.publication import CheckpointRoot
+from rollout_checkpoint.client.publication import PublicationRoot, open_checkpoint_root
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ class CollectOptions:
     entry_url: str
     input: Path
     output: Path
-    checkpoint_dir: Path
+    checkpoint_dir: Path | str
+    """A directory, or an object-store URL (`s3://bucket/prefix`)."""
     num_repeats: int = 1
     concurrency: int = 32
     checkpoint_every: float | None = None
@@ -161,9 +162,9 @@ class Collector:
         )
         book = self.book = RolloutBook(tasks, options.num_repeats, self.counts)
         root = await asyncio.to_thread(
-            CheckpointRoot, options.checkpoint_dir, crash_hook=self._step
+            open_checkpoint_root, options.checkpoint_dir, crash_hook=self._step
         )
-        log_path = root.path / DISPATCH_LOG
+        log_path = dispatch_log_path(options.checkpoint_dir, options.output)
         if options.resume:
             previous = await asyncio.to_thread(
                 read_previous, options.output, log_path, root, input_digest
@@ -224,7 +225,7 @@ class Collector:
     async def _collect(
         self,
         previous: Previous,
-        root: CheckpointRoot,
+        root: PublicationRoot,
         log_path: Path,
         settings: CheckpointSettings,
         spec: FleetSpec,
@@ -291,14 +292,14 @@ class Collector:
             await self.output.close()
             await self.dispatch_log.close()
 
-    def _refuse_existing(self, root: CheckpointRoot, log_path: Path) -> None:
+    def _refuse_existing(self, root: PublicationRoot, log_path: Path) -> None:
         """A fresh run next to an old one would mix two collections' attempts and lines."""
         output = self.options.output
         if output.exists() and output.stat().st_size > 0:
             raise UsageError(f"{output} already holds rollouts: pass --resume to continue them")
         if log_path.exists() or root.published():
             raise UsageError(
-                f"{root.path} already holds a collection: pass --resume to continue it"
+                f"{root.location} already holds a collection: pass --resume to continue it"
             )
 
     # -- dispatching ----------------------------------------------------------------------------

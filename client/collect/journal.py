@@ -17,10 +17,27 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
-from rollout_checkpoint.client.publication import CheckpointRoot, FleetManifest, PublicationError
-from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME
+from rollout_checkpoint.client.publication import (
+    FleetManifest,
+    PublicationError,
+    PublicationRoot,
+)
+from rollout_checkpoint.server.core.object_store import is_object_url
 
 DISPATCH_LOG = "dispatched.jsonl"
+
+
+def dispatch_log_path(checkpoint_dir: str | os.PathLike[str], output: Path) -> Path:
+    """Where the dispatch log lives: in the checkpoint directory, or, when checkpoints go to
+    an object store (which cannot append a durable line), next to `--output` as
+    `<output>.dispatched.jsonl`: the log is written ahead of every dispatch, and it must be
+    as durable and as local as the output it is read back with."""
+    text = os.fspath(checkpoint_dir)
+    if is_object_url(text):
+        return output.with_name(f"{output.name}.{DISPATCH_LOG}")
+    return Path(text) / DISPATCH_LOG
+
+
 """The dispatch log's name inside the checkpoint directory."""
 STATE_FORMAT = "rollout-checkpoint.collect/1"
 """The `format` of the controller-state blob `collect` publishes in its fleet manifests."""
@@ -203,7 +220,7 @@ class Previous:
     """Why the latest checkpoint cannot be used (it is then not restored)."""
 
 
-def read_previous(output: Path, log: Path, root: CheckpointRoot, input_digest: str) -> Previous:
+def read_previous(output: Path, log: Path, root: PublicationRoot, input_digest: str) -> Previous:
     """Read back the output, the dispatch log and `LATEST` of `root` (blocking: run it in a
     thread), cutting torn last lines off both files.
 
@@ -242,7 +259,7 @@ def read_previous(output: Path, log: Path, root: CheckpointRoot, input_digest: s
     state = collect_state(previous.manifest)
     if state is None:
         raise UsageError(
-            f"{root.path}: LATEST ({previous.manifest.checkpoint_id}) was not published by "
+            f"{root.location}: LATEST ({previous.manifest.checkpoint_id}) was not published by "
             "collect; use a checkpoint directory of its own"
         )
     if state.get("input_sha256") != input_digest:
@@ -261,14 +278,14 @@ def attempts_in(value: object) -> dict[str, int]:
     return {k: v for k, v in value.items() if isinstance(k, str) and type(v) is int}
 
 
-def read_latest_manifest(root: CheckpointRoot) -> FleetManifest | None:
+def read_latest_manifest(root: PublicationRoot) -> FleetManifest | None:
     """The fleet manifest `LATEST` names (None: nothing published yet), read without
     verifying the parts (blocking: run it in a thread). Raises `PublicationError`, `OSError`
     or `ValueError` for one that cannot be read."""
     latest = root.latest()
     if latest is None:
         return None
-    return FleetManifest.decode((root.directory(latest) / FLEET_MANIFEST_NAME).read_bytes())
+    return root.read_fleet_manifest(latest)
 
 
 def collect_state(manifest: FleetManifest) -> dict[str, Any] | None:

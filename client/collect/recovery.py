@@ -63,7 +63,11 @@ from rollout_checkpoint.client.coordination import FleetError, fan_out
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
 from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
-from rollout_checkpoint.client.publication import CheckpointRoot, FleetManifest, PublicationError
+from rollout_checkpoint.client.publication import (
+    FleetManifest,
+    PublicationError,
+    PublicationRoot,
+)
 from rollout_checkpoint.client.recovery import (
     RecoveryLostRace,
     end_cut_checkpoints,
@@ -100,7 +104,7 @@ class InPlaceRecovery:
     def __init__(
         self,
         spec: FleetSpec,
-        root: CheckpointRoot,
+        root: PublicationRoot,
         book: RolloutBook,
         view: CollectView,
         control: ControlCalls,

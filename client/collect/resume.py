@@ -29,7 +29,7 @@ from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.coordination import FleetError, awaiting_restore
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
+from rollout_checkpoint.client.publication import PublicationError, PublicationRoot
 from rollout_checkpoint.client.recovery import end_cut_checkpoints
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -43,7 +43,7 @@ class FleetSetup:
     def __init__(
         self,
         fleet: Fleet,
-        root: CheckpointRoot,
+        root: PublicationRoot,
         book: RolloutBook,
         view: CollectView,
         control: ControlCalls,

@@ -42,9 +42,10 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
 from rollout_checkpoint.client.membership import FleetWatch
 from rollout_checkpoint.client.publication import (
-    CheckpointRoot,
     NoPublishedCheckpoint,
     PublicationError,
+    PublicationRoot,
+    open_checkpoint_root,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
 from rollout_checkpoint.server.core.errors import (
@@ -115,14 +116,14 @@ class CoordinatorServicer:
                 await self._fleet.close()
                 self._fleet = None
 
-    def root(self) -> CheckpointRoot:
+    def root(self) -> PublicationRoot:
         if self.spec.checkpoint_root is None:
             raise CheckpointError(
                 Reason.INVALID_REQUEST,
                 "the fleet file sets no checkpoint_root",
                 code="FAILED_PRECONDITION",
             )
-        return CheckpointRoot(self.spec.checkpoint_root)
+        return open_checkpoint_root(self.spec.checkpoint_root)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Every RPC of coordinator_service.proto, served by the method of its name."""

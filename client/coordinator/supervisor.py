@@ -47,7 +47,10 @@ from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
 from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
-from rollout_checkpoint.client.publication import CheckpointRoot, PublicationError
+from rollout_checkpoint.client.publication import (
+    PublicationError,
+    open_checkpoint_root,
+)
 from rollout_checkpoint.client.recovery import (
     Recovery,
     RecoveryLostRace,
@@ -106,7 +109,7 @@ class Supervisor:
         if spec.checkpoint_root is None:
             raise ValueError("--supervise needs checkpoint_root in the fleet file")
         self.spec = spec
-        self.root = CheckpointRoot(spec.checkpoint_root)
+        self.root = open_checkpoint_root(spec.checkpoint_root)
         self.events = events
         self.settings = settings
         self._discover = discover

@@ -54,7 +54,8 @@ which both the writer's round trip and `inspect` must reproduce byte for byte.
 Modules, one concept each (every public name is importable from this package):
 `errors`; `manifest` (the fleet manifest `checkpoint.json`: model, encoding, decoding);
 `files` (opening below the root without following links); `root` (`CheckpointRoot`:
-publish, load); `latest` (`LATEST`); `retention`; `verify` (`verify_checkpoint`, `inspect`
+publish, load); `object_root` (`ObjectCheckpointRoot`: the same on an object store);
+`roots` (`PublicationRoot`, `open_checkpoint_root`: either, by the location's form); `latest` (`LATEST`); `retention`; `verify` (`verify_checkpoint`, `inspect`
 and their summaries).
 """
 
@@ -77,6 +78,7 @@ from rollout_checkpoint.client.publication.root import (
     CrashHook,
     PublishedCheckpoint,
 )
+from rollout_checkpoint.client.publication.roots import PublicationRoot, open_checkpoint_root
 from rollout_checkpoint.client.publication.verify import (
     CheckpointSummary,
     ParticipantSummary,
@@ -94,10 +96,12 @@ __all__ = [
     "NoPublishedCheckpoint",
     "ParticipantSummary",
     "PublicationError",
+    "PublicationRoot",
     "PublishedCheckpoint",
     "PublishedParticipant",
     "format_time",
     "inspect",
+    "open_checkpoint_root",
     "parse_time",
     "verify_checkpoint",
 ]

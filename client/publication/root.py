@@ -57,7 +57,8 @@ class PublishedCheckpoint:
     """The result of a publication."""
 
     checkpoint_id: str
-    directory: Path
+    directory: Path | str
+    """The checkpoint's directory (a URL on an object store)."""
     fleet_manifest_sha256: str
     manifest: FleetManifest
     already_published: bool = False
@@ -86,6 +87,8 @@ class CheckpointRoot:
         (`after_verify`, `after_fleet_manifest`, `after_latest`). Raises OSError when the
         directory cannot be created."""
         self.path = Path(path).absolute()
+        self.location = str(self.path)
+        """The root as an operator names it (a path here, a URL for an object-store root)."""
         self.path.mkdir(parents=True, exist_ok=True)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._crash_hook = crash_hook
@@ -139,8 +142,8 @@ class CheckpointRoot:
         checkpoint directories older than this one are deleted (see `apply_retention`).
         """
         _check_checkpoint_id(checkpoint_id)
-        entries = _check_participants(participants)
-        episodes = _check_continued(continued)
+        entries = check_participants(participants)
+        episodes = check_continued(continued)
         if not isinstance(controller_state, bytes | bytearray | memoryview):
             raise TypeError("controller_state must be bytes")
         state = bytes(controller_state)
@@ -251,6 +254,12 @@ class CheckpointRoot:
         with io_errors(self.path), safe_files.opened(self.path, ROOT_FLAGS) as root_fd:
             return [name for _, name in sorted(scan_root(root_fd).published)]
 
+    def read_fleet_manifest(self, checkpoint_id: str) -> FleetManifest:
+        """The fleet manifest of a published checkpoint, decoded (not verified)."""
+        return FleetManifest.decode(
+            (self.directory(checkpoint_id) / FLEET_MANIFEST_NAME).read_bytes()
+        )
+
 
 # -- publication steps --------------------------------------------------------------------
 
@@ -318,7 +327,7 @@ def _check_checkpoint_id(checkpoint_id: str) -> None:
         raise ValueError(f"{LATEST_NAME!r} is reserved and cannot be a checkpoint id")
 
 
-def _check_participants(
+def check_participants(
     participants: Sequence[PublishedParticipant],
 ) -> tuple[PublishedParticipant, ...]:
     entries = tuple(participants)
@@ -335,7 +344,7 @@ def _check_participants(
     return tuple(sorted(entries, key=lambda e: e.name))
 
 
-def _check_continued(continued: Iterable[EpisodeId]) -> tuple[EpisodeId, ...]:
+def check_continued(continued: Iterable[EpisodeId]) -> tuple[EpisodeId, ...]:
     episodes = set(continued)
     for episode in episodes:
         if not isinstance(episode, EpisodeId):

@@ -72,7 +72,8 @@ class ParticipantSummary:
 class CheckpointSummary:
     """A verified published checkpoint: every manifest and digest checked."""
 
-    directory: Path
+    directory: Path | str
+    """The checkpoint's directory (a URL on an object store)."""
     fleet_manifest_sha256: str
     manifest: FleetManifest
     participants: tuple[ParticipantSummary, ...]

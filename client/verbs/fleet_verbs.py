@@ -37,7 +37,7 @@ from rollout_checkpoint.client.console import (
 )
 from rollout_checkpoint.client.coordination import DERIVE, FleetError
 from rollout_checkpoint.client.fleet import Fleet, FleetConfigError, FleetSpec, load_fleet_file
-from rollout_checkpoint.client.publication import CheckpointRoot
+from rollout_checkpoint.client.publication import PublicationRoot, open_checkpoint_root
 from rollout_checkpoint.client.verbs.errors import fleet_error_line
 from rollout_checkpoint.client.verbs.names import TOKEN_ENV, rfc3339
 from rollout_checkpoint.client.verbs.progress import ProgressView, progress_json
@@ -64,14 +64,16 @@ def _spec(args: argparse.Namespace) -> FleetSpec:
     return FleetSpec.from_addresses(args.address, _token(args), allow_agents_without_model=True)
 
 
-def _root(args: argparse.Namespace, spec: FleetSpec) -> CheckpointRoot:
+def _root(args: argparse.Namespace, spec: FleetSpec) -> PublicationRoot:
     root = getattr(args, "root", None) or spec.checkpoint_root
     if root is None:
         raise FleetConfigError(
             "no checkpoint root: pass --root or set checkpoint_root in the fleet file"
         )
     try:
-        return CheckpointRoot(root)
+        return open_checkpoint_root(root)
+    except ValueError as error:  # an object-store URL that is no valid location
+        raise FleetConfigError(f"checkpoint root {root}: {error}") from error
     except OSError as error:
         raise FleetConfigError(
             f"checkpoint root {root}: {error.strerror or error} (it must be a directory "

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from rollout_checkpoint.client.collect.journal import DISPATCH_LOG
 from rollout_checkpoint.client.console import CliError, ExitCode
-from rollout_checkpoint.client.publication import verify_checkpoint
+from rollout_checkpoint.client.publication import NoPublishedCheckpoint, verify_checkpoint
+from rollout_checkpoint.client.publication.object_root import verify_object_checkpoint
 from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME, LATEST_NAME, PARTICIPANTS_DIR
+from rollout_checkpoint.server.core.object_store import is_object_url
 
 
 def inspect_verb(args: argparse.Namespace) -> int:
@@ -18,7 +20,9 @@ def inspect_verb(args: argparse.Namespace) -> int:
 
     `CliError` (exit 2) for a missing directory or one that holds no published checkpoint;
     `CheckpointCorrupt` (exit 6) when it does not verify."""
-    directory: Path = args.directory
+    if is_object_url(args.directory):
+        return _inspect_url(args.directory, args.json)
+    directory = Path(args.directory)
     if not directory.exists():
         raise CliError(ExitCode.USAGE, f"{directory}: no such directory")
     if not directory.is_dir():
@@ -28,6 +32,24 @@ def inspect_verb(args: argparse.Namespace) -> int:
         directory, note = _what_directory_is(directory)
     summary = verify_checkpoint(directory)
     if args.json:
+        print(json.dumps(summary.to_json(), sort_keys=True))
+    else:
+        if note:
+            print(note)
+        print(summary.format_text())
+    return ExitCode.OK
+
+
+def _inspect_url(url: str, as_json: bool) -> int:
+    """`inspect s3://…`: the checkpoint below the URL, or the one its LATEST names. A URL that
+    is not a valid location is a usage error; one holding nothing published says so."""
+    try:
+        summary, note = verify_object_checkpoint(url)
+    except ValueError as exc:
+        raise CliError(ExitCode.USAGE, f"{url}: {exc}") from None
+    except NoPublishedCheckpoint as exc:
+        raise CliError(ExitCode.USAGE, str(exc)) from None
+    if as_json:
         print(json.dumps(summary.to_json(), sort_keys=True))
     else:
         if note:

@@ -200,7 +200,10 @@ def add_fleet_verbs(verbs: Any) -> None:
         epilog=epilog("rollout-checkpoint inspect /checkpoints/run-7"),
         formatter_class=HelpFormatter,
     )
-    sub.add_argument("directory", type=Path, help="a checkpoint directory or a checkpoint root")
+    sub.add_argument(
+        "directory",
+        help="a checkpoint directory or a checkpoint root (a path, or s3://bucket/prefix)",
+    )
     sub.add_argument("--json", action="store_true", help="machine-readable output, one JSON object")
     sub = verbs.add_parser(
         "coordinator",

@@ -19,7 +19,7 @@ import importlib
 import importlib.metadata
 from dataclasses import dataclass
 
-__all__ = ["MCP", "NEMO_GYM", "REFLECTION", "Extra", "MissingExtra", "require"]
+__all__ = ["MCP", "NEMO_GYM", "REFLECTION", "S3", "Extra", "MissingExtra", "require"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ MCP = Extra("mcp", "mcp", "mcp>=2.3,<3", ("mcp", "mcp_types"))
 REFLECTION = Extra(
     "reflection", "grpcio-reflection", "grpcio-reflection>=1.85.1", ("grpc_reflection",)
 )
+# Checkpoint locations on object stores (s3://, gs://, az://): obstore, chosen by measurement
+# (benchmarks/object_store_clients.py), imported only when such a location is named.
+S3 = Extra("s3", "obstore", "obstore>=0.12.1,<0.13", ("obstore",))
 # What `serve nemo-gym:<server>` needs: NeMo Gym's server utilities (the session key, the
 # ServerClient); the server's own module is added per server. 0.4.0 is the version tested
 # (tests/test_nemo_gym_*.py), the newest that runs on Python 3.12.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -132,7 +132,29 @@ def scan_records(
             )
         if check == "size":
             return
-        scan = _scan(fd, manifest.bytes, part_path, on_record)
+        scan = _scan(
+            iter(lambda: os.read(fd, safe_files.READ_CHUNK), b""),
+            manifest.bytes,
+            part_path,
+            on_record,
+        )
+    check_scan(scan, manifest, part_path)
+
+
+def scan_record_chunks(
+    chunks: Iterable[bytes],
+    part_path: str,
+    manifest: StoredManifest,
+    on_record: Callable[[dict[str, Any], int], None],
+) -> None:
+    """`scan_records` over a records file that arrives in chunks (an object store's streamed
+    GET): the same hashing, counting and line checks, the same errors. The caller checks the
+    object's size against the manifest before it starts the stream."""
+    check_scan(_scan(chunks, manifest.bytes, part_path, on_record), manifest, part_path)
+
+
+def check_scan(scan: _Scan, manifest: StoredManifest, part_path: str) -> None:
+    """Digest, count and size must match the manifest before a bad line is reported."""
     if (scan.sha256, scan.count, scan.size) != (
         manifest.records_sha256,
         manifest.record_count,
@@ -158,7 +180,7 @@ class _Scan:
 
 
 def _scan(
-    fd: int,
+    chunks: Iterable[bytes],
     expected_bytes: int,
     part_path: str,
     on_record: Callable[[dict[str, Any], int], None],
@@ -170,7 +192,9 @@ def _scan(
     problem: CheckpointError | None = None
     parsing = True
     last = b"\n"
-    while chunk := os.read(fd, safe_files.READ_CHUNK):
+    for chunk in chunks:
+        if not chunk:
+            continue
         hasher.update(chunk)
         size += len(chunk)
         last = chunk[-1:]

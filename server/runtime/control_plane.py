@@ -31,6 +31,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_checkpoint.server.core.checkpoint_storage import (
+    PartStorage,
+    validate_checkpoint_location,
+)
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import (
@@ -38,11 +42,7 @@ from rollout_checkpoint.server.core.errors import (
     deadline_exceeded,
     invalid_request,
 )
-from rollout_checkpoint.server.core.part_storage import (
-    CheckpointStorage,
-    LocalStorage,
-    validate_checkpoint_dir,
-)
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.commit_job import CommitResult
 from rollout_checkpoint.server.runtime.duties import Duties
@@ -115,7 +115,7 @@ class ControlPlane:
             raise ValueError(f"participant instance {participant.instance!r} is not a valid name")
         self.participant = participant
         self.settings = settings or ControlSettings()
-        self.storage: CheckpointStorage = storage or LocalStorage()
+        self.storage: CheckpointStorage = storage or PartStorage()
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()
@@ -355,11 +355,14 @@ class ControlPlane:
         )
 
     async def _validated_dir(self, checkpoint_dir: str, deadline: float) -> str:
-        """The checkpoint directory's real path, checked off the loop within the deadline
-        (a hung filesystem must cost the call its deadline, not the participant its loop)."""
+        """The checkpoint directory's real path (or its object-store URL), checked off the
+        loop within the deadline (a hung filesystem must cost the call its deadline, not the
+        participant its loop)."""
         check = asyncio.ensure_future(
             asyncio.to_thread(
-                validate_checkpoint_dir, checkpoint_dir, self.settings.allowed_checkpoint_roots
+                validate_checkpoint_location,
+                checkpoint_dir,
+                self.settings.allowed_checkpoint_roots,
             )
         )
         check.add_done_callback(retrieve_exception)

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rollout_checkpoint.server.core.episodes import is_valid_id
+from rollout_checkpoint.server.core.object_store import is_object_url, parse_object_url
 from rollout_checkpoint.server.runtime.control_plane import ControlSettings
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}$")
@@ -96,8 +97,18 @@ class CheckpointSettings(BaseSettings):
         ):
             raise ValueError("checkpoint.metrics_path must be an absolute path such as /metrics")
         for root in self.allowed_checkpoint_roots:
-            if not root.startswith("/"):
-                raise ValueError("checkpoint.allowed_checkpoint_roots must be absolute paths")
+            if is_object_url(root):
+                try:
+                    parse_object_url(root)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"checkpoint.allowed_checkpoint_roots: {root}: {exc}"
+                    ) from None
+            elif not root.startswith("/"):
+                raise ValueError(
+                    "checkpoint.allowed_checkpoint_roots must be absolute paths or object-store "
+                    "URLs (s3://bucket/prefix)"
+                )
         return self
 
     def control_settings(self) -> ControlSettings:

@@ -1,0 +1,86 @@
+"""The one storage interface the participant runtime uses: a checkpoint location is a local
+directory or an object-store URL, and the runtime never knows which.
+
+`validate_checkpoint_location` checks a requested location against the allowed roots (paths
+as before; URLs against the roots that are URLs), and `PartStorage` sends each part's write
+and read to the backend the checked location belongs to. The guarantees are the same on both
+(see `part_storage` and `object_parts`). Blocking: callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from rollout_checkpoint.server.core.errors import invalid_request
+from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
+from rollout_checkpoint.server.core.object_store import (
+    allowed_url,
+    is_object_url,
+    parse_object_url,
+)
+from rollout_checkpoint.server.core.part_storage import (
+    CheckpointStorage,
+    LocalStorage,
+    PublishedPart,
+    WriteFence,
+    validate_checkpoint_dir,
+)
+
+
+def validate_checkpoint_location(raw: str, allowed_roots: Sequence[str]) -> str:
+    """The checked location: a URL in its canonical form, or a directory's real path.
+
+    A URL must parse (`object_store.parse_object_url`) and lie below an allowed root that is
+    a URL when any roots are set (a path root never admits a URL, nor a URL root a path).
+    Refusals are INVALID_REQUEST naming `checkpoint_dir`."""
+    if is_object_url(raw):
+        try:
+            location = parse_object_url(raw)
+        except ValueError as exc:
+            raise invalid_request("checkpoint_dir", str(exc)) from exc
+        if not allowed_url(location, allowed_roots):
+            raise invalid_request("checkpoint_dir", "lies outside the allowed checkpoint roots")
+        return location.url
+    local_roots = [root for root in allowed_roots if not is_object_url(root)]
+    if allowed_roots and not local_roots:
+        raise invalid_request("checkpoint_dir", "lies outside the allowed checkpoint roots")
+    return validate_checkpoint_dir(raw, local_roots)
+
+
+class PartStorage:
+    """Parts on the local filesystem or an object store, by the location's form."""
+
+    def __init__(
+        self,
+        local: CheckpointStorage | None = None,
+        objects: CheckpointStorage | None = None,
+    ) -> None:
+        self.local: CheckpointStorage = local or LocalStorage()
+        self.objects: CheckpointStorage = objects or ObjectPartStorage()
+
+    def _backend(self, checkpoint_dir: str) -> CheckpointStorage:
+        return self.objects if is_object_url(checkpoint_dir) else self.local
+
+    def write_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        lines: Iterable[bytes],
+        fence: WriteFence,
+    ) -> PublishedPart:
+        return self._backend(checkpoint_dir).write_part(
+            checkpoint_dir, kind, instance, checkpoint_id, lines, fence
+        )
+
+    def read_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        select: Callable[[dict[str, Any]], bool],
+    ) -> tuple[StoredManifest, list[dict[str, Any]]]:
+        return self._backend(checkpoint_dir).read_part(checkpoint_dir, kind, instance, select)

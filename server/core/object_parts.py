@@ -1,0 +1,306 @@
+"""A participant's part on an object store: the same format, the same guarantees as on disk.
+
+    <url>/participants/<kind>/<instance>/records-<sha256>.jsonl
+    <url>/participants/<kind>/<instance>/manifest.json
+
+An object store has no rename, no hard link, no fsync and no flock; each guarantee of the local
+backend (`part_storage`) has an object-store counterpart, and the order is the same:
+
+* **Records first, manifest last.** The records object is uploaded whole (one PUT, or a
+  multipart upload that the store makes visible only when it completes; a failed one is
+  aborted, so nothing readable is left under its name), and only then is the manifest put.
+  A manifest therefore never names records that are not there.
+* **The manifest is created only if absent** (`If-None-Match: *`): of two racing writers
+  exactly one publishes, and a published part is never replaced, exactly as `link` refuses an
+  existing name on disk. An identical manifest already there is an idempotent retry; a
+  different one is INVALID_CHECKPOINT_STATE ("already holds a different commit").
+* **The records object is named by its digest**, so two writers of the same content write the
+  same bytes under the same key: overwriting it can never change what a manifest names.
+* **Nothing is deleted that a manifest may come to name.** Without a lock no writer can know
+  that another writer of identical content is not between its records PUT and its manifest
+  create, so a stopped or failed write leaves its records object (named by no manifest:
+  never read as a part); retention removes the checkpoint's prefix later. Only the loser of
+  a conflict deletes its records, and only when the published manifest names other records.
+* **The WriteFence** is checked between records and taken (`begin_publish`) right before the
+  manifest create, so a Resume either stops the write before it publishes or waits for it.
+* **Reads are streamed and verified**: the records object's size is checked against the
+  manifest before its body is read, then every chunk is hashed and every line checked by the
+  one part reader (`part_reader.scan_record_chunks`), so the format has one implementation.
+
+Everything here blocks (network I/O, hashing): callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core.episodes import ID_PATTERN, is_valid_id
+from rollout_checkpoint.server.core.errors import (
+    CheckpointError,
+    Reason,
+    corrupt_checkpoint,
+    invalid_request,
+    rejected_checkpoint,
+)
+from rollout_checkpoint.server.core.extras import MissingExtra
+from rollout_checkpoint.server.core.layout import (
+    MANIFEST_LIMIT,
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    StoredManifest,
+)
+from rollout_checkpoint.server.core.object_store import (
+    ObjectLocation,
+    ObjectStoreClient,
+    ObjectStoreFailure,
+    client_for,
+    parse_object_url,
+)
+from rollout_checkpoint.server.core.part_reader import (
+    check_owner,
+    decode_manifest,
+    scan_record_chunks,
+)
+from rollout_checkpoint.server.core.part_storage import PublishedPart, WriteFence
+
+CrashHook = Callable[[str], None]
+"""Called with the name of each step of a write (`before_records_put`, `before_publish`,
+`before_manifest_create`); fault tests stop the writer or the store there."""
+
+_JOIN = 1 << 20
+"""Records are joined into chunks of about this size before the upload."""
+
+
+def storage_failed(error: ObjectStoreFailure | MissingExtra) -> CheckpointError:
+    """STORAGE_FAILED (UNAVAILABLE): the store is unreachable, refused the credentials, or the
+    extra is missing. The message is the failure's own, which never holds a credential."""
+    metadata = {"storage": "object_store"}
+    if isinstance(error, ObjectStoreFailure):
+        metadata["url"] = error.url
+        metadata["error_type"] = error.error_type
+        if error.credentials_refused:
+            metadata["cause"] = "credentials_refused"
+    else:
+        metadata["missing_extra"] = "s3"
+    return CheckpointError(
+        Reason.STORAGE_FAILED, f"storage failed: {error}", code="UNAVAILABLE", metadata=metadata
+    )
+
+
+class ObjectPartStorage:
+    """Parts below object-store URLs (see the module doc); implements `CheckpointStorage`."""
+
+    def __init__(
+        self,
+        crash_hook: CrashHook | None = None,
+        client: Callable[[ObjectLocation], ObjectStoreClient] = client_for,
+    ) -> None:
+        self._crash_hook = crash_hook
+        self._client = client
+
+    def _step(self, name: str) -> None:
+        if self._crash_hook is not None:
+            self._crash_hook(name)
+
+    def write_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        lines: Iterable[bytes],
+        fence: WriteFence,
+    ) -> PublishedPart:
+        """Write and publish this participant's part below the URL `checkpoint_dir`."""
+        part = _part_location(checkpoint_dir, kind, instance)
+        try:
+            client = self._client(part)
+            return self._write(client, part, kind, instance, checkpoint_id, lines, fence)
+        except (ObjectStoreFailure, MissingExtra) as exc:
+            raise storage_failed(exc) from None
+
+    def _write(
+        self,
+        client: ObjectStoreClient,
+        part: ObjectLocation,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        lines: Iterable[bytes],
+        fence: WriteFence,
+    ) -> PublishedPart:
+        hasher = hashlib.sha256()
+        chunks: list[bytes] = []
+        pending: list[bytes] = []
+        pending_size = count = size = 0
+        for line in lines:
+            fence.check()
+            data = line + b"\n"
+            hasher.update(data)
+            pending.append(data)
+            pending_size += len(data)
+            count += 1
+            size += len(data)
+            if pending_size >= _JOIN:
+                chunks.append(b"".join(pending))
+                pending.clear()
+                pending_size = 0
+        if pending:
+            chunks.append(b"".join(pending))
+        fence.check()
+        digest = hasher.hexdigest()
+        manifest = StoredManifest(
+            SCHEMA_VERSION,
+            kind,
+            instance,
+            checkpoint_id,
+            layout.records_name(digest),
+            digest,
+            count,
+            size,
+        )
+        manifest_bytes = manifest.encode()
+        manifest_key = part.key(MANIFEST_NAME)
+        existing = _published_manifest(client, manifest_key)
+        if existing is not None:
+            # A retry of a write that published already (or a different commit): settle it
+            # without uploading the records again.
+            return _settle_existing(client, part, manifest, manifest_bytes, existing, False)
+        self._step("before_records_put")
+        body: bytes | list[bytes] = b"".join(chunks) if len(chunks) <= 1 else chunks
+        client.put(part.key(manifest.records_file), body, size=size)
+        self._step("before_publish")
+        # From here on the publication is under way: a Resume's stop() learns so and waits.
+        fence.begin_publish()
+        self._step("before_manifest_create")
+        if client.create(manifest_key, manifest_bytes):
+            return PublishedPart(manifest, hashlib.sha256(manifest_bytes).hexdigest())
+        existing = _published_manifest(client, manifest_key)
+        return _settle_existing(client, part, manifest, manifest_bytes, existing or b"", True)
+
+    def read_part(
+        self,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        select: Callable[[dict[str, Any]], bool],
+    ) -> tuple[StoredManifest, list[dict[str, Any]]]:
+        """The part's manifest and the selected records, every byte verified."""
+        part = _part_location(checkpoint_dir, kind, instance)
+        try:
+            client = self._client(part)
+            manifest = read_object_manifest(client, part)
+            check_owner(manifest, part.url, kind, instance)
+            kept: list[dict[str, Any]] = []
+
+            def keep(record: dict[str, Any], number: int) -> None:
+                if select(record):
+                    kept.append(record)
+
+            scan_object_records(client, part, manifest, keep)
+            return manifest, kept
+        except (ObjectStoreFailure, MissingExtra) as exc:
+            raise storage_failed(exc) from None
+
+
+def read_object_manifest(client: ObjectStoreClient, part: ObjectLocation) -> StoredManifest:
+    """The part's decoded manifest; DATA_LOSS when missing, too large or invalid."""
+    try:
+        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
+    except ValueError as exc:
+        raise corrupt_checkpoint(
+            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
+        ) from exc
+    if stored is None:
+        raise corrupt_checkpoint("the part has no manifest (never published)", part.url)
+    return decode_manifest(stored.data, part.url)
+
+
+def read_object_manifest_bytes(client: ObjectStoreClient, part: ObjectLocation) -> bytes | None:
+    """The raw manifest (None when missing); DATA_LOSS when larger than any manifest."""
+    try:
+        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
+    except ValueError as exc:
+        raise corrupt_checkpoint(
+            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
+        ) from exc
+    return None if stored is None else stored.data
+
+
+def scan_object_records(
+    client: ObjectStoreClient,
+    part: ObjectLocation,
+    manifest: StoredManifest,
+    on_record: Callable[[dict[str, Any], int], None],
+    *,
+    size_only: bool = False,
+) -> None:
+    """Stream the records object the manifest names through the one part reader: its size
+    is checked before a byte is read (a huge object under the name costs nothing), then every
+    chunk is hashed and every line checked."""
+    streamed = client.stream(part.key(manifest.records_file))
+    if streamed is None:
+        raise corrupt_checkpoint("the records file named by the manifest is missing", part.url)
+    size, chunks = streamed
+    if size != manifest.bytes:
+        raise corrupt_checkpoint(
+            f"records digest mismatch: the records file has {size} bytes, "
+            f"the manifest says {manifest.bytes}",
+            part.url,
+        )
+    if size_only:
+        return
+    scan_record_chunks(chunks, part.url, manifest, on_record)
+
+
+def _published_manifest(client: ObjectStoreClient, key: str) -> bytes | None:
+    """The bytes of the manifest published under `key` (None when there is none). One larger
+    than any manifest is nobody's manifest of ours: it compares as a different commit."""
+    try:
+        stored = client.get(key, limit=MANIFEST_LIMIT)
+    except ValueError:
+        return b""
+    return None if stored is None else stored.data
+
+
+def _settle_existing(
+    client: ObjectStoreClient,
+    part: ObjectLocation,
+    manifest: StoredManifest,
+    manifest_bytes: bytes,
+    existing: bytes,
+    uploaded: bool,
+) -> PublishedPart:
+    """A manifest is already published: identical means our retry is done; else refuse, and
+    remove our records object if (and only if) the published manifest names other records —
+    then no writer can ever publish ours."""
+    if existing == manifest_bytes:
+        return PublishedPart(manifest, hashlib.sha256(existing).hexdigest())
+    if uploaded:
+        try:
+            named = StoredManifest.decode(existing).records_file
+        except ValueError:
+            named = None
+        if named != manifest.records_file:
+            # Left behind on failure, named by nothing: retention removes the prefix later.
+            with contextlib.suppress(ObjectStoreFailure):
+                client.delete([part.key(manifest.records_file)])
+    raise rejected_checkpoint(
+        "the participant directory already holds a different commit", path=part.url
+    )
+
+
+def _part_location(checkpoint_dir: str, kind: str, instance: str) -> ObjectLocation:
+    """The part's location; kind and instance become key components, so only plain names."""
+    for field, value in (("kind", kind), ("instance", instance)):
+        if not is_valid_id(value) or value in (".", ".."):
+            raise invalid_request(field, f"must match {ID_PATTERN.pattern}")
+    try:
+        location = parse_object_url(checkpoint_dir)
+    except ValueError as exc:
+        raise invalid_request("checkpoint_dir", str(exc)) from exc
+    return location.child(*layout.part_components(kind, instance))
