@@ -17,10 +17,28 @@ The policy model prepares before the agents, and it never waits for generation:
 * For the same reason ListEpisodes lists only the episodes live *here*: a call in flight or
   held, or a restored ledger no call claimed yet. An episode between calls is listed by its
   agent, so a derived scope still names it and its ledger is exported.
-* A ledger is released at the first successful commit whose scope leaves it out while no
-  call of it runs or is held (the scope is every episode the controller continues), and
-  when its rollout is retired or forgotten. Listing every ledger, or keeping it, grew every
-  derived checkpoint and the model's memory with every episode the fleet ever ran.
+* A ledger is released when the episode's owner says the episode finished (below), at the
+  first successful commit whose scope leaves it out while no call of it runs or is held (the
+  scope is every episode the controller continues), and when its rollout is retired or
+  forgotten. Listing every ledger, or keeping it, grew every derived checkpoint and the
+  model's memory with every episode the fleet ever ran.
+* **Episode finished.** The model cannot tell a finished episode from one between two calls,
+  but its owner can: once the owner's final reply of an episode was handed over, it sends
+  `POST /ng-rollout/<capture_key>/ng-checkpoint/episode-finished` (`EPISODE_FINISHED_PATH`;
+  204, never refused by admission) and the model drops that episode's ledger, restored or
+  not. The example agent does it after its `/run` reply left; so a fleet driven by any
+  controller, never checkpointing, keeps ledgers only for the episodes in flight. Why it is
+  safe at any moment: (1) a rollout still going on never loses its ledger, because only its
+  owner sends this and only after the episode's final reply left (a refused duplicate start
+  or a retired run sends nothing); (2) a checkpoint taken after the release may still name
+  the episode (an environment that prepared first holds the agent's reply unread, so its
+  cut is before the relay), but the agent's part then carries the finished outcome, and its
+  restored replacement delivers that outcome without ever calling the model: the ledger is
+  not needed, and one exported beside a re-run would only be wrong; (3) a checkpoint taken
+  before the release already holds the ledger and is unaffected. A call of the episode
+  still running when the signal comes (one its agent abandoned) keeps the ledger until the
+  last such call ends, so a late delivery cannot re-create it. An owner that never sends the
+  signal (a third-party agent) loses nothing: its ledgers go at the next commit as before.
 * Retire cancels the attempt's calls in flight and drops its ledger.
 
 The middleware works for any ASGI app that serves `/v1/chat/completions` (or `/v1/responses`,
@@ -58,6 +76,10 @@ from rollout_checkpoint.server.runtime.request_endings import cancel_request
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+EPISODE_FINISHED_PATH = "/ng-checkpoint/episode-finished"
+"""`POST` under a rollout prefix: the episode's owner delivered its final reply, so the model
+drops the episode's ledger (the module docstring says why that is safe). Answered 204 by the
+middleware, whatever the phase; never reaches the app (nor a proxied upstream)."""
 
 
 @dataclass(eq=False)
@@ -87,11 +109,12 @@ class ModelParticipant(Participant):
     """The policy model's participant (the module docstring states its rules).
 
     `ModelAdmissionMiddleware` calls the data-plane methods around each generation call. It
-    requires a commit scope (`SCOPE_REQUIRED` otherwise): its ledgers cover every episode
-    served since the last commit that left them out, finished ones included, so an unscoped
-    commit would export all of them. `committed` releases those a commit left out: without
-    it the model would keep every episode it ever served (`ledgers` grew by one per rollout,
-    and ListEpisodes named them all in every derived scope)."""
+    requires a commit scope (`SCOPE_REQUIRED` otherwise): its ledgers may cover episodes
+    that finished without their owner saying so (an agent that never calls
+    `EPISODE_FINISHED_PATH`), so an unscoped commit would export all of them. `committed`
+    releases those a commit left out, and `episode_finished` those whose owner said so:
+    without them the model kept every episode it ever served (`ledgers` grew by one per
+    rollout: 10,050 ledgers and 2.98x the memory after 10,000 rollouts with no checkpoint)."""
 
     requires_scope = True
 
@@ -106,6 +129,9 @@ class ModelParticipant(Participant):
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
+        self._finished_while_busy: set[EpisodeId] = set()
+        """Episodes whose owner said they finished while a call of theirs still ran: their
+        ledger goes when the last such call ends (`call_finished`)."""
         self._served = False
         """A call of an episode reached the model (sticky): see `has_served`."""
         self._shutting_down = False
@@ -180,7 +206,28 @@ class ModelParticipant(Participant):
     def call_finished(self, call: ModelCall) -> None:
         """Stop tracking the call, however it ended; idempotent."""
         self.calls.discard(call)
+        episode = call.episode
+        if episode in self._finished_while_busy and not self._busy(episode):
+            self._finished_while_busy.discard(episode)
+            self._release(episode)
         self.context.changed()
+
+    def episode_finished(self, episode: EpisodeId) -> None:
+        """The episode's owner delivered its final reply: drop its ledger (restored or not)
+        now, or once its last call still running ends (see the module docstring)."""
+        if self._busy(episode):
+            self._finished_while_busy.add(episode)
+            return
+        self._release(episode)
+        self.context.changed()
+
+    def _busy(self, episode: EpisodeId | None) -> bool:
+        return episode is not None and any(c.episode == episode for c in self.calls)
+
+    def _release(self, episode: EpisodeId) -> None:
+        self.ledgers.pop(episode, None)
+        self.restored.pop(episode, None)
+        self._installed.discard(episode)
 
     # -- Participant --------------------------------------------------------------------
 
@@ -343,6 +390,13 @@ class ModelAdmissionMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] == EPISODE_FINISHED_PATH
+        ):
+            await self._episode_finished(scope, send)
+            return
+        if (
             scope["type"] != "http"
             or scope["method"] != "POST"
             or scope["path"] not in GENERATION_PATHS
@@ -364,6 +418,23 @@ class ModelAdmissionMiddleware:
             await self._run(scope, body, receive, send, call)
         finally:
             participant.call_finished(call)
+
+    async def _episode_finished(self, scope: Scope, send: Send) -> None:
+        """`EPISODE_FINISHED_PATH`: 204 once the episode's ledger is released. Never refused
+        by admission: a release during a checkpoint is as safe as any other (the module
+        docstring), and refusing it would only keep the ledger."""
+        episode = episode_of(scope)
+        if episode is None:
+            await send_refusal(
+                send,
+                400,
+                "rollout_prefix_required",
+                f"call /ng-rollout/<capture_key>{EPISODE_FINISHED_PATH}",
+            )
+            return
+        self.participant.episode_finished(episode)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
     async def _run(
         self, scope: Scope, body: bytes, receive: Receive, send: Send, call: ModelCall
