@@ -560,7 +560,7 @@ async def test_prepare_never_waits_for_generation_and_the_response_is_held(
         # The generation finishes while the checkpoint is open: its response is held.
         release.set()
         await m.until(lambda: m.counts()["held"] == 1)
-        assert m.counts() == {"inflight": 0, "held": 1, "episodes": 1}
+        assert m.counts() == {"inflight": 0, "held": 1, "episodes": 1, "cut": 0}
         assert not held.done()
         assert m.participant.ready()
 
@@ -581,7 +581,7 @@ async def test_prepare_never_waits_for_generation_and_the_response_is_held(
             task["reference_plan"][1]["arguments"],
         )
         assert len(m.participant.ledgers[EpisodeId(rollout)].calls) == 2
-        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1}
+        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1, "cut": 0}
 
 
 async def test_restore_imports_the_ledger_as_the_next_attempt(tmp_path: Path) -> None:
@@ -687,7 +687,7 @@ async def test_retire_cancels_the_attempts_calls_and_drops_its_ledger(tmp_path: 
             reply = await in_flight
         assert not logged, "a retire must not log a traceback"
         assert reply.status_code == 409 and reply.json()["error"]["code"] == "stale_attempt"
-        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1}
+        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1, "cut": 0}
         late = await m.post(doomed, chat(CLINIC))
         assert late.status_code == 409 and late.json()["error"]["code"] == "stale_attempt"
         await m.prepared("c1")

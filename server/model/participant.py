@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.model.generation_cuts import (
+    CALL_KEY,
+    PREFIX_KEY,
+    GenerationBackend,
+    GenerationCut,
+    GenerationPrefix,
+    conversation_digest,
+)
 from rollout_checkpoint.server.runtime.participant import (
     AWAITING_RESTORE,
     AWAITING_RESTORE_DETAIL,
@@ -74,6 +83,8 @@ from rollout_checkpoint.server.runtime.participant import (
 from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.request_endings import cancel_request
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
+
+log = logging.getLogger(__name__)
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 EPISODE_FINISHED_PATH = "/ng-checkpoint/episode-finished"
@@ -95,14 +106,24 @@ class ModelCall:
     held: bool = False
     retired: bool = False
     """Cancelled by a retire: answered 409 `stale_attempt` (request_endings.py), not a 500."""
+    body: bytes = b""
+    """The request body: its conversation digest is computed only if the call is cut."""
+    sequence: int = 0
+    """Admission order: of several undelivered calls of one episode, the last one is cut."""
+    staged: GenerationCut | None = None
+    """The prefix its backend staged at this checkpoint's close (dropped at resume)."""
+    prefix: GenerationPrefix | None = None
+    """The restored cut attached to this (re-issued) call: the backend continues it."""
 
 
 @dataclass
 class Ledger:
     """The delivered calls of one episode, in order: `{"request_sha256", "response"}` each.
-    This is the model's record of the episode; a held or undelivered call is never in it."""
+    This is the model's record of the episode; a held or undelivered call is never in it.
+    `cut` is a restored generation cut not yet claimed by the re-issued call."""
 
     calls: list[dict[str, Any]] = field(default_factory=list)
+    cut: GenerationCut | None = None
 
 
 class ModelParticipant(Participant):
@@ -118,9 +139,15 @@ class ModelParticipant(Participant):
 
     requires_scope = True
 
-    def __init__(self, instance: str) -> None:
+    def __init__(self, instance: str, *, backend: GenerationBackend | None = None) -> None:
         self.kind = Kind.MODEL
         self.instance = instance
+        self.backend = backend
+        """The inference backend that stages generation cuts (None: no cuts; a cut call is
+        generated again from scratch after a restore)."""
+        self._staging: asyncio.Task[None] | None = None
+        self._staging_calls: list[ModelCall] = []
+        self._admitted = 0
         self.calls: set[ModelCall] = set()
         self.ledgers: dict[EpisodeId, Ledger] = {}
         self.restored: dict[EpisodeId, Ledger] = {}
@@ -163,11 +190,21 @@ class ModelParticipant(Participant):
         first call of a restored replacement claims its ledger, so the lineage continues."""
         if episode is not None:
             self._served = True
-        call = ModelCall(episode, hashlib.sha256(request_body).hexdigest(), asyncio.current_task())
+        self._admitted += 1
+        call = ModelCall(
+            episode,
+            hashlib.sha256(request_body).hexdigest(),
+            asyncio.current_task(),
+            body=request_body,
+            sequence=self._admitted,
+        )
         self.calls.add(call)
         if episode is not None and episode in self.restored:
             # The replacement's first call claims the restored ledger: its lineage continues.
-            self.ledgers[episode] = self.restored.pop(episode)
+            ledger = self.ledgers[episode] = self.restored.pop(episode)
+            cut, ledger.cut = ledger.cut, None
+            if cut is not None and conversation_digest(request_body) == cut.conversation_sha256:
+                call.prefix = cut.prefix  # the re-issued call: its backend continues the prefix
         self.context.changed()
         return call
 
@@ -234,19 +271,92 @@ class ModelParticipant(Participant):
     def close_admission(self) -> None:
         self._open = False
         self._opened = asyncio.Event()
+        self._start_staging()
         self.context.changed()
 
     def open_admission(self) -> None:
+        self._stop_staging()
+        for call in self.calls:
+            call.staged = None  # the call goes on and delivers: nothing to continue
         self._open = True
         self._opened.set()
         self.context.changed()
 
     def shutting_down_now(self) -> None:
         self._shutting_down = True
+        self._stop_staging()
         self._opened.set()  # held responses wake up and are answered 503
 
+    # -- generation cuts (generation_cuts.py) ---------------------------------------------
+
+    def _start_staging(self) -> None:
+        """At a Prepare's close: one staging round for the undelivered calls, at most one per
+        episode (the last admitted), bounded by half the Prepare time left. Not at a close for
+        a Restore or a `start_closed` start: nothing of this process will be checkpointed."""
+        left = self.context.prepare_seconds_left()
+        if self.backend is None or left is None or self._staging is not None:
+            return
+        latest: dict[EpisodeId, ModelCall] = {}
+        for call in self.calls:
+            episode = call.episode
+            if episode is None or call.streaming or call.retired:
+                continue  # a streaming response blocks instead: it is delivered, never cut
+            if episode not in latest or call.sequence > latest[episode].sequence:
+                latest[episode] = call
+        if not latest:
+            return
+        self._staging_calls = sorted(latest.values(), key=lambda c: c.sequence)
+        self._staging = asyncio.ensure_future(self._stage(self._staging_calls, left / 2))
+
+    async def _stage(self, calls: list[ModelCall], budget: float) -> None:
+        """Ask the backend once; whatever it cannot stage in time is generated again after a
+        restore. A failure is logged, never raised: a cut is an optimisation, not state."""
+        assert self.backend is not None
+        try:
+            async with asyncio.timeout(budget):
+                staged = await self.backend.stage(calls)
+            for call in calls:
+                prefix = staged.get(call)
+                if prefix is None or prefix.tokens < 1 or not prefix.text:
+                    continue
+                digest = conversation_digest(call.body)
+                if digest is not None:
+                    call.staged = GenerationCut(digest, prefix)
+        except TimeoutError:
+            log.warning(
+                "generation cuts: the backend did not stage %d call(s) within %.3f s "
+                "(half the prepare time left); they will be generated again after a restore",
+                len(calls),
+                budget,
+            )
+        except Exception:
+            log.warning(
+                "generation cuts: staging failed; the calls will be generated again after a "
+                "restore",
+                exc_info=True,
+            )
+        finally:
+            if self._staging is asyncio.current_task():
+                self._staging = None
+                self._staging_calls = []
+            self.context.changed()
+
+    def _stop_staging(self) -> None:
+        staging, self._staging, self._staging_calls = self._staging, None, []
+        if staging is not None:
+            staging.cancel()
+
+    def cut_of(self, episode: EpisodeId) -> GenerationCut | None:
+        """The episode's cut for a checkpoint: staged at this close for its undelivered call,
+        else a restored one not claimed yet (carried forward, like its ledger)."""
+        staged = [c for c in self.calls if c.episode == episode and c.staged is not None]
+        if staged:
+            return max(staged, key=lambda c: c.sequence).staged
+        restored = self.restored.get(episode)
+        return restored.cut if restored is not None else None
+
     def ready(self) -> bool:
-        return not any(c.streaming for c in self.calls)
+        return self._staging is None and not any(c.streaming for c in self.calls)
 
     def report(self) -> ReadinessReport:
         blockers = [
@@ -258,20 +368,43 @@ class ModelParticipant(Participant):
             for c in self.calls
             if c.streaming
         ]
+        if self._staging is not None:
+            blockers.extend(
+                Blocker(
+                    c.episode.capture_key if c.episode else "",
+                    BlockerReason.STAGING_GENERATION_CUTS,
+                    "the backend is staging the prefix generated so far",
+                )
+                for c in self._staging_calls
+            )
         held = sum(1 for c in self.calls if c.held)
+        cut = sum(1 for c in self.calls if c.staged is not None)
         return ReadinessReport.build(
             blockers,
-            {"inflight": len(self.calls) - held, "held": held, "episodes": len(self.ledgers)},
+            {
+                "inflight": len(self.calls) - held,
+                "held": held,
+                "episodes": len(self.ledgers),
+                "cut": cut,
+            },
         )
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
         assert scope is not None  # the control plane refuses unscoped commits (requires_scope)
         records = []
         for episode in sorted(scope):
-            ledger = self.ledgers.get(episode) or self.restored.get(episode)
-            if ledger is None or self.context.retired.is_retired(episode):
+            if self.context.retired.is_retired(episode):
                 continue
-            records.append(ExportRecord(episode, {"calls": json.loads(json.dumps(ledger.calls))}))
+            ledger = self.ledgers.get(episode) or self.restored.get(episode)
+            cut = self.cut_of(episode)
+            if ledger is None and cut is None:
+                continue
+            fields: dict[str, Any] = {
+                "calls": json.loads(json.dumps(ledger.calls)) if ledger is not None else []
+            }
+            if cut is not None:
+                fields["generation_cut"] = cut.to_json()
+            records.append(ExportRecord(episode, fields))
         return records
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
@@ -281,15 +414,23 @@ class ModelParticipant(Participant):
         for record in records:
             calls = record.fields.get("calls")
             if (
-                set(record.fields) != {"calls"}
+                not {"calls"} <= set(record.fields) <= {"calls", "generation_cut"}
                 or not isinstance(calls, list)
                 or not all(isinstance(c, dict) for c in calls)
             ):
                 raise rejected_checkpoint(
-                    "a model record holds exactly a list of calls",
+                    "a model record holds a list of calls and at most one generation cut",
                     capture_key=record.checkpointed.capture_key,
                 )
-            restored[record.restored_as] = Ledger(list(calls))
+            cut = None
+            if "generation_cut" in record.fields:
+                try:
+                    cut = GenerationCut.from_json(record.fields["generation_cut"])
+                except ValueError as exc:
+                    raise rejected_checkpoint(
+                        str(exc), capture_key=record.checkpointed.capture_key
+                    ) from None
+            restored[record.restored_as] = Ledger(list(calls), cut)
         self.restored = restored
         self._installed = set(restored)
         self.context.changed()
@@ -411,6 +552,12 @@ class ModelAdmissionMiddleware:
             return
         body = await _read_body(receive)
         call = participant.call_started(episode, body)
+        # The backend keys its generation by the call (to stage its prefix at a cut), and
+        # continues a restored cut's prefix attached to a re-issued call.
+        scope = dict(scope)
+        scope[CALL_KEY] = call
+        if call.prefix is not None:
+            scope[PREFIX_KEY] = call.prefix
         # A retire cancels the call through `cancel_request`: RequestEndingsMiddleware (the
         # runtime's, outside this one) answers it 409 `stale_attempt` without letting a
         # shutdown's cancellation be swallowed.

@@ -155,6 +155,12 @@ class ControlPlane:
         for listener in list(self._listeners):
             listener()
 
+    def prepare_seconds_left(self) -> float | None:
+        machine = self._machine
+        if machine.state is not State.PREPARING or machine.prepare_deadline is None:
+            return None
+        return max(0.0, machine.prepare_deadline - self.clock.now())
+
     def change_event(self) -> asyncio.Event:
         """The event the next `changed()` sets."""
         return self._changed

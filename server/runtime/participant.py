@@ -64,6 +64,8 @@ class BlockerReason(enum.StrEnum):
     """A policy-model response has already started streaming."""
     INSTALL_IN_PROGRESS = "INSTALL_IN_PROGRESS"
     """An install (a Restore) is still running."""
+    STAGING_GENERATION_CUTS = "STAGING_GENERATION_CUTS"
+    """The policy model's backend is staging the prefixes of undelivered calls (bounded)."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -158,6 +160,13 @@ class ParticipantContext(Protocol):
     @property
     def shutting_down(self) -> bool:
         """True once SIGTERM arrived: requests waiting for a resume should get 503 now."""
+        ...
+
+    def prepare_seconds_left(self) -> float | None:
+        """Seconds until the deadline of the Prepare that closed admission (None outside a
+        Prepare: a close for a Restore or at a `start_closed` start). A hook that does work
+        at the close (the policy model's generation cuts) bounds it by this, so the Prepare
+        never misses its deadline for it."""
         ...
 
     @property

@@ -141,6 +141,15 @@ class _BlockerReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Blocker
     """A policy-model response has already started streaming."""
     BLOCKER_REASON_INSTALL_IN_PROGRESS: _BlockerReason.ValueType  # 8
     """An install (restore) is still running."""
+    BLOCKER_REASON_STAGING_GENERATION_CUTS: _BlockerReason.ValueType  # 9
+    """The policy model is staging generation cuts: its inference backend is
+    asked, once per Prepare, for the prefix generated so far of every
+    undelivered call, so that the restored, re-issued call continues it
+    instead of generating from scratch. `capture_key` names one such call's
+    episode. Bounded by half of the Prepare time left at the close; when the
+    round fails or runs out of time the calls simply regenerate after a
+    restore.
+    """
 
 class BlockerReason(_BlockerReason, metaclass=_BlockerReasonEnumTypeWrapper):
     """Why an episode (or a request outside any episode) keeps a participant from
@@ -171,6 +180,15 @@ BLOCKER_REASON_STREAMING_RESPONSE: BlockerReason.ValueType  # 7
 """A policy-model response has already started streaming."""
 BLOCKER_REASON_INSTALL_IN_PROGRESS: BlockerReason.ValueType  # 8
 """An install (restore) is still running."""
+BLOCKER_REASON_STAGING_GENERATION_CUTS: BlockerReason.ValueType  # 9
+"""The policy model is staging generation cuts: its inference backend is
+asked, once per Prepare, for the prefix generated so far of every
+undelivered call, so that the restored, re-issued call continues it
+instead of generating from scratch. `capture_key` names one such call's
+episode. Bounded by half of the Prepare time left at the close; when the
+round fails or runs out of time the calls simply regenerate after a
+restore.
+"""
 Global___BlockerReason: _TypeAlias = BlockerReason  # noqa: Y015
 
 @_typing.final
