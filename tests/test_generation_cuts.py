@@ -103,15 +103,19 @@ class Model:
 
 
 @contextlib.asynccontextmanager
-async def model() -> AsyncIterator[Model]:
+async def model(upstream: str | None = None, gate: TokenGate | None = None) -> AsyncIterator[Model]:
+    """A checkpointed scripted model; with `upstream`, a proxy to that server whose
+    continuation is vLLM's."""
     clock = ManualClock()
-    gate = TokenGate()
+    gate = gate or TokenGate()
     server = PolicyModelServer(
         PolicyModelConfig(
             checkpoint=CheckpointSettings(enabled=True, token=TOKEN),
             latency=0.0,
             gate=gate,
             clock=clock,
+            upstream=upstream,
+            upstream_continuation="vllm",
         )
     )
     runner, serving, port = await serve_app(server.build_app())
@@ -150,11 +154,13 @@ def records(ckpt: Path) -> dict[str, dict[str, Any]]:
 
 async def final_call(m: Model, rollout: str) -> dict[str, Any]:
     """The body of `rollout`'s last call (its final message: the longest generation), after
-    the earlier calls were delivered."""
-    body = chat(CLINIC)
+    the earlier calls were delivered. It names the rollout in its metadata too: an upstream
+    behind the proxy never sees the rollout prefix."""
+    named = {"metadata": {"rollout_id": rollout}}
+    body = chat(CLINIC, **named)
     for _ in range(len(CLINIC["reference_plan"])):
         reply = await m.http.post(f"/ng-rollout/{rollout}/v1/chat/completions", json=body)
-        body = chat(CLINIC, after(body["messages"], reply))
+        body = chat(CLINIC, after(body["messages"], reply), **named)
     return body
 
 
@@ -207,6 +213,47 @@ async def test_a_cut_call_continues_after_restore_generating_only_the_rest(
         assert reply.json() == whole.json()
         assert b.server.stats.generated_tokens == total - 3
         assert b.server.stats.continued_calls == 1
+
+
+@contextlib.asynccontextmanager
+async def upstream(gate: TokenGate) -> AsyncIterator[tuple[PolicyModelServer, str]]:
+    """The scripted model as an OpenAI-compatible upstream (no checkpointing): it streams
+    token by token and honours vLLM's `continue_final_message`."""
+    server = PolicyModelServer(PolicyModelConfig(latency=0.0, gate=gate))
+    runner, serving, port = await serve_app(server.build_app())
+    try:
+        yield server, f"http://127.0.0.1:{port}/v1"
+    finally:
+        gate.release_all()
+        runner.should_exit = True
+        await serving
+
+
+async def test_the_proxy_stages_the_streamed_content_and_vllm_continues_it(
+    tmp_path: Path,
+) -> None:
+    (rollout,) = rollouts(CLINIC, falls=False, count=1)
+    ckpt = tmp_path / "c1"
+    gate = TokenGate()
+    async with upstream(gate) as (server, url), model(url, gate) as a:
+        body = await final_call(a, rollout)
+        total = final_tokens(body, rollout)
+        # The upstream holds the final message once it streamed 3 tokens: what reached the
+        # proxy by the close is staged (the last may still be on the wire).
+        await checkpoint_cut_at(a, rollout, body, 3, ckpt)
+        (record,) = records(ckpt).values()
+        cut = record["generation_cut"]["tokens"]
+        assert 1 <= cut <= 3
+
+    gate = TokenGate()
+    async with upstream(gate) as (server, url), model(url, gate) as b:
+        await b.client.restore("r1", b.deadline(), str(ckpt), [EpisodeId(rollout)])
+        await b.client.resume("r1", b.deadline())
+        reply = await b.http.post(f"/ng-rollout/{rollout}-a1/v1/chat/completions", json=body)
+        decision = POLICY.decide(CLINIC, rollout, body["messages"])
+        assert reply.json()["choices"][0]["message"] == decision.message()
+        assert server.stats.generated_tokens == total - cut
+        assert server.stats.continued_calls == 1
 
 
 class FailingBackend:
