@@ -40,6 +40,13 @@ The policy model prepares before the agents, and it never waits for generation:
   last such call ends, so a late delivery cannot re-create it. An owner that never sends the
   signal (a third-party agent) loses nothing: its ledgers go at the next commit as before.
 * Retire cancels the attempt's calls in flight and drops its ledger.
+* **Generation cuts** (generation_cuts.py): with a backend, a Prepare's close stages the prefix
+  generated so far of every undelivered call (one round, at most half the Prepare time left,
+  a `STAGING_GENERATION_CUTS` blocker meanwhile; a failure only costs regeneration), and the
+  record becomes `{"calls": [...], "generation_cut": {...}}` (at most one cut per episode; a
+  record without one is read as before). The restored re-issued call whose conversation digest
+  matches gets the prefix attached (`PREFIX_KEY` on its scope) and the backend continues it.
+  A resume without a crash drops the staged cuts: the calls go on and deliver.
 
 The middleware works for any ASGI app that serves `/v1/chat/completions` (or `/v1/responses`,
 `/v1/messages`), including a thin proxy in front of a real OpenAI-compatible server.
