@@ -17,13 +17,25 @@ conversation shows the injected text in a tool result, it calls `injection.targe
 `injection.target_args` (completed with harmless values for arguments the tool requires),
 then carries on with the plan. So rewards vary across rollouts but are reproducible.
 
-`--latency` simulates generation time so rollouts stay in flight long enough to be cut.
-`stream: true` answers as server-sent events (`chat.completion.chunk`, then `[DONE]`).
+`--latency` simulates generation time so rollouts stay in flight long enough to be cut, and
+`--token-latency` the time of each generated token: the model generates its answer token by
+token (four characters each: the final message's content, or the tool call's arguments), so a
+checkpoint can cut a generation mid-way. `stream: true` answers as server-sent events
+(`chat.completion.chunk` per token as it is generated, then `[DONE]`).
+
+Generation cuts (server/model/generation_cuts.py): the server is its participant's backend. It
+stages the tokens a call generated so far, continues a restored prefix attached to a
+re-issued call (generating only the rest), and honours vLLM's `continue_final_message` (the
+final assistant message's content continued, only the continuation answered), so it can also
+stand in for a vLLM upstream. `GET /scripted/stats` counts the generated tokens.
 
 `--upstream URL` makes the server a thin proxy in front of a real OpenAI-compatible server
 instead: generation calls are forwarded (rollout prefix stripped, body untouched, streaming
 passed through), while the admission gate and the held responses stay here. So a real model
-replaces the scripted one by configuration.
+replaces the scripted one by configuration. With `--upstream-continuation vllm` the proxy also
+cuts generations: a non-streaming chat call of an episode is streamed from the upstream (the
+content so far is what a cut stages) and a restored prefix is continued through vLLM's
+`continue_final_message`.
 
 With checkpointing enabled the app has, outermost first: the rollout prefix, the model
 admission middleware (`ModelParticipant`: 409 `admission_closed`, held responses, the ledger of
