@@ -41,9 +41,9 @@ ROLLOUT = next(
     if not ScriptedPolicy([TASK]).falls_for_injection(TASK["task_id"], f"cut{i}")
 )
 FINAL_STEP = len(TASK["reference_plan"])
-TOKEN_LATENCY = 0.04
-"""Seconds per generated token: the final message (23 tokens) takes about 0.9 s, the window
-in which the checkpoint must close the model."""
+TOKEN_LATENCY = 0.06
+"""Seconds per generated token: the final message (23 tokens) takes about 1.4 s, the window
+in which the checkpoint must close the model (a Prepare of the four takes well under that)."""
 TIMEOUT = 60.0
 
 
