@@ -4,7 +4,8 @@ A controller that drives rollouts by hand (no `collect`, no Forget) used to find
 finished episode in each derived checkpoint: the policy model listed every ledger it ever
 kept, and the agent exported the outcome of each episode the scope then named. Here the
 finished episodes leave nothing a derived scope names, and the state they leave is released:
-reply delivery (`ReplyDeliveryMiddleware`, installed by `install_checkpointing`) and commits.
+reply delivery (`ReplyDeliveryMiddleware`, installed by `install_checkpointing`), the agent's
+episode-finished call to the model, and commits.
 """
 
 from __future__ import annotations
