@@ -144,10 +144,12 @@ class Ledger:
         return [json.loads(row) for row in self.rows]
 
     def append(self, call: Mapping[str, Any]) -> None:
+        """Add a delivered call (`{"request_sha256", "response"}`) as its compact JSON."""
         self.rows.append(_compact(call))
 
     @classmethod
     def of(cls, calls: Sequence[Mapping[str, Any]], cut: GenerationCut | None = None) -> Ledger:
+        """A ledger of stored rows (a restored record's `calls`) and its restored cut."""
         return cls([_compact(c) for c in calls], cut)
 
 
@@ -321,8 +323,11 @@ class ModelParticipant(Participant):
     def _start_staging(self) -> None:
         """At a Prepare's close: one staging round for the undelivered calls, at most one per
         episode (the last admitted), bounded by half the Prepare time left. Not at a close for
-        a Restore or a `start_closed` start: nothing of this process will be checkpointed."""
-        left = self.context.prepare_seconds_left()
+        a Restore or a `start_closed` start: nothing of this process will be checkpointed.
+        Nor under a context that cannot tell the Prepare's time (`ControlPlane` can; a worker's
+        bridge cannot): a round without a bound could make the Prepare miss its deadline."""
+        seconds_left = getattr(self.context, "prepare_seconds_left", None)
+        left = seconds_left() if callable(seconds_left) else None
         if self.backend is None or left is None or self._staging is not None:
             return
         latest: dict[EpisodeId, ModelCall] = {}

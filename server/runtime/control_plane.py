@@ -156,6 +156,11 @@ class ControlPlane:
             listener()
 
     def prepare_seconds_left(self) -> float | None:
+        """Seconds until the deadline of the Prepare that closed admission (None outside a
+        Prepare: a close for a Restore or at a `start_closed` start). A hook that does work
+        at the close (the policy model's generation cuts) bounds it by this, so the Prepare
+        never misses its deadline for it. Not part of `ParticipantContext`: a context
+        without it (a multi-worker server's bridge) simply offers no such time."""
         machine = self._machine
         if machine.state is not State.PREPARING or machine.prepare_deadline is None:
             return None

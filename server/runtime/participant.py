@@ -162,13 +162,6 @@ class ParticipantContext(Protocol):
         """True once SIGTERM arrived: requests waiting for a resume should get 503 now."""
         ...
 
-    def prepare_seconds_left(self) -> float | None:
-        """Seconds until the deadline of the Prepare that closed admission (None outside a
-        Prepare: a close for a Restore or at a `start_closed` start). A hook that does work
-        at the close (the policy model's generation cuts) bounds it by this, so the Prepare
-        never misses its deadline for it."""
-        ...
-
     @property
     def start_closed_pending(self) -> bool:
         """A `start_closed` process that has not yet been restored or resumed, or a process

@@ -141,7 +141,7 @@ class _BlockerReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Blocker
     """A policy-model response has already started streaming."""
     BLOCKER_REASON_INSTALL_IN_PROGRESS: _BlockerReason.ValueType  # 8
     """An install (restore) is still running."""
-    BLOCKER_REASON_STAGING_GENERATION_CUTS: _BlockerReason.ValueType  # 9
+    BLOCKER_REASON_STAGING_GENERATION_CUTS: _BlockerReason.ValueType  # 11
     """The policy model is staging generation cuts: its inference backend is
     asked, once per Prepare, for the prefix generated so far of every
     undelivered call, so that the restored, re-issued call continues it
@@ -180,7 +180,7 @@ BLOCKER_REASON_STREAMING_RESPONSE: BlockerReason.ValueType  # 7
 """A policy-model response has already started streaming."""
 BLOCKER_REASON_INSTALL_IN_PROGRESS: BlockerReason.ValueType  # 8
 """An install (restore) is still running."""
-BLOCKER_REASON_STAGING_GENERATION_CUTS: BlockerReason.ValueType  # 9
+BLOCKER_REASON_STAGING_GENERATION_CUTS: BlockerReason.ValueType  # 11
 """The policy model is staging generation cuts: its inference backend is
 asked, once per Prepare, for the prefix generated so far of every
 undelivered call, so that the restored, re-issued call continues it
