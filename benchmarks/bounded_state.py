@@ -16,9 +16,10 @@ episodes and kept outcomes, the resources' sessions). The ratios A / B are the p
 holds what is in flight, not its history, so they should stay near 1 (goal: at most 1.5).
 Also reported: the model's ledgers and resident memory just before the commit (what a fleet
 that has not committed since still holds: the model cannot tell a finished episode from one
-between two calls, so a commit releases them). With `--checkpoint-every N`, a run C does what
-A does with a derived-scope checkpoint after every N finished rollouts, as a controller that
-checkpoints as it goes.
+between two calls, so the example agent tells it once its reply left, and the ledger goes
+then; an agent that does not would leave them to the commit). With `--checkpoint-every N`, a
+run C does what A does with a derived-scope checkpoint after every N finished rollouts, as a
+controller that checkpoints as it goes.
 """
 
 from __future__ import annotations
@@ -146,6 +147,20 @@ async def model_ledgers(fleet: Fleet, group: Group) -> int:
     return int(status.readiness.counts["episodes"])
 
 
+async def settled_ledgers(fleet: Fleet, group: Group) -> int:
+    """The model's ledgers once the finished rollouts' releases arrived: the agent tells the
+    model that an episode finished just after its reply left, so the count may still be
+    falling when the last reply is in. Read until two reads 0.2 s apart agree."""
+    last = await model_ledgers(fleet, group)
+    async with asyncio.timeout(TIMEOUT):
+        while True:
+            await asyncio.sleep(0.2)  # the state lives in another process
+            current = await model_ledgers(fleet, group)
+            if current == last:
+                return current
+            last = current
+
+
 async def checkpoint(fleet: Fleet, checkpoint_id: str, directory: Path) -> int:
     """Prepare, commit with a derived scope, resume; returns the scope's size."""
     progress = await coordination.prepare_until_done(fleet, checkpoint_id, deadline_in(TIMEOUT))
@@ -192,7 +207,7 @@ async def one_run(
             started = now()
             measured.failed = await run_finished(fleet, group, finished, in_flight, every, workdir)
             measured.finished_seconds = now() - started
-            ledgers = await model_ledgers(fleet, group)
+            ledgers = await settled_ledgers(fleet, group)
             names = [f"live-{i}" for i in range(in_flight)]
             live = asyncio.ensure_future(
                 drive(group.environment.http, names, in_flight, longest_task())

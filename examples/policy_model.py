@@ -17,13 +17,25 @@ conversation shows the injected text in a tool result, it calls `injection.targe
 `injection.target_args` (completed with harmless values for arguments the tool requires),
 then carries on with the plan. So rewards vary across rollouts but are reproducible.
 
-`--latency` simulates generation time so rollouts stay in flight long enough to be cut.
-`stream: true` answers as server-sent events (`chat.completion.chunk`, then `[DONE]`).
+`--latency` simulates generation time so rollouts stay in flight long enough to be cut, and
+`--token-latency` the time of each generated token: the model generates its answer token by
+token (four characters each: the final message's content, or the tool call's arguments), so a
+checkpoint can cut a generation mid-way. `stream: true` answers as server-sent events
+(`chat.completion.chunk` per token as it is generated, then `[DONE]`).
+
+Generation cuts (server/model/generation_cuts.py): the server is its participant's backend. It
+stages the tokens a call generated so far, continues a restored prefix attached to a
+re-issued call (generating only the rest), and honours vLLM's `continue_final_message` (the
+final assistant message's content continued, only the continuation answered), so it can also
+stand in for a vLLM upstream. `GET /scripted/stats` counts the generated tokens.
 
 `--upstream URL` makes the server a thin proxy in front of a real OpenAI-compatible server
 instead: generation calls are forwarded (rollout prefix stripped, body untouched, streaming
 passed through), while the admission gate and the held responses stay here. So a real model
-replaces the scripted one by configuration.
+replaces the scripted one by configuration. With `--upstream-continuation vllm` the proxy also
+cuts generations: a non-streaming chat call of an episode is streamed from the upstream (the
+content so far is what a cut stages) and a restored prefix is continued through vLLM's
+`continue_final_message`.
 
 With checkpointing enabled the app has, outermost first: the rollout prefix, the model
 admission middleware (`ModelParticipant`: 409 `admission_closed`, held responses, the ledger of
@@ -41,6 +53,7 @@ import logging
 import math
 import os
 import sys
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,9 +62,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.types import Scope
 
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.model.generation_cuts import GenerationPrefix, call_of, prefix_of
 from rollout_checkpoint.server.model.participant import (
     GENERATION_PATHS,
     ModelAdmissionMiddleware,
@@ -307,13 +322,66 @@ def _calls(message: Mapping[str, Any], tool: str, arguments: Mapping[str, Any]) 
 
 @dataclass(frozen=True)
 class GatePoint:
-    """Where a generation waits on the test gate: `generate` (before answering) or `stream`
-    (after a streamed reply's first chunk)."""
+    """Where a generation waits on the test gate: `generate` (before its first token), `token`
+    (after token number `token` of this call was generated) or `stream` (after a streamed
+    reply's first chunk)."""
 
     phase: str
     task_id: str
     rollout_id: str
     step: int
+    token: int = 0
+
+
+TOKEN_CHARACTERS = 4
+"""The scripted model's tokens are pieces of four characters of its generation text (the same
+four characters a token as its usage estimate)."""
+
+
+def generation_text(decision: Decision) -> str:
+    """What the scripted model generates token by token for a decision: the final message's
+    content, or the tool call's arguments (JSON)."""
+    if decision.tool_name is None:
+        return decision.content or ""
+    return _dumps(decision.arguments)
+
+
+def split_tokens(text: str) -> list[str]:
+    return [text[i : i + TOKEN_CHARACTERS] for i in range(0, len(text), TOKEN_CHARACTERS)]
+
+
+@dataclass
+class Generation:
+    """One call's generation in progress: the prefix it continued (empty: from scratch) and
+    the tokens of the rest, `done` of them generated so far."""
+
+    point: GatePoint
+    prefix: GenerationPrefix | None
+    tokens: list[str]
+    done: int = 0
+
+    def staged(self) -> GenerationPrefix | None:
+        """The prefix generated so far (the continued one included), None before any token."""
+        base_text = self.prefix.text if self.prefix is not None else ""
+        base_tokens = self.prefix.tokens if self.prefix is not None else 0
+        if base_tokens + self.done == 0:
+            return None
+        return GenerationPrefix(
+            base_text + "".join(self.tokens[: self.done]), base_tokens + self.done
+        )
+
+
+@dataclass
+class GenerationStats:
+    """What the scripted model generated, for tests and the operator (`GET /scripted/stats`)."""
+
+    generated_tokens: int = 0
+    """Tokens generated by this process (a continued call generates only the remainder)."""
+    continued_calls: int = 0
+    """Calls that continued an attached prefix (a restored generation cut, or a final assistant
+    message with `continue_final_message`)."""
+    prefix_mismatches: int = 0
+    """Calls whose attached prefix was not a prefix of what they generate: generated whole."""
 
 
 Gate = Callable[[GatePoint], Awaitable[None]]
@@ -327,11 +395,20 @@ class PolicyModelConfig:
     checkpoint: CheckpointSettings | None = None
     latency: float = 0.05
     """Seconds of simulated generation before every answer."""
+    token_latency: float = 0.0
+    """Seconds per generated token on top of `latency` (0: the tokens come at once). With it a
+    generation is long enough to be cut mid-way (generation_cuts.py)."""
     upstream: str | None = None
     """Base URL of a real OpenAI-compatible server (e.g. `http://host:8000` or `.../v1`): proxy
     mode. None: the scripted model answers."""
     upstream_api_key: str | None = None
     """Sent upstream as `Authorization: Bearer ...` (else the caller's header is forwarded)."""
+    upstream_continuation: str = "none"
+    """How the upstream continues a generation cut's prefix: `vllm` (vLLM's chat API: the
+    prefix as a final assistant message with `continue_final_message: true` and
+    `add_generation_prompt: false`), or `none` (the upstream cannot: calls are not cut, and a
+    cut call is generated again after a restore). With `vllm` a non-streaming chat call of an
+    episode is streamed from the upstream, so the proxy knows the prefix generated so far."""
     upstream_timeout: float = 600.0
     model_name: str = DEFAULT_MODEL
     """The `model` of a reply when the request names none."""
@@ -378,6 +455,11 @@ class PolicyModelServer:
         self.participant: ModelParticipant | None = None
         self.runtime: CheckpointRuntime | None = None
         self.upstream: httpx.AsyncClient | None = None
+        self.stats = GenerationStats()
+        self._generations: weakref.WeakKeyDictionary[object, Generation | ProxyGeneration] = (
+            weakref.WeakKeyDictionary()
+        )
+        """The generations in progress, by the model participant's call (`call_of`)."""
 
     @property
     def checkpoint_enabled(self) -> bool:
@@ -403,9 +485,11 @@ class PolicyModelServer:
         else:
             app.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
             app.add_api_route("/v1/models", self._models_route, methods=["GET"])
+            app.add_api_route("/scripted/stats", self._stats_route, methods=["GET"])
         if self.checkpoint_enabled:
             assert self.config.checkpoint is not None
-            self.participant = ModelParticipant(self.instance)
+            cuts = not self.proxy or self.config.upstream_continuation == "vllm"
+            self.participant = ModelParticipant(self.instance, backend=self if cuts else None)
             app.add_middleware(ModelAdmissionMiddleware, participant=self.participant)
             app.add_middleware(RolloutPrefixMiddleware)
             self.runtime = install_checkpointing(
@@ -444,9 +528,73 @@ class PolicyModelServer:
         }
         return Response(_dumps(body), media_type="application/json")
 
+    async def _stats_route(self, request: Request) -> Response:
+        body = {
+            "generated_tokens": self.stats.generated_tokens,
+            "continued_calls": self.stats.continued_calls,
+            "prefix_mismatches": self.stats.prefix_mismatches,
+            "generating": [
+                {
+                    "rollout_id": g.point.rollout_id,
+                    "step": g.point.step,
+                    "tokens": len(g.tokens) + (g.prefix.tokens if g.prefix else 0),
+                    "generated": g.done + (g.prefix.tokens if g.prefix else 0),
+                }
+                for g in list(self._generations.values())
+                if isinstance(g, Generation) and g.done < len(g.tokens)
+            ],
+        }
+        return Response(_dumps(body), media_type="application/json")
+
+    async def stage(self, calls: Sequence[object]) -> Mapping[object, GenerationPrefix]:
+        """`GenerationBackend.stage`: the prefix each call generated so far (a held call's is
+        its whole text). Reading it does not disturb the generation, which goes on."""
+        staged = {}
+        for call in calls:
+            generation = self._generations.get(call)
+            prefix = generation.staged() if generation is not None else None
+            if prefix is not None:
+                staged[call] = prefix
+        return staged
+
+    def _begin_generation(
+        self, scope: Scope, point: GatePoint, text: str, prefix: GenerationPrefix | None
+    ) -> Generation:
+        """A generation of `text`, continuing `prefix` when it is one of `text` (then only the
+        rest is generated; a prefix that is not is counted and ignored), registered under the
+        model participant's call so a cut can stage it."""
+        continued = prefix is not None and text.startswith(prefix.text)
+        if prefix is not None and not continued:
+            self.stats.prefix_mismatches += 1
+        if continued:
+            self.stats.continued_calls += 1
+        rest = text[len(prefix.text) :] if continued and prefix is not None else text
+        generation = Generation(point, prefix if continued else None, split_tokens(rest))
+        call = call_of(scope)
+        if call is not None:
+            self._generations[call] = generation
+        return generation
+
+    async def _tokens(self, generation: Generation) -> AsyncIterator[str]:
+        """Generate the tokens one by one (`token_latency` each), yielding each once done."""
+        point = generation.point
+        for index, token in enumerate(generation.tokens):
+            if self.config.token_latency > 0:
+                await asyncio.sleep(self.config.token_latency)
+            generation.done = index + 1
+            self.stats.generated_tokens += 1
+            yield token  # streamed before the gate: a held stream has sent what it generated
+            if self.config.gate is not None:
+                await self.config.gate(
+                    GatePoint("token", point.task_id, point.rollout_id, point.step, index + 1)
+                )
+
     async def _chat_route(self, request: Request) -> Response:
         try:
             body = _json_object(await request.body())
+            final_prefix = _continued_final_message(body)
+            if final_prefix is not None:  # vLLM's continuation: the rest of that message
+                body = dict(body, messages=body["messages"][:-1])
             rollout_id = self._rollout_id(request, body)
             decision, reply = self.policy.completion(body, rollout_id, model=self.config.model_name)
         except PolicyError as exc:
@@ -456,15 +604,27 @@ class PolicyModelServer:
             await asyncio.sleep(self.config.latency)
         if self.config.gate is not None:
             await self.config.gate(point)
+        text = generation_text(decision)
+        prefix = final_prefix if final_prefix is not None else prefix_of(request.scope)
+        if final_prefix is not None and decision.tool_name is not None:
+            prefix = None  # only content is continued this way: answer the call whole
+        generation = self._begin_generation(request.scope, point, text, prefix)
+        # As vLLM answers `continue_final_message`: only the continuation, never the prefix.
+        only_continuation = False
+        if final_prefix is not None and generation.prefix is not None:
+            only_continuation = True
+            reply["choices"][0]["message"]["content"] = text[len(final_prefix.text) :]
         if body.get("stream") is True:
             include_usage = isinstance(body.get("stream_options"), Mapping) and bool(
                 body["stream_options"].get("include_usage")
             )
             return StreamingResponse(
-                self._events(point, decision, reply, include_usage),
+                self._events(generation, decision, reply, include_usage, only_continuation),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
+        async for _ in self._tokens(generation):
+            pass
         return Response(_dumps(reply), media_type="application/json")
 
     def _rollout_id(self, request: Request, body: Mapping[str, Any]) -> str:
@@ -476,10 +636,17 @@ class PolicyModelServer:
         return named if isinstance(named, str) and named else ANONYMOUS
 
     async def _events(
-        self, point: GatePoint, decision: Decision, reply: Mapping[str, Any], include_usage: bool
+        self,
+        generation: Generation,
+        decision: Decision,
+        reply: Mapping[str, Any],
+        include_usage: bool,
+        only_continuation: bool,
     ) -> AsyncIterator[bytes]:
-        """The reply as `chat.completion.chunk` events: role (and tool-call header), body,
-        finish, optionally usage, then `[DONE]`."""
+        """The reply as `chat.completion.chunk` events, generated as they stream: role (and
+        tool-call header), the continued prefix (unless `only_continuation`), a delta per
+        token, finish, optionally usage, then `[DONE]`."""
+        point = generation.point
 
         def chunk(delta: Mapping[str, Any], finish: str | None) -> bytes:
             event = {
@@ -492,6 +659,11 @@ class PolicyModelServer:
                 ],
             }
             return f"data: {_dumps(event)}\n\n".encode()
+
+        def piece(text: str) -> bytes:
+            if decision.tool_name is None:
+                return chunk({"content": text}, None)
+            return chunk({"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, None)
 
         message = decision.message()
         if decision.tool_name is not None:
@@ -511,25 +683,14 @@ class PolicyModelServer:
                 },
                 None,
             )
-            if self.config.gate is not None:
-                await self.config.gate(
-                    GatePoint("stream", point.task_id, point.rollout_id, point.step)
-                )
-            yield chunk(
-                {
-                    "tool_calls": [
-                        {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
-                    ]
-                },
-                None,
-            )
         else:
             yield chunk({"role": "assistant", "content": ""}, None)
-            if self.config.gate is not None:
-                await self.config.gate(
-                    GatePoint("stream", point.task_id, point.rollout_id, point.step)
-                )
-            yield chunk({"content": message["content"]}, None)
+        if self.config.gate is not None:
+            await self.config.gate(GatePoint("stream", point.task_id, point.rollout_id, point.step))
+        if generation.prefix is not None and not only_continuation:
+            yield piece(generation.prefix.text)
+        async for token in self._tokens(generation):
+            yield piece(token)
         yield chunk({}, decision.finish_reason)
         if include_usage:
             usage = {
@@ -558,6 +719,18 @@ class PolicyModelServer:
         if client is None:
             return _error(503, "upstream_not_ready", "the upstream client is not running")
         body = await request.body()
+        call = call_of(request.scope)
+        if (
+            self.config.upstream_continuation == "vllm"
+            and call is not None
+            and request.scope["path"] == "/v1/chat/completions"
+        ):
+            try:
+                parsed = _json_object(body)
+            except PolicyError:
+                parsed = None
+            if parsed is not None and parsed.get("stream") is not True:
+                return await self._proxy_cuttable(client, request, call, parsed)
         try:
             wants_stream = json.loads(body).get("stream") is True if body else False
         except (ValueError, AttributeError, RecursionError):
@@ -596,6 +769,126 @@ class PolicyModelServer:
             await upstream.aclose()
         return Response(content, status_code=upstream.status_code, headers=reply_headers)
 
+    async def _proxy_cuttable(
+        self, client: httpx.AsyncClient, request: Request, call: object, body: dict[str, Any]
+    ) -> Response:
+        """A non-streaming chat call that a generation cut may stage: streamed from the
+        upstream (so the content generated so far is known here) and answered as one
+        `chat.completion`. A restored cut's prefix goes upstream as the final assistant
+        message to continue (vLLM); the reply's content is the prefix and its continuation.
+        An upstream that refuses the continuation (4xx) is asked again without it."""
+        prefix = prefix_of(request.scope)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers["accept-encoding"] = "identity"
+        if self.config.upstream_api_key:
+            headers["authorization"] = f"Bearer {self.config.upstream_api_key}"
+        url = self.upstream_url(request.scope["path"])
+        while True:
+            upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
+            if prefix is not None:
+                upstream_body["messages"] = [
+                    *body.get("messages", []),
+                    {"role": "assistant", "content": prefix.text},
+                ]
+                upstream_body["continue_final_message"] = True
+                upstream_body["add_generation_prompt"] = False
+            generation = ProxyGeneration(prefix)
+            self._generations[call] = generation
+            try:
+                async with client.stream("POST", url, json=upstream_body, headers=headers) as up:
+                    if up.status_code != 200:
+                        content = await up.aread()
+                        if prefix is not None and 400 <= up.status_code < 500:
+                            log.warning(
+                                "upstream refused a continuation (HTTP %d): generating again",
+                                up.status_code,
+                            )
+                            prefix = None
+                            continue
+                        return Response(
+                            content,
+                            status_code=up.status_code,
+                            media_type=up.headers.get("content-type"),
+                        )
+                    async for line in up.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            generation.add(json.loads(line[len("data: ") :]))
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("upstream %s failed: %s", url, exc)
+                return _error(
+                    502, "upstream_unavailable", f"the upstream model server failed: {exc}"
+                )
+            return Response(_dumps(generation.completion()), media_type="application/json")
+
+
+@dataclass
+class ProxyGeneration:
+    """A chat completion streamed from the upstream, assembled as it comes: the content
+    deltas (about a token each) are what a cut stages; once a tool call started, nothing is
+    (a partial tool call cannot be continued as an assistant message)."""
+
+    prefix: GenerationPrefix | None
+    content: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    first: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: Any = None
+
+    def add(self, event: Mapping[str, Any]) -> None:
+        if not self.first:
+            self.first = {k: event.get(k) for k in ("id", "created", "model")}
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(str(delta["content"]))
+            for part in delta.get("tool_calls") or []:
+                index = int(part.get("index", 0))
+                while len(self.tool_calls) <= index:
+                    self.tool_calls.append(
+                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                    )
+                target = self.tool_calls[index]
+                target["id"] = part.get("id") or target["id"]
+                function = part.get("function") or {}
+                target["function"]["name"] += function.get("name") or ""
+                target["function"]["arguments"] += function.get("arguments") or ""
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def staged(self) -> GenerationPrefix | None:
+        if self.tool_calls:
+            return None
+        base_text = self.prefix.text if self.prefix is not None else ""
+        base_tokens = self.prefix.tokens if self.prefix is not None else 0
+        if not self.content and not base_tokens:
+            return None
+        return GenerationPrefix(base_text + "".join(self.content), base_tokens + len(self.content))
+
+    def completion(self) -> dict[str, Any]:
+        """The `chat.completion` the caller asked for: a continued prefix comes first."""
+        text = "".join(self.content)
+        if self.prefix is not None and not self.tool_calls:
+            text = self.prefix.text + text
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return {
+            "id": self.first.get("id"),
+            "object": "chat.completion",
+            "created": self.first.get("created") or 0,
+            "model": self.first.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason,
+                }
+            ],
+            "usage": self.usage,
+        }
+
 
 async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
     try:
@@ -605,6 +898,21 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
         log.warning("upstream stream failed: %s", exc)
     finally:
         await upstream.aclose()
+
+
+def _continued_final_message(body: Mapping[str, Any]) -> GenerationPrefix | None:
+    """The prefix of a vLLM-style continuation: `continue_final_message: true` with a last
+    assistant message whose content is a string (what the proxy sends for a generation cut)."""
+    if body.get("continue_final_message") is not True:
+        return None
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(last, Mapping) or last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if not isinstance(content, str) or not content:
+        return None
+    return GenerationPrefix(content, len(split_tokens(content)))
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -637,9 +945,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of simulated generation per call (default 0.05)",
     )
     parser.add_argument(
+        "--token-latency",
+        type=float,
+        default=0.0,
+        help="seconds per generated token on top of --latency (default 0: all at once)",
+    )
+    parser.add_argument(
         "--upstream",
         default=None,
         help="proxy a real OpenAI-compatible server at this base URL instead of scripting",
+    )
+    parser.add_argument(
+        "--upstream-continuation",
+        choices=["none", "vllm"],
+        default="none",
+        help="how the upstream continues a generation cut (vllm: continue_final_message)",
     )
     parser.add_argument(
         "--upstream-timeout", type=float, default=600.0, help="seconds per upstream call"
@@ -677,8 +997,10 @@ def build_server(
             instance=instance,
             checkpoint=checkpoint,
             latency=getattr(args, "latency", 0.05),
+            token_latency=getattr(args, "token_latency", 0.0),
             upstream=getattr(args, "upstream", None),
             upstream_api_key=os.environ.get("ROLLOUT_CHECKPOINT_UPSTREAM_API_KEY") or None,
+            upstream_continuation=getattr(args, "upstream_continuation", "none"),
             upstream_timeout=getattr(args, "upstream_timeout", 600.0),
             model_name=getattr(args, "model_name", DEFAULT_MODEL),
             fall_one_in=getattr(args, "fall_one_in", 4),

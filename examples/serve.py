@@ -168,9 +168,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--latency", type=float, default=0.05, help="seconds per scripted generation"
     )
     model.add_argument(
+        "--token-latency",
+        type=float,
+        default=0.0,
+        help="seconds per generated token on top of --latency (generation cuts)",
+    )
+    model.add_argument(
         "--upstream",
         default=None,
         help="proxy to this OpenAI-compatible server instead of scripting",
+    )
+    model.add_argument(
+        "--upstream-continuation",
+        choices=["none", "vllm"],
+        default="none",
+        help="how the upstream continues a generation cut's prefix (vllm: "
+        "continue_final_message; none: cut calls are generated again)",
     )
     agent = parser.add_argument_group("agent")
     agent.add_argument("--model-url", default=None, help="the policy model's base URL")
@@ -265,7 +278,9 @@ def build(
                 instance=instance,
                 checkpoint=checkpoint,
                 latency=args.latency,
+                token_latency=args.token_latency,
                 upstream=args.upstream,
+                upstream_continuation=args.upstream_continuation,
             )
         )
         return model.build_app(), model.runtime

@@ -180,14 +180,25 @@ async def test_a_checkpoint_without_a_crash_parks_and_releases_everything(tmp_pa
             f.fleet, "c1", deadline(), str(tmp_path / "c1"), in_flight
         )
         assert committed.members["agent"].exported  # episodes parked at their boundaries
-        await coordination.resume(f.fleet, "c1", deadline())
-        results = {r: await run for r, run in runs.items()}
+        # The agent tells the model when each episode finished, and its ledger goes: read
+        # each ledger as it is released.
+        released: dict[str, int] = {}
+        release = model.episode_finished
+
+        def finished(episode: EpisodeId) -> None:
+            released[episode.rollout_id] = len(model.ledgers[episode].calls)
+            release(episode)
+
+        with mock.patch.object(model, "episode_finished", finished):
+            await coordination.resume(f.fleet, "c1", deadline())
+            results = {r: await run for r, run in runs.items()}
+            control = f.servers["policy_model"].runtime.control
+            await until_changed(control, lambda: set(released) == set(rollouts))
         for rollout, reply in results.items():
             assert reply["messages"] == baseline[rollout]["messages"], rollout
             assert reply["reward"] == baseline[rollout]["reward"], rollout
             # Nothing ran twice: one delivered model call per assistant message.
-            delivered = model.ledgers[EpisodeId(rollout)].calls
-            assert len(delivered) == sum(
+            assert released[rollout] == sum(
                 1 for m in reply["messages"] if m["role"] == "assistant"
             ), rollout
 

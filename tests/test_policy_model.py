@@ -32,7 +32,7 @@ from rollout_checkpoint.examples.policy_model import (
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
 from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.server.model.participant import ModelParticipant
+from rollout_checkpoint.server.model.participant import EPISODE_FINISHED_PATH, ModelParticipant
 from rollout_checkpoint.server.resources import ResourcesServerConfig
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
@@ -560,7 +560,7 @@ async def test_prepare_never_waits_for_generation_and_the_response_is_held(
         # The generation finishes while the checkpoint is open: its response is held.
         release.set()
         await m.until(lambda: m.counts()["held"] == 1)
-        assert m.counts() == {"inflight": 0, "held": 1, "episodes": 1}
+        assert m.counts() == {"inflight": 0, "held": 1, "episodes": 1, "cut": 0}
         assert not held.done()
         assert m.participant.ready()
 
@@ -581,7 +581,7 @@ async def test_prepare_never_waits_for_generation_and_the_response_is_held(
             task["reference_plan"][1]["arguments"],
         )
         assert len(m.participant.ledgers[EpisodeId(rollout)].calls) == 2
-        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1}
+        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1, "cut": 0}
 
 
 async def test_restore_imports_the_ledger_as_the_next_attempt(tmp_path: Path) -> None:
@@ -687,7 +687,7 @@ async def test_retire_cancels_the_attempts_calls_and_drops_its_ledger(tmp_path: 
             reply = await in_flight
         assert not logged, "a retire must not log a traceback"
         assert reply.status_code == 409 and reply.json()["error"]["code"] == "stale_attempt"
-        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1}
+        assert m.counts() == {"inflight": 0, "held": 0, "episodes": 1, "cut": 0}
         late = await m.post(doomed, chat(CLINIC))
         assert late.status_code == 409 and late.json()["error"]["code"] == "stale_attempt"
         await m.prepared("c1")
@@ -771,6 +771,33 @@ async def test_a_published_commit_releases_the_ledgers_its_scope_leaves_out(
         await m.prepared("c2")
         await m.client.commit("c2", m.deadline(), str(tmp_path / "c2"), scope)
         assert set(m.participant.ledgers) == {EpisodeId(continued)}
+
+
+async def test_episode_finished_releases_the_ledger_once_no_call_of_it_runs() -> None:
+    """The owner's end-of-episode signal frees the ledger with no commit at all (before it, a
+    fleet that never checkpointed kept one per finished episode); an abandoned call still
+    running keeps it until that call ends, so its late delivery cannot re-create it."""
+    finished, abandoned, other = rollouts(CLINIC, falls=False, count=3)
+    async with model() as m:
+        for rollout in (finished, abandoned, other):
+            await m.post(rollout, chat(CLINIC))
+        release = m.gate.hold("generate", abandoned)
+        late = m.start(abandoned, chat(CLINIC))
+        await m.gate.reached("generate", abandoned)
+        await m.prepared("c1")  # closed admission does not refuse it
+
+        def finish(rollout: str | None) -> Any:
+            prefix = "" if rollout is None else f"/ng-rollout/{rollout}"
+            return m.http.post(prefix + EPISODE_FINISHED_PATH)
+
+        assert (await finish(finished)).status_code == 204
+        assert (await finish(abandoned)).status_code == 204
+        assert set(m.participant.ledgers) == {EpisodeId(abandoned), EpisodeId(other)}
+        assert (await finish(None)).status_code == 400
+        await m.client.resume("c1", m.deadline())
+        release.set()
+        assert (await late).status_code == 200
+        assert set(m.participant.ledgers) == {EpisodeId(other)}
 
 
 async def test_forget_drops_the_ledgers_of_forgotten_rollouts() -> None:

@@ -155,6 +155,17 @@ class ControlPlane:
         for listener in list(self._listeners):
             listener()
 
+    def prepare_seconds_left(self) -> float | None:
+        """Seconds until the deadline of the Prepare that closed admission (None outside a
+        Prepare: a close for a Restore or at a `start_closed` start). A hook that does work
+        at the close (the policy model's generation cuts) bounds it by this, so the Prepare
+        never misses its deadline for it. Not part of `ParticipantContext`: a context
+        without it (a multi-worker server's bridge) simply offers no such time."""
+        machine = self._machine
+        if machine.state is not State.PREPARING or machine.prepare_deadline is None:
+            return None
+        return max(0.0, machine.prepare_deadline - self.clock.now())
+
     def change_event(self) -> asyncio.Event:
         """The event the next `changed()` sets."""
         return self._changed

@@ -70,6 +70,8 @@ class BlockerReason(enum.StrEnum):
     WORKER_LOST = "WORKER_LOST"
     """A worker of a multi-worker server died while the checkpoint was open: what it ran is
     gone, so the checkpoint is not ready until Resume (worker_pool.py)."""
+    STAGING_GENERATION_CUTS = "STAGING_GENERATION_CUTS"
+    """The policy model's backend is staging the prefixes of undelivered calls (bounded)."""
 
 
 @dataclass(frozen=True, slots=True, order=True)

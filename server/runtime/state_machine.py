@@ -135,6 +135,8 @@ class StateMachine:
         self.restore_job: RestoreJob | None = None
         self.admission_open = True
         self.closed_since: float | None = None
+        self.prepare_deadline: float | None = None
+        """The deadline of the last Prepare that closed admission (`prepare_seconds_left`)."""
         self.start_closed_pending = False
         self.rejoin_sealed = False
         """A rejoining restore is under way (or RESTORED by one, until Resume): the data plane
@@ -260,6 +262,7 @@ class StateMachine:
             )
         self.active_id = checkpoint_id
         self.state = State.PREPARING
+        self.prepare_deadline = deadline
         self.lease.renew(deadline)
         try:
             self.close_admission()

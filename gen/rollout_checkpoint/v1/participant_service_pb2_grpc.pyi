@@ -109,8 +109,11 @@ class ParticipantServiceStub:
     ledger not yet claimed: an episode between two calls is listed by its
     agent. What a finished episode leaves is released by the participant
     itself: an owner's outcome at its next Commit or Resume after delivery,
-    a model's ledger at the first Commit whose scope leaves it out (see
-    Commit); a controller never has to Forget for the fleet to stay bounded.
+    a model's ledger as soon as the episode's owner reports it finished (a
+    data-plane POST to `/ng-rollout/<capture_key>/ng-checkpoint/episode-finished`
+    once its final reply left; the example agent sends it), else at the first
+    Commit whose scope leaves it out (see Commit); a controller never has to
+    Forget for the fleet to stay bounded.
     Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
     participant did not issue.
     """
@@ -370,8 +373,11 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     ledger not yet claimed: an episode between two calls is listed by its
     agent. What a finished episode leaves is released by the participant
     itself: an owner's outcome at its next Commit or Resume after delivery,
-    a model's ledger at the first Commit whose scope leaves it out (see
-    Commit); a controller never has to Forget for the fleet to stay bounded.
+    a model's ledger as soon as the episode's owner reports it finished (a
+    data-plane POST to `/ng-rollout/<capture_key>/ng-checkpoint/episode-finished`
+    once its final reply left; the example agent sends it), else at the first
+    Commit whose scope leaves it out (see Commit); a controller never has to
+    Forget for the fleet to stay bounded.
     Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
     participant did not issue.
     """
@@ -646,8 +652,11 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         ledger not yet claimed: an episode between two calls is listed by its
         agent. What a finished episode leaves is released by the participant
         itself: an owner's outcome at its next Commit or Resume after delivery,
-        a model's ledger at the first Commit whose scope leaves it out (see
-        Commit); a controller never has to Forget for the fleet to stay bounded.
+        a model's ledger as soon as the episode's owner reports it finished (a
+        data-plane POST to `/ng-rollout/<capture_key>/ng-checkpoint/episode-finished`
+        once its final reply left; the example agent sends it), else at the first
+        Commit whose scope leaves it out (see Commit); a controller never has to
+        Forget for the fleet to stay bounded.
         Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
         participant did not issue.
         """

@@ -151,6 +151,15 @@ class _BlockerReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Blocker
     the episodes it ran are gone, so the participant is not ready until
     Resume (then retire what the worker ran, and prepare again).
     """
+    BLOCKER_REASON_STAGING_GENERATION_CUTS: _BlockerReason.ValueType  # 11
+    """The policy model is staging generation cuts: its inference backend is
+    asked, once per Prepare, for the prefix generated so far of every
+    undelivered call, so that the restored, re-issued call continues it
+    instead of generating from scratch. `capture_key` names one such call's
+    episode. Bounded by half of the Prepare time left at the close; when the
+    round fails or runs out of time the calls simply regenerate after a
+    restore.
+    """
 
 class BlockerReason(_BlockerReason, metaclass=_BlockerReasonEnumTypeWrapper):
     """Why an episode (or a request outside any episode) keeps a participant from
@@ -190,6 +199,15 @@ BLOCKER_REASON_WORKER_LOST: BlockerReason.ValueType  # 10
 """A worker of a multi-worker server died while the checkpoint was open:
 the episodes it ran are gone, so the participant is not ready until
 Resume (then retire what the worker ran, and prepare again).
+"""
+BLOCKER_REASON_STAGING_GENERATION_CUTS: BlockerReason.ValueType  # 11
+"""The policy model is staging generation cuts: its inference backend is
+asked, once per Prepare, for the prefix generated so far of every
+undelivered call, so that the restored, re-issued call continues it
+instead of generating from scratch. `capture_key` names one such call's
+episode. Bounded by half of the Prepare time left at the close; when the
+round fails or runs out of time the calls simply regenerate after a
+restore.
 """
 Global___BlockerReason: _TypeAlias = BlockerReason  # noqa: Y015
 
