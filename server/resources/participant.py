@@ -88,6 +88,17 @@ class InvalidSessionState(ValueError):
         self.session_id = session_id
 
 
+class DecodedSessionStates(dict[str, Any]):
+    """The states a Restore hands `restore_session_states`: decoded from the checkpoint's
+    records for this call, so they hold plain JSON values only (string keys, finite numbers,
+    no objects), and nothing else references them.
+
+    A hook may install them as they are: no walk to check that they are JSON (the decoder
+    did), no copy to keep them from aliasing. A plain dict (a test, a caller of its own)
+    promises neither. A hook that checks for this type keeps a Restore from paying twice for
+    what the decoder already guarantees (`EnvironmentStates` does)."""
+
+
 class SessionHooks(Protocol):
     """The three coroutines an `exported` resources server implements (`ResourcesServer`
     declares them; the participant calls them).
@@ -428,7 +439,7 @@ class ResourcesParticipant(Participant):
             )
         if self._table.sessions or self.inflight:
             raise rejected_checkpoint("restore needs a process that has not served sessions")
-        states: dict[str, Any] = {}
+        states = DecodedSessionStates()
         episode_of: dict[str, RestoredRecord] = {}
         for record in records:
             session_id = record.fields.get("session_id")
