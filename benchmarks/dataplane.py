@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
-from .common import REPO, BenchResult, ratios
+from .common import REPO, BenchResult, Server, ratios
 
 VARIANTS = ("with", "without")
 
@@ -54,6 +55,13 @@ async def load(ctx: Any, address: str, prefixed: bool, concurrency: int) -> dict
     return reply
 
 
+def cpu_seconds(server: Server) -> float:
+    """The server process's CPU time so far (user + system, /proc/<pid>/stat)."""
+    with open(f"/proc/{server.process.pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run(ctx: Any) -> BenchResult:
     params = ctx.params
     processes = ctx.processes
@@ -90,7 +98,10 @@ async def run(ctx: Any) -> BenchResult:
             for concurrency in params.concurrency:
                 order = VARIANTS if repeat % 2 == 0 else tuple(reversed(VARIANTS))
                 for variant in order:
+                    cpu = cpu_seconds(servers[variant])
                     reply = await load(ctx, servers[variant].http, variant == "with", concurrency)
+                    cpu = cpu_seconds(servers[variant]) - cpu
+                    reply["cpu_us"] = cpu / reply["sent"] * 1e6
                     runs[(variant, concurrency)].append(reply)
     finally:
         processes.stop_servers(servers.values())
@@ -102,9 +113,21 @@ async def run(ctx: Any) -> BenchResult:
             result.figure(case, "throughput", "req/s", [r["rps"] for r in replies])
             result.figure(case, "p50 latency", "ms", [r["p50_ms"] for r in replies])
             result.figure(case, "p99 latency", "ms", [r["p99_ms"] for r in replies])
+            result.figure(
+                case,
+                "server CPU per request",
+                "us",
+                [r["cpu_us"] for r in replies],
+                note="the server process's CPU time over the run / every request it answered",
+            )
         with_runs = runs[("with", concurrency)]
         without_runs = runs[("without", concurrency)]
-        for metric, key in (("req/s", "rps"), ("p50", "p50_ms"), ("p99", "p99_ms")):
+        for metric, key in (
+            ("req/s", "rps"),
+            ("p50", "p50_ms"),
+            ("p99", "p99_ms"),
+            ("server CPU per request", "cpu_us"),
+        ):
             result.ratio(
                 f"concurrency {concurrency}: {metric} with / without",
                 f"{key} with",
