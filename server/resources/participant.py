@@ -197,7 +197,7 @@ class ResourcesParticipant(Participant):
         self._shutting_down = False
         self._served = False
         """The data plane tracked or used a session (sticky): see `has_served`."""
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None
 
     @property
     def sessions(self) -> Mapping[str, TrackedSession]:
@@ -212,11 +212,16 @@ class ResourcesParticipant(Participant):
     # -- notifications ------------------------------------------------------------------
 
     def _notify(self) -> None:
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        """Wake this participant's waiters and the control plane's. Called twice per request,
+        so the event is made only when something waits (`_wait_change`)."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
         self.context.changed()
 
     async def _wait_change(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
         await self._changed.wait()
 
     # -- data plane: called by the middleware, all synchronous except the waits ---------
