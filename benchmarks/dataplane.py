@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from typing import Any
 
-from .common import REPO, BenchResult, Server, ratios
+from .common import REPO, BenchResult, ratios
+from .light_scale import process_cpu_seconds
 
 VARIANTS = ("with", "without")
 
@@ -55,13 +55,6 @@ async def load(ctx: Any, address: str, prefixed: bool, concurrency: int) -> dict
     return reply
 
 
-def cpu_seconds(server: Server) -> float:
-    """The server process's CPU time so far (user + system, /proc/<pid>/stat)."""
-    with open(f"/proc/{server.process.pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def run(ctx: Any) -> BenchResult:
     params = ctx.params
     processes = ctx.processes
@@ -98,9 +91,9 @@ async def run(ctx: Any) -> BenchResult:
             for concurrency in params.concurrency:
                 order = VARIANTS if repeat % 2 == 0 else tuple(reversed(VARIANTS))
                 for variant in order:
-                    cpu = cpu_seconds(servers[variant])
+                    cpu = process_cpu_seconds(servers[variant].process.pid)
                     reply = await load(ctx, servers[variant].http, variant == "with", concurrency)
-                    cpu = cpu_seconds(servers[variant]) - cpu
+                    cpu = process_cpu_seconds(servers[variant].process.pid) - cpu
                     reply["cpu_us"] = cpu / reply["sent"] * 1e6
                     runs[(variant, concurrency)].append(reply)
     finally:
