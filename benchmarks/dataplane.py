@@ -55,6 +55,27 @@ async def load(ctx: Any, address: str, prefixed: bool, concurrency: int) -> dict
     return reply
 
 
+async def asgi_overhead(requests: int, rounds: int) -> dict[str, list[float]]:
+    """`asgi_overhead.py` in its own process: CPU per request inside the app, both variants."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "benchmarks.asgi_overhead",
+        "--requests",
+        str(requests),
+        "--rounds",
+        str(rounds),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"asgi_overhead failed: {err.decode()[-2000:]}")
+    reply: dict[str, list[float]] = json.loads(out)
+    return reply
+
+
 async def run(ctx: Any) -> BenchResult:
     params = ctx.params
     processes = ctx.processes
@@ -98,6 +119,10 @@ async def run(ctx: Any) -> BenchResult:
                     runs[(variant, concurrency)].append(reply)
     finally:
         processes.stop_servers(servers.values())
+    ctx.say("dataplane: CPU per request inside the app (ASGI, in process)")
+    inside = await asgi_overhead(
+        max(200, int(params.duration * 700)), max(2, 2 * params.load_repeats)
+    )
     label = {"with": "with checkpointing", "without": "without (--no-checkpoint)"}
     for concurrency in params.concurrency:
         for variant in VARIANTS:
@@ -127,4 +152,23 @@ async def run(ctx: Any) -> BenchResult:
                 f"{key} without",
                 ratios([r[key] for r in with_runs], [r[key] for r in without_runs]),
             )
+    for variant in VARIANTS:
+        result.figure(
+            f"inside the app (ASGI, no server), {label[variant]}",
+            "CPU per request",
+            "us",
+            inside[variant],
+        )
+    result.figure(
+        "inside the app (ASGI, no server)",
+        "CPU checkpointing adds per request",
+        "us",
+        [w - o for w, o in zip(inside["with"], inside["without"], strict=True)],
+    )
+    result.ratio(
+        "inside the app: CPU per request with / without",
+        "CPU with",
+        "CPU without",
+        ratios(inside["with"], inside["without"]),
+    )
     return result
