@@ -21,6 +21,8 @@ Measured on 10,000 records of 5 KB (51.6 MB of JSON, about 1.5 million objects k
   (seeded over the data plane, so never frozen); one full collection landing in it cost
   0.25 s of a 0.7 s commit of 10,000 sessions, while admission was closed. Paused there, the
   pass runs after the commit, when the data plane is open again and would have paid it anyway.
+  A hook that runs long (a sandbox snapshot) keeps the collector paused as long: garbage in
+  reference cycles waits for the export's end.
 """
 
 from __future__ import annotations

@@ -60,8 +60,11 @@ class EncodedJSON:
 
 
 def encode_json(value: object) -> bytes:
-    """`value` as compact UTF-8 JSON, key order kept: what `json.dumps(value,
+    """`value` as compact UTF-8 JSON, key order kept: the JSON `json.dumps(value,
     allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()` returns, faster.
+    Byte for byte the same but for some floats, which orjson writes in another notation of
+    the same exact value (`1e-7` for `1e-07`, `0.00001751635919944541` for
+    `1.751635919944541e-05`): every JSON reader parses both to the same double.
 
     Raises ValueError (NaN, Infinity, a lone surrogate), TypeError (a value JSON cannot
     carry, a key that is not a string) or RecursionError (nesting deeper than the standard
