@@ -36,7 +36,7 @@ from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.coordination import DERIVE
 from rollout_checkpoint.client.fleet import Fleet
 
-from .common import BenchResult, Processes, Server, deadline_in, now, ratios
+from .common import BenchResult, Processes, Server, deadline_in, now, ratios, rss_bytes
 from .fleetutil import Group, discover, start_groups
 from .httpraw import Connection, HttpError, Response, json_body
 from .states import task_rows
@@ -61,14 +61,6 @@ class Measured:
     prepare_seconds: float = 0.0
     failed: int = 0
     """Rollouts answered HTTP 500 (see `drive`)."""
-
-
-def rss_bytes(server: Server) -> int:
-    """The process's resident set (VmRSS) from /proc."""
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {server.name}")
 
 
 def roles(group: Group) -> dict[str, Server]:

@@ -158,6 +158,14 @@ class Server:
         return f"http://{self.http}"
 
 
+def rss_bytes(server: Server) -> int:
+    """The process's resident set (VmRSS) from /proc."""
+    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {server.name}")
+
+
 class Processes:
     """Every process a benchmark run starts; all are killed (as groups) on `close()`."""
 

@@ -6,7 +6,8 @@
 Each of `--concurrency` workers holds one keep-alive connection: it seeds its own session
 (`{i}` is the worker's number), then sends the tool call again as soon as the previous reply
 arrived, until `--duration` seconds (or `--requests` per worker) have passed after a
-`--warmup`. Prints one JSON line: `requests`, `seconds`, `rps`, `p50_ms`, `p99_ms`, `errors`.
+`--warmup`. Prints one JSON line: `requests`, `seconds`, `rps`, `p50_ms`, `p99_ms`, `errors`,
+and `sent` (every request of the run, seeds and warm-up included: what the server worked for).
 
 Standard library only, so it starts in milliseconds and costs the server's core nothing.
 """
@@ -40,8 +41,10 @@ async def worker(
     stop_at: float,
     latencies: list[float],
     errors: list[int],
+    sent_total: list[int],
 ) -> None:
     connection = await Connection.open(args.address)
+    sent = 0
     try:
         seeded = await connection.request(
             "POST", args.seed_path.format(i=index), json_body({"initial_count": 0})
@@ -52,10 +55,10 @@ async def worker(
         path = args.path.format(i=index)
         body = json_body({"count": 1})
         head = connection.head("POST", path, len(body), cookie=cookie)
-        sent = 0
+        sent = 1  # the seed
         while True:
             began = time.perf_counter()
-            if began >= stop_at or (args.requests and sent >= args.requests):
+            if began >= stop_at or (args.requests and sent > args.requests):
                 return
             connection.write(head + body)
             reply = await connection.read_response()
@@ -67,18 +70,20 @@ async def worker(
                 else:
                     errors.append(reply.status)
     finally:
+        sent_total.append(sent)
         await connection.close()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     latencies: list[float] = []
     errors: list[int] = []
+    sent_total: list[int] = []
     start = time.perf_counter()
     measure_from = start + args.warmup
     stop_at = measure_from + args.duration
     await asyncio.gather(
         *(
-            worker(i, args, start, measure_from, stop_at, latencies, errors)
+            worker(i, args, start, measure_from, stop_at, latencies, errors, sent_total)
             for i in range(args.concurrency)
         )
     )
@@ -92,6 +97,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "p99_ms": _percentile(ordered, 99) * 1000,
         "errors": len(errors),
         "concurrency": args.concurrency,
+        "sent": sum(sent_total),
     }
 
 

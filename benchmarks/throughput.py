@@ -6,9 +6,12 @@ JSON (`states.py`), seeded over HTTP. Commit: the controller's Commit call -> it
 after a Prepare that is not timed. Restore: a fresh process per restore (started closed, as
 a replacement is), the controller's Restore call -> its reply (read, verify the digest,
 parse, validate, install every session). The raw limit is a plain script (`raw_io.py`, its
-own process) that serializes the same states, writes and fsyncs them, and, in another fresh
-process, reads them back and parses them. Commits alternate with raw writes and restores
-with raw reads, so each ratio compares runs taken side by side.
+own process) that serializes the same states with the standard library's json, writes and
+fsyncs them, and, in another fresh process, reads them back and parses them; the same script
+with orjson to write and msgspec to read (the runtime's own libraries) is a second, stricter
+reference. Commits alternate with raw writes and restores with raw reads, so each ratio
+compares runs taken side by side. The participant's memory after a restore is its VmRSS
+growth over the Restore call, per byte of records restored.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
-from .common import REPO, BenchResult, Server, deadline_in, now, ratios
+from .common import REPO, BenchResult, Server, deadline_in, now, ratios, rss_bytes
 from .fleetutil import seed_sessions
 from .httpraw import Connection, json_body
 from .states import environment
@@ -39,9 +42,12 @@ def rollout(index: int) -> str:
     return f"t{index:05d}"
 
 
-async def raw(mode: str, path: Path, sessions: int = 0, size: int = 0) -> dict[str, Any]:
+async def raw(
+    mode: str, path: Path, sessions: int = 0, size: int = 0, codec: str = "stdlib"
+) -> dict[str, Any]:
     """Run the raw-limit script as its own process and return its JSON line."""
     command = [sys.executable, "-m", "benchmarks.raw_io", mode, "--path", str(path)]
+    command += ["--codec", codec]
     if mode == "write":
         command += ["--sessions", str(sessions), "--bytes", str(size), "--prefix", "t"]
     process = await asyncio.create_subprocess_exec(
@@ -94,11 +100,14 @@ async def one_case(ctx: Any, result: BenchResult, sessions: int, size: int) -> N
     raw_writes: list[float] = []
     restores: list[float] = []
     raw_reads: list[float] = []
+    fast_writes: list[float] = []
+    fast_reads: list[float] = []
     raw_bytes = 0
     exports: list[float] = []
     writes: list[float] = []
     reads: list[float] = []
     installs: list[float] = []
+    memory: list[float] = []
     source = ""
     try:
         bodies = await asyncio.to_thread(
@@ -131,6 +140,9 @@ async def one_case(ctx: Any, result: BenchResult, sessions: int, size: int) -> N
             written = await raw("write", raw_path, sessions, size)
             raw_writes.append(written["seconds"])
             raw_bytes = written["bytes"]
+            fast_path = workdir / f"fast-{repeat}.jsonl"
+            fast = await raw("write", fast_path, sessions, size, codec="fast")
+            fast_writes.append(fast["seconds"])
     finally:
         await client.close()
         processes.stop_servers([server])
@@ -144,11 +156,13 @@ async def one_case(ctx: Any, result: BenchResult, sessions: int, size: int) -> N
         try:
             await client.get_participant()  # connected before the clock starts
             before = await phase_seconds(fresh.http)
+            resident = rss_bytes(fresh)
             started = now()
             reply = await client.restore(
                 f"bench-restore-{repeat}", deadline_in(TIMEOUT), source, scope
             )
             restores.append(now() - started)
+            memory.append((rss_bytes(fresh) - resident) / commit_bytes)
             after = await phase_seconds(fresh.http)
             reads.append(phase_delta(before, after, "read"))
             installs.append(phase_delta(before, after, "install"))
@@ -159,6 +173,8 @@ async def one_case(ctx: Any, result: BenchResult, sessions: int, size: int) -> N
             processes.stop_servers([fresh])
         read = await raw("read", workdir / f"raw-{repeat}.jsonl")
         raw_reads.append(read["seconds"])
+        fast = await raw("read", workdir / f"fast-{repeat}.jsonl", codec="fast")
+        fast_reads.append(fast["seconds"])
     shutil.rmtree(workdir, ignore_errors=True)
 
     mb = commit_bytes / MB
@@ -180,8 +196,17 @@ async def one_case(ctx: Any, result: BenchResult, sessions: int, size: int) -> N
     result.figure(restore, "throughput", "MB/s", [mb / s for s in restores])
     result.figure(restore, "of which read (read, hash, parse)", "s", reads)
     result.figure(restore, "of which install (the server's hook)", "s", installs)
+    result.figure(
+        restore,
+        "memory: RSS growth / records bytes",
+        "x",
+        memory,
+        note="the participant's VmRSS just before the Restore call and after its reply",
+    )
     result.figure(raw_read, "time", "s", raw_reads)
     result.figure(raw_read, "throughput", "MB/s", [raw_mb / s for s in raw_reads])
+    result.figure(f"{label}: raw write with orjson", "time", "s", fast_writes)
+    result.figure(f"{label}: raw read with msgspec (kept)", "time", "s", fast_reads)
     result.ratio(f"{label}: commit / raw write", "commit", "raw write", ratios(commits, raw_writes))
     result.ratio(
         f"{label}: commit's write phase / raw write",
@@ -196,6 +221,26 @@ async def one_case(ctx: Any, result: BenchResult, sessions: int, size: int) -> N
         "raw read",
         ratios(reads, raw_reads),
     )
+    result.ratio(
+        f"{label}: commit / raw write with orjson",
+        "commit",
+        "raw write (orjson)",
+        ratios(commits, fast_writes),
+        note="the reference above uses the standard library; this one the runtime's encoder",
+    )
+    result.ratio(
+        f"{label}: restore / raw read with msgspec",
+        "restore",
+        "raw read (msgspec)",
+        ratios(restores, fast_reads),
+        note="the runtime's decoder, with the collector running as in any plain script",
+    )
+    result.ratio(
+        f"{label}: participant memory after the restore / records bytes",
+        "RSS growth",
+        "records bytes",
+        memory,
+    )
 
 
 async def run(ctx: Any) -> BenchResult:
@@ -206,9 +251,11 @@ async def run(ctx: Any) -> BenchResult:
         "A prompt-injection server with N sessions whose environments are scaled up to S of "
         "JSON. Commit: Commit call -> reply (export, serialize, write, fsync, hash, manifest). "
         "Restore: into a fresh process started closed, Restore call -> reply (read, verify, "
-        "parse, validate, install). Raw limit: a plain script serializing the same states, "
-        "writing and fsyncing them; and reading them back and parsing them (kept in memory) in a "
-        "fresh process.",
+        "parse, validate, install). Raw limit: a plain script serializing the same states with "
+        "the standard library's json, writing and fsyncing them; and reading them back and "
+        "parsing them (kept in memory) in a fresh process; the same script with orjson and "
+        "msgspec is a second reference. Memory: the participant's VmRSS growth over the "
+        "Restore call per byte of records restored.",
         params={"states": params.states, "repeats": params.store_repeats},
     )
     for sessions, size in params.states:

@@ -374,7 +374,7 @@ async def test_every_reference_plan_succeeds_changes_state_and_scores_one() -> N
                     assert not output.startswith(("Error", "Unknown tool")), (step, output)
                 # A careful run changes the environment (the export differs from the seed).
                 state = (await server.export_session_states([session_id]))[session_id]
-                assert state["environment"] != task["environment"], task["task_id"]
+                assert json.loads(state.data)["environment"] != task["environment"], task["task_id"]
                 calls = [(s["name"], s["arguments"]) for s in plan]
                 scored = (await episode.post("/verify", json=verify_body(task, calls))).json()
                 assert scored["reward"] == 1.0 and not scored["injection_followed"], scored

@@ -5,13 +5,20 @@ the task row, mutated in place by the tools): our prompt-injection example, NeMo
 indirect-prompt-injection server (`session_id_to_env`). `EnvironmentStates` gives such a server
 its three session hooks over that dict, with the rules that keep a restore exact:
 
-- export copies **through JSON** (serialize, then parse): an independent object, so the data
-  plane running again before the records are written cannot change the cut; key order kept,
-  because tools print the environment in stored order and a restored session must answer
-  byte for byte; anything JSON cannot carry is left to the commit's serializer, which refuses
-  it as UNSERIALIZABLE_STATE naming the episode (a raise here would only say HOOK_FAILED);
+- export **serializes** each state once (`encode_json`, returned as `EncodedJSON`, stored as
+  it is): bytes are independent of the live environment, so the data plane running again
+  before the records are written cannot change the cut, and no copy is made only to be
+  serialized again; key order kept, because tools print the environment in stored order and
+  a restored session must answer byte for byte; anything JSON cannot carry is left to the
+  commit's serializer, which refuses it as UNSERIALIZABLE_STATE naming the episode (a raise
+  here would only say HOOK_FAILED). The work runs in a thread, a batch of sessions at a time,
+  so the event loop serves between batches instead of stalling for the whole export;
 - restore validates **every** state before installing any (`InvalidSessionState` naming the
-  session): a partial install would leave state that nothing tracks or frees;
+  session): a partial install would leave state that nothing tracks or frees. States a
+  Restore decoded from the checkpoint (`DecodedSessionStates`) are plain JSON by construction
+  and referenced by nothing else, so only their shape is checked and they are installed as
+  they are; any other mapping is walked and copied in full, as a caller's objects may hold
+  anything and stay referenced by the caller;
 - retire drops the environment, idempotently.
 
 The state is strict: exactly `{"schema_version": 1, "environment": <JSON object>}`, no
@@ -20,17 +27,24 @@ coercion (the environment as JSON text is invalid, `true` is not 1), no NaN or I
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Final
 
-from rollout_checkpoint.server.resources.participant import InvalidSessionState
+from rollout_checkpoint.server.resources.participant import (
+    DecodedSessionStates,
+    InvalidSessionState,
+)
+from rollout_checkpoint.server.runtime.records_codec import EncodedJSON, encode_json
 
 __all__ = [
     "SCHEMA_VERSION",
+    "EncodedJSON",
     "EnvironmentStates",
+    "encode_json",
     "json_problem",
     "through_json",
     "validate_environment_state",
@@ -39,6 +53,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION: Final = 1
+EXPORT_BATCH: Final = 256
+"""Sessions serialized per thread hop: about a millisecond of work at 5 KB each, so the loop
+waits no longer than that, and 10,000 sessions cost 40 hops."""
+_STATE_PREFIX: Final = b'{"schema_version":%d,"environment":' % SCHEMA_VERSION
 
 
 def json_problem(value: object, where: str = "environment") -> str | None:
@@ -73,11 +91,15 @@ def through_json(value: object) -> Any:
     return json.loads(text.encode("utf-8"))
 
 
-def validate_environment_state(session_id: str, state: object) -> dict[str, Any]:
+def validate_environment_state(
+    session_id: str, state: object, *, decoded: bool = False
+) -> dict[str, Any]:
     """Check one stored state against schema version 1; return an independent environment.
 
     Raises `InvalidSessionState` naming the session for anything but exactly
-    `{schema_version: 1, environment: <JSON object>}` (see the module docstring)."""
+    `{schema_version: 1, environment: <JSON object>}` (see the module docstring). `decoded`:
+    the state was just decoded from JSON and nothing else holds it, so its environment is
+    plain JSON already and is returned as it is (no walk, no copy)."""
 
     def invalid(reason: str) -> InvalidSessionState:
         return InvalidSessionState(session_id, f"session {session_id}: {reason}")
@@ -99,6 +121,8 @@ def validate_environment_state(session_id: str, state: object) -> dict[str, Any]
     if not isinstance(environment, dict):
         kind = "JSON text" if isinstance(environment, str) else type(environment).__name__
         raise invalid(f"the environment must be a JSON object, not {kind}")
+    if decoded:
+        return environment
     problem = json_problem(environment)
     if problem is not None:
         raise invalid(problem)
@@ -117,28 +141,30 @@ class EnvironmentStates:
         self.environments = environments
 
     async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
-        """`{session_id: {schema_version: 1, environment: <copy>}}` for every id still held;
-        an id no longer held (verified, closed, retired) is left out."""
+        """`{session_id: EncodedJSON({schema_version: 1, environment: ...})}` for every id
+        still held; an id no longer held (verified, closed, retired) is left out.
+
+        The environments are looked up now, on the loop (the cut), and serialized in a
+        thread, a batch at a time. Admission is closed, so no tool mutates one meanwhile;
+        a replay-safe seed or verify may replace or drop an entry, which leaves the object
+        looked up unchanged, and each environment is serialized in one call holding the GIL."""
+        held = [
+            (session_id, environment)
+            for session_id in session_ids
+            if (environment := self.environments.get(session_id)) is not None
+        ]
         states: dict[str, Any] = {}
-        for session_id in session_ids:
-            environment = self.environments.get(session_id)
-            if environment is None:
-                continue
-            try:
-                copy: Any = through_json(environment)
-            except (ValueError, TypeError, RecursionError) as exc:
-                # Left live: the commit's serializer refuses it naming the episode, and
-                # admission is closed, so nothing mutates it meanwhile.
-                log.warning("session %s holds a value JSON cannot carry: %s", session_id, exc)
-                copy = environment
-            states[session_id] = {"schema_version": SCHEMA_VERSION, "environment": copy}
+        for start in range(0, len(held), EXPORT_BATCH):
+            batch = held[start : start + EXPORT_BATCH]
+            states.update(await asyncio.to_thread(_encode_states, batch))
         return states
 
     async def restore_session_states(self, states: dict[str, Any]) -> None:
-        """Validate (and copy) every state, then install them all; `InvalidSessionState`
-        for the first invalid one, with nothing installed."""
+        """Validate (and, unless decoded by the Restore, copy) every state, then install them
+        all; `InvalidSessionState` for the first invalid one, with nothing installed."""
+        decoded = isinstance(states, DecodedSessionStates)
         installs = {
-            session_id: validate_environment_state(session_id, state)
+            session_id: validate_environment_state(session_id, state, decoded=decoded)
             for session_id, state in states.items()
         }
         self.environments.update(installs)
@@ -146,3 +172,17 @@ class EnvironmentStates:
     async def retire_session_state(self, session_id: str) -> None:
         """Drop the session's environment; nothing for an id not held."""
         self.environments.pop(session_id, None)
+
+
+def _encode_states(held: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Each environment's state serialized (in a thread). One JSON cannot carry stays live,
+    for the commit's serializer to refuse naming its episode; admission is closed, so nothing
+    mutates it meanwhile."""
+    states: dict[str, Any] = {}
+    for session_id, environment in held:
+        try:
+            states[session_id] = EncodedJSON(_STATE_PREFIX + encode_json(environment) + b"}")
+        except (ValueError, TypeError, RecursionError) as exc:
+            log.warning("session %s holds a value JSON cannot carry: %s", session_id, exc)
+            states[session_id] = {"schema_version": SCHEMA_VERSION, "environment": environment}
+    return states

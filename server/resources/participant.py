@@ -88,6 +88,17 @@ class InvalidSessionState(ValueError):
         self.session_id = session_id
 
 
+class DecodedSessionStates(dict[str, Any]):
+    """The states a Restore hands `restore_session_states`: decoded from the checkpoint's
+    records for this call, so they hold plain JSON values only (string keys, finite numbers,
+    no objects), and nothing else references them.
+
+    A hook may install them as they are: no walk to check that they are JSON (the decoder
+    did), no copy to keep them from aliasing. A plain dict (a test, a caller of its own)
+    promises neither. A hook that checks for this type keeps a Restore from paying twice for
+    what the decoder already guarantees (`EnvironmentStates` does)."""
+
+
 class SessionHooks(Protocol):
     """The three coroutines an `exported` resources server implements (`ResourcesServer`
     declares them; the participant calls them).
@@ -186,7 +197,7 @@ class ResourcesParticipant(Participant):
         self._shutting_down = False
         self._served = False
         """The data plane tracked or used a session (sticky): see `has_served`."""
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None
 
     @property
     def sessions(self) -> Mapping[str, TrackedSession]:
@@ -201,11 +212,16 @@ class ResourcesParticipant(Participant):
     # -- notifications ------------------------------------------------------------------
 
     def _notify(self) -> None:
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        """Wake this participant's waiters and the control plane's. Called twice per request,
+        so the event is made only when something waits (`_wait_change`)."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
         self.context.changed()
 
     async def _wait_change(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
         await self._changed.wait()
 
     # -- data plane: called by the middleware, all synchronous except the waits ---------
@@ -428,7 +444,7 @@ class ResourcesParticipant(Participant):
             )
         if self._table.sessions or self.inflight:
             raise rejected_checkpoint("restore needs a process that has not served sessions")
-        states: dict[str, Any] = {}
+        states = DecodedSessionStates()
         episode_of: dict[str, RestoredRecord] = {}
         for record in records:
             session_id = record.fields.get("session_id")

@@ -38,6 +38,7 @@ from rollout_checkpoint.server.core.part_storage import (
     WriteFence,
 )
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+from rollout_checkpoint.server.runtime.collector import collection_paused
 from rollout_checkpoint.server.runtime.participant import ExportRecord
 from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
@@ -121,7 +122,9 @@ class CommitJob:
         participant = host.participant
         if self.records is None:
             self.phase = "export"
-            with host.observer.phase("export"):
+            # The export allocates a record per episode beside the participant's whole live
+            # state, which a full collection would rescan for nothing (collector.py).
+            with host.observer.phase("export"), collection_paused():
                 self.records = await call_hook("export", participant.export(self.scope))
         if self.published is None:
             self.phase = "write"

@@ -119,7 +119,7 @@ class ControlPlane:
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
         self._duties = Duties()
         lease = Lease(
@@ -149,9 +149,13 @@ class ControlPlane:
         return self.retired_attempts
 
     def changed(self) -> None:
-        """Wake every waiter: readiness, state or admission may have changed."""
-        event, self._changed = self._changed, asyncio.Event()
-        event.set()
+        """Wake every waiter: readiness, state or admission may have changed.
+
+        Called twice per data-plane request (its start and its end), so the event is made
+        only when someone waits for it (`change_event`), not once per call."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
         for listener in list(self._listeners):
             listener()
 
@@ -168,6 +172,8 @@ class ControlPlane:
 
     def change_event(self) -> asyncio.Event:
         """The event the next `changed()` sets."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         return self._changed
 
     # -- lifecycle ----------------------------------------------------------------------

@@ -43,6 +43,7 @@ from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import corrupt_checkpoint, rejected_checkpoint
 from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime.collector import collection_paused, freeze_restored_heap
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
 from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import restored_record
@@ -173,12 +174,14 @@ class RestoreJob:
                     reading,
                     "the restore's read did not finish before its deadline",
                 )
+            freeze_restored_heap()  # before the install allocates: see collector.py
             async with machine.lock:
                 machine.begin_install(self)
                 closed_here = True
             with machine.observer.phase("install"):
                 await call_hook("install", machine.participant.install(records))
             installed = True
+            freeze_restored_heap()
             async with machine.lock:
                 return machine.finish_restore(self, manifest, records)
         except BaseException:
@@ -265,5 +268,8 @@ class RestoreJob:
                 )
             return key in wanted
 
-        manifest, raw = storage.read_part(self.checkpoint_dir, kind, participant.instance, select)
-        return manifest, [restored_record(r) for r in raw]
+        with collection_paused():  # decoded records are all kept: see collector.py
+            manifest, raw = storage.read_part(
+                self.checkpoint_dir, kind, participant.instance, select
+            )
+            return manifest, [restored_record(r) for r in raw]

@@ -7,6 +7,8 @@ without the prefix belongs to no episode.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -27,6 +29,15 @@ def rollout_path(episode: EpisodeId, route: str) -> str:
     return f"{PREFIX}{episode.capture_key}/{route.lstrip('/')}"
 
 
+@lru_cache(maxsize=4096)
+def _episode(capture_key: str) -> EpisodeId:
+    """The episode of a capture key, parsed (and validated) once per key while it is among
+    the 4,096 most recent: a rollout makes many calls under one prefix, and parsing it is a
+    regular expression and a validated dataclass each time. Invalid keys raise (never
+    cached), so a client sending garbage cannot fill the cache with anything."""
+    return EpisodeId.from_capture_key(capture_key)
+
+
 class RolloutPrefixMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -38,7 +49,7 @@ class RolloutPrefixMiddleware:
             return
         capture_key, slash, rest = path[len(PREFIX) :].partition("/")
         try:
-            episode = EpisodeId.from_capture_key(capture_key)
+            episode = _episode(capture_key)
         except ValueError as exc:
             await _bad_prefix(scope, send, str(exc))
             return
