@@ -71,9 +71,7 @@ async def test_a_second_commit_waits_for_the_running_background_write(
         await prepared(h, "c2")
         second_dir = str(tmp_path / "second")
         deadline = h.deadline(10)
-        call = asyncio.ensure_future(
-            h.client.commit("c2", deadline, second_dir, asynchronous=True)
-        )
+        call = asyncio.ensure_future(h.client.commit("c2", deadline, second_dir, asynchronous=True))
         await asyncio.sleep(0.2)
         assert not call.done() and h.participant.export_calls == 1
         h.clock.set(deadline + 1)
@@ -94,9 +92,11 @@ async def test_a_second_commit_waits_for_the_running_background_write(
 async def test_a_failed_background_write_is_typed_and_publishes_nothing(
     checkpoint_dir: str,
 ) -> None:
+    failures = [OSError(errno.EIO, "input/output error")]
+
     def failing_disk(step: str) -> None:
-        if step == "after_fsync":
-            raise OSError(errno.EIO, "input/output error")
+        if step == "after_fsync" and failures:
+            raise failures.pop()
 
     h = await start_harness(storage=LocalStorage(crash_hook=failing_disk))
     try:

@@ -153,7 +153,7 @@ class PartWrites:
         except CheckpointError as error:
             write.error = error
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure of the write is the part's
+        except Exception as exc:  # any failure of the write is the part's
             log.exception("checkpoint %s: the background write failed", write.checkpoint_id)
             write.error = CheckpointError(
                 Reason.STORAGE_FAILED, f"the background write failed: {exc}"
