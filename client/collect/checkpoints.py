@@ -96,6 +96,7 @@ class CheckpointTaker:
                     keep=settings.keep,
                     keep_closed=stop,
                     fix_scope=self._fix_scope,
+                    asynchronous=self.fleet.spec.async_commit,
                 ):
                     self._on_event(event)
                     if event.final:
@@ -138,7 +139,9 @@ class CheckpointTaker:
             self.step("prepared")
         elif event.phase == Phase.PUBLISH:
             self.step("committed")
-        elif event.phase == Phase.RESUME:
+        elif event.phase == Phase.RESUME and not event.detail.get("asynchronous"):
+            # Synchronous: the resume comes after the publication. Asynchronous: before it,
+            # so nothing is published yet (a failure after it is a checkpoint not taken).
             self._published = True
 
     async def _fix_scope(self, checkpoint_id: str) -> tuple[list[EpisodeId], bytes]:
