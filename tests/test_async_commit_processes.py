@@ -1,0 +1,157 @@
+"""Asynchronous checkpoints across real processes: a member SIGKILLed during its background
+write, and a storage failure after the fleet resumed.
+
+The same servers as `test_process_crash` (a DoubleParticipant each, own ports, own process
+group), whose storage stalls (after dropping a marker file) or fails with EIO while a flag
+file of the test exists: "during the background write" is certain, not timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_checkpoint.client.checkpointing import checkpoint
+from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.publication import CheckpointRoot
+
+from .conftest import TOKEN
+from .processes import announcement
+from .processes import start as start_process
+from .test_process_crash import SERVER, Server, Servers, fleet_of, open_again, seed, wait_marker
+
+ASYNC_SERVER = SERVER.replace(
+    """        super().__init__(crash_hook=lambda step: stall() if slow == "write" and step == "before_record" else None)""",
+    """        super().__init__(crash_hook=self.step)
+
+    def step(self, name):
+        flags = Path(os.environ["MARKER_DIR"])
+        if name == "before_record" and (flags / f"{instance}-stall").exists():
+            (flags / f"{instance}-stall").unlink()
+            stall()
+        if name == "after_fsync" and (flags / f"{instance}-fail").exists():
+            raise OSError(5, "input/output error")""",
+)
+assert ASYNC_SERVER != SERVER
+
+
+class AsyncServers(Servers):
+    """`Servers` running `ASYNC_SERVER`: storage governed by the flag files."""
+
+    def start(self, *specs: tuple[str, str]) -> list[Server]:
+        env = dict(
+            os.environ,
+            TOKEN=TOKEN,
+            MARKER_DIR=str(self.markers),
+            GRPC_VERBOSITY="ERROR",
+            ROLLOUT_CHECKPOINT_LEASE_GRACE_SECONDS="1.0",
+        )
+        logs = [
+            self.markers.parent / f"server-{len(self.logs) + i}-{n}.log"
+            for i, (n, _) in enumerate(specs)
+        ]
+        self.logs += logs
+        processes = [
+            start_process([sys.executable, "-c", ASYNC_SERVER, name, "write"], env=env, log=log)
+            for (name, _), log in zip(specs, logs, strict=True)
+        ]
+        self.processes += processes
+        servers = []
+        for (name, _), process, log in zip(specs, processes, logs, strict=True):
+            announced = announcement(process, f"server {name}", log=log)
+            server = Server(name, process, announced["http"], announced["grpc"])
+            self.started.append(server)
+            servers.append(server)
+        return servers
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Any:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    started = AsyncServers(markers)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+async def take(fleet: Any, root: CheckpointRoot, checkpoint_id: str) -> Any:
+    events = [
+        e
+        async for e in checkpoint(
+            fleet, root, time.time() + 30, checkpoint_id=checkpoint_id, asynchronous=True
+        )
+    ]
+    outcome = events[-1].outcome
+    assert outcome is not None and outcome.published is not None
+    return outcome
+
+
+async def test_a_member_killed_during_its_background_write(
+    servers: AsyncServers, tmp_path: Path
+) -> None:
+    """The fleet is open again while the part is written; the kill fails that checkpoint
+    only (nothing published, LATEST still the previous one); with a fresh process in the
+    dead one's place the next asynchronous checkpoint publishes."""
+    a, b = servers.start(("a", ""), ("b", ""))
+    await asyncio.gather(seed(a, ["r1"]), seed(b, ["r2"]))
+    root = CheckpointRoot(tmp_path / "published")
+    async with fleet_of(a, b) as fleet:
+        first = await take(fleet, root, "k0")
+        assert root.latest() == "k0" and first.asynchronous
+        (servers.markers / "a-stall").touch()
+        running = asyncio.ensure_future(take(fleet, root, "k1"))
+        await wait_marker(servers, "a-write")
+        # a's write is stuck in storage, and yet both members serve again.
+        await open_again(a)
+        await open_again(b)
+        a.kill()
+        with pytest.raises(FleetError) as caught:
+            await running
+        assert caught.value.operation == "await part"
+        assert list(caught.value.failures) == ["a"]
+    assert root.latest() == "k0"
+    assert not (tmp_path / "published" / "k1" / "checkpoint.json").exists()
+    assert not (
+        tmp_path / "published" / "k1" / "participants" / "resources" / "a" / "manifest.json"
+    ).exists()
+
+    (fresh,) = servers.start(("a2", ""))
+    await seed(fresh, ["r9"])
+    async with fleet_of(fresh, b) as fleet:
+        outcome = await take(fleet, root, "k2")
+    assert root.latest() == "k2"
+    exported = {name: list(reply.exported) for name, reply in outcome.commit.members.items()}
+    assert exported == {"a2": ["r9"], "b": ["after", "r2"]}
+
+
+async def test_a_storage_failure_after_the_resume_fails_only_that_checkpoint(
+    servers: AsyncServers, tmp_path: Path
+) -> None:
+    a, b = servers.start(("a", ""), ("b", ""))
+    await asyncio.gather(seed(a, ["r1"]), seed(b, ["r2"]))
+    root = CheckpointRoot(tmp_path / "published")
+    async with fleet_of(a, b) as fleet:
+        await take(fleet, root, "k0")
+        (servers.markers / "a-fail").touch()
+        with pytest.raises(FleetError) as caught:
+            await take(fleet, root, "k1")
+        assert caught.value.operation == "await part"
+        assert list(caught.value.failures) == ["a"]
+        failure = caught.value.failures["a"]
+        assert failure.reason == "STORAGE_FAILED" and "input/output" in failure.message
+        assert root.latest() == "k0"
+        assert not (tmp_path / "published" / "k1" / "checkpoint.json").exists()
+        # The fleet keeps running, and once storage is back the next checkpoint goes ahead.
+        await open_again(a)
+        await open_again(b)
+        (servers.markers / "a-fail").unlink()
+        await take(fleet, root, "k2")
+    assert root.latest() == "k2"
