@@ -12,6 +12,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,24 @@ import pytest
 from rollout_checkpoint.client.checkpointing import checkpoint
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.publication import CheckpointRoot
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .conftest import TOKEN
 from .processes import announcement
 from .processes import start as start_process
 from .test_process_crash import SERVER, Server, Servers, fleet_of, open_again, seed, wait_marker
+from .test_workers import (  # noqa: F401 - serve_workers is a fixture
+    COOKIE,
+    PREPARED,
+    Served,
+    deadline,
+    owner_of,
+    part_records,
+    post,
+    seed_on_every_worker,
+    serve_workers,
+)
 
 ASYNC_SERVER = SERVER.replace(
     """        super().__init__(crash_hook=lambda step: stall() if slow == "write" and step == "before_record" else None)""",
@@ -155,3 +169,38 @@ async def test_a_storage_failure_after_the_resume_fails_only_that_checkpoint(
         (servers.markers / "a-fail").unlink()
         await take(fleet, root, "k2")
     assert root.latest() == "k2"
+
+
+async def test_several_workers_snapshot_their_collected_export(
+    serve_workers: Callable[..., Served],  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    """`serve counter --workers 3`: the snapshot is every worker's export collected into one
+    part; the sessions move on after the resume, and the part still holds the cut."""
+    checkpoint_dir = str(tmp_path / "ckpt")
+    served = serve_workers("counter")
+    sessions = await seed_on_every_worker(served.base_url)
+    client = served.client
+    final = await client.prepare_until_final("ckpt-1", deadline())
+    assert final.state == PREPARED
+    scope = [EpisodeId(rollout, 0) for rollout in sessions]
+    snapshot = await client.commit(
+        "ckpt-1", deadline(), checkpoint_dir, scope=scope, asynchronous=True
+    )
+    assert snapshot.snapshot_only and snapshot.snapshot_records == len(sessions)
+    await client.resume("ckpt-1", deadline())
+    for rollout, cookies in sessions.items():
+        reply = await post(
+            served.base_url, f"/ng-rollout/{rollout}/increment_counter", {"count": 5}, cookies
+        )
+        assert reply.status_code == 200, reply.text
+    durable = await client.await_part("ckpt-1", deadline())
+    assert durable.state == pb.PART_WRITE_STATE_DURABLE
+    assert durable.manifest.bytes == snapshot.snapshot_bytes
+    records = part_records(checkpoint_dir, "resources", "counter")
+    assert sorted(r["episode_id"]["rollout_id"] for r in records) == sorted(sessions)
+    for record in records:
+        rollout = record["episode_id"]["rollout_id"]
+        assert record["worker"] == owner_of(sessions[rollout][COOKIE])
+        assert record["state"] == {"count": int(rollout[1:])}  # as seeded, before the resume
+    await client.close()
