@@ -213,6 +213,7 @@ async def _measure(
     for i in range(count):
         participant.seed(EpisodeId(f"s{i:06d}"), {"blob": blob})
     case = f"{where}, {count} x {size / 1000:g} KB"
+    root = f"{root}/{count}x{size}"  # a directory of its own per case: parts are never replaced
     ctx.say(f"async_commit: {case}, {repeats} repeats")
     runs: dict[bool, dict[str, list[float]]] = {
         mode: {"pause": [], "durable": [], "export": [], "snapshot": []} for mode in (False, True)
