@@ -16,17 +16,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from grpc import aio
 
 from rollout_checkpoint.client.checkpointing import checkpoint
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .conftest import TOKEN
 from .processes import announcement
 from .processes import start as start_process
+from .test_fleet_cli import CLI, cli, json_lines, real_fleet, stamp, start, stop
 from .test_process_crash import SERVER, Server, Servers, fleet_of, open_again, seed, wait_marker
 from .test_workers import (  # noqa: F401 - serve_workers is a fixture
     COOKIE,
@@ -204,3 +209,54 @@ async def test_several_workers_snapshot_their_collected_export(
         assert record["worker"] == owner_of(sessions[rollout][COOKIE])
         assert record["state"] == {"count": int(rollout[1:])}  # as seeded, before the resume
     await client.close()
+
+
+async def test_the_coordinator_service_and_the_cli_take_asynchronous_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """CheckpointRequest.asynchronous: RESUME comes before AWAIT_PARTS and PUBLISH; the
+    fleet file's `async_commit = true` makes the CLI's checkpoint asynchronous too."""
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    with real_fleet(tmp_path) as fleet:
+        httpx.post(fleet.http("counter") + "/ng-rollout/r1/seed_session", json={"initial_count": 2})
+        coordinator = start([*CLI, "coordinator", "--fleet", str(fleet.fleet_file)])
+        try:
+            async with aio.insecure_channel(coordinator.announced["grpc"]) as channel:
+                stub = cpb_grpc.CoordinatorServiceStub(channel)
+                request = cpb.CheckpointRequest(
+                    checkpoint_id="ckpt-a",
+                    deadline=stamp(time.time() + 60),
+                    derive_scope=True,
+                    asynchronous=True,
+                )
+                messages = [
+                    m async for m in stub.Checkpoint(request, metadata=metadata, timeout=60)
+                ]
+        finally:
+            stop(coordinator)
+        phases = [m.phase for m in messages if m.phase != cpb.CHECKPOINT_PHASE_PREPARE]
+        assert phases == [
+            cpb.CHECKPOINT_PHASE_COMMIT,
+            cpb.CHECKPOINT_PHASE_RESUME,
+            cpb.CHECKPOINT_PHASE_AWAIT_PARTS,
+            cpb.CHECKPOINT_PHASE_PUBLISH,
+            cpb.CHECKPOINT_PHASE_DONE,
+        ]
+        result = messages[-1].result
+        assert result.published and result.record_count == 1
+        assert result.HasField("durable_duration")
+        assert (fleet.root / "LATEST").read_text().strip() == "ckpt-a"
+
+        fleet.fleet_file.write_text("async_commit = true\n" + fleet.fleet_file.read_text())
+        done = cli("checkpoint", "--fleet", str(fleet.fleet_file), "--json", "ckpt-b")
+        assert done.returncode == 0, done.stderr
+        lines = json_lines(done.stdout)
+        assert [line["phase"] for line in lines if "phase" in line][-5:] == [
+            "COMMIT",
+            "RESUME",
+            "AWAIT_PARTS",
+            "PUBLISH",
+            "DONE",
+        ]
+        assert lines[-1]["result"]["published"], lines[-1]
+        assert (fleet.root / "LATEST").read_text().strip() == "ckpt-b"
