@@ -8,6 +8,7 @@ import json
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage
+from rollout_checkpoint.server.runtime.participant import ExportRecord
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
@@ -22,12 +23,20 @@ async def test_async_commit_reopens_before_the_write_and_stores_the_snapshot(
     h = await start_harness(storage=storage)
     try:
         h.participant.seed(EpisodeId("r1"), {"n": 1})
+        h.participant.seed(EpisodeId("r2"), {"n": 1})
+
+        async def aliasing_export(scope: object) -> list[ExportRecord]:
+            # Records that alias the live state: only a snapshot of bytes taken before the
+            # reply keeps what the data plane does after the resume out of the part.
+            return [ExportRecord(e, {"state": s}) for e, s in h.participant.states.items()]
+
+        h.participant.export = aliasing_export  # type: ignore[method-assign,assignment]
         await prepared(h)
         reply = await h.client.commit("c1", h.deadline(), checkpoint_dir, asynchronous=True)
         assert reply.state == types_pb2.PARTICIPANT_STATE_COMMITTED
         assert reply.snapshot_only and not reply.HasField("manifest")
-        assert reply.snapshot_records == 1 and reply.snapshot_bytes > 0
-        assert list(reply.exported) == ["r1"]
+        assert reply.snapshot_records == 2 and reply.snapshot_bytes > 0
+        assert list(reply.exported) == ["r1", "r2"]
         await wait_thread_event(storage.reached)
         # The write is held in storage: the fleet reopens anyway, and the write goes on.
         resumed = await h.client.resume("c1", h.deadline())
@@ -36,12 +45,13 @@ async def test_async_commit_reopens_before_the_write_and_stores_the_snapshot(
         assert storage.fence is not None and not storage.fence.stopped
         writing = await h.client.await_part("c1")
         assert writing.state == pb.PART_WRITE_STATE_WRITING
-        # State changed after the snapshot never reaches the part.
-        h.participant.states[EpisodeId("r1")] = {"n": 2}
+        # State changed after the snapshot (in place) never reaches the part.
+        # (The write is held before its first record; the second is the one it has not read.)
+        h.participant.states[EpisodeId("r2")]["n"] = 2
         storage.release.set()
         durable = await h.client.await_part("c1", h.deadline())
         assert durable.state == pb.PART_WRITE_STATE_DURABLE
-        assert durable.manifest.record_count == 1
+        assert durable.manifest.record_count == 2
         assert durable.manifest.bytes == reply.snapshot_bytes
         manifest_bytes = (part_dir(checkpoint_dir) / "manifest.json").read_bytes()
         import hashlib
@@ -49,7 +59,8 @@ async def test_async_commit_reopens_before_the_write_and_stores_the_snapshot(
         assert durable.manifest_sha256 == hashlib.sha256(manifest_bytes).hexdigest()
         assert json.loads(manifest_bytes)["checkpoint_id"] == "c1"
         assert records_of(checkpoint_dir) == [
-            '{"episode_id":{"rollout_id":"r1","attempt":0},"state":{"n":1}}'
+            '{"episode_id":{"rollout_id":"r1","attempt":0},"state":{"n":1}}',
+            '{"episode_id":{"rollout_id":"r2","attempt":0},"state":{"n":1}}',
         ]
         assert (await h.client.await_part("c-other")).state == pb.PART_WRITE_STATE_UNKNOWN
     finally:
