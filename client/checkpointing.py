@@ -250,7 +250,7 @@ async def _asynchronous_checkpoint(
     if not keep_closed:
         yield CheckpointEvent(Phase.RESUME, progress, detail={"asynchronous": True})
         await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
-    yield CheckpointEvent(Phase.AWAIT_PARTS, progress)
+    yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
     durable_started = time.monotonic()
     result = await coordination.await_parts(fleet, checkpoint_id, snapshots, deadline)
     outcome.commit = result
