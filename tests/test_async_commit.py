@@ -127,3 +127,36 @@ async def test_a_failed_background_write_is_typed_and_publishes_nothing(
         assert second.manifest.record_count == 2
     finally:
         await stop_harness(h)
+
+
+async def test_a_controller_that_dies_after_the_snapshot_leaves_a_write_that_still_ends(
+    checkpoint_dir: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """No Resume and no AwaitPart ever come: the lease reopens the participant, the write
+    still publishes its part (which no fleet manifest names), and the next checkpoint goes
+    ahead."""
+    storage = GatedStorage("before_record")
+    h = await start_harness(storage=storage)
+    try:
+        h.participant.seed(EpisodeId("r1"), {"n": 1})
+        await prepared(h)
+        await h.client.commit("c1", h.deadline(10), checkpoint_dir, asynchronous=True)
+        await wait_thread_event(storage.reached)
+        expires = (await h.client.get_status()).lease_expires_at.ToSeconds()
+        h.clock.set(expires + 1)
+        await h.until(lambda: h.control.state == "IDLE")
+        assert (await h.client.get_status()).admission_open
+        storage.release.set()
+        await wait_thread_event(storage.finished)
+        assert (part_dir(checkpoint_dir) / "manifest.json").exists()
+        assert (await h.client.await_part("c1")).state == pb.PART_WRITE_STATE_DURABLE
+        await prepared(h, "c2")
+        second = str(tmp_path / "second")
+        reply = await h.client.commit("c2", h.deadline(), second, asynchronous=True)
+        assert reply.snapshot_only
+        assert (await h.client.await_part("c2", h.deadline())).state == (
+            pb.PART_WRITE_STATE_DURABLE
+        )
+    finally:
+        storage.release.set()
+        await stop_harness(h)
