@@ -120,7 +120,12 @@ class ControlPlane:
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()
-        self.part_writes = PartWrites(self.storage, self.changed)
+        self.part_writes = PartWrites(
+            self.storage,
+            self.changed,
+            # An asynchronous commit counts (records, bytes) once its part is durable.
+            lambda part: self.observer.committed(part.manifest.record_count, part.manifest.bytes),
+        )
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
         self._duties = Duties()

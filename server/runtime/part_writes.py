@@ -89,9 +89,15 @@ class PartWrite:
 class PartWrites:
     """The participant's background writes: at most one running, the last outcomes kept."""
 
-    def __init__(self, storage: CheckpointStorage, changed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        changed: Callable[[], None],
+        durable: Callable[[PublishedPart], None] | None = None,
+    ) -> None:
         self._storage = storage
         self._changed = changed
+        self._durable = durable
         self._writes: OrderedDict[str, PartWrite] = OrderedDict()
         self._running: PartWrite | None = None
 
@@ -143,6 +149,8 @@ class PartWrites:
                 write.fence,
             )
             write.published = published
+            if self._durable is not None:
+                self._durable(published)
         except StopRequested:
             write.error = CheckpointError(
                 Reason.STORAGE_FAILED,
