@@ -6,6 +6,7 @@
     python -m benchmarks --only light --merge    # rerun one; keep the others' last results
     python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
     python -m benchmarks --only object_store     # SeaweedFS (needs scripts/seaweedfs built)
+    python -m benchmarks --only async_commit     # sync vs async commits (SeaweedFS if built)
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import (
+    async_commit,
     bounded_state,
     control_rpc,
     dataplane,
@@ -55,6 +57,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "nemo_gym": nemo_gym.run,
     "object_store": object_store.run,
     "workers": workers.run,
+    "async_commit": async_commit.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -111,6 +114,12 @@ class Params:
     workers_repeats: int = 5
     """Benchmark 10: sessions on each server (1 worker, 4 workers); prepares and commits of
     each, interleaved."""
+    async_commit_states: list[tuple[int, int]] = field(
+        default_factory=lambda: [(10000, 5000), (1000, 50000)]
+    )
+    async_commit_repeats: int = 5
+    """Benchmark 11: (sessions, bytes per state); checkpoints of each mode (sync, async,
+    alternating) per case and storage."""
 
 
 SCALES: dict[str, Params] = {
@@ -142,6 +151,8 @@ SCALES: dict[str, Params] = {
         object_store_repeats=7,
         workers_sessions=1000,
         workers_repeats=5,
+        async_commit_states=[(10000, 5000), (1000, 50000)],
+        async_commit_repeats=5,
     ),
     "tiny": Params(
         repeats=2,
@@ -171,6 +182,8 @@ SCALES: dict[str, Params] = {
         object_store_repeats=2,
         workers_sessions=20,
         workers_repeats=2,
+        async_commit_states=[(50, 2000)],
+        async_commit_repeats=2,
     ),
 }
 
@@ -256,6 +269,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
         "--workers-repeats", type=int, help="benchmark 10: prepares and commits per server"
     )
     parser.add_argument(
+        "--async-commit-states", type=_states, help="benchmark 11: e.g. 10000x5000,1000x50000"
+    )
+    parser.add_argument(
+        "--async-commit-repeats", type=int, help="benchmark 11: checkpoints per mode and case"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results of benchmarks not run now from <output>/latest.json",
@@ -291,6 +310,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "object_store_repeats",
             "workers_sessions",
             "workers_repeats",
+            "async_commit_states",
+            "async_commit_repeats",
         )
         if getattr(args, name) is not None
     }
@@ -304,6 +325,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             params.nemo_gym_repeats,
             params.object_store_repeats,
             params.workers_repeats,
+            params.async_commit_repeats,
         )
         < 1
     ):

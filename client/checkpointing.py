@@ -7,6 +7,14 @@ checkpoint that fails before publication is aborted (every member resumed), so t
 stays closed for a checkpoint that will not exist. A restore verifies the whole published
 checkpoint before any member installs anything, so a torn part is refused everywhere rather
 than half installed.
+
+An asynchronous checkpoint (`asynchronous=True`) moves the resume before the wait for
+storage: prepare, snapshot on every member (Commit in its asynchronous mode), resume, wait
+until every part is durable (AwaitPart), publish. The fleet pauses for the export, not for
+the disk or the object store. The crash-safety argument is the same one: nothing is
+published until every part is durable and its digest known, so a part that fails after the
+resume (a full disk, a store down, a member killed mid-write) fails this checkpoint only:
+the previous one stays `LATEST`, the fleet keeps running, and the next checkpoint goes ahead.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class Phase:
     COMMIT = "COMMIT"
     PUBLISH = "PUBLISH"
     RESUME = "RESUME"
+    AWAIT_PARTS = "AWAIT_PARTS"
+    """Asynchronous checkpoints: the fleet resumed; waiting until every part is durable."""
     DONE = "DONE"
 
 
@@ -61,6 +71,9 @@ class CheckpointOutcome:
     commit_seconds: float = 0.0
     publish_seconds: float = 0.0
     progress: FleetProgress | None = None
+    asynchronous: bool = False
+    durable_seconds: float = 0.0
+    """Asynchronous checkpoints: from the resume until every part was durable."""
 
     @property
     def record_count(self) -> int:
@@ -104,11 +117,30 @@ async def checkpoint(
     keep: int = 2,
     keep_closed: bool = False,
     fix_scope: ScopeFixer | None = None,
+    asynchronous: bool = False,
 ) -> AsyncIterator[CheckpointEvent]:
     """Take and publish one checkpoint, yielding progress; the last event has the outcome.
 
     With `fix_scope`, the scope and the controller state are decided after prepare succeeded
-    (they replace `scope` and `controller_state`); a failure there aborts like any other."""
+    (they replace `scope` and `controller_state`); a failure there aborts like any other.
+
+    `asynchronous`: snapshot, resume, then wait for the parts and publish (see the module
+    docstring). A part that fails after the resume raises `FleetError` ("await part") with
+    nothing published; the fleet is already running."""
+    if asynchronous:
+        async for event in _asynchronous_checkpoint(
+            fleet,
+            root,
+            deadline,
+            checkpoint_id=checkpoint_id,
+            scope=scope,
+            controller_state=controller_state,
+            keep=keep,
+            keep_closed=keep_closed,
+            fix_scope=fix_scope,
+        ):
+            yield event
+        return
     checkpoint_id = checkpoint_id or root.new_checkpoint_id()
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
@@ -161,6 +193,86 @@ async def checkpoint(
     if not keep_closed:
         yield CheckpointEvent(Phase.RESUME, progress)
         await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+    yield CheckpointEvent(Phase.DONE, progress, outcome)
+
+
+async def _asynchronous_checkpoint(
+    fleet: Fleet,
+    root: PublicationRoot,
+    deadline: float,
+    *,
+    checkpoint_id: str | None,
+    scope: Iterable[EpisodeId] | str | None,
+    controller_state: bytes,
+    keep: int,
+    keep_closed: bool,
+    fix_scope: ScopeFixer | None,
+) -> AsyncIterator[CheckpointEvent]:
+    """prepare -> snapshot everywhere -> resume -> every part durable -> publish.
+
+    Until every member answered its snapshot a failure aborts (resumes) as in the synchronous
+    order. After the resume only the publication is at stake: a part that failed, a member
+    that died or was replaced mid-write, or a write still running at `deadline` raises and
+    publishes nothing, so `LATEST` keeps naming the previous complete checkpoint."""
+    checkpoint_id = checkpoint_id or root.new_checkpoint_id()
+    directory = root.directory(checkpoint_id)
+    started = time.monotonic()
+    progress: FleetProgress | None = None
+    await refuse_members_awaiting_restore(fleet)
+    try:
+        async for progress in coordination.prepare(fleet, checkpoint_id, deadline):
+            yield CheckpointEvent(Phase.PREPARE, progress)
+    except FleetError:
+        await _abort(fleet, checkpoint_id, deadline)
+        raise
+    assert progress is not None and progress.outcome is not None
+    outcome = CheckpointOutcome(checkpoint_id, progress.outcome, progress=progress)
+    outcome.asynchronous = True
+    outcome.prepare_seconds = time.monotonic() - started
+    if progress.outcome != Outcome.PREPARED:
+        await _abort(fleet, checkpoint_id, deadline)
+        yield CheckpointEvent(Phase.DONE, progress, outcome)
+        return
+    try:
+        if fix_scope is not None:
+            yield CheckpointEvent(Phase.SCOPE, progress)
+            fixed, controller_state = await fix_scope(checkpoint_id)
+            scope = tuple(fixed)
+        yield CheckpointEvent(Phase.COMMIT, progress, detail={"asynchronous": True})
+        commit_started = time.monotonic()
+        snapshots = await coordination.commit(
+            fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=True
+        )
+        outcome.commit_seconds = time.monotonic() - commit_started
+    except BaseException:
+        await _abort(fleet, checkpoint_id, deadline)
+        raise
+    if not keep_closed:
+        yield CheckpointEvent(Phase.RESUME, progress, detail={"asynchronous": True})
+        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+    yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
+    durable_started = time.monotonic()
+    result = await coordination.await_parts(fleet, checkpoint_id, snapshots, deadline)
+    outcome.commit = result
+    outcome.durable_seconds = time.monotonic() - durable_started
+    yield CheckpointEvent(
+        Phase.PUBLISH,
+        progress,
+        detail={"records": result.record_count(), "bytes": result.bytes()},
+    )
+    publish_started = time.monotonic()
+    continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
+    parts = [
+        PublishedParticipant(
+            m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
+        )
+        for m in fleet.members
+    ]
+    outcome.published = await asyncio.to_thread(
+        root.publish, checkpoint_id, parts, continued, controller_state, keep=keep
+    )
+    outcome.continued = continued
+    outcome.publish_seconds = time.monotonic() - publish_started
     yield CheckpointEvent(Phase.DONE, progress, outcome)
 
 

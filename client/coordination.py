@@ -300,8 +300,13 @@ async def commit(
     deadline: float,
     checkpoint_dir: str,
     scope: Iterable[EpisodeId] | str | None,
+    *,
+    asynchronous: bool = False,
 ) -> FleetCommit:
-    """Commit every member at once; `scope` explicit, `DERIVE`, or None (unscoped)."""
+    """Commit every member at once; `scope` explicit, `DERIVE`, or None (unscoped).
+
+    `asynchronous`: every member answers at its snapshot (`snapshot_only` replies, no
+    manifests yet); `await_parts` then waits for every part to be durable."""
     if scope == DERIVE:
         resolved: frozenset[EpisodeId] | None = await derive_scope(fleet)
     elif scope is None:
@@ -312,10 +317,79 @@ async def commit(
     replies = await fan_out(
         "commit",
         fleet.members,
-        lambda m: m.client.commit(checkpoint_id, deadline, checkpoint_dir, resolved),
+        lambda m: m.client.commit(
+            checkpoint_id, deadline, checkpoint_dir, resolved, asynchronous=asynchronous
+        ),
         fleet.spec.fan_out,
     )
     return FleetCommit(replies, resolved)
+
+
+AWAIT_PART_POLL_SECONDS = 5.0
+"""How long one AwaitPart call waits at most: a long poll, so a member that was killed
+during its write is noticed (its call fails) within this, not at the checkpoint's deadline."""
+
+AWAIT_PART_TRANSPORT_RETRIES = 3
+
+
+async def await_parts(
+    fleet: Fleet, checkpoint_id: str, snapshots: FleetCommit, deadline: float
+) -> FleetCommit:
+    """Wait until every member's part of an asynchronous commit is durable; the commit with
+    every reply completed (manifest and digest), as a synchronous commit would have answered.
+
+    Raises `FleetError` ("await part") naming every member whose part failed (the reason its
+    write gave: `STORAGE_FAILED`, ...), whose process no longer knows the write (UNKNOWN: it
+    was replaced, so its snapshot is gone), that could not be reached, or that was still
+    writing at `deadline` (`CHECKPOINT_DEADLINE_EXCEEDED`). Only this checkpoint fails: the
+    fleet was resumed already, and nothing names an unfinished part."""
+
+    async def durable(member: Member) -> pb.CommitResponse:
+        snapshot = snapshots.members[member.name]
+        if not snapshot.snapshot_only:
+            # A participant that predates asynchronous commits ignored the field and
+            # committed synchronously: its part is durable already.
+            return snapshot
+        transport_failures = 0
+        while True:
+            wait_until = min(deadline, time.time() + AWAIT_PART_POLL_SECONDS)
+            try:
+                reply = await member.client.await_part(checkpoint_id, wait_until)
+            except ControlError as error:
+                transport_failures += 1
+                if error.decided_by_server or transport_failures > AWAIT_PART_TRANSPORT_RETRIES:
+                    raise
+                await asyncio.sleep(0.2 * transport_failures)
+                continue
+            if reply.state == pb.PART_WRITE_STATE_DURABLE:
+                done = pb.CommitResponse()
+                done.CopyFrom(snapshot)
+                done.snapshot_only = False
+                done.manifest.CopyFrom(reply.manifest)
+                done.manifest_sha256 = reply.manifest_sha256
+                return done
+            if reply.state == pb.PART_WRITE_STATE_FAILED:
+                raise ControlError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    reply.failure_message,
+                    reply.failure_reason or Reason.STORAGE_FAILED.value,
+                )
+            if reply.state != pb.PART_WRITE_STATE_WRITING:
+                raise ControlError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "the participant holds no write of this checkpoint (replaced since its "
+                    "snapshot?): its part will never be durable",
+                    Reason.STORAGE_FAILED.value,
+                )
+            if time.time() >= deadline:
+                raise ControlError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the part was still being written at the checkpoint's deadline",
+                    Reason.CHECKPOINT_DEADLINE_EXCEEDED.value,
+                )
+
+    replies = await fan_out("await part", fleet.members, durable, fleet.spec.fan_out)
+    return FleetCommit(replies, snapshots.scope)
 
 
 # -- restore --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ comes from, TLS, and the controller's checkpoint root:
     token_env = "ROLLOUT_CHECKPOINT_TOKEN"     # or token_file = "/run/secrets/token"
     checkpoint_root = "/checkpoints/run-7"    # where published checkpoints live (or s3://b/p)
     keep = 2                                   # published checkpoints kept
+    async_commit = false                       # resume before the parts are durable
     [[participants]]
     name = "counter"
     address = "127.0.0.1:9001"
@@ -97,6 +98,10 @@ class FleetSpec:
     allow_agents_without_model: bool = False
     """Accept a fleet with agents but no policy-model participant (refused by default:
     the agents' model calls would not be part of the cut)."""
+    async_commit: bool = False
+    """Checkpoints resume the fleet at the snapshot and publish once every part is durable
+    (asynchronous commits). Off by default: a synchronous checkpoint is published before the
+    fleet runs on, and every participant version honours it."""
     fan_out: int = DEFAULT_FAN_OUT
     """How many members a controller calls at once within one stage (a positive integer)."""
 
@@ -151,6 +156,7 @@ _KNOWN_KEYS = {
     "tls_cert_file",
     "tls_key_file",
     "allow_agents_without_model",
+    "async_commit",
 }
 
 
@@ -190,11 +196,15 @@ def _spec_from(
     fan_out = data.get("fan_out", DEFAULT_FAN_OUT)
     if type(fan_out) is not int or fan_out < 1:
         raise FleetConfigError("fan_out is a positive integer")
+    async_commit = data.get("async_commit", False)
+    if type(async_commit) is not bool:
+        raise FleetConfigError("async_commit is true or false")
     return FleetSpec(
         members=tuple(members),
         token=token,
         checkpoint_root=resolve("checkpoint_root"),
         keep=keep,
+        async_commit=async_commit,
         tls_ca_file=resolve("tls_ca_file"),
         tls_cert_file=resolve("tls_cert_file"),
         tls_key_file=resolve("tls_key_file"),

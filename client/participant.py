@@ -248,8 +248,14 @@ class ParticipantClient:
         deadline: float,
         checkpoint_dir: str,
         scope: Iterable[EpisodeId] | None = None,
+        *,
+        asynchronous: bool = False,
     ) -> pb.CommitResponse:
         """Commit; `scope=None` is unscoped (every live episode), an empty iterable is none.
+
+        `asynchronous`: the reply comes once the snapshot is taken (`snapshot_only`, no
+        manifest yet) and the part is written in the background: `await_part` reports when
+        it is durable. A retry must repeat it (it is one of the commit's arguments).
 
         Exports once and publishes this participant's part under `checkpoint_dir` (absolute).
         Idempotent with the same directory and scope: the identical reply. Raises
@@ -259,12 +265,33 @@ class ParticipantClient:
         awaits the same write), `UNSERIALIZABLE_STATE`, `HOOK_FAILED`, `STORAGE_FAILED`,
         `INVALID_CHECKPOINT_STATE`, `INVALID_REQUEST`."""
         request = pb.CommitRequest(
-            checkpoint_id=checkpoint_id, deadline=timestamp(deadline), checkpoint_dir=checkpoint_dir
+            checkpoint_id=checkpoint_id,
+            deadline=timestamp(deadline),
+            checkpoint_dir=checkpoint_dir,
+            asynchronous=asynchronous,
         )
         if scope is not None:
             request.scope.CopyFrom(scope_message(scope))
         return await self._call(
             self._stub.Commit(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
+        )
+
+    async def await_part(
+        self, checkpoint_id: str, deadline: float | None = None
+    ) -> pb.AwaitPartResponse:
+        """AwaitPart: the outcome of an asynchronous commit's background write (DURABLE with
+        its manifest, FAILED with a typed reason, UNKNOWN), waiting until `deadline` while it
+        is still WRITING (None: answer at once).
+
+        Read-only, allowed in every state, also after the id was resumed; raises
+        `ControlError` (`INVALID_REQUEST`)."""
+        request = pb.AwaitPartRequest(checkpoint_id=checkpoint_id)
+        if deadline is not None:
+            request.deadline.CopyFrom(timestamp(deadline))
+        return await self._call(
+            self._stub.AwaitPart(
                 request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
             )
         )

@@ -76,6 +76,10 @@ class Options:
     victim: str = "policy_model"
     workers: int = 1
     """HTTP worker processes of each resources, agent and environment server (`--workers`)."""
+    async_commit: bool = False
+    """Commit asynchronously (`--async-commit`): every member answers at its snapshot, the
+    parts are awaited (AwaitPart) before publishing; the second checkpoint resumes the fleet
+    before its parts are durable."""
 
 
 @dataclass
@@ -423,9 +427,21 @@ class Demo:
             commit_started = time.monotonic()
             directory = root.directory(checkpoint_id)
             result = await coordination.commit(
-                fleet, checkpoint_id, deadline, str(directory), in_flight
+                fleet,
+                checkpoint_id,
+                deadline,
+                str(directory),
+                in_flight,
+                asynchronous=self.options.async_commit,
             )
             self.report.numbers["commit_ms"] = round((time.monotonic() - commit_started) * 1000, 2)
+            if self.options.async_commit:
+                # The fleet is killed next, so it stays closed; the parts are awaited here.
+                durable_started = time.monotonic()
+                result = await coordination.await_parts(fleet, checkpoint_id, result, deadline)
+                self.report.numbers["durable_ms"] = round(
+                    (time.monotonic() - durable_started) * 1000, 2
+                )
             parts = [
                 PublishedParticipant(
                     m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
@@ -554,7 +570,19 @@ class Demo:
         if not last.prepared:
             raise DemoFailed(f"the restored fleet did not get prepared: {last.blockers()}")
         directory = root.directory(checkpoint_id)
-        result = await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
+        result = await coordination.commit(
+            fleet,
+            checkpoint_id,
+            deadline,
+            str(directory),
+            scope,
+            asynchronous=self.options.async_commit,
+        )
+        if self.options.async_commit:
+            # Resume first, then await the parts: the restored fleet may move on while they
+            # are written, and the parts must still hold the state of the cut, byte for byte.
+            await coordination.resume(fleet, checkpoint_id, deadline)
+            result = await coordination.await_parts(fleet, checkpoint_id, result, deadline)
         if self.options.crash_twice:
             parts = [
                 PublishedParticipant(
@@ -563,7 +591,8 @@ class Demo:
                 for m in fleet.members
             ]
             await asyncio.to_thread(root.publish, checkpoint_id, parts, scope, b"", keep=2)
-        await coordination.resume(fleet, checkpoint_id, deadline)
+        if not self.options.async_commit:
+            await coordination.resume(fleet, checkpoint_id, deadline)
         mismatches = []
         for part in (Path(first["directory"]) / "participants").glob("*/*"):
             before = _records_by_rollout(part)
@@ -809,6 +838,12 @@ def parse_args(argv: list[str] | None) -> Options:
         default=1,
         help="HTTP worker processes per resources, agent and environment server (default 1)",
     )
+    parser.add_argument(
+        "--async-commit",
+        action="store_true",
+        help="commit asynchronously: members answer at their snapshot and write their parts "
+        "in the background; the demo publishes once every part is durable",
+    )
     args = parser.parse_args(argv)
     if args.rollouts < 2 or args.concurrency < 1:
         parser.error("--rollouts must be at least 2 and --concurrency at least 1")
@@ -829,6 +864,7 @@ def parse_args(argv: list[str] | None) -> Options:
         self_heal=args.self_heal,
         victim=args.victim,
         workers=args.workers,
+        async_commit=args.async_commit,
     )
 
 

@@ -32,6 +32,7 @@ BENCHMARKS = (
     "nemo_gym",
     "object_store",
     "workers",
+    "async_commit",
 )
 
 

@@ -49,7 +49,7 @@ REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
 """Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
-OPEN_FLEETS, CLOSED_FLEETS = 10, 3
+OPEN_FLEETS, CLOSED_FLEETS = 11, 3
 """The fleets this module takes (open, and started closed): the pool boots no more."""
 
 
@@ -388,6 +388,27 @@ def test_sigusr1_checkpoints_without_stopping_or_changing_any_result(
     by_id = assert_complete(work, baseline.rewards)
     assert all(line["attempt"] == 0 for line in by_id.values()), "nothing was redone"
     assert "checkpoint" in fleets.log(process) and "published" in fleets.log(process)
+
+
+def test_asynchronous_checkpoints_publish_mid_flight_without_changing_any_result(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """`async_commit = true` in the fleet file: each checkpoint resumes the fleet at the
+    snapshot and publishes once every part is durable; the run's results are unchanged."""
+    work = fleets.work
+    fleet = fleets.start().result()
+    fleet.file.write_text("async_commit = true\n" + fleet.file.read_text())
+    process = fleets.collect(fleet)
+    wait_until(lambda: len(output_lines(work)) >= 2, "two rollouts", process)
+    process.send_signal(signal.SIGUSR1)
+    wait_until(lambda: latest(work) is not None, "the SIGUSR1 checkpoint", process)
+    first = latest(work)
+    assert first is not None and first["state"]["in_flight"], "taken mid-flight"
+    assert process.wait(timeout=120) == 0, fleets.log(process)
+    by_id = assert_complete(work, baseline.rewards)
+    assert all(line["attempt"] == 0 for line in by_id.values()), "nothing was redone"
+    assert "resumed the fleet at its snapshot; awaiting its parts" in fleets.log(process)
+    assert "published" in fleets.log(process)
 
 
 def test_sigkill_of_the_collector_and_every_fleet_process_then_resume_on_a_fresh_fleet(

@@ -147,3 +147,34 @@ def test_the_narrative_agrees_with_the_report(tmp_path: Path) -> None:
     assert f"continuing {numbers['continued']} rollouts as attempt 1" in narrative, narrative
     if numbers["finished_during_checkpoint"]:
         assert f"({numbers['finished_during_checkpoint']} more finished" in narrative
+
+
+def test_the_continuation_checks_pass_with_asynchronous_commits(tmp_path: Path) -> None:
+    """`--async-commit`: every member answers at its snapshot and the parts are awaited
+    before publishing; the second checkpoint resumes the restored fleet before its parts are
+    durable, and they must still match the first byte for byte."""
+    code, report, stderr = demo(
+        tmp_path,
+        "--rollouts",
+        "24",
+        "--concurrency",
+        "24",
+        "--checkpoint-after",
+        "1",
+        "--latency",
+        LATENCY,
+        "--async-commit",
+    )
+    assert code == 0, (report, stderr)
+    assert report["passed"], report["problems"]
+    numbers = report["numbers"]
+    assert numbers["in_flight_at_checkpoint"] >= 16
+    assert "durable_ms" in numbers
+    assert numbers["mean_reward"] == numbers["baseline_mean_reward"]
+    for check in (
+        "trajectories_equal_baseline",
+        "continued_from_checkpointed_calls",
+        "second_checkpoint_matches_first",
+        "no_traceback_in_server_logs",
+    ):
+        assert report["checks"][check], check

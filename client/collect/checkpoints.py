@@ -75,6 +75,10 @@ class CheckpointTaker:
     control: ControlCalls
     settings: CheckpointSettings
     step: Callable[[str], None]
+    resumed: Callable[[], None] | None = None
+    """Called when an asynchronous checkpoint resumed the fleet, before its parts are
+    durable: the cut is taken (scope and collector state fixed at prepare), so dispatching
+    may go on; what is dispatched from here is after the cut, as after a synchronous one."""
     _deadline: float = field(default=0.0, init=False)
     _checkpoint_id: str | None = field(default=None, init=False)
     _published: bool = field(default=False, init=False)
@@ -96,6 +100,7 @@ class CheckpointTaker:
                     keep=settings.keep,
                     keep_closed=stop,
                     fix_scope=self._fix_scope,
+                    asynchronous=self.fleet.spec.async_commit,
                 ):
                     self._on_event(event)
                     if event.final:
@@ -138,8 +143,17 @@ class CheckpointTaker:
             self.step("prepared")
         elif event.phase == Phase.PUBLISH:
             self.step("committed")
-        elif event.phase == Phase.RESUME:
+        elif event.phase == Phase.RESUME and not event.detail.get("asynchronous"):
+            # Synchronous: the resume comes after the publication. Asynchronous: before it,
+            # so nothing is published yet (a failure after it is a checkpoint not taken).
             self._published = True
+        elif event.phase == Phase.AWAIT_PARTS and event.detail.get("resumed"):
+            self.view.note(
+                f"collect: checkpoint {self._checkpoint_id} resumed the fleet at its snapshot; "
+                "awaiting its parts"
+            )
+            if self.resumed is not None:
+                self.resumed()
 
     async def _fix_scope(self, checkpoint_id: str) -> tuple[list[EpisodeId], bytes]:
         """Called once the fleet is prepared (nothing starts or ends any more): await the

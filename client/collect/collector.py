@@ -240,7 +240,15 @@ class Collector:
         await self.output.open()
         await self.dispatch_log.open()
         self.checkpoints = CheckpointTaker(
-            fleet, root, book, self.output, self.view, self.control, settings, self._step
+            fleet,
+            root,
+            book,
+            self.output,
+            self.view,
+            self.control,
+            settings,
+            self._step,
+            self._resumed_early,
         )
         limits = httpx.Limits(
             max_connections=options.concurrency + 8,
@@ -471,6 +479,12 @@ class Collector:
             self.counts.last_checkpoint_at = time.time()
             self.view.note(f"collect: checkpoint {published} published")
         return published
+
+    def _resumed_early(self) -> None:
+        """An asynchronous checkpoint resumed the fleet before its parts are durable: dispatch
+        again now (unless a member was lost), not once it is published."""
+        if self.dispatcher is not None and not (self.recovery is not None and self.recovery.lost):
+            self.dispatcher.reopen()
 
     def _step(self, name: str) -> None:
         """A step of the current checkpoint: the fault tests' hook, if any, sees it."""

@@ -82,6 +82,7 @@ _PHASES = {
     Phase.PUBLISH: cpb.CHECKPOINT_PHASE_PUBLISH,
     Phase.RESUME: cpb.CHECKPOINT_PHASE_RESUME,
     Phase.DONE: cpb.CHECKPOINT_PHASE_DONE,
+    Phase.AWAIT_PARTS: cpb.CHECKPOINT_PHASE_AWAIT_PARTS,
 }
 
 
@@ -298,6 +299,7 @@ class CoordinatorServicer:
             controller_state=request.controller_state,
             keep=self.spec.keep,
             keep_closed=request.keep_closed,
+            asynchronous=request.asynchronous or self.spec.async_commit,
         )
         try:
             async for event in events:
@@ -409,6 +411,8 @@ def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
         result.prepare_duration.CopyFrom(duration(outcome.prepare_seconds))
         result.commit_duration.CopyFrom(duration(outcome.commit_seconds))
         result.publish_duration.CopyFrom(duration(outcome.publish_seconds))
+        if outcome.asynchronous:
+            result.durable_duration.CopyFrom(duration(outcome.durable_seconds))
         result.record_count = outcome.record_count
         result.bytes = outcome.bytes
         result.continued.extend(episode_message(e) for e in outcome.continued)

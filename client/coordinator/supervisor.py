@@ -223,6 +223,7 @@ class Supervisor:
                     checkpoint_id=checkpoint_id,
                     scope=DERIVE,
                     keep=self.spec.keep,
+                    asynchronous=self.spec.async_commit,
                 ):
                     if event.outcome is not None:
                         outcome = event.outcome

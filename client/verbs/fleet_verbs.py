@@ -257,10 +257,13 @@ async def _checkpoint(run: VerbRun) -> int:
             scope=_scope(args),
             keep=args.keep or spec.keep,
             keep_closed=args.keep_closed,
+            asynchronous=spec.async_commit,
         ):
             view.event(event)
             outcome = event.outcome
-            if event.phase == Phase.RESUME:
+            if event.phase == Phase.RESUME and not event.detail.get("asynchronous"):
+                # An asynchronous checkpoint resumes before it publishes: interrupted while
+                # its parts are written, it was not published (resuming again is harmless).
                 opened.published = True
     assert outcome is not None
     opened.checkpoint_id = None  # the library resumed (or, with --keep-closed, was asked not to)

@@ -19,6 +19,12 @@ prevent a loss:
 * Then the participant releases what the checkpoint no longer needs (`Participant.committed`):
   only once the part is published, so a failed commit releases nothing its retry must export,
   and only once per job, so a replayed commit (its recorded result) changes nothing.
+* An asynchronous job (`asynchronous`) stops at the snapshot: the export serialized to bytes
+  (in a thread), the cleanup and the release done, the write handed to `PartWrites`. Cleanup
+  and release happen at the snapshot, not once durable, because admission may reopen right
+  after: a release later would drop state of episodes that started since, outside the scope.
+* Every job first waits for a background write still running (`PartWrites.idle`), before it
+  exports: at most one snapshot is held, and the memory a checkpoint costs stays bounded.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from rollout_checkpoint.server.core.part_storage import (
 )
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.collector import collection_paused
+from rollout_checkpoint.server.runtime.part_writes import PartSnapshot, PartWrites
 from rollout_checkpoint.server.runtime.participant import ExportRecord
 from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
@@ -51,12 +58,19 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class CommitResult:
     """What a Commit published: the part's manifest and its digest, the episodes exported
-    and the attempts retired with it."""
+    and the attempts retired with it. An asynchronous commit answers at the snapshot: no
+    manifest yet (`manifest` None), the snapshot's size instead."""
 
-    manifest: StoredManifest
+    manifest: StoredManifest | None
     manifest_sha256: str
     exported: tuple[str, ...]
     retired: tuple[str, ...]
+    snapshot_records: int = 0
+    snapshot_bytes: int = 0
+
+    @property
+    def snapshot_only(self) -> bool:
+        return self.manifest is None
 
 
 class CommitHost(ControlParts, Protocol):
@@ -64,6 +78,9 @@ class CommitHost(ControlParts, Protocol):
 
     @property
     def storage(self) -> CheckpointStorage: ...
+
+    @property
+    def part_writes(self) -> PartWrites: ...
 
     @property
     def retired_attempts(self) -> RetiredAttempts: ...
@@ -81,7 +98,9 @@ class CommitJob:
     checkpoint_id: str
     checkpoint_dir: str
     scope: frozenset[EpisodeId] | None
+    asynchronous: bool = False
     records: Sequence[ExportRecord] | None = None
+    snapshot: PartSnapshot | None = None
     phase: str = "export"
     published: PublishedPart | None = None
     retired: tuple[str, ...] | None = None
@@ -89,8 +108,8 @@ class CommitJob:
     task: asyncio.Task[CommitResult] | None = None
 
     @property
-    def args(self) -> tuple[str, frozenset[EpisodeId] | None]:
-        return (self.checkpoint_dir, self.scope)
+    def args(self) -> tuple[str, frozenset[EpisodeId] | None, bool]:
+        return (self.checkpoint_dir, self.scope, self.asynchronous)
 
     @property
     def running(self) -> bool:
@@ -122,10 +141,15 @@ class CommitJob:
         participant = host.participant
         if self.records is None:
             self.phase = "export"
+            previous_write = host.part_writes.idle()
+            if previous_write is not None:
+                await previous_write
             # The export allocates a record per episode beside the participant's whole live
             # state, which a full collection would rescan for nothing (collector.py).
             with host.observer.phase("export"), collection_paused():
                 self.records = await call_hook("export", participant.export(self.scope))
+        if self.asynchronous:
+            return await self._snapshot_phases(host, self.records)
         if self.published is None:
             self.phase = "write"
             self.fence.check()
@@ -153,12 +177,53 @@ class CommitJob:
             retired=self.retired,
         )
 
+    async def _snapshot_phases(
+        self, host: CommitHost, records: Sequence[ExportRecord]
+    ) -> CommitResult:
+        """The asynchronous job: snapshot, cleanup and release, then the write handed off.
+
+        The snapshot is serialized in a thread (a large export must not stall the loop) and
+        counts as the export for a Resume (cancelled: nothing will use it). The write starts
+        only once the cleanup succeeded, so a failed commit never leaves a part writing."""
+        participant = host.participant
+        if self.snapshot is None:
+            self.phase = "export"
+            with host.observer.phase("snapshot"):
+                lines = await asyncio.to_thread(_serialized, records)
+            self.snapshot = PartSnapshot(lines)
+        if self.retired is None:
+            self.phase = "cleanup"
+            retired = await _retire_unscoped_pending(host, self.scope)
+            _release_committed(host, self.checkpoint_id, self.scope)
+            self.retired = retired
+            host.part_writes.start(
+                self.checkpoint_id,
+                self.checkpoint_dir,
+                participant.kind.value,
+                participant.instance,
+                self.snapshot,
+            )
+        self.phase = "done"
+        return CommitResult(
+            manifest=None,
+            manifest_sha256="",
+            exported=tuple(sorted({r.episode_id.capture_key for r in records})),
+            retired=self.retired,
+            snapshot_records=self.snapshot.record_count,
+            snapshot_bytes=self.snapshot.size,
+        )
+
+
+def _serialized(records: Sequence[ExportRecord]) -> tuple[bytes, ...]:
+    return tuple(serialize_records(records))
+
 
 def commit_job_for(
     current: CommitJob | None,
     checkpoint_id: str,
     real_dir: str,
     scope: frozenset[EpisodeId] | None,
+    asynchronous: bool = False,
 ) -> CommitJob:
     """The job a Commit of these arguments joins: `current` when its arguments are the same,
     else a new one.
@@ -169,8 +234,8 @@ def commit_job_for(
     the cut.
     """
     if current is None or current.checkpoint_id != checkpoint_id:
-        return CommitJob(checkpoint_id, real_dir, scope)
-    if current.args == (real_dir, scope):
+        return CommitJob(checkpoint_id, real_dir, scope, asynchronous)
+    if current.args == (real_dir, scope, asynchronous):
         return current
     if current.running:
         raise conflict(
@@ -179,7 +244,7 @@ def commit_job_for(
             "a commit of this id with another directory or scope is under way",
         )
     inherited = current.records if current.scope == scope else None
-    return CommitJob(checkpoint_id, real_dir, scope, records=inherited)
+    return CommitJob(checkpoint_id, real_dir, scope, asynchronous, records=inherited)
 
 
 def _release_committed(

@@ -49,6 +49,7 @@ from rollout_checkpoint.server.runtime.duties import Duties
 from rollout_checkpoint.server.runtime.lease import Lease, open_after_start_closed
 from rollout_checkpoint.server.runtime.observe import ControlObserver
 from rollout_checkpoint.server.runtime.paging import page_of
+from rollout_checkpoint.server.runtime.part_writes import PartWrite, PartWrites
 from rollout_checkpoint.server.runtime.participant import (
     EpisodeInfo,
     Participant,
@@ -119,6 +120,12 @@ class ControlPlane:
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()
+        self.part_writes = PartWrites(
+            self.storage,
+            self.changed,
+            # An asynchronous commit counts (records, bytes) once its part is durable.
+            lambda part: self.observer.committed(part.manifest.record_count, part.manifest.bytes),
+        )
         self._changed: asyncio.Event | None = None
         self._listeners: list[Callable[[], None]] = []
         self._duties = Duties()
@@ -219,7 +226,10 @@ class ControlPlane:
         self.changed()
 
     async def close(self) -> None:
-        """Stop background duties (lease watcher, timers). Writes already running finish."""
+        """Stop background duties (lease watcher, timers). Synchronous writes already running
+        finish; a background write that has not begun publishing is abandoned (its part is
+        never published, so no fleet manifest can name it)."""
+        self.part_writes.stop()
         await self._duties.stop()
 
     # -- read-only views ----------------------------------------------------------------
@@ -328,12 +338,17 @@ class ControlPlane:
         deadline: float,
         checkpoint_dir: str,
         scope: frozenset[EpisodeId] | None,
+        *,
+        asynchronous: bool = False,
     ) -> CommitResult:
         """Export (once per id), write and publish this participant's part; PREPARED ->
-        COMMITTED. A retry of the same arguments joins the running job or replays its result."""
+        COMMITTED. A retry of the same arguments joins the running job or replays its result.
+
+        `asynchronous`: answer at the snapshot and write in the background (`part_writes`;
+        `await_part` reports the outcome)."""
         self._check_call(checkpoint_id, deadline)
         real_dir = await self._validated_dir(checkpoint_dir, deadline)
-        args = (real_dir, scope)
+        args = (real_dir, scope, asynchronous)
         machine = self._machine
         async with machine.lock:
             joined = machine.join_commit(checkpoint_id, deadline, args, self)
@@ -344,6 +359,23 @@ class ControlPlane:
         )
         async with machine.lock:
             return machine.finish_commit(checkpoint_id, args, result)
+
+    async def await_part(self, checkpoint_id: str, deadline: float | None) -> PartWrite | None:
+        """The background write of an asynchronous commit, once it ended or `deadline`
+        passed (None: at once); None when this process holds no such write.
+
+        Read-only and not fenced: the id is normally resumed by then (the fleet runs on while
+        the part is written)."""
+        self._check_id(checkpoint_id)
+        if deadline is not None:
+            self._check_deadline(deadline, allow_past=True)
+        write = self.part_writes.get(checkpoint_id)
+        if write is None or write.task is None or deadline is None:
+            return write
+        remaining = deadline - self.clock.now()
+        if remaining > 0 and not write.task.done():
+            await asyncio.wait([write.task], timeout=remaining)
+        return write
 
     async def restore(
         self,

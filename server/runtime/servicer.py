@@ -27,6 +27,7 @@ from rollout_checkpoint.server.runtime.control_plane import (
     State,
     UpdateKind,
 )
+from rollout_checkpoint.server.runtime.part_writes import PartWrite, PartWriteState
 from rollout_checkpoint.server.runtime.participant import (
     BlockerReason,
     EpisodeInfo,
@@ -132,9 +133,18 @@ class ParticipantServicer:
         deadline = deadline_of(request)
         scope = _scope(request.scope, "scope") if request.HasField("scope") else None
         result = await self.control.commit(
-            request.checkpoint_id, deadline, request.checkpoint_dir, scope
+            request.checkpoint_id,
+            deadline,
+            request.checkpoint_dir,
+            scope,
+            asynchronous=request.asynchronous,
         )
         return _commit_response(result, self.control.participant.kind)
+
+    async def await_part(self, request: pb.AwaitPartRequest) -> pb.AwaitPartResponse:
+        deadline = deadline_of(request) if request.HasField("deadline") else None
+        write = await self.control.await_part(request.checkpoint_id, deadline)
+        return _await_part_response(write, self.control.participant.kind)
 
     async def restore(self, request: pb.RestoreRequest) -> pb.RestoreResponse:
         deadline = deadline_of(request)
@@ -234,13 +244,39 @@ def _manifest(manifest: StoredManifest, kind: Kind) -> types_pb2.Manifest:
 
 
 def _commit_response(result: CommitResult, kind: Kind) -> pb.CommitResponse:
-    return pb.CommitResponse(
+    response = pb.CommitResponse(
         state=types_pb2.PARTICIPANT_STATE_COMMITTED,
-        manifest=_manifest(result.manifest, kind),
         manifest_sha256=result.manifest_sha256,
         exported=result.exported,
         retired=result.retired,
+        snapshot_only=result.snapshot_only,
+        snapshot_records=result.snapshot_records,
+        snapshot_bytes=result.snapshot_bytes,
     )
+    if result.manifest is not None:
+        response.manifest.CopyFrom(_manifest(result.manifest, kind))
+    return response
+
+
+_PART_WRITE_STATES = {
+    PartWriteState.UNKNOWN: pb.PART_WRITE_STATE_UNKNOWN,
+    PartWriteState.WRITING: pb.PART_WRITE_STATE_WRITING,
+    PartWriteState.DURABLE: pb.PART_WRITE_STATE_DURABLE,
+    PartWriteState.FAILED: pb.PART_WRITE_STATE_FAILED,
+}
+
+
+def _await_part_response(write: PartWrite | None, kind: Kind) -> pb.AwaitPartResponse:
+    if write is None:
+        return pb.AwaitPartResponse(state=pb.PART_WRITE_STATE_UNKNOWN)
+    response = pb.AwaitPartResponse(state=_PART_WRITE_STATES[write.state])
+    if write.published is not None:
+        response.manifest.CopyFrom(_manifest(write.published.manifest, kind))
+        response.manifest_sha256 = write.published.manifest_sha256
+    if write.error is not None:
+        response.failure_reason = write.error.reason.value
+        response.failure_message = write.error.message
+    return response
 
 
 def _restore_response(result: RestoreResult) -> pb.RestoreResponse:

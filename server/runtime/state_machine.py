@@ -294,7 +294,7 @@ class StateMachine:
         self,
         checkpoint_id: str,
         deadline: float,
-        args: tuple[str, frozenset[EpisodeId] | None],
+        args: tuple[str, frozenset[EpisodeId] | None, bool],
         host: CommitHost,
     ) -> CommitResult | asyncio.Task[CommitResult]:
         """A Commit's start: its recorded result (a retry), or the task of the job it joins
@@ -303,8 +303,8 @@ class StateMachine:
         if recorded is not None:
             assert isinstance(recorded, CommitResult)
             return recorded
-        real_dir, scope = args
-        job = commit_job_for(self.commit_job, checkpoint_id, real_dir, scope)
+        real_dir, scope, asynchronous = args
+        job = commit_job_for(self.commit_job, checkpoint_id, real_dir, scope, asynchronous)
         self.lease.renew(deadline)
         if not self.participant.ready():
             raise invalid_phase(self.state, "Commit", "the participant is no longer ready")
@@ -325,7 +325,8 @@ class StateMachine:
         self.fence(checkpoint_id, "Commit", {State.PREPARED})
         self.state = State.COMMITTED
         self.results[(checkpoint_id, "commit")] = Recorded(args, result)
-        self.observer.committed(result.manifest.record_count, result.manifest.bytes)
+        if result.manifest is not None:
+            self.observer.committed(result.manifest.record_count, result.manifest.bytes)
         self.changed()
         return result
 

@@ -94,6 +94,10 @@ class _CheckpointPhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Check
     """Resuming the fleet."""
     CHECKPOINT_PHASE_DONE: _CheckpointPhase.ValueType  # 5
     """Finished (the final message)."""
+    CHECKPOINT_PHASE_AWAIT_PARTS: _CheckpointPhase.ValueType  # 6
+    """Asynchronous checkpoints only: the fleet was resumed after every member's
+    snapshot; waiting until every part is durable (before PUBLISH).
+    """
 
 class CheckpointPhase(_CheckpointPhase, metaclass=_CheckpointPhaseEnumTypeWrapper):
     """The phase a Checkpoint call is in."""
@@ -110,6 +114,10 @@ CHECKPOINT_PHASE_RESUME: CheckpointPhase.ValueType  # 4
 """Resuming the fleet."""
 CHECKPOINT_PHASE_DONE: CheckpointPhase.ValueType  # 5
 """Finished (the final message)."""
+CHECKPOINT_PHASE_AWAIT_PARTS: CheckpointPhase.ValueType  # 6
+"""Asynchronous checkpoints only: the fleet was resumed after every member's
+snapshot; waiting until every part is durable (before PUBLISH).
+"""
 Global___CheckpointPhase: _TypeAlias = CheckpointPhase  # noqa: Y015
 
 @_typing.final
@@ -843,6 +851,7 @@ class CheckpointRequest(_message.Message):
     DERIVE_SCOPE_FIELD_NUMBER: _builtins.int
     CONTROLLER_STATE_FIELD_NUMBER: _builtins.int
     KEEP_CLOSED_FIELD_NUMBER: _builtins.int
+    ASYNCHRONOUS_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The checkpoint id; empty: the coordinator picks `ckpt-<UTC time>-<hex>`
     (a retry must then send the id of the first reply).
@@ -853,6 +862,10 @@ class CheckpointRequest(_message.Message):
     """An opaque blob stored in the fleet manifest (the controller's own state)."""
     keep_closed: _builtins.bool
     """Leave the fleet closed after publishing (the controller stops next)."""
+    asynchronous: _builtins.bool
+    """Take the checkpoint with asynchronous commits (see Checkpoint). False:
+    the fleet file's `async_commit` decides (default: synchronous).
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline for the whole checkpoint. Required."""
@@ -870,10 +883,11 @@ class CheckpointRequest(_message.Message):
         derive_scope: _builtins.bool = ...,
         controller_state: _builtins.bytes = ...,
         keep_closed: _builtins.bool = ...,
+        asynchronous: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "controller_state", b"controller_state", "deadline", b"deadline", "derive_scope", b"derive_scope", "keep_closed", b"keep_closed", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asynchronous", b"asynchronous", "checkpoint_id", b"checkpoint_id", "controller_state", b"controller_state", "deadline", b"deadline", "derive_scope", b"derive_scope", "keep_closed", b"keep_closed", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -896,6 +910,7 @@ class CheckpointResult(_message.Message):
     PREPARE_DURATION_FIELD_NUMBER: _builtins.int
     COMMIT_DURATION_FIELD_NUMBER: _builtins.int
     PUBLISH_DURATION_FIELD_NUMBER: _builtins.int
+    DURABLE_DURATION_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The checkpoint id."""
     published: _builtins.bool
@@ -926,6 +941,12 @@ class CheckpointResult(_message.Message):
     def publish_duration(self) -> _duration_pb2.Duration:
         """Time the publication took."""
 
+    @_builtins.property
+    def durable_duration(self) -> _duration_pb2.Duration:
+        """Asynchronous checkpoints: from the resume until every part was durable
+        (`commit_duration` is then the snapshot's).
+        """
+
     def __init__(
         self,
         *,
@@ -940,10 +961,11 @@ class CheckpointResult(_message.Message):
         prepare_duration: _duration_pb2.Duration | None = ...,
         commit_duration: _duration_pb2.Duration | None = ...,
         publish_duration: _duration_pb2.Duration | None = ...,
+        durable_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit_duration", b"commit_duration", "prepare_duration", b"prepare_duration", "publish_duration", b"publish_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit_duration", b"commit_duration", "durable_duration", b"durable_duration", "prepare_duration", b"prepare_duration", "publish_duration", b"publish_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "commit_duration", b"commit_duration", "continued", b"continued", "directory", b"directory", "fleet_manifest_sha256", b"fleet_manifest_sha256", "prepare_duration", b"prepare_duration", "prepare_outcome", b"prepare_outcome", "publish_duration", b"publish_duration", "published", b"published", "record_count", b"record_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "commit_duration", b"commit_duration", "continued", b"continued", "directory", b"directory", "durable_duration", b"durable_duration", "fleet_manifest_sha256", b"fleet_manifest_sha256", "prepare_duration", b"prepare_duration", "prepare_outcome", b"prepare_outcome", "publish_duration", b"publish_duration", "published", b"published", "record_count", b"record_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -149,6 +149,16 @@ class CoordinatorServiceStub:
     `awaitingRestore`) while a member started closed and awaits its restore:
     its empty part would make `LATEST` forget what the crashed process held.
     Safe to retry with the same id.
+
+    Asynchronous (`asynchronous`, or `async_commit = true` in the fleet
+    file): prepare, snapshot every member (Commit's asynchronous mode),
+    RESUME, AWAIT_PARTS (every part durable, AwaitPart), then PUBLISH: the
+    fleet pauses for the export, not for storage. A part that fails after the
+    resume (its write failed, its member died or was replaced, or it was
+    still writing at the deadline) fails the call with the members' errors
+    (`PARTICIPANT_FAILED`, the part's own reason per member): nothing is
+    published, `LATEST` stays where it was, the fleet keeps running, and the
+    next checkpoint goes ahead.
     """
     WatchFleet: _grpc.UnaryStreamMultiCallable[_coordinator_service_pb2.WatchFleetRequest, _coordinator_service_pb2.WatchFleetResponse]
     """Streams what happens to the fleet: members up, down and replaced,
@@ -276,6 +286,16 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     `awaitingRestore`) while a member started closed and awaits its restore:
     its empty part would make `LATEST` forget what the crashed process held.
     Safe to retry with the same id.
+
+    Asynchronous (`asynchronous`, or `async_commit = true` in the fleet
+    file): prepare, snapshot every member (Commit's asynchronous mode),
+    RESUME, AWAIT_PARTS (every part durable, AwaitPart), then PUBLISH: the
+    fleet pauses for the export, not for storage. A part that fails after the
+    resume (its write failed, its member died or was replaced, or it was
+    still writing at the deadline) fails the call with the members' errors
+    (`PARTICIPANT_FAILED`, the part's own reason per member): nothing is
+    published, `LATEST` stays where it was, the fleet keeps running, and the
+    next checkpoint goes ahead.
     """
     WatchFleet: _aio.UnaryStreamMultiCallable[_coordinator_service_pb2.WatchFleetRequest, _coordinator_service_pb2.WatchFleetResponse]  # type: ignore[assignment]
     """Streams what happens to the fleet: members up, down and replaced,
@@ -454,6 +474,16 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         `awaitingRestore`) while a member started closed and awaits its restore:
         its empty part would make `LATEST` forget what the crashed process held.
         Safe to retry with the same id.
+
+        Asynchronous (`asynchronous`, or `async_commit = true` in the fleet
+        file): prepare, snapshot every member (Commit's asynchronous mode),
+        RESUME, AWAIT_PARTS (every part durable, AwaitPart), then PUBLISH: the
+        fleet pauses for the export, not for storage. A part that fails after the
+        resume (its write failed, its member died or was replaced, or it was
+        still writing at the deadline) fails the call with the members' errors
+        (`PARTICIPANT_FAILED`, the part's own reason per member): nothing is
+        published, `LATEST` stays where it was, the fleet keeps running, and the
+        next checkpoint goes ahead.
         """
 
     @_abc_1.abstractmethod

@@ -100,6 +100,42 @@ PREPARE_UPDATE_KIND_FINAL: PrepareUpdateKind.ValueType  # 4
 """The last message of the stream (`final` is true)."""
 Global___PrepareUpdateKind: _TypeAlias = PrepareUpdateKind  # noqa: Y015
 
+class _PartWriteState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PartWriteStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PartWriteState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PART_WRITE_STATE_UNSPECIFIED: _PartWriteState.ValueType  # 0
+    """Never sent by a participant."""
+    PART_WRITE_STATE_UNKNOWN: _PartWriteState.ValueType  # 1
+    """This process holds no snapshot or outcome of that id."""
+    PART_WRITE_STATE_WRITING: _PartWriteState.ValueType  # 2
+    """The part is being written."""
+    PART_WRITE_STATE_DURABLE: _PartWriteState.ValueType  # 3
+    """The part is published (manifest created, fsynced or uploaded)."""
+    PART_WRITE_STATE_FAILED: _PartWriteState.ValueType  # 4
+    """The write failed; nothing was published (or a part another writer
+    published differs: `INVALID_CHECKPOINT_STATE`).
+    """
+
+class PartWriteState(_PartWriteState, metaclass=_PartWriteStateEnumTypeWrapper):
+    """Where the background write of an asynchronous commit stands."""
+
+PART_WRITE_STATE_UNSPECIFIED: PartWriteState.ValueType  # 0
+"""Never sent by a participant."""
+PART_WRITE_STATE_UNKNOWN: PartWriteState.ValueType  # 1
+"""This process holds no snapshot or outcome of that id."""
+PART_WRITE_STATE_WRITING: PartWriteState.ValueType  # 2
+"""The part is being written."""
+PART_WRITE_STATE_DURABLE: PartWriteState.ValueType  # 3
+"""The part is published (manifest created, fsynced or uploaded)."""
+PART_WRITE_STATE_FAILED: PartWriteState.ValueType  # 4
+"""The write failed; nothing was published (or a part another writer
+published differs: `INVALID_CHECKPOINT_STATE`).
+"""
+Global___PartWriteState: _TypeAlias = PartWriteState  # noqa: Y015
+
 @_typing.final
 class GetParticipantRequest(_message.Message):
     """Request of GetParticipant."""
@@ -522,6 +558,7 @@ class CommitRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    ASYNCHRONOUS_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The active checkpoint id."""
     checkpoint_dir: _builtins.str
@@ -529,6 +566,11 @@ class CommitRequest(_message.Message):
     no `..` component, under one of the participant's allowed roots when it
     has any. The participant writes only below
     `<checkpoint_dir>/participants/<kind>/<instance>/`.
+    """
+    asynchronous: _builtins.bool
+    """Answer once the snapshot is taken, and write the part in the background
+    (see Commit); AwaitPart reports when it is durable. False: the
+    synchronous commit, which answers once the part is published.
     """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
@@ -548,10 +590,11 @@ class CommitRequest(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         checkpoint_dir: _builtins.str = ...,
         scope: _types_pb2.EpisodeScope | None = ...,
+        asynchronous: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asynchronous", b"asynchronous", "checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -568,11 +611,27 @@ class CommitResponse(_message.Message):
     MANIFEST_SHA256_FIELD_NUMBER: _builtins.int
     EXPORTED_FIELD_NUMBER: _builtins.int
     RETIRED_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ONLY_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_RECORDS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_BYTES_FIELD_NUMBER: _builtins.int
     state: _types_pb2.ParticipantState.ValueType
     """COMMITTED."""
     manifest_sha256: _builtins.str
     """Lower-case hex SHA-256 of the `manifest.json` bytes, for a fleet
     manifest that pins every part.
+    """
+    snapshot_only: _builtins.bool
+    """True for an asynchronous commit: the snapshot is taken and the part is
+    being written in the background; `manifest` and `manifest_sha256` are
+    unset until AwaitPart reports it durable.
+    """
+    snapshot_records: _builtins.int
+    """The number of records in the snapshot (asynchronous commits; for a
+    synchronous one `manifest.record_count`).
+    """
+    snapshot_bytes: _builtins.int
+    """The size in bytes of the snapshot's serialized records (asynchronous
+    commits; for a synchronous one `manifest.bytes`).
     """
     @_builtins.property
     def manifest(self) -> _types_pb2.Manifest:
@@ -598,14 +657,90 @@ class CommitResponse(_message.Message):
         manifest_sha256: _builtins.str = ...,
         exported: _abc.Iterable[_builtins.str] | None = ...,
         retired: _abc.Iterable[_builtins.str] | None = ...,
+        snapshot_only: _builtins.bool = ...,
+        snapshot_records: _builtins.int = ...,
+        snapshot_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exported", b"exported", "manifest", b"manifest", "manifest_sha256", b"manifest_sha256", "retired", b"retired", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exported", b"exported", "manifest", b"manifest", "manifest_sha256", b"manifest_sha256", "retired", b"retired", "snapshot_bytes", b"snapshot_bytes", "snapshot_only", b"snapshot_only", "snapshot_records", b"snapshot_records", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
+class AwaitPartRequest(_message.Message):
+    """Request of AwaitPart."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """The id of an asynchronous commit."""
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Absolute time until which to wait for the write to end. Optional: unset
+        answers at once.
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitPartRequest: _TypeAlias = AwaitPartRequest  # noqa: Y015
+
+@_typing.final
+class AwaitPartResponse(_message.Message):
+    """Reply of AwaitPart."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    MANIFEST_SHA256_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
+    FAILURE_MESSAGE_FIELD_NUMBER: _builtins.int
+    state: Global___PartWriteState.ValueType
+    """Where the write stands."""
+    manifest_sha256: _builtins.str
+    """DURABLE: lower-case hex SHA-256 of the `manifest.json` bytes."""
+    failure_reason: _builtins.str
+    """FAILED: the error reason's wire value (`STORAGE_FAILED`,
+    `INVALID_CHECKPOINT_STATE`, ...), as a synchronous Commit would have
+    answered it.
+    """
+    failure_message: _builtins.str
+    """FAILED: what went wrong, for an operator."""
+    @_builtins.property
+    def manifest(self) -> _types_pb2.Manifest:
+        """DURABLE: the published manifest."""
+
+    def __init__(
+        self,
+        *,
+        state: Global___PartWriteState.ValueType = ...,
+        manifest: _types_pb2.Manifest | None = ...,
+        manifest_sha256: _builtins.str = ...,
+        failure_reason: _builtins.str = ...,
+        failure_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure_message", b"failure_message", "failure_reason", b"failure_reason", "manifest", b"manifest", "manifest_sha256", b"manifest_sha256", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitPartResponse: _TypeAlias = AwaitPartResponse  # noqa: Y015
 
 @_typing.final
 class RestoreRequest(_message.Message):

@@ -65,6 +65,11 @@ class ParticipantServiceStub:
                 request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.CommitRequest.SerializeToString,
                 response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.AwaitPart = channel.unary_unary(
+                '/rollout_checkpoint.v1.ParticipantService/AwaitPart',
+                request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AwaitPartRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AwaitPartResponse.FromString,
+                _registered_method=True)
         self.Restore = channel.unary_unary(
                 '/rollout_checkpoint.v1.ParticipantService/Restore',
                 request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.RestoreRequest.SerializeToString,
@@ -237,6 +242,48 @@ class ParticipantServiceServicer:
         a different commit of this participant), `INVALID_REQUEST` (a directory
         that is not absolute and normalized, contains `..`, lies outside the
         allowed roots, or whose participant subdirectory is a symlink).
+
+        Asynchronous mode (`asynchronous` set): the same checks, lease renewal
+        and export (once per id, under the deadline), but the exported records
+        are serialized at once into an immutable in-memory snapshot (bytes, never
+        live objects the data plane could change afterwards), the restored state
+        the scope leaves out is retired and what the checkpoint no longer needs
+        is released (both at the snapshot, since admission may reopen right
+        after), and the reply comes as soon as the snapshot is taken: state
+        COMMITTED, `snapshot_only` true, no `manifest` and no `manifest_sha256`
+        yet. The write, fsync or upload and the manifest then run in the
+        background, with the same rules as a synchronous commit (records first,
+        a manifest created without ever replacing one, so a crash at any moment
+        leaves nothing or a complete part). A Resume (or lease expiry) of the id
+        no longer stops that write: it reopens admission at once and the write
+        goes on to its end, durable or failed; AwaitPart tells which. At most one
+        background write per participant: a Commit of either mode that arrives
+        while one runs waits for it to end (under its own deadline, before it
+        exports, so at most one snapshot is held), and answers
+        `CHECKPOINT_DEADLINE_EXCEEDED` if it does not end in time (retry). Part
+        of the commit's arguments: a retry must repeat `asynchronous`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AwaitPart(self, request, context):
+        """Reports, or waits for, the outcome of an asynchronous commit's
+        background write: durable (with its manifest and digest) or failed (with
+        the typed reason a synchronous Commit would have answered).
+
+        Idempotent and read-only; allowed in every state, also after the id was
+        resumed (that is the point: the fleet runs on while the part is
+        written). With `deadline` set, waits until the write ended or the
+        deadline passed, then answers the state at that moment (WRITING when it
+        is still running: call again); unset, or already past, answers at once.
+        The outcomes of the last 64 asynchronous commits are kept. UNKNOWN means
+        this process never took that snapshot (a replaced process, a synchronous
+        commit, or an outcome no longer kept): a controller that saw the snapshot
+        reply and then reads UNKNOWN must treat the part as failed.
+
+        Errors: `INVALID_REQUEST` (an invalid id, or a deadline further ahead
+        than `max_deadline_seconds`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -422,6 +469,11 @@ def add_ParticipantServiceServicer_to_server(servicer, server):
                     request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.CommitRequest.FromString,
                     response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.CommitResponse.SerializeToString,
             ),
+            'AwaitPart': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitPart,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AwaitPartRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AwaitPartResponse.SerializeToString,
+            ),
             'Restore': grpc.unary_unary_rpc_method_handler(
                     servicer.Restore,
                     request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.RestoreRequest.FromString,
@@ -606,6 +658,33 @@ class ParticipantService:
             '/rollout_checkpoint.v1.ParticipantService/Commit',
             rollout__checkpoint_dot_v1_dot_participant__service__pb2.CommitRequest.SerializeToString,
             rollout__checkpoint_dot_v1_dot_participant__service__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitPart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout_checkpoint.v1.ParticipantService/AwaitPart',
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.AwaitPartRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.AwaitPartResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -205,6 +205,44 @@ class ParticipantServiceStub:
     a different commit of this participant), `INVALID_REQUEST` (a directory
     that is not absolute and normalized, contains `..`, lies outside the
     allowed roots, or whose participant subdirectory is a symlink).
+
+    Asynchronous mode (`asynchronous` set): the same checks, lease renewal
+    and export (once per id, under the deadline), but the exported records
+    are serialized at once into an immutable in-memory snapshot (bytes, never
+    live objects the data plane could change afterwards), the restored state
+    the scope leaves out is retired and what the checkpoint no longer needs
+    is released (both at the snapshot, since admission may reopen right
+    after), and the reply comes as soon as the snapshot is taken: state
+    COMMITTED, `snapshot_only` true, no `manifest` and no `manifest_sha256`
+    yet. The write, fsync or upload and the manifest then run in the
+    background, with the same rules as a synchronous commit (records first,
+    a manifest created without ever replacing one, so a crash at any moment
+    leaves nothing or a complete part). A Resume (or lease expiry) of the id
+    no longer stops that write: it reopens admission at once and the write
+    goes on to its end, durable or failed; AwaitPart tells which. At most one
+    background write per participant: a Commit of either mode that arrives
+    while one runs waits for it to end (under its own deadline, before it
+    exports, so at most one snapshot is held), and answers
+    `CHECKPOINT_DEADLINE_EXCEEDED` if it does not end in time (retry). Part
+    of the commit's arguments: a retry must repeat `asynchronous`.
+    """
+    AwaitPart: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.AwaitPartRequest, _participant_service_pb2.AwaitPartResponse]
+    """Reports, or waits for, the outcome of an asynchronous commit's
+    background write: durable (with its manifest and digest) or failed (with
+    the typed reason a synchronous Commit would have answered).
+
+    Idempotent and read-only; allowed in every state, also after the id was
+    resumed (that is the point: the fleet runs on while the part is
+    written). With `deadline` set, waits until the write ended or the
+    deadline passed, then answers the state at that moment (WRITING when it
+    is still running: call again); unset, or already past, answers at once.
+    The outcomes of the last 64 asynchronous commits are kept. UNKNOWN means
+    this process never took that snapshot (a replaced process, a synchronous
+    commit, or an outcome no longer kept): a controller that saw the snapshot
+    reply and then reads UNKNOWN must treat the part as failed.
+
+    Errors: `INVALID_REQUEST` (an invalid id, or a deadline further ahead
+    than `max_deadline_seconds`).
     """
     Restore: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.RestoreRequest, _participant_service_pb2.RestoreResponse]
     """Installs a checkpointed part as attempt N+1 of every episode in scope.
@@ -469,6 +507,44 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     a different commit of this participant), `INVALID_REQUEST` (a directory
     that is not absolute and normalized, contains `..`, lies outside the
     allowed roots, or whose participant subdirectory is a symlink).
+
+    Asynchronous mode (`asynchronous` set): the same checks, lease renewal
+    and export (once per id, under the deadline), but the exported records
+    are serialized at once into an immutable in-memory snapshot (bytes, never
+    live objects the data plane could change afterwards), the restored state
+    the scope leaves out is retired and what the checkpoint no longer needs
+    is released (both at the snapshot, since admission may reopen right
+    after), and the reply comes as soon as the snapshot is taken: state
+    COMMITTED, `snapshot_only` true, no `manifest` and no `manifest_sha256`
+    yet. The write, fsync or upload and the manifest then run in the
+    background, with the same rules as a synchronous commit (records first,
+    a manifest created without ever replacing one, so a crash at any moment
+    leaves nothing or a complete part). A Resume (or lease expiry) of the id
+    no longer stops that write: it reopens admission at once and the write
+    goes on to its end, durable or failed; AwaitPart tells which. At most one
+    background write per participant: a Commit of either mode that arrives
+    while one runs waits for it to end (under its own deadline, before it
+    exports, so at most one snapshot is held), and answers
+    `CHECKPOINT_DEADLINE_EXCEEDED` if it does not end in time (retry). Part
+    of the commit's arguments: a retry must repeat `asynchronous`.
+    """
+    AwaitPart: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.AwaitPartRequest, _participant_service_pb2.AwaitPartResponse]  # type: ignore[assignment]
+    """Reports, or waits for, the outcome of an asynchronous commit's
+    background write: durable (with its manifest and digest) or failed (with
+    the typed reason a synchronous Commit would have answered).
+
+    Idempotent and read-only; allowed in every state, also after the id was
+    resumed (that is the point: the fleet runs on while the part is
+    written). With `deadline` set, waits until the write ended or the
+    deadline passed, then answers the state at that moment (WRITING when it
+    is still running: call again); unset, or already past, answers at once.
+    The outcomes of the last 64 asynchronous commits are kept. UNKNOWN means
+    this process never took that snapshot (a replaced process, a synchronous
+    commit, or an outcome no longer kept): a controller that saw the snapshot
+    reply and then reads UNKNOWN must treat the part as failed.
+
+    Errors: `INVALID_REQUEST` (an invalid id, or a deadline further ahead
+    than `max_deadline_seconds`).
     """
     Restore: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.RestoreRequest, _participant_service_pb2.RestoreResponse]  # type: ignore[assignment]
     """Installs a checkpointed part as attempt N+1 of every episode in scope.
@@ -766,6 +842,50 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         a different commit of this participant), `INVALID_REQUEST` (a directory
         that is not absolute and normalized, contains `..`, lies outside the
         allowed roots, or whose participant subdirectory is a symlink).
+
+        Asynchronous mode (`asynchronous` set): the same checks, lease renewal
+        and export (once per id, under the deadline), but the exported records
+        are serialized at once into an immutable in-memory snapshot (bytes, never
+        live objects the data plane could change afterwards), the restored state
+        the scope leaves out is retired and what the checkpoint no longer needs
+        is released (both at the snapshot, since admission may reopen right
+        after), and the reply comes as soon as the snapshot is taken: state
+        COMMITTED, `snapshot_only` true, no `manifest` and no `manifest_sha256`
+        yet. The write, fsync or upload and the manifest then run in the
+        background, with the same rules as a synchronous commit (records first,
+        a manifest created without ever replacing one, so a crash at any moment
+        leaves nothing or a complete part). A Resume (or lease expiry) of the id
+        no longer stops that write: it reopens admission at once and the write
+        goes on to its end, durable or failed; AwaitPart tells which. At most one
+        background write per participant: a Commit of either mode that arrives
+        while one runs waits for it to end (under its own deadline, before it
+        exports, so at most one snapshot is held), and answers
+        `CHECKPOINT_DEADLINE_EXCEEDED` if it does not end in time (retry). Part
+        of the commit's arguments: a retry must repeat `asynchronous`.
+        """
+
+    @_abc_1.abstractmethod
+    def AwaitPart(
+        self,
+        request: _participant_service_pb2.AwaitPartRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_participant_service_pb2.AwaitPartResponse, _abc.Awaitable[_participant_service_pb2.AwaitPartResponse]]:
+        """Reports, or waits for, the outcome of an asynchronous commit's
+        background write: durable (with its manifest and digest) or failed (with
+        the typed reason a synchronous Commit would have answered).
+
+        Idempotent and read-only; allowed in every state, also after the id was
+        resumed (that is the point: the fleet runs on while the part is
+        written). With `deadline` set, waits until the write ended or the
+        deadline passed, then answers the state at that moment (WRITING when it
+        is still running: call again); unset, or already past, answers at once.
+        The outcomes of the last 64 asynchronous commits are kept. UNKNOWN means
+        this process never took that snapshot (a replaced process, a synchronous
+        commit, or an outcome no longer kept): a controller that saw the snapshot
+        reply and then reads UNKNOWN must treat the part as failed.
+
+        Errors: `INVALID_REQUEST` (an invalid id, or a deadline further ahead
+        than `max_deadline_seconds`).
         """
 
     @_abc_1.abstractmethod

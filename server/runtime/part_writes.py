@@ -1,0 +1,183 @@
+"""Background part writes: the second half of an asynchronous commit.
+
+An asynchronous Commit answers once its export is serialized into a snapshot (immutable
+bytes); the write, fsync or upload and the manifest happen here, while admission may already
+be open again. The rules each prevent a loss:
+
+* The snapshot is bytes, not the exported records: the data plane runs again during the
+  write, and a live object it mutated would store state from after the cut.
+* At most one write runs per participant (`idle` lets the next Commit wait before it
+  exports): two snapshots held at once would double the memory a checkpoint costs, and a
+  controller that commits faster than storage writes would grow it without bound.
+* The write goes through the same `CheckpointStorage.write_part` as a synchronous commit
+  (records first, a manifest created without replacing one), so a crash at any moment leaves
+  nothing or a complete part, and a part once published is never replaced.
+* A Resume does not stop it: the point of the mode is that the fleet runs on while storage
+  works. Its outcome (durable with the manifest, or failed with a typed reason) is kept for
+  the last `OUTCOMES_KEPT` ids, so a controller that lost a reply (or a new controller)
+  still learns it; one that died leaves a write that simply ends, and a part no fleet
+  manifest names is never restored.
+* Closing the participant stops a write that has not begun publishing (its fence): a
+  process shutting down abandons the part cleanly instead of racing its own exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.part_storage import (
+    CheckpointStorage,
+    PublishedPart,
+    StopRequested,
+    WriteFence,
+)
+from rollout_checkpoint.server.runtime.waiting import retrieve_exception
+
+log = logging.getLogger(__name__)
+
+OUTCOMES_KEPT = 64
+
+
+class PartWriteState(enum.StrEnum):
+    UNKNOWN = "UNKNOWN"
+    WRITING = "WRITING"
+    DURABLE = "DURABLE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True, slots=True)
+class PartSnapshot:
+    """An asynchronous commit's export, serialized: what the background write stores."""
+
+    lines: tuple[bytes, ...]
+
+    @property
+    def record_count(self) -> int:
+        return len(self.lines)
+
+    @property
+    def size(self) -> int:
+        return sum(len(line) + 1 for line in self.lines)
+
+
+@dataclass(eq=False)
+class PartWrite:
+    """One background write and, once it ended, its outcome."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    fence: WriteFence = field(default_factory=WriteFence)
+    task: asyncio.Task[PublishedPart] | None = None
+    published: PublishedPart | None = None
+    error: CheckpointError | None = None
+
+    @property
+    def state(self) -> PartWriteState:
+        if self.published is not None:
+            return PartWriteState.DURABLE
+        if self.error is not None:
+            return PartWriteState.FAILED
+        return PartWriteState.WRITING
+
+
+class PartWrites:
+    """The participant's background writes: at most one running, the last outcomes kept."""
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        changed: Callable[[], None],
+        durable: Callable[[PublishedPart], None] | None = None,
+    ) -> None:
+        self._storage = storage
+        self._changed = changed
+        self._durable = durable
+        self._writes: OrderedDict[str, PartWrite] = OrderedDict()
+        self._running: PartWrite | None = None
+
+    def idle(self) -> asyncio.Future[None] | None:
+        """What a new commit waits for before exporting: the running write's end (None when
+        nothing runs)."""
+        running = self._running
+        if running is None or running.task is None or running.task.done():
+            return None
+        return asyncio.ensure_future(_ended(running.task))
+
+    def get(self, checkpoint_id: str) -> PartWrite | None:
+        return self._writes.get(checkpoint_id)
+
+    def start(
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        kind: str,
+        instance: str,
+        snapshot: PartSnapshot,
+    ) -> PartWrite:
+        """Start writing `snapshot` (once per id: a second start returns the first write)."""
+        existing = self._writes.get(checkpoint_id)
+        if existing is not None:
+            return existing
+        write = PartWrite(checkpoint_id, checkpoint_dir)
+        self._writes[checkpoint_id] = write
+        while len(self._writes) > OUTCOMES_KEPT:
+            self._writes.popitem(last=False)
+        self._running = write
+        write.task = asyncio.get_running_loop().create_task(
+            self._write(write, kind, instance, snapshot)
+        )
+        write.task.add_done_callback(retrieve_exception)
+        return write
+
+    async def _write(
+        self, write: PartWrite, kind: str, instance: str, snapshot: PartSnapshot
+    ) -> PublishedPart:
+        try:
+            published = await asyncio.to_thread(
+                self._storage.write_part,
+                write.checkpoint_dir,
+                kind,
+                instance,
+                write.checkpoint_id,
+                iter(snapshot.lines),
+                write.fence,
+            )
+            write.published = published
+            if self._durable is not None:
+                self._durable(published)
+        except StopRequested:
+            write.error = CheckpointError(
+                Reason.STORAGE_FAILED,
+                "the participant shut down before the part was published",
+                retry_after=1.0,
+            )
+            raise write.error from None
+        except CheckpointError as error:
+            write.error = error
+            raise
+        except Exception as exc:  # any failure of the write is the part's
+            log.exception("checkpoint %s: the background write failed", write.checkpoint_id)
+            write.error = CheckpointError(
+                Reason.STORAGE_FAILED, f"the background write failed: {exc}"
+            )
+            raise write.error from exc
+        finally:
+            if self._running is write:
+                self._running = None
+            self._changed()
+        return published
+
+    def stop(self) -> None:
+        """Abandon a write that has not begun publishing (the process is closing)."""
+        if self._running is not None:
+            self._running.fence.stop()
+
+
+async def _ended(task: asyncio.Task[PublishedPart]) -> None:
+    await asyncio.wait([task])
