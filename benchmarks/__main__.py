@@ -1,7 +1,7 @@
 """`python -m benchmarks`: run every benchmark, write JSON + Markdown, print a summary.
 
-    python -m benchmarks                         # the defaults (under 10 minutes on 2 cores)
-    python -m benchmarks --scale tiny            # every benchmark at a tiny size (seconds)
+    python -m benchmarks                         # the defaults (about 15 minutes on 2 cores)
+    python -m benchmarks --scale tiny            # every benchmark at a tiny size (about 1.5 minutes)
     python -m benchmarks --only prepare,control --repeats 5 --output /tmp/bench
     python -m benchmarks --only light --merge    # rerun one; keep the others' last results
     python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
