@@ -174,19 +174,7 @@ async def checkpoint(
             progress,
             detail={"records": result.record_count(), "bytes": result.bytes()},
         )
-        publish_started = time.monotonic()
-        continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
-        parts = [
-            PublishedParticipant(
-                m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
-            )
-            for m in fleet.members
-        ]
-        outcome.published = await asyncio.to_thread(
-            root.publish, checkpoint_id, parts, continued, controller_state, keep=keep
-        )
-        outcome.continued = continued
-        outcome.publish_seconds = time.monotonic() - publish_started
+        await _publish(fleet, root, result, controller_state, keep, outcome)
     except BaseException:
         await _abort(fleet, checkpoint_id, deadline)
         raise
@@ -260,19 +248,7 @@ async def _asynchronous_checkpoint(
         progress,
         detail={"records": result.record_count(), "bytes": result.bytes()},
     )
-    publish_started = time.monotonic()
-    continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
-    parts = [
-        PublishedParticipant(
-            m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
-        )
-        for m in fleet.members
-    ]
-    outcome.published = await asyncio.to_thread(
-        root.publish, checkpoint_id, parts, continued, controller_state, keep=keep
-    )
-    outcome.continued = continued
-    outcome.publish_seconds = time.monotonic() - publish_started
+    await _publish(fleet, root, result, controller_state, keep, outcome)
     yield CheckpointEvent(Phase.DONE, progress, outcome)
 
 
@@ -295,6 +271,31 @@ async def refuse_members_awaiting_restore(fleet: Fleet) -> None:
             code="FAILED_PRECONDITION",
             metadata={"awaitingRestore": ",".join(waiting)},
         )
+
+
+async def _publish(
+    fleet: Fleet,
+    root: PublicationRoot,
+    result: FleetCommit,
+    controller_state: bytes,
+    keep: int,
+    outcome: CheckpointOutcome,
+) -> None:
+    """Publish `outcome`'s checkpoint from every member's durable part (in a thread: it
+    verifies every part) and record what was published and continued."""
+    publish_started = time.monotonic()
+    continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
+    parts = [
+        PublishedParticipant(
+            m.name, m.kind_name, m.instance, result.members[m.name].manifest_sha256
+        )
+        for m in fleet.members
+    ]
+    outcome.published = await asyncio.to_thread(
+        root.publish, outcome.checkpoint_id, parts, continued, controller_state, keep=keep
+    )
+    outcome.continued = continued
+    outcome.publish_seconds = time.monotonic() - publish_started
 
 
 def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:
