@@ -341,15 +341,22 @@ async def test_environment_workers_checkpoint_sigkill_restore_claims_continue(
         baseline[i] = reply.content
     agent.gate.clear()
     agent.arrived.clear()
-    in_flight = [
-        asyncio.ensure_future(post(first.base_url, f"/ng-rollout/r{i}/run", {"task": task(i % 3)}))
-        for i in range(runs)
-    ]
+    # One run at a time, each on its own connection, the next sent once the previous reached
+    # the agent: every worker then races for a single connection per wake-up. A burst would
+    # let the first worker awake accept all of them at once (asyncio accepts in a loop), and
+    # the other workers would hold nothing.
+    in_flight = []
+    for i in range(runs):
+        in_flight.append(
+            asyncio.ensure_future(
+                post(first.base_url, f"/ng-rollout/r{i}/run", {"task": task(i % 3)})
+            )
+        )
 
-    async def all_arrived() -> bool:
-        return len(agent.arrived) == runs
+        async def arrived(count: int = i + 1) -> bool:
+            return len(agent.arrived) == count
 
-    await until(all_arrived, "every run to reach the agent")
+        await until(arrived, f"run r{i} to reach the agent")
     client = first.client
     final = await client.prepare_until_final("ckpt-1", deadline())
     assert final.state == PREPARED, final
