@@ -20,7 +20,7 @@ import httpx
 import pytest
 from grpc import aio
 
-from rollout_checkpoint.client.checkpointing import checkpoint
+from rollout_checkpoint.client.checkpointing import Phase, checkpoint
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -101,13 +101,18 @@ def servers(tmp_path: Path) -> Any:
         started.close()
 
 
-async def take(fleet: Any, root: CheckpointRoot, checkpoint_id: str) -> Any:
-    events = [
-        e
-        async for e in checkpoint(
-            fleet, root, time.time() + 30, checkpoint_id=checkpoint_id, asynchronous=True
-        )
-    ]
+async def take(
+    fleet: Any, root: CheckpointRoot, checkpoint_id: str, resumed: asyncio.Event | None = None
+) -> Any:
+    """One asynchronous checkpoint, published; `resumed` is set once the fleet was resumed
+    (the await-parts phase begins after the Resume)."""
+    events = []
+    async for event in checkpoint(
+        fleet, root, time.time() + 30, checkpoint_id=checkpoint_id, asynchronous=True
+    ):
+        events.append(event)
+        if event.phase == Phase.AWAIT_PARTS and resumed is not None:
+            resumed.set()
     outcome = events[-1].outcome
     assert outcome is not None and outcome.published is not None
     return outcome
@@ -126,8 +131,11 @@ async def test_a_member_killed_during_its_background_write(
         first = await take(fleet, root, "k0")
         assert root.latest() == "k0" and first.asynchronous
         (servers.markers / "a-stall").touch()
-        running = asyncio.ensure_future(take(fleet, root, "k1"))
+        resumed = asyncio.Event()
+        running = asyncio.ensure_future(take(fleet, root, "k1", resumed))
         await wait_marker(servers, "a-write")
+        # The write starts at a's snapshot, before the controller has resumed the fleet.
+        await asyncio.wait_for(resumed.wait(), 30)
         # a's write is stuck in storage, and yet both members serve again.
         await open_again(a)
         await open_again(b)
