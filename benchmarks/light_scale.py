@@ -10,6 +10,11 @@ member exports what it holds) + publish + resume through the coordination librar
 the CoordinatorService (`rollout-checkpoint coordinator`, its own process; its Checkpoint
 RPC). The coordinator's CPU per member is its process CPU time over the checkpoint divided
 by the members: this process's for the library, the coordinator process's for the service.
+The members' CPU per member is the host processes' over the same checkpoint: on this one
+machine every member shares the coordinator's cores, which a real fleet's members do not.
+
+The ratio is on the fleet's pause, prepare + commit + publish + resume (the issue's figure):
+retention runs after the resume and is reported beside it.
 """
 
 from __future__ import annotations
@@ -63,30 +68,46 @@ def member_specs(hosts: list[Server]) -> list[MemberSpec]:
     return sorted(named, key=lambda m: m.name)
 
 
-async def library_cycle(fleet: Fleet, root: CheckpointRoot) -> dict[str, float]:
-    """One published checkpoint through `checkpointing.checkpoint`; seconds and CPU seconds."""
+def hosts_cpu_seconds(hosts: list[Server]) -> float:
+    """CPU seconds the host processes (every member) used so far."""
+    return sum(process_cpu_seconds(h.process.pid) for h in hosts)
+
+
+async def library_cycle(
+    fleet: Fleet, root: CheckpointRoot, hosts: list[Server]
+) -> dict[str, float]:
+    """One published checkpoint through `checkpointing.checkpoint`; seconds and CPU seconds.
+
+    "resumed" is the fleet's pause (the call until every member answered its Resume);
+    retention runs after it, "total" includes it."""
     cpu = time.process_time()
+    members_cpu = hosts_cpu_seconds(hosts)
     started = now()
     outcome = None
     async for event in checkpoint(fleet, root, deadline_in(TIMEOUT), scope=None, keep=1):
         outcome = event.outcome if event.final else outcome
     total = now() - started
     cpu = time.process_time() - cpu
-    if outcome is None or outcome.published is None:
+    members_cpu = hosts_cpu_seconds(hosts) - members_cpu
+    if outcome is None or outcome.published is None or outcome.resumed_seconds is None:
         raise RuntimeError(f"the light fleet checkpoint was not published: {outcome}")
     return {
+        "resumed": outcome.resumed_seconds,
         "total": total,
         "prepare": outcome.prepare_seconds,
         "commit": outcome.commit_seconds,
         "publish": outcome.publish_seconds,
+        "retention": outcome.retention_seconds,
         "cpu": cpu,
+        "members_cpu": members_cpu,
     }
 
 
 async def service_cycle(
     stub: cpb_grpc.CoordinatorServiceStub, metadata: Any, coordinator: Server
 ) -> dict[str, float]:
-    """One published checkpoint through the CoordinatorService's Checkpoint RPC."""
+    """One published checkpoint through the CoordinatorService's Checkpoint RPC ("resumed":
+    the fleet's pause as the coordinator reports it, `CheckpointResult.resumed_after`)."""
     request = cpb.CheckpointRequest(deadline=timestamp(deadline_in(TIMEOUT)))
     cpu = process_cpu_seconds(coordinator.process.pid)
     started = now()
@@ -97,7 +118,10 @@ async def service_cycle(
     cpu = process_cpu_seconds(coordinator.process.pid) - cpu
     if last is None or last.phase != cpb.CHECKPOINT_PHASE_DONE:
         raise RuntimeError(f"the coordinator's checkpoint did not finish: {last}")
-    return {"total": total, "cpu": cpu}
+    if not last.result.HasField("resumed_after"):
+        raise RuntimeError(f"the coordinator's checkpoint did not resume the fleet: {last}")
+    resumed = last.result.resumed_after.ToTimedelta().total_seconds()
+    return {"resumed": resumed, "total": total, "cpu": cpu}
 
 
 async def run(ctx: Any) -> BenchResult:
@@ -112,9 +136,12 @@ async def run(ctx: Any) -> BenchResult:
         f"participant with a few tiny episodes) in {params.light_hosts} host processes; a "
         "fleet of S is its first S members. Each round checkpoints every size through the "
         "coordination library + publication in the benchmark process, then through the "
-        "CoordinatorService (its own process); unscoped commits. CPU per member: the "
-        "coordinator process's CPU time over the checkpoint / members. Fan-out bound per "
-        f"stage: {fan_out} calls at once.",
+        "CoordinatorService (its own process); unscoped commits. The checkpoint is the "
+        "fleet's pause: from the call until every member answered its Resume; retention "
+        "(keep 1: the previous checkpoint is deleted) runs after it. Coordinator CPU per "
+        "member: the coordinator process's CPU time over the checkpoint / members; members' "
+        "CPU per member: the host processes' (on the same cores). Fan-out bound per stage: "
+        f"{fan_out} calls at once.",
         params={
             "sizes": sizes,
             "hosts": params.light_hosts,
@@ -153,7 +180,7 @@ async def run(ctx: Any) -> BenchResult:
             if repeat >= 0:
                 ctx.say(f"light: round {repeat + 1}/{params.repeats}")
             for size in sizes:
-                timing = await library_cycle(fleets[size], roots[size])
+                timing = await library_cycle(fleets[size], roots[size], hosts)
                 served = await service_cycle(stubs[size], metadata, coordinators[size])
                 if repeat >= 0:
                     library[size].append(timing)
@@ -163,22 +190,39 @@ async def run(ctx: Any) -> BenchResult:
         await asyncio.gather(*(c.close() for c in channels))
         processes.stop_servers([*coordinators.values(), *hosts])
         shutil.rmtree(work, ignore_errors=True)
+    phases = {
+        "resumed": "library: checkpoint (prepare + commit + publish + resume)",
+        "prepare": "library: of which prepare",
+        "commit": "library: of which commit",
+        "publish": "library: of which publish",
+        "retention": "library: retention, after the resume",
+        "total": "library: the whole call (with retention)",
+    }
     for size in sizes:
         label = f"{size} members"
-        for phase in ("total", "prepare", "commit", "publish"):
-            result.figure(
-                label,
-                "library: checkpoint" if phase == "total" else f"library: {phase}",
-                "ms",
-                [ms(t[phase]) for t in library[size]],
-            )
+        for phase, metric in phases.items():
+            result.figure(label, metric, "ms", [ms(t[phase]) for t in library[size]])
         result.figure(
             label,
             "library: coordinator CPU per member",
             "µs",
             [t["cpu"] / size * 1e6 for t in library[size]],
         )
-        result.figure(label, "service: checkpoint", "ms", [ms(t["total"]) for t in service[size]])
+        result.figure(
+            label,
+            "library: members' CPU per member (the host processes, same 2 cores)",
+            "µs",
+            [t["members_cpu"] / size * 1e6 for t in library[size]],
+        )
+        result.figure(
+            label,
+            "service: checkpoint (prepare + commit + publish + resume)",
+            "ms",
+            [ms(t["resumed"]) for t in service[size]],
+        )
+        result.figure(
+            label, "service: the whole call", "ms", [ms(t["total"]) for t in service[size]]
+        )
         result.figure(
             label,
             "service: coordinator CPU per member",
@@ -189,11 +233,21 @@ async def run(ctx: Any) -> BenchResult:
     for size in sizes[1:]:
         for name, timings in (("library", library), ("service", service)):
             result.ratio(
-                f"{size} / {smallest} members ({name}, end to end)",
+                f"{size} / {smallest} members ({name}: prepare + commit + publish + resume)",
                 f"{size} {name} checkpoint",
                 f"{smallest} {name} checkpoint",
                 ratios(
-                    [t["total"] for t in timings[size]], [t["total"] for t in timings[smallest]]
+                    [t["resumed"] for t in timings[size]],
+                    [t["resumed"] for t in timings[smallest]],
                 ),
             )
+        result.ratio(
+            f"{size} / {smallest} members (library: coordinator CPU per member)",
+            f"{size} coordinator CPU per member",
+            f"{smallest} coordinator CPU per member",
+            ratios(
+                [t["cpu"] / size for t in library[size]],
+                [t["cpu"] / smallest for t in library[smallest]],
+            ),
+        )
     return result

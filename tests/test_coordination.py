@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import checkpoint
 from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import (
@@ -24,6 +25,7 @@ from rollout_checkpoint.client.fleet import (
     MemberSpec,
     load_fleet_file,
 )
+from rollout_checkpoint.client.publication import CheckpointRoot, PublishedCheckpoint
 from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.participant import Kind
@@ -229,6 +231,46 @@ async def test_commit_scopes_every_member_and_renew_extends_every_lease(tmp_path
         )
         assert derived.scope == {EpisodeId("r1"), EpisodeId("r2"), EpisodeId("r3")}
         assert all(list(r.exported) == ["r1", "r2", "r3"] for r in derived.members.values())
+
+
+class RetentionLoggingRoot(CheckpointRoot):
+    """A checkpoint root that writes into the fleet's admission log when retention runs."""
+
+    def __init__(self, path: Path, log: list[str]) -> None:
+        super().__init__(path)
+        self.log = log
+
+    def complete_retention(self, published: PublishedCheckpoint) -> PublishedCheckpoint:
+        self.log.append(f"retention {published.checkpoint_id}")
+        return super().complete_retention(published)
+
+
+async def test_retention_deletes_the_previous_checkpoint_only_once_every_member_is_open_again(
+    tmp_path: Path,
+) -> None:
+    """Deleting a whole checkpoint is no part of the fleet's pause: retention runs after the
+    last Resume, and the outcome says how long the fleet was closed and what was deleted."""
+    async with fleet_of(Kind.ENVIRONMENT, Kind.AGENT, Kind.RESOURCES) as f:
+        for harness in f.h.values():
+            harness.participant.seed(EpisodeId("r1"), {"n": 1})
+        root = RetentionLoggingRoot(tmp_path / "root", f.log)
+        outcomes = []
+        for checkpoint_id in ("ckpt-first", "ckpt-second"):
+            f.log.clear()
+            async for event in checkpoint(
+                f.fleet, root, f.deadline(), checkpoint_id=checkpoint_id, scope=None, keep=1
+            ):
+                if event.final:
+                    outcomes.append(event.outcome)
+        first, second = outcomes
+        assert first is not None and second is not None
+        assert f.log[-1] == "retention ckpt-second"
+        assert sorted(f.log[-4:-1]) == [f"open {name}" for name in sorted(f.h)]
+        assert second.published is not None and second.published.deleted == ("ckpt-first",)
+        assert second.published.pending_retention is None
+        assert root.published() == ["ckpt-second"]
+        assert second.resumed_seconds is not None
+        assert second.resumed_seconds >= second.prepare_seconds + second.commit_seconds
 
 
 async def make_fleet_checkpoint(f: RunningFleet, directory: str, episodes: list[EpisodeId]) -> None:

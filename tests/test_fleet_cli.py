@@ -287,6 +287,12 @@ async def test_coordinator_service_checkpoint_stream_and_restore(tmp_path: Path)
                 assert [e.rollout_id for e in result.continued] == [
                     "r1"
                 ] and result.record_count == 1
+                # The fleet's pause (until the last Resume) and the retention after it.
+                assert result.HasField("resumed_after") and result.HasField("retention_duration")
+                assert (
+                    result.resumed_after.ToTimedelta()
+                    >= result.prepare_duration.ToTimedelta() + result.commit_duration.ToTimedelta()
+                )
                 assert cli("inspect", result.directory).returncode == 0
                 with pytest.raises(aio.AioRpcError) as refused:
                     await stub.Prepare(

@@ -362,6 +362,41 @@ def test_retention_never_deletes_the_checkpoint_just_published(tmp_path: Path) -
     assert root.load(None).checkpoint_id == "newest"
 
 
+def test_deferred_retention_keeps_the_reference_taken_before_the_publication(
+    tmp_path: Path,
+) -> None:
+    """`defer_retention=True` publishes (LATEST moves) and deletes nothing; completing it later
+    deletes exactly what the publication would have, judged by the checkpoint directory's age
+    as it was before the publication touched it, not as it is when retention runs."""
+    root = CheckpointRoot(tmp_path)
+    hour = timedelta(hours=1)
+    ago = datetime.now(UTC) - 4 * hour  # mtimes in the past: the publication's writes are now
+    publish_new(root, "p-old", created_at=T0, keep=10)
+    set_mtime(tmp_path / "p-old", ago)
+    old_partial = partial(root, "failed-old", ago + hour)
+    parts = make_parts(root, "p-new")
+    set_mtime(tmp_path / "p-new", ago + 2 * hour)
+    newer_partial = partial(root, "started-later", ago + 3 * hour)
+    before = (tmp_path / "p-new").stat().st_mtime_ns
+
+    published = root.publish(
+        "p-new", parts, [], b"", created_at=T0 + 2 * hour, keep=1, defer_retention=True
+    )
+
+    assert root.latest() == "p-new" and published.deleted == ()
+    assert published.pending_retention == publication.PendingRetention(1, before)
+    assert root.published() == ["p-old", "p-new"] and old_partial.is_dir()
+    # The directory's mtime moved when the publication wrote checkpoint.json into it: a
+    # reference read now would be newer than "started-later" and delete it.
+    assert (tmp_path / "p-new").stat().st_mtime_ns > newer_partial.stat().st_mtime_ns
+
+    completed = root.complete_retention(published)
+
+    assert completed.deleted == ("failed-old", "p-old") and completed.pending_retention is None
+    assert root.published() == ["p-new"] and newer_partial.is_dir() and not old_partial.exists()
+    assert root.complete_retention(completed) is completed  # nothing left to do
+
+
 # -- LATEST -------------------------------------------------------------------------------
 
 

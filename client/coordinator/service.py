@@ -413,6 +413,10 @@ def _checkpoint_response(event: CheckpointEvent) -> cpb.CheckpointResponse:
         result.publish_duration.CopyFrom(duration(outcome.publish_seconds))
         if outcome.asynchronous:
             result.durable_duration.CopyFrom(duration(outcome.durable_seconds))
+        if outcome.resumed_seconds is not None:
+            result.resumed_after.CopyFrom(duration(outcome.resumed_seconds))
+        if outcome.published is not None:
+            result.retention_duration.CopyFrom(duration(outcome.retention_seconds))
         result.record_count = outcome.record_count
         result.bytes = outcome.bytes
         result.continued.extend(episode_message(e) for e in outcome.continued)

@@ -41,7 +41,9 @@ step before it:
 5. **Retention last**, after `LATEST` moved, so it never deletes what `LATEST` still names.
    A directory is deleted by renaming it to a hidden trash name first (then removing the
    tree): a crash in the middle of a removal never leaves a directory that still looks
-   published but has lost parts.
+   published but has lost parts. A controller that resumes its fleet after publishing
+   defers this step (`defer_retention=True`, then `complete_retention`) until the fleet runs
+   again: deleting a 1,000-member checkpoint is seconds of disk work that no restore needs.
 
 Every file below the root is opened through directory descriptors with O_NOFOLLOW, so a
 symlink planted anywhere in a checkpoint directory is refused rather than followed. The
@@ -76,6 +78,7 @@ from rollout_checkpoint.client.publication.manifest import (
 from rollout_checkpoint.client.publication.root import (
     CheckpointRoot,
     CrashHook,
+    PendingRetention,
     PublishedCheckpoint,
 )
 from rollout_checkpoint.client.publication.roots import PublicationRoot, open_checkpoint_root
@@ -95,6 +98,7 @@ __all__ = [
     "FleetManifest",
     "NoPublishedCheckpoint",
     "ParticipantSummary",
+    "PendingRetention",
     "PublicationError",
     "PublicationRoot",
     "PublishedCheckpoint",

@@ -32,6 +32,7 @@ import hashlib
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -47,6 +48,7 @@ from rollout_checkpoint.client.publication.manifest import (
     parse_time,
 )
 from rollout_checkpoint.client.publication.root import (
+    PendingRetention,
     PublishedCheckpoint,
     check_continued,
     check_participants,
@@ -151,6 +153,7 @@ class ObjectCheckpointRoot:
         keep: int = 2,
         created_at: datetime | None = None,
         verify_records: bool = True,
+        defer_retention: bool = False,
     ) -> PublishedCheckpoint:
         """Verify every part, create `checkpoint.json`, move `LATEST` forward, apply
         retention; `CheckpointRoot.publish`'s contract (and its result type)."""
@@ -200,15 +203,32 @@ class ObjectCheckpointRoot:
             self._step("after_fleet_manifest")
             self._move_latest(checkpoint_id, manifest.created_at)
             self._step("after_latest")
-            deleted = self._apply_retention(keep, checkpoint_id, reference)
-        return PublishedCheckpoint(
-            checkpoint_id,
-            ckpt.url,
-            hashlib.sha256(data).hexdigest(),
-            manifest,
-            already_published=already,
-            deleted=deleted,
+            published = PublishedCheckpoint(
+                checkpoint_id,
+                ckpt.url,
+                hashlib.sha256(data).hexdigest(),
+                manifest,
+                already_published=already,
+                pending_retention=PendingRetention(keep, reference),
+            )
+            if defer_retention:
+                return published
+            return self._retain(published)
+
+    def complete_retention(self, published: PublishedCheckpoint) -> PublishedCheckpoint:
+        """`CheckpointRoot.complete_retention` on the store."""
+        if published.pending_retention is None:
+            return published
+        with self._lock:
+            return self._retain(published)
+
+    def _retain(self, published: PublishedCheckpoint) -> PublishedCheckpoint:
+        pending = published.pending_retention
+        assert pending is not None and isinstance(pending.unpublished_before, datetime)
+        deleted = self._apply_retention(
+            pending.keep, published.checkpoint_id, pending.unpublished_before
         )
+        return replace(published, deleted=deleted, pending_retention=None)
 
     def _move_latest(self, checkpoint_id: str, created_at: datetime) -> None:
         """Point LATEST at `checkpoint_id` unless it names a newer published checkpoint; by

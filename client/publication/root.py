@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,6 +49,8 @@ from rollout_checkpoint.server.core.layout import (
 from rollout_checkpoint.server.core.part_reader import RecordsCheck
 from rollout_checkpoint.server.core.safe_files import closing
 
+log = logging.getLogger(__name__)
+
 CrashHook = Callable[[str], None]
 """Called with the name of each publication step; fault tests stop the publisher there."""
 
@@ -65,6 +68,25 @@ class PublishedCheckpoint:
     """True when an identical fleet manifest was already there (an idempotent retry)."""
     deleted: tuple[str, ...] = ()
     """Checkpoint directories retention removed (published and unpublished)."""
+    pending_retention: PendingRetention | None = None
+    """Set when the publication deferred its retention (`publish(..., defer_retention=True)`):
+    what `complete_retention` needs. None once retention ran."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRetention:
+    """A publication's retention, deferred until the fleet runs again.
+
+    Retention deletes whole checkpoints: at 1,000 members that is thousands of files, seconds
+    on a busy disk, and inside the publication it kept the fleet closed for all of it. Nothing
+    a restore needs is at stake (LATEST already names the new checkpoint and is read again
+    before anything is deleted), so a controller publishes, resumes, then completes it."""
+
+    keep: int
+    unpublished_before: int | datetime
+    """Unpublished checkpoints older than this are abandoned attempts: the checkpoint
+    directory's mtime in ns (a local root) or its oldest object's time (an object store), as
+    it was before the publication wrote anything."""
 
 
 class CheckpointRoot:
@@ -121,6 +143,7 @@ class CheckpointRoot:
         keep: int = 2,
         created_at: datetime | None = None,
         verify_records: bool = True,
+        defer_retention: bool = False,
     ) -> PublishedCheckpoint:
         """Verify every part, write `checkpoint.json`, move `LATEST`, apply retention.
 
@@ -140,6 +163,7 @@ class CheckpointRoot:
         `keep` (>= 1) published checkpoints survive retention, newest by created_at (ties
         by id), plus always the one just published and the one LATEST names. Unpublished
         checkpoint directories older than this one are deleted (see `apply_retention`).
+        `defer_retention=True` leaves that to `complete_retention` (see `PendingRetention`).
         """
         _check_checkpoint_id(checkpoint_id)
         entries = check_participants(participants)
@@ -188,15 +212,37 @@ class CheckpointRoot:
             if not latest_is_newer(root_fd, self.path, checkpoint_id, manifest.created_at):
                 write_latest(root_fd, checkpoint_id)
             self._step("after_latest")
-            deleted = apply_retention(root_fd, self.path, keep, checkpoint_id, reference_mtime_ns)
-        return PublishedCheckpoint(
-            checkpoint_id,
-            directory,
-            hashlib.sha256(data).hexdigest(),
-            manifest,
-            already_published=existed,
-            deleted=deleted,
+            published = PublishedCheckpoint(
+                checkpoint_id,
+                directory,
+                hashlib.sha256(data).hexdigest(),
+                manifest,
+                already_published=existed,
+                pending_retention=PendingRetention(keep, reference_mtime_ns),
+            )
+            if defer_retention:
+                return published
+            return self._retain(root_fd, published)
+
+    def complete_retention(self, published: PublishedCheckpoint) -> PublishedCheckpoint:
+        """Apply the retention `publish(..., defer_retention=True)` left pending; `published`
+        with `deleted` set and nothing pending. Never raises for a failed deletion."""
+        if published.pending_retention is None:
+            return published
+        try:
+            with self._lock, safe_files.opened(self.path, ROOT_FLAGS) as root_fd:
+                return self._retain(root_fd, published)
+        except OSError as exc:
+            log.warning("retention skipped: cannot open %s: %s", self.path, exc)
+            return replace(published, pending_retention=None)
+
+    def _retain(self, root_fd: int, published: PublishedCheckpoint) -> PublishedCheckpoint:
+        pending = published.pending_retention
+        assert pending is not None and isinstance(pending.unpublished_before, int)
+        deleted = apply_retention(
+            root_fd, self.path, pending.keep, published.checkpoint_id, pending.unpublished_before
         )
+        return replace(published, deleted=deleted, pending_retention=None)
 
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:

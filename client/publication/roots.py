@@ -48,7 +48,13 @@ class PublicationRoot(Protocol):
         keep: int = 2,
         created_at: datetime | None = None,
         verify_records: bool = True,
+        defer_retention: bool = False,
     ) -> PublishedCheckpoint: ...
+
+    def complete_retention(self, published: PublishedCheckpoint) -> PublishedCheckpoint:
+        """Apply a deferred retention (see `PendingRetention`); never raises for a failed
+        deletion."""
+        ...
 
     def latest(self) -> str | None: ...
 

@@ -911,6 +911,8 @@ class CheckpointResult(_message.Message):
     COMMIT_DURATION_FIELD_NUMBER: _builtins.int
     PUBLISH_DURATION_FIELD_NUMBER: _builtins.int
     DURABLE_DURATION_FIELD_NUMBER: _builtins.int
+    RESUMED_AFTER_FIELD_NUMBER: _builtins.int
+    RETENTION_DURATION_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The checkpoint id."""
     published: _builtins.bool
@@ -947,6 +949,21 @@ class CheckpointResult(_message.Message):
         (`commit_duration` is then the snapshot's).
         """
 
+    @_builtins.property
+    def resumed_after(self) -> _duration_pb2.Duration:
+        """Time from the call until every member had answered its Resume: the
+        fleet's pause as the coordinator saw it. Unset when the fleet was not
+        resumed by this call (not prepared, or `keep_closed`).
+        """
+
+    @_builtins.property
+    def retention_duration(self) -> _duration_pb2.Duration:
+        """Time spent deleting the checkpoints retention no longer keeps. It runs
+        after the resume (after publishing, for an asynchronous checkpoint), so
+        it is part of the call but not of the fleet's pause; a failed deletion is
+        logged and retried by the next publication, never an error of this call.
+        """
+
     def __init__(
         self,
         *,
@@ -962,10 +979,12 @@ class CheckpointResult(_message.Message):
         commit_duration: _duration_pb2.Duration | None = ...,
         publish_duration: _duration_pb2.Duration | None = ...,
         durable_duration: _duration_pb2.Duration | None = ...,
+        resumed_after: _duration_pb2.Duration | None = ...,
+        retention_duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit_duration", b"commit_duration", "durable_duration", b"durable_duration", "prepare_duration", b"prepare_duration", "publish_duration", b"publish_duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit_duration", b"commit_duration", "durable_duration", b"durable_duration", "prepare_duration", b"prepare_duration", "publish_duration", b"publish_duration", "resumed_after", b"resumed_after", "retention_duration", b"retention_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "commit_duration", b"commit_duration", "continued", b"continued", "directory", b"directory", "durable_duration", b"durable_duration", "fleet_manifest_sha256", b"fleet_manifest_sha256", "prepare_duration", b"prepare_duration", "prepare_outcome", b"prepare_outcome", "publish_duration", b"publish_duration", "published", b"published", "record_count", b"record_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "commit_duration", b"commit_duration", "continued", b"continued", "directory", b"directory", "durable_duration", b"durable_duration", "fleet_manifest_sha256", b"fleet_manifest_sha256", "prepare_duration", b"prepare_duration", "prepare_outcome", b"prepare_outcome", "publish_duration", b"publish_duration", "published", b"published", "record_count", b"record_count", "resumed_after", b"resumed_after", "retention_duration", b"retention_duration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

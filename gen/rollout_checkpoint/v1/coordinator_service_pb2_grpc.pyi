@@ -139,9 +139,11 @@ class CoordinatorServiceStub:
     publish and resume) and ends with exactly one final message carrying the
     result. Publication writes the fleet manifest `checkpoint.json` into
     `<checkpoint_root>/<checkpoint_id>/` after every member committed, then
-    points `<checkpoint_root>/LATEST` at it atomically, then applies the
-    retention (the N newest published checkpoints are kept; unpublished
-    partial ones are deleted). If the fleet is not prepared by the deadline,
+    points `<checkpoint_root>/LATEST` at it atomically, then resumes the
+    fleet, and only then applies the retention (the N newest published
+    checkpoints are kept; unpublished partial ones are deleted): deleting old
+    checkpoints is no part of the fleet's pause, and a failed deletion is
+    logged, never an error of the call. If the fleet is not prepared by the deadline,
     the checkpoint is aborted (every member resumed) and the final message
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
     too (nothing is published) and fails the call with the members' errors.
@@ -276,9 +278,11 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     publish and resume) and ends with exactly one final message carrying the
     result. Publication writes the fleet manifest `checkpoint.json` into
     `<checkpoint_root>/<checkpoint_id>/` after every member committed, then
-    points `<checkpoint_root>/LATEST` at it atomically, then applies the
-    retention (the N newest published checkpoints are kept; unpublished
-    partial ones are deleted). If the fleet is not prepared by the deadline,
+    points `<checkpoint_root>/LATEST` at it atomically, then resumes the
+    fleet, and only then applies the retention (the N newest published
+    checkpoints are kept; unpublished partial ones are deleted): deleting old
+    checkpoints is no part of the fleet's pause, and a failed deletion is
+    logged, never an error of the call. If the fleet is not prepared by the deadline,
     the checkpoint is aborted (every member resumed) and the final message
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
     too (nothing is published) and fails the call with the members' errors.
@@ -464,9 +468,11 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         publish and resume) and ends with exactly one final message carrying the
         result. Publication writes the fleet manifest `checkpoint.json` into
         `<checkpoint_root>/<checkpoint_id>/` after every member committed, then
-        points `<checkpoint_root>/LATEST` at it atomically, then applies the
-        retention (the N newest published checkpoints are kept; unpublished
-        partial ones are deleted). If the fleet is not prepared by the deadline,
+        points `<checkpoint_root>/LATEST` at it atomically, then resumes the
+        fleet, and only then applies the retention (the N newest published
+        checkpoints are kept; unpublished partial ones are deleted): deleting old
+        checkpoints is no part of the fleet's pause, and a failed deletion is
+        logged, never an error of the call. If the fleet is not prepared by the deadline,
         the checkpoint is aborted (every member resumed) and the final message
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
         too (nothing is published) and fails the call with the members' errors.
