@@ -11,6 +11,7 @@ STORAGE_FAILED and never echoed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -267,15 +268,21 @@ async def test_publish_latest_retention_and_inspect_on_the_store(
             str(root.directory(checkpoint_id)), {EpisodeId(f"r{number}"): number}, checkpoint_id
         )
         part = publish_parts(root, checkpoint_id, reply)
-        result = await asyncio.to_thread(
-            root.publish, checkpoint_id, [part], [EpisodeId(f"r{number}")], b"state", keep=2
+        # The last one defers its retention, as a controller does until its fleet resumed.
+        publish = functools.partial(
+            root.publish,
+            checkpoint_id,
+            [part],
+            [EpisodeId(f"r{number}")],
+            b"state",
+            keep=2,
+            defer_retention=number == 2,
         )
+        result = await asyncio.to_thread(publish)
         published.append(result)
         assert await asyncio.to_thread(root.latest) == checkpoint_id
         # A retry of the same publication is idempotent.
-        again = await asyncio.to_thread(
-            root.publish, checkpoint_id, [part], [EpisodeId(f"r{number}")], b"state", keep=2
-        )
+        again = await asyncio.to_thread(publish)
         assert again.already_published
         assert again.fleet_manifest_sha256 == result.fleet_manifest_sha256
         # The same id with another manifest is a conflict.
@@ -284,7 +291,10 @@ async def test_publish_latest_retention_and_inspect_on_the_store(
     # The abandoned checkpoint, started before, goes with the first publication.
     assert published[0].deleted == ("abandoned",)
     assert keys_below(s3_env, f"{url}/abandoned") == []
-    assert ids[0] in published[2].deleted and ids[1] not in published[2].deleted
+    assert published[2].deleted == () and published[2].pending_retention is not None
+    assert await asyncio.to_thread(root.published) == ids
+    completed = await asyncio.to_thread(root.complete_retention, published[2])
+    assert completed.deleted == (ids[0],) and completed.pending_retention is None
     assert await asyncio.to_thread(root.published) == ids[1:]
     assert keys_below(s3_env, f"{url}/{ids[0]}") == []
     # A late retry of an older publication completes but never moves LATEST back.
