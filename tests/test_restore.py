@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.runtime import restore_job
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import Harness, drain, refused, start_harness, stop_harness
@@ -101,6 +103,68 @@ async def test_restore_installs_the_scope_as_the_next_attempt_and_stays_closed(
         "state": STATES[EpisodeId("r1")]
     }
     assert (await h.http.post("/ng-rollout/r9/seed", json={"state": {}})).status_code == 200
+
+
+async def test_restored_states_share_their_equal_short_strings_and_keep_their_values(
+    harness: Harness, checkpoint_dir: str
+) -> None:
+    """Each decoded record's equal short strings are one object across the restored states
+    (restored_memory.py: they made a third of a restore's memory), and nothing else changes:
+    values, key order, number types, long strings, and each state's own containers."""
+    long_text = "a note much longer than sixty-four characters, as prose usually is " * 2
+    states: dict[EpisodeId, object] = {
+        EpisodeId(f"r{i}"): {
+            "status": "active",
+            "tags": ["urgent", "lab", f"own-{i}"],
+            "mail": {"from": "l.marsh@clinic.example", "body": long_text},
+            "numbers": [1, 1.0, True, None, "1", 2**70],
+            "nested": [[{"role": "assistant", "tool": "send_email"}]],
+        }
+        for i in range(3)
+    }
+    await make_checkpoint(checkpoint_dir, states)
+    h = harness
+    scope = list(states)
+    await h.client.restore("restore-1", h.deadline(), checkpoint_dir, scope)
+    restored = [h.participant.states[e.next_attempt()] for e in scope]
+    for episode, state in zip(scope, restored, strict=True):
+        assert json.dumps(state) == json.dumps(states[episode])
+        assert [type(v) for v in state["numbers"]] == [int, float, bool, type(None), str, int]
+    first, *others = restored
+    for other in others:
+        assert other["status"] is first["status"]
+        assert other["tags"][0] is first["tags"][0] and other["tags"][1] is first["tags"][1]
+        assert other["mail"]["from"] is first["mail"]["from"]
+        assert other["nested"][0][0]["role"] is first["nested"][0][0]["role"]
+        assert other["nested"][0][0]["tool"] is first["nested"][0][0]["tool"]
+        assert other["numbers"][4] is first["numbers"][4]
+        assert other["mail"]["body"] == first["mail"]["body"]
+        assert other["mail"] is not first["mail"] and other["tags"] is not first["tags"]
+    # The states stay independent: changing one changes no other.
+    first["tags"].append("changed")
+    first["mail"]["from"] = "someone@else.example"
+    assert all(o["tags"][-1] != "changed" for o in others)
+    assert all(o["mail"]["from"] == "l.marsh@clinic.example" for o in others)
+
+
+async def test_the_reading_thread_returns_the_free_heap_after_the_records_are_read(
+    harness: Harness, checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`malloc_trim` runs once per restore, in the reading thread (never on the loop),
+    and the restore goes on as before."""
+    calls: list[str] = []
+
+    def release() -> bool:
+        calls.append(threading.current_thread().name)
+        return True
+
+    monkeypatch.setattr(restore_job, "release_free_heap", release)
+    await make_checkpoint(checkpoint_dir, STATES)
+    h = harness
+    reply = await h.client.restore("restore-1", h.deadline(), checkpoint_dir, [EpisodeId("r3")])
+    assert list(reply.restored) == ["r3-a1"]
+    assert h.participant.states == {EpisodeId("r3", 1): {"n": 3}}
+    assert len(calls) == 1 and calls[0] != threading.main_thread().name
 
 
 async def test_restore_with_an_empty_scope_installs_nothing(

@@ -48,6 +48,7 @@ from rollout_checkpoint.server.runtime.participant import Participant, RestoredR
 from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import restored_record
 from rollout_checkpoint.server.runtime.refusals import call_hook
+from rollout_checkpoint.server.runtime.restored_memory import StringTable, release_free_heap
 from rollout_checkpoint.server.runtime.waiting import await_until, retrieve_exception
 
 log = logging.getLogger(__name__)
@@ -239,11 +240,14 @@ class RestoreJob:
     ) -> tuple[StoredManifest, list[RestoredRecord]]:
         """The part's manifest and the records of the scope, ready to install (in a thread:
         it does I/O, and turning thousands of parsed records into `RestoredRecord`s is no
-        work for the event loop)."""
+        work for the event loop). Each kept record's equal short strings are shared as it
+        is decoded, and glibc's free heap is returned at the end: restored_memory.py."""
         wanted = {e.capture_key for e in self.scope}
         kind = participant.kind.value
         part = layout.part_path(self.checkpoint_dir, kind, participant.instance)
         seen: set[object] = set()
+        strings = StringTable()
+        episodes: list[EpisodeId] = []
 
         def select(record: dict[str, Any]) -> bool:
             try:
@@ -266,10 +270,23 @@ class RestoreJob:
                     path=part,
                     capture_key=key,
                 )
-            return key in wanted
+            if key not in wanted:
+                return False
+            # Kept: its episode parsed once (the restored record takes it over), and its
+            # equal short strings shared with the records before it while it is fresh, so
+            # the copies it drops are reused by the next record's decode (restored_memory.py).
+            episodes.append(episode)
+            strings.share(record)
+            return True
 
         with collection_paused():  # decoded records are all kept: see collector.py
             manifest, raw = storage.read_part(
                 self.checkpoint_dir, kind, participant.instance, select
             )
-            return manifest, [restored_record(r) for r in raw]
+            # The storage keeps exactly the records `select` accepted, in their order.
+            records = [restored_record(r, e) for r, e in zip(raw, episodes, strict=True)]
+        strings.clear()
+        episodes.clear()
+        del raw
+        release_free_heap()  # the reading's buffers and the table are freed by now
+        return manifest, records
