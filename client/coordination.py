@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -229,16 +229,36 @@ async def _read_prepare(
 ) -> None:
     """Relay one member's Prepare stream to `updates`, then None (or its `ControlError`).
 
-    Holds a slot of `starting` from the call until its first message (or its end)."""
+    Holds a slot of `starting` from the call until its first message (or its end).
+
+    The Prepare is fenced to the process whose status this fleet checked
+    (`Member.state_checked_boot_id`). A replacement refuses it untouched; its status is read
+    then, and it is prepared after all unless it awaits its restore (the BOOT_ID_MISMATCH
+    refusal is relayed then: a checkpoint names it `awaitingRestore`)."""
     holding = False
     try:
         await starting.acquire()
         holding = True
-        async for message in member.client.prepare(checkpoint_id, deadline):
-            if holding:
-                holding = False
-                starting.release()
-            await updates.put((member.name, message))
+        for checked_again in (False, True):
+            answered = False
+            try:
+                async for message in member.client.prepare(
+                    checkpoint_id, deadline, expected_boot_id=member.state_checked_boot_id
+                ):
+                    answered = True
+                    if holding:
+                        holding = False
+                        starting.release()
+                    await updates.put((member.name, message))
+                break
+            except ControlError as error:
+                if (
+                    checked_again
+                    or answered
+                    or error.reason != Reason.BOOT_ID_MISMATCH
+                    or not await _check_again(member)
+                ):
+                    raise
     except ControlError as error:
         await updates.put((member.name, error))
         return
@@ -246,6 +266,21 @@ async def _read_prepare(
         if holding:
             starting.release()
     await updates.put((member.name, None))
+
+
+async def _check_again(member: Member) -> bool:
+    """Read the status of a member that refused a fenced Prepare (it is another process):
+    True, with the new process checked, unless it awaits its restore (which no Prepare may
+    reach: its part would be empty)."""
+    member.state_checked_boot_id = ""
+    try:
+        status = await member.client.get_status()
+    except ControlError:
+        return False
+    if awaiting_restore(status):
+        return False
+    member.state_checked_boot_id = status.boot_id
+    return True
 
 
 async def prepare_until_done(
@@ -476,11 +511,19 @@ async def abandon_restore(
 # -- resume, retire, forget, renew ----------------------------------------------------------
 
 
-async def resume(fleet: Fleet, checkpoint_id: str, deadline: float) -> dict[str, pb.ResumeResponse]:
-    """Reverse stage order; a failing member does not stop the others (raised at the end)."""
+async def resume(
+    fleet: Fleet, checkpoint_id: str, deadline: float, *, sparing: Collection[str] = ()
+) -> dict[str, pb.ResumeResponse]:
+    """Reverse stage order; a failing member does not stop the others (raised at the end).
+
+    `sparing`: members not to call (a replacement that refused the Prepare: resuming it
+    would open a process that may await its restore)."""
     replies: dict[str, pb.ResumeResponse] = {}
     failures: dict[str, ControlError] = {}
     for _, members in reversed(fleet.stages()):
+        members = [m for m in members if m.name not in sparing]
+        if not members:
+            continue
         try:
             replies.update(
                 await fan_out(

@@ -236,6 +236,12 @@ class Member:
     instance: str
     boot_id: str
     client: ParticipantClient
+    state_checked_boot_id: str = ""
+    """The boot id of the process whose status this controller read and found not awaiting
+    its restore (`checkpointing.refuse_members_awaiting_restore`); empty until then. Prepare
+    is fenced to it (`PrepareRequest.expected_boot_id`), so the status needs no reading
+    again while the process stays the same one, and a replacement refuses the Prepare
+    (BOOT_ID_MISMATCH) instead of being prepared in its place."""
 
     @property
     def kind_name(self) -> str:

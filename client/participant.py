@@ -181,7 +181,7 @@ class ParticipantClient:
     # -- checkpoint ---------------------------------------------------------------------
 
     async def prepare(
-        self, checkpoint_id: str, deadline: float
+        self, checkpoint_id: str, deadline: float, *, expected_boot_id: str = ""
     ) -> AsyncIterator[pb.PrepareResponse]:
         """Yield the Prepare stream's messages; the last has `final` set.
 
@@ -192,8 +192,14 @@ class ParticipantClient:
         Prepare replays one final message (`replayed`). Leaving the loop early cancels the
         stream, not the checkpoint. Raises `ControlError`: `STALE_CHECKPOINT`,
         `CHECKPOINT_CONFLICT`, `INVALID_PHASE`, `CHECKPOINT_DEADLINE_EXCEEDED`,
-        `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised; it reopened)."""
-        request = pb.PrepareRequest(checkpoint_id=checkpoint_id, deadline=timestamp(deadline))
+        `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised; it reopened),
+        `BOOT_ID_MISMATCH` (`expected_boot_id` given and the process is another one; nothing
+        changed)."""
+        request = pb.PrepareRequest(
+            checkpoint_id=checkpoint_id,
+            deadline=timestamp(deadline),
+            expected_boot_id=expected_boot_id,
+        )
         call: Any = self._stub.Prepare(
             request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
         )

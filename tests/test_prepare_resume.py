@@ -220,3 +220,22 @@ async def test_readiness_changes_are_streamed(harness: Harness) -> None:
         assert change.readiness.counts["inflight"] == 1
     final = (await drain(stream))[-1]
     assert final.state == PREPARED and final.readiness.blocker_count == 0
+
+
+async def test_a_prepare_fenced_to_another_boot_id_changes_nothing(harness: Harness) -> None:
+    """`expected_boot_id` naming another process: refused before anything changes (the
+    caller means a process this one replaced); the right boot id prepares as usual."""
+    h = harness
+    await h.http.post("/ng-rollout/r1/seed", json={"state": {"n": 0}})
+    boot_id = (await h.client.get_status()).boot_id
+    error = await refused(
+        drain(h.client.prepare("c1", h.deadline(), expected_boot_id="f" * 32)),
+        "BOOT_ID_MISMATCH",
+        "FAILED_PRECONDITION",
+    )
+    assert error.metadata == {"bootId": boot_id, "expectedBootId": "f" * 32}
+    status = await h.client.get_status()
+    assert status.state == IDLE and status.admission_open and status.checkpoint_id == ""
+    assert (await h.http.post("/ng-rollout/r2/seed", json={"state": {}})).status_code == 200
+    messages = await drain(h.client.prepare("c1", h.deadline(), expected_boot_id=boot_id))
+    assert messages[-1].final and messages[-1].state == PREPARED

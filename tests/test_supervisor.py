@@ -30,11 +30,14 @@ import httpx
 import pytest
 from grpc import aio
 
-from rollout_checkpoint.client.checkpointing import checkpoint
+from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import checkpoint, refuse_members_awaiting_restore
+from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.coordinator.supervisor import RestartStrategy, SupervisorSettings
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.publication import CheckpointRoot
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
@@ -370,3 +373,71 @@ async def test_two_supervisors_racing_corrupt_nothing(
             assert await value(http, member, key, cookies[name]) == 7, name
     after = await statuses(spec)
     assert all(s.state == IDLE and s.admission_open for s in after.values()), after
+
+
+async def test_a_member_replaced_after_the_status_round_refuses_its_prepare_untouched(
+    counters: CounterFleet, tmp_path: Path
+) -> None:
+    """A crash and a replacement started closed between the pre-flight status round and the
+    Prepare: the Prepare is fenced to the boot id the round read, so the replacement refuses
+    it (BOOT_ID_MISMATCH) and stays closed, instead of being prepared and committing an empty
+    part in place of everything the crashed process held."""
+    for name in ("c0", "c1", "c2"):
+        counters.start(name)
+    spec = counters.spec(tmp_path / "checkpoints")
+    async with await Fleet.discover(spec) as fleet:
+        await refuse_members_awaiting_restore(fleet)
+        counters.replace("c1")
+        with pytest.raises(FleetError) as refused:
+            await coordination.prepare_until_done(fleet, "ckpt-fenced", time.time() + 30)
+        assert refused.value.failures["c1"].reason == "BOOT_ID_MISMATCH"
+        await coordination.resume(fleet, "ckpt-fenced", time.time() + 30, sparing={"c1"})
+    after = await statuses(spec)
+    assert after["c1"].state == IDLE and not after["c1"].admission_open  # awaits its restore
+    assert after["c1"].checkpoint_id == ""
+    assert after["c0"].admission_open and after["c2"].admission_open
+
+
+async def test_a_fleet_reads_each_process_status_once_and_names_a_later_replacement(
+    counters: CounterFleet, tmp_path: Path
+) -> None:
+    """The status round asks only processes this fleet has not checked; a member replaced
+    since is caught by the fenced Prepare and named `awaitingRestore` like before, and the
+    abort leaves it closed while the others reopen."""
+    for name in ("c0", "c1", "c2"):
+        counters.start(name)
+    root = CheckpointRoot(tmp_path / "checkpoints")
+    spec = counters.spec(tmp_path / "checkpoints")
+    async with await Fleet.discover(spec) as fleet:
+        calls: list[str] = []
+        for member in fleet.members:
+            original = member.client.get_status
+
+            async def counted(name: str = member.name, original: Any = original) -> Any:
+                calls.append(name)
+                return await original()
+
+            member.client.get_status = counted  # type: ignore[method-assign]
+        for _ in range(2):
+            async for _event in checkpoint(fleet, root, time.time() + 30, scope=None):
+                pass
+        assert sorted(calls) == ["c0", "c1", "c2"]  # the first checkpoint's round only
+        counters.replace("c1")
+        with pytest.raises(CheckpointError) as refused:
+            async for _event in checkpoint(fleet, root, time.time() + 30, scope=None):
+                pass
+        assert refused.value.reason == Reason.INVALID_PHASE
+        assert refused.value.metadata["awaitingRestore"] == "c1"
+        after = await statuses(spec)
+        assert after["c1"].state == IDLE and not after["c1"].admission_open
+        assert all(after[n].state == IDLE and after[n].admission_open for n in ("c0", "c2"))
+        # Once the replacement is opened (by another controller), its fenced Prepare is
+        # refused, its status read again, and the checkpoint goes on with it.
+        async with await Fleet.discover(spec) as other:
+            await coordination.resume(other, "ckpt-open-the-replacement", time.time() + 30)
+        calls.clear()
+        outcome = None
+        async for event in checkpoint(fleet, root, time.time() + 30, scope=None):
+            outcome = event.outcome or outcome
+        assert outcome is not None and outcome.published is not None
+        assert calls == ["c1"]

@@ -15,7 +15,7 @@ from importlib import metadata
 import grpc
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.server.core.errors import invalid_request
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
 from rollout_checkpoint.server.core.layout import SCHEMA_VERSION, StoredManifest
 from rollout_checkpoint.server.core.rpc import handlers
 from rollout_checkpoint.server.core.rpc.wire import deadline_of, duration, episode_ids, timestamp
@@ -120,6 +120,15 @@ class ParticipantServicer:
         )
 
     async def prepare(self, request: pb.PrepareRequest) -> AsyncIterator[pb.PrepareResponse]:
+        if request.expected_boot_id and request.expected_boot_id != self.boot_id:
+            # The caller means the process this one replaced: preparing this one would
+            # close it and commit an empty part in place of everything that one held.
+            raise CheckpointError(
+                Reason.BOOT_ID_MISMATCH,
+                "this participant is another process than the one the caller means to "
+                "prepare (it was replaced): learn its state again before checkpointing it",
+                metadata={"bootId": self.boot_id, "expectedBootId": request.expected_boot_id},
+            )
         deadline = deadline_of(request)
         updates = await self.control.prepare(request.checkpoint_id, deadline)
         async for update in updates:

@@ -212,9 +212,14 @@ class CoordinatorServiceServicer:
         the checkpoint is aborted (every member resumed) and the final message
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
         too (nothing is published) and fails the call with the members' errors.
-        Refused before anything starts with `INVALID_PHASE` (metadata
-        `awaitingRestore`) while a member started closed and awaits its restore:
-        its empty part would make `LATEST` forget what the crashed process held.
+        Refused with `INVALID_PHASE` (metadata `awaitingRestore`) while a member
+        started closed and awaits its restore: its empty part would make `LATEST`
+        forget what the crashed process held. The coordinator reads each member
+        process's status once (GetStatus, before anything starts) and fences every
+        Prepare to the boot id it read; a member replaced since refuses its
+        Prepare (`BOOT_ID_MISMATCH`) untouched, the members already prepared are
+        resumed (never the replacement), and the call fails with the same
+        `awaitingRestore` refusal when the replacement awaits its restore.
         Safe to retry with the same id.
 
         Asynchronous (`asynchronous`, or `async_commit = true` in the fleet

@@ -181,6 +181,13 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """INTERNAL. An unexpected failure inside the runtime (a bug). The message
     carries no state; the participant keeps serving.
     """
+    ERROR_REASON_BOOT_ID_MISMATCH: _ErrorReason.ValueType  # 19
+    """FAILED_PRECONDITION. A Prepare's `expected_boot_id` names another
+    process than this one: this process replaced it and holds none of its
+    state. Nothing changed (admission untouched, no checkpoint started).
+    Metadata: `bootId` (this process's), `expectedBootId`. A controller
+    learns the member's state again (GetStatus) before it checkpoints it.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The `ErrorInfo.reason` values. The reason string on the wire is the value
@@ -305,5 +312,12 @@ PARTICIPANT_FAILED.
 ERROR_REASON_INTERNAL_ERROR: ErrorReason.ValueType  # 18
 """INTERNAL. An unexpected failure inside the runtime (a bug). The message
 carries no state; the participant keeps serving.
+"""
+ERROR_REASON_BOOT_ID_MISMATCH: ErrorReason.ValueType  # 19
+"""FAILED_PRECONDITION. A Prepare's `expected_boot_id` names another
+process than this one: this process replaced it and holds none of its
+state. Nothing changed (admission untouched, no checkpoint started).
+Metadata: `bootId` (this process's), `expectedBootId`. A controller
+learns the member's state again (GetStatus) before it checkpoints it.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

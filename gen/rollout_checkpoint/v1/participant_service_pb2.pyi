@@ -410,8 +410,17 @@ class PrepareRequest(_message.Message):
 
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    EXPECTED_BOOT_ID_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The checkpoint id."""
+    expected_boot_id: _builtins.str
+    """Optional fence: the `boot_id` (GetParticipant, GetStatus) of the process
+    the caller means to prepare. A participant with another boot id refuses
+    with `BOOT_ID_MISMATCH` before anything changes: it is a replacement
+    that holds none of that process's state (perhaps started closed awaiting
+    its restore), and preparing it would commit an empty part in its place.
+    Empty: no check.
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """Absolute deadline for reaching PREPARED. Required."""
@@ -421,10 +430,11 @@ class PrepareRequest(_message.Message):
         *,
         checkpoint_id: _builtins.str = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
+        expected_boot_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "deadline", b"deadline", "expected_boot_id", b"expected_boot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

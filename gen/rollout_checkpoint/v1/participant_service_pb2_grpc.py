@@ -174,7 +174,8 @@ class ParticipantServiceServicer:
         `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (COMMITTED or RESTORED without a
         recorded Prepare for this id), `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
         already past), `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised;
-        the participant reopened and is IDLE again).
+        the participant reopened and is IDLE again), `BOOT_ID_MISMATCH`
+        (`expected_boot_id` names another process: nothing changed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

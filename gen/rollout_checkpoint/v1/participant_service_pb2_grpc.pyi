@@ -145,7 +145,8 @@ class ParticipantServiceStub:
     `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (COMMITTED or RESTORED without a
     recorded Prepare for this id), `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
     already past), `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised;
-    the participant reopened and is IDLE again).
+    the participant reopened and is IDLE again), `BOOT_ID_MISMATCH`
+    (`expected_boot_id` names another process: nothing changed).
     """
     Renew: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.RenewRequest, _participant_service_pb2.RenewResponse]
     """Extends the lease of the active checkpoint.
@@ -447,7 +448,8 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (COMMITTED or RESTORED without a
     recorded Prepare for this id), `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
     already past), `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised;
-    the participant reopened and is IDLE again).
+    the participant reopened and is IDLE again), `BOOT_ID_MISMATCH`
+    (`expected_boot_id` names another process: nothing changed).
     """
     Renew: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.RenewRequest, _participant_service_pb2.RenewResponse]  # type: ignore[assignment]
     """Extends the lease of the active checkpoint.
@@ -770,7 +772,8 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (COMMITTED or RESTORED without a
         recorded Prepare for this id), `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
         already past), `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised;
-        the participant reopened and is IDLE again).
+        the participant reopened and is IDLE again), `BOOT_ID_MISMATCH`
+        (`expected_boot_id` names another process: nothing changed).
         """
 
     @_abc_1.abstractmethod
