@@ -273,9 +273,11 @@ class ResourcesParticipant(Participant):
         still running under a prefix, so a racing request cannot bind it elsewhere either."""
         if session_id is None or episode is None:
             return False
-        session = self._table.get(session_id)
+        session = self._table.sessions.get(session_id)
         if session is not None:
-            return session.episode != episode
+            # Mostly the very object: the rollout prefix's parsing cache hands out one
+            # EpisodeId per capture key, and the seed bound the session to it.
+            return session.episode is not episode and session.episode != episode
         binding = self._binding.get(session_id)
         return binding is not None and binding[0] != episode
 
@@ -296,12 +298,13 @@ class ResourcesParticipant(Participant):
         untracked (closed, retired) before the request ends, and the decrement must undo
         exactly this increment."""
         self.inflight += 1
-        session = self._table.get(session_id)
+        session = self._table.sessions.get(session_id) if session_id is not None else None
         if session is None:
             self._inflight_without_session += 1
         else:
             self._table.request_started(session)
-            self.claim(session_id)
+            session.restored_pending = False  # claimed, as `claim` does
+            self._served = True
         self._notify()
         return session
 
