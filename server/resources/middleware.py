@@ -45,7 +45,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources.participant import ResourcesParticipant, VerifyMode
-from rollout_checkpoint.server.runtime.participant import AWAITING_RESTORE, AWAITING_RESTORE_DETAIL
 from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.rollout_prefix import EPISODE_KEY
 
@@ -101,14 +100,41 @@ class ResourcesAdmissionMiddleware:
         self.passthrough_paths = frozenset(passthrough_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] in _UNGUARDED_METHODS
-            or scope["path"] in self.passthrough_paths
-        ):
+        if scope["type"] != "http" or scope["method"] in _UNGUARDED_METHODS:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
+        if path in self.passthrough_paths:
+            await self.app(scope, receive, send)
+            return
+        if path in _LIFECYCLE_PATHS or (
+            self.mcp_path is not None
+            and (path == self.mcp_path or path.startswith(self._mcp_below))
+        ):
+            await self._guarded_call(scope, receive, send, path)
+            return
+        # An ordinary call (a tool): the rules but for the waits and the lifecycle routes'
+        # exceptions, then counted in flight and nothing else; its reply is none of this
+        # middleware's business, so `send` goes through unwrapped. Kept this short on
+        # purpose: every request of the data plane runs it.
+        participant = self.participant
+        session = scope.get("session")  # `cookie_session_id`, inline
+        session_id = session.get(self.session_key) if isinstance(session, dict) else None
+        if not isinstance(session_id, str):
+            session_id = None
+        refusal = participant.refusal(session_id, scope.get(EPISODE_KEY))
+        if refusal is not None:
+            await send_refusal(send, 409, *refusal)
+            return
+        in_flight = participant.request_started(session_id)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            participant.request_finished(in_flight)
+
+    async def _guarded_call(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """An MCP call, a seed, a close or a verify: the rules with their waits and
+        exceptions (the module docstring's 1 to 5)."""
         participant = self.participant
         mcp_path = self.mcp_path
         is_mcp = mcp_path is not None and (path == mcp_path or path.startswith(self._mcp_below))
@@ -118,38 +144,19 @@ class ResourcesAdmissionMiddleware:
             session_id = self.mcp_session(scope) if self.mcp_session is not None else None
         else:
             session_id = cookie_session_id(scope, self.session_key)
-
         if (is_mcp or is_close) and not await participant.wait_for_admission():
             await send_refusal(
                 send, 503, "shutting_down", "the server is shutting down; retry", retry_after=1
             )
             return
-        if not is_close and participant.is_stale(session_id, episode):
-            await send_refusal(send, 409, "stale_attempt", "this attempt was retired")
-            return
-        if participant.is_mismatched(session_id, episode):
-            await send_refusal(
-                send,
-                409,
-                "episode_mismatch",
-                "this session belongs to another episode: use its own rollout prefix",
-            )
-            return
-        if participant.sealed:
-            await send_refusal(send, 409, AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
-            return
-        lifecycle = path in _LIFECYCLE_PATHS
-        replay_safe = lifecycle and (
-            path == SEED_PATH or (path == VERIFY_PATH and participant.verify is VerifyMode.REPLAY)
+        replay_safe = path == SEED_PATH or (
+            path == VERIFY_PATH and participant.verify is VerifyMode.REPLAY
         )
-        if not replay_safe and not participant.admission_open:
-            await send_refusal(
-                send, 409, "admission_closed", "a checkpoint is in progress; retry after resume"
-            )
+        refusal = participant.refusal(session_id, episode, close=is_close, replay_safe=replay_safe)
+        if refusal is not None:
+            await send_refusal(send, 409, *refusal)
             return
-        if not lifecycle:
-            # Every other call (a tool, MCP) is counted in flight and nothing else: its reply
-            # is none of this middleware's business, so `send` goes through unwrapped.
+        if path not in _LIFECYCLE_PATHS:  # MCP: counted in flight, like a tool call
             in_flight = participant.request_started(session_id)
             try:
                 await self.app(scope, receive, send)
