@@ -43,16 +43,23 @@ from collections.abc import Callable, Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources.participant import ResourcesParticipant, VerifyMode
-from rollout_checkpoint.server.runtime.participant import AWAITING_RESTORE, AWAITING_RESTORE_DETAIL
 from rollout_checkpoint.server.runtime.refusals_http import send_refusal
-from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
+from rollout_checkpoint.server.runtime.rollout_prefix import EPISODE_KEY
 
 VERIFY_HEADER = b"x-ng-checkpoint-verify"
 SESSION_KEY = "rollout_checkpoint.session_id"
 """The key of the session id inside the signed cookie session (`scope["session"]`)."""
 
 SessionResolver = Callable[[Scope], str | None]
+
+SEED_PATH = "/seed_session"
+CLOSE_PATH = "/close_session"
+VERIFY_PATH = "/verify"
+_LIFECYCLE_PATHS = frozenset({SEED_PATH, CLOSE_PATH, VERIFY_PATH})
+"""The routes whose reply changes their session's tracking (the others are only counted)."""
+_UNGUARDED_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def cookie_session_id(scope: Scope, key: str = SESSION_KEY) -> str | None:
@@ -89,53 +96,92 @@ class ResourcesAdmissionMiddleware:
         self.participant = participant
         self.mcp_path = mcp_path
         self.mcp_session = mcp_session
+        self._mcp_below = (mcp_path or "") + "/"
         self.passthrough_paths = frozenset(passthrough_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] in ("GET", "HEAD", "OPTIONS")
-            or scope["path"] in self.passthrough_paths
-        ):
+        if scope["type"] != "http" or scope["method"] in _UNGUARDED_METHODS:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
+        if path in self.passthrough_paths:
+            await self.app(scope, receive, send)
+            return
+        if path in _LIFECYCLE_PATHS or (
+            self.mcp_path is not None
+            and (path == self.mcp_path or path.startswith(self._mcp_below))
+        ):
+            await self._guarded_call(scope, receive, send, path)
+            return
+        # An ordinary call (a tool): the rules but for the waits and the lifecycle routes'
+        # exceptions, then counted in flight and nothing else; its reply is none of this
+        # middleware's business, so `send` goes through unwrapped. Kept this short on
+        # purpose: every request of the data plane runs it.
         participant = self.participant
-        is_mcp = self.mcp_path is not None and (
-            path == self.mcp_path or path.startswith(self.mcp_path + "/")
-        )
-        is_close = path == "/close_session"
-        is_seed = path == "/seed_session"
-        is_verify = path == "/verify"
-        episode = episode_of(scope)
-        session_id = self._session_id(scope, is_mcp)
+        session = scope.get("session")  # `cookie_session_id`, inline
+        session_id = session.get(self.session_key) if isinstance(session, dict) else None
+        if not isinstance(session_id, str):
+            session_id = None
+        refusal = participant.refusal(session_id, scope.get(EPISODE_KEY))
+        if refusal is not None:
+            await send_refusal(send, 409, *refusal)
+            return
+        in_flight = participant.request_started(session_id)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            participant.request_finished(in_flight)
 
+    async def _guarded_call(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """An MCP call, a seed, a close or a verify: the rules with their waits and
+        exceptions (the module docstring's 1 to 5)."""
+        participant = self.participant
+        mcp_path = self.mcp_path
+        is_mcp = mcp_path is not None and (path == mcp_path or path.startswith(self._mcp_below))
+        is_close = path == CLOSE_PATH
+        episode: EpisodeId | None = scope.get(EPISODE_KEY)
+        if is_mcp:
+            session_id = self.mcp_session(scope) if self.mcp_session is not None else None
+        else:
+            session_id = cookie_session_id(scope, self.session_key)
         if (is_mcp or is_close) and not await participant.wait_for_admission():
             await send_refusal(
                 send, 503, "shutting_down", "the server is shutting down; retry", retry_after=1
             )
             return
-        if not is_close and participant.is_stale(session_id, episode):
-            await send_refusal(send, 409, "stale_attempt", "this attempt was retired")
+        replay_safe = path == SEED_PATH or (
+            path == VERIFY_PATH and participant.verify is VerifyMode.REPLAY
+        )
+        refusal = participant.refusal(session_id, episode, close=is_close, replay_safe=replay_safe)
+        if refusal is not None:
+            await send_refusal(send, 409, *refusal)
             return
-        if participant.is_mismatched(session_id, episode):
-            await send_refusal(
-                send,
-                409,
-                "episode_mismatch",
-                "this session belongs to another episode: use its own rollout prefix",
-            )
+        if path not in _LIFECYCLE_PATHS:  # MCP: counted in flight, like a tool call
+            in_flight = participant.request_started(session_id)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                participant.request_finished(in_flight)
             return
-        if participant.sealed:
-            await send_refusal(send, 409, AWAITING_RESTORE, AWAITING_RESTORE_DETAIL)
-            return
-        replay_safe = is_seed or (is_verify and participant.verify is VerifyMode.REPLAY)
-        if not replay_safe and not participant.admission_open:
-            await send_refusal(
-                send, 409, "admission_closed", "a checkpoint is in progress; retry after resume"
-            )
-            return
+        await self._lifecycle_call(
+            scope, receive, send, path, episode, session_id, replay_safe=replay_safe
+        )
 
+    async def _lifecycle_call(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        episode: EpisodeId | None,
+        session_id: str | None,
+        *,
+        replay_safe: bool,
+    ) -> None:
+        """An admitted seed, close or verify: what it did to its session depends on its
+        reply's status (and a seed's reply tells the client the verify mode)."""
+        participant = self.participant
+        is_seed = path == SEED_PATH
         status = 0
 
         async def send_wrapper(message: Message) -> None:
@@ -175,13 +221,6 @@ class ResourcesAdmissionMiddleware:
             else:
                 if counted:
                     participant.request_finished(in_flight)
-                if succeeded and (is_close or is_verify):
+                if succeeded:  # a close, or a verify
                     deferred = replay_safe and not participant.admission_open
                     participant.session_ended(session_id, deferred=deferred)
-
-    def _session_id(self, scope: Scope, is_mcp: bool) -> str | None:
-        """The session the request acts on: for MCP the token's (the tool runs on that one,
-        never on the cookie's), otherwise the cookie's."""
-        if is_mcp:
-            return self.mcp_session(scope) if self.mcp_session is not None else None
-        return cookie_session_id(scope, self.session_key)

@@ -18,6 +18,8 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.resources.session_table import SessionTable, TrackedSession
 from rollout_checkpoint.server.runtime.participant import (
+    AWAITING_RESTORE,
+    AWAITING_RESTORE_DETAIL,
     Blocker,
     BlockerReason,
     EpisodeInfo,
@@ -27,6 +29,13 @@ from rollout_checkpoint.server.runtime.participant import (
     ReadinessReport,
     RestoredRecord,
 )
+
+_STALE = ("stale_attempt", "this attempt was retired")
+_MISMATCH = (
+    "episode_mismatch",
+    "this session belongs to another episode: use its own rollout prefix",
+)
+_CLOSED = ("admission_closed", "a checkpoint is in progress; retry after resume")
 
 
 class CheckpointMode(enum.StrEnum):
@@ -256,28 +265,61 @@ class ResourcesParticipant(Participant):
             self._notify()
         return not self._shutting_down
 
-    def is_stale(self, session_id: str | None, episode: EpisodeId | None) -> bool:
-        """Whether the request belongs to a retired attempt, by its prefix's episode or by its
-        session's (refused `stale_attempt`, so a late call cannot recreate freed state)."""
-        retired = self.context.retired
-        if episode is not None and retired.is_retired(episode):
-            return True
-        return session_id is not None and self._table.is_stale(session_id, retired)
+    def refusal(
+        self,
+        session_id: str | None,
+        episode: EpisodeId | None,
+        *,
+        close: bool = False,
+        replay_safe: bool = False,
+    ) -> tuple[str, str] | None:
+        """`(code, detail)` of the 409 a data-plane request on `session_id` under `episode`'s
+        prefix gets, or None to admit it; the first rule that applies, in this order:
 
-    def is_mismatched(self, session_id: str | None, episode: EpisodeId | None) -> bool:
-        """Whether the request's prefix names another episode than its session's.
+        * `stale_attempt` (never for a `close`): the request belongs to a retired attempt, by
+          its prefix's episode or by its session's, so a late call cannot recreate freed
+          state;
+        * `episode_mismatch`: the prefix names another episode than its session's. A session
+          belongs to one episode for its whole life: re-binding it would untrack the episode
+          it served (its state silently leaves every later checkpoint), and any tracked
+          cookie could act on a made-up rollout. A session not tracked yet is bound by a seed
+          still running under a prefix, so a racing request cannot bind it elsewhere either;
+        * `awaiting_restore`: the data plane is sealed (`sealed`);
+        * `admission_closed` (never for a `replay_safe` request): a checkpoint is open.
 
-        A session belongs to one episode for its whole life. Re-binding it would untrack the
-        episode it served (its state silently leaves every later checkpoint), and any tracked
-        cookie could act on a made-up rollout. A session not tracked yet is bound by a seed
-        still running under a prefix, so a racing request cannot bind it elsewhere either."""
-        if session_id is None or episode is None:
-            return False
-        session = self._table.get(session_id)
-        if session is not None:
-            return session.episode != episode
-        binding = self._binding.get(session_id)
-        return binding is not None and binding[0] != episode
+        One call that looks the session up once: asked as four predicates (each reaching the
+        table and the control plane on its own), the rules cost about twice as much per
+        request as the rest of the admission middleware."""
+        session = self._table.sessions.get(session_id) if session_id is not None else None
+        if not close:
+            retired = self.context.retired
+            if episode is not None and retired.is_retired(episode):
+                return _STALE
+            if session_id is not None and (
+                session_id in self._table.retired_sessions
+                or (
+                    session is not None
+                    # The same object is the same answer as the prefix's, just asked.
+                    and session.episode is not episode
+                    and retired.is_retired(session.episode)
+                )
+            ):
+                return _STALE
+        if session_id is not None and episode is not None:
+            if session is not None:
+                # Mostly the very object: the rollout prefix's parsing cache hands out one
+                # EpisodeId per capture key, and the seed bound the session to it.
+                if session.episode is not episode and session.episode != episode:
+                    return _MISMATCH
+            else:
+                binding = self._binding.get(session_id)
+                if binding is not None and binding[0] != episode:
+                    return _MISMATCH
+        if self.context.start_closed_pending:
+            return AWAITING_RESTORE, AWAITING_RESTORE_DETAIL
+        if not replay_safe and not self._admission_open:
+            return _CLOSED
+        return None
 
     def claim(self, session_id: str | None) -> None:
         """An admitted request used this session: it is no longer restored pending.
@@ -296,12 +338,13 @@ class ResourcesParticipant(Participant):
         untracked (closed, retired) before the request ends, and the decrement must undo
         exactly this increment."""
         self.inflight += 1
-        session = self._table.get(session_id)
+        session = self._table.sessions.get(session_id) if session_id is not None else None
         if session is None:
             self._inflight_without_session += 1
         else:
             self._table.request_started(session)
-            self.claim(session_id)
+            session.restored_pending = False  # claimed, as `claim` does
+            self._served = True
         self._notify()
         return session
 

