@@ -114,10 +114,11 @@ class CoordinatorServiceServicer:
         ENDED when a member's checkpoint ended while waiting (a Resume or a lease
         expiry). Errors (as a status, before or instead of the final message):
         a member's refusal (`PARTICIPANT_FAILED`), `PARTICIPANT_UNREACHABLE`,
-        `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Each Prepare is fenced
-        to the member process whose status this coordinator last read (see
-        Checkpoint); a replacement that awaits its restore refuses it untouched
-        (`PARTICIPANT_FAILED`, the member's reason `BOOT_ID_MISMATCH`).
+        `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Once a Checkpoint of
+        this coordinator read a member's status, each Prepare of that member is
+        fenced to that process (see Checkpoint): a replacement that awaits its
+        restore refuses it untouched (`PARTICIPANT_FAILED`, the member's reason
+        `BOOT_ID_MISMATCH`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

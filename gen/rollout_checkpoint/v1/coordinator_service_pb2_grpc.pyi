@@ -77,10 +77,11 @@ class CoordinatorServiceStub:
     ENDED when a member's checkpoint ended while waiting (a Resume or a lease
     expiry). Errors (as a status, before or instead of the final message):
     a member's refusal (`PARTICIPANT_FAILED`), `PARTICIPANT_UNREACHABLE`,
-    `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Each Prepare is fenced
-    to the member process whose status this coordinator last read (see
-    Checkpoint); a replacement that awaits its restore refuses it untouched
-    (`PARTICIPANT_FAILED`, the member's reason `BOOT_ID_MISMATCH`).
+    `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Once a Checkpoint of
+    this coordinator read a member's status, each Prepare of that member is
+    fenced to that process (see Checkpoint): a replacement that awaits its
+    restore refuses it untouched (`PARTICIPANT_FAILED`, the member's reason
+    `BOOT_ID_MISMATCH`).
     """
     Commit: _grpc.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceCommitRequest, _coordinator_service_pb2.CoordinatorServiceCommitResponse]
     """Commits every member at once into `checkpoint_dir`.
@@ -224,10 +225,11 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     ENDED when a member's checkpoint ended while waiting (a Resume or a lease
     expiry). Errors (as a status, before or instead of the final message):
     a member's refusal (`PARTICIPANT_FAILED`), `PARTICIPANT_UNREACHABLE`,
-    `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Each Prepare is fenced
-    to the member process whose status this coordinator last read (see
-    Checkpoint); a replacement that awaits its restore refuses it untouched
-    (`PARTICIPANT_FAILED`, the member's reason `BOOT_ID_MISMATCH`).
+    `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Once a Checkpoint of
+    this coordinator read a member's status, each Prepare of that member is
+    fenced to that process (see Checkpoint): a replacement that awaits its
+    restore refuses it untouched (`PARTICIPANT_FAILED`, the member's reason
+    `BOOT_ID_MISMATCH`).
     """
     Commit: _aio.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceCommitRequest, _coordinator_service_pb2.CoordinatorServiceCommitResponse]  # type: ignore[assignment]
     """Commits every member at once into `checkpoint_dir`.
@@ -380,10 +382,11 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         ENDED when a member's checkpoint ended while waiting (a Resume or a lease
         expiry). Errors (as a status, before or instead of the final message):
         a member's refusal (`PARTICIPANT_FAILED`), `PARTICIPANT_UNREACHABLE`,
-        `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Each Prepare is fenced
-        to the member process whose status this coordinator last read (see
-        Checkpoint); a replacement that awaits its restore refuses it untouched
-        (`PARTICIPANT_FAILED`, the member's reason `BOOT_ID_MISMATCH`).
+        `INVALID_REQUEST`, `CHECKPOINT_DEADLINE_EXCEEDED`. Once a Checkpoint of
+        this coordinator read a member's status, each Prepare of that member is
+        fenced to that process (see Checkpoint): a replacement that awaits its
+        restore refuses it untouched (`PARTICIPANT_FAILED`, the member's reason
+        `BOOT_ID_MISMATCH`).
         """
 
     @_abc_1.abstractmethod
