@@ -296,12 +296,14 @@ async def refuse_members_awaiting_restore(fleet: Fleet) -> None:
     the next recovery would restore the loss. Raises `CheckpointError` INVALID_PHASE with
     metadata `awaitingRestore` (the member names, comma-separated).
 
-    Only members whose process this fleet has not checked yet are asked (GetStatus): a
-    checked process stays checked (it has served or been restored, and no process goes back
-    to awaiting a restore), and the Prepare is fenced to its boot id, so a replacement is
-    refused there (BOOT_ID_MISMATCH) and checked again. At 1,000 members the round was a
-    quarter of a checkpoint's member RPCs."""
-    unchecked = [m for m in fleet.members if not m.state_checked_boot_id]
+    Members that honour the Prepare fence (`Member.prepare_fence`) are asked (GetStatus)
+    only while this fleet has not checked their process: a checked process stays checked (it
+    has served or been restored, and no process goes back to awaiting a restore), and the
+    Prepare is fenced to its boot id, so a replacement is refused there (BOOT_ID_MISMATCH)
+    and checked again. At 1,000 members the round was a quarter of a checkpoint's member
+    RPCs. A member without the fence (another implementation of the API) would be prepared
+    in its replacement's place: it is asked before every checkpoint."""
+    unchecked = [m for m in fleet.members if not (m.prepare_fence and m.state_checked_boot_id)]
     if not unchecked:
         return
     statuses = await coordination.fan_out(

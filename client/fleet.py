@@ -236,12 +236,15 @@ class Member:
     instance: str
     boot_id: str
     client: ParticipantClient
+    prepare_fence: bool = False
+    """The member honours `PrepareRequest.expected_boot_id` (GetParticipant says so)."""
     state_checked_boot_id: str = ""
     """The boot id of the process whose status this controller read and found not awaiting
     its restore (`checkpointing.refuse_members_awaiting_restore`); empty until then. Prepare
-    is fenced to it (`PrepareRequest.expected_boot_id`), so the status needs no reading
-    again while the process stays the same one, and a replacement refuses the Prepare
-    (BOOT_ID_MISMATCH) instead of being prepared in its place."""
+    is fenced to it (`PrepareRequest.expected_boot_id`), so for a member with
+    `prepare_fence` the status needs no reading again while the process stays the same one:
+    a replacement refuses the Prepare (BOOT_ID_MISMATCH) instead of being prepared in its
+    place. A member without it is read before every checkpoint."""
 
     @property
     def kind_name(self) -> str:
@@ -327,6 +330,7 @@ class Fleet:
                         result.instance,
                         result.boot_id,
                         client,
+                        prepare_fence=result.prepare_fence,
                     )
                 )
         kinds = {m.kind for m in members}

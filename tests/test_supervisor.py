@@ -418,10 +418,19 @@ async def test_a_fleet_reads_each_process_status_once_and_names_a_later_replacem
                 return await original()
 
             member.client.get_status = counted  # type: ignore[method-assign]
+        assert all(member.prepare_fence for member in fleet.members)
         for _ in range(2):
             async for _event in checkpoint(fleet, root, time.time() + 30, scope=None):
                 pass
         assert sorted(calls) == ["c0", "c1", "c2"]  # the first checkpoint's round only
+        # A member that does not say it honours the fence (another implementation of the
+        # API) is read before every checkpoint: its replacement would not refuse a Prepare.
+        fleet.members[0].prepare_fence = False
+        calls.clear()
+        async for _event in checkpoint(fleet, root, time.time() + 30, scope=None):
+            pass
+        assert calls == [fleet.members[0].name]
+        fleet.members[0].prepare_fence = True
         counters.replace("c1")
         with pytest.raises(CheckpointError) as refused:
             async for _event in checkpoint(fleet, root, time.time() + 30, scope=None):

@@ -94,6 +94,7 @@ class ParticipantServicer:
             schema_version=SCHEMA_VERSION,
             runtime_version=runtime_version(),
             facts=dict(participant.facts()),
+            prepare_fence=True,
         )
 
     async def get_status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:

@@ -186,6 +186,7 @@ class GetParticipantResponse(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     RUNTIME_VERSION_FIELD_NUMBER: _builtins.int
     FACTS_FIELD_NUMBER: _builtins.int
+    PREPARE_FENCE_FIELD_NUMBER: _builtins.int
     kind: _types_pb2.ParticipantKind.ValueType
     """The participant's kind."""
     instance: _builtins.str
@@ -198,6 +199,12 @@ class GetParticipantResponse(_message.Message):
     """The storage schema version this participant writes and reads (1)."""
     runtime_version: _builtins.str
     """The version of the rollout-checkpoint runtime."""
+    prepare_fence: _builtins.bool
+    """True when this participant honours `PrepareRequest.expected_boot_id`
+    (another process's Prepare is refused with `BOOT_ID_MISMATCH`, nothing
+    changed). Only then may a controller keep what it read of this process's
+    status across checkpoints; without it, read the status before each one.
+    """
     @_builtins.property
     def facts(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Kind-specific facts. Resources: `mode` (`restart_only`, `stateless` or
@@ -214,10 +221,11 @@ class GetParticipantResponse(_message.Message):
         schema_version: _builtins.int = ...,
         runtime_version: _builtins.str = ...,
         facts: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        prepare_fence: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "boot_id", b"boot_id", "facts", b"facts", "instance", b"instance", "kind", b"kind", "runtime_version", b"runtime_version", "schema_version", b"schema_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "boot_id", b"boot_id", "facts", b"facts", "instance", b"instance", "kind", b"kind", "prepare_fence", b"prepare_fence", "runtime_version", b"runtime_version", "schema_version", b"schema_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
