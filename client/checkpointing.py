@@ -275,7 +275,7 @@ async def _prepare(
         }
         await _abort(fleet, checkpoint_id, deadline, sparing=replaced)
         if replaced:
-            await _forget_checked_states(fleet, replaced)
+            await _name_replacements_awaiting_restore(fleet)
         raise
     assert progress is not None and progress.outcome is not None
     outcome = CheckpointOutcome(
@@ -382,13 +382,11 @@ def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:
     return tuple(sorted(EpisodeId.from_capture_key(k) for k in keys))
 
 
-async def _forget_checked_states(fleet: Fleet, replaced: set[str]) -> None:
-    """Members that refused a fenced Prepare are other processes now: read their status
-    again, so a replacement awaiting its restore is named as such (INVALID_PHASE
-    `awaitingRestore`, what a supervisor recovers from) rather than as a failed prepare."""
-    for member in fleet.members:
-        if member.name in replaced:
-            member.state_checked_boot_id = ""
+async def _name_replacements_awaiting_restore(fleet: Fleet) -> None:
+    """Members that refused a fenced Prepare are other processes now, no longer checked
+    (`coordination._check_again` forgot them): read their status again, so a replacement
+    awaiting its restore is named as such (INVALID_PHASE `awaitingRestore`, what a
+    supervisor recovers from) rather than as a failed prepare."""
     with contextlib.suppress(FleetError):
         await refuse_members_awaiting_restore(fleet)
 

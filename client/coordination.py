@@ -252,12 +252,10 @@ async def _read_prepare(
                     await updates.put((member.name, message))
                 break
             except ControlError as error:
-                if (
-                    checked_again
-                    or answered
-                    or error.reason != Reason.BOOT_ID_MISMATCH
-                    or not await _check_again(member)
-                ):
+                if answered or error.reason != Reason.BOOT_ID_MISMATCH:
+                    raise
+                if checked_again or not await _check_again(member):
+                    member.state_checked_boot_id = ""  # another process: read it again
                     raise
     except ControlError as error:
         await updates.put((member.name, error))

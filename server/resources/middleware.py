@@ -107,21 +107,18 @@ class ResourcesAdmissionMiddleware:
         if path in self.passthrough_paths:
             await self.app(scope, receive, send)
             return
-        if path in _LIFECYCLE_PATHS or (
-            self.mcp_path is not None
-            and (path == self.mcp_path or path.startswith(self._mcp_below))
-        ):
-            await self._guarded_call(scope, receive, send, path)
+        is_mcp = self.mcp_path is not None and (
+            path == self.mcp_path or path.startswith(self._mcp_below)
+        )
+        if is_mcp or path in _LIFECYCLE_PATHS:
+            await self._guarded_call(scope, receive, send, path, is_mcp)
             return
         # An ordinary call (a tool): the rules but for the waits and the lifecycle routes'
         # exceptions, then counted in flight and nothing else; its reply is none of this
         # middleware's business, so `send` goes through unwrapped. Kept this short on
         # purpose: every request of the data plane runs it.
         participant = self.participant
-        session = scope.get("session")  # `cookie_session_id`, inline
-        session_id = session.get(self.session_key) if isinstance(session, dict) else None
-        if not isinstance(session_id, str):
-            session_id = None
+        session_id = cookie_session_id(scope, self.session_key)
         refusal = participant.refusal(session_id, scope.get(EPISODE_KEY))
         if refusal is not None:
             await send_refusal(send, 409, *refusal)
@@ -132,12 +129,12 @@ class ResourcesAdmissionMiddleware:
         finally:
             participant.request_finished(in_flight)
 
-    async def _guarded_call(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+    async def _guarded_call(
+        self, scope: Scope, receive: Receive, send: Send, path: str, is_mcp: bool
+    ) -> None:
         """An MCP call, a seed, a close or a verify: the rules with their waits and
         exceptions (the module docstring's 1 to 5)."""
         participant = self.participant
-        mcp_path = self.mcp_path
-        is_mcp = mcp_path is not None and (path == mcp_path or path.startswith(self._mcp_below))
         is_close = path == CLOSE_PATH
         episode: EpisodeId | None = scope.get(EPISODE_KEY)
         if is_mcp:
