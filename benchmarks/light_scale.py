@@ -12,6 +12,8 @@ RPC). The coordinator's CPU per member is its process CPU time over the checkpoi
 by the members: this process's for the library, the coordinator process's for the service.
 The members' CPU per member is the host processes' over the same checkpoint: on this one
 machine every member shares the coordinator's cores, which a real fleet's members do not.
+The CPU floor is the coordinator's and the members' CPU over those cores: no pause on this
+machine is shorter, so the floor's own 1,000 / 100 ratio bounds the pause's from below.
 
 The ratio is on the fleet's pause, prepare + commit + publish + resume (the issue's figure):
 retention runs after the resume and is reported beside it.
@@ -40,6 +42,9 @@ from .fleetutil import launch_coordinator
 
 TIMEOUT = 300.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+CORES = len(os.sched_getaffinity(0))
+"""The cores every process here shares: the coordinator's and the members' CPU, divided by
+them, is the shortest pause this one machine allows (the members' CPU grows with the fleet)."""
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -101,6 +106,11 @@ async def library_cycle(
         "cpu": cpu,
         "members_cpu": members_cpu,
     }
+
+
+def cpu_floor(timing: dict[str, float]) -> float:
+    """Seconds: the CPU a library checkpoint took, coordinator and members, over the cores."""
+    return (timing["cpu"] + timing["members_cpu"]) / CORES
 
 
 async def service_cycle(
@@ -216,6 +226,13 @@ async def run(ctx: Any) -> BenchResult:
         )
         result.figure(
             label,
+            f"library: CPU floor, (coordinator + members' CPU) / {CORES} cores",
+            "ms",
+            [cpu_floor(t) * 1e3 for t in library[size]],
+            note="the shortest pause these cores allow for the CPU the checkpoint took",
+        )
+        result.figure(
+            label,
             "service: checkpoint (prepare + commit + publish + resume)",
             "ms",
             [ms(t["resumed"]) for t in service[size]],
@@ -241,6 +258,16 @@ async def run(ctx: Any) -> BenchResult:
                     [t["resumed"] for t in timings[smallest]],
                 ),
             )
+        result.ratio(
+            f"{size} / {smallest} members (library: CPU floor)",
+            f"{size} library CPU floor",
+            f"{smallest} library CPU floor",
+            ratios(
+                [cpu_floor(t) for t in library[size]],
+                [cpu_floor(t) for t in library[smallest]],
+            ),
+            note="the pause's ratio cannot go below this on one machine",
+        )
         result.ratio(
             f"{size} / {smallest} members (library: coordinator CPU per member)",
             f"{size} coordinator CPU per member",

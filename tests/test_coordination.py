@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 import types
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -121,6 +122,27 @@ async def test_a_stage_larger_than_the_fan_out_bound_is_prepared_and_resumed_who
         assert sorted(f.log) == sorted(f"close {m.name}" for m in f.fleet.members)
         await coordination.resume(f.fleet, "c1", f.deadline())
         assert len(f.log) == 8
+
+
+async def test_progress_snapshots_are_spaced_by_the_interval_and_the_outcome_never_waits() -> None:
+    # fan_out=1: the members answer one after another, so every update arrives on its own.
+    async with fleet_of(*[Kind.RESOURCES] * 8, fan_out=1) as f:
+        each = [
+            s async for s in coordination.prepare(f.fleet, "c1", f.deadline(), progress_interval=0)
+        ]
+        assert len(each) >= 8, "without an interval, every member's update is a snapshot"
+        await coordination.resume(f.fleet, "c1", f.deadline())
+
+        started = time.monotonic()
+        spaced = [
+            s
+            async for s in coordination.prepare(f.fleet, "c2", f.deadline(), progress_interval=600)
+        ]
+        assert time.monotonic() - started < 60, "the stage's end waited for the interval"
+        assert [s.outcome for s in spaced] == [None, Outcome.PREPARED]
+        assert [s.sequence for s in spaced] == [1, 2]
+        assert all(m.state == types_pb2.PARTICIPANT_STATE_PREPARED for m in spaced[-1].members)
+        await coordination.resume(f.fleet, "c2", f.deadline())
 
 
 async def test_fan_out_calls_at_most_its_limit_at_once_and_collects_every_failure() -> None:

@@ -313,6 +313,29 @@ async def test_slow_heartbeats_within_the_deadline_are_no_timeout(
         await f.assert_resumed("ck-slow")
 
 
+async def test_a_members_final_message_ends_its_prepare_before_its_stream_closes(
+    scripted: ScriptedParticipant, grpc_addr: str, tmp_path: Path
+) -> None:
+    """The final message is the member's outcome; its stream's status follows a network turn
+    later and says nothing more. A controller that waited for it paid that turn in every
+    stage (here: a status that never comes, so the old wait ran to the deadline)."""
+
+    def final_then_silent(request: pb.PrepareRequest, context: grpc.ServicerContext) -> Any:
+        yield prepared(request.checkpoint_id, sequence=1)
+        scripted.hold(context, 120)
+
+    scripted.script["Prepare"] = final_then_silent
+    async with mixed_fleet(scripted, grpc_addr, tmp_path) as f:
+        async with asyncio.timeout(20):
+            progress = await coordination.prepare_until_done(f.fleet, "ck-final", time.time() + 60)
+        assert progress.outcome == Outcome.PREPARED
+        async with asyncio.timeout(20):
+            await coordination.resume(f.fleet, "ck-final", time.time() + 60)
+        await f.assert_resumed("ck-final")
+        # The stream it left open is read to its end, not cancelled: the member ends it.
+        scripted.released.set()
+
+
 # -- a newer participant: unknown enum values and fields --------------------------------------
 
 
@@ -343,6 +366,9 @@ def speaking_a_newer_schema(scripted: ScriptedParticipant, final_state: int) -> 
                 blockers=[blocker],
             )
         )
+        # Still blocked for a while: a controller coalesces updates that follow each other
+        # closely (the final one would supersede this one before any snapshot showed it).
+        scripted.hold(context, 0.5)
         final = prepared(request.checkpoint_id, sequence=2)
         final.state = final_state  # type: ignore[assignment]
         yield with_unknown_fields(final)
