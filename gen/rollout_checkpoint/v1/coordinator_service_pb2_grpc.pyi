@@ -69,8 +69,10 @@ class CoordinatorServiceStub:
     """Prepares the fleet stage by stage, streaming every member's progress.
 
     Same allowed states and idempotency as ParticipantService.Prepare, per
-    member. The stream sends a message whenever a member's progress arrives
-    (coalesced per stage), and exactly one final message: `outcome` PREPARED
+    member. The stream sends a message whenever members' progress arrives
+    (coalesced per stage, at most one per 20 ms; the updates that end a stage
+    never wait, and the last stage's arrive in the final message), and exactly
+    one final message: `outcome` PREPARED
     when every stage is prepared, NOT_PREPARED when a stage missed the
     deadline (its blockers are listed; admission stays closed on every member
     reached: Resume to abort, or Prepare again with a later deadline), or
@@ -217,8 +219,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Prepares the fleet stage by stage, streaming every member's progress.
 
     Same allowed states and idempotency as ParticipantService.Prepare, per
-    member. The stream sends a message whenever a member's progress arrives
-    (coalesced per stage), and exactly one final message: `outcome` PREPARED
+    member. The stream sends a message whenever members' progress arrives
+    (coalesced per stage, at most one per 20 ms; the updates that end a stage
+    never wait, and the last stage's arrive in the final message), and exactly
+    one final message: `outcome` PREPARED
     when every stage is prepared, NOT_PREPARED when a stage missed the
     deadline (its blockers are listed; admission stays closed on every member
     reached: Resume to abort, or Prepare again with a later deadline), or
@@ -374,8 +378,10 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         """Prepares the fleet stage by stage, streaming every member's progress.
 
         Same allowed states and idempotency as ParticipantService.Prepare, per
-        member. The stream sends a message whenever a member's progress arrives
-        (coalesced per stage), and exactly one final message: `outcome` PREPARED
+        member. The stream sends a message whenever members' progress arrives
+        (coalesced per stage, at most one per 20 ms; the updates that end a stage
+        never wait, and the last stage's arrive in the final message), and exactly
+        one final message: `outcome` PREPARED
         when every stage is prepared, NOT_PREPARED when a stage missed the
         deadline (its blockers are listed; admission stays closed on every member
         reached: Resume to abort, or Prepare again with a later deadline), or
