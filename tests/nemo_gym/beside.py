@@ -5,7 +5,9 @@ modified, so this makes a venv of the same interpreter that *sees* the cached en
 site-packages through a `.pth` file (after its own, so anything it installs would shadow the
 env's copy) and `pip install`s a copy of this tree into it, without extras (the core install,
 as a NeMo Gym user gets it). pip resolves our dependencies against everything visible: what the
-env already satisfies stays, what is missing lands in the throwaway venv. Used by the tests'
+env already satisfies stays, what is missing lands in the throwaway venv, at the version the dev
+lock holds (a pip constraints file made from `requirements/dev.txt`; also for the isolated
+build's setuptools), so the install is the same on any later day. Used by the tests'
 `beside_nemo_gym` fixture and by the NeMo Gym benchmark (`benchmarks/nemo_gym.py`).
 
 Standard library only (the benchmark imports it from the 3.11 venv, the tests from pytest).
@@ -15,6 +17,7 @@ About 3-10 s; needs PyPI (or pip's cache) for the few dependencies nemo-gym does
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,6 +27,10 @@ ENV_SCRIPT = REPO / "scripts" / "nemo-gym-env"
 # The parts of the tree a wheel is built from (pyproject's package-dir, readme).
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "gen", "server", "client", "examples")
 PIP_TIMEOUT_S = 300.0
+DEV_LOCK = REPO / "requirements" / "dev.txt"
+NEMO_GYM_LOCK = REPO / "requirements" / "nemo-gym.txt"
+# Needed only to build the wheel; pinned even where nemo-gym's env has its own copy.
+BUILD_ONLY = {"setuptools"}
 
 
 class BesideError(RuntimeError):
@@ -36,14 +43,39 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def run(*command: str | Path, timeout: float = PIP_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def run(
+    *command: str | Path, timeout: float = PIP_TIMEOUT_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(part) for part in command],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env() | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        env=child_env() | {"PIP_DISABLE_PIP_VERSION_CHECK": "1"} | (env or {}),
         stdin=subprocess.DEVNULL,
+    )
+
+
+def locked_entries(lock: Path) -> dict[str, str]:
+    """Normalized name -> `name==version [; marker]` for every entry of a `scripts/lock` lock."""
+    entries: dict[str, str] = {}
+    for line in lock.read_text().splitlines():
+        if line[:1].isalnum():
+            requirement = line.rstrip(" \\")
+            name = re.split(r"[=<>!~;\s\[]", requirement, maxsplit=1)[0]
+            entries[re.sub(r"[-_.]+", "-", name).lower()] = requirement
+    return entries
+
+
+def locked_constraints() -> str:
+    """A pip constraints file: every dev-lock pin of a distribution nemo-gym's env lacks.
+    Those nemo-gym's env holds are left free: pip keeps the env's copy (a constraint naming
+    another version would make it replace nemo-gym's, which the install must never do)."""
+    in_env = set(locked_entries(NEMO_GYM_LOCK)) - BUILD_ONLY
+    return "".join(
+        f"{requirement}\n"
+        for name, requirement in locked_entries(DEV_LOCK).items()
+        if name not in in_env
     )
 
 
@@ -86,7 +118,20 @@ def install_beside(nemo_python: Path, root: Path) -> Path:
             shutil.copy2(source, tree / name)
     # The cached env's pip drives the throwaway interpreter (`--python`), so the venv needs
     # no pip of its own; without extras: the core install.
-    installed = run(nemo_python, "-m", "pip", "--python", python, "install", "--no-compile", tree)
+    # PIP_CONSTRAINT, not -c: it reaches the isolated build environment too.
+    constraints = root / "constraints.txt"
+    constraints.write_text(locked_constraints())
+    installed = run(
+        nemo_python,
+        "-m",
+        "pip",
+        "--python",
+        python,
+        "install",
+        "--no-compile",
+        tree,
+        env={"PIP_CONSTRAINT": str(constraints)},
+    )
     if installed.returncode != 0:
         raise BesideError(
             f"pip install of this tree beside nemo-gym failed:\n{installed.stdout[-3000:]}"

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -42,9 +42,22 @@ Req = TypeVar("Req", bound=Message)
 Context = aio.ServicerContext[Any, Any]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _HealthListResponseClass(Protocol):
+    """`grpc.health.v1.HealthListResponse`'s constructor (`map<string, HealthCheckResponse>
+    statuses = 1`), spelled out because grpcio-health-checking's `health_pb2.pyi` predates
+    `List`. Typing the class as `type[Message]` instead claimed `Message`'s constructor, which
+    type-checked only while the protobuf stubs gave it `**kwargs: Any` (they no longer do)."""
+
+    def __call__(
+        self, *, statuses: Mapping[str, health_pb2.HealthCheckResponse] = ...
+    ) -> Message: ...
+
+
 _health_messages: Any = health_pb2  # the type stubs predate List
 HEALTH_LIST_REQUEST: type[Message] = _health_messages.HealthListRequest
-HEALTH_LIST_RESPONSE: type[Message] = _health_messages.HealthListResponse
+HEALTH_LIST_RESPONSE: _HealthListResponseClass = _health_messages.HealthListResponse
 
 
 class RateLimitedLog:
