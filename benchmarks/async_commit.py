@@ -31,6 +31,9 @@ import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -114,6 +117,17 @@ class DelayProxy:
             upstream_writer.close()
 
 
+@dataclass(frozen=True)
+class Store:
+    """Where one series of checkpoints goes: a label, a root, and the store variables it
+    needs (an object store's endpoint: the direct one or the delaying proxy's; the store
+    client is cached per set of variables, so switching them switches the client)."""
+
+    label: str
+    root: str
+    environment: dict[str, str] = field(default_factory=dict)
+
+
 async def run(ctx: Any) -> BenchResult:
     params = ctx.params
     cases: list[tuple[int, int]] = params.async_commit_states
@@ -125,37 +139,39 @@ async def run(ctx: Any) -> BenchResult:
         "Prepare (admission closed) to Resume returned (open). Export: the export hook; "
         "snapshot: its serialization to bytes. Durable: Prepare to the part published "
         "(sync: Commit's reply; async: AwaitPart DURABLE). Local disk, SeaweedFS, and "
-        "SeaweedFS behind a proxy adding 50 ms per S3 request. Sync and async alternate.",
+        "SeaweedFS behind a proxy adding 50 ms per S3 request, interleaved round by round "
+        "on one participant per size; sync and async alternate within each.",
         params={"states": cases, "repeats": repeats, "proxy_delay_ms": PROXY_DELAY_SECONDS * 1e3},
     )
     work = Path(tempfile.mkdtemp(prefix="async-commit-", dir=ctx.workdir))
+    local = Store("local disk", str(work / "local"))
     try:
-        for count, size in cases:
-            await _measure(ctx, result, "local disk", str(work / "local"), count, size, repeats)
         weed = built_weed()
         if weed is None:
-            # The local-disk cases ran: the result is not skipped, its object-store half is.
+            # The local-disk cases run: the result is not skipped, its object-store half is.
             result.params["object_store"] = (
                 "skipped: no SeaweedFS weed binary built here (scripts/seaweedfs builds it)"
             )
             ctx.say(f"async_commit: object-store cases {result.params['object_store']}")
+            for count, size in cases:
+                await _measure(ctx, result, [local], count, size, repeats)
             return result
-        await _object_store_cases(ctx, result, weed, work, cases, repeats)
+        async with _object_stores(ctx, work) as (direct, delayed, proxy):
+            for count, size in cases:
+                await _measure(ctx, result, [local, direct, delayed], count, size, repeats)
+            result.params["proxied_requests"] = proxy.requests
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-async def _object_store_cases(
-    ctx: Any,
-    result: BenchResult,
-    weed: Path,
-    work: Path,
-    cases: list[tuple[int, int]],
-    repeats: int,
-) -> None:
+@asynccontextmanager
+async def _object_stores(ctx: Any, work: Path) -> AsyncIterator[tuple[Store, Store, DelayProxy]]:
+    """SeaweedFS, and the same server behind the delaying proxy: two stores of one bucket."""
     from tests.s3_server import SeaweedS3
 
+    weed = built_weed()
+    assert weed is not None
     server = SeaweedS3(weed, work / "seaweedfs")
     saved = {name: os.environ.get(name) for name in server.connection.environment()}
     proxy: DelayProxy | None = None
@@ -164,21 +180,21 @@ async def _object_store_cases(
         await asyncio.to_thread(server.start)
         environment = server.connection.environment()
         os.environ.update(environment)
-        bucket = server.connection.bucket
-        prefix = f"s3://{bucket}/bench-async/{secrets.token_hex(4)}"
-        for count, size in cases:
-            await _measure(ctx, result, "SeaweedFS", f"{prefix}/direct", count, size, repeats)
+        prefix = f"s3://{server.connection.bucket}/bench-async/{secrets.token_hex(4)}"
         endpoint = urlsplit(environment["AWS_ENDPOINT_URL"])
         assert endpoint.hostname is not None and endpoint.port is not None
         proxy = DelayProxy(endpoint.hostname, endpoint.port, PROXY_DELAY_SECONDS)
         await proxy.start()
-        os.environ["AWS_ENDPOINT_URL"] = urlunsplit(
-            endpoint._replace(netloc=f"127.0.0.1:{proxy.listen_port}")
+        proxied = urlunsplit(endpoint._replace(netloc=f"127.0.0.1:{proxy.listen_port}"))
+        yield (
+            Store("SeaweedFS", f"{prefix}/direct", environment),
+            Store(
+                f"SeaweedFS +{PROXY_DELAY_SECONDS * 1e3:g} ms/request",
+                f"{prefix}/delayed",
+                environment | {"AWS_ENDPOINT_URL": proxied},
+            ),
+            proxy,
         )
-        label = f"SeaweedFS +{PROXY_DELAY_SECONDS * 1e3:g} ms/request"
-        for count, size in cases:
-            await _measure(ctx, result, label, f"{prefix}/delayed", count, size, repeats)
-        result.params["proxied_requests"] = proxy.requests
     finally:
         if proxy is not None:
             await proxy.close()
@@ -190,9 +206,19 @@ async def _object_store_cases(
                 os.environ[name] = value
 
 
+Runs = dict[
+    str, dict[bool, dict[str, list[float]]]
+]  # store label -> asynchronous -> name -> samples
+
+
 async def _measure(
-    ctx: Any, result: BenchResult, where: str, root: str, count: int, size: int, repeats: int
+    ctx: Any, result: BenchResult, stores: list[Store], count: int, size: int, repeats: int
 ) -> None:
+    """One participant of `count` states, checkpointed round by round to every store in
+    turn, each synchronously then asynchronously: every comparison, across modes and across
+    stores, is between runs taken side by side on the same heap. (Measured one store after
+    the other, the export hook alone moved 176 -> 226 ms between two cases of one run, which
+    read as a pause that grew with storage latency.)"""
     from tests.double import DoubleParticipant
 
     participant = DoubleParticipant("bench")
@@ -212,23 +238,38 @@ async def _measure(
     blob = "x" * max(size - 60, 1)
     for i in range(count):
         participant.seed(EpisodeId(f"s{i:06d}"), {"blob": blob})
-    case = f"{where}, {count} x {size / 1000:g} KB"
-    root = f"{root}/{count}x{size}"  # a directory of its own per case: parts are never replaced
-    ctx.say(f"async_commit: {case}, {repeats} repeats")
-    runs: dict[bool, dict[str, list[float]]] = {
-        mode: {"pause": [], "durable": [], "export": [], "snapshot": []} for mode in (False, True)
+    states = f"{count} x {size / 1000:g} KB"
+    ctx.say(f"async_commit: {states}, {repeats} repeats on {', '.join(s.label for s in stores)}")
+    runs: Runs = {
+        store.label: {
+            mode: {"pause": [], "durable": [], "export": [], "snapshot": []}
+            for mode in (False, True)
+        }
+        for store in stores
     }
     try:
-        for repeat in range(repeats + 1):  # the first round of each mode is unmeasured
-            for asynchronous in (False, True):
-                figures = await _checkpoint(
-                    control, exports, f"{root}/r{repeat}-{int(asynchronous)}", asynchronous
-                )
-                if repeat:
-                    for name, value in figures.items():
-                        runs[asynchronous][name].append(value)
+        for repeat in range(repeats + 1):  # the first round of each store and mode is unmeasured
+            for store in stores:
+                os.environ.update(store.environment)
+                # A directory of its own per case and round: parts are never replaced.
+                root = f"{store.root}/{count}x{size}/r{repeat}"
+                for asynchronous in (False, True):
+                    figures = await _checkpoint(
+                        control, exports, f"{root}-{int(asynchronous)}", asynchronous
+                    )
+                    if repeat:
+                        for name, value in figures.items():
+                            runs[store.label][asynchronous][name].append(value)
     finally:
         await control.close()
+    for store in stores:
+        _report_store(result, f"{store.label}, {states}", runs[store.label])
+    if len(stores) == 3:  # local disk, the direct object store, the slowed one
+        _, direct, slowed = stores
+        _report_latency(result, states, slowed.label, direct.label, runs)
+
+
+def _report_store(result: BenchResult, case: str, runs: dict[bool, dict[str, list[float]]]) -> None:
     sync, asynchronous = runs[False], runs[True]
     result.figure(f"{case}: sync pause", "Prepare -> Resume", "ms", map(ms, sync["pause"]))
     result.figure(f"{case}: async pause", "Prepare -> Resume", "ms", map(ms, asynchronous["pause"]))
@@ -264,6 +305,24 @@ async def _measure(
         "sync durable",
         ratios(asynchronous["durable"], sync["durable"]),
     )
+
+
+def _report_latency(result: BenchResult, states: str, slowed: str, direct: str, runs: Runs) -> None:
+    """What the added storage latency does to each figure, in rounds taken side by side:
+    the goal is an asynchronous pause unchanged by it (ratio 1), while the synchronous one
+    grows by the requests it waits for."""
+    slow, fast = runs[slowed], runs[direct]
+    for name, mode, samples in (
+        ("async pause", True, "pause"),
+        ("sync pause", False, "pause"),
+        ("export hook", True, "export"),
+    ):
+        result.ratio(
+            f"{states}: {name}, {slowed} / {direct}",
+            f"{name} with the added latency",
+            f"{name} without",
+            ratios(slow[mode][samples], fast[mode][samples]),
+        )
 
 
 async def _checkpoint(

@@ -1,0 +1,38 @@
+"""The README's benchmark tables are the recorded results, generated (issue 28).
+
+`python -m benchmarks.tables` writes every table the README quotes from a benchmark run out of
+`benchmarks/results/latest.json`; a hand edit of a figure, or a rerun whose results were
+committed without regenerating the README, fails here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from benchmarks import tables
+
+
+def test_the_readme_tables_are_generated_from_the_recorded_results() -> None:
+    text = tables.README.read_text()
+    assert tables.render(text, tables.load()) == text, (
+        "README.md's benchmark tables differ from benchmarks/results/latest.json: "
+        "run python -m benchmarks.tables"
+    )
+
+
+def test_the_readme_holds_every_generated_table() -> None:
+    """Deleting a block's markers would silently exempt its table from the check above."""
+    assert sorted(tables.block_names(tables.README.read_text())) == sorted(tables.TABLES)
+
+
+def test_a_changed_result_changes_the_rendered_readme() -> None:
+    """The negative control: the check compares figures, not just the blocks' presence."""
+    text = tables.README.read_text()
+    payload = json.loads(tables.RESULTS.read_text())
+    changed = copy.deepcopy(payload)
+    for ratio in changed["benchmarks"]["async_commit"]["ratios"]:
+        ratio["median"] *= 1.5
+    assert tables.render(text, tables.Results(changed)) != text
+    assert tables.render(text, tables.Results(payload)) == text
+
