@@ -35,4 +35,3 @@ def test_a_changed_result_changes_the_rendered_readme() -> None:
         ratio["median"] *= 1.5
     assert tables.render(text, tables.Results(changed)) != text
     assert tables.render(text, tables.Results(payload)) == text
-
