@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,8 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 
 from .conftest import TOKEN, Harness, start_harness, stop_harness
-from .processes import kill_group, started
-from .test_health import NOT_SERVING, SERVING, check, watching
+from .processes import started
+from .test_health import NOT_SERVING, SERVING, check, killed_at_exit, watching
 from .test_standard_services_hostile import (
     GARBAGE,
     HEALTH,
@@ -102,22 +102,18 @@ async def health_list(address: str) -> dict[str, int]:
     return {name: int(reply.status) for name, reply in listed.statuses.items()}
 
 
-async def unimplemented(call: Any) -> aio.AioRpcError:
+async def unimplemented(call: Any) -> None:
     with pytest.raises(aio.AioRpcError) as caught:
         await call
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED, caught.value
-    return caught.value
 
 
-async def reflect(address: str) -> list[str]:
-    """The services reflection lists at `address` (plaintext)."""
-    async with aio.insecure_channel(address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(list_services="")
-        names = []
-        async for reply in stub.ServerReflectionInfo(iter([request]), timeout=WAIT):
-            names += [s.name for s in reply.list_services_response.service]
-        return names
+async def reflected_services(channel: aio.Channel) -> set[str]:
+    """The services reflection lists over `channel`."""
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    replies = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=WAIT)]
+    return {s.name for r in replies for s in r.list_services_response.service}
 
 
 @contextlib.asynccontextmanager
@@ -211,18 +207,11 @@ async def test_the_health_port_serves_health_and_nothing_else(tmp_path: Path) ->
             with pytest.raises(aio.AioRpcError) as too_big:
                 await health_pb2_grpc.HealthStub(channel).Check(huge, timeout=WAIT)
             assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # Reflection is on for the control port, and still absent here.
-        with pytest.raises(aio.AioRpcError) as reflection:
-            await reflect(health)
-        assert reflection.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            # Reflection is on for the control port, and still absent here.
+            await unimplemented(reflected_services(channel))
         credentials = grpc.ssl_channel_credentials((tmp_path / "cert.pem").read_bytes())
         async with aio.secure_channel(f"localhost:{h.runtime.port}", credentials) as secure:
-            stub = reflection_pb2_grpc.ServerReflectionStub(secure)
-            request = reflection_pb2.ServerReflectionRequest(list_services="")
-            replies = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=WAIT)]
-            assert PARTICIPANT_SERVICE in {
-                s.name for r in replies for s in r.list_services_response.service
-            }
+            assert PARTICIPANT_SERVICE in await reflected_services(secure)
         # Health itself still answers after all that.
         assert await check(health, LIVENESS) == SERVING
 
@@ -307,9 +296,7 @@ async def test_the_coordinator_serves_health_alone_in_plaintext_beside_tls(
                 )
             )
             assert_typed_invalid_request(await send_raw(channel, HEALTH + "Check", GARBAGE[1]))
-        with pytest.raises(aio.AioRpcError) as reflection:
-            await reflect(health)
-        assert reflection.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await unimplemented(reflected_services(channel))
         async with watching(health, "", COORDINATOR_SERVICE) as w:
             for watcher in w.values():
                 await watcher.until(SERVING)
@@ -331,12 +318,12 @@ async def test_the_coordinator_binds_no_health_port_unless_configured(tmp_path: 
 # -- the CLI --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def killed_at_exit(process: subprocess.Popen[str]) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        kill_group(process)
+def coordinator_command(tmp_path: Path) -> list[str]:
+    """`coordinator` of a one-member fleet; discovery is lazy, so it serves (and answers
+    health) before the member, which never comes, does."""
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[[participants]]\nname = "counter"\naddress = "127.0.0.1:9"\n')
+    return [*CLI, "coordinator", "--fleet", str(fleet)]
 
 
 async def test_serve_announces_the_health_port_set_from_the_environment(tmp_path: Path) -> None:
@@ -383,9 +370,7 @@ async def test_serve_with_workers_announces_the_health_port(tmp_path: Path) -> N
 async def test_the_coordinator_cli_announces_the_health_port_only_when_asked(
     tmp_path: Path,
 ) -> None:
-    fleet = tmp_path / "fleet.toml"
-    fleet.write_text('[[participants]]\nname = "counter"\naddress = "127.0.0.1:9"\n')
-    command = [*CLI, "coordinator", "--fleet", str(fleet), "--grpc-address", "127.0.0.1:0"]
+    command = [*coordinator_command(tmp_path), "--grpc-address", "127.0.0.1:0"]
     plain, announced = started(command, env=ENV, log=tmp_path / "plain.log")
     with killed_at_exit(plain):
         assert "health" not in announced
@@ -398,14 +383,12 @@ async def test_the_coordinator_cli_announces_the_health_port_only_when_asked(
 
 
 def test_a_taken_health_port_fails_the_start_and_is_named(tmp_path: Path) -> None:
-    fleet = tmp_path / "fleet.toml"
-    fleet.write_text('[[participants]]\nname = "counter"\naddress = "127.0.0.1:9"\n')
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         for command in (
-            [*CLI, "coordinator", "--fleet", str(fleet), "--health-address", address],
+            [*coordinator_command(tmp_path), "--health-address", address],
             [*CLI, "serve", "counter", "--health-address", address],
         ):
             proc = subprocess.run(
