@@ -14,8 +14,9 @@ sidecar, and starts the workers as this same command with the worker variables s
 (server/runtime/workers.py); its announcement adds `workers` and `worker_pids`.
 
 Once HTTP and gRPC both listen it prints one JSON line to stdout (`http`, `grpc`, `instance`,
-`kind`, `pid`) so scripts and tests can find it; nothing else ever goes to stdout. SIGTERM
-shuts it down gracefully: health goes NOT_SERVING at once, HTTP drains, then the sidecar stops.
+`kind`, `pid`, and `health` when a health-only port is configured) so scripts and tests can
+find it; nothing else ever goes to stdout. SIGTERM shuts it down gracefully: health goes
+NOT_SERVING at once, HTTP drains, then the sidecar stops.
 
 `nemo-gym:<server>` serves one of NeMo Gym's own resources servers (`indirect_prompt_injection`,
 `example_session_state_mgmt`) from the nemo-gym installed in this environment, built as
@@ -101,7 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="rollout-checkpoint serve",
         description=__doc__.splitlines()[0].rstrip(".")
-        + ". Prints one JSON line (http, grpc, instance, kind, pid) once both listen.",
+        + ". Prints one JSON line (http, grpc, instance, kind, pid; health with "
+        "--health-address) once both listen.",
         epilog=epilog(
             "ROLLOUT_CHECKPOINT_TOKEN=change-me rollout-checkpoint serve counter "
             "--http-address 127.0.0.1:8001 --grpc-address 127.0.0.1:9001",
@@ -122,6 +124,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--grpc-address", default=None, help="the sidecar's HOST:PORT (default 127.0.0.1:0)"
+    )
+    parser.add_argument(
+        "--health-address",
+        default=None,
+        help="HOST:PORT of a plaintext port serving gRPC health only, for Kubernetes' native "
+        "grpc: probes (default: none; $ROLLOUT_CHECKPOINT_HEALTH_ADDRESS)",
     )
     parser.add_argument(
         "--token", default=None, help="control token (else $ROLLOUT_CHECKPOINT_TOKEN)"
@@ -219,6 +227,8 @@ def checkpoint_settings(args: argparse.Namespace, instance: str) -> CheckpointSe
         overrides["token"] = args.token
     if args.grpc_address is not None:
         overrides["grpc_address"] = args.grpc_address
+    if args.health_address is not None:
+        overrides["health_address"] = args.health_address
     return CheckpointSettings(**overrides)
 
 
@@ -390,7 +400,12 @@ WORKER_KINDS = {
 session lives across requests, so it goes back to the worker its cookie routes to; an
 environment or agent episode lives inside one `/run`, so its record waits in the main
 process for the worker that receives the replacement's run."""
-MAIN_ONLY_FLAGS = {"--workers": True, "--grpc-address": True, "--start-closed": False}
+MAIN_ONLY_FLAGS = {
+    "--workers": True,
+    "--grpc-address": True,
+    "--health-address": True,
+    "--start-closed": False,
+}
 """Flags of the main process that a worker's command line leaves out (True: with a value)."""
 
 
@@ -460,6 +475,8 @@ def serve_main_of_workers(
             "workers": addresses["workers"],
             "worker_pids": addresses["worker_pids"],
         }
+        if addresses.get("health") is not None:
+            line["health"] = addresses["health"]
         print(json.dumps(line), file=announce, flush=True)
 
     asyncio.run(
@@ -519,6 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     check_free("HTTP", args.http_address)
     if checkpoint is not None:
         check_free("gRPC", checkpoint.grpc_address)
+        if checkpoint.health_address is not None:
+            check_free("health", checkpoint.health_address)
     token = checkpoint.token.get_secret_value() if checkpoint is not None else args.token
     configure_logging(
         args.log_level,
@@ -549,6 +568,8 @@ def main(argv: list[str] | None = None) -> None:
                 "kind": KINDS[args.server],
                 "pid": os.getpid(),
             }
+            if runtime is not None and runtime.health_address is not None:
+                announcement["health"] = runtime.health_address
             print(json.dumps(announcement), file=announce, flush=True)
 
     config = uvicorn.Config(

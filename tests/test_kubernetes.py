@@ -2,11 +2,13 @@
 
 Every manifest, and what kustomize renders from them (alone and under an image override),
 validates strictly against the Kubernetes API schemas of every supported version, offline
-(kubernetes-validate's schemas; unknown fields fail). Ports are numbers; every probe names a
-health service the sidecar (or the coordinator) really registers, on the container's gRPC
-port; the token and the TLS certificate come only from Secrets made by hand; control traffic
-to the participants is TLS, with the README's certificate (made here with its openssl lines)
-accepted for every member's fleet address and by the exec probes; the control Service is
+(kubernetes-validate's schemas; unknown fields fail). Ports are numbers; every probe is a
+native `grpc:` probe naming a health service the sidecar (or the coordinator) really
+registers, on the container's plaintext health-only port (`--health-address`), which no
+Service publishes; the token and the TLS certificate come only from Secrets made by hand;
+control traffic to the participants is TLS, with the README's certificate (made here with its
+openssl lines) accepted for every member's fleet address, while the probes' names answer in
+plaintext on a real sidecar's and coordinator's health port; the control Service is
 headless and publishes not-ready pods, and the fleet file names pods through it;
 participants and coordinator mount one ReadWriteMany volume at the path the participants
 allow; commands are real CLI verbs whose flags parse (the README's `kubectl exec` lines too), and the
@@ -17,14 +19,11 @@ the settings.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
-import importlib.util
 import json
 import re
 import shlex
 import subprocess
-import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,8 +52,9 @@ from .conftest import REPO, TOKEN, start_harness, stop_harness
 DEPLOY = REPO / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 PREFIX = "ROLLOUT_CHECKPOINT_"
-PROBE_SCRIPT = REPO / "deploy" / "health-probe.py"
-PROBE_COMMAND = "rollout-checkpoint-health-probe"  # where deploy/Dockerfile installs it
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 TLS_SECRET = "rollout-checkpoint-tls"
 # The oldest Kubernetes the manifests support: native gRPC probes (the coordinator's) are GA
 # from 1.27. Every version from there to the newest kubernetes-validate ships is checked.
@@ -142,7 +142,7 @@ def test_every_manifest_loads_and_the_kustomization_lists_them_all() -> None:
 
 
 def test_ports_are_numbers_everywhere() -> None:
-    numeric_keys = {"containerPort", "port", "targetPort"}
+    numeric_keys = {"containerPort", "port", "targetPort"}  # a grpc: probe's port too
     seen = 0
     for doc in objects():
         for path, node in walk(doc):
@@ -171,40 +171,38 @@ def test_images_are_the_project_image_built_by_the_dockerfile() -> None:
 # -- probes ---------------------------------------------------------------------------------
 
 
-@functools.cache
-def probe_script() -> Any:
-    """deploy/health-probe.py as a module (its file name is not an importable name)."""
-    spec = importlib.util.spec_from_file_location("health_probe", PROBE_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def exec_probe_args(probe: dict[str, Any]) -> argparse.Namespace:
-    command = probe["exec"]["command"]
-    assert command[0] == PROBE_COMMAND, command
-    args: argparse.Namespace = probe_script().parser().parse_args(command[1:])
-    return args
-
-
-def probe_target(probe: dict[str, Any]) -> dict[str, Any]:
-    """{port, service} of a probe: a native `grpc:` probe, or an exec of the TLS probe."""
-    if "grpc" in probe:
-        target: dict[str, Any] = probe["grpc"]
-        return target
-    args = exec_probe_args(probe)
-    host, port = args.address.rsplit(":", 1)
-    assert host == "localhost", args.address  # the pod's own sidecar; the cert names it
-    return {"port": int(port), "service": args.service}
-
-
 def grpc_probes(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {
-        kind: probe_target(c[kind])
-        for kind in ("startupProbe", "livenessProbe", "readinessProbe")
-        if kind in c
-    }
+    """{kind: {port, service}} of every probe of `c`, each a native `grpc:` probe."""
+    probes = {}
+    for kind in PROBES:
+        if kind in c:
+            assert set(c[kind]) & {"exec", "httpGet", "tcpSocket"} == set(), (kind, c[kind])
+            probes[kind] = c[kind]["grpc"]
+    return probes
+
+
+def services_publishing(target: int) -> list[str]:
+    """The Services whose ports forward to container port `target`."""
+    return [
+        service["metadata"]["name"]
+        for service in objects()
+        if service["kind"] == "Service"
+        and any(p["targetPort"] == target for p in service["spec"]["ports"])
+    ]
+
+
+def assert_probes_on_the_health_port(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every probe of `c` asks its health-only port, which `--health-address` binds beside
+    the TLS `--grpc-address`, and which no Service publishes (only the kubelet asks it)."""
+    probes = grpc_probes(c)
+    health_port = port(c, "health")
+    assert health_port != port(c, "grpc")
+    assert flag(c["command"], "--health-address") == f"0.0.0.0:{health_port}"
+    assert flag(c["command"], "--grpc-address") == f"0.0.0.0:{port(c, 'grpc')}"
+    for probe in probes.values():
+        assert set(probe) == {"port", "service"} and probe["port"] == health_port, probe
+    assert services_publishing(health_port) == []
+    return probes
 
 
 async def health_status(address: str, service: str) -> int:
@@ -214,39 +212,38 @@ async def health_status(address: str, service: str) -> int:
         return int(reply.status)
 
 
-async def test_participant_probes_name_registered_services_on_the_grpc_port() -> None:
+async def test_participant_probes_name_registered_services_on_the_health_port() -> None:
     c = container(participants())
-    probes = grpc_probes(c)
-    assert set(probes) == {"startupProbe", "livenessProbe", "readinessProbe"}
+    probes = assert_probes_on_the_health_port(c)
+    assert set(probes) == set(PROBES)
+    assert probes["startupProbe"]["service"] == "participant-readiness"
     assert probes["livenessProbe"]["service"] == "participant-liveness"
     assert probes["readinessProbe"]["service"] == "participant-readiness"
-    grpc_port = port(c, "grpc")
-    assert flag(c["command"], "--grpc-address") == f"0.0.0.0:{grpc_port}"
-    for probe in probes.values():
-        assert set(probe) == {"port", "service"} and probe["port"] == grpc_port
-    # The names exist on a real sidecar: Check answers (no NOT_FOUND), without a token.
-    h = await start_harness()
+    # The names exist on a real sidecar's health port: Check answers (no NOT_FOUND), in
+    # plaintext, without a token.
+    h = await start_harness(health_address="127.0.0.1:0")
     try:
         for probe in probes.values():
-            assert await health_status(h.grpc_address, probe["service"]) in (1, 2)
+            assert h.runtime.health_address is not None
+            assert await health_status(h.runtime.health_address, probe["service"]) in (1, 2)
     finally:
         await stop_harness(h)
 
 
-async def test_coordinator_probes_name_registered_services_on_its_port() -> None:
+async def test_coordinator_probes_name_registered_services_on_its_health_port() -> None:
     c = container(coordinator())
-    probes = grpc_probes(c)
-    grpc_port = port(c, "grpc")
-    assert flag(c["command"], "--grpc-address") == f"0.0.0.0:{grpc_port}"
-    services = {probe["service"] for probe in probes.values()}
-    assert services == {"", COORDINATOR_SERVICE}
+    probes = assert_probes_on_the_health_port(c)
+    assert set(probes) == {"livenessProbe", "readinessProbe"}
+    assert probes["livenessProbe"]["service"] == ""
+    assert probes["readinessProbe"]["service"] == COORDINATOR_SERVICE
     spec = FleetSpec(members=(MemberSpec("counter-0", "127.0.0.1:9"),), token=TOKEN)
-    server = Coordinator(spec, "127.0.0.1:0")
+    server = Coordinator(spec, "127.0.0.1:0", health_address="127.0.0.1:0")
     await server.start()
     try:
+        assert server.health_listener is not None
         for probe in probes.values():
-            assert probe["port"] == grpc_port
-            assert await health_status(f"127.0.0.1:{server.port}", probe["service"]) == 1
+            status = await health_status(server.health_listener.bound_address, probe["service"])
+            assert status == 1
     finally:
         await server.stop()
 
@@ -256,7 +253,7 @@ def test_startup_window_and_grace_periods_fit_the_settings() -> None:
     variables = env(c)
     closed_timeout = float(variables[f"{PREFIX}START_CLOSED_TIMEOUT_SECONDS"]["value"])
     startup = c["startupProbe"]
-    assert probe_target(startup)["service"] == "participant-readiness"  # up only after restore
+    assert startup["grpc"]["service"] == "participant-readiness"  # up only after restore
     assert startup["periodSeconds"] * startup["failureThreshold"] > closed_timeout
     shutdown_grace = float(variables[f"{PREFIX}SHUTDOWN_GRACE_SECONDS"]["value"])
     termination = pod_spec(participants())["terminationGracePeriodSeconds"]
@@ -400,6 +397,7 @@ def test_the_environment_maps_onto_the_settings_serve_builds(
     assert settings.token.get_secret_value() == "from-the-secret"
     assert settings.start_closed  # from the environment: no --start-closed flag needed
     assert settings.grpc_address == f"0.0.0.0:{port(c, 'grpc')}"
+    assert settings.health_address == f"0.0.0.0:{port(c, 'health')}"
     assert settings.metrics_address == f"0.0.0.0:{port(c, 'metrics')}"
     annotations = participants()["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(port(c, "metrics"))
@@ -408,7 +406,7 @@ def test_the_environment_maps_onto_the_settings_serve_builds(
     tls = mount_of_secret(participants(), TLS_SECRET)
     assert settings.tls_cert_file == f"{tls}/tls.crt"
     assert settings.tls_key_file == f"{tls}/tls.key"
-    assert settings.tls_client_ca_file is None  # the probes present no client certificate
+    assert settings.tls_client_ca_file is None  # mutual TLS is not set up here
 
 
 # -- the Kubernetes API schemas, offline -----------------------------------------------------
@@ -449,8 +447,8 @@ def test_the_validator_ships_the_versions_checked_and_rejects_unknown_fields() -
     with pytest.raises(kubernetes_validate.ValidationError, match="acessModes"):
         kubernetes_validate.validate(pvc, versions[-1], strict=True)
     probe = json.loads(json.dumps(participants()))
-    container(probe)["readinessProbe"]["exec"]["cmd"] = ["true"]
-    with pytest.raises(kubernetes_validate.ValidationError, match="cmd"):
+    container(probe)["readinessProbe"]["grpc"]["svc"] = "participant-readiness"
+    with pytest.raises(kubernetes_validate.ValidationError, match="svc"):
         kubernetes_validate.validate(probe, versions[-1], strict=True)
 
 
@@ -577,20 +575,15 @@ def test_control_traffic_is_tls_from_a_secret_made_by_hand() -> None:
             pod_spec(workload)["securityContext"]["fsGroup"]
             == pod_spec(workload)["securityContext"]["runAsUser"]
         )
-    # Every participant probe verifies the sidecar against the Secret's CA.
-    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert exec_probe_args(c[kind]).ca_file == f"{tls}/ca.crt"
     # The coordinator serves its own port with the same certificate and key, and the fleet
     # file names the CA, so it (and every fleet verb run in its pod) dials the members over
-    # TLS; the probes of its port verify it against that CA too.
+    # TLS.
     (volume,) = secret_volumes(coordinator(), TLS_SECRET)
     assert "items" not in volume["secret"]
     ca = mount_of_secret(coordinator(), TLS_SECRET)
     command = container(coordinator())["command"]
     assert flag(command, "--tls-cert-file") == f"{ca}/tls.crt"
     assert flag(command, "--tls-key-file") == f"{ca}/tls.key"
-    for kind in ("livenessProbe", "readinessProbe"):
-        assert exec_probe_args(container(coordinator())[kind]).ca_file == f"{ca}/ca.crt"
     fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
     assert fleet["tls_ca_file"] == f"{ca}/ca.crt"
     assert "tls_cert_file" not in fleet and "tls_key_file" not in fleet
@@ -632,14 +625,6 @@ def run_readme_certificate_commands(directory: Path) -> list[list[str]]:
     return [call.rstrip("\0").split("\0") for call in raw if call]
 
 
-def make_unrelated_ca(directory: Path) -> Path:
-    """A CA that signed nothing the sidecar serves."""
-    command = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-    command += ["-subj", "/CN=other", "-keyout", "other.key", "-out", "other.crt"]
-    subprocess.run(command, cwd=directory, capture_output=True, timeout=60, check=True)
-    return directory / "other.crt"
-
-
 def member_hosts() -> list[str]:
     fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
     return [member["address"].rsplit(":", 1)[0] for member in fleet["participants"]]
@@ -656,29 +641,15 @@ async def get_participant(address: str, credentials: grpc.ChannelCredentials, na
         return str(reply.instance)
 
 
-async def run_probe(*args: str) -> tuple[int, str]:
-    # Asynchronously: the sidecar answering it runs on this same event loop.
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(PROBE_SCRIPT),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, stderr = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode is not None
-    return proc.returncode, stderr.decode()
+async def kubelet_probe(c: dict[str, Any], kind: str, health_address: str) -> int:
+    """What the kubelet's `grpc:` probe `kind` of container `c` gets from a local health port
+    (the container's port number replaced by the local one): plaintext, no token."""
+    return await health_status(health_address, c[kind]["grpc"]["service"])
 
 
-def kubelet_probe_args(probe: dict[str, Any], port: int, ca_file: Path) -> list[str]:
-    """The manifest's probe command, pointed at a local sidecar and the test's CA."""
-    args = list(probe["exec"]["command"][1:])
-    args[args.index("--address") + 1] = f"localhost:{port}"
-    args[args.index("--ca-file") + 1] = str(ca_file)
-    return args
-
-
-async def test_the_readme_certificate_serves_every_member_and_the_probes(tmp_path: Path) -> None:
+async def test_the_readme_certificate_serves_every_member_beside_plaintext_probes(
+    tmp_path: Path,
+) -> None:
     calls = run_readme_certificate_commands(tmp_path)
     token, tls = calls
     secret = ["-n", "default", "create", "secret", "generic"]
@@ -694,9 +665,10 @@ async def test_the_readme_certificate_serves_every_member_and_the_probes(tmp_pat
     ]
     for name in ("ca.crt", "tls.crt", "tls.key"):
         assert (tmp_path / name).is_file()
-    other_ca = make_unrelated_ca(tmp_path)
     h = await start_harness(
-        tls_cert_file=str(tmp_path / "tls.crt"), tls_key_file=str(tmp_path / "tls.key")
+        tls_cert_file=str(tmp_path / "tls.crt"),
+        tls_key_file=str(tmp_path / "tls.key"),
+        health_address="127.0.0.1:0",
     )
     try:
         # The coordinator's view: the fleet file's TLS settings, with the Secret's CA, accept
@@ -716,29 +688,16 @@ async def test_the_readme_certificate_serves_every_member_and_the_probes(tmp_pat
         with pytest.raises(aio.AioRpcError) as refused:
             await get_participant(h.grpc_address, credentials, "counter-2.counter-control")
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        # A plaintext client (what the kubelet's grpc: probe is) gets no answer at all.
+        # A plaintext client (what the kubelet's grpc: probe is) gets no answer on the TLS
+        # port, and every probe's answer on the health port, as the manifest writes it.
         with pytest.raises(aio.AioRpcError):
             await health_status(h.grpc_address, "participant-liveness")
-        # The kubelet's view: each exec probe, as written, passes against this sidecar.
         c = container(participants())
-        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-            args = kubelet_probe_args(c[kind], h.runtime.port, tmp_path / "ca.crt")
-            code, stderr = await run_probe(*args)
-            assert code == 0, (kind, stderr)
-        # A CA that did not sign the certificate: no answer, exit 1.
-        args = kubelet_probe_args(c["livenessProbe"], h.runtime.port, other_ca)
-        code, stderr = await run_probe(*args)
-        assert code == 1 and "UNAVAILABLE" in stderr, stderr
-        # An unknown service name is not SERVING; an unreadable CA is a usage error.
-        args = ["--address", f"localhost:{h.runtime.port}", "--ca-file", str(tmp_path / "ca.crt")]
-        code, stderr = await run_probe(*args, "no-such-service")
-        assert code == 1 and "NOT_FOUND" in stderr, stderr
-        code, stderr = await run_probe(
-            "--address", f"localhost:{h.runtime.port}", "--ca-file", str(tmp_path / "nope"), ""
-        )
-        assert code == 2 and "--ca-file" in stderr, stderr
+        assert h.runtime.health_address is not None
+        for kind in PROBES:
+            assert await kubelet_probe(c, kind, h.runtime.health_address) == SERVING, kind
         # The coordinator serves its port with the same files, as its command line says: a
-        # controller verifies it by its Service name, and its exec probes pass as written.
+        # controller verifies it by its Service name, and its probes pass as written.
         await check_the_coordinator_serves_the_readme_certificate(tmp_path, spec)
     finally:
         await stop_harness(h)
@@ -753,7 +712,7 @@ async def check_the_coordinator_serves_the_readme_certificate(
         tmp_path / Path(flag(command, f)).name for f in ("--tls-cert-file", "--tls-key-file")
     )
     credentials = server_credentials(cert, key, None)
-    server = Coordinator(spec, "127.0.0.1:0", credentials=credentials)
+    server = Coordinator(spec, "127.0.0.1:0", credentials=credentials, health_address="127.0.0.1:0")
     await server.start()
     try:
         trusted = grpc.ssl_channel_credentials((tmp_path / "ca.crt").read_bytes())
@@ -766,13 +725,13 @@ async def check_the_coordinator_serves_the_readme_certificate(
                 health = health_pb2_grpc.HealthStub(channel)
                 request = health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE)
                 reply = await health.Check(request, timeout=30)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                assert reply.status == SERVING
         c = container(coordinator())
+        assert server.health_listener is not None
         for kind in ("livenessProbe", "readinessProbe"):
-            args = kubelet_probe_args(c[kind], server.port or 0, tmp_path / "ca.crt")
-            code, stderr = await run_probe(*args)
-            assert code == 0, (kind, stderr)
-        with pytest.raises(aio.AioRpcError):  # plaintext gets no answer
+            status = await kubelet_probe(c, kind, server.health_listener.bound_address)
+            assert status == SERVING, kind
+        with pytest.raises(aio.AioRpcError):  # plaintext gets no answer on the TLS port
             await health_status(f"127.0.0.1:{server.port}", COORDINATOR_SERVICE)
     finally:
         await server.stop()
@@ -784,16 +743,17 @@ async def test_the_probes_keep_a_start_closed_pod_alive_but_not_ready(tmp_path: 
         tls_cert_file=str(tmp_path / "tls.crt"),
         tls_key_file=str(tmp_path / "tls.key"),
         start_closed=True,
+        health_address="127.0.0.1:0",
     )
     try:
         c = container(participants())
-        results = {}
-        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-            args = kubelet_probe_args(c[kind], h.runtime.port, tmp_path / "ca.crt")
-            results[kind], stderr = await run_probe(*args)
-            if results[kind]:
-                assert "NOT_SERVING" in stderr, stderr
-        assert results == {"startupProbe": 1, "livenessProbe": 0, "readinessProbe": 1}
+        assert h.runtime.health_address is not None
+        results = {kind: await kubelet_probe(c, kind, h.runtime.health_address) for kind in PROBES}
+        assert results == {
+            "startupProbe": NOT_SERVING,
+            "livenessProbe": SERVING,
+            "readinessProbe": NOT_SERVING,
+        }
     finally:
         await stop_harness(h)
 
@@ -833,9 +793,9 @@ def test_the_readme_fleet_verbs_run_in_the_coordinator_pod() -> None:
     fleet = yaml.safe_load(one("ConfigMap")["data"]["fleet.yaml"])
     assert "valueFrom" in env(c)[fleet["token_env"]]
     assert Path(fleet["tls_ca_file"]).parent == Path(mount_of_secret(coordinator(), TLS_SECRET))
-    # The coordinator is Ready on its own (its probes ask its own port, never a member), so
-    # `kubectl exec deploy/...` finds it while every participant is still not Ready.
-    for kind in ("livenessProbe", "readinessProbe"):
-        target = probe_target(c[kind])
-        assert target["port"] == port(c, "grpc")
-        assert target["service"] in ("", COORDINATOR_SERVICE)
+    # The coordinator is Ready on its own (its probes ask its own health port, never a
+    # member), so `kubectl exec deploy/...` finds it while every participant is still not
+    # Ready.
+    for probe in grpc_probes(c).values():
+        assert probe["port"] == port(c, "health")
+        assert probe["service"] in ("", COORDINATOR_SERVICE)

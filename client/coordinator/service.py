@@ -56,6 +56,11 @@ from rollout_checkpoint.server.core.errors import (
 from rollout_checkpoint.server.core.extras import REFLECTION, require
 from rollout_checkpoint.server.core.rpc import handlers
 from rollout_checkpoint.server.core.rpc.auth import BearerTokenInterceptor
+from rollout_checkpoint.server.core.rpc.health_listener import (
+    HealthListener,
+    bind_health_listener,
+    stop_with_health,
+)
 from rollout_checkpoint.server.core.rpc.standard_services import (
     HEALTH_SERVICE,
     REFLECTION_SERVICE,
@@ -435,7 +440,9 @@ class Coordinator:
     parsing its own request bytes, so garbage is a typed INVALID_REQUEST, never UNKNOWN.
 
     With `credentials` (`server_credentials`) its port is TLS, optionally mutual: controllers
-    in other pods send the fleet's token with every call, which plaintext would expose."""
+    in other pods send the fleet's token with every call, which plaintext would expose. With
+    `health_address` a second port, plaintext whatever `credentials` say, serves the same
+    health servicer and nothing else, for the kubelet's native `grpc:` probes."""
 
     def __init__(
         self,
@@ -446,6 +453,7 @@ class Coordinator:
         grace: float = 5.0,
         supervise: SupervisorSettings | None = None,
         credentials: grpc.ServerCredentials | None = None,
+        health_address: str | None = None,
     ) -> None:
         if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
             require(REFLECTION, "coordinator --reflection")
@@ -463,6 +471,8 @@ class Coordinator:
         self.reflection_enabled = reflection_enabled
         self.grace = grace
         self.credentials = credentials
+        self.health_address = health_address
+        self.health_listener: HealthListener | None = None
         self.port: int | None = None
         self._server: aio.Server | None = None
 
@@ -481,10 +491,13 @@ class Coordinator:
             self.port = server.add_insecure_port(self.address)
         else:
             self.port = server.add_secure_port(self.address, self.credentials)
+        self.health_listener = bind_health_listener(self.health, self.health_address, hostile)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
+        if self.health_listener is not None:
+            await self.health_listener.start()
         if self.supervisor is not None:
             await self.supervisor.start()
         return self.port
@@ -496,8 +509,7 @@ class Coordinator:
         elif self.servicer.member_watch is not None:
             await self.servicer.member_watch.close()
         self.events.close()
-        if self._server is not None:
-            await self._server.stop(self.grace)
+        await stop_with_health(self._server, self.health_listener, self.grace)
         await self.servicer.forget_fleet()
 
     async def serve_forever(self, on_started: Any = None) -> None:

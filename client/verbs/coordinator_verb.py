@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from rollout_checkpoint.client.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
+from rollout_checkpoint.server.core.rpc.health_listener import HealthBindError
 from rollout_checkpoint.server.core.rpc.tls import TlsFilesError, server_credentials
 
 if TYPE_CHECKING:
@@ -45,24 +46,28 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         reflection_enabled=args.reflection,
         supervise=supervise,
         credentials=credentials,
+        health_address=args.health_address,
     )
 
     def announce(server: Coordinator) -> None:
         host = args.grpc_address.rsplit(":", 1)[0]
-        print(
-            json.dumps(
-                {"grpc": f"{host}:{server.port}", "pid": os.getpid(), "members": len(spec.members)}
-            ),
-            flush=True,
-        )
+        line: dict[str, object] = {
+            "grpc": f"{host}:{server.port}",
+            "pid": os.getpid(),
+            "members": len(spec.members),
+        }
+        if server.health_listener is not None:
+            line["health"] = server.health_listener.bound_address
+        print(json.dumps(line), flush=True)
 
     try:
         await coordinator.serve_forever(on_started=announce)
     except RuntimeError as error:
         if "bind" not in str(error).lower():
             raise
+        address = error.address if isinstance(error, HealthBindError) else args.grpc_address
         raise CliError(
-            ExitCode.ADDRESS_IN_USE, f"cannot listen on {args.grpc_address}: in use or invalid"
+            ExitCode.ADDRESS_IN_USE, f"cannot listen on {address}: in use or invalid"
         ) from None
     return ExitCode.OK
 

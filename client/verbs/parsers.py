@@ -210,7 +210,8 @@ def add_fleet_verbs(verbs: Any) -> None:
         help="serve CoordinatorService for a fleet",
         description="Serve rollout_checkpoint.v1.CoordinatorService for one fleet: the fleet "
         "verbs as typed RPCs for controllers in any language. Prints one JSON line "
-        "(`grpc`, `pid`, `members`) once it listens; SIGTERM stops it.",
+        "(`grpc`, `pid`, `members`, and `health` with --health-address) once it listens; "
+        "SIGTERM stops it.",
         epilog=epilog(
             "rollout-checkpoint coordinator --fleet fleet.toml --grpc-address 0.0.0.0:9100"
         ),
@@ -221,6 +222,13 @@ def add_fleet_verbs(verbs: Any) -> None:
         "--grpc-address",
         default="127.0.0.1:0",
         help="HOST:PORT to serve on (port 0 picks a free one)",
+    )
+    sub.add_argument(
+        "--health-address",
+        default=None,
+        help="HOST:PORT of a plaintext port serving gRPC health only, even with TLS on "
+        "--grpc-address (Kubernetes' native grpc: probes cannot speak TLS); announced as "
+        "`health` (default: none)",
     )
     sub.add_argument(
         "--reflection", action="store_true", help="serve gRPC server reflection (for grpcurl)"

@@ -87,6 +87,12 @@ class CheckpointRuntime:
         return self.sidecar.address
 
     @property
+    def health_address(self) -> str | None:
+        """HOST:PORT of the plaintext health-only listener, bound port included (None when
+        off); meaningful after `start`."""
+        return self.sidecar.health_address
+
+    @property
     def metrics_address(self) -> str | None:
         """Where the metrics listener of its own is bound (None when off)."""
         return None if self.metrics_server is None else self.metrics_server.address

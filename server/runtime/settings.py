@@ -36,6 +36,11 @@ class CheckpointSettings(BaseSettings):
     use the same one to restore."""
     grpc_address: str = "127.0.0.1:0"
     """HOST:PORT of the gRPC sidecar; port 0 picks a free port (`CheckpointRuntime.port`)."""
+    health_address: str | None = None
+    """HOST:PORT of a plaintext port serving grpc.health.v1.Health only (off by default), for
+    the kubelet's native `grpc:` probes, which cannot speak TLS: it stays plaintext when the
+    sidecar's port has TLS. It exposes health statuses alone (every other service answers
+    UNIMPLEMENTED there) and takes no token."""
     lease_grace_seconds: float = Field(600.0, gt=0)
     """How long past a request's deadline an open checkpoint lives without a renewal. A lease
     that expires aborts the checkpoint as a Resume would (admission reopens), so a controller
@@ -86,6 +91,7 @@ class CheckpointSettings(BaseSettings):
             raise ValueError("checkpoint.instance must match ^[A-Za-z0-9][A-Za-z0-9._-]*$")
         if not _ADDRESS.fullmatch(self.grpc_address):
             raise ValueError("checkpoint.grpc_address must be HOST:PORT")
+        self._check_health_address()
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("checkpoint.tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
@@ -110,6 +116,18 @@ class CheckpointSettings(BaseSettings):
                     "URLs (s3://bucket/prefix)"
                 )
         return self
+
+    def _check_health_address(self) -> None:
+        """The health port on the sidecar's own port number would fail to bind (or, on
+        another interface, be easy to mistake for it); say so here, not as a bind failure
+        in the middle of the app's startup."""
+        if self.health_address is None:
+            return
+        if not _ADDRESS.fullmatch(self.health_address):
+            raise ValueError("checkpoint.health_address must be HOST:PORT")
+        port = int(self.health_address.rsplit(":", 1)[1])
+        if port != 0 and port == int(self.grpc_address.rsplit(":", 1)[1]):
+            raise ValueError("checkpoint.health_address needs a port of its own")
 
     def control_settings(self) -> ControlSettings:
         """The subset the control plane reads (it imports no pydantic)."""

@@ -195,6 +195,7 @@ async def serve_with_workers(
                     {
                         "http": f"{http_host}:{bound_port}",
                         "grpc": runtime.address,
+                        "health": runtime.health_address,
                         "workers": pool.configured,
                         "worker_pids": [p.pid for _, p in sorted(supervisor.processes.items())],
                     }
