@@ -10,6 +10,10 @@ prevent a loss:
   Resume stops it, so a checkpoint the controller abandoned never publishes a manifest
   afterwards, and whoever still waits for the job learns, typed (STALE_CHECKPOINT), that the
   checkpoint was resumed.
+* A Resume cancels the export step it interrupts, never the job's task (`CommitJob.stop`): a
+  task cancelled before its first step ends cancelled without running a line of its body, so
+  the Commit awaiting it got a bare CancelledError (an INTERNAL_ERROR) instead of
+  STALE_CHECKPOINT when the Resume came right after the job was created.
 * Only a running job holds its arguments. A job that failed (a bad directory, a symlink found
   at write time) was never committed, so a retry with a corrected directory must not be
   refused; it inherits the failed job's export when the scope is the same.
@@ -31,9 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.layout import StoredManifest
@@ -53,6 +57,8 @@ from rollout_checkpoint.server.runtime.refusals import call_hook, conflict, stal
 from rollout_checkpoint.server.runtime.waiting import retrieve_exception
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +99,7 @@ class CommitJob:
     """One checkpoint id's export, write and cleanup; outlives any single Commit call.
 
     `phase` (export, write, cleanup, done) tells a Resume what stopping it means: an export is
-    cancelled, a write fenced off, a cleanup waited for."""
+    cancelled, a write fenced off, a cleanup waited for (`stop`)."""
 
     checkpoint_id: str
     checkpoint_dir: str
@@ -106,6 +112,8 @@ class CommitJob:
     retired: tuple[str, ...] | None = None
     fence: WriteFence = field(default_factory=WriteFence)
     task: asyncio.Task[CommitResult] | None = None
+    export_step: asyncio.Future[Any] | None = None
+    """The export (or snapshot) under way: what a Resume cancels (`stop`)."""
 
     @property
     def args(self) -> tuple[str, frozenset[EpisodeId] | None, bool]:
@@ -123,31 +131,58 @@ class CommitJob:
         assert self.task is not None
         return self.task
 
+    def stop(self) -> bool:
+        """A Resume's stop: fence the write off and cancel the export under way (nothing will
+        use it). Returns whether the write is already publishing (it cannot be withdrawn).
+
+        The job's own task is never cancelled: one cancelled before its first step would end
+        cancelled without running `_run`, and the Commit awaiting it would get a bare
+        CancelledError, not STALE_CHECKPOINT. The job checks the fence before each step
+        instead, so a job stopped before it ran ends, typed, without exporting anything."""
+        publishing = self.fence.stop()
+        if self.export_step is not None:
+            self.export_step.cancel()
+        return publishing
+
     async def _run(self, host: CommitHost) -> CommitResult:
         """Export (once), write (until published), then retire what the scope leaves out.
 
         A Resume stops the job through its fence (and cancels an export nothing will use);
-        whoever still waits for it then learns, typed, that the checkpoint was resumed."""
+        whoever still waits for it then learns, typed, that the checkpoint was resumed. A
+        cancellation of the job's own task (the loop closing) is not a Resume's and
+        propagates."""
         try:
             return await self._phases(host)
         except StopRequested:
             raise stale(self.checkpoint_id) from None
         except asyncio.CancelledError:
-            if self.fence.stopped:
+            task = asyncio.current_task()
+            if self.fence.stopped and (task is None or not task.cancelling()):
                 raise stale(self.checkpoint_id) from None
             raise
+
+    async def _export_step(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Run `step` (an export or a snapshot) as the step a Resume cancels (`stop`).
+
+        The fence is checked on both sides: a job stopped before the step exports nothing
+        more, and a Resume that came once the step had ended (there was nothing left to
+        cancel) must still keep an asynchronous job from its cleanup, its release and a
+        background write of the abandoned checkpoint."""
+        self.fence.check()
+        running: asyncio.Future[T] = asyncio.ensure_future(step())
+        self.export_step = running
+        try:
+            result = await running
+        finally:
+            self.export_step = None
+        self.fence.check()
+        return result
 
     async def _phases(self, host: CommitHost) -> CommitResult:
         participant = host.participant
         if self.records is None:
             self.phase = "export"
-            previous_write = host.part_writes.idle()
-            if previous_write is not None:
-                await previous_write
-            # The export allocates a record per episode beside the participant's whole live
-            # state, which a full collection would rescan for nothing (collector.py).
-            with host.observer.phase("export"), collection_paused():
-                self.records = await call_hook("export", participant.export(self.scope))
+            self.records = await self._export_step(lambda: _export(host, self.scope))
         if self.asynchronous:
             return await self._snapshot_phases(host, self.records)
         if self.published is None:
@@ -188,9 +223,7 @@ class CommitJob:
         participant = host.participant
         if self.snapshot is None:
             self.phase = "export"
-            with host.observer.phase("snapshot"):
-                lines = await asyncio.to_thread(_serialized, records)
-            self.snapshot = PartSnapshot(lines)
+            self.snapshot = await self._export_step(lambda: _snapshot(host, records))
         if self.retired is None:
             self.phase = "cleanup"
             retired = await _retire_unscoped_pending(host, self.scope)
@@ -212,6 +245,24 @@ class CommitJob:
             snapshot_records=self.snapshot.record_count,
             snapshot_bytes=self.snapshot.size,
         )
+
+
+async def _export(host: CommitHost, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+    """The participant's export, once the background write still running ended
+    (`PartWrites.idle`: at most one snapshot held)."""
+    previous_write = host.part_writes.idle()
+    if previous_write is not None:
+        await previous_write
+    # The export allocates a record per episode beside the participant's whole live state,
+    # which a full collection would rescan for nothing (collector.py).
+    with host.observer.phase("export"), collection_paused():
+        return await call_hook("export", host.participant.export(scope))
+
+
+async def _snapshot(host: CommitHost, records: Sequence[ExportRecord]) -> PartSnapshot:
+    """The export serialized to bytes, in a thread (a large export must not stall the loop)."""
+    with host.observer.phase("snapshot"):
+        return PartSnapshot(await asyncio.to_thread(_serialized, records))
 
 
 def _serialized(records: Sequence[ExportRecord]) -> tuple[bytes, ...]:

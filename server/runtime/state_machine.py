@@ -473,10 +473,10 @@ class StateMachine:
             # Cleanup frees restored state through the server's hooks; reopening while it
             # runs would let a request claim state that is being freed.
             return job.task, "a commit's cleanup is still running; retry the resume"
-        publishing = job.fence.stop()
-        if job.phase == "export":
-            job.task.cancel()
-        elif not publishing:
+        publishing = job.stop()
+        # A cancelled export (or a job that has not run a step: its phase is still "export")
+        # ends promptly and typed; it is waited for so none of it runs after the reopen.
+        if job.phase != "export" and not publishing:
             return self.finish_resume(checkpoint_id)
         self.resuming.add(checkpoint_id)
         return job.task, None
