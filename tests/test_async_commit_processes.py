@@ -34,11 +34,9 @@ from .processes import start as start_process
 from .test_fleet_cli import CLI, cli, json_lines, real_fleet, stamp, start, stop
 from .test_process_crash import SERVER, Server, Servers, fleet_of, open_again, seed, wait_marker
 from .test_workers import (  # noqa: F401 - serve_workers is a fixture
-    COOKIE,
     PREPARED,
     Served,
     deadline,
-    owner_of,
     part_records,
     post,
     seed_on_every_worker,
@@ -214,7 +212,7 @@ async def test_several_workers_snapshot_their_collected_export(
     assert sorted(r["episode_id"]["rollout_id"] for r in records) == sorted(sessions)
     for record in records:
         rollout = record["episode_id"]["rollout_id"]
-        assert record["worker"] == owner_of(sessions[rollout][COOKIE])
+        assert set(record) == {"episode_id", "session_id", "state"}  # as one process writes
         assert record["state"] == {"count": int(rollout[1:])}  # as seeded, before the resume
     await client.close()
 

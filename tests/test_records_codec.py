@@ -172,3 +172,21 @@ def test_the_collector_is_paused_across_overlapping_blocks_and_restored_after() 
         assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
+
+
+def test_the_worker_an_earlier_multi_worker_server_wrote_is_dropped_on_read() -> None:
+    """Its checkpoints restore into one process or any number of workers alike: every
+    install path receives the fields a one-process server writes."""
+    raw = load_json(
+        b'{"episode_id":{"rollout_id":"r","attempt":0},"session_id":"s","state":{},"worker":2}'
+    )
+    assert dict(restored_record(raw).fields) == {"session_id": "s", "state": {}}
+
+
+@pytest.mark.parametrize("field", ["episode_id", "worker"])
+def test_a_record_using_a_reserved_field_is_unserializable_naming_the_episode(field: str) -> None:
+    records = [ExportRecord(EpisodeId("r1"), {"state": {}, field: 1})]
+    with pytest.raises(CheckpointError, match=f"reserved field {field}") as caught:
+        list(serialize_records(records))
+    assert caught.value.reason is Reason.UNSERIALIZABLE_STATE
+    assert caught.value.metadata["captureKey"] == "r1"

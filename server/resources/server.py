@@ -38,7 +38,7 @@ from rollout_checkpoint.server.resources.participant import (
     ResourcesParticipant,
     VerifyMode,
 )
-from rollout_checkpoint.server.resources.session_router import OWNER_KEY, SessionRouter
+from rollout_checkpoint.server.resources.session_router import SessionRouter
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -47,6 +47,7 @@ from rollout_checkpoint.server.runtime.worker_bridge import (
     worker_http_socket,
     worker_index,
 )
+from rollout_checkpoint.server.runtime.worker_pool import owned_session_id
 
 __all__ = [
     "CheckpointMode",
@@ -332,16 +333,21 @@ class ResourcesServer:
 
     # -- routes -------------------------------------------------------------------------
 
+    def _new_session_id(self) -> str:
+        """A fresh session id; in one of several workers, one that this worker owns: the
+        seed holds the session's state here, and every later request of it is routed here
+        by its id alone (session_router.py)."""
+        index = worker_index() if self.checkpoint_enabled else None
+        if index is None:
+            return uuid.uuid4().hex
+        return owned_session_id(index, worker_count())
+
     async def _seed_route(self, request: Request) -> JSONResponse:
         body = await _json_object(request)
         if isinstance(body, JSONResponse):
             return body
-        session_id = cookie_session_id(request.scope) or uuid.uuid4().hex
+        session_id = cookie_session_id(request.scope) or self._new_session_id()
         request.session[SESSION_KEY] = session_id
-        owner = worker_index() if self.checkpoint_enabled else None
-        if owner is not None and OWNER_KEY not in request.session:
-            # The worker that seeds a session holds its state: its cookie routes here.
-            request.session[OWNER_KEY] = owner
         reply = dict(await self.seed_session(session_id, body))
         if self.mcp is not None:
             reply["mcp"] = self.mcp.connection_info(session_id)

@@ -3,19 +3,21 @@ the worker that holds its state.
 
 A resources server keeps each session's tool state in the memory of the process that seeded
 it (a patient chart, a counter, a sandbox handle), and the workers share one port, so the
-kernel hands a connection to whichever worker accepts it first. The worker that seeds a
-session writes its own index into the signed session cookie (`OWNER_KEY`); every request
-then enters through this middleware, outermost in each worker, and a request whose cookie
-names another worker is forwarded, as it came, to that worker's own Unix socket (in the
-server's private directory), and its reply returned as it went. The owner's whole stack then
+kernel hands a connection to whichever worker accepts it first. A session belongs to worker
+`session_owner(id) % workers` (a hash of its id: worker_pool.py), and the worker that seeds
+one picks an id it owns (`owned_session_id`); every request then enters through this
+middleware, outermost in each worker, and a request whose cookie's session belongs to
+another worker is forwarded, as it came, to that worker's own Unix socket (in the server's
+private directory), and its reply returned as it went. The owner's whole stack then
 runs (prefix, session, admission, counting, the route), exactly as for a request that came
 straight to it, so a forwarded request is counted, refused, drained and retired at its owner
 only.
 
-After a restore, a session goes back to worker `owner % workers` (worker_pool.py), and the
-cookie is the same, so routing by `owner % workers` finds it even when the replacement runs
-fewer workers. A cookie without an owner (a session of a one-worker server restored here)
-routes by a stable hash of its session id, the same hash the restore placed it by.
+A restore places each session by the same hash of the same id, modulo the replacement's own
+worker count, and the cookie keeps the id: so a session is found after any restore, from
+one process into several, from several into one, or into a different number. Cookies of an
+earlier version also name an owner index (`rollout_checkpoint.owner`); it is ignored, as the
+restore ignores the `worker` its records carried (records_codec.py).
 """
 
 from __future__ import annotations
@@ -31,12 +33,10 @@ from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rollout_checkpoint.server.runtime.refusals_http import send_refusal
-from rollout_checkpoint.server.runtime.worker_pool import owner_by_session_id
+from rollout_checkpoint.server.runtime.worker_pool import session_owner
 
 log = logging.getLogger(__name__)
 
-OWNER_KEY = "rollout_checkpoint.owner"
-"""Where in the signed cookie session the owning worker's index is."""
 FORWARDED_HEADER = b"x-rollout-checkpoint-forwarded"
 """Marks a request a worker forwarded to the owner: the owner never forwards it again (a
 request bouncing between two workers that disagree would otherwise loop)."""
@@ -103,11 +103,8 @@ class SessionRouter:
                 return None  # the owner's own session middleware would ignore it too
             if not isinstance(session, dict):
                 return None
-            owner = session.get(OWNER_KEY)
-            if isinstance(owner, int) and owner >= 0:
-                return owner
             session_id = session.get(self.session_key)
-            return owner_by_session_id(session_id) if isinstance(session_id, str) else None
+            return session_owner(session_id) if isinstance(session_id, str) else None
         return None
 
     def _client(self, target: int) -> httpx.AsyncClient:

@@ -292,7 +292,10 @@ class ControlPlane:
         """When `readiness_serving` flips without any event (a pause crossing the threshold)."""
         return self._machine.readiness_changes_at()
 
-    def status(self) -> StatusSnapshot:
+    async def status(self) -> StatusSnapshot:
+        """What GetStatus reports, read after the participant refreshed it (`refresh`: a
+        pool of workers reads their current state, not a copy up to 0.25 s old)."""
+        await self.participant.refresh()
         machine = self._machine
         return StatusSnapshot(
             state=machine.state,
@@ -306,7 +309,8 @@ class ControlPlane:
             counters=dict(self.participant.counters()),
         )
 
-    def list_episodes(self, page_size: int, page_token: str) -> tuple[list[EpisodeInfo], str]:
+    async def list_episodes(self, page_size: int, page_token: str) -> tuple[list[EpisodeInfo], str]:
+        await self.participant.refresh()  # as `status`
         return page_of(self.participant.episodes(), page_size, page_token)
 
     # -- Prepare, Renew -----------------------------------------------------------------

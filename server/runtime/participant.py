@@ -306,6 +306,19 @@ class Participant(abc.ABC):
         enter every later checkpoint's scope and `continued` list, and the state kept for it
         would never be released (see `committed`)."""
 
+    async def refresh(self) -> None:
+        """Bring what `report`, `restored_pending`, `episodes` and `counters` read up to
+        date; awaited before a controller reads them (GetStatus, ListEpisodes) and before a
+        rejoining Restore lists what it retires.
+
+        A participant that reads its own state when asked (every one of one process) has
+        nothing to do. One that reads copies pushed from elsewhere (`WorkerPool`: its
+        workers push at most every 0.25 s while admission is open) fetches them now: a
+        count read from a copy behind the last reply the controller saw is false (a session
+        seeded, closed or retired missing), and a controller decides on it. Must not raise;
+        bounded in time (a source that does not answer keeps its last copy)."""
+        return None
+
     @abc.abstractmethod
     def has_served(self) -> bool:
         """Whether this process holds or has tracked a session or an episode (then it cannot

@@ -8,6 +8,11 @@ fields in their order. The rules each keep a stored checkpoint restorable:
   held is gone. Big integers are kept exactly (Python's json never rounds them).
 * `episode_id` is reserved: a kind field of that name would replace the identity the restore
   selects and retires by.
+* `worker` is reserved too, and dropped when read (`LEGACY_WORKER_FIELD`): multi-worker
+  servers of an earlier version wrote beside each record the index of the worker that
+  exported it. No reader needs it (a session's worker follows from its id), so every
+  install path, one process or several workers of any number, reads such a part as if the
+  field were not there, and no kind may store a field of that name of its own.
 * Serializing is a generator, so the work happens in the writer's thread, not on the event
   loop (a large export must not stall every RPC and request of the process).
 * A field's value may be `EncodedJSON`, a value its exporter already serialized (with
@@ -42,6 +47,11 @@ _STRICT: Final = (
     | orjson.OPT_PASSTHROUGH_SUBCLASS
 )
 """Types the standard library refuses (or writes as their base type) go to the fallback."""
+LEGACY_WORKER_FIELD: Final = "worker"
+"""Written beside a record's fields by multi-worker servers of an earlier version (the index
+of the worker that exported it); dropped when read, never written (see the module)."""
+RESERVED_FIELDS: Final = frozenset({"episode_id", LEGACY_WORKER_FIELD})
+"""Record fields no kind may export: the restore's identity, and the legacy worker index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +138,16 @@ def serialize_records(records: Sequence[ExportRecord]) -> Iterator[bytes]:
     """One encoded JSON line per record, key order kept, big integers kept.
 
     Raises `CheckpointError(UNSERIALIZABLE_STATE)` (while iterated) for a record that uses
-    the reserved field `episode_id` or holds NaN, Infinity or a value JSON cannot represent.
+    a reserved field (`episode_id`, `worker`) or holds NaN, Infinity or a value JSON cannot
+    represent.
     """
     for record in records:
-        if "episode_id" in record.fields:
+        reserved = RESERVED_FIELDS.intersection(record.fields)
+        if reserved:
             raise CheckpointError(
                 Reason.UNSERIALIZABLE_STATE,
-                f"the record of {record.episode_id.capture_key} uses the reserved field episode_id",
+                f"the record of {record.episode_id.capture_key} uses the reserved field "
+                f"{min(reserved)}",
                 metadata={"captureKey": record.episode_id.capture_key},
             )
         try:
@@ -146,7 +159,7 @@ def serialize_records(records: Sequence[ExportRecord]) -> Iterator[bytes]:
 
 def restored_record(raw: dict[str, Any], episode: EpisodeId | None = None) -> RestoredRecord:
     """A stored record as the participant's `install()` receives it: the checkpointed
-    episode, and the kind's fields without the reserved `episode_id`.
+    episode, and the kind's fields without the reserved `episode_id` and `worker`.
 
     Takes `raw` over (the decoded record nobody else holds): its `episode_id` is popped and
     the rest become the fields, so a restore of 10,000 records makes no second dict each.
@@ -156,6 +169,7 @@ def restored_record(raw: dict[str, Any], episode: EpisodeId | None = None) -> Re
     (parsing 10,000 of them again cost 0.05 s of a restore).
     """
     stored = raw.pop("episode_id")
+    raw.pop(LEGACY_WORKER_FIELD, None)
     return RestoredRecord(
         checkpointed=EpisodeId.from_json(stored) if episode is None else episode, fields=raw
     )

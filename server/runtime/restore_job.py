@@ -203,6 +203,10 @@ class RestoreJob:
         (a Resume can always abandon the restore meanwhile: its retires still go on to their
         end, as a Retire's do). Cut short by the deadline or failing, the restore fails; the
         episodes stay retired."""
+        # Admission is closed by now: what the participant holds can only shrink, and a
+        # refreshed list names everything (a copy older than the close could miss a session
+        # seeded just before it, left running beside the install).
+        await machine.participant.refresh()
         async with machine.lock:
             held, pending = machine.begin_discard(self)
             if held:

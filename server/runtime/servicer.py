@@ -98,7 +98,7 @@ class ParticipantServicer:
         )
 
     async def get_status(self, request: pb.GetStatusRequest) -> pb.GetStatusResponse:
-        status = self.control.status()
+        status = await self.control.status()
         response = pb.GetStatusResponse(
             state=_STATES[status.state],
             checkpoint_id=status.checkpoint_id,
@@ -115,7 +115,7 @@ class ParticipantServicer:
         return response
 
     async def list_episodes(self, request: pb.ListEpisodesRequest) -> pb.ListEpisodesResponse:
-        episodes, token = self.control.list_episodes(request.page_size, request.page_token)
+        episodes, token = await self.control.list_episodes(request.page_size, request.page_token)
         return pb.ListEpisodesResponse(
             episodes=[_episode(e) for e in episodes], next_page_token=token
         )

@@ -219,7 +219,7 @@ class WorkerBridge:
             episode = EpisodeId.from_capture_key(body["episode"])
             self.retired_attempts.mark(episode)
             await participant.retire(episode)
-        else:
+        elif op != "state":  # `state` asks for the push below, nothing else
             raise ValueError(f"unknown bridge call {op!r}")
         self._push()  # before the reply: the main process reads the state first
         return None

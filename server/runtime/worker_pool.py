@@ -14,11 +14,12 @@ bridge (worker_link.py, worker_bridge.py):
   wait for their retire would name rollouts it cannot continue. A worker that joins while
   closed closes at once (`register`). Every report a worker pushes wakes the Prepare, so a
   change reaches the controller's stream without anyone asking.
-* Commit collects every worker's records into the one part; each record says which worker
-  owned it (`worker`), so a restore can put a session back where its cookie routes.
+* Commit collects every worker's records into the one part, each as the worker's participant
+  wrote it: the same records a one-process server writes, so a checkpoint restores into any
+  number of workers, one included (records_codec.py).
 * Restore puts the state back where requests will find it. Sessions (`Placement.SESSIONS`,
-  resources: state that spans requests, routed by the cookie's owner) go to worker
-  `owner % workers`, all of one owner together, on live workers. Episodes
+  resources: state that spans requests, routed by their id) go to worker
+  `session_owner(id) % workers`, the worker their cookie routes to. Episodes
   (`Placement.CLAIMS`, environment, agent: state that lives inside one request, on any
   worker) stay here until the worker that receives the replacement's request claims its
   record: exactly one claim succeeds, claims are refused while a checkpoint is open, and an
@@ -35,6 +36,7 @@ import contextlib
 import enum
 import json
 import logging
+import uuid
 import zlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,8 +61,9 @@ from rollout_checkpoint.server.runtime.worker_link import Link, WorkerCallFailed
 
 log = logging.getLogger(__name__)
 
-WORKER_FIELD = "worker"
-"""The record field naming the worker that owned it (stripped before a worker installs it)."""
+REFRESH_SECONDS = 2.0
+"""How long `refresh` waits for a worker's current state: a worker whose event loop is busy
+that long is running a request (its count is in flight anyway), and its last push stands."""
 REGISTER_SECONDS = 30.0
 """How long a Restore waits for missing workers to register before it fails: the sessions
 of a worker that is not there have nowhere to go."""
@@ -102,10 +105,24 @@ class Worker:
     state: WorkerState = field(default_factory=WorkerState)
 
 
-def owner_by_session_id(session_id: str) -> int:
-    """The stable owner of a session that names none (a cookie or a record of a one-worker
-    server): CRC-32 of its id, the same for the restore's placement and the cookie's route."""
+def session_owner(session_id: str) -> int:
+    """The owner number of a session: CRC-32 of its id. A session lives on worker
+    `session_owner(id) % workers` of any server, and both its routing (session_router.py)
+    and a restore's placement derive it from the id alone, so no record or cookie has to
+    say where it lived: the id is in both, and a session restored into another number of
+    workers (one process, or several) is found where its requests go. The worker that seeds
+    a session picks an id it owns (`owned_session_id`)."""
     return zlib.crc32(session_id.encode())
+
+
+def owned_session_id(index: int, workers: int) -> str:
+    """A new random session id that worker `index` of `workers` owns: uuid4s drawn until one
+    hashes to it (`workers` draws on average). A request always arrives at the worker that
+    accepted its connection; choosing the id there lets it seed the session in place."""
+    while True:
+        session_id = uuid.uuid4().hex
+        if session_owner(session_id) % workers == index:
+            return session_id
 
 
 def record_identity_by_session(episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
@@ -231,8 +248,7 @@ class WorkerPool(Participant):
             )
         record = self._held.pop(key)
         self.context.changed()
-        fields = {k: v for k, v in record.fields.items() if k != WORKER_FIELD}
-        return {"checkpointed": record.checkpointed.capture_key, "fields": fields}
+        return {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
 
     def _sealed(self) -> bool:
         return bool(self.context.start_closed_pending)
@@ -334,11 +350,10 @@ class WorkerPool(Participant):
             )
         replies = await self._call_all("export", {"scope": episode_keys(scope)})
         records: list[ExportRecord] = []
-        for index, lines in sorted(replies.items()):
+        for _, lines in sorted(replies.items()):
             for line in lines:
                 fields = json.loads(line)  # key order and big integers kept
                 episode = EpisodeId.from_json(fields.pop("episode_id"))
-                fields[WORKER_FIELD] = index
                 records.append(ExportRecord(episode, fields))
         for key, record in self._held.items():
             episode = EpisodeId.from_capture_key(key)
@@ -360,14 +375,12 @@ class WorkerPool(Participant):
             return
         by_worker: dict[int, list[dict[str, Any]]] = {}
         for record in records:
-            fields = dict(record.fields)
-            owner = fields.pop(WORKER_FIELD, None)
-            if not isinstance(owner, int) or owner < 0:
-                session_id = fields.get("session_id")
-                owner = owner_by_session_id(session_id) if isinstance(session_id, str) else 0
-            target = owner % self.configured
-            by_worker.setdefault(target, []).append(
-                {"checkpointed": record.checkpointed.capture_key, "fields": fields}
+            session_id = record.fields.get("session_id")
+            # A record without a session id is the worker's participant's to refuse: any
+            # worker will do, as long as it is one.
+            owner = session_owner(session_id) if isinstance(session_id, str) else 0
+            by_worker.setdefault(owner % self.configured, []).append(
+                {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
             )
         marks = self.context.retired.snapshot()
         installed: list[Worker] = []
@@ -399,10 +412,10 @@ class WorkerPool(Participant):
                 "restore needs a process that has not run episodes",
                 code="FAILED_PRECONDITION",
             )
-        items = []
-        for record in records:
-            fields = {k: v for k, v in record.fields.items() if k != WORKER_FIELD}
-            items.append({"checkpointed": record.checkpointed.capture_key, "fields": fields})
+        items = [
+            {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
+            for record in records
+        ]
         worker = self.workers[min(self.workers)]
         await worker.link.call("validate", {"records": items})
         for record in records:
@@ -423,6 +436,22 @@ class WorkerPool(Participant):
                 del self._held[key]
         await self._call_all("retire", {"episode": episode.capture_key})
         self.context.changed()
+
+    async def refresh(self) -> None:
+        """Every worker pushes its state now (the `state` call's reply comes behind that push
+        on the same connection, so it is here when the call returns). Between pushes a
+        worker's copy here is up to `worker_bridge.OPEN_PUSH_SECONDS` old while admission is open: a
+        GetStatus right after the last reply of a seed, a close or a retire would count
+        sessions that are gone or miss new ones."""
+        calls = [asyncio.ensure_future(w.link.call("state")) for w in self.workers.values()]
+        if not calls:
+            return
+        done, late = await asyncio.wait(calls, timeout=REFRESH_SECONDS)
+        for call in late:
+            call.cancel()
+        for call in done:
+            if not call.cancelled():
+                call.exception()  # a worker lost meanwhile: its loss is reported, not this
 
     def restored_pending(self) -> frozenset[EpisodeId]:
         pending = {EpisodeId.from_capture_key(k) for k in self._held}
