@@ -37,6 +37,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, refused, serve_app
+from .loop_thread import only_when_asked_for
 from .processes import kill_group, started
 
 WORKERS = 3
@@ -392,9 +393,10 @@ FIRST_RESTORED_INTO = {1: 3, 2: 4, 3: 1, 4: 2}
 
 @pytest.mark.slow
 async def test_a_checkpoint_of_n_workers_restores_into_a_fresh_m_for_every_pair(
-    serve_workers: Callable[..., Served], tmp_path: Path
+    serve_workers: Callable[..., Served], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """The fuller variant: each of the 16 pairs into a fresh process of its own."""
+    only_when_asked_for(request)
     taken = await take_every_checkpoint(serve_workers, tmp_path)
     for n in WORKER_COUNTS:
         targets = await start_closed(serve_workers, WORKER_COUNTS)
