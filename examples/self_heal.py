@@ -179,8 +179,8 @@ class Trainer:
             body: Any = response.json()
         except ValueError:
             body = None
-        error = body.get("error") if isinstance(body, dict) else None
-        code = error.get("code") if isinstance(error, dict) else None
+        refusal = body.get("error") if isinstance(body, dict) else None
+        code = refusal.get("code") if isinstance(refusal, dict) else None
         if response.status_code == 409 and code in ("admission_closed", "awaiting_restore"):
             return "closed"
         if response.status_code != 200 or not isinstance(body, dict):
