@@ -15,8 +15,8 @@ the call after resume.
 
 A run that a callee failed answers a failure (`relay.failure_response`): the callee's status
 with `upstream_failed` (a model or resources server answering 4xx/5xx, a tool call refused
-409 or failing 5xx), 502 `upstream_unreachable` for a callee that went away, 504
-`upstream_timeout` for one that did not answer in time. A tool's 4xx other than a refusal
+409, failing 5xx or finding its session gone), 502 `upstream_unreachable` for a callee that
+went away, 504 `upstream_timeout` for one that did not answer in time. A tool's other 4xx
 (arguments that do not validate, no such tool) is the model's own mistake: it goes back to the
 model as the tool's output, as a tool's own error does.
 
@@ -65,6 +65,7 @@ from .relay import (
     CalleeFailed,
     CalleeUnreachable,
     UnreachableClock,
+    error_code,
     error_response,
     failure_response,
     json_object,
@@ -352,10 +353,15 @@ class Episode:
         )
         if refusal_code(response) == "stale_attempt":
             raise EpisodeRetired(self.episode_id.capture_key)
-        if response.status_code == 409 or response.status_code >= 500:
-            # Refused (nothing ran: a replacement awaiting its restore, a checkpoint) or the
-            # server failed: handed to the model as the tool's output, it would become part
-            # of a trajectory that looks finished.
+        if (
+            response.status_code == 409
+            or response.status_code >= 500
+            or error_code(response) == "no_session"
+        ):
+            # Refused (nothing ran: a replacement awaiting its restore, a checkpoint), the
+            # server failed, or the session's state is gone (a replacement that was not
+            # restored): handed to the model as the tool's output, it would become part of
+            # a trajectory that looks finished.
             raise CalleeFailed.answered(f"tool {name}", response)
         try:
             output = response.json().get("output", response.text)

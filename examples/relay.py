@@ -131,8 +131,11 @@ def json_reply(what: str, response: httpx.Response) -> dict[str, Any]:
 def refusal_code(response: httpx.Response) -> str | None:
     """The `error.code` of a 409 data-plane refusal (`admission_closed`, `awaiting_restore`,
     `stale_attempt`)."""
-    if response.status_code != 409:
-        return None
+    return error_code(response) if response.status_code == 409 else None
+
+
+def error_code(response: httpx.Response) -> str | None:
+    """The `error.code` of a typed error reply `{"error": {"code", "detail"}}`, else None."""
     try:
         body = response.json()
     except (ValueError, RecursionError):

@@ -292,14 +292,15 @@ async def test_the_agent_answers_504_for_a_model_that_does_not_answer_in_time() 
         ("tools", Answer(500, "Internal Server Error")),
         ("tool", Answer(500, {"error": {"code": "crashed", "detail": "boom"}})),
         ("tool", Answer(409, {"error": {"code": "awaiting_restore", "detail": "closed"}})),
+        ("tool", Answer(400, {"error": {"code": "no_session", "detail": "seed first"}})),
         ("verify", Answer(409, {"error": {"code": "episode_mismatch", "detail": "other"}})),
     ],
 )
 async def test_the_agent_passes_on_its_resources_servers_failure_with_its_status(
     failing: str, answer: Answer
 ) -> None:
-    """A tool's refusal or server failure too: handed to the model as the tool's output, it
-    would end in a 200 whose trajectory looks finished."""
+    """A tool's refusal, server failure or lost session too: handed to the model as the
+    tool's output, it would end in a 200 whose trajectory looks finished."""
     async with (
         serving(scripted_model()) as model_url,
         serving(resources_answering(failing, answer)) as resources_url,
