@@ -13,7 +13,14 @@ it. A 409 `admission_closed` (or `awaiting_restore`, a model process started clo
 model means "you are at the boundary before this call": the episode parks there and re-issues
 the call after resume.
 
-Once a run's final reply (its outcome, or a 502) was handed over, the agent tells the policy
+A run that a callee failed answers a failure (`relay.failure_response`): the callee's status
+with `upstream_failed` (a model or resources server answering 4xx/5xx, a tool call refused
+409, failing 5xx or finding its session gone), 502 `upstream_unreachable` for a callee that
+went away, 504 `upstream_timeout` for one that did not answer in time. A tool's other 4xx
+(arguments that do not validate, no such tool) is the model's own mistake: it goes back to the
+model as the tool's output, as a tool's own error does.
+
+Once a run's final reply (its outcome, or a failure) was handed over, the agent tells the policy
 model that the episode finished (`POST /ng-rollout/<capture_key>/ng-checkpoint/episode-finished`),
 so the model drops the episode's ledger at once instead of at the next commit that leaves it
 out: a fleet that never checkpoints keeps ledgers only for what is in flight.
@@ -55,10 +62,14 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .relay import (
     CLOSED_CODES,
+    CalleeFailed,
     CalleeUnreachable,
     UnreachableClock,
+    error_code,
     error_response,
+    failure_response,
     json_object,
+    json_reply,
     post_replayable,
     refusal_code,
 )
@@ -84,6 +95,9 @@ class AgentConfig:
     retry_seconds: float = 0.05
     unreachable_seconds: float = 120.0
     """How long a model call waits for a model that cannot be reached (`UnreachableClock`)."""
+    call_timeout: float = 600.0
+    """Seconds one call to the model or a resources server may take before the run answers
+    504 (`upstream_timeout`)."""
 
 
 class AgentServer:
@@ -99,7 +113,8 @@ class AgentServer:
             limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
             # One client serves every episode, so it must never keep a cookie: each episode
             # sends its own session cookie explicitly (a shared jar would mix sessions up).
-            async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            timeout = httpx.Timeout(self.config.call_timeout)
+            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
                 self.http = client
                 yield
@@ -160,16 +175,11 @@ class AgentServer:
             return error_response(
                 409, "stale_attempt", f"attempt {episode_id.capture_key} was retired"
             )
-        except UpstreamFailed as failure:
-            return self._final(error_response(502, "upstream_failed", str(failure)), episode_id)
-        except httpx.TransportError as failure:
-            # A resources server went away mid-step (a step unsafe to re-issue): the episode
-            # fails cleanly; the controller retries it, or a recovery continues it.
-            failed = error_response(502, "upstream_unreachable", type(failure).__name__)
-            return self._final(failed, episode_id)
-        except CalleeUnreachable as failure:
-            failed = error_response(502, "upstream_unreachable", str(failure))
-            return self._final(failed, episode_id)
+        except (CalleeFailed, CalleeUnreachable, httpx.TransportError) as failure:
+            # A callee failed or went away mid-step (a resources server's step is unsafe to
+            # re-issue): the episode fails cleanly, as a failure its caller counts as one;
+            # the controller retries it, or a recovery continues it.
+            return self._final(failure_response(failure), episode_id)
         finally:
             if tracker is not None and tracked is not None:
                 tracker.end(tracked)
@@ -200,10 +210,6 @@ class AgentServer:
                 continue
             except httpx.HTTPError:
                 return
-
-
-class UpstreamFailed(Exception):
-    pass
 
 
 class Episode:
@@ -270,9 +276,7 @@ class Episode:
             json={"environment": self.task.get("environment", {})},
         )
         if response.status_code != 200:
-            raise UpstreamFailed(
-                f"seed_session answered {response.status_code}: {response.text[:200]}"
-            )
+            raise CalleeFailed.answered("seed_session", response)
         verify_mode = (
             "replay" if response.headers.get(VERIFY_HEADER, "").lower() == "replay" else "wait"
         )
@@ -289,9 +293,9 @@ class Episode:
 
     async def _tools(self) -> list[dict[str, Any]]:
         response = await self.http.get(self._server_url() + "/tools")
-        tools: list[dict[str, Any]] = (
-            response.json().get("tools", []) if response.status_code == 200 else []
-        )
+        tools = json_reply("/tools", response).get("tools", [])
+        if not isinstance(tools, list):
+            raise CalleeFailed.answered("/tools", response)
         return tools
 
     async def _boundary(self) -> None:
@@ -332,12 +336,7 @@ class Episode:
                 continue
             if refused == "stale_attempt":
                 raise EpisodeRetired(self.episode_id.capture_key)
-            if response.status_code != 200:
-                raise UpstreamFailed(
-                    f"the model answered {response.status_code}: {response.text[:200]}"
-                )
-            message: dict[str, Any] = response.json()["choices"][0]["message"]
-            return {k: v for k, v in message.items() if v is not None}
+            return _message_of(response)
 
     async def _tool_call(self, call: dict[str, Any]) -> None:
         function = call.get("function", {})
@@ -354,6 +353,16 @@ class Episode:
         )
         if refusal_code(response) == "stale_attempt":
             raise EpisodeRetired(self.episode_id.capture_key)
+        if (
+            response.status_code == 409
+            or response.status_code >= 500
+            or error_code(response) == "no_session"
+        ):
+            # Refused (nothing ran: a replacement awaiting its restore, a checkpoint), the
+            # server failed, or the session's state is gone (a replacement that was not
+            # restored): handed to the model as the tool's output, it would become part of
+            # a trajectory that looks finished.
+            raise CalleeFailed.answered(f"tool {name}", response)
         try:
             output = response.json().get("output", response.text)
         except ValueError:
@@ -390,10 +399,7 @@ class Episode:
             )
         if refusal_code(response) == "stale_attempt":
             raise EpisodeRetired(self.episode_id.capture_key)
-        if response.status_code != 200:
-            raise UpstreamFailed(f"verify answered {response.status_code}: {response.text[:200]}")
-        verified: dict[str, Any] = response.json()
-        return verified
+        return json_reply("verify", response)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -415,3 +421,16 @@ class Episode:
         if self.tracker is None or self.tracked is None:
             return contextlib.nullcontext()
         return self.tracker.step(self.tracked, mode)
+
+
+def _message_of(response: httpx.Response) -> dict[str, Any]:
+    """The assistant message of the model's chat completion (its fields that are set);
+    `CalleeFailed` for a failure or a reply that holds none."""
+    completion = json_reply("the model", response)
+    try:
+        message = completion["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        message = None
+    if not isinstance(message, dict):
+        raise CalleeFailed.answered("the model", response)
+    return {k: v for k, v in message.items() if v is not None}

@@ -1,7 +1,10 @@
 """The example environment server: relays task rows to an agent's `/run`.
 
 `POST /ng-rollout/<capture_key>/run {"task": ...}` starts an episode pinned to the task's
-digest and relays it to the agent under the same rollout prefix. The relay is a *replay* step:
+digest and relays it to the agent under the same rollout prefix, and the agent's reply back
+with the environment's name and the task digest beside it. A failed run stays a failure: the
+agent's status and typed error (or the environment's own 502/504 for an agent that cannot be
+reached or does not answer in time), never a 200 around an error. The relay is a *replay* step:
 the environment prepares first, and waiting for whole agent runs would keep it from ever being
 ready; the agent's own boundaries carry the episode, and after a crash the relay is simply
 re-sent as attempt N+1. A replacement whose task differs from the checkpointed one is refused.
@@ -40,9 +43,11 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .relay import (
     CLOSED_CODES,
+    CalleeFailed,
     CalleeUnreachable,
     UnreachableClock,
     error_response,
+    failure_response,
     json_object,
     post_replayable,
     refusal_code,
@@ -58,6 +63,8 @@ class EnvironmentConfig:
     retry_seconds: float = 0.05
     unreachable_seconds: float = 120.0
     """How long a relay waits for an agent that cannot be reached (`UnreachableClock`)."""
+    agent_timeout: float = 900.0
+    """Seconds a relayed run may take before the relay answers 504 (a whole agent episode)."""
 
 
 class EnvironmentServer:
@@ -71,7 +78,8 @@ class EnvironmentServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-            async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+            timeout = httpx.Timeout(self.config.agent_timeout)
+            async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 self.http = client
                 yield
             self.http = None
@@ -119,20 +127,44 @@ class EnvironmentServer:
                     tracked, {"next": "relay", "task_digest": task_digest(task)}
                 )
             reply = await self._relay(episode_id.capture_key, request.scope, task, tracked)
-            return JSONResponse(reply)
+            return self._passed_on(reply, task)
         except EpisodeRetired:
             return error_response(
                 409, "stale_attempt", f"attempt {episode_id.capture_key} was retired"
             )
-        except CalleeUnreachable as failure:
-            return error_response(502, "upstream_unreachable", str(failure))
+        except (CalleeUnreachable, httpx.TransportError) as failure:
+            return failure_response(failure, **self._attribution(task))
         finally:
             if participant is not None and tracked is not None:
                 participant.end_task(tracked)
 
+    def _attribution(self, task: dict[str, Any]) -> dict[str, str]:
+        """What every reply of a run carries beside the agent's: which environment ran which
+        task, so a failure is attributable as well as a result."""
+        return {"environment": self.config.instance, "task_digest": task_digest(task)}
+
+    def _passed_on(self, reply: httpx.Response, task: dict[str, Any]) -> JSONResponse:
+        """The agent's reply to the run, attributed. A failure keeps the agent's status and
+        typed error: wrapped in a 200 it would count, for a trainer reading the status, as a
+        finished rollout. A reply that is neither (not a JSON object, or an error without
+        its typed body) is the agent's failure (`CalleeFailed.answered`)."""
+        attribution = self._attribution(task)
+        try:
+            body = reply.json()
+        except (ValueError, RecursionError):
+            body = None
+        typed_failure = (
+            reply.status_code >= 400
+            and isinstance(body, dict)
+            and isinstance(body.get("error"), dict)
+        )
+        if isinstance(body, dict) and (reply.status_code == 200 or typed_failure):
+            return JSONResponse({**attribution, **body}, status_code=reply.status_code)
+        return failure_response(CalleeFailed.answered("the agent", reply), **attribution)
+
     async def _relay(
         self, key: str, scope: Any, task: dict[str, Any], tracked: TrackedEpisode | None
-    ) -> dict[str, Any]:
+    ) -> httpx.Response:
         assert self.http is not None
         episode = episode_of(scope)
         assert episode is not None
@@ -163,7 +195,4 @@ class EnvironmentServer:
                 continue
             if code == "stale_attempt":
                 raise EpisodeRetired(key)
-            reply: dict[str, Any] = response.json()
-            if response.status_code != 200:
-                reply = {"error": reply.get("error", reply), "status": response.status_code}
-            return {"environment": self.config.instance, "task_digest": task_digest(task), **reply}
+            return response

@@ -65,6 +65,7 @@ from starlette.background import BackgroundTask
 from starlette.types import Scope
 
 from rollout_checkpoint.examples.prompt_injection import load_tasks
+from rollout_checkpoint.examples.relay import timed_out
 from rollout_checkpoint.server.core.clock import Clock
 from rollout_checkpoint.server.model.generation_cuts import GenerationPrefix, call_of, prefix_of
 from rollout_checkpoint.server.model.participant import (
@@ -749,8 +750,8 @@ class PolicyModelServer:
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.HTTPError as exc:
-            log.warning("upstream %s failed: %s", upstream_request.url, exc)
-            return _error(502, "upstream_unavailable", f"the upstream model server failed: {exc}")
+            log.warning("upstream %s failed: %r", upstream_request.url, exc)
+            return _upstream_failed(exc)
         reply_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
         content_type = upstream.headers.get("content-type", "")
         if wants_stream and content_type.startswith("text/event-stream"):
@@ -763,10 +764,12 @@ class PolicyModelServer:
         try:
             content = await upstream.aread()
         except httpx.HTTPError as exc:
-            log.warning("upstream %s failed mid-response: %s", upstream_request.url, exc)
-            return _error(502, "upstream_unavailable", f"the upstream model server failed: {exc}")
+            log.warning("upstream %s failed mid-response: %r", upstream_request.url, exc)
+            return _upstream_failed(exc)
         finally:
             await upstream.aclose()
+        if _untyped_failure(upstream):
+            return _upstream_answered(upstream.status_code, content)
         return Response(content, status_code=upstream.status_code, headers=reply_headers)
 
     async def _proxy_cuttable(
@@ -805,6 +808,8 @@ class PolicyModelServer:
                             )
                             prefix = None
                             continue
+                        if _untyped_failure(up):
+                            return _upstream_answered(up.status_code, content)
                         return Response(
                             content,
                             status_code=up.status_code,
@@ -814,10 +819,8 @@ class PolicyModelServer:
                         if line.startswith("data: ") and line != "data: [DONE]":
                             generation.add(json.loads(line[len("data: ") :]))
             except (httpx.HTTPError, ValueError) as exc:
-                log.warning("upstream %s failed: %s", url, exc)
-                return _error(
-                    502, "upstream_unavailable", f"the upstream model server failed: {exc}"
-                )
+                log.warning("upstream %s failed: %r", url, exc)
+                return _upstream_failed(exc)
             return Response(_dumps(generation.completion()), media_type="application/json")
 
 
@@ -923,6 +926,30 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise PolicyError("invalid_json", "the body must be a JSON object")
     return body
+
+
+def _upstream_failed(exc: Exception) -> Response:
+    """The proxy's reply to a call the upstream did not answer: 504 `upstream_timeout` when
+    it took the call and did not answer in time (it is alive: a caller may wait longer),
+    else 502 `upstream_unavailable` (unreachable, went away mid-reply, or garbled it)."""
+    if isinstance(exc, httpx.TransportError) and timed_out(exc):
+        detail = f"the upstream model server did not answer in time ({type(exc).__name__})"
+        return _error(504, "upstream_timeout", detail)
+    detail = f"the upstream model server failed: {type(exc).__name__} {exc}".rstrip()
+    return _error(502, "upstream_unavailable", detail)
+
+
+def _untyped_failure(upstream: httpx.Response) -> bool:
+    """An upstream failure whose body is not JSON (a gateway's HTML page, a plain-text 500):
+    passed on as it is, its caller could not read it as an error."""
+    content_type = upstream.headers.get("content-type", "")
+    return upstream.status_code >= 400 and not content_type.startswith("application/json")
+
+
+def _upstream_answered(status: int, content: bytes) -> Response:
+    """An untyped upstream failure as the usual typed error, with the upstream's status."""
+    text = content[:200].decode("utf-8", errors="replace")
+    return _error(status, "upstream_failed", f"the upstream model server answered {status}: {text}")
 
 
 def _error(status: int, code: str, detail: str) -> Response:

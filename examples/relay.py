@@ -1,5 +1,11 @@
 """What the example agent and environment share: reading a body and a callee's refusal,
-answering one."""
+answering one, and passing a callee's failure on as a failure.
+
+A run that a callee failed answers a failure itself, never a 200: a trainer (or `collect`)
+reads the status code, and a success that wraps an error would count a failed rollout as
+finished. The status is the callee's (its 4xx or 5xx), 502 for a callee that cannot be
+reached, 504 for one that did not answer in time; the body is the usual typed error
+(`failure_response`)."""
 
 from __future__ import annotations
 
@@ -24,6 +30,23 @@ and the controller continues the rollout from the checkpoint."""
 
 class CalleeUnreachable(Exception):
     """A callee stayed unreachable longer than the caller waits for it (`UnreachableClock`)."""
+
+
+class CalleeFailed(Exception):
+    """A callee answered a failure that ends the run: passed on with the callee's `status`."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+    @classmethod
+    def answered(cls, what: str, response: httpx.Response) -> CalleeFailed:
+        """The callee's reply to `what` was a failure: its status (502 for a 2xx or 3xx
+        that cannot be used, a reply a gateway could not make sense of), its text as the
+        detail."""
+        status = response.status_code if response.status_code >= 400 else 502
+        return cls(status, f"{what} answered {response.status_code}: {response.text[:200]}")
 
 
 class UnreachableClock:
@@ -52,19 +75,67 @@ class UnreachableClock:
 async def post_replayable(http: httpx.AsyncClient, url: str, **request: Any) -> httpx.Response:
     """POST a call that is safe to re-issue (a replay step); a transport failure becomes a
     409 `callee_unreachable` refusal, so the caller waits at its boundary instead of failing
-    the episode (and logging a traceback) because a callee's process died."""
+    the episode (and logging a traceback) because a callee's process died.
+
+    A callee that took the request and did not answer in time (`timed_out`) is raised
+    instead: it is alive, re-issuing would only wait as long again, and the caller answers
+    504 (`failure_response`)."""
     try:
         return await http.post(url, **request)
     except httpx.TransportError as error:
+        if timed_out(error):
+            raise
         detail = f"{type(error).__name__} calling {url}"
         return httpx.Response(409, json={"error": {"code": UNREACHABLE, "detail": detail}})
+
+
+def timed_out(error: httpx.TransportError) -> bool:
+    """Whether the callee was reached and did not answer in time. A connect timeout is not:
+    nothing reached the callee (down, or being replaced), like a refused connection."""
+    return isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout)
+
+
+def failure_response(
+    failure: CalleeFailed | CalleeUnreachable | httpx.TransportError, **fields: Any
+) -> JSONResponse:
+    """The reply of a run that a callee failed, with `fields` beside the error (what makes
+    it attributable): the callee's status (`upstream_failed`), 504 for a callee that did not
+    answer in time (`upstream_timeout`), 502 for one that could not be reached or went away
+    mid-call (`upstream_unreachable`)."""
+    if isinstance(failure, CalleeFailed):
+        status, code, detail = failure.status, "upstream_failed", failure.detail
+    elif isinstance(failure, CalleeUnreachable):
+        status, code, detail = 502, "upstream_unreachable", str(failure)
+    elif timed_out(failure):
+        status, code, detail = 504, "upstream_timeout", type(failure).__name__
+    else:
+        status, code, detail = 502, "upstream_unreachable", type(failure).__name__
+    return JSONResponse({**fields, "error": {"code": code, "detail": detail}}, status_code=status)
+
+
+def json_reply(what: str, response: httpx.Response) -> dict[str, Any]:
+    """A callee's successful reply as a JSON object; `CalleeFailed` (the callee's status, or
+    502 for a 2xx that is not a JSON object) otherwise, so a callee's failure or a garbled
+    reply ends the run as a failure instead of a 500 with a traceback."""
+    if response.status_code != 200:
+        raise CalleeFailed.answered(what, response)
+    try:
+        body = response.json()
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        raise CalleeFailed.answered(what, response)
+    return body
 
 
 def refusal_code(response: httpx.Response) -> str | None:
     """The `error.code` of a 409 data-plane refusal (`admission_closed`, `awaiting_restore`,
     `stale_attempt`)."""
-    if response.status_code != 409:
-        return None
+    return error_code(response) if response.status_code == 409 else None
+
+
+def error_code(response: httpx.Response) -> str | None:
+    """The `error.code` of a typed error reply `{"error": {"code", "detail"}}`, else None."""
     try:
         body = response.json()
     except (ValueError, RecursionError):

@@ -175,12 +175,18 @@ class Trainer:
         except httpx.HTTPError as error:
             rollout.error = type(error).__name__
             return "failed"
-        body: Any = response.json() if response.content else {}
-        code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = None
+        refusal = body.get("error") if isinstance(body, dict) else None
+        code = refusal.get("code") if isinstance(refusal, dict) else None
         if response.status_code == 409 and code in ("admission_closed", "awaiting_restore"):
             return "closed"
-        if response.status_code != 200 or not isinstance(body, dict) or body.get("error"):
-            rollout.error = f"HTTP {response.status_code}: {str(body)[:200]}"
+        if response.status_code != 200 or not isinstance(body, dict):
+            # A failed run answers a failure status (the environment passes its agent's
+            # on): the rollout waits for the recovery that says what to re-send.
+            rollout.error = f"HTTP {response.status_code}: {response.text[:200]}"
             return "failed"
         rollout.reply = body
         return "done"

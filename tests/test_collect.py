@@ -731,10 +731,14 @@ def test_a_run_reply_is_classified_as_collected_not_started_or_failed() -> None:
     assert reply(409, {"error": {"code": "admission_closed"}}).kind == "not_started"
     assert reply(409, {"error": {"code": "awaiting_restore"}}).kind == "not_started"
     assert reply(409, {"error": {"code": "stale_attempt"}}).kind == "failed"
-    # An environment relays its agent's failure inside a 200 reply, with the agent's status.
-    relayed = reply(200, {"error": {"code": "unknown_task"}, "status": 502})
+    # An environment passes its agent's failure on with the agent's status, attributed.
+    relayed = reply(502, {"environment": "e", "error": {"code": "upstream_unreachable"}})
     assert relayed.kind == "failed" and relayed.error is not None
-    assert relayed.error.startswith("HTTP 502:") and "unknown_task" in relayed.error
+    assert relayed.error.startswith("HTTP 502:") and "upstream_unreachable" in relayed.error
+    # A 200 around an error, whatever served it, is no result; `"error": null` is no error.
+    wrapped = reply(200, {"error": {"code": "unknown_task"}})
+    assert wrapped.kind == "failed" and wrapped.error == 'HTTP 200: {"code": "unknown_task"}'
+    assert reply(200, {"reward": 1.0, "error": None}).kind == "ok"
     garbage = classify(httpx.Response(200, content=b"<html>"))
     assert garbage == Outcome("failed", error="HTTP 200: <html>")
 

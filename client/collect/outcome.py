@@ -28,23 +28,24 @@ class Outcome:
 def classify(response: httpx.Response) -> Outcome:
     """Classify one `/run` reply; never raises (a body that is not JSON is a failure).
 
-    An environment relays its agent's failure inside a 200 reply with an `error` and the
-    agent's `status`: that is a failure too, reported with the agent's status."""
+    Only a 200 with a JSON object is a result: an entry point passes a failed run on as a
+    failure status (the example environment answers its agent's, with the agent's typed
+    error). A 200 whose body still carries an `error` object is a failure too, whatever
+    served it: recorded as a result, a failed rollout would never be retried."""
     try:
         body: Any = response.json()
     except ValueError:
         body = None
-    if response.status_code == 200 and isinstance(body, dict) and "error" not in body:
-        return Outcome("ok", reply=body)
     error = body.get("error") if isinstance(body, dict) else None
+    if response.status_code == 200 and isinstance(body, dict) and error is None:
+        return Outcome("ok", reply=body)
     code = error.get("code") if isinstance(error, dict) else None
     if response.status_code == 409 and code in ("admission_closed", "awaiting_restore"):
         # Refused before the episode began (a checkpoint in progress, or a start_closed
         # process waiting for its Restore or Resume): nothing ran anywhere.
         return Outcome("not_started")
     detail = json.dumps(error) if error is not None else response.text[:300]
-    status = body.get("status") if isinstance(body, dict) else None
-    return Outcome("failed", error=f"HTTP {status or response.status_code}: {detail}")
+    return Outcome("failed", error=f"HTTP {response.status_code}: {detail}")
 
 
 def transport_failure(error: httpx.HTTPError) -> Outcome:
