@@ -363,10 +363,7 @@ class Episode:
             # restored): handed to the model as the tool's output, it would become part of
             # a trajectory that looks finished.
             raise CalleeFailed.answered(f"tool {name}", response)
-        try:
-            output = response.json().get("output", response.text)
-        except ValueError:
-            output = response.text
+        output = tool_output(response)
         self.state["function_calls"].append(
             {
                 "type": "function_call",
@@ -434,3 +431,14 @@ def _message_of(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise CalleeFailed.answered("the model", response)
     return {k: v for k, v in message.items() if v is not None}
+
+
+def tool_output(response: httpx.Response) -> Any:
+    """What the model reads as a tool's result: the reply's `output`, else its whole text (a
+    reply that is not a JSON object, a list or a bare string included: a tool may answer
+    anything, and the agent must not fail the run with a traceback over its shape)."""
+    try:
+        body = response.json()
+    except (ValueError, RecursionError):
+        return response.text
+    return body.get("output", response.text) if isinstance(body, dict) else response.text

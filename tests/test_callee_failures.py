@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -324,6 +325,22 @@ async def test_a_tools_complaint_about_its_arguments_goes_back_to_the_model() ->
     assert finished.status_code == 200, finished.text
     outputs = [m["content"] for m in finished.json()["messages"] if m["role"] == "tool"]
     assert outputs and all("invalid_arguments" in output for output in outputs)
+
+
+@pytest.mark.parametrize("body", [["a", "list"], "plain text", 42], ids=["list", "text", "number"])
+async def test_a_tools_reply_of_any_shape_goes_back_to_the_model(body: Any) -> None:
+    """A tool's 200 that is not a JSON object (a list, text, a number) is its output as it
+    came: the run finishes, no 500 with a traceback over the reply's shape."""
+    async with (
+        serving(scripted_model()) as model_url,
+        serving(resources_answering("tool", Answer(200, body))) as resources_url,
+        serving(AgentServer(agent_config(model_url, resources_url))) as agent,
+    ):
+        finished = await run(agent, "r1", {"task": TASK})
+    assert finished.status_code == 200, finished.text
+    outputs = [m["content"] for m in finished.json()["messages"] if m["role"] == "tool"]
+    expected = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    assert outputs and all(output == expected for output in outputs)
 
 
 # -- the policy model's proxy in front of its upstream ----------------------------------------
