@@ -428,21 +428,34 @@ def goals(r: Results) -> list[str]:
 
 def _run_line(payload: dict[str, Any]) -> str:
     machine = payload["machine"]
+    earlier = payload.get("earlier_runs") or []
+    kept_names = {name for run in earlier for name in run["benchmarks"]}
+    ran = [name for name in payload["benchmarks"] if name not in kept_names]
     line = (
-        f"Run of {payload['finished_at'][:10]} (`--scale {payload['scale']}`, "
+        f"Run of {payload['finished_at'][:16].replace('T', ' ')} UTC ({', '.join(ran)}; "
+        f"`--scale {payload['scale']}`, "
         f"{payload['seconds']:.0f} s), {machine['cores']} cores ({machine['cpu_model']}), "
         f"Python {machine['python']}, load average {machine['load_average_at_start'][0]} at the "
         "start; every figure the median of its repeats, every ratio the median of per-repeat "
         "ratios of runs interleaved in that invocation."
     )
-    earlier = payload.get("earlier_runs") or []
     if earlier:
         kept = "; ".join(
             f"{', '.join(run['benchmarks'])} from {run['finished_at'][:16].replace('T', ' ')}"
+            + _other_machine(run, machine)
             for run in earlier
         )
         line += f" Kept from earlier runs of the same results file (`--merge`): {kept}."
     return line
+
+
+def _other_machine(run: dict[str, Any], machine: dict[str, Any]) -> str:
+    """Where a kept run's machine differs from this one's, which it was: figures of two
+    machines side by side are not comparable, only each run's own ratios are."""
+    theirs = run.get("machine") or {}
+    if theirs.get("cpu_model") in (None, machine["cpu_model"]):
+        return ""
+    return f" (on {theirs['cpu_model']}, load average {theirs['load_average_at_start'][0]})"
 
 
 def _object_store_states(r: Results) -> list[tuple[str, str]]:
