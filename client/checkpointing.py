@@ -24,7 +24,6 @@ publication.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -46,6 +45,7 @@ from rollout_checkpoint.client.publication import (
     PublicationRoot,
     PublishedCheckpoint,
     PublishedParticipant,
+    store_call,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
@@ -152,7 +152,8 @@ async def checkpoint(
         ):
             yield event
         return
-    checkpoint_id = checkpoint_id or root.new_checkpoint_id()
+    if checkpoint_id is None:
+        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
     prepared: list[CheckpointOutcome] = []
@@ -177,7 +178,7 @@ async def checkpoint(
             progress,
             detail={"records": result.record_count(), "bytes": result.bytes()},
         )
-        await _publish(fleet, root, result, controller_state, keep, outcome)
+        await _publish(fleet, root, result, controller_state, keep, outcome, deadline)
     except BaseException:
         await _abort(fleet, checkpoint_id, deadline)
         raise
@@ -185,7 +186,7 @@ async def checkpoint(
         yield CheckpointEvent(Phase.RESUME, progress)
         await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
         outcome.resumed_seconds = time.monotonic() - started
-    await _complete_retention(root, outcome)
+    await _complete_retention(root, outcome, deadline)
     yield CheckpointEvent(Phase.DONE, progress, outcome)
 
 
@@ -207,7 +208,8 @@ async def _asynchronous_checkpoint(
     order. After the resume only the publication is at stake: a part that failed, a member
     that died or was replaced mid-write, or a write still running at `deadline` raises and
     publishes nothing, so `LATEST` keeps naming the previous complete checkpoint."""
-    checkpoint_id = checkpoint_id or root.new_checkpoint_id()
+    if checkpoint_id is None:
+        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
     prepared: list[CheckpointOutcome] = []
@@ -245,8 +247,8 @@ async def _asynchronous_checkpoint(
         progress,
         detail={"records": result.record_count(), "bytes": result.bytes()},
     )
-    await _publish(fleet, root, result, controller_state, keep, outcome)
-    await _complete_retention(root, outcome)
+    await _publish(fleet, root, result, controller_state, keep, outcome, deadline)
+    await _complete_retention(root, outcome, deadline)
     yield CheckpointEvent(Phase.DONE, progress, outcome)
 
 
@@ -330,10 +332,14 @@ async def _publish(
     controller_state: bytes,
     keep: int,
     outcome: CheckpointOutcome,
+    deadline: float,
 ) -> None:
     """Publish `outcome`'s checkpoint from every member's durable part (in a thread: it
     verifies every part) and record what was published and continued. Retention is left
-    pending for `_complete_retention`, which runs once the fleet runs again."""
+    pending for `_complete_retention`, which runs once the fleet runs again.
+
+    Bounded by the checkpoint's deadline: a store that hangs is `StorageFailed` then, and the
+    publication is abandoned before its next step (`publication.bounded`)."""
     publish_started = time.monotonic()
     continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
     parts = [
@@ -342,7 +348,9 @@ async def _publish(
         )
         for m in fleet.members
     ]
-    outcome.published = await asyncio.to_thread(
+    outcome.published = await store_call(
+        deadline,
+        root.location,
         root.publish,
         outcome.checkpoint_id,
         parts,
@@ -355,17 +363,24 @@ async def _publish(
     outcome.publish_seconds = time.monotonic() - publish_started
 
 
-async def _complete_retention(root: PublicationRoot, outcome: CheckpointOutcome) -> None:
+async def _complete_retention(
+    root: PublicationRoot, outcome: CheckpointOutcome, deadline: float
+) -> None:
     """Delete what retention no longer keeps, after the resume: the checkpoint is published
     and the fleet runs, so this costs no pause (at 1,000 members it was seconds of it).
 
     A failure only leaves old checkpoints behind for the next publication to delete, so it is
-    logged, never raised: the caller's checkpoint succeeded."""
+    logged, never raised: the caller's checkpoint succeeded. Bounded like the resume before
+    it (the deadline, or `ABORT_SECONDS` from now if later): a hung store must not hold the
+    caller of a checkpoint that is already published."""
     if outcome.published is None:
         return
     retention_started = time.monotonic()
+    bound = max(deadline, time.time() + ABORT_SECONDS)
     try:
-        outcome.published = await asyncio.to_thread(root.complete_retention, outcome.published)
+        outcome.published = await store_call(
+            bound, root.location, root.complete_retention, outcome.published
+        )
     except Exception as error:
         log.warning(
             "checkpoint %s is published; deleting older checkpoints failed (%s): the next "
@@ -435,16 +450,19 @@ class RestoreSource:
 async def verified_source(
     fleet: Fleet,
     root: PublicationRoot,
+    deadline: float,
     *,
     source: str | None = None,
     scope: Iterable[EpisodeId] | None = None,
 ) -> RestoreSource:
-    """Verify a published checkpoint whole (off the loop) and check that every member has a
-    part in it, before any member installs anything: a torn part or a missing member is
-    refused everywhere rather than half installed. `source` None or "LATEST": the latest.
+    """Verify a published checkpoint whole (off the loop, by `deadline`) and check that every
+    member has a part in it, before any member installs anything: a torn part or a missing
+    member is refused everywhere rather than half installed. `source` None or "LATEST": the
+    latest.
 
-    Raises `NoPublishedCheckpoint`, `CheckpointCorrupt` (both `PublicationError`)."""
-    summary = await asyncio.to_thread(root.inspect, source)
+    Raises `NoPublishedCheckpoint`, `CheckpointCorrupt`, `StorageFailed` (a store that fails
+    or does not answer by the deadline; all `PublicationError`)."""
+    summary = await store_call(deadline, root.location, root.inspect, source)
     manifest = summary.manifest
     parts = {(p.kind, p.instance) for p in manifest.participants}
     missing = [m.name for m in fleet.members if (m.kind_name, m.instance) not in parts]
@@ -474,7 +492,7 @@ async def restore_published(
     checkpoint (None or "LATEST": the latest). Every member must have a part in it.
     `rejoin`: restore a fleet whose members may have served, such as the survivors of a
     crash whose crashed member was replaced (`coordination.restore`)."""
-    verified = await verified_source(fleet, root, source=source, scope=scope)
+    verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
     replies = await coordination.restore(
         fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
     )

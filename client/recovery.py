@@ -49,6 +49,7 @@ from rollout_checkpoint.client.publication import (
     NoPublishedCheckpoint,
     PublicationError,
     PublicationRoot,
+    store_call,
 )
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import Reason
@@ -122,7 +123,7 @@ async def recover(
     )
     boot_ids = {m.name: m.boot_id for m in fleet.members}
     try:
-        verified = await verified_source(fleet, root, source=source, scope=scope)
+        verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
     except NoPublishedCheckpoint:
         return await open_fresh(fleet, statuses, recovery_id(None, boot_ids), deadline)
     control_id = recovery_id(verified.checkpoint_id, boot_ids)
@@ -176,7 +177,7 @@ async def undo_unfinished_recovery(
     stay closed (opening them would put an empty member into the fleet), members that do not
     answer are skipped (a RESTORED one reopens at its lease). Returns the members undone."""
     try:
-        summary = await asyncio.to_thread(root.inspect, None)
+        summary = await store_call(deadline, root.location, root.inspect, None)
     except PublicationError:
         return ()
     next_attempts = [

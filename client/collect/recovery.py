@@ -67,6 +67,7 @@ from rollout_checkpoint.client.publication import (
     FleetManifest,
     PublicationError,
     PublicationRoot,
+    store_call,
 )
 from rollout_checkpoint.client.recovery import (
     RecoveryLostRace,
@@ -262,7 +263,7 @@ class InPlaceRecovery:
     async def _recover_into(self, fleet: Fleet, settle: Settle, deadline: float) -> None:
         """One try on a freshly discovered `fleet` (see the module doc for the order)."""
         book = self.book
-        manifest = await self._this_runs_latest()
+        manifest = await self._this_runs_latest(deadline)
         continued: tuple[EpisodeId, ...] = ()
         restored_from: str | None = None
         if manifest is not None:
@@ -318,10 +319,13 @@ class InPlaceRecovery:
             + (f" ({dropped} request(s) dropped)" if dropped else "")
         )
 
-    async def _this_runs_latest(self) -> FleetManifest | None:
-        """`LATEST`'s fleet manifest when this run published it; else None (noted why)."""
+    async def _this_runs_latest(self, deadline: float) -> FleetManifest | None:
+        """`LATEST`'s fleet manifest when this run published it, read by `deadline`; else
+        None (noted why)."""
         try:
-            manifest = await asyncio.to_thread(read_latest_manifest, self.root)
+            manifest = await store_call(
+                deadline, self.root.location, read_latest_manifest, self.root
+            )
         except (PublicationError, OSError, ValueError) as error:
             self.view.note(f"collect: LATEST cannot be read ({error}); nothing is restored")
             return None

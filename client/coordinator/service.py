@@ -42,10 +42,12 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
 from rollout_checkpoint.client.membership import FleetWatch
 from rollout_checkpoint.client.publication import (
-    NoPublishedCheckpoint,
     PublicationError,
     PublicationRoot,
+    StorageFailed,
+    as_checkpoint_error,
     open_checkpoint_root,
+    store_call,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
 from rollout_checkpoint.server.core.errors import (
@@ -122,14 +124,24 @@ class CoordinatorServicer:
                 await self._fleet.close()
                 self._fleet = None
 
-    def root(self) -> PublicationRoot:
-        if self.spec.checkpoint_root is None:
+    async def root(self, deadline: float) -> PublicationRoot:
+        """The fleet's checkpoint root, opened by `deadline` (a local root is created, which
+        blocks on a frozen filesystem: STORAGE_FAILED then, like any store call)."""
+        location = self.spec.checkpoint_root
+        if location is None:
             raise CheckpointError(
                 Reason.INVALID_REQUEST,
                 "the fleet file sets no checkpoint_root",
                 code="FAILED_PRECONDITION",
             )
-        return open_checkpoint_root(self.spec.checkpoint_root)
+        try:
+            return await store_call(deadline, str(location), open_checkpoint_root, location)
+        except OSError as error:
+            raise as_checkpoint_error(
+                StorageFailed(f"{location}: {error.strerror or error}")
+            ) from error
+        except PublicationError as error:
+            raise as_checkpoint_error(error) from error
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Every RPC of coordinator_service.proto, served by the method of its name."""
@@ -208,12 +220,13 @@ class CoordinatorServicer:
             if request.HasField("scope")
             else None
         )
+        root = await self.root(deadline)
         fleet = await self.fleet()
         try:
             restored = await self._guard(
                 restore_published(
                     fleet,
-                    self.root(),
+                    root,
                     request.checkpoint_id,
                     deadline,
                     source=source,
@@ -221,12 +234,8 @@ class CoordinatorServicer:
                     rejoin=request.rejoin,
                 )
             )
-        except NoPublishedCheckpoint as error:
-            raise CheckpointError(
-                Reason.INVALID_CHECKPOINT_STATE, str(error), code="FAILED_PRECONDITION"
-            ) from error
         except PublicationError as error:
-            raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
+            raise as_checkpoint_error(error) from error
         return cpb.CoordinatorServiceRestoreResponse(
             source_checkpoint_id=restored.source_checkpoint_id,
             members=[
@@ -293,7 +302,7 @@ class CoordinatorServicer:
         if request.checkpoint_id:
             _check_id(request.checkpoint_id)
         scope = _scope_choice(request)
-        root = self.root()
+        root = await self.root(deadline)
         fleet = await self.fleet()
         events = checkpoint(
             fleet,
@@ -310,7 +319,7 @@ class CoordinatorServicer:
             async for event in events:
                 yield _checkpoint_response(event)
         except PublicationError as error:
-            raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error)) from error
+            raise as_checkpoint_error(error) from error
 
     async def watch_fleet(
         self, request: cpb.WatchFleetRequest

@@ -49,7 +49,9 @@ from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
 from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.client.publication import (
     PublicationError,
+    as_checkpoint_error,
     open_checkpoint_root,
+    store_call,
 )
 from rollout_checkpoint.client.recovery import (
     Recovery,
@@ -206,8 +208,14 @@ class Supervisor:
         if self.watch.down():
             log.info("supervisor: checkpoint skipped, members down: %s", sorted(self.watch.down()))
             return
-        checkpoint_id = await asyncio.to_thread(self.root.new_checkpoint_id)
         deadline = time.time() + self.settings.checkpoint_seconds
+        try:
+            checkpoint_id = await store_call(
+                deadline, self.root.location, self.root.new_checkpoint_id
+            )
+        except PublicationError as error:
+            log.warning("supervisor: checkpoint skipped: %s", error)
+            return
         outcome: CheckpointOutcome | None = None
         try:
             fleet = await self._discover(self.spec)
@@ -293,8 +301,12 @@ class Supervisor:
         except (DiscoveryError, TimeoutError) as error:
             await self._failed_try(self._start_try(now), error)
             return
-        latest = await asyncio.to_thread(self.root.latest)
         async with fleet:
+            try:
+                latest = await store_call(deadline, self.root.location, self.root.latest)
+            except PublicationError as error:
+                await self._failed_try(self._start_try(now), error)
+                return
             boot_ids = {m.name: m.boot_id for m in fleet.members}
             try_number = self._start_try(now, latest, recovery_id(latest, boot_ids))
             try:
@@ -400,4 +412,6 @@ def _fleet_error(error: BaseException) -> BaseException:
         return error.error
     if isinstance(error, (DiscoveryError, TimeoutError)):
         return CheckpointError(Reason.PARTICIPANT_UNREACHABLE, str(error), code="UNAVAILABLE")
+    if isinstance(error, PublicationError):
+        return as_checkpoint_error(error)
     return CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error), code="FAILED_PRECONDITION")

@@ -11,7 +11,8 @@ its fleet manifest `checkpoint.json` exists. Only a published checkpoint is ever
 `LATEST` names the one a restore without an explicit id uses.
 
 Everything here blocks (file I/O, fsync, hashing whole records files): an asyncio caller runs
-it in a thread (`await asyncio.to_thread(root.publish, ...)`). One `CheckpointRoot` serializes
+it through `bounded.store_call(deadline, ...)`, on a thread it stops waiting for at the
+operation's deadline (a frozen filesystem or a hung store is then `StorageFailed`). One `CheckpointRoot` serializes
 its own publications with a lock; one controller process owns a root (two controllers
 publishing into the same root are not supported: retention of one could delete the other's
 unfinished checkpoint).
@@ -58,16 +59,20 @@ Modules, one concept each (every public name is importable from this package):
 `files` (opening below the root without following links); `root` (`CheckpointRoot`:
 publish, load); `object_root` (`ObjectCheckpointRoot`: the same on an object store);
 `roots` (`PublicationRoot`, `open_checkpoint_root`: either, by the location's form); `latest` (`LATEST`); `retention`; `verify` (`verify_checkpoint`, `inspect`
-and their summaries).
+and their summaries); `bounded` (`store_call`: a root's method bounded by a deadline).
 """
 
 from __future__ import annotations
 
+from rollout_checkpoint.client.publication.bounded import store_call, store_call_sync
 from rollout_checkpoint.client.publication.errors import (
     CheckpointConflict,
     CheckpointCorrupt,
     NoPublishedCheckpoint,
     PublicationError,
+    StorageFailed,
+    as_checkpoint_error,
+    reason_of,
 )
 from rollout_checkpoint.client.publication.manifest import (
     FleetManifest,
@@ -103,9 +108,14 @@ __all__ = [
     "PublicationRoot",
     "PublishedCheckpoint",
     "PublishedParticipant",
+    "StorageFailed",
+    "as_checkpoint_error",
     "format_time",
     "inspect",
     "open_checkpoint_root",
     "parse_time",
+    "reason_of",
+    "store_call",
+    "store_call_sync",
     "verify_checkpoint",
 ]

@@ -1,5 +1,5 @@
 """Opening and reading below a checkpoint root without following a symlink, with every
-refusal reported as `CheckpointCorrupt` and every unexpected OS error as `PublicationError`."""
+refusal reported as `CheckpointCorrupt` and every unexpected OS error as `StorageFailed`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from rollout_checkpoint.client.publication.errors import CheckpointCorrupt, PublicationError
+from rollout_checkpoint.client.publication.errors import CheckpointCorrupt, StorageFailed
 from rollout_checkpoint.server.core import layout, safe_files
 
 ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -57,8 +57,9 @@ def read_regular(
 
 @contextlib.contextmanager
 def io_errors(path: Path) -> Iterator[None]:
-    """Report an unexpected OS error (permissions, EIO, a full disk) as a PublicationError."""
+    """Report an unexpected OS error (permissions, EIO, a full disk) as `StorageFailed`: the
+    store failed, not the checkpoint."""
     try:
         yield
     except OSError as exc:
-        raise PublicationError(f"{path}: {exc.strerror or exc}") from exc
+        raise StorageFailed(f"{path}: {exc.strerror or exc}") from exc

@@ -41,6 +41,7 @@ from rollout_checkpoint.client.publication.errors import (
     CheckpointCorrupt,
     NoPublishedCheckpoint,
     PublicationError,
+    StorageFailed,
 )
 from rollout_checkpoint.client.publication.manifest import (
     FleetManifest,
@@ -52,11 +53,12 @@ from rollout_checkpoint.client.publication.root import (
     PublishedCheckpoint,
     check_continued,
     check_participants,
+    stop_if_abandoned,
 )
 from rollout_checkpoint.client.publication.verify import CheckpointSummary, ParticipantSummary
-from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core import daemon_threads, layout
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
-from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason, corrupt_checkpoint
 from rollout_checkpoint.server.core.extras import MissingExtra
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
@@ -88,6 +90,10 @@ _LATEST_SWAPS = 16
 
 
 def _store_errors(error: ObjectStoreFailure | MissingExtra) -> PublicationError:
+    """A store that failed (unreachable, refusing, erring) is `StorageFailed`; a missing
+    `[s3]` extra is a configuration error, no failure of the store."""
+    if isinstance(error, ObjectStoreFailure):
+        return StorageFailed(str(error))
     return PublicationError(str(error))
 
 
@@ -123,6 +129,7 @@ class ObjectCheckpointRoot:
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
             self._crash_hook(name)
+        stop_if_abandoned(self.location, name)
 
     # -- ids ------------------------------------------------------------------------------
 
@@ -244,7 +251,7 @@ class ObjectCheckpointRoot:
                 return  # a newer publication: never move LATEST back
             if self._call(functools.partial(self._client.swap, key, body, current)):
                 return
-        raise PublicationError(
+        raise StorageFailed(
             f"{self.location}: LATEST kept changing under {_LATEST_SWAPS} compare-and-swaps"
         )
 
@@ -288,6 +295,8 @@ class ObjectCheckpointRoot:
                 )
             )
         except CheckpointError as error:
+            if error.reason == Reason.STORAGE_FAILED:
+                raise StorageFailed(error.message) from None
             raise CheckpointCorrupt(error.metadata.get("path", part.url), error.message) from None
         unique = tuple(sorted(set(keys)))
         summary = ParticipantSummary(
@@ -322,6 +331,8 @@ class ObjectCheckpointRoot:
         ]
         deleted: list[str] = []
         for name in doomed:
+            if daemon_threads.abandoned():
+                break  # the caller gave up at its deadline: the next publication goes on
             try:
                 # Read LATEST right before each deletion: never delete what it names.
                 latest = _latest_id(

@@ -16,7 +16,7 @@ from pathlib import Path
 from rollout_checkpoint.client.publication.errors import CheckpointCorrupt
 from rollout_checkpoint.client.publication.files import DIR_FLAGS
 from rollout_checkpoint.client.publication.latest import created_at_for_ordering, read_latest
-from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core import daemon_threads, layout
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
@@ -110,6 +110,8 @@ def apply_retention(
         if mtime_ns < reference_mtime_ns and name not in protected
     ]
     for name in doomed:
+        if daemon_threads.abandoned():
+            break  # the caller gave up at its deadline: the next publication deletes the rest
         try:
             _delete_tree(root_fd, name)
             deleted.append(name)

@@ -18,6 +18,7 @@ from rollout_checkpoint.client.publication.errors import (
     CheckpointConflict,
     CheckpointCorrupt,
     NoPublishedCheckpoint,
+    StorageFailed,
 )
 from rollout_checkpoint.client.publication.files import (
     DIR_FLAGS,
@@ -39,7 +40,7 @@ from rollout_checkpoint.client.publication.manifest import (
 )
 from rollout_checkpoint.client.publication.retention import apply_retention, scan_root
 from rollout_checkpoint.client.publication.verify import CheckpointSummary, verify_open, verify_part
-from rollout_checkpoint.server.core import layout, safe_files
+from rollout_checkpoint.server.core import daemon_threads, layout, safe_files
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
@@ -111,7 +112,10 @@ class CheckpointRoot:
         self.path = Path(path).absolute()
         self.location = str(self.path)
         """The root as an operator names it (a path here, a URL for an object-store root)."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.path.is_dir():
+            # Only when missing: mkdir is a write, which blocks on a frozen filesystem even
+            # for a directory that exists, while reads (a restore, `inspect`) still answer.
+            self.path.mkdir(parents=True, exist_ok=True)
         self._clock = clock or (lambda: datetime.now(UTC))
         self._crash_hook = crash_hook
         self._lock = threading.Lock()
@@ -247,6 +251,7 @@ class CheckpointRoot:
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
             self._crash_hook(name)
+        stop_if_abandoned(self.location, name)
 
     # -- read -----------------------------------------------------------------------------
 
@@ -361,6 +366,18 @@ def _existing_created_at(ckpt_fd: int) -> datetime | None:
         return FleetManifest.decode(raw).created_at
     except (CheckpointCorrupt, ValueError):
         return None
+
+
+def stop_if_abandoned(location: str, step: str) -> None:
+    """Stop a publication whose caller gave up waiting (its deadline passed while the store
+    hung) before its next step: the caller already reported the checkpoint as not published
+    and resumed the fleet, so a thread that wakes up later must not go on to publish it (see
+    `bounded`)."""
+    if daemon_threads.abandoned():
+        raise StorageFailed(
+            f"{location}: publication stopped {step.replace('_', ' ')}: its caller stopped "
+            "waiting at the deadline"
+        )
 
 
 # -- argument checks ----------------------------------------------------------------------

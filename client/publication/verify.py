@@ -26,7 +26,7 @@ from rollout_checkpoint.client.publication.manifest import (
     PublishedParticipant,
     format_time,
 )
-from rollout_checkpoint.server.core import layout, part_reader
+from rollout_checkpoint.server.core import layout, part_reader, safe_files
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
 from rollout_checkpoint.server.core.layout import (
@@ -181,15 +181,14 @@ def verify_checkpoint(
     is followed. Blocks: run it in a thread from asyncio code.
     """
     path = Path(directory)
-    with io_errors(path):
+    with io_errors(path), contextlib.ExitStack() as stack:
         try:
-            fd = os.open(path, ROOT_FLAGS)
+            fd = stack.enter_context(safe_files.opened(path, ROOT_FLAGS))
         except FileNotFoundError as exc:
             raise CheckpointCorrupt(path, "no such checkpoint directory") from exc
         except NotADirectoryError as exc:
             raise CheckpointCorrupt(path, "not a directory") from exc
-        with closing(fd):
-            return verify_open(fd, path, expected_id=expected_id)
+        return verify_open(fd, path, expected_id=expected_id)
 
 
 def inspect(directory: str | os.PathLike[str]) -> CheckpointSummary:

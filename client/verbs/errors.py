@@ -10,7 +10,7 @@ from rollout_checkpoint.client.console import CliError, ExitCode
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, FleetConfigError
-from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError
+from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError, reason_of
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.extras import MissingExtra
 
@@ -43,7 +43,9 @@ def classify(error: BaseException) -> CliError | None:
     if isinstance(error, CheckpointCorrupt):
         return CliError(ExitCode.CORRUPT, str(error), Reason.INVALID_CHECKPOINT_STATE)
     if isinstance(error, PublicationError):
-        return CliError(ExitCode.REFUSED, str(error), Reason.INVALID_CHECKPOINT_STATE)
+        # A store that failed or did not answer by the deadline is STORAGE_FAILED (retry),
+        # never a malformed checkpoint.
+        return CliError(ExitCode.REFUSED, str(error), reason_of(error))
     if isinstance(error, OSError) and error.filename is not None:
         # A fleet file, a token file or a checkpoint root that cannot be read or made.
         return CliError(ExitCode.USAGE, f"{error.filename}: {error.strerror or error}")

@@ -37,7 +37,11 @@ from rollout_checkpoint.client.console import (
 )
 from rollout_checkpoint.client.coordination import DERIVE, FleetError
 from rollout_checkpoint.client.fleet import Fleet, FleetConfigError, FleetSpec, load_fleet_file
-from rollout_checkpoint.client.publication import PublicationRoot, open_checkpoint_root
+from rollout_checkpoint.client.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+    store_call,
+)
 from rollout_checkpoint.client.verbs.errors import fleet_error_line
 from rollout_checkpoint.client.verbs.names import TOKEN_ENV, rfc3339
 from rollout_checkpoint.client.verbs.progress import ProgressView, progress_json
@@ -64,14 +68,16 @@ def _spec(args: argparse.Namespace) -> FleetSpec:
     return FleetSpec.from_addresses(args.address, _token(args), allow_agents_without_model=True)
 
 
-def _root(args: argparse.Namespace, spec: FleetSpec) -> PublicationRoot:
+async def _root(args: argparse.Namespace, spec: FleetSpec, deadline: float) -> PublicationRoot:
+    """The verb's checkpoint root, opened by `deadline` (a local root is created, which
+    blocks on a frozen filesystem: `StorageFailed` then)."""
     root = getattr(args, "root", None) or spec.checkpoint_root
     if root is None:
         raise FleetConfigError(
             "no checkpoint root: pass --root or set checkpoint_root in the fleet file"
         )
     try:
-        return open_checkpoint_root(root)
+        return await store_call(deadline, str(root), open_checkpoint_root, root)
     except ValueError as error:  # an object-store URL that is no valid location
         raise FleetConfigError(f"checkpoint root {root}: {error}") from error
     except OSError as error:
@@ -242,8 +248,10 @@ def _scope(args: argparse.Namespace) -> list[EpisodeId] | str | None:
 
 async def _checkpoint(run: VerbRun) -> int:
     args, output, fleet, spec, deadline, opened = run.unpack()
-    root = _root(args, spec)
-    checkpoint_id = args.checkpoint_id or root.new_checkpoint_id()
+    root = await _root(args, spec, deadline)
+    checkpoint_id = args.checkpoint_id or await store_call(
+        deadline, root.location, root.new_checkpoint_id
+    )
     opened.checkpoint_id = checkpoint_id
     view = ProgressView(args.json)
     started = time.monotonic()
@@ -317,7 +325,7 @@ async def _checkpoint(run: VerbRun) -> int:
 
 async def _restore(run: VerbRun) -> int:
     args, output, fleet, spec, deadline, opened = run.unpack()
-    root = _root(args, spec)
+    root = await _root(args, spec, deadline)
     started = time.monotonic()
     opened.checkpoint_id = args.checkpoint_id
     restored = await restore_published(

@@ -4,12 +4,19 @@ a checkpoint root, and saying what a directory is when it holds no published che
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import time
 from pathlib import Path
 
 from rollout_checkpoint.client.collect.journal import DISPATCH_LOG
 from rollout_checkpoint.client.console import CliError, ExitCode
-from rollout_checkpoint.client.publication import NoPublishedCheckpoint, verify_checkpoint
+from rollout_checkpoint.client.publication import (
+    CheckpointSummary,
+    NoPublishedCheckpoint,
+    store_call_sync,
+    verify_checkpoint,
+)
 from rollout_checkpoint.client.publication.object_root import verify_object_checkpoint
 from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME, LATEST_NAME, PARTICIPANTS_DIR
 from rollout_checkpoint.server.core.object_store import is_object_url
@@ -19,18 +26,13 @@ def inspect_verb(args: argparse.Namespace) -> int:
     """Verify `args.directory` (or the checkpoint its `LATEST` names) and print the summary.
 
     `CliError` (exit 2) for a missing directory or one that holds no published checkpoint;
-    `CheckpointCorrupt` (exit 6) when it does not verify."""
-    if is_object_url(args.directory):
-        return _inspect_url(args.directory, args.json)
-    directory = Path(args.directory)
-    if not directory.exists():
-        raise CliError(ExitCode.USAGE, f"{directory}: no such directory")
-    if not directory.is_dir():
-        raise CliError(ExitCode.USAGE, f"{directory}: not a directory")
-    note = None
-    if not (directory / FLEET_MANIFEST_NAME).exists():
-        directory, note = _what_directory_is(directory)
-    summary = verify_checkpoint(directory)
+    `CheckpointCorrupt` (exit 6) when it does not verify; `StorageFailed` (exit 4) when the
+    store fails or has not answered `args.timeout` seconds from now (a frozen filesystem, a
+    hung object store: the verification runs on a thread that is abandoned then)."""
+    deadline = time.time() + args.timeout
+    summary, note = store_call_sync(
+        deadline, args.directory, functools.partial(_verify, args.directory)
+    )
     if args.json:
         print(json.dumps(summary.to_json(), sort_keys=True))
     else:
@@ -40,22 +42,31 @@ def inspect_verb(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _inspect_url(url: str, as_json: bool) -> int:
+def _verify(location: str) -> tuple[CheckpointSummary, str | None]:
+    """The verified summary of the checkpoint at `location` (or the one its LATEST names)
+    and a note saying which, when it followed LATEST. Blocks on the store."""
+    if is_object_url(location):
+        return _verify_url(location)
+    directory = Path(location)
+    if not directory.exists():
+        raise CliError(ExitCode.USAGE, f"{directory}: no such directory")
+    if not directory.is_dir():
+        raise CliError(ExitCode.USAGE, f"{directory}: not a directory")
+    note = None
+    if not (directory / FLEET_MANIFEST_NAME).exists():
+        directory, note = _what_directory_is(directory)
+    return verify_checkpoint(directory), note
+
+
+def _verify_url(url: str) -> tuple[CheckpointSummary, str | None]:
     """`inspect s3://…`: the checkpoint below the URL, or the one its LATEST names. A URL that
     is not a valid location is a usage error; one holding nothing published says so."""
     try:
-        summary, note = verify_object_checkpoint(url)
+        return verify_object_checkpoint(url)
     except ValueError as exc:
         raise CliError(ExitCode.USAGE, f"{url}: {exc}") from None
     except NoPublishedCheckpoint as exc:
         raise CliError(ExitCode.USAGE, str(exc)) from None
-    if as_json:
-        print(json.dumps(summary.to_json(), sort_keys=True))
-    else:
-        if note:
-            print(note)
-        print(summary.format_text())
-    return ExitCode.OK
 
 
 def _what_directory_is(directory: Path) -> tuple[Path, str | None]:

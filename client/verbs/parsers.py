@@ -12,6 +12,10 @@ from rollout_checkpoint.client.console import HelpFormatter, add_output_flags, e
 from rollout_checkpoint.client.participant import LIVENESS_HEALTH, READINESS_HEALTH
 from rollout_checkpoint.client.verbs.names import EPISODE_FORMAT, TOKEN_ENV, episode_arg
 
+INSPECT_TIMEOUT_SECONDS = 120.0
+"""`inspect --timeout`'s default: the fleet verbs' own. Verifying hashes every record, so a
+checkpoint of many GB on a slow disk may need more; a store that hangs is reported then."""
+
 FLEET_VERBS = (
     "status",
     "prepare",
@@ -205,6 +209,13 @@ def add_fleet_verbs(verbs: Any) -> None:
         help="a checkpoint directory or a checkpoint root (a path, or s3://bucket/prefix)",
     )
     sub.add_argument("--json", action="store_true", help="machine-readable output, one JSON object")
+    sub.add_argument(
+        "--timeout",
+        type=float,
+        default=INSPECT_TIMEOUT_SECONDS,
+        help="seconds from now until a store that has not answered is STORAGE_FAILED "
+        "(exit 4): a frozen filesystem or a hung object store",
+    )
     sub = verbs.add_parser(
         "coordinator",
         help="serve CoordinatorService for a fleet",

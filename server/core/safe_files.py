@@ -89,7 +89,8 @@ def read_regular(dir_fd: int, name: str, limit: int | None = None) -> bytes:
 
 
 def write_all(fd: int, data: bytes) -> None:
-    """Write every byte and fsync."""
+    """Write every byte and fsync. (A participant's part writes its records here:
+    `tests/frozen_storage.py` stalls it to freeze the participant's filesystem.)"""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -186,7 +187,11 @@ def closing(fd: int) -> Iterator[int]:
 
 @contextlib.contextmanager
 def opened(path: str | os.PathLike[str], flags: int) -> Iterator[int]:
-    """`os.open(path, flags)` for the block (the caller's own choice of path and flags)."""
+    """`os.open(path, flags)` for the block (the caller's own choice of path and flags).
+
+    Every access of a controller to a local checkpoint root or directory starts here, so
+    `tests/frozen_storage.py` replaces it with a call that never returns to stall them all
+    like a frozen filesystem."""
     fd = os.open(path, flags)
     try:
         yield fd

@@ -34,11 +34,13 @@ prevent a loss:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.core.part_storage import (
@@ -190,14 +192,17 @@ class CommitJob:
             self.fence.check()
             lines = serialize_records(self.records)
             with host.observer.phase("write"):
-                self.published = await asyncio.to_thread(
-                    host.storage.write_part,
-                    self.checkpoint_dir,
-                    participant.kind.value,
-                    participant.instance,
-                    self.checkpoint_id,
-                    lines,
-                    self.fence,
+                self.published = await run_in_daemon_thread(
+                    functools.partial(
+                        host.storage.write_part,
+                        self.checkpoint_dir,
+                        participant.kind.value,
+                        participant.instance,
+                        self.checkpoint_id,
+                        lines,
+                        self.fence,
+                    ),
+                    f"part write {self.checkpoint_id}",
                 )
         if self.retired is None:
             self.phase = "cleanup"

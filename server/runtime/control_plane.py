@@ -27,6 +27,7 @@ The rules below each prevent a specific loss; each lives with the concept it bel
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from rollout_checkpoint.server.core.checkpoint_storage import (
     validate_checkpoint_location,
 )
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
+from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
@@ -431,10 +433,13 @@ class ControlPlane:
         loop within the deadline (a hung filesystem must cost the call its deadline, not the
         participant its loop)."""
         check = asyncio.ensure_future(
-            asyncio.to_thread(
-                validate_checkpoint_location,
-                checkpoint_dir,
-                self.settings.allowed_checkpoint_roots,
+            run_in_daemon_thread(
+                functools.partial(
+                    validate_checkpoint_location,
+                    checkpoint_dir,
+                    self.settings.allowed_checkpoint_roots,
+                ),
+                "checkpoint location check",
             )
         )
         check.add_done_callback(retrieve_exception)

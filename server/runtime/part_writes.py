@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
@@ -139,14 +141,17 @@ class PartWrites:
         self, write: PartWrite, kind: str, instance: str, snapshot: PartSnapshot
     ) -> PublishedPart:
         try:
-            published = await asyncio.to_thread(
-                self._storage.write_part,
-                write.checkpoint_dir,
-                kind,
-                instance,
-                write.checkpoint_id,
-                iter(snapshot.lines),
-                write.fence,
+            published = await run_in_daemon_thread(
+                functools.partial(
+                    self._storage.write_part,
+                    write.checkpoint_dir,
+                    kind,
+                    instance,
+                    write.checkpoint_id,
+                    iter(snapshot.lines),
+                    write.fence,
+                ),
+                f"part write {write.checkpoint_id}",
             )
             write.published = published
             if self._durable is not None:

@@ -33,12 +33,14 @@ until its own deadline. The rules each prevent a loss:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import corrupt_checkpoint, rejected_checkpoint
 from rollout_checkpoint.server.core.layout import StoredManifest
@@ -165,7 +167,10 @@ class RestoreJob:
             if self.rejoin:
                 await self._discard(machine, discard)
             reading = asyncio.ensure_future(
-                asyncio.to_thread(self._read_selected, machine.participant, storage)
+                run_in_daemon_thread(
+                    functools.partial(self._read_selected, machine.participant, storage),
+                    f"part read {self.checkpoint_id}",
+                )
             )
             reading.add_done_callback(retrieve_exception)
             with machine.observer.phase("read"):
