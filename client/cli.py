@@ -5,6 +5,11 @@ The verbs live in `rollout_checkpoint.client.verbs` (fleet verbs, `status`, `hea
 `serve` and `demo` exec the examples. Every verb ends through one handler (`console.run_verb`):
 errors are one line and an exit code of the one table in `console.ExitCode`, never a
 traceback.
+
+This module imports only the standard library and `stop_signals` at its top: until `main`
+takes SIGINT and SIGTERM for a server verb, a signal meets Python's defaults (a
+KeyboardInterrupt traceback, or a death by SIGTERM), so everything else is imported after, in
+the function that needs it.
 """
 
 from __future__ import annotations
@@ -13,21 +18,8 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as package_version
 
-from rollout_checkpoint.client.collect import add_collect_verb, run_collect
-from rollout_checkpoint.client.console import (
-    HelpFormatter,
-    exit_code_table,
-    run_async,
-    run_verb,
-)
-from rollout_checkpoint.client.verbs import is_fleet_command
-from rollout_checkpoint.client.verbs import run as run_fleet_command
-from rollout_checkpoint.client.verbs.errors import classify
-from rollout_checkpoint.client.verbs.parsers import add_fleet_verbs
-from rollout_checkpoint.client.verbs.participant import add_participant_verbs, participant_verb
+from rollout_checkpoint.server.core import stop_signals
 
 SERVED_KINDS = (
     ("weather", "resources, stateless"),
@@ -45,6 +37,9 @@ installed in the same environment."""
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
     try:
         return package_version("rollout-checkpoint")
     except PackageNotFoundError:  # pragma: no cover - run from a tree that was not installed
@@ -52,6 +47,11 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from rollout_checkpoint.client.collect import add_collect_verb
+    from rollout_checkpoint.client.console import HelpFormatter, exit_code_table
+    from rollout_checkpoint.client.verbs.parsers import add_fleet_verbs
+    from rollout_checkpoint.client.verbs.participant import add_participant_verbs
+
     kinds = ", ".join(f"{name} ({what})" for name, what in SERVED_KINDS)
     parser = argparse.ArgumentParser(
         prog="rollout-checkpoint",
@@ -89,13 +89,39 @@ def _exec_module(module: str, args: list[str]) -> int:
     return 0  # pragma: no cover - execv does not return
 
 
+def _exec_server(args: list[str]) -> int:
+    """`serve`: exec the server with SIGINT and SIGTERM blocked (`stop_signals.hold`), so a
+    signal from now on waits, across the exec and the server's imports, for the server's own
+    handler; one that came before (while this was starting) ends here, with the server's code."""
+    stop_signals.hold()
+    stop_signals.PROCESS.exit_if_received()
+    return _exec_module("rollout_checkpoint.examples.serve", args)
+
+
+SERVER_VERBS = ("serve", "coordinator")
+"""Verbs that run a server: a signal stops them quietly at any moment (`stop_signals`), where
+the other verbs abort what they started and say so (`console.run_async`)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] and arguments[0] in SERVER_VERBS:
+        stop_signals.PROCESS.take()  # before any import (stop_signals)
     if arguments[:1] == ["serve"]:
-        return _exec_module("rollout_checkpoint.examples.serve", arguments[1:])
+        return _exec_server(arguments[1:])
     if arguments[:1] == ["demo"]:
         return _exec_module("rollout_checkpoint.examples.demo", arguments[1:])
-    args = _parser().parse_args(arguments)
+    return _run_verb(_parser().parse_args(arguments), arguments)
+
+
+def _run_verb(args: argparse.Namespace, arguments: list[str]) -> int:
+    from rollout_checkpoint.client.collect import run_collect
+    from rollout_checkpoint.client.console import run_async, run_verb
+    from rollout_checkpoint.client.verbs import is_fleet_command
+    from rollout_checkpoint.client.verbs import run as run_fleet_command
+    from rollout_checkpoint.client.verbs.errors import classify
+    from rollout_checkpoint.client.verbs.participant import participant_verb
+
     if args.command == "collect":
         return run_collect(args, ["rollout-checkpoint", *arguments])
 

@@ -51,8 +51,8 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.CORRUPT: "corrupt checkpoint, output or dispatch log: a manifest, digest or record does not verify",
     ExitCode.OUTPUT_UNWRITABLE: "the output cannot be written (collect)",
     ExitCode.ADDRESS_IN_USE: "an address to listen on is taken or invalid (serve, coordinator)",
-    ExitCode.INTERRUPTED: "stopped by SIGINT (Ctrl-C), after aborting what it started",
-    ExitCode.TERMINATED: "stopped by SIGTERM, after aborting what it started",
+    ExitCode.INTERRUPTED: "stopped by SIGINT (Ctrl-C), after aborting what it started (serve, coordinator: after their graceful stop)",
+    ExitCode.TERMINATED: "stopped by SIGTERM, after aborting what it started (serve, coordinator: 0, a graceful stop is how a server ends)",
 }
 
 

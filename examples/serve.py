@@ -16,7 +16,9 @@ sidecar, and starts the workers as this same command with the worker variables s
 Once HTTP and gRPC both listen it prints one JSON line to stdout (`http`, `grpc`, `instance`,
 `kind`, `pid`, and `health` when a health-only port is configured) so scripts and tests can
 find it; nothing else ever goes to stdout. SIGTERM shuts it down gracefully: health goes
-NOT_SERVING at once, HTTP drains, then the sidecar stops.
+NOT_SERVING at once, HTTP drains, then the sidecar stops. SIGINT does the same. At any moment,
+from the imports to the shutdown, either one ends it without a traceback, with 0 (SIGTERM) or
+130 (SIGINT): `stop_signals` says how.
 
 `nemo-gym:<server>` serves one of NeMo Gym's own resources servers (`indirect_prompt_injection`,
 `example_session_state_mgmt`) from the nemo-gym installed in this environment, built as
@@ -32,8 +34,10 @@ import errno
 import importlib
 import json
 import os
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import IO, Any, NoReturn
 
@@ -42,6 +46,7 @@ from pydantic import ValidationError
 
 from rollout_checkpoint.client.console import ExitCode, HelpFormatter, epilog
 from rollout_checkpoint.server.core.extras import NEMO_GYM, MissingExtra, require
+from rollout_checkpoint.server.core.stop_signals import EXIT_CODES, PROCESS, StopSignals
 from rollout_checkpoint.server.nemo_gym.servers import KEEP_ALIVE_SECONDS
 from rollout_checkpoint.server.nemo_gym.servers import SERVERS as NEMO_GYM_SERVERS
 from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
@@ -511,10 +516,38 @@ def serve_worker(args: argparse.Namespace, app: Any) -> None:
         log_config=None,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
-    uvicorn.Server(config).run(sockets=[shared, own])
+    QuietServer(config).run(sockets=[shared, own])
+    PROCESS.exit_if_received()
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn, with this process's one signal handler (`stop_signals`).
+
+    uvicorn's own `capture_signals` replaces the handlers for its run, restores the previous
+    ones and then raises the caught signal again: into Python's defaults that is a
+    KeyboardInterrupt traceback (SIGINT) or a death by SIGTERM, in every worker as well. Here
+    a signal only asks uvicorn to stop (a second SIGINT: without waiting for connections), and
+    a signal that came before uvicorn started stops it as soon as it has."""
+
+    stop_signals: StopSignals = PROCESS
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with self.stop_signals.stopping_with(lambda signum: self.handle_exit(signum, None)):
+            yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, and the app's (the lifespan's: health NOT_SERVING, the sidecar's
+        stop) even after a second SIGINT: uvicorn's `force_exit` skips it, the sidecar would
+        then be torn down by the loop's cancellation of everything, logging tracebacks. Run
+        again after uvicorn ran it, the lifespan's shutdown returns at once."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
+    PROCESS.take()  # first: see stop_signals
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     announce = announcement_stream()
@@ -528,7 +561,9 @@ def main(argv: list[str] | None = None) -> None:
             secrets=[os.environ.get("ROLLOUT_CHECKPOINT_TOKEN", "")],
             stream=sys.stderr,
         )
-        app, _ = build(args, instance, settings_or_exit(args, instance))
+        settings = settings_or_exit(args, instance)
+        PROCESS.exit_if_received()
+        app, _ = build(args, instance, settings)
         serve_worker(args, app)
         return
     instance = args.instance or default_instance(args.server)
@@ -545,9 +580,11 @@ def main(argv: list[str] | None = None) -> None:
         secrets=[token or ""],
         stream=sys.stderr,
     )
+    PROCESS.exit_if_received()
     if args.workers > 1:
         assert checkpoint is not None  # refuse_for_workers
         serve_main_of_workers(args, argv, instance, checkpoint, announce)
+        PROCESS.exit_if_received()
         return
     try:
         app, runtime = build(args, instance, checkpoint)
@@ -555,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(EXIT_USAGE, str(error))
     host, port = _split(args.http_address)
 
-    class AnnouncingServer(uvicorn.Server):
+    class AnnouncingServer(QuietServer):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.should_exit:
@@ -584,7 +621,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.server in NEMO_GYM_KINDS:  # NeMo Gym's agents count on run_webserver()'s keep-alive
         config.timeout_keep_alive = KEEP_ALIVE_SECONDS
     AnnouncingServer(config).run()
+    PROCESS.exit_if_received()
+
+
+def run_main() -> None:
+    """`main`, with a KeyboardInterrupt that still reaches here (raised by code rather than by
+    a signal, or before `main` took the signals) ending as SIGINT does, without a traceback."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit(EXIT_CODES[signal.SIGINT]) from None
 
 
 if __name__ == "__main__":
-    main()
+    run_main()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -521,13 +520,15 @@ class Coordinator:
         await stop_with_health(self._server, self.health_listener, self.grace)
         await self.servicer.forget_fleet()
 
-    async def serve_forever(self, on_started: Any = None) -> None:
+    async def serve_until(self, stopping: asyncio.Event, on_started: Any = None) -> None:
+        """Serve until `stopping` is set, then stop gracefully. The caller owns the signals
+        (`stop_signals`): a handler installed here would exist only from this point on, and a
+        signal before it would end the process another way. Set before the start, the
+        coordinator starts and stops without announcing itself."""
         await self.start()
-        if on_started is not None:
-            on_started(self)
-        stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stopping.set)
-        await stopping.wait()
-        await self.stop()
+        try:
+            if on_started is not None and not stopping.is_set():
+                on_started(self)
+            await stopping.wait()
+        finally:
+            await self.stop()

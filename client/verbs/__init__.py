@@ -21,6 +21,7 @@ module:
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from rollout_checkpoint.client.console import run_async
 from rollout_checkpoint.client.verbs.coordinator_verb import coordinator_verb
@@ -28,6 +29,7 @@ from rollout_checkpoint.client.verbs.fleet_verbs import fleet_command
 from rollout_checkpoint.client.verbs.inspection import inspect_verb
 from rollout_checkpoint.client.verbs.parsers import FLEET_VERBS
 from rollout_checkpoint.client.verbs.status import health_verb
+from rollout_checkpoint.server.core.stop_signals import PROCESS
 
 
 def is_fleet_command(name: str) -> bool:
@@ -42,8 +44,11 @@ def run(args: argparse.Namespace) -> int:
     Raises what the verb raises (for `console.run_verb` and `errors.classify`)."""
     if args.command == "inspect":
         return inspect_verb(args)
-    if args.command == "coordinator":
-        return run_async(lambda signals: coordinator_verb(args))
+    if args.command == "coordinator":  # a server: its signals are `stop_signals`
+        PROCESS.exit_if_received()
+        code = asyncio.run(coordinator_verb(args))
+        PROCESS.exit_if_received()
+        return code
     if args.command == "health":
         return run_async(lambda signals: health_verb(args))
     return run_async(lambda signals: fleet_command(args, signals))

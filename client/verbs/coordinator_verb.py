@@ -1,9 +1,12 @@
-"""`coordinator`: serve CoordinatorService for one fleet until SIGTERM, announcing its
-address as one JSON line once it listens."""
+"""`coordinator`: serve CoordinatorService for one fleet until SIGTERM or SIGINT, announcing
+its address as one JSON line once it listens. The signals are the process's `stop_signals`
+(taken by `cli.main` first): at any moment they stop it gracefully and quietly, exit 0
+(SIGTERM) or 130 (SIGINT)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -14,13 +17,14 @@ from rollout_checkpoint.client.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.server.core.rpc.health_listener import HealthBindError
 from rollout_checkpoint.server.core.rpc.tls import TlsFilesError, server_credentials
+from rollout_checkpoint.server.core.stop_signals import PROCESS
 
 if TYPE_CHECKING:
     from rollout_checkpoint.client.coordinator.supervisor import SupervisorSettings
 
 
 async def coordinator_verb(args: argparse.Namespace) -> int:
-    """Serve the coordinator until SIGTERM; `CliError` (exit 8) when its address is taken, `FleetConfigError` for a missing fleet file."""
+    """Serve the coordinator until SIGTERM or SIGINT; `CliError` (exit 8) when its address is taken, `FleetConfigError` for a missing fleet file."""
     from rollout_checkpoint.client.coordinator.service import Coordinator
 
     if not args.fleet.is_file():
@@ -60,15 +64,18 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
             line["health"] = server.health_listener.bound_address
         print(json.dumps(line), flush=True)
 
-    try:
-        await coordinator.serve_forever(on_started=announce)
-    except RuntimeError as error:
-        if "bind" not in str(error).lower():
-            raise
-        address = error.address if isinstance(error, HealthBindError) else args.grpc_address
-        raise CliError(
-            ExitCode.ADDRESS_IN_USE, f"cannot listen on {address}: in use or invalid"
-        ) from None
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with PROCESS.stopping_with(lambda signum: loop.call_soon_threadsafe(stopping.set)):
+        try:
+            await coordinator.serve_until(stopping, on_started=announce)
+        except RuntimeError as error:
+            if "bind" not in str(error).lower():
+                raise
+            address = error.address if isinstance(error, HealthBindError) else args.grpc_address
+            raise CliError(
+                ExitCode.ADDRESS_IN_USE, f"cannot listen on {address}: in use or invalid"
+            ) from None
     return ExitCode.OK
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_checkpoint.server.core.clock import Clock
+from rollout_checkpoint.server.core.stop_signals import PROCESS, StopSignals, held
 from rollout_checkpoint.server.runtime.control_plane import ControlPlane
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -84,17 +85,24 @@ class WorkerSupervisor:
         self._tasks = [loop.create_task(self._keep(index)) for index in range(self.count)]
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        """Start worker `index` with SIGINT and SIGTERM blocked: it inherits the mask, so a
+        Ctrl-C reaching the whole group during its imports waits for its own handler
+        (`stop_signals`) instead of printing a KeyboardInterrupt traceback."""
         fd = self.http_socket.fileno()
         env = self.env | {WORKER_INDEX_ENV: str(index), WORKER_HTTP_FD_ENV: str(fd)}
-        return await asyncio.create_subprocess_exec(
-            *self.command, env=env, pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL, stdout=2
-        )
+        with held():
+            return await asyncio.create_subprocess_exec(
+                *self.command, env=env, pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL, stdout=2
+            )
 
     async def _keep(self, index: int) -> None:
         failures = 0
         while not self.stopping:
             process = await self._spawn(index)
             self.processes[index] = process
+            if self.stopping:  # began while it was being spawned: `stop` may not have seen it
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
             code = await process.wait()
             # A Ctrl-C on a terminal signals the whole group: the workers may exit before
             # the main process's own handler ran, so wait before deciding it was a crash.
@@ -148,6 +156,7 @@ async def serve_with_workers(
     worker_env: Mapping[str, str] | None = None,
     graceful_seconds: float = 10.0,
     clock: Clock | None = None,
+    stop_signals: StopSignals = PROCESS,
 ) -> None:
     """Run `pool.configured` workers of `worker_command` behind one HTTP port, with the
     control plane and the sidecar here; returns after SIGTERM or SIGINT stopped everything.
@@ -155,7 +164,12 @@ async def serve_with_workers(
     `worker_command` is the server's own command (`python -m ...`): run with the worker
     variables set, its `install_checkpointing` makes it a worker. `announce` gets the bound
     addresses once every worker registered. The token reaches the workers in their
-    environment, never on a command line."""
+    environment, never on a command line.
+
+    The signals go through `stop_signals` (installed by the entry point before this loop
+    existed, and still there after it is gone), not `loop.add_signal_handler`: closing the
+    loop would put Python's defaults back while the workers are still being stopped, and a
+    signal received before this started stops it at once."""
     private = tempfile.mkdtemp(prefix="rc-workers-")
     bridge_path = os.path.join(private, "bridge.sock")
     http_socket = bind_http(http_host, http_port)
@@ -179,39 +193,10 @@ async def serve_with_workers(
         supervisor.stopping = True
         stop.set()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal)
     try:
-        await runtime.sidecar.start()
-        if runtime.metrics_server is not None:
-            await runtime.metrics_server.start()
-        supervisor.start()
-        waiting = loop.create_task(pool.wait_for_workers(START_SECONDS))
-        stopped = loop.create_task(stop.wait())
-        await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if waiting.done() and not waiting.cancelled() and waiting.exception() is None:
-            if announce is not None:
-                announce(
-                    {
-                        "http": f"{http_host}:{bound_port}",
-                        "grpc": runtime.address,
-                        "health": runtime.health_address,
-                        "workers": pool.configured,
-                        "worker_pids": [p.pid for _, p in sorted(supervisor.processes.items())],
-                    }
-                )
-            await stopped
-        else:
-            waiting.cancel()
-            stopped.cancel()
-            if not stop.is_set():
-                print(
-                    f"rollout-checkpoint: only {len(pool.workers)} of {pool.configured} "
-                    f"workers started within {START_SECONDS:.0f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise SystemExit(1)
+        with stop_signals.stopping_with(lambda signum: loop.call_soon_threadsafe(on_signal)):
+            address = f"{http_host}:{bound_port}"
+            await _serve_until_stopped(pool, runtime, supervisor, stop, address, announce)
     finally:
         await runtime.sidecar.begin_shutdown()
         await supervisor.stop(graceful_seconds + 5)
@@ -221,3 +206,47 @@ async def serve_with_workers(
         bridge.close()
         http_socket.close()
         shutil.rmtree(private, ignore_errors=True)
+
+
+async def _serve_until_stopped(
+    pool: WorkerPool,
+    runtime: CheckpointRuntime,
+    supervisor: WorkerSupervisor,
+    stop: asyncio.Event,
+    http_address: str,
+    announce: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Start the sidecar and the workers, announce once every worker registered, return once
+    `stop` is set (a signal, before or after the announcement); exit 1 when the workers do
+    not all start within `START_SECONDS`."""
+    loop = asyncio.get_running_loop()
+    await runtime.sidecar.start()
+    if runtime.metrics_server is not None:
+        await runtime.metrics_server.start()
+    supervisor.start()
+    waiting = loop.create_task(pool.wait_for_workers(START_SECONDS))
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if waiting.done() and not waiting.cancelled() and waiting.exception() is None:
+        if announce is not None:
+            announce(
+                {
+                    "http": http_address,
+                    "grpc": runtime.address,
+                    "health": runtime.health_address,
+                    "workers": pool.configured,
+                    "worker_pids": [p.pid for _, p in sorted(supervisor.processes.items())],
+                }
+            )
+        await stopped
+    else:
+        waiting.cancel()
+        stopped.cancel()
+        if not stop.is_set():
+            print(
+                f"rollout-checkpoint: only {len(pool.workers)} of {pool.configured} "
+                f"workers started within {START_SECONDS:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(1)
