@@ -41,6 +41,23 @@ TOKEN = "s3cret-token-for-tests"
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
+# -- `slow` runs only when asked for ----------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test (or a parametrized case) marked `slow` is skipped unless the run selects slow
+    tests (`-m slow`, `-m "slow or ..."`): the mark alone decides, as `only_when_asked_for`
+    does inside a test, so a case marked by its parameters cannot add minutes to every
+    `scripts/test` unnoticed."""
+    expression = config.getoption("markexpr", "") or ""
+    if "slow" in expression.replace("not slow", ""):
+        return
+    skip = pytest.mark.skip(reason="a larger budget: run with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 # -- a timed-out test fails alone -------------------------------------------------------------
 
 TIMED_OUT_CLEANUP_SECONDS = 30.0
