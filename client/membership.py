@@ -17,11 +17,9 @@ A member that is down is probed on a fresh channel every time (`RETRY_SECONDS`, 
 between connection attempts (gRPC's default: 1 s, x1.6 per failure, up to 120 s), and a call
 made while it backs off fails at once without dialling. Reused, that channel saw a replacement
 started after a 150 s outage up to 45 s late, and a replacement that lived one second not at
-all. A fresh channel dials at its first call; it takes a subchannel of its own
-(`grpc.use_local_subchannel_pool`), because gRPC shares subchannels between channels of the
-same target and arguments, and another channel of this process to the same member (a
-discovery's) may be backing off. So a replacement is seen within `MAX_RETRY_SECONDS` of
-listening, whatever the outage's length.
+all. A fresh channel dials at its first call (it takes a subchannel of its own:
+`ParticipantClient`). So a replacement is seen within `MAX_RETRY_SECONDS` of listening,
+whatever the outage's length.
 
 The watch keeps no opinion about what to do: it reports `MemberEvent`s (UP, DOWN, REPLACED) to
 one callback, in order per member. The supervisor (`coordinator.supervisor`) and `collect`
@@ -61,9 +59,6 @@ MAX_RETRY_SECONDS = 0.5
 """The longest a replacement that listens waits to be seen (plus one connection): a probe of a
 member that is down is a TCP connection attempt on a fresh channel, cheap enough to make twice
 a second."""
-PROBE_CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
-"""A probe's channel connects on its own, never through a subchannel that another channel to
-the same address holds in its reconnect backoff."""
 
 
 class Change(enum.StrEnum):
@@ -159,7 +154,6 @@ class FleetWatch:
                         self.spec.token,
                         credentials=credentials,
                         timeout=max(1.0, self._probe_seconds),
-                        channel_options=PROBE_CHANNEL_OPTIONS,
                     )
                 try:
                     info = await client.get_participant()

@@ -57,18 +57,23 @@ class Changes:
         return [e for e in self.seen if e.change is change][count - 1]
 
 
+def two_counters_watched(counters: CounterFleet, tmp_path: Path) -> tuple[Changes, FleetWatch]:  # noqa: F811
+    """Counters c0 and c1 and a started watch of them that probes only on reconnection."""
+    counters.start("c0")
+    counters.start("c1")
+    changes = Changes()
+    watch = FleetWatch(counters.spec(tmp_path / "checkpoints"), changes, probe_seconds=3600.0)
+    watch.start()
+    return changes, watch
+
+
 async def test_a_killed_member_is_down_at_once_and_its_replacement_is_replaced(
     counters: CounterFleet,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    counters.start("c0")
-    counters.start("c1")
-    spec = counters.spec(tmp_path / "checkpoints")
-    changes = Changes()
     # A probe interval far longer than the test: only the health stream can report the
     # death in time, and only the boot id read on reconnection can report the replacement.
-    watch = FleetWatch(spec, changes, probe_seconds=3600.0)
-    watch.start()
+    changes, watch = two_counters_watched(counters, tmp_path)
     try:
         first = await changes.wait_for(Change.UP, 2)
         assert first.boot_id and first.kind and first.instance
@@ -103,12 +108,7 @@ async def test_a_replacement_after_a_long_outage_is_seen_at_once(
     the channel that lost the member keeps to that channel's growing backoff (a probe while
     it backs off fails without dialling), and saw a replacement after a 150 s outage up to
     45 s late. A watch that dials for every probe sees it within a probe interval."""
-    counters.start("c0")
-    counters.start("c1")
-    spec = counters.spec(tmp_path / "checkpoints")
-    changes = Changes()
-    watch = FleetWatch(spec, changes, probe_seconds=3600.0)
-    watch.start()
+    changes, watch = two_counters_watched(counters, tmp_path)
     try:
         await changes.wait_for(Change.UP, 2)
         old = counters.members["c1"]
