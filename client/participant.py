@@ -57,7 +57,7 @@ class ParticipantClient:
     id. `deadline` arguments are Unix seconds; the RPC's own timeout runs a little past them
     (`TRANSPORT_SLACK_SECONDS`) so the participant, which knows, reports a missed deadline.
     Read-only calls use the constructor's `timeout`. The channel opens lazily: constructing
-    never fails for an unreachable address, the first call does.
+    never fails for an unreachable address, the first call does: a new client dials afresh.
     """
 
     def __init__(
@@ -73,7 +73,13 @@ class ParticipantClient:
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._timeout = timeout
         self._clock = clock
-        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        options = [
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            # A subchannel of its own: gRPC shares subchannels between channels of the same
+            # target and arguments, so a new client of a member that was down could get one
+            # still in its reconnect backoff (up to 120 s), whose calls fail without dialling.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
         if credentials is None:
             self._channel = aio.insecure_channel(address, options=options)
         else:

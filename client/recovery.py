@@ -34,9 +34,10 @@ restart from their inputs.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from rollout_checkpoint.client import coordination
@@ -71,6 +72,25 @@ def recovery_id(source_checkpoint_id: str | None, boot_ids: Mapping[str, str]) -
         [source_checkpoint_id or "-"] + [f"{n}={b}" for n, b in sorted(boot_ids.items())]
     )
     return RECOVERY_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class Step(enum.StrEnum):
+    """The points between a recovery's steps, where `StepHook` is awaited. Each leaves the
+    fleet in a state that a controller killed there leaves to its successor."""
+
+    CUT_ENDED = "recovery-cut-ended"
+    """Checkpoints the crash cut are ended; nothing is restored yet."""
+    RESTORED = "recovery-restored"
+    """Every member is RESTORED (closed) under the recovery's id; none is resumed."""
+
+
+StepHook = Callable[[str], Awaitable[None]]
+"""Awaited with the name of each point a controller passes (`Step`, the supervisor's
+checkpoint points): tests pause or kill the controller there (`no_pause` otherwise)."""
+
+
+async def no_pause(point: str) -> None:
+    """The `StepHook` of a controller that nothing pauses."""
 
 
 class RecoveryLostRace(Exception):
@@ -110,6 +130,7 @@ async def recover(
     source: str | None = None,
     scope: Iterable[EpisodeId] | None = None,
     abandon_on_failure: bool = False,
+    step: StepHook = no_pause,
 ) -> Recovery:
     """Restore `source` (None: `LATEST`) into the whole fleet, survivors included, and resume
     it; with no checkpoint published yet, open the members started closed.
@@ -117,7 +138,7 @@ async def recover(
     `scope` (default: the checkpoint's continued episodes) is what is continued. Raises
     `FleetError` (members refused or unreachable; undone all or nothing first when
     `abandon_on_failure`), `RecoveryLostRace`, `PublicationError` (a corrupt checkpoint:
-    nothing was installed anywhere)."""
+    nothing was installed anywhere). `step` is awaited between the steps (`Step`)."""
     statuses = await fan_out(
         "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
     )
@@ -128,6 +149,7 @@ async def recover(
         return await open_fresh(fleet, statuses, recovery_id(None, boot_ids), deadline)
     control_id = recovery_id(verified.checkpoint_id, boot_ids)
     await end_cut_checkpoints(fleet, statuses, control_id, deadline)
+    await step(Step.CUT_ENDED)
     in_flight = await _live_episodes(fleet)
     episodes = frozenset(verified.continued)
     replayed = False
@@ -142,8 +164,10 @@ async def recover(
         )
     except FleetError as error:
         if all(e.reason == Reason.STALE_CHECKPOINT for e in error.failures.values()):
-            # This very recovery (same checkpoint, same processes) was already restored and
-            # resumed there by another supervisor that saw the same fleet: finish its resume.
+            # This very recovery (same checkpoint, same processes) was restored everywhere
+            # (the others replayed it just now) and already resumed where it is stale: by
+            # another supervisor that saw the same fleet, or by one that died, or whose
+            # Resume did not reach the rest. Finish its resume.
             replayed = True
         elif any(e.reason in LOST_RACE for e in error.failures.values()):
             raise RecoveryLostRace(error) from None
@@ -151,6 +175,7 @@ async def recover(
             if abandon_on_failure:
                 await coordination.abandon_restore(fleet, control_id, episodes, deadline)
             raise
+    await step(Step.RESTORED)
     await coordination.resume(fleet, control_id, deadline)
     continued_rollouts = {e.rollout_id for e in episodes}
     restarted = (

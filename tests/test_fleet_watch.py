@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +57,23 @@ class Changes:
         return [e for e in self.seen if e.change is change][count - 1]
 
 
+def two_counters_watched(counters: CounterFleet, tmp_path: Path) -> tuple[Changes, FleetWatch]:  # noqa: F811
+    """Counters c0 and c1 and a started watch of them that probes only on reconnection."""
+    counters.start("c0")
+    counters.start("c1")
+    changes = Changes()
+    watch = FleetWatch(counters.spec(tmp_path / "checkpoints"), changes, probe_seconds=3600.0)
+    watch.start()
+    return changes, watch
+
+
 async def test_a_killed_member_is_down_at_once_and_its_replacement_is_replaced(
     counters: CounterFleet,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    counters.start("c0")
-    counters.start("c1")
-    spec = counters.spec(tmp_path / "checkpoints")
-    changes = Changes()
     # A probe interval far longer than the test: only the health stream can report the
     # death in time, and only the boot id read on reconnection can report the replacement.
-    watch = FleetWatch(spec, changes, probe_seconds=3600.0)
-    watch.start()
+    changes, watch = two_counters_watched(counters, tmp_path)
     try:
         first = await changes.wait_for(Change.UP, 2)
         assert first.boot_id and first.kind and first.instance
@@ -81,6 +88,53 @@ async def test_a_killed_member_is_down_at_once_and_its_replacement_is_replaced(
         assert replaced.previous_boot_id == boot_ids["c1"] != replaced.boot_id
         assert watch.down() == set()
         assert [e.change for e in changes.seen if e.name == "c0"] == [Change.UP]
+    finally:
+        await watch.close()
+
+
+OUTAGE_SECONDS = 15.0
+"""Long enough for gRPC's default reconnect backoff (1 s, x1.6) to leave gaps of 4 s and more
+between connection attempts (its attempts come at about 1, 2.6, 5.2, 9.3 and 15.8 s)."""
+SEEN_WITHIN_SECONDS = 1.5
+"""The goal: a replacement seen within this of listening, whatever the outage's length."""
+
+
+async def test_a_replacement_after_a_long_outage_is_seen_at_once(
+    counters: CounterFleet,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """During the outage a listener on the member's port accepts every connection and drops
+    it (a failed attempt for gRPC), so the watch's attempts are seen: a watch that probes on
+    the channel that lost the member keeps to that channel's growing backoff (a probe while
+    it backs off fails without dialling), and saw a replacement after a 150 s outage up to
+    45 s late. A watch that dials for every probe sees it within a probe interval."""
+    changes, watch = two_counters_watched(counters, tmp_path)
+    try:
+        await changes.wait_for(Change.UP, 2)
+        old = counters.members["c1"]
+        counters.kill("c1")
+        await changes.wait_for(Change.DOWN)
+        attempts: list[float] = []
+
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            attempts.append(time.monotonic())
+            writer.close()
+
+        host, port = old.grpc.rsplit(":", 1)
+        outage = await asyncio.start_server(drop, host, int(port))
+        await asyncio.sleep(OUTAGE_SECONDS)  # the outage's length, the scenario's parameter
+        outage.close()
+        await outage.wait_closed()
+        gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
+        assert len(attempts) > OUTAGE_SECONDS and max(gaps) < 2.0, gaps  # it kept dialling
+        await asyncio.to_thread(
+            counters.start, "c1", start_closed=True, http=old.http, grpc=old.grpc
+        )
+        listening = time.monotonic()
+        replaced = await changes.wait_for(Change.REPLACED)
+        seen_after = time.monotonic() - listening
+        assert replaced.name == "c1"
+        assert seen_after < SEEN_WITHIN_SECONDS, seen_after
     finally:
         await watch.close()
 

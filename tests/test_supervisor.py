@@ -317,6 +317,53 @@ async def test_a_member_that_keeps_crashing_exhausts_the_strategy(
         assert await value(http, counters.members["c0"], "r", cookies) == 3
 
 
+CRASH_LOOP_LIVES = 30
+"""Bound on the replacements started in the crash loop (the strategy gives up after a few)."""
+LIFE_SECONDS = 1.0
+"""How long each replacement of the crash loop lives after it listens (the issue: ~1 s)."""
+
+
+async def test_a_replacement_in_a_crash_loop_exhausts_the_strategy(
+    counters: CounterFleet, tmp_path: Path
+) -> None:
+    """Each replacement dies about a second after it listens, and is started again (as a
+    pod's restart policy does). Each that was seen and died before the fleet reopened is a
+    failed recovery, and so is each try (succeeded or not: a fleet recovered only to lose
+    the member again is not healthy): the strategy's limit is reached, the supervisor gives
+    up and says why in `recovery_given_up`. The issue saw 44 such replacements in 120 s: no
+    try counted, no give-up, "checkpoint skipped, members down" every second."""
+    for name in ("c0", "c1"):
+        counters.start(name)
+    root = tmp_path / "checkpoints"
+    spec = counters.spec(root)
+    await publish_checkpoint(spec, root)
+    settings = SupervisorSettings(
+        checkpoint_every=2.0,
+        recovery_seconds=30.0,
+        strategy=RestartStrategy(max_tries=3, window_seconds=600, backoff_seconds=0.2),
+    )
+    async with supervising(spec, settings) as coordinator:
+        assert coordinator.port is not None and coordinator.supervisor is not None
+        async with Events(coordinator.port) as events:
+            await events.wait_for("member_up", 2)
+            old = counters.members["c1"]
+            counters.kill("c1")
+            for _ in range(CRASH_LOOP_LIVES):
+                if events.of("recovery_given_up"):
+                    break
+                await asyncio.to_thread(
+                    counters.start, "c1", start_closed=True, http=old.http, grpc=old.grpc
+                )
+                await asyncio.sleep(LIFE_SECONDS)  # the replacement's life, not a wait
+                counters.kill("c1")
+            given_up = await events.wait_for("recovery_given_up")
+        assert "strategy limit 3" in given_up.reason, given_up.reason
+        assert "awaiting recovery: c1" in given_up.reason, given_up.reason
+        assert coordinator.supervisor.given_up == given_up.reason
+        assert len(events.of("recovery_started")) + len(events.of("recovery_failed")) >= 3
+    CheckpointRoot(root).inspect()  # LATEST whole, whatever was published meanwhile
+
+
 async def test_two_supervisors_racing_corrupt_nothing(
     counters: CounterFleet, tmp_path: Path
 ) -> None:

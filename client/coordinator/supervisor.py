@@ -11,11 +11,24 @@ latest completed checkpoint with no person involved. The rules, each for a failu
   ids). A member with a new boot id lost its state, so the whole fleet goes back to `LATEST`
   (`recovery.recover`, all or nothing). A member that is down is waited for; nothing is
   checkpointed meanwhile (a checkpoint without it would be unsafe to restore).
-* **The coordinator keeps no state.** On start it reads the members: any member started
-  closed (a replacement that came up while no supervisor ran, or a fresh install) triggers
-  a recovery at once; a fresh install has no `LATEST`, so its members are only opened.
+* **The coordinator keeps no state, and mends what a dead one left.** On start it reads every
+  member's state (GetStatus) and finishes or undoes whatever it finds: a member started
+  closed (a replacement that came up while no supervisor ran, or a fresh install) or a
+  member RESTORED under a recovery id (a supervisor killed between restore and resume, or
+  whose Resume did not reach it) triggers a recovery at once, which replays the restore under
+  the same derived id and resumes (`recovery_finished` is announced then, with the continued
+  rollouts); a member PREPARING, PREPARED or COMMITTED (a checkpoint cut by the kill) is
+  resumed with its checkpoint's id. Otherwise the fleet would stay closed until the lease
+  expires (minutes), and a trainer would never learn which rollouts to re-send. A member
+  that comes back with the same boot id (a pause, a network cut) is read again the same way:
+  a Resume that could not reach it left it closed. A fresh install has no `LATEST`, so its
+  members are only opened.
 * **A restart strategy bounds the tries**: at most `max_tries` recovery tries within
-  `window_seconds`, with a doubling backoff between them. A try that fails leaves the members
+  `window_seconds` (succeeded or not, like Flink's failure-rate strategy: a member that is
+  recovered and dies again, over and over, is a crash loop), with a doubling backoff after a
+  failed one. A replacement that answered and died again before its recovery finished counts
+  as a failed try too: a crash loop whose replacements live a second would otherwise never
+  reach a try. A try that fails leaves the members
   as they are (a retry replays where it succeeded); when the limit is reached the last try is
   undone all or nothing (every member it left RESTORED has the attempts N+1 retired and is
   resumed; members started closed stay closed, so no empty member joins the fleet), the
@@ -36,7 +49,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client.checkpointing import CheckpointOutcome, checkpoint
+from rollout_checkpoint.client.checkpointing import CheckpointOutcome, Phase, checkpoint
 from rollout_checkpoint.client.coordination import DERIVE, FleetError, awaiting_restore
 from rollout_checkpoint.client.coordinator.calls import (
     listed_blockers,
@@ -45,8 +58,9 @@ from rollout_checkpoint.client.coordinator.calls import (
 )
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
+from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
+from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.client.publication import (
     PublicationError,
     as_checkpoint_error,
@@ -54,8 +68,11 @@ from rollout_checkpoint.client.publication import (
     store_call,
 )
 from rollout_checkpoint.client.recovery import (
+    RECOVERY_PREFIX,
     Recovery,
     RecoveryLostRace,
+    StepHook,
+    no_pause,
     recover,
     recovery_id,
     undo_unfinished_recovery,
@@ -63,8 +80,23 @@ from rollout_checkpoint.client.recovery import (
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.wire import duration, episode_message
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
 
 log = logging.getLogger(__name__)
+
+IDLE = types_pb2.PARTICIPANT_STATE_IDLE
+RESTORED = types_pb2.PARTICIPANT_STATE_RESTORED
+CHECK_SECONDS = 5.0
+"""The timeout of one GetStatus of a member's state check."""
+
+CHECKPOINT_STEPS = {
+    Phase.COMMIT: "checkpoint-prepared",
+    Phase.PUBLISH: "checkpoint-committed",
+    Phase.RESUME: "checkpoint-published",
+}
+"""The `StepHook` points of a supervisor checkpoint, by the phase about to start: every member
+PREPARED; COMMITTED, nothing published; COMMITTED and published, not resumed."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +123,31 @@ class SupervisorSettings:
     """The deadline of one recovery try (restore and resume), and how long it waits for a
     member that is down before the try counts as failed."""
     strategy: RestartStrategy = field(default_factory=RestartStrategy)
+    step: StepHook = no_pause
+    """Awaited at each point between the steps of a recovery or a checkpoint (tests kill the
+    supervisor there: `coordinator --supervise` pauses at the point that
+    `ROLLOUT_CHECKPOINT_TEST_PAUSE_AT` names)."""
+
+
+PAUSE_AT_VARIABLE = "ROLLOUT_CHECKPOINT_TEST_PAUSE_AT"
+
+
+def pause_at(point: str) -> StepHook:
+    """A `StepHook` that stops the supervisor for good at `point` (a `recovery.Step` or a
+    `CHECKPOINT_STEPS` name), logging "supervisor: paused at <point>" first: tests kill the
+    coordinator process there, deterministically, to check that its successor mends the
+    fleet (`coordinator --supervise` with `ROLLOUT_CHECKPOINT_TEST_PAUSE_AT` set)."""
+
+    async def pause(reached: str) -> None:
+        if reached == point:
+            log.warning("supervisor: paused at %s (%s)", point, PAUSE_AT_VARIABLE)
+            await asyncio.Event().wait()
+
+    return pause
 
 
 class GaveUp(Exception):
-    """The restart strategy's limit was reached."""
+    """The restart strategy's limit was reached while waiting for members."""
 
 
 class Supervisor:
@@ -119,7 +172,16 @@ class Supervisor:
         self._replaced: dict[str, float] = {}
         """Members replaced and not yet recovered, with when the first sign was seen."""
         self._down_since: dict[str, float] = {}
+        self._to_check: set[str] = set()
+        """Members whose state is to be read (`_check_members`): all on start, and each that
+        comes back with the same boot id."""
+        self._tried_boot_ids: set[str] = set()
+        """Boot ids of replacements a try was counted for: their death is that try's failure,
+        not another one."""
         self._tries: deque[float] = deque()
+        self._crashes: list[str] = []
+        """Replacements that died before their recovery finished (for the give-up reason)."""
+        self._own_checkpoints: deque[str] = deque(maxlen=64)
         self._next_checkpoint = time.monotonic() + (settings.checkpoint_every or 0.0)
         self.watch = FleetWatch(spec, self._on_member)
         self._task: asyncio.Task[None] | None = None
@@ -145,20 +207,50 @@ class Supervisor:
         self.events.member_changed(event)
         if event.change is Change.DOWN:
             self._down_since.setdefault(event.name, event.at)
+            if event.name in self._replaced and event.boot_id:
+                self._replacement_died(event)
         elif event.change is Change.REPLACED:
             first = self._down_since.pop(event.name, event.at)
             self._replaced.setdefault(event.name, first)
         else:
-            self._down_since.pop(event.name, None)
+            if self._down_since.pop(event.name, None) is not None:
+                # Back with the same boot id: a call of ours may have missed it (a Resume
+                # that left it closed while its neighbours reopened).
+                self._to_check.add(event.name)
         self._wake.set()
+
+    def _replacement_died(self, event: MemberEvent) -> None:
+        """A member awaiting its recovery answered and died again: a failed recovery of it.
+        Counted here unless a try already counted for this process (a try it breaks fails
+        by itself, and its failure may be reported before or after this death)."""
+        text = f"{event.name} (boot id {event.boot_id}) died before the fleet was reopened"
+        self._crashes.append(text)
+        if event.boot_id in self._tried_boot_ids or self.given_up is not None:
+            return
+        self._tried_boot_ids.add(event.boot_id)
+        self._tries.append(event.at)
+        log.warning("supervisor: %s; recovery try %d counted failed", text, len(self._tries))
+        self.events.emit(
+            recovery_failed=cpb.RecoveryFailed(
+                error=status_of(
+                    CheckpointError(Reason.PARTICIPANT_UNREACHABLE, text, code="UNAVAILABLE")
+                ),
+                retry_in=duration(0.0),
+            )
+        )
 
     # -- the loop -------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        await self._check_members_on_start()
+        await self._wait_for_discovery()
+        self._to_check = {m.name for m in self.spec.members}
+        on_start = True
         while self.given_up is None:
             try:
-                if self._replaced:
+                if self._to_check:
+                    await self._check_members(on_start=on_start)
+                    on_start = False
+                elif self._replaced:
                     await self._recover()
                 elif self._checkpoint_due():
                     await self._checkpoint()
@@ -183,8 +275,8 @@ class Supervisor:
             self.settings.checkpoint_every is not None and time.monotonic() >= self._next_checkpoint
         )
 
-    async def _check_members_on_start(self) -> None:
-        """A member started closed needs a recovery now (no event will ever announce it)."""
+    async def _wait_for_discovery(self) -> None:
+        """Wait until every member answers once (a fleet that is still starting)."""
         wait = 0.5
         while True:
             try:
@@ -194,11 +286,63 @@ class Supervisor:
                 log.warning("supervisor: waiting for every member to answer (%s)", error)
                 await asyncio.sleep(wait)
                 wait = min(10.0, wait * 2)
-        async with fleet:
-            for member in fleet.members:
-                with contextlib.suppress(ControlError):
-                    if awaiting_restore(await member.client.get_status()):
-                        self._replaced.setdefault(member.name, time.time())
+        await fleet.close()
+
+    async def _check_members(self, *, on_start: bool) -> None:
+        """Read the state of the members in `_to_check` and finish or undo what no live action
+        of this supervisor holds (see the module docstring): no event will ever announce a
+        member left closed. A member that does not answer stays to be checked (the watch
+        reports it UP again). `on_start`: a checkpoint left open under any id was cut by a
+        dead controller; later only this supervisor's own (an abort that missed a member) are
+        known to be over, another live controller's may still be running."""
+        names = sorted(self._to_check)
+        self._to_check.clear()
+        members = [m for m in self.spec.members if m.name in names]
+        statuses = await asyncio.gather(*(self._status(m) for m in members))
+        for member, status in zip(members, statuses, strict=True):
+            if status is None:
+                continue
+            if awaiting_restore(status) or (
+                status.state != IDLE and status.checkpoint_id.startswith(RECOVERY_PREFIX)
+            ):
+                log.info(
+                    "supervisor: %s awaits a recovery (state %s, id %s)",
+                    member.name,
+                    types_pb2.ParticipantState.Name(status.state),
+                    status.checkpoint_id or "-",
+                )
+                self._replaced.setdefault(member.name, time.time())
+            elif status.state not in (IDLE, RESTORED) and (
+                on_start or status.checkpoint_id in self._own_checkpoints
+            ):
+                await self._end_cut_checkpoint(member, status.checkpoint_id)
+
+    async def _status(self, member: MemberSpec) -> pb.GetStatusResponse | None:
+        async with self._client(member) as client:
+            try:
+                return await client.get_status()
+            except ControlError as error:
+                log.info("supervisor: reading %s's state failed (%s)", member.name, error)
+                return None
+
+    def _client(self, member: MemberSpec) -> ParticipantClient:
+        return ParticipantClient(
+            member.address,
+            self.spec.token,
+            credentials=self.spec.credentials(),
+            timeout=CHECK_SECONDS,
+        )
+
+    async def _end_cut_checkpoint(self, member: MemberSpec, checkpoint_id: str) -> None:
+        """Resume a member still inside a checkpoint that nothing will finish: published or
+        not, its controller is gone, and the member would stay closed until its lease."""
+        log.info("supervisor: ending checkpoint %s left open on %s", checkpoint_id, member.name)
+        async with self._client(member) as client:
+            try:
+                await client.resume(checkpoint_id, time.time() + self.settings.checkpoint_seconds)
+            except ControlError as error:
+                # It is read again when the watch sees it come back; else its lease reopens it.
+                log.warning("supervisor: resuming %s failed (%s)", member.name, error)
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -216,6 +360,7 @@ class Supervisor:
         except PublicationError as error:
             log.warning("supervisor: checkpoint skipped: %s", error)
             return
+        self._own_checkpoints.append(checkpoint_id)
         outcome: CheckpointOutcome | None = None
         try:
             fleet = await self._discover(self.spec)
@@ -233,6 +378,8 @@ class Supervisor:
                     keep=self.spec.keep,
                     asynchronous=self.spec.async_commit,
                 ):
+                    if event.phase in CHECKPOINT_STEPS:
+                        await self.settings.step(CHECKPOINT_STEPS[event.phase])
                     if event.outcome is not None:
                         outcome = event.outcome
         except (FleetError, PublicationError, CheckpointError) as error:
@@ -240,6 +387,10 @@ class Supervisor:
                 # A replacement the watch has not reported yet: recover before anything else.
                 for name in error.metadata["awaitingRestore"].split(","):
                     self._replaced.setdefault(name, self._down_since.get(name, time.time()))
+            elif isinstance(error, FleetError):
+                # A member held by something else (a recovery left RESTORED, a checkpoint
+                # this supervisor aborted without reaching it): read what it holds.
+                self._to_check.update(error.failures)
             self.events.emit(
                 checkpoint_not_published=cpb.CheckpointNotPublished(
                     checkpoint_id=checkpoint_id, error=status_of(_fleet_error(error))
@@ -283,21 +434,18 @@ class Supervisor:
         started open, or opened by a Resume, holds nothing of the fleet's state either), so
         every replacement leads to a recovery; one that another supervisor already finished
         is recognized by its id and only completed (`recovery.recover`)."""
-        now = time.time()
-        window = self.settings.strategy.window_seconds
-        while self._tries and self._tries[0] < now - window:
-            self._tries.popleft()
-        if len(self._tries) >= self.settings.strategy.max_tries:
-            await self._give_up(
-                f"{len(self._tries)} recovery tries within {window:g} s failed "
-                f"(strategy limit {self.settings.strategy.max_tries})"
-            )
+        if self._strategy_exhausted():
+            await self._give_up()
             return
+        now = time.time()
         first_sign = min(self._replaced.values())
         deadline = now + self.settings.recovery_seconds
         try:
             await self._wait_for_members(deadline)
             fleet = await self._discover(self.spec)
+        except GaveUp:
+            await self._give_up()
+            return
         except (DiscoveryError, TimeoutError) as error:
             await self._failed_try(self._start_try(now), error)
             return
@@ -308,19 +456,27 @@ class Supervisor:
                 await self._failed_try(self._start_try(now), error)
                 return
             boot_ids = {m.name: m.boot_id for m in fleet.members}
+            self._tried_boot_ids.update(boot_ids[name] for name in self._replaced)
             try_number = self._start_try(now, latest, recovery_id(latest, boot_ids))
             try:
-                recovery = await recover(fleet, self.root, deadline)
+                recovery = await recover(fleet, self.root, deadline, step=self.settings.step)
             except (FleetError, PublicationError, RecoveryLostRace) as error:
                 await self._failed_try(try_number, error)
                 return
+            # Announced in the turn the resume returned, before anything else is awaited: a
+            # supervisor killed later leaves an open fleet whose recovery was announced, one
+            # killed earlier leaves it RESTORED for its successor to finish and announce.
+            self._announce(recovery, first_sign)
         self._replaced.clear()
-        self._tries.clear()
-        self.recoveries.append(recovery)
+        self._crashes.clear()
+        self._tried_boot_ids.clear()
         # Checkpoint the recovered fleet at once: until a checkpoint names the restored
         # attempts N+1, a second crash could only restore N+1 again, which the survivors that
         # already ran it have retired.
         self._next_checkpoint = time.monotonic()
+
+    def _announce(self, recovery: Recovery, first_sign: float) -> None:
+        self.recoveries.append(recovery)
         seconds = max(0.0, time.time() - first_sign)
         self.events.emit(
             recovery_finished=cpb.RecoveryFinished(
@@ -339,6 +495,14 @@ class Supervisor:
             len(recovery.continued),
             len(recovery.restarted),
         )
+
+    def _strategy_exhausted(self) -> bool:
+        """Whether `max_tries` tries (a replacement dying before its recovery finished counts
+        as one) fall within the window: every further try would be beyond the limit."""
+        window = self.settings.strategy.window_seconds
+        while self._tries and self._tries[0] < time.time() - window:
+            self._tries.popleft()
+        return len(self._tries) >= self.settings.strategy.max_tries
 
     def _start_try(self, now: float, latest: str | None = None, control_id: str = "") -> int:
         """Count a try against the strategy and announce it; returns its number."""
@@ -377,7 +541,11 @@ class Supervisor:
         await asyncio.sleep(backoff)
 
     async def _wait_for_members(self, deadline: float) -> None:
+        """Wait until every member answers; raises `GaveUp` when replacements that died
+        meanwhile exhausted the strategy, `TimeoutError` at `deadline`."""
         while self.watch.down() or set(self._replaced) - set(self.watch.boot_ids()):
+            if self._strategy_exhausted():
+                raise GaveUp
             remaining = deadline - time.time()
             if remaining <= 0:
                 raise TimeoutError(f"members still down: {', '.join(sorted(self.watch.down()))}")
@@ -385,7 +553,15 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), remaining)
 
-    async def _give_up(self, reason: str) -> None:
+    async def _give_up(self) -> None:
+        strategy = self.settings.strategy
+        reason = (
+            f"{len(self._tries)} recovery tries within {strategy.window_seconds:g} s "
+            f"(strategy limit {strategy.max_tries})"
+        )
+        reason += f"; awaiting recovery: {', '.join(sorted(self._replaced))}"
+        if self._crashes:
+            reason += f"; replacements that died: {'; '.join(self._crashes[-5:])}"
         error = self._last_error
         text = f"{reason}; last failure: {error}" if error is not None else reason
         self.given_up = text

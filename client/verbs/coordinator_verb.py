@@ -82,10 +82,14 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
 def supervisor_settings(args: argparse.Namespace) -> SupervisorSettings:
     """The `--supervise` flags as settings."""
     from rollout_checkpoint.client.coordinator.supervisor import (
+        PAUSE_AT_VARIABLE,
         RestartStrategy,
         SupervisorSettings,
+        pause_at,
     )
+    from rollout_checkpoint.client.recovery import no_pause
 
+    point = os.environ.get(PAUSE_AT_VARIABLE)
     return SupervisorSettings(
         checkpoint_every=args.checkpoint_every or None,
         checkpoint_seconds=args.checkpoint_deadline,
@@ -95,4 +99,5 @@ def supervisor_settings(args: argparse.Namespace) -> SupervisorSettings:
             window_seconds=args.recovery_window,
             backoff_seconds=args.recovery_backoff,
         ),
+        step=pause_at(point) if point else no_pause,
     )
