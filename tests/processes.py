@@ -44,6 +44,29 @@ def run(
     )
 
 
+def run_shell_script(
+    script: str, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a documented page's shell commands in one bash, as a reader would paste them, in a
+    session of its own: whatever it started (servers in the background) is SIGKILLed as a
+    group when it ends or times out, whatever the test's outcome."""
+    process = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def explain(proc: subprocess.CompletedProcess[str]) -> str:
     """What a failed `run` printed, for an assertion message."""
     return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

@@ -10,20 +10,17 @@ to a message, a reason renamed) fails here instead of misleading a Go or Rust au
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .processes import REPO
+from .processes import REPO, run_shell_script
 from .test_readme import free_port
 
 PAGE = REPO / "tests" / "conformance" / "GRPCURL.md"
@@ -161,20 +158,8 @@ def test_every_documented_grpcurl_output_is_what_grpcurl_prints(tmp_path: Path) 
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         GRPC_VERBOSITY="ERROR",
     )
-    process = subprocess.Popen(
-        ["bash", "-c", script(page_steps, ports, tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=PAGE_SECONDS)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+    ran = run_shell_script(script(page_steps, ports, tmp_path), tmp_path, env, PAGE_SECONDS)
+    stdout, stderr = ran.stdout, ran.stderr
     wrong = []
     for step, (actual, code) in zip(page_steps, outputs(stdout, len(page_steps)), strict=True):
         documented = [substituted(line, ports) for line in step.documented]

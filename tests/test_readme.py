@@ -7,16 +7,13 @@ shows that rerunning the tour does not trip over what the first one left behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
-from .processes import REPO
+from .processes import REPO, run_shell_script
 
 README = REPO / "README.md"
 TOUR_SECONDS = 180
@@ -54,20 +51,8 @@ def test_the_five_minute_tour_runs_as_written_and_reruns(tmp_path: Path) -> None
         GRPC_VERBOSITY="ERROR",
     )
     for run in (1, 2):
-        process = subprocess.Popen(
-            ["bash", "-c", script],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = process.communicate(timeout=TOUR_SECONDS)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        process = run_shell_script(script, tmp_path, env, TOUR_SECONDS)
+        stdout, stderr = process.stdout, process.stderr
         context = f"run {run}\nstdout:\n{stdout}\nstderr:\n{stderr}"
         assert "Traceback" not in stderr, context
         assert "x-ng-checkpoint-verify: wait" in stdout.lower(), context
