@@ -215,3 +215,29 @@ def test_a_second_signal_during_the_stop_is_quiet_and_the_first_decides_the_code
     command = serve_command(workers)
     log = tmp_path / "stderr.log"
     assert_quiet_stop(first, lambda: signal_at(command, first, AFTER_ANNOUNCE, log, signal_again))
+
+
+@SIGNUMS
+@pytest.mark.parametrize("workers", [1, 2, 4], ids=["one-process", "two-workers", "four-workers"])
+def test_a_signal_to_the_main_process_alone_stops_the_whole_server(
+    tmp_path: Path, signum: int, workers: int
+) -> None:
+    """The kubelet signals a container's main process only, not its group: the supervisor of
+    several workers must see that signal and stop its workers itself (a main process left
+    with the signals blocked by overlapping worker spawns ignored it until SIGKILL)."""
+    process = start(serve_command(workers), env=ENV, log=tmp_path / "stderr.log")
+    try:
+        announcement(process, log=tmp_path / "stderr.log")
+        os.kill(process.pid, signum)
+        code = process.wait(timeout=EXIT_SECONDS)
+        # The group outlives the main process only by what the main process failed to stop.
+        deadline = time.monotonic() + EXIT_SECONDS
+        while group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the workers' exit: there is no event to wait on
+        left = group_alive(process.pid)
+    finally:
+        kill_group(process)
+    stderr = (tmp_path / "stderr.log").read_text(errors="replace")
+    assert "Traceback" not in stderr, stderr
+    assert code == STOP_CODES[signum], f"exit {code}, stderr:\n{stderr}"
+    assert not left, "a worker outlived the main process"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -34,7 +35,11 @@ from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.checkpointing import checkpoint, refuse_members_awaiting_restore
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.coordinator.service import Coordinator
-from rollout_checkpoint.client.coordinator.supervisor import RestartStrategy, SupervisorSettings
+from rollout_checkpoint.client.coordinator.supervisor import (
+    RECOVERY_ANNOUNCED,
+    RestartStrategy,
+    SupervisorSettings,
+)
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
@@ -270,6 +275,43 @@ async def test_a_replaced_member_restores_the_whole_fleet(
             assert await value(http, member, "r-a1", cookies[name]) == 5, name
         stale = await increment(http, counters.members["c0"], "r", cookies["c0"], 1)
         assert stale.status_code == 409 and stale.json()["error"]["code"] == "stale_attempt"
+    after = await statuses(spec)
+    assert all(s.state == IDLE and s.admission_open for s in after.values()), after
+
+
+async def test_a_member_replaced_while_a_recovery_ends_gets_its_own_recovery(
+    counters: CounterFleet, tmp_path: Path
+) -> None:
+    """c2 is replaced and recovered; c0 is replaced at the last moment of that recovery
+    (after `recovery_finished`, before the supervisor forgets what it restored). The first
+    recovery must not take c0's replacement with it: c0 gets a recovery of its own and the
+    fleet is open, instead of c0 waiting closed for its start-closed timeout."""
+    for name in ("c0", "c1", "c2"):
+        counters.start(name)
+    root = tmp_path / "checkpoints"
+    spec = counters.spec(root)
+    await publish_checkpoint(spec, root)
+    replaced_late = asyncio.Event()
+
+    async def replace_c0_as_the_first_recovery_ends(point: str) -> None:
+        if point == RECOVERY_ANNOUNCED and not replaced_late.is_set():
+            await asyncio.to_thread(counters.replace, "c0")
+            assert events is not None
+            await events.wait_for("member_replaced", 2)  # the watch saw it
+            replaced_late.set()
+
+    events: Events | None = None
+    settings = dataclasses.replace(NO_CHECKPOINTS, step=replace_c0_as_the_first_recovery_ends)
+    async with supervising(spec, settings) as coordinator:
+        assert coordinator.port is not None
+        async with Events(coordinator.port) as events:
+            await events.wait_for("member_up", 3)
+            counters.replace("c2")
+            first = await events.wait_for("recovery_finished")
+            second = await events.wait_for("recovery_finished", 2)
+    assert replaced_late.is_set()
+    assert [e.member.name for e in events.of("member_replaced")] == ["c2", "c0"]
+    assert first.recovery_id != second.recovery_id
     after = await statuses(spec)
     assert all(s.state == IDLE and s.admission_open for s in after.values()), after
 

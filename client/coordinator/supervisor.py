@@ -90,6 +90,10 @@ RESTORED = types_pb2.PARTICIPANT_STATE_RESTORED
 CHECK_SECONDS = 5.0
 """The timeout of one GetStatus of a member's state check."""
 
+RECOVERY_ANNOUNCED = "recovery-announced"
+"""The `StepHook` point after a recovery's `recovery_finished` went out, before the supervisor
+forgets the replacements it restored."""
+
 CHECKPOINT_STEPS = {
     Phase.COMMIT: "checkpoint-prepared",
     Phase.PUBLISH: "checkpoint-committed",
@@ -467,13 +471,28 @@ class Supervisor:
             # supervisor killed later leaves an open fleet whose recovery was announced, one
             # killed earlier leaves it RESTORED for its successor to finish and announce.
             self._announce(recovery, first_sign)
-        self._replaced.clear()
-        self._crashes.clear()
-        self._tried_boot_ids.clear()
+        await self.settings.step(RECOVERY_ANNOUNCED)
+        self._recovered(boot_ids)
         # Checkpoint the recovered fleet at once: until a checkpoint names the restored
         # attempts N+1, a second crash could only restore N+1 again, which the survivors that
         # already ran it have retired.
         self._next_checkpoint = time.monotonic()
+
+    def _recovered(self, boot_ids: dict[str, str]) -> None:
+        """Forget the replacements this try restored, and only those: a member replaced
+        again while the try ran, or first replaced then (its boot id is no longer the one
+        the try restored), still awaits its recovery; forgotten, it would stay closed until
+        its start-closed timeout opened it empty."""
+        current = self.watch.boot_ids()
+        for name in list(self._replaced):
+            restored = boot_ids.get(name)
+            # Not seen by the watch yet (a member found closed at start-up): the try's own
+            # read is the newest there is.
+            if restored is not None and current.get(name, restored) == restored:
+                del self._replaced[name]
+        if not self._replaced:
+            self._crashes.clear()
+            self._tried_boot_ids.clear()
 
     def _announce(self, recovery: Recovery, first_sign: float) -> None:
         self.recoveries.append(recovery)

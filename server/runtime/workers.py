@@ -79,30 +79,42 @@ class WorkerSupervisor:
         self.stopping = False
         """Set on SIGTERM/SIGINT: a worker that exits from now on is not restarted."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._spawning = asyncio.Lock()
+        """One spawn at a time, and none once stopping (see `_spawn`)."""
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._keep(index)) for index in range(self.count)]
 
-    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
-        """Start worker `index` with SIGINT and SIGTERM blocked: it inherits the mask, so a
-        Ctrl-C reaching the whole group during its imports waits for its own handler
-        (`stop_signals`) instead of printing a KeyboardInterrupt traceback."""
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process | None:
+        """Start worker `index` with SIGINT and SIGTERM blocked (None once stopping): it
+        inherits the mask, so a Ctrl-C reaching the whole group during its imports waits for
+        its own handler (`stop_signals`) instead of printing a KeyboardInterrupt traceback.
+
+        Spawns never overlap. `held` restores the mask it found, and two spans interleaved
+        across their awaits end with the second restoring the first's "blocked": the main
+        process then never sees a SIGTERM sent to it alone (the kubelet's), and the pod
+        hangs until SIGKILL. And a worker is registered under the same lock that `stop`
+        takes, so none can be spawned unseen by a stop and outlive it."""
         fd = self.http_socket.fileno()
         env = self.env | {WORKER_INDEX_ENV: str(index), WORKER_HTTP_FD_ENV: str(fd)}
-        with held():
-            return await asyncio.create_subprocess_exec(
-                *self.command, env=env, pass_fds=(fd,), stdin=asyncio.subprocess.DEVNULL, stdout=2
-            )
+        async with self._spawning:
+            if self.stopping:
+                return None
+            with held():
+                process = await asyncio.create_subprocess_exec(
+                    *self.command,
+                    env=env,
+                    pass_fds=(fd,),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=2,
+                )
+            self.processes[index] = process
+            return process
 
     async def _keep(self, index: int) -> None:
         failures = 0
-        while not self.stopping:
-            process = await self._spawn(index)
-            self.processes[index] = process
-            if self.stopping:  # began while it was being spawned: `stop` may not have seen it
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
+        while (process := await self._spawn(index)) is not None:
             code = await process.wait()
             # A Ctrl-C on a terminal signals the whole group: the workers may exit before
             # the main process's own handler ran, so wait before deciding it was a crash.
@@ -118,6 +130,8 @@ class WorkerSupervisor:
         """SIGTERM every worker (they drain their HTTP requests), SIGKILL what is left after
         `grace` seconds."""
         self.stopping = True
+        async with self._spawning:  # a spawn under way finishes and is registered first
+            pass
         for process in self.processes.values():
             if process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

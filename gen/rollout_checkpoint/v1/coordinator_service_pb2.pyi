@@ -18,7 +18,12 @@ or `PARTICIPANT_UNREACHABLE` (UNAVAILABLE), with `failedMembers` metadata
 listing a `name=REASON` pair for every member that refused, separated by
 commas, and `operation` (errors.proto documents every key); a refusal of
 the coordinator itself uses the participant reasons (`INVALID_REQUEST`,
-`INVALID_CHECKPOINT_STATE`, ...).
+`INVALID_CHECKPOINT_STATE`, ...). Every read or write of the checkpoint
+root (listing, `LATEST`, the fleet manifest, retention) is bounded by the
+call's `deadline`: a root that fails or does not answer in time is
+`STORAGE_FAILED` (UNAVAILABLE, retryable), never a wait on the store
+client's own timeout; `INVALID_CHECKPOINT_STATE` is only for a checkpoint
+that is malformed.
 
 Stage order: prepare goes environment -> model -> agent -> resources, stage
 by stage, all members of a stage at once, and stops at the first stage that

@@ -157,7 +157,8 @@ class CoordinatorServiceServicer:
         closed: call Resume. Idempotent with the same arguments (`rejoin`
         included). Errors: as ParticipantService.Restore, per member
         (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
-        that has served when `rejoin` is false).
+        that has served when `rejoin` is false); `STORAGE_FAILED` when the root
+        cannot be read by the deadline (nothing installed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,7 +218,9 @@ class CoordinatorServiceServicer:
         logged, never an error of the call. If the fleet is not prepared by the deadline,
         the checkpoint is aborted (every member resumed) and the final message
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
-        too (nothing is published) and fails the call with the members' errors.
+        too (nothing is published) and fails the call with the members' errors,
+        or `STORAGE_FAILED` when the root cannot be written by the deadline (the
+        fleet resumed, `LATEST` unchanged).
         Refused with `INVALID_PHASE` (metadata `awaitingRestore`) while a member
         started closed and awaits its restore: its empty part would make `LATEST`
         forget what the crashed process held. The coordinator reads each member

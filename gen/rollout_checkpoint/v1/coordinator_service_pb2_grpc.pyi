@@ -18,7 +18,12 @@ or `PARTICIPANT_UNREACHABLE` (UNAVAILABLE), with `failedMembers` metadata
 listing a `name=REASON` pair for every member that refused, separated by
 commas, and `operation` (errors.proto documents every key); a refusal of
 the coordinator itself uses the participant reasons (`INVALID_REQUEST`,
-`INVALID_CHECKPOINT_STATE`, ...).
+`INVALID_CHECKPOINT_STATE`, ...). Every read or write of the checkpoint
+root (listing, `LATEST`, the fleet manifest, retention) is bounded by the
+call's `deadline`: a root that fails or does not answer in time is
+`STORAGE_FAILED` (UNAVAILABLE, retryable), never a wait on the store
+client's own timeout; `INVALID_CHECKPOINT_STATE` is only for a checkpoint
+that is malformed.
 
 Stage order: prepare goes environment -> model -> agent -> resources, stage
 by stage, all members of a stage at once, and stops at the first stage that
@@ -112,7 +117,8 @@ class CoordinatorServiceStub:
     closed: call Resume. Idempotent with the same arguments (`rejoin`
     included). Errors: as ParticipantService.Restore, per member
     (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
-    that has served when `rejoin` is false).
+    that has served when `rejoin` is false); `STORAGE_FAILED` when the root
+    cannot be read by the deadline (nothing installed).
     """
     Resume: _grpc.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceResumeRequest, _coordinator_service_pb2.CoordinatorServiceResumeResponse]
     """Resumes (or aborts) the checkpoint on every member, in reverse stage order.
@@ -152,7 +158,9 @@ class CoordinatorServiceStub:
     logged, never an error of the call. If the fleet is not prepared by the deadline,
     the checkpoint is aborted (every member resumed) and the final message
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
-    too (nothing is published) and fails the call with the members' errors.
+    too (nothing is published) and fails the call with the members' errors,
+    or `STORAGE_FAILED` when the root cannot be written by the deadline (the
+    fleet resumed, `LATEST` unchanged).
     Refused with `INVALID_PHASE` (metadata `awaitingRestore`) while a member
     started closed and awaits its restore: its empty part would make `LATEST`
     forget what the crashed process held. The coordinator reads each member
@@ -262,7 +270,8 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     closed: call Resume. Idempotent with the same arguments (`rejoin`
     included). Errors: as ParticipantService.Restore, per member
     (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
-    that has served when `rejoin` is false).
+    that has served when `rejoin` is false); `STORAGE_FAILED` when the root
+    cannot be read by the deadline (nothing installed).
     """
     Resume: _aio.UnaryUnaryMultiCallable[_coordinator_service_pb2.CoordinatorServiceResumeRequest, _coordinator_service_pb2.CoordinatorServiceResumeResponse]  # type: ignore[assignment]
     """Resumes (or aborts) the checkpoint on every member, in reverse stage order.
@@ -302,7 +311,9 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     logged, never an error of the call. If the fleet is not prepared by the deadline,
     the checkpoint is aborted (every member resumed) and the final message
     says NOT_PREPARED with the blockers. A commit or publish failure aborts
-    too (nothing is published) and fails the call with the members' errors.
+    too (nothing is published) and fails the call with the members' errors,
+    or `STORAGE_FAILED` when the root cannot be written by the deadline (the
+    fleet resumed, `LATEST` unchanged).
     Refused with `INVALID_PHASE` (metadata `awaitingRestore`) while a member
     started closed and awaits its restore: its empty part would make `LATEST`
     forget what the crashed process held. The coordinator reads each member
@@ -433,7 +444,8 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         closed: call Resume. Idempotent with the same arguments (`rejoin`
         included). Errors: as ParticipantService.Restore, per member
         (`PARTICIPANT_FAILED` naming them; `FRESH_PROCESS_REQUIRED` from a member
-        that has served when `rejoin` is false).
+        that has served when `rejoin` is false); `STORAGE_FAILED` when the root
+        cannot be read by the deadline (nothing installed).
         """
 
     @_abc_1.abstractmethod
@@ -503,7 +515,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         logged, never an error of the call. If the fleet is not prepared by the deadline,
         the checkpoint is aborted (every member resumed) and the final message
         says NOT_PREPARED with the blockers. A commit or publish failure aborts
-        too (nothing is published) and fails the call with the members' errors.
+        too (nothing is published) and fails the call with the members' errors,
+        or `STORAGE_FAILED` when the root cannot be written by the deadline (the
+        fleet resumed, `LATEST` unchanged).
         Refused with `INVALID_PHASE` (metadata `awaitingRestore`) while a member
         started closed and awaits its restore: its empty part would make `LATEST`
         forget what the crashed process held. The coordinator reads each member
