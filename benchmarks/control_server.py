@@ -86,7 +86,7 @@ def add_control_routes(app: Any, control: ControlPlane, token: str, boot_id: str
         if not authorized(request):
             return JSONResponse({"error": {"reason": "TOKEN_INVALID"}}, status_code=401)
         with observer.operation("GetStatus", request.headers.items()):
-            snapshot = control.status()
+            snapshot = await control.status()
             return JSONResponse(
                 {
                     "state": snapshot.state.value,
