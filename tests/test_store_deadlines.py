@@ -209,6 +209,47 @@ def test_fleet_verbs_and_inspect_against_a_stopped_s3_server_end_at_their_deadli
         kill_group(process)
 
 
+def test_collect_reading_a_stopped_s3_server_ends_at_its_checkpoint_timeout(
+    tmp_path: Path, s3_server: SeaweedS3, url: str
+) -> None:
+    """`collect` reads its `--checkpoint-dir` before it touches the fleet (is a collection
+    there already? what did it publish?): a store that does not answer is STORAGE_FAILED
+    (exit 4) at `--checkpoint-timeout`, fresh or `--resume`, not a wait on the store
+    client's own 120 s timeout, nor a CORRUPT checkpoint."""
+    env = environment()
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[[participants]]\nname = "counter"\naddress = "127.0.0.1:9"\n')
+    tasks = REPO / "examples" / "prompt_injection_tasks.jsonl"
+
+    def collect(*extra: str) -> list[str]:
+        return cli_command(
+            "collect",
+            "--fleet",
+            str(fleet),
+            "--entry-url",
+            "http://127.0.0.1:9",
+            "--input",
+            str(tasks),
+            "--output",
+            str(tmp_path / "rollouts.jsonl"),
+            "--checkpoint-dir",
+            url,
+            "--checkpoint-timeout",
+            str(TIMEOUT),
+            "--json",
+            *extra,
+        )
+
+    with stopped(s3_server):
+        results = timed(
+            {"collect": collect(), "collect --resume": collect("--resume")}, env, tmp_path
+        )
+    for name, result in results.items():
+        print(f"{name} against a stopped S3 server: {result[0]:.1f} s, exit {result[1]}")
+    for name, result in results.items():
+        assert_storage_failed(name, result)
+
+
 async def test_the_coordinator_and_the_library_end_at_their_deadline_on_a_stopped_s3_server(
     s3_server: SeaweedS3, url: str
 ) -> None:

@@ -34,7 +34,11 @@ from rollout_checkpoint.client.console import (
     run_async,
     run_verb,
 )
-from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError
+from rollout_checkpoint.client.publication import (
+    CheckpointCorrupt,
+    PublicationError,
+    StorageFailed,
+)
 from rollout_checkpoint.client.verbs.errors import classify as classify_fleet_error
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.object_store import is_object_url
@@ -214,6 +218,8 @@ def classify(error: BaseException) -> CliError | None:
         return CliError(ExitCode.CORRUPT, str(error))
     if isinstance(error, UsageError):
         return CliError(ExitCode.USAGE, str(error))
+    if isinstance(error, StorageFailed):  # the store failed or hung: refused, retryable
+        return CliError(ExitCode.REFUSED, str(error), Reason.STORAGE_FAILED)
     if isinstance(error, PublicationError) and not isinstance(error, CheckpointCorrupt):
         return CliError(ExitCode.CORRUPT, str(error), Reason.INVALID_CHECKPOINT_STATE)
     return classify_fleet_error(error)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import shlex
 import signal
@@ -75,7 +76,11 @@ from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
-from rollout_checkpoint.client.publication import PublicationRoot, open_checkpoint_root
+from rollout_checkpoint.client.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+    store_call,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +166,21 @@ class Collector:
             load_input, options.input, options.num_repeats
         )
         book = self.book = RolloutBook(tasks, options.num_repeats, self.counts)
-        root = await asyncio.to_thread(
-            open_checkpoint_root, options.checkpoint_dir, crash_hook=self._step
+        # The checkpoint store is read before anything else touches the fleet, bounded as a
+        # checkpoint is: a store that hangs is StorageFailed at that deadline, not a wait on
+        # the store client's own timeout or a frozen filesystem's thaw.
+        deadline = time.time() + options.checkpoint_timeout
+        location = os.fspath(options.checkpoint_dir)
+        root = await store_call(
+            deadline, location, open_checkpoint_root, options.checkpoint_dir, crash_hook=self._step
         )
         log_path = dispatch_log_path(options.checkpoint_dir, options.output)
         if options.resume:
-            previous = await asyncio.to_thread(
-                read_previous, options.output, log_path, root, input_digest
+            previous = await store_call(
+                deadline, location, read_previous, options.output, log_path, root, input_digest
             )
         else:
-            await asyncio.to_thread(self._refuse_existing, root, log_path)
+            await store_call(deadline, location, self._refuse_existing, root, log_path)
             previous = Previous()
         book.apply_output(previous.finished)
         if previous.output_cut:
