@@ -51,26 +51,26 @@ class Results:
     def __init__(self, payload: dict[str, Any]) -> None:
         self.payload = payload
 
-    def _benchmark(self, name: str) -> dict[str, Any]:
+    def benchmark(self, name: str) -> dict[str, Any]:
         try:
             return dict(self.payload["benchmarks"][name])
         except KeyError:
             raise MissingResult(f"no results for benchmark {name!r}") from None
 
     def figure(self, benchmark: str, case: str, metric: str) -> float:
-        for entry in self._benchmark(benchmark)["figures"]:
+        for entry in self.benchmark(benchmark)["figures"]:
             if entry["case"] == case and entry["metric"] == metric:
                 return float(entry["median"])
         raise MissingResult(f"{benchmark}: no figure {case!r} / {metric!r}")
 
     def ratio(self, benchmark: str, name: str) -> float:
-        for entry in self._benchmark(benchmark)["ratios"]:
+        for entry in self.benchmark(benchmark)["ratios"]:
             if entry["name"] == name:
                 return float(entry["median"])
         raise MissingResult(f"{benchmark}: no ratio {name!r}")
 
     def spread(self, benchmark: str, name: str) -> str:
-        for entry in self._benchmark(benchmark)["ratios"]:
+        for entry in self.benchmark(benchmark)["ratios"]:
             if entry["name"] == name:
                 return f"{number(entry['min'])}–{number(entry['max'])}"
         raise MissingResult(f"{benchmark}: no ratio {name!r}")
@@ -461,7 +461,7 @@ def _other_machine(run: dict[str, Any], machine: dict[str, Any]) -> str:
 def _object_store_states(r: Results) -> list[tuple[str, str]]:
     """(shown, the case prefix) of each state size, e.g. `10000 x 5 KB (49.9 MB)`: the
     benchmark names its cases with the bytes it actually stored."""
-    prefixes = {entry["case"].split(":")[0] for entry in r._benchmark("object_store")["figures"]}
+    prefixes = {entry["case"].split(":")[0] for entry in r.benchmark("object_store")["figures"]}
     found = []
     for shown, key in STATES:
         matches = sorted(p for p in prefixes if p.startswith(key))
@@ -473,7 +473,7 @@ def _object_store_states(r: Results) -> list[tuple[str, str]]:
 
 def _only_figure(r: Results, benchmark: str, case: str) -> float:
     """The one figure of `case` (a case of one metric)."""
-    matches = [e for e in r._benchmark(benchmark)["figures"] if e["case"] == case]
+    matches = [e for e in r.benchmark(benchmark)["figures"] if e["case"] == case]
     if len(matches) != 1:
         raise MissingResult(f"{benchmark}: {len(matches)} figures for {case!r}")
     return float(matches[0]["median"])

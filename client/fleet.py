@@ -112,6 +112,19 @@ class FleetSpec:
         members = tuple(MemberSpec(f"member-{i}", address) for i, address in enumerate(addresses))
         return cls(members=members, token=token, **options)
 
+    def client(
+        self,
+        member: MemberSpec,
+        *,
+        timeout: float,
+        credentials: grpc.ChannelCredentials | None,
+    ) -> ParticipantClient:
+        """A client of `member` with the fleet's token; `credentials` is `self.credentials()`,
+        read once by a caller that makes several (they come from files)."""
+        return ParticipantClient(
+            member.address, self.token, credentials=credentials, timeout=timeout
+        )
+
     def credentials(self) -> grpc.ChannelCredentials | None:
         """TLS channel credentials from the files (None: plaintext). Reads them now, so a
         missing file raises OSError here, before any member is called."""
@@ -296,9 +309,7 @@ class Fleet:
         allows it; the clients are closed then. Close the fleet when done (`async with`)."""
         credentials = spec.credentials()
         clients = {
-            m.name: ParticipantClient(
-                m.address, spec.token, credentials=credentials, timeout=try_timeout
-            )
+            m.name: spec.client(m, timeout=try_timeout, credentials=credentials)
             for m in spec.members
         }
         slots = asyncio.Semaphore(spec.fan_out)

@@ -149,11 +149,8 @@ class FleetWatch:
         try:
             while True:
                 if client is None:
-                    client = ParticipantClient(
-                        member.address,
-                        self.spec.token,
-                        credentials=credentials,
-                        timeout=max(1.0, self._probe_seconds),
+                    client = self.spec.client(
+                        member, timeout=max(1.0, self._probe_seconds), credentials=credentials
                     )
                 try:
                     info = await client.get_participant()

@@ -45,7 +45,6 @@ from rollout_checkpoint.client.checkpointing import verified_source
 from rollout_checkpoint.client.coordination import FleetError, awaiting_restore, fan_out
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.participant import ParticipantClient
 from rollout_checkpoint.client.publication import (
     NoPublishedCheckpoint,
     PublicationError,
@@ -212,9 +211,7 @@ async def undo_unfinished_recovery(
     undone: list[str] = []
 
     async def undo(member: MemberSpec) -> None:
-        async with ParticipantClient(
-            member.address, spec.token, credentials=credentials, timeout=5.0
-        ) as client:
+        async with spec.client(member, timeout=5.0, credentials=credentials) as client:
             try:
                 status = await client.get_status()
                 if status.state != RESTORED or not status.checkpoint_id.startswith(RECOVERY_PREFIX):

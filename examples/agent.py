@@ -72,6 +72,7 @@ from .relay import (
     json_reply,
     post_replayable,
     refusal_code,
+    reply_object,
 )
 
 VERIFY_HEADER = "x-ng-checkpoint-verify"
@@ -437,8 +438,5 @@ def tool_output(response: httpx.Response) -> Any:
     """What the model reads as a tool's result: the reply's `output`, else its whole text (a
     reply that is not a JSON object, a list or a bare string included: a tool may answer
     anything, and the agent must not fail the run with a traceback over its shape)."""
-    try:
-        body = response.json()
-    except (ValueError, RecursionError):
-        return response.text
-    return body.get("output", response.text) if isinstance(body, dict) else response.text
+    body = reply_object(response)
+    return response.text if body is None else body.get("output", response.text)

@@ -51,6 +51,7 @@ from .relay import (
     json_object,
     post_replayable,
     refusal_code,
+    reply_object,
 )
 
 
@@ -149,16 +150,11 @@ class EnvironmentServer:
         finished rollout. A reply that is neither (not a JSON object, or an error without
         its typed body) is the agent's failure (`CalleeFailed.answered`)."""
         attribution = self._attribution(task)
-        try:
-            body = reply.json()
-        except (ValueError, RecursionError):
-            body = None
+        body = reply_object(reply)
         typed_failure = (
-            reply.status_code >= 400
-            and isinstance(body, dict)
-            and isinstance(body.get("error"), dict)
+            reply.status_code >= 400 and body is not None and isinstance(body.get("error"), dict)
         )
-        if isinstance(body, dict) and (reply.status_code == 200 or typed_failure):
+        if body is not None and (reply.status_code == 200 or typed_failure):
             return JSONResponse({**attribution, **body}, status_code=reply.status_code)
         return failure_response(CalleeFailed.answered("the agent", reply), **attribution)
 

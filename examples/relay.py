@@ -117,15 +117,21 @@ def json_reply(what: str, response: httpx.Response) -> dict[str, Any]:
     """A callee's successful reply as a JSON object; `CalleeFailed` (the callee's status, or
     502 for a 2xx that is not a JSON object) otherwise, so a callee's failure or a garbled
     reply ends the run as a failure instead of a 500 with a traceback."""
-    if response.status_code != 200:
+    body = reply_object(response)
+    if response.status_code != 200 or body is None:
         raise CalleeFailed.answered(what, response)
+    return body
+
+
+def reply_object(response: httpx.Response) -> dict[str, Any] | None:
+    """A callee's reply body as a JSON object; None when it is anything else (not JSON,
+    nested deeper than the parser goes, a list, a bare value): a reply's shape is the
+    callee's to get wrong, never a 500 with a traceback here."""
     try:
         body = response.json()
     except (ValueError, RecursionError):
-        body = None
-    if not isinstance(body, dict):
-        raise CalleeFailed.answered(what, response)
-    return body
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def refusal_code(response: httpx.Response) -> str | None:
@@ -136,11 +142,8 @@ def refusal_code(response: httpx.Response) -> str | None:
 
 def error_code(response: httpx.Response) -> str | None:
     """The `error.code` of a typed error reply `{"error": {"code", "detail"}}`, else None."""
-    try:
-        body = response.json()
-    except (ValueError, RecursionError):
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
+    body = reply_object(response)
+    error = body.get("error") if body is not None else None
     code = error.get("code") if isinstance(error, dict) else None
     return str(code) if code else None
 

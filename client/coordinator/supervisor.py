@@ -330,12 +330,7 @@ class Supervisor:
                 return None
 
     def _client(self, member: MemberSpec) -> ParticipantClient:
-        return ParticipantClient(
-            member.address,
-            self.spec.token,
-            credentials=self.spec.credentials(),
-            timeout=CHECK_SECONDS,
-        )
+        return self.spec.client(member, timeout=CHECK_SECONDS, credentials=self.spec.credentials())
 
     async def _end_cut_checkpoint(self, member: MemberSpec, checkpoint_id: str) -> None:
         """Resume a member still inside a checkpoint that nothing will finish: published or

@@ -26,7 +26,6 @@ from rollout_checkpoint.client.participant import (
     LIVENESS_HEALTH,
     READINESS_HEALTH,
     SERVER_HEALTH,
-    ParticipantClient,
 )
 from rollout_checkpoint.client.verbs.errors import control_error
 from rollout_checkpoint.client.verbs.names import state_name
@@ -67,8 +66,8 @@ async def _member_row(spec: FleetSpec, member: MemberSpec) -> dict[str, Any]:
     """One member's status row; a member that cannot be asked is a row saying why."""
     row: dict[str, Any] = {"name": member.name, "address": member.address}
     credentials = spec.credentials()
-    async with ParticipantClient(
-        member.address, spec.token, credentials=credentials, timeout=HEALTH_TIMEOUT_SECONDS
+    async with spec.client(
+        member, timeout=HEALTH_TIMEOUT_SECONDS, credentials=credentials
     ) as client:
         try:
             described, status = await asyncio.gather(client.get_participant(), client.get_status())

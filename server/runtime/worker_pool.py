@@ -125,6 +125,13 @@ def owned_session_id(index: int, workers: int) -> str:
             return session_id
 
 
+def bridged(record: RestoredRecord) -> dict[str, Any]:
+    """A restored record as the bridge carries it to a worker (a claim, an install, a
+    validation): the checkpointed episode and the kind's fields, as a one-process server's
+    install receives them."""
+    return {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
+
+
 def record_identity_by_session(episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
     """A resources server's record identity (one record per session)."""
     session_id = record.get("session_id")
@@ -248,7 +255,7 @@ class WorkerPool(Participant):
             )
         record = self._held.pop(key)
         self.context.changed()
-        return {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
+        return bridged(record)
 
     def _sealed(self) -> bool:
         return bool(self.context.start_closed_pending)
@@ -379,9 +386,7 @@ class WorkerPool(Participant):
             # A record without a session id is the worker's participant's to refuse: any
             # worker will do, as long as it is one.
             owner = session_owner(session_id) if isinstance(session_id, str) else 0
-            by_worker.setdefault(owner % self.configured, []).append(
-                {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
-            )
+            by_worker.setdefault(owner % self.configured, []).append(bridged(record))
         marks = self.context.retired.snapshot()
         installed: list[Worker] = []
 
@@ -412,10 +417,7 @@ class WorkerPool(Participant):
                 "restore needs a process that has not run episodes",
                 code="FAILED_PRECONDITION",
             )
-        items = [
-            {"checkpointed": record.checkpointed.capture_key, "fields": dict(record.fields)}
-            for record in records
-        ]
+        items = [bridged(record) for record in records]
         worker = self.workers[min(self.workers)]
         await worker.link.call("validate", {"records": items})
         for record in records:
