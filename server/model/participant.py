@@ -11,9 +11,9 @@ The policy model prepares before the agents, and it never waits for generation:
   boundary before the call, which a restored agent simply re-issues — so the only blockers
   are responses already streaming.
 * The record of an episode is its ledger of *delivered* calls (request digest and response):
-  a held or undelivered call is not part of the cut. A commit needs an explicit scope: the
-  model cannot tell a finished episode from one between two calls, so it cannot say which
-  ledgers an unscoped commit ("every live episode") means.
+  a held or undelivered call is not part of the cut (ledger.py). A commit needs an explicit
+  scope: the model cannot tell a finished episode from one between two calls, so it cannot
+  say which ledgers an unscoped commit ("every live episode") means.
 * For the same reason ListEpisodes lists only the episodes live *here*: a call in flight or
   held, or a restored ledger no call claimed yet. An episode between calls is listed by its
   agent, so a derived scope still names it and its ledger is exported.
@@ -40,11 +40,12 @@ The policy model prepares before the agents, and it never waits for generation:
   last such call ends, so a late delivery cannot re-create it. An owner that never sends the
   signal (a third-party agent) loses nothing: its ledgers go at the next commit as before.
 * Retire cancels the attempt's calls in flight and drops its ledger.
-* **Generation cuts** (generation_cuts.py): with a backend, a Prepare's close stages the prefix
-  generated so far of every undelivered call (one round, at most half the Prepare time left,
-  a `STAGING_GENERATION_CUTS` blocker meanwhile; a failure only costs regeneration), and the
-  record becomes `{"calls": [...], "generation_cut": {...}}` (at most one cut per episode; a
-  record without one is read as before). The restored re-issued call whose conversation digest
+* **Generation cuts** (generation_cuts.py; the staging round: cut_staging.py): with a
+  backend, a Prepare's close stages the prefix generated so far of every undelivered call
+  (one round, at most half the Prepare time left, a `STAGING_GENERATION_CUTS` blocker
+  meanwhile; a failure only costs regeneration), and the record becomes
+  `{"calls": [...], "generation_cut": {...}}` (at most one cut per episode; a record without
+  one is read as before). The restored re-issued call whose conversation digest
   matches gets the prefix attached (`PREFIX_KEY` on its scope) and the backend continues it.
   A resume without a crash drops the staged cuts: the calls go on and deliver.
 
@@ -57,9 +58,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -67,14 +66,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
+from rollout_checkpoint.server.model.cut_staging import CutStaging
 from rollout_checkpoint.server.model.generation_cuts import (
     CALL_KEY,
     PREFIX_KEY,
     GenerationBackend,
     GenerationCut,
-    GenerationPrefix,
     conversation_digest,
 )
+from rollout_checkpoint.server.model.ledger import Ledger, ModelCall, restored_ledger
 from rollout_checkpoint.server.runtime.participant import (
     AWAITING_RESTORE,
     AWAITING_RESTORE_DETAIL,
@@ -91,70 +91,11 @@ from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.request_endings import cancel_request
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
-log = logging.getLogger(__name__)
-
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 EPISODE_FINISHED_PATH = "/ng-checkpoint/episode-finished"
 """`POST` under a rollout prefix: the episode's owner delivered its final reply, so the model
 drops the episode's ledger (the module docstring says why that is safe). Answered 204 by the
 middleware, whatever the phase; never reaches the app (nor a proxied upstream)."""
-
-
-@dataclass(eq=False)
-class ModelCall:
-    """One generation call admitted by the middleware: its episode (None without a rollout
-    prefix: never recorded), the SHA-256 of its request body, the task serving it (a retire
-    cancels it), and whether its response is streaming (a blocker) or held until resume."""
-
-    episode: EpisodeId | None
-    request_sha256: str
-    task: asyncio.Task[Any] | None
-    streaming: bool = False
-    held: bool = False
-    retired: bool = False
-    """Cancelled by a retire: answered 409 `stale_attempt` (request_endings.py), not a 500."""
-    body: bytes = b""
-    """The request body: its conversation digest is computed only if the call is cut."""
-    sequence: int = 0
-    """Admission order: of several undelivered calls of one episode, the last one is cut."""
-    staged: GenerationCut | None = None
-    """The prefix its backend staged at this checkpoint's close (dropped at resume)."""
-    prefix: GenerationPrefix | None = None
-    """The restored cut attached to this (re-issued) call: the backend continues it."""
-
-
-@dataclass
-class Ledger:
-    """The delivered calls of one episode, in order: `{"request_sha256", "response"}` each.
-    This is the model's record of the episode; a held or undelivered call is never in it.
-    `cut` is a restored generation cut not yet claimed by the re-issued call.
-
-    Each row is kept as its compact JSON (`rows`), decoded only by `calls` (an export): a
-    parsed response is some thirty small objects, its JSON one. Measured with 10,050 ledgers
-    of four tool-call replies held (what an agent that never reports its episodes finished
-    leaves until the next commit): 25 MB of heap instead of 147 MB. glibc keeps most of those
-    25 MB mapped after the release, for reuse by later ledgers."""
-
-    rows: list[bytes] = field(default_factory=list)
-    cut: GenerationCut | None = None
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:
-        """The rows decoded (a fresh copy: the caller may keep or change it)."""
-        return [json.loads(row) for row in self.rows]
-
-    def append(self, call: Mapping[str, Any]) -> None:
-        """Add a delivered call (`{"request_sha256", "response"}`) as its compact JSON."""
-        self.rows.append(_compact(call))
-
-    @classmethod
-    def of(cls, calls: Sequence[Mapping[str, Any]], cut: GenerationCut | None = None) -> Ledger:
-        """A ledger of stored rows (a restored record's `calls`) and its restored cut."""
-        return cls([_compact(c) for c in calls], cut)
-
-
-def _compact(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()  # ASCII: a lone surrogate too
 
 
 class ModelParticipant(Participant):
@@ -176,8 +117,7 @@ class ModelParticipant(Participant):
         self.backend = backend
         """The inference backend that stages generation cuts (None: no cuts; a cut call is
         generated again from scratch after a restore)."""
-        self._staging: asyncio.Task[None] | None = None
-        self._staging_calls: list[ModelCall] = []
+        self._staging = CutStaging(lambda: self.context.changed())
         self._admitted = 0
         self.calls: set[ModelCall] = set()
         self.ledgers: dict[EpisodeId, Ledger] = {}
@@ -302,11 +242,11 @@ class ModelParticipant(Participant):
     def close_admission(self) -> None:
         self._open = False
         self._opened = asyncio.Event()
-        self._start_staging()
+        self._staging.start(self.backend, self.calls, self.context)
         self.context.changed()
 
     def open_admission(self) -> None:
-        self._stop_staging()
+        self._staging.stop()
         for call in self.calls:
             call.staged = None  # the call goes on and delivers: nothing to continue
         self._open = True
@@ -315,70 +255,8 @@ class ModelParticipant(Participant):
 
     def shutting_down_now(self) -> None:
         self._shutting_down = True
-        self._stop_staging()
+        self._staging.stop()
         self._opened.set()  # held responses wake up and are answered 503
-
-    # -- generation cuts (generation_cuts.py) ---------------------------------------------
-
-    def _start_staging(self) -> None:
-        """At a Prepare's close: one staging round for the undelivered calls, at most one per
-        episode (the last admitted), bounded by half the Prepare time left. Not at a close for
-        a Restore or a `start_closed` start: nothing of this process will be checkpointed.
-        Nor under a context that cannot tell the Prepare's time (`ControlPlane` can; a worker's
-        bridge cannot): a round without a bound could make the Prepare miss its deadline."""
-        seconds_left = getattr(self.context, "prepare_seconds_left", None)
-        left = seconds_left() if callable(seconds_left) else None
-        if self.backend is None or left is None or self._staging is not None:
-            return
-        latest: dict[EpisodeId, ModelCall] = {}
-        for call in self.calls:
-            episode = call.episode
-            if episode is None or call.streaming or call.retired:
-                continue  # a streaming response blocks instead: it is delivered, never cut
-            if episode not in latest or call.sequence > latest[episode].sequence:
-                latest[episode] = call
-        if not latest:
-            return
-        self._staging_calls = sorted(latest.values(), key=lambda c: c.sequence)
-        self._staging = asyncio.ensure_future(self._stage(self._staging_calls, left / 2))
-
-    async def _stage(self, calls: list[ModelCall], budget: float) -> None:
-        """Ask the backend once; whatever it cannot stage in time is generated again after a
-        restore. A failure is logged, never raised: a cut is an optimisation, not state."""
-        assert self.backend is not None
-        try:
-            async with asyncio.timeout(budget):
-                staged = await self.backend.stage(calls)
-            for call in calls:
-                prefix = staged.get(call)
-                if prefix is None or prefix.tokens < 1 or not prefix.text:
-                    continue
-                digest = conversation_digest(call.body)
-                if digest is not None:
-                    call.staged = GenerationCut(digest, prefix)
-        except TimeoutError:
-            log.warning(
-                "generation cuts: the backend did not stage %d call(s) within %.3f s "
-                "(half the prepare time left); they will be generated again after a restore",
-                len(calls),
-                budget,
-            )
-        except Exception:
-            log.warning(
-                "generation cuts: staging failed; the calls will be generated again after a "
-                "restore",
-                exc_info=True,
-            )
-        finally:
-            if self._staging is asyncio.current_task():
-                self._staging = None
-                self._staging_calls = []
-            self.context.changed()
-
-    def _stop_staging(self) -> None:
-        staging, self._staging, self._staging_calls = self._staging, None, []
-        if staging is not None:
-            staging.cancel()
 
     def cut_of(self, episode: EpisodeId) -> GenerationCut | None:
         """The episode's cut for a checkpoint: staged at this close for its undelivered call,
@@ -390,7 +268,7 @@ class ModelParticipant(Participant):
         return restored.cut if restored is not None else None
 
     def ready(self) -> bool:
-        return self._staging is None and not any(c.streaming for c in self.calls)
+        return not self._staging.running and not any(c.streaming for c in self.calls)
 
     def report(self) -> ReadinessReport:
         blockers = [
@@ -402,14 +280,14 @@ class ModelParticipant(Participant):
             for c in self.calls
             if c.streaming
         ]
-        if self._staging is not None:
+        if self._staging.running:
             blockers.extend(
                 Blocker(
                     c.episode.capture_key if c.episode else "",
                     BlockerReason.STAGING_GENERATION_CUTS,
                     "the backend is staging the prefix generated so far",
                 )
-                for c in self._staging_calls
+                for c in self._staging.calls
             )
         held = sum(1 for c in self.calls if c.held)
         cut = sum(1 for c in self.calls if c.staged is not None)
@@ -442,33 +320,7 @@ class ModelParticipant(Participant):
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         if self.has_served():
             raise rejected_checkpoint("restore needs a model process that has not served calls")
-        restored: dict[EpisodeId, Ledger] = {}
-        for record in records:
-            calls = record.fields.get("calls")
-            if (
-                not {"calls"} <= set(record.fields) <= {"calls", "generation_cut"}
-                or not isinstance(calls, list)
-                or not all(isinstance(c, dict) for c in calls)
-            ):
-                raise rejected_checkpoint(
-                    "a model record holds a list of calls and at most one generation cut",
-                    capture_key=record.checkpointed.capture_key,
-                )
-            cut = None
-            if "generation_cut" in record.fields:
-                try:
-                    cut = GenerationCut.from_json(record.fields["generation_cut"])
-                except ValueError as exc:
-                    raise rejected_checkpoint(
-                        str(exc), capture_key=record.checkpointed.capture_key
-                    ) from None
-            try:
-                restored[record.restored_as] = Ledger.of(calls, cut)
-            except (TypeError, ValueError) as exc:  # not JSON (NaN is refused at commit too)
-                raise rejected_checkpoint(
-                    f"a model record's calls are not JSON: {exc}",
-                    capture_key=record.checkpointed.capture_key,
-                ) from None
+        restored = {record.restored_as: restored_ledger(record) for record in records}
         self.restored = restored
         self._installed = set(restored)
         self.context.changed()

@@ -15,13 +15,17 @@ The rules below each prevent a specific loss; each lives with the concept it bel
 * A Commit exports once per checkpoint id. A retry after a failed or slow write stores the
   same records again; re-exporting would store state from after the cut.
 * The write cannot be cancelled (a thread), but a Resume sets its stop flag so a checkpoint
-  the controller abandoned never publishes a manifest afterwards.
+  the controller abandoned never publishes a manifest afterwards; what must end before the
+  reopen is waited for outside the lock (`resumption`).
 * The lease turns a dead controller into a Resume: the fleet never stays closed forever
   (`lease`).
 * A deadline ends a call's wait, never the work (`waiting`): a retry awaits the same work.
 * A rejoining Restore makes a survivor of a crashed fleet fresh again by retiring all it
   holds through the same steps as Retire (`retirement`), so a fleet one of whose members
-  was replaced can be restored whole (`restore_job`).
+  was replaced can be restored whole (`restore_job`, `restore_steps`).
+* Arguments are checked before the lock is taken (`call_checks`); reads never take it
+  (`control_views`); a data-plane change wakes fewer listeners than a state change
+  (`changes`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rollout_checkpoint.server.core.checkpoint_storage import (
@@ -39,30 +42,25 @@ from rollout_checkpoint.server.core.checkpoint_storage import (
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
-from rollout_checkpoint.server.core.errors import (
-    CheckpointError,
-    deadline_exceeded,
-    invalid_request,
-)
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime import resumption
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+from rollout_checkpoint.server.runtime.call_checks import check_checkpoint_id, check_deadline
+from rollout_checkpoint.server.runtime.changes import ChangeSignals
 from rollout_checkpoint.server.runtime.commit_job import CommitResult
+from rollout_checkpoint.server.runtime.control_views import ControlViews, StatusSnapshot
 from rollout_checkpoint.server.runtime.duties import Duties
 from rollout_checkpoint.server.runtime.lease import Lease, open_after_start_closed
 from rollout_checkpoint.server.runtime.observe import ControlObserver
-from rollout_checkpoint.server.runtime.paging import page_of
 from rollout_checkpoint.server.runtime.part_writes import PartWrite, PartWrites
-from rollout_checkpoint.server.runtime.participant import (
-    EpisodeInfo,
-    Participant,
-    ReadinessReport,
-)
+from rollout_checkpoint.server.runtime.participant import Participant
 from rollout_checkpoint.server.runtime.prepare_stream import (
     PrepareUpdate,
     UpdateKind,
     prepare_updates,
 )
 from rollout_checkpoint.server.runtime.restore_job import RestoreResult
+from rollout_checkpoint.server.runtime.restore_steps import RestoreSteps
 from rollout_checkpoint.server.runtime.retirement import Retirement
 from rollout_checkpoint.server.runtime.state_machine import (
     ControlSettings,
@@ -83,26 +81,15 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class StatusSnapshot:
-    state: State
-    checkpoint_id: str
-    lease_expires_at: float | None
-    admission_open: bool
-    report: ReadinessReport
-    retired_rollouts: int
-    restored_pending: int
-    facts: dict[str, str]
-    counters: dict[str, int]
-
-
-class ControlPlane:
+class ControlPlane(ControlViews, ChangeSignals):
     """The checkpoint control of one participant process: the calls the sidecar makes.
 
     Every call checks its arguments, makes its transition under the state machine's lock and
     waits for its job outside it, until its own deadline. Each raises `CheckpointError` (its
     reason says what the controller may do: retry, resume, restore elsewhere) and never
     anything else on a refusal; the job a call started goes on after the call's deadline.
+    The read-only views come from `control_views.ControlViews`, the change event and the
+    listeners from `changes.ChangeSignals`.
     """
 
     def __init__(
@@ -116,6 +103,7 @@ class ControlPlane:
     ) -> None:
         if not is_valid_id(participant.instance) or participant.instance in (".", ".."):
             raise ValueError(f"participant instance {participant.instance!r} is not a valid name")
+        super().__init__()
         self.participant = participant
         self.settings = settings or ControlSettings()
         self.storage: CheckpointStorage = storage or PartStorage()
@@ -128,9 +116,6 @@ class ControlPlane:
             # An asynchronous commit counts (records, bytes) once its part is durable.
             lambda part: self.observer.committed(part.manifest.record_count, part.manifest.bytes),
         )
-        self._changed: asyncio.Event | None = None
-        self._listeners: list[Callable[[], None]] = []
-        self._state_listeners: list[Callable[[], None]] = []
         self._duties = Duties()
         lease = Lease(
             self,
@@ -146,9 +131,10 @@ class ControlPlane:
             observer=self.observer,
             retired_attempts=self.retired_attempts,
             lease=lease,
-            changed=self._state_changed,
+            changed=self.state_changed,
         )
         self._retirement = Retirement(self._machine)
+        self._restores = RestoreSteps(self._machine, self.storage, self._retirement)
         participant.attach(self)
         self.observer.attach(self)
 
@@ -157,29 +143,6 @@ class ControlPlane:
     @property
     def retired(self) -> RetiredAttempts:
         return self.retired_attempts
-
-    def changed(self) -> None:
-        """Wake every waiter: readiness, state or admission may have changed.
-
-        Called twice per data-plane request (its start and its end), so the event is made
-        only when someone waits for it (`change_event`), not once per call, and the state
-        listeners are not told (`_state_changed`)."""
-        event, self._changed = self._changed, None
-        if event is not None:
-            event.set()
-        if self._listeners:
-            for listener in list(self._listeners):
-                listener()
-
-    def _state_changed(self) -> None:
-        """The control state (state, admission, a seal, shutdown) may have changed: wake
-        everyone `changed` wakes, and the state listeners too. The state machine calls this
-        after each of its transitions. A participant's own `changed()` (two per data-plane
-        request) never alters the control state, so the health's readiness check, run for
-        each of them, only cost a running sidecar about 1.5 µs per request."""
-        self.changed()
-        for listener in list(self._state_listeners):
-            listener()
 
     def prepare_seconds_left(self) -> float | None:
         """Seconds until the deadline of the Prepare that closed admission (None outside a
@@ -192,25 +155,7 @@ class ControlPlane:
             return None
         return max(0.0, machine.prepare_deadline - self.clock.now())
 
-    def change_event(self) -> asyncio.Event:
-        """The event the next `changed()` sets."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
     # -- lifecycle ----------------------------------------------------------------------
-
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener` after every change (`changed`), a data-plane request's included."""
-        self._listeners.append(listener)
-
-    def remove_listener(self, listener: Callable[[], None]) -> None:
-        self._listeners.remove(listener)
-
-    def add_state_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener` after every change of the control state only (`_state_changed`):
-        state, admission, a seal, shutdown; never for a data-plane request."""
-        self._state_listeners.append(listener)
 
     def add_fatal_listener(self, listener: Callable[[BaseException], None]) -> None:
         """Called when a background duty (the lease watcher, a timer) dies unexpectedly.
@@ -244,7 +189,7 @@ class ControlPlane:
         """Refuse changes from now on (SHUTTING_DOWN); reads keep working."""
         self._machine.shutting_down = True
         self.participant.shutting_down_now()
-        self._state_changed()
+        self.state_changed()
 
     async def close(self) -> None:
         """Stop background duties (lease watcher, timers). Synchronous writes already running
@@ -252,68 +197,6 @@ class ControlPlane:
         never published, so no fleet manifest can name it)."""
         self.part_writes.stop()
         await self._duties.stop()
-
-    # -- read-only views ----------------------------------------------------------------
-
-    @property
-    def state(self) -> State:
-        return self._machine.state
-
-    @property
-    def active_checkpoint_id(self) -> str | None:
-        return self._machine.active_id
-
-    @property
-    def admission_open(self) -> bool:
-        return self._machine.admission_open
-
-    @property
-    def shutting_down(self) -> bool:
-        return self._machine.shutting_down
-
-    @property
-    def start_closed_pending(self) -> bool:
-        """The data plane is sealed: a `start_closed` process before its restore or resume,
-        or one whose rejoining restore is under way (`ParticipantContext`)."""
-        return self._machine.awaiting_restore
-
-    @property
-    def lease_expires_at(self) -> float | None:
-        return self._machine.lease.expires_at
-
-    def readiness_serving(self) -> bool:
-        """The `participant-readiness` health answer: should new HTTP traffic come here?
-
-        Not before a `start_closed` process is resumed, not while RESTORED (the restored
-        state is not live until Resume), and not for a pause longer than the threshold;
-        a short checkpoint pause keeps the pod in its Service so clients see no churn.
-        """
-        return self._machine.readiness_serving()
-
-    def readiness_changes_at(self) -> float | None:
-        """When `readiness_serving` flips without any event (a pause crossing the threshold)."""
-        return self._machine.readiness_changes_at()
-
-    async def status(self) -> StatusSnapshot:
-        """What GetStatus reports, read after the participant refreshed it (`refresh`: a
-        pool of workers reads their current state, not a copy up to 0.25 s old)."""
-        await self.participant.refresh()
-        machine = self._machine
-        return StatusSnapshot(
-            state=machine.state,
-            checkpoint_id=machine.active_id or "",
-            lease_expires_at=machine.lease.expires_at,
-            admission_open=machine.admission_open,
-            report=self.participant.report(),
-            retired_rollouts=len(self.retired_attempts),
-            restored_pending=len(self.participant.restored_pending()),
-            facts=dict(self.participant.facts()),
-            counters=dict(self.participant.counters()),
-        )
-
-    async def list_episodes(self, page_size: int, page_token: str) -> tuple[list[EpisodeInfo], str]:
-        await self.participant.refresh()  # as `status`
-        return page_of(self.participant.episodes(), page_size, page_token)
 
     # -- Prepare, Renew -----------------------------------------------------------------
 
@@ -391,7 +274,7 @@ class ControlPlane:
 
         Read-only and not fenced: the id is normally resumed by then (the fleet runs on while
         the part is written)."""
-        self._check_id(checkpoint_id)
+        check_checkpoint_id(checkpoint_id)
         if deadline is not None:
             self._check_deadline(deadline, allow_past=True)
         write = self.part_writes.get(checkpoint_id)
@@ -419,9 +302,7 @@ class ControlPlane:
         real_dir = await self._validated_dir(checkpoint_dir, deadline)
         machine = self._machine
         async with machine.lock:
-            joined = machine.join_restore(
-                checkpoint_id, deadline, (real_dir, scope, rejoin), self.storage, self._retirement
-            )
+            joined = self._restores.join(checkpoint_id, deadline, (real_dir, scope, rejoin))
         if isinstance(joined, RestoreResult):
             return joined
         return await await_until(
@@ -453,56 +334,20 @@ class ControlPlane:
     # -- Resume -------------------------------------------------------------------------
 
     async def resume(self, checkpoint_id: str, deadline: float) -> bool:
-        """Reopen admission; returns whether the call was idempotent (nothing to end)."""
-        self._check_id(checkpoint_id)
+        """Reopen admission; returns whether the call was idempotent (nothing to end). It
+        waits outside the lock for what must end first (`resumption`)."""
+        check_checkpoint_id(checkpoint_id)
         self._check_deadline(deadline, allow_past=True)
-        return await self._resume(checkpoint_id, deadline)
+        return await resumption.resume(self._machine, checkpoint_id, deadline)
 
     async def resume_on_expiry(
         self, checkpoint_id: str, deadline: float, lease_expiry: float
     ) -> bool:
         """The lease watcher's Resume: nothing happens unless `lease_expiry` is still the
         current lease of `checkpoint_id`."""
-        return await self._resume(checkpoint_id, deadline, lease_expiry=lease_expiry)
-
-    async def _resume(
-        self, checkpoint_id: str, deadline: float, *, lease_expiry: float | None = None
-    ) -> bool:
-        """Resume, waiting outside the lock for whatever must end first.
-
-        No lock is held while waiting on storage or hooks: a write stuck in a frozen
-        filesystem must not keep every other RPC (and the lease watcher) from answering.
-        A write that has not begun publishing is fenced off at once and never waited for;
-        one whose manifest link is under way (it cannot be withdrawn) and a cancelled export
-        are waited for until the deadline, and admission reopens then regardless. A restore
-        still reading is abandoned (a rejoin's still discarding too: its retires go on to
-        their end, as a Retire's do); one installing, and a commit's cleanup, are waited for
-        (past the deadline the Resume is refused and nothing changed: retry it).
-        """
-        machine = self._machine
-        try:
-            while True:
-                async with machine.lock:
-                    if lease_expiry is not None and (
-                        machine.active_id != checkpoint_id
-                        or machine.lease.expires_at != lease_expiry
-                    ):
-                        return True
-                    step = machine.resume_step(checkpoint_id)
-                if isinstance(step, bool):
-                    return step
-                awaited, required = step
-                try:
-                    await await_until(self.clock, deadline, awaited, required or "", swallow=True)
-                except CheckpointError:
-                    if required is not None:
-                        raise
-                if required is None:
-                    break
-            async with machine.lock:
-                return machine.finish_resume(checkpoint_id)
-        finally:
-            machine.resuming.discard(checkpoint_id)
+        return await resumption.resume(
+            self._machine, checkpoint_id, deadline, lease_expiry=lease_expiry
+        )
 
     # -- Retire and Forget (`retirement`) -------------------------------------------------
 
@@ -521,19 +366,10 @@ class ControlPlane:
     # -- internals ----------------------------------------------------------------------
 
     def _check_call(self, checkpoint_id: str, deadline: float) -> None:
-        self._check_id(checkpoint_id)
+        check_checkpoint_id(checkpoint_id)
         self._check_deadline(deadline)
 
-    @staticmethod
-    def _check_id(checkpoint_id: str) -> None:
-        if not is_valid_id(checkpoint_id):
-            raise invalid_request(
-                "checkpoint_id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$"
-            )
-
     def _check_deadline(self, deadline: float, *, allow_past: bool = False) -> None:
-        now, most = self.clock.now(), self.settings.max_deadline_seconds
-        if deadline - now > most:
-            raise invalid_request("deadline", f"lies more than {most:g} s ahead")
-        if not allow_past and deadline <= now:
-            raise deadline_exceeded("the deadline has already passed", deadline)
+        check_deadline(
+            self.clock, self.settings.max_deadline_seconds, deadline, allow_past=allow_past
+        )

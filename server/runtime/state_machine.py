@@ -22,10 +22,9 @@ The rules each prevent a loss:
   before its restore or resume, during a rejoining restore, while RESTORED, and for a pause
   longer than the threshold; a short checkpoint pause keeps the pod in its Service so
   clients see no churn.
-* A rejoining restore seals the data plane from its join until it fails or is resumed, as a
-  `start_closed` process is sealed: closed admission still lets replay-safe work through
-  (a seed), and what that tracked after the discard would be served state beside the
-  restored one.
+* A rejoining restore seals the data plane from its join until it fails or is resumed
+  (`rejoin_sealed`); the Restore's own transitions, and why each is ordered as it is, live
+  in `restore_steps`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import asyncio
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,11 +42,8 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
     Reason,
-    deadline_exceeded,
     invalid_phase,
 )
-from rollout_checkpoint.server.core.layout import StoredManifest
-from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.commit_job import (
     CommitHost,
@@ -57,9 +53,9 @@ from rollout_checkpoint.server.runtime.commit_job import (
 )
 from rollout_checkpoint.server.runtime.lease import Lease
 from rollout_checkpoint.server.runtime.observe import ControlObserver
-from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
+from rollout_checkpoint.server.runtime.participant import Participant
 from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
-from rollout_checkpoint.server.runtime.restore_job import Discard, RestoreJob, RestoreResult
+from rollout_checkpoint.server.runtime.restore_job import RestoreJob
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +196,7 @@ class StateMachine:
             )
         return recorded.result
 
-    def _replay_or_fence(
+    def replay_or_fence(
         self, checkpoint_id: str, operation: str, args: object, allowed: set[State]
     ) -> object | None:
         """A job's start: refused while shutting down; then its recorded result, consulted
@@ -299,7 +295,7 @@ class StateMachine:
     ) -> CommitResult | asyncio.Task[CommitResult]:
         """A Commit's start: its recorded result (a retry), or the task of the job it joins
         (started if need be; see `commit_job.commit_job_for`). Renews the lease."""
-        recorded = self._replay_or_fence(checkpoint_id, "Commit", args, {State.PREPARED})
+        recorded = self.replay_or_fence(checkpoint_id, "Commit", args, {State.PREPARED})
         if recorded is not None:
             assert isinstance(recorded, CommitResult)
             return recorded
@@ -330,123 +326,10 @@ class StateMachine:
         self.changed()
         return result
 
-    # -- Restore (the transitions of `restore_job.RestoreTransitions`) --------------------
-
-    def join_restore(
-        self,
-        checkpoint_id: str,
-        deadline: float,
-        args: tuple[str, frozenset[EpisodeId], bool],
-        storage: CheckpointStorage,
-        discard: Discard,
-    ) -> RestoreResult | asyncio.Task[RestoreResult]:
-        """A Restore's start: its recorded result (a retry), or the task of the restore of
-        the same arguments (its deadline extended), or a new one — only in a process that
-        has served nothing (FRESH_PROCESS_REQUIRED), unless it rejoins (`args`' last item):
-        then admission closes and the data plane is sealed here, under the lock, so nothing
-        new starts between the discard and the install."""
-        recorded = self._replay_or_fence(checkpoint_id, "Restore", args, {State.IDLE})
-        if recorded is not None:
-            assert isinstance(recorded, RestoreResult)
-            return recorded
-        job = self.restore_job
-        if job is not None:
-            if job.checkpoint_id != checkpoint_id or job.args != args:
-                raise conflict(checkpoint_id, job.checkpoint_id, "another restore is under way")
-            job.deadline = max(job.deadline, deadline)
-            assert job.task is not None
-            return job.task
-        real_dir, scope, rejoin = args
-        if not rejoin and self.participant.has_served():
-            raise CheckpointError(
-                Reason.FRESH_PROCESS_REQUIRED,
-                "this process has already served sessions or episodes; restore into a fresh "
-                "one, or restore this one with rejoin",
-            )
-        job = RestoreJob(checkpoint_id, real_dir, scope, deadline, rejoin=rejoin)
-        if rejoin:
-            try:
-                self.close_admission()
-            except Exception as exc:
-                # Nothing changed (admission is still recorded open): refuse the restore.
-                raise hook_failed("close_admission", exc) from exc
-            self.rejoin_sealed = True
-            self.changed()
-        self.restore_job = job
-        return job.start(self, storage, discard)
-
-    def _check_restore_alive(self, job: RestoreJob, step: str) -> None:
-        if job.checkpoint_id in self.resumed:
-            raise stale(job.checkpoint_id)
-        if self.clock.now() > job.deadline:
-            raise deadline_exceeded(f"the restore's {step} outlived its deadline", job.deadline)
-
-    def begin_discard(self, job: RestoreJob) -> tuple[list[EpisodeId], list[EpisodeId]]:
-        self._check_restore_alive(job, "discard")
-        pending = set(self.participant.restored_pending())
-        held = {info.episode_id for info in self.participant.episodes()} - pending
-        return sorted(held), sorted(pending)
-
-    def finish_discard(self, job: RestoreJob) -> None:
-        self._check_restore_alive(job, "discard")
-        try:
-            self.participant.forget_served()
-        except Exception as exc:
-            raise hook_failed("forget_served", exc) from exc
-        if self.participant.has_served():
-            # Installing beside what still runs here would mix its state with the
-            # checkpoint's: exactly what FRESH_PROCESS_REQUIRED exists to prevent.
-            raise CheckpointError(
-                Reason.FRESH_PROCESS_REQUIRED,
-                "this process still serves sessions or episodes after discarding every one "
-                "it listed (its kind cannot forget having served, or something it did not "
-                "list was running); retry the restore, or restore into a fresh process",
-            )
-        job.phase = "read"
-        self.changed()
-
-    def begin_install(self, job: RestoreJob) -> None:
-        self._check_restore_alive(job, "read")
-        job.phase = "install"
-        self.close_admission()
-        self.changed()
-
-    def finish_restore(
-        self, job: RestoreJob, manifest: StoredManifest, records: Sequence[RestoredRecord]
-    ) -> RestoreResult:
-        self._check_restore_alive(job, "install")
-        # A late request of the crashed attempt must never change the restored state.
-        for record in records:
-            self.retired_attempts.mark(record.checkpointed)
-        result = RestoreResult(
-            source_checkpoint_id=manifest.checkpoint_id,
-            restored=tuple(sorted({r.restored_as.capture_key for r in records})),
-        )
-        self.state = State.RESTORED
-        self.active_id = job.checkpoint_id
-        self.lease.renew(job.deadline)
-        self.results[(job.checkpoint_id, "restore")] = Recorded(job.args, result)
-        self.observer.restored(len(records), manifest.bytes)
-        job.phase = "done"
-        self.changed()
-        return result
-
-    def reopen_after_failed_restore(self, job: RestoreJob) -> None:
-        if job.rejoin and self.state is State.IDLE:
-            self.rejoin_sealed = False
-            self.changed()
-        if self.state is State.IDLE and not self.awaiting_restore:
-            self.open_admission()
-            self.changed()
-
-    def restore_ended(self, job: RestoreJob) -> None:
-        if self.restore_job is job:
-            self.restore_job = None
-
     # -- Resume, Retire -------------------------------------------------------------------
 
     def resume_step(self, checkpoint_id: str) -> ResumeStep:
-        """One look at what a Resume of this id must do (see `ControlPlane.resume`)."""
+        """One look at what a Resume of this id must do (`resumption` says why each wait)."""
         if checkpoint_id in self.resumed:
             return True
         restore = self.restore_job
