@@ -53,6 +53,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 
 from rollout_checkpoint.client import coordination
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
@@ -95,6 +96,7 @@ class GaveUp(Exception):
     lost more often than `max_recoveries` allows. The message says which and why."""
 
 
+@dataclass(eq=False)
 class InPlaceRecovery:
     """Watches the fleet of one collection and recovers it in place (see the module doc).
 
@@ -102,36 +104,24 @@ class InPlaceRecovery:
     dispatch gate then); `lost` stays true until `recover` brought the fleet back. `start`
     once the fleet is set up, `close` at the end."""
 
-    def __init__(
-        self,
-        spec: FleetSpec,
-        root: PublicationRoot,
-        book: RolloutBook,
-        view: CollectView,
-        control: ControlCalls,
-        *,
-        run_id: str,
-        max_recoveries: int,
-        timeout: float,
-        on_loss: Callable[[], None],
-    ) -> None:
-        self.spec = spec
-        self.root = root
-        self.book = book
-        self.view = view
-        self.control = control
-        self.run_id = run_id
-        self.max_recoveries = max_recoveries
-        self.timeout = timeout
-        self.on_loss = on_loss
-        self.tries = 0
-        """Recovery tries made (each counts against `max_recoveries`)."""
-        self._down: set[str] = set()
-        self._replaced: dict[str, float] = {}
-        """Members replaced and not recovered yet, with when it was seen (`time.time()`)."""
-        self._first_sign: float | None = None
-        self._changed = asyncio.Event()
-        self._watch: FleetWatch | None = None
+    spec: FleetSpec
+    root: PublicationRoot
+    book: RolloutBook
+    view: CollectView
+    control: ControlCalls
+    _: KW_ONLY
+    run_id: str
+    max_recoveries: int
+    timeout: float
+    on_loss: Callable[[], None]
+    tries: int = field(default=0, init=False)
+    """Recovery tries made (each counts against `max_recoveries`)."""
+    _down: set[str] = field(default_factory=set, init=False)
+    _replaced: dict[str, float] = field(default_factory=dict, init=False)
+    """Members replaced and not recovered yet, with when it was seen (`time.time()`)."""
+    _first_sign: float | None = field(default=None, init=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _watch: FleetWatch | None = field(default=None, init=False)
 
     def start(self, fleet: Fleet) -> None:
         """Watch every member, knowing the boot ids `fleet` was discovered with: a member

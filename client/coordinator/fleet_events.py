@@ -16,11 +16,24 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rollout_checkpoint.client.fleet import Member
 from rollout_checkpoint.client.membership import Change, MemberEvent
 from rollout_checkpoint.server.core.rpc.wire import timestamp
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 
 KEPT_EVENTS = 1024
+
+
+def member_message(member: Member | MemberEvent) -> cpb.Member:
+    """The wire `Member` of a discovered member (ListParticipants) or of a member's change
+    (a fleet event): one conversion, so both name a member by the same facts."""
+    return cpb.Member(
+        name=member.name,
+        address=member.address,
+        kind=member.kind,
+        instance=member.instance,
+        boot_id=member.boot_id,
+    )
 
 
 class WatcherTooSlow(Exception):
@@ -58,15 +71,10 @@ class FleetEventLog:
 
     def member_changed(self, event: MemberEvent) -> None:
         """Emit a member's change (`membership.FleetWatch`'s report) as its event."""
-        member = cpb.Member(
-            name=event.name,
-            address=event.address,
-            kind=event.kind,
-            instance=event.instance,
-            boot_id=event.boot_id,
-        )
         change = cpb.MemberChange(
-            member=member, previous_boot_id=event.previous_boot_id, detail=event.detail
+            member=member_message(event),
+            previous_boot_id=event.previous_boot_id,
+            detail=event.detail,
         )
         field = {Change.UP: "member_up", Change.DOWN: "member_down"}.get(
             event.change, "member_replaced"

@@ -35,7 +35,7 @@ from rollout_checkpoint.client.coordinator.calls import (
     prepare_outcome,
     status_of,
 )
-from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
+from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
 from rollout_checkpoint.client.coordinator.supervisor import Supervisor, SupervisorSettings
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
@@ -163,18 +163,7 @@ class CoordinatorServicer:
     ) -> cpb.ListParticipantsResponse:
         await self.forget_fleet()
         fleet = await self.fleet()
-        return cpb.ListParticipantsResponse(
-            members=[
-                cpb.Member(
-                    name=m.name,
-                    address=m.address,
-                    kind=m.kind,
-                    instance=m.instance,
-                    boot_id=m.boot_id,
-                )
-                for m in fleet.members
-            ]
-        )
+        return cpb.ListParticipantsResponse(members=[member_message(m) for m in fleet.members])
 
     async def prepare(
         self, request: cpb.CoordinatorServicePrepareRequest
