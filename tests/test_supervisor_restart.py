@@ -9,7 +9,7 @@ trainer following `WatchFleet` of both coordinators must have seen each continue
 exactly one `recovery_finished`. Before the fix the successor saw nothing to do: the members
 stayed RESTORED or COMMITTED and closed until their lease expired (10 minutes).
 
-The points (`recovery.Step`, `supervisor.CHECKPOINT_STEPS`), each a state a kill leaves:
+The points (`recovery.Step`, `periodic_checkpoints.CHECKPOINT_STEPS`), each a state a kill leaves:
 
 * `recovery-cut-ended`: the replacement closed, awaiting its restore; the survivor open;
 * `recovery-restored`: every member RESTORED (closed) under the recovery's id, none resumed;

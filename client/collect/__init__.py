@@ -7,6 +7,7 @@
 The collector is the fleet's controller (upstream-behaviour.md §2.4 and §4.5). One concept a
 module:
 
+* `options`: a collection's settings (`CollectOptions`);
 * `inputs`: the task file, the rollout ids it makes, its digest;
 * `journal`: the durable output and dispatch log, and reading a previous run back;
 * `outcome`: what a rollout's `/run` reply means;
@@ -14,11 +15,16 @@ module:
   controller-state blob);
 * `view`: the terminal UI;
 * `control`: the ids and backoff of the control calls;
+* `starting_point`: what a run starts from, read before anything touches the fleet;
 * `resume`: setting the fleet up from what a previous run left;
 * `checkpoints`: taking one checkpoint with the collector's state inside;
 * `dispatch`: sending rollouts, the dispatch log written ahead, recording replies;
-* `recovery`: a member lost mid-run, and the fleet recovered in place without exiting;
-* `collector`: the `Collector` (setup, retiring, the checkpoint schedule, recovering, stopping);
+* `retirement`: failed rollouts retired before they are retried, retired ones forgotten;
+* `member_loss`: a member lost mid-run, and the fleet recovered in place without exiting;
+* `control_loop`: every fleet-wide action of a running collection, one at a time
+  (checkpoints, recoveries, retiring, stopping);
+* `ending`: how a run ends (exit code, and the command that continues a stopped run);
+* `collector`: the `Collector` (a run set up, handed to the control loop, taken down);
 * `cli`: the argparse verb and `run_collect` (exit codes in `errors`).
 """
 
@@ -26,9 +32,10 @@ from __future__ import annotations
 
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.cli import add_collect_verb, run_collect
-from rollout_checkpoint.client.collect.collector import CollectOptions, Collector
+from rollout_checkpoint.client.collect.collector import Collector
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
 from rollout_checkpoint.client.collect.journal import DurableAppender, read_jsonl, read_previous
+from rollout_checkpoint.client.collect.options import CollectOptions
 
 __all__ = [
     "CheckpointStepHook",

@@ -44,6 +44,21 @@ and the publication steps (`after_verify`, `after_fleet_manifest`, `after_latest
 tests SIGKILL the collector there; production passes none."""
 
 
+class NumberedSteps:
+    """A `CheckpointStepHook` bound to the number of the checkpoint under way (0 before the
+    first: the checkpoint root's own steps at start-up), as the one-argument step the
+    checkpoint library and the root call. The control loop counts each checkpoint it
+    starts, so a fault test can kill the collector at a step of its Nth checkpoint."""
+
+    def __init__(self, hook: CheckpointStepHook | None) -> None:
+        self.hook = hook
+        self.number = 0
+
+    def __call__(self, name: str) -> None:
+        if self.hook is not None:
+            self.hook(name, self.number)
+
+
 @dataclass(frozen=True)
 class CheckpointSettings:
     """What one checkpoint of a collection needs to know besides the fleet."""
@@ -63,7 +78,7 @@ class CheckpointSettings:
 class CheckpointTaker:
     """Takes the checkpoints of one collection; `take` runs one while dispatching is paused.
 
-    `step` is called with each step's name (see `CheckpointStepHook`): the collector binds
+    `step` is called with each step's name (see `CheckpointStepHook`): `NumberedSteps` binds
     the checkpoint number to it. `fleet` is replaced by the one discovered again after an
     in-place recovery."""
 

@@ -22,8 +22,9 @@ from typing import Any
 from rich.console import Console
 
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
-from rollout_checkpoint.client.collect.collector import CollectOptions, Collector
+from rollout_checkpoint.client.collect.collector import Collector
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
+from rollout_checkpoint.client.collect.options import CollectOptions
 from rollout_checkpoint.client.console import (
     CliError,
     ExitCode,

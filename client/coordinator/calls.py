@@ -3,7 +3,8 @@
 Auth, the status codec, the handler adapters, health and reflection are
 `rollout_checkpoint.server.core.rpc`'s, the same as the participants'. Only this is the
 coordinator's own: a fleet refusal's `ErrorInfo` metadata (`fleet_metadata`), a member's
-refusal relayed with the member's own reason (`status_of`), and a SERVER span per call.
+refusal relayed with the member's own reason (`status_of`), the supervisor's failures as such
+a refusal (`encodable`), and a SERVER span per call.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from google.rpc import status_pb2
 from rollout_checkpoint.client.coordination import FleetError, FleetProgress, Outcome
 from rollout_checkpoint.client.coordinator.fleet_events import WatcherTooSlow
 from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import DiscoveryError
+from rollout_checkpoint.client.publication import PublicationError, as_checkpoint_error
+from rollout_checkpoint.client.recovery import RecoveryLostRace
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.handlers import Metadata, checkpoint_status
 from rollout_checkpoint.server.core.rpc.status import is_metadata_key, status_proto
@@ -92,6 +96,20 @@ def status_of(error: BaseException) -> status_pb2.Status:
         metadata = {k: v for k, v in error.metadata.items() if is_metadata_key(k)}
         return status_proto(error.code.name, reason, error.message, metadata)
     return checkpoint_status(error)  # logged, INTERNAL_ERROR
+
+
+def encodable(error: BaseException) -> BaseException:
+    """A supervisor action's failure as `status_of` can encode it (a fleet refusal, or the
+    coordinator's own)."""
+    if isinstance(error, (FleetError, CheckpointError)):
+        return error
+    if isinstance(error, RecoveryLostRace):
+        return error.error
+    if isinstance(error, (DiscoveryError, TimeoutError)):
+        return CheckpointError(Reason.PARTICIPANT_UNREACHABLE, str(error), code="UNAVAILABLE")
+    if isinstance(error, PublicationError):
+        return as_checkpoint_error(error)
+    return CheckpointError(Reason.INVALID_CHECKPOINT_STATE, str(error), code="FAILED_PRECONDITION")
 
 
 class _SpanCall:
