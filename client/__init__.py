@@ -26,3 +26,9 @@ def __getattr__(name: str) -> Any:
 
         return ParticipantClient
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazily resolved names too: what lists a module through dir() (autodoc's API page,
+    help(), completion) would otherwise miss every name `__getattr__` resolves."""
+    return sorted({*globals(), *__all__})
