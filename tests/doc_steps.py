@@ -25,7 +25,12 @@ NOTE = re.compile(r"\s+<- .*$")
 SERVE_WAIT_SECONDS = 60
 # A page's checkpoint directories (`/tmp/ckpt-…`) go under the test's tmp_path.
 CHECKPOINT_DIR = re.compile(r"/tmp/(ckpt-[\w-]+)")
-PAGE_PORTS = ("8001", "9001", "8002", "9002")
+# The ports pages listen on (the tour's, a two-member fleet's, examples/fleet.toml's): a run
+# takes free ones instead.
+PAGE_PORTS = (
+    *("8001", "9001", "8002", "9002"),
+    *(f"{plane}{member}" for plane in ("81", "91") for member in ("01", "02", "03", "04", "05")),
+)
 HEREDOC = re.compile(r"<<-?\s*(['\"]?)(?P<word>\w+)\1")
 
 
@@ -93,9 +98,10 @@ def matches(documented: list[str], actual: list[str]) -> bool:
 
 
 def substituted(text: str, ports: dict[str, str]) -> str:
-    for documented, free in ports.items():
-        text = text.replace(documented, free)
-    return text
+    """`text` with each of the page's ports replaced by its free one, in one pass: a free port
+    that happens to contain another page port is never rewritten again."""
+    pattern = r"\b(" + "|".join(map(re.escape, ports)) + r")\b"
+    return re.sub(pattern, lambda port: ports[port[0]], text)
 
 
 def script(page_steps: list[Step], ports: dict[str, str], tmp_path: Path) -> str:
@@ -146,10 +152,10 @@ def outputs(stdout: str, count: int) -> list[tuple[list[str], int]]:
 
 
 def differences(page_steps: list[Step], tmp_path: Path, seconds: float) -> tuple[list[str], str]:
-    """Run `page_steps` in `tmp_path` (where `protos`, `third_party` and `tests` link to this
+    """Run `page_steps` in `tmp_path` (where `protos`, `third_party`, `tests` and `examples` link to this
     repository's); each command whose output differs from the page's, and bash's stderr."""
     ports = {port: str(free_port()) for port in PAGE_PORTS}
-    for link in ("protos", "third_party", "tests"):
+    for link in ("protos", "third_party", "tests", "examples"):
         (tmp_path / link).symlink_to(REPO / link)
     env = dict(
         os.environ,
