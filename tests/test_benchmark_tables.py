@@ -1,8 +1,8 @@
-"""The README's benchmark tables are the recorded results, generated (issue 28).
+"""The documentation's benchmark tables are the recorded results, generated (issue 28).
 
-`python -m benchmarks.tables` writes every table the README quotes from a benchmark run out of
-`benchmarks/results/latest.json`; a hand edit of a figure, or a rerun whose results were
-committed without regenerating the README, fails here.
+`python -m benchmarks.tables` writes every table `docs/benchmarks.md` (and the README's headline
+figures) quote from a benchmark run out of `benchmarks/results/latest.json`; a hand edit of a
+figure, or a rerun whose results were committed without regenerating the pages, fails here.
 """
 
 from __future__ import annotations
@@ -12,29 +12,41 @@ import json
 
 from benchmarks import tables
 
-
-def test_the_readme_tables_are_generated_from_the_recorded_results() -> None:
-    text = tables.README.read_text()
-    assert tables.render(text, tables.load()) == text, (
-        "README.md's benchmark tables differ from benchmarks/results/latest.json: "
-        "run python -m benchmarks.tables"
-    )
+BENCHMARKS_PAGE = tables.REPO / "docs" / "benchmarks.md"
 
 
-def test_the_readme_holds_every_generated_table() -> None:
+def test_the_pages_tables_are_generated_from_the_recorded_results() -> None:
+    results = tables.load()
+    for page in tables.PAGES:
+        text = page.read_text()
+        assert tables.render(text, results) == text, (
+            f"{page.name}'s benchmark tables differ from benchmarks/results/latest.json: "
+            "run python -m benchmarks.tables"
+        )
+
+
+def test_the_pages_hold_every_generated_table() -> None:
     """Deleting a block's markers would silently exempt its table from the check above."""
-    assert sorted(tables.block_names(tables.README.read_text())) == sorted(tables.TABLES)
+    names = [name for page in tables.PAGES for name in tables.block_names(page.read_text())]
+    assert sorted(names) == sorted(tables.TABLES)
 
 
-def test_a_changed_result_changes_the_rendered_readme() -> None:
+def test_the_benchmarks_page_and_the_readme_hold_their_tables() -> None:
+    """The methods' page keeps the full tables; the README only its headline cut of them."""
+    assert tables.block_names((tables.REPO / "README.md").read_text()) == ["headline"]
+    assert BENCHMARKS_PAGE in tables.PAGES
+
+
+def test_a_changed_result_changes_the_rendered_pages() -> None:
     """The negative control: the check compares figures, not just the blocks' presence."""
-    text = tables.README.read_text()
     payload = json.loads(tables.RESULTS.read_text())
     changed = copy.deepcopy(payload)
     for ratio in changed["benchmarks"]["async_commit"]["ratios"]:
         ratio["median"] *= 1.5
-    assert tables.render(text, tables.Results(changed)) != text
-    assert tables.render(text, tables.Results(payload)) == text
+    for page in tables.PAGES:
+        text = page.read_text()
+        assert tables.render(text, tables.Results(changed)) != text, page
+        assert tables.render(text, tables.Results(payload)) == text, page
 
 
 def test_the_recorded_run_holds_the_latency_ratio_of_asynchronous_pauses() -> None:

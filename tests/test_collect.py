@@ -38,6 +38,11 @@ from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
+from .doc_pages import commands
+from .doc_steps import differences, steps
+
+DOC_SECTIONS = [("docs/operations.md", "A collection in one shell")]
+PAGE_SECONDS = 300
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "examples" / "prompt_injection_tasks.jsonl"
 TOKEN = "collect-test-token"
@@ -776,3 +781,12 @@ def test_no_collect_module_reads_the_environment() -> None:
     package = REPO / "client" / "collect"
     for module in package.glob("*.py"):
         assert not re.search(r"\b(environ|getenv)\b", module.read_text()), module
+
+
+def test_the_pages_collection_in_one_shell_prints_what_it_shows(tmp_path: Path) -> None:
+    """docs/operations.md's collection, as a reader runs it: the example fleet, every rollout
+    once, and a `--resume` that finds them all in the output."""
+    page_steps = steps(commands(*DOC_SECTIONS[0]))
+    assert any("--resume" in step.command for step in page_steps)
+    wrong, stderr = differences(page_steps, tmp_path, PAGE_SECONDS)
+    assert wrong == [], "\n\n".join(wrong) + f"\n\nstderr:\n{stderr[-3000:]}"

@@ -24,8 +24,12 @@ from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN
+from .doc_pages import commands
+from .doc_steps import differences, steps
 from .processes import kill_group, started
 
+DOC_SECTIONS = [("docs/controllers.md", "A fleet in one shell")]
+PAGE_SECONDS = 240
 CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
 ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
 
@@ -330,3 +334,12 @@ def test_the_shipped_example_fleet_file_loads() -> None:
         "counter",
     ]
     assert len({m.address for m in spec.members}) == 5
+
+
+def test_the_pages_fleet_in_one_shell_prints_what_it_shows(tmp_path: Path) -> None:
+    """docs/controllers.md's fleet, as a reader runs it: checkpoint, crash, restore into
+    fresh processes started closed, resume, and the episode's state is back."""
+    page_steps = steps(commands(*DOC_SECTIONS[0]))
+    assert any("--start-closed" in step.command for step in page_steps)
+    wrong, stderr = differences(page_steps, tmp_path, PAGE_SECONDS)
+    assert wrong == [], "\n\n".join(wrong) + f"\n\nstderr:\n{stderr[-3000:]}"

@@ -6,12 +6,12 @@ validates strictly against the Kubernetes API schemas of every supported version
 native `grpc:` probe naming a health service the sidecar (or the coordinator) really
 registers, on the container's plaintext health-only port (`--health-address`), which no
 Service publishes; the token and the TLS certificate come only from Secrets made by hand;
-control traffic to the participants is TLS, with the README's certificate (made here with its
+control traffic to the participants is TLS, with the certificate of docs/kubernetes.md (made here with its
 openssl lines) accepted for every member's fleet address, while the probes' names answer in
 plaintext on a real sidecar's and coordinator's health port; the control Service is
 headless and publishes not-ready pods, and the fleet file names pods through it;
 participants and coordinator mount one ReadWriteMany volume at the path the participants
-allow; commands are real CLI verbs whose flags parse (the README's `kubectl exec` lines too), and the
+allow; commands are real CLI verbs whose flags parse (the page's `kubectl exec` lines too), and the
 environment maps onto the settings `serve` builds; grace periods and the startup window fit
 the settings.
 """
@@ -48,6 +48,12 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 
 from .conftest import REPO, TOKEN, start_harness, stop_harness
+from .doc_pages import commands
+
+DOC_SECTIONS = [("docs/kubernetes.md", "Running on Kubernetes")]
+# What the page's commands call that needs a cluster or a container engine: stubbed when the
+# page's commands run here, each call recorded.
+CLUSTER_TOOLS = ("docker", "kind", "minikube", "kubectl")
 
 DEPLOY = REPO / "deploy" / "kubernetes"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
@@ -494,38 +500,31 @@ def test_the_kustomization_renders_every_object_unchanged_and_valid() -> None:
         assert doc == source[identity(doc)], identity(doc)
 
 
-def readme_kubernetes() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("## Running on Kubernetes")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+def page_shell_blocks() -> list[str]:
+    return commands(*DOC_SECTIONS[0])
 
 
-def readme_shell_blocks() -> list[str]:
-    return re.findall(r"```sh\n(.*?)```", readme_kubernetes(), flags=re.DOTALL)
-
-
-def readme_block(containing: str) -> str:
-    (block,) = [b for b in readme_shell_blocks() if containing in b]
+def page_block(containing: str) -> str:
+    (block,) = [b for b in page_shell_blocks() if containing in b]
     return block
 
 
-def test_the_readme_image_override_renders_and_validates(tmp_path: Path) -> None:
-    # The README's own overlay, as written (its `../deploy/kubernetes` reaches this repo
+def test_the_page_image_override_renders_and_validates(tmp_path: Path) -> None:
+    # The page's own overlay, as written (its `../deploy/kubernetes` reaches this repo
     # through a link), renders the registry image into both workloads and nothing else.
-    block = readme_block("kind load docker-image")
+    block = page_block("kind load docker-image")
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     tag = f"rollout-checkpoint:{version}"
     assert f"docker build -f deploy/Dockerfile -t {tag} ." in block
     assert f"kind load docker-image {tag}" in block and f"minikube image load {tag}" in block
-    push = readme_block("docker push")
+    push = page_block("docker push")
     (overlay,) = re.findall(r"<<'YAML'\n(.*?)\nYAML\n", push, flags=re.DOTALL)
     (pushed,) = re.findall(r"docker push (\S+)", push)
     (tmp_path / "deploy").symlink_to(REPO / "deploy")
     (tmp_path / "my-cluster").mkdir()
     (tmp_path / "my-cluster" / "kustomization.yaml").write_text(overlay)
     rendered = render(tmp_path / "my-cluster")
-    validate_strictly(rendered, "README overlay")
+    validate_strictly(rendered, "the page's overlay")
     images = {
         identity(doc): [c["image"] for c in doc["spec"]["template"]["spec"]["containers"]]
         for doc in rendered
@@ -597,21 +596,30 @@ def test_control_traffic_is_tls_from_a_secret_made_by_hand() -> None:
         for path, node in walk(doc):
             if isinstance(node, str):
                 assert "-----BEGIN" not in node, path
-    # The README creates the Secret every workload names, with the keys they mount.
-    block = readme_block("openssl req -x509")
+    # The page creates the Secret every workload names, with the keys they mount.
+    block = page_block("openssl req -x509")
     assert (
         f"create secret generic {TLS_SECRET} --type=kubernetes.io/tls \\\n"
         "  --from-file=tls.crt --from-file=tls.key --from-file=ca.crt" in block
     )
 
 
-def run_readme_certificate_commands(directory: Path) -> list[list[str]]:
-    """Run the README's Secrets block as written, in `directory`, with kubectl replaced by a
+def run_page_certificate_commands(directory: Path) -> list[list[str]]:
+    """Run the page's Secrets block as written, in `directory`, with kubectl replaced by a
     stub that records its arguments; return them."""
-    script = (
-        'kubectl() { printf "%s\\0" "$@" >> kubectl.calls; printf "\\n\\0" >> kubectl.calls; }\n'
-        "set -euo pipefail\n" + readme_block("openssl req -x509")
+    calls = run_with_the_cluster_stubbed(directory, page_block("openssl req -x509"))
+    return [call[1:] for call in calls if call[0] == "kubectl"]
+
+
+def run_with_the_cluster_stubbed(directory: Path, commands_run: str) -> list[list[str]]:
+    """Run `commands_run` in bash in `directory`, with each of `CLUSTER_TOOLS` replaced by a
+    stub that records its name and arguments; return the calls, in order. Everything else
+    (openssl, mkdir, a heredoc) runs for real."""
+    stubs = "".join(
+        f'{tool}() {{ printf "%s\\0" {tool} "$@" >> cluster.calls; printf "\\n\\0" >> cluster.calls; }}\n'
+        for tool in CLUSTER_TOOLS
     )
+    script = stubs + "set -euo pipefail\n" + commands_run
     proc = subprocess.run(
         ["bash", "-c", script],
         cwd=directory,
@@ -621,8 +629,45 @@ def run_readme_certificate_commands(directory: Path) -> list[list[str]]:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    raw = (directory / "kubectl.calls").read_text().split("\n\0")
+    raw = (directory / "cluster.calls").read_text().split("\n\0")
     return [call.rstrip("\0").split("\0") for call in raw if call]
+
+
+def test_every_command_of_the_page_runs_in_order_with_the_cluster_stubbed(tmp_path: Path) -> None:
+    """The page's commands, every block in order in one shell, as a reader pastes them: what
+    needs no cluster runs (the certificate, the overlay), and each call of a cluster tool names
+    what exists — the Dockerfile and the tag the manifests use, the kustomization applied, the
+    coordinator's Deployment, the participants' pods, the object-store overlay's Secret."""
+    (tmp_path / "deploy").symlink_to(REPO / "deploy")
+    calls = run_with_the_cluster_stubbed(tmp_path, "\n".join(page_shell_blocks()))
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    tag = f"rollout-checkpoint:{version}"
+    tools = {tool: [call[1:] for call in calls if call[0] == tool] for tool in CLUSTER_TOOLS}
+    ((build, *built),) = [c for c in tools["docker"] if c[0] == "build"]
+    assert build == "build" and built == ["-f", "deploy/Dockerfile", "-t", tag, "."]
+    assert (tmp_path / built[1]).is_file()
+    assert tools["kind"] == [["load", "docker-image", tag]]
+    assert tools["minikube"] == [["image", "load", tag]]
+    ((_, source, pushed),) = [c for c in tools["docker"] if c[0] == "tag"]
+    assert source == tag and ["push", pushed] in tools["docker"]
+    assert (tmp_path / "my-cluster" / "kustomization.yaml").is_file()  # the overlay, made for real
+    namespaced = tools["kubectl"]
+    assert all(call[:2] == ["-n", "default"] for call in namespaced), namespaced
+    verbs = [call[2] for call in namespaced]
+    assert verbs == ["create", "create", "apply", "rollout", "wait", "exec", "create"], verbs
+    (applied,) = [call[4] for call in namespaced if call[2:4] == ["apply", "-k"]]
+    assert (tmp_path / applied).resolve() == DEPLOY.resolve()
+    (rollout,) = [call for call in namespaced if call[2] == "rollout"]
+    assert rollout[3:] == ["status", f"deployment/{coordinator()['metadata']['name']}"]
+    (wait,) = [call for call in namespaced if call[2] == "wait"]
+    key, value = flag(wait, "-l").split("=")
+    assert participants()["spec"]["template"]["metadata"]["labels"][key] == value
+    secrets = [call[5] for call in namespaced if call[2:5] == ["create", "secret", "generic"]]
+    assert secrets == ["rollout-checkpoint-token", TLS_SECRET, "rollout-checkpoint-object-store"]
+    overlay = "".join(
+        path.read_text() for path in (REPO / "deploy" / "kubernetes-object-store").glob("*.yaml")
+    )
+    assert f"name: {secrets[-1]}" in overlay
 
 
 def member_hosts() -> list[str]:
@@ -647,10 +692,10 @@ async def kubelet_probe(c: dict[str, Any], kind: str, health_address: str) -> in
     return await health_status(health_address, c[kind]["grpc"]["service"])
 
 
-async def test_the_readme_certificate_serves_every_member_beside_plaintext_probes(
+async def test_the_page_certificate_serves_every_member_beside_plaintext_probes(
     tmp_path: Path,
 ) -> None:
-    calls = run_readme_certificate_commands(tmp_path)
+    calls = run_page_certificate_commands(tmp_path)
     token, tls = calls
     secret = ["-n", "default", "create", "secret", "generic"]
     assert token[:-1] == [*secret, "rollout-checkpoint-token"], calls
@@ -698,15 +743,15 @@ async def test_the_readme_certificate_serves_every_member_beside_plaintext_probe
             assert await kubelet_probe(c, kind, h.runtime.health_address) == SERVING, kind
         # The coordinator serves its port with the same files, as its command line says: a
         # controller verifies it by its Service name, and its probes pass as written.
-        await check_the_coordinator_serves_the_readme_certificate(tmp_path, spec)
+        await check_the_coordinator_serves_the_page_certificate(tmp_path, spec)
     finally:
         await stop_harness(h)
 
 
-async def check_the_coordinator_serves_the_readme_certificate(
+async def check_the_coordinator_serves_the_page_certificate(
     tmp_path: Path, spec: FleetSpec
 ) -> None:
-    # The manifest's files, as the README's commands made them here.
+    # The manifest's files, as the page's commands made them here.
     command = container(coordinator())["command"]
     cert, key = (
         tmp_path / Path(flag(command, f)).name for f in ("--tls-cert-file", "--tls-key-file")
@@ -738,7 +783,7 @@ async def check_the_coordinator_serves_the_readme_certificate(
 
 
 async def test_the_probes_keep_a_start_closed_pod_alive_but_not_ready(tmp_path: Path) -> None:
-    run_readme_certificate_commands(tmp_path)
+    run_page_certificate_commands(tmp_path)
     h = await start_harness(
         tls_cert_file=str(tmp_path / "tls.crt"),
         tls_key_file=str(tmp_path / "tls.key"),
@@ -761,27 +806,27 @@ async def test_the_probes_keep_a_start_closed_pod_alive_but_not_ready(tmp_path: 
 # -- no first Resume: the supervisor opens a fresh install ----------------------------------
 
 
-def readme_exec_commands() -> list[list[str]]:
-    """Every `kubectl exec deploy/... -- CMD` of the README's Kubernetes section, joined
+def page_exec_commands() -> list[list[str]]:
+    """Every `kubectl exec deploy/... -- CMD` of the Kubernetes page, joined
     across continuation lines and split as the shell would."""
     commands = []
-    for block in readme_shell_blocks():
+    for block in page_shell_blocks():
         for line in block.replace("\\\n", " ").splitlines():
             if " exec " in line and line.startswith("kubectl"):
                 commands.append(shlex.split(line))
     return commands
 
 
-def test_the_readme_fleet_verbs_run_in_the_coordinator_pod() -> None:
+def test_the_page_fleet_verbs_run_in_the_coordinator_pod() -> None:
     # A fresh install needs no hand-run Resume any more (the supervisor opens it), so the
-    # README runs only a read-only verb by hand, in the pod that has everything it needs.
-    commands = readme_exec_commands()
-    verbs = [command[command.index("--") + 2] for command in commands]
+    # page runs only a read-only verb by hand, in the pod that has everything it needs.
+    exec_commands = page_exec_commands()
+    verbs = [command[command.index("--") + 2] for command in exec_commands]
     assert verbs == ["status"]
     c = container(coordinator())
     fleet_mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["fleet"]
     parser = cli._parser()
-    for command in commands:
+    for command in exec_commands:
         assert command[:4] == ["kubectl", "-n", "$NS", "exec"]
         assert command[4] == f"deploy/{coordinator()['metadata']['name']}"
         argv = command[command.index("--") + 1 :]

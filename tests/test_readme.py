@@ -1,5 +1,7 @@
 """The README's five-minute tour runs as written: its shell blocks, in one shell, twice.
 
+The tour is one text: README.md holds it, and docs/getting-started.md includes it.
+
 Only what a parallel run needs is changed: the ports (free ones instead of 8001 and 9001) and
 the checkpoint directory (under the test's tmp_path instead of /tmp/ckpt-1). The second run
 shows that rerunning the tour does not trip over what the first one left behind.
@@ -8,30 +10,21 @@ shows that rerunning the tour does not trip over what the first one left behind.
 from __future__ import annotations
 
 import os
-import re
-import socket
 import sys
 from pathlib import Path
 
-from .processes import REPO, run_shell_script
+from .doc_pages import commands
+from .doc_steps import free_port
+from .processes import run_shell_script
 
-README = REPO / "README.md"
+DOC_SECTIONS = [("README.md", "A five-minute tour")]
 TOUR_SECONDS = 180
 
 
 def tour_script() -> str:
-    text = README.read_text()
-    section = text.split("## A five-minute tour", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.DOTALL)
+    blocks = commands(*DOC_SECTIONS[0])
     assert len(blocks) >= 4, "the tour lost its shell blocks"
     return "\n".join(blocks)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def test_the_five_minute_tour_runs_as_written_and_reruns(tmp_path: Path) -> None:

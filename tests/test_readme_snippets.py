@@ -1,6 +1,7 @@
-"""The README's "Using it in your own server" code runs as written, and every import it names
-exists: a user copies that snippet first, and an import path left behind by a re-cut (or a hook
-renamed) would fail for them before anything else."""
+"""The "Using it in your own server" code (docs/your-server.md) runs as written, and every
+import the README and the docs pages name exists: a user copies that snippet first, and an
+import path left behind by a re-cut (or a hook renamed) would fail for them before anything
+else."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-SECTION = "### Using it in your own server"
+from .doc_pages import pages
+
+OWN_SERVER_PAGE = Path(__file__).resolve().parent.parent / "docs" / "your-server.md"
+SECTION = "## Using it in your own server"
 
 
 def _section(text: str, heading: str) -> str:
@@ -29,14 +32,14 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def _own_server_snippet() -> str:
-    blocks = _python_blocks(_section(README.read_text(), SECTION))
+    blocks = _python_blocks(_section(OWN_SERVER_PAGE.read_text(), SECTION))
     assert len(blocks) == 1, f"expected one python block under {SECTION!r}, found {len(blocks)}"
     return blocks[0]
 
 
 def _run(snippet: str) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "readme_snippet"}
-    exec(compile(snippet, "README.md (Using it in your own server)", "exec"), namespace)
+    exec(compile(snippet, "docs/your-server.md (Using it in your own server)", "exec"), namespace)
     return namespace
 
 
@@ -62,7 +65,7 @@ def test_the_snippet_server_starts_with_checkpointing_on(monkeypatch: pytest.Mon
 
 
 def _imports_in(text: str) -> list[tuple[str, list[str]]]:
-    """Every `from rollout_checkpoint... import ...` of the README, in code blocks or inline."""
+    """Every `from rollout_checkpoint... import ...` of a page, in code blocks or inline."""
     found: list[tuple[str, list[str]]] = []
     for block in _python_blocks(text):
         for node in ast.walk(ast.parse(block)):
@@ -76,21 +79,26 @@ def _imports_in(text: str) -> list[tuple[str, list[str]]]:
     return found
 
 
+def _all_pages() -> str:
+    """README.md and every docs page, one text."""
+    return "\n".join(page.read_text() for page in pages())
+
+
 def test_every_import_the_readme_names_exists() -> None:
-    text = README.read_text()
+    text = _all_pages()
     imports = _imports_in(text)
     assert len(imports) >= 4, imports  # the snippet's two, install_checkpointing, Participant
     for module_name, names in imports:
         module = importlib.import_module(module_name)
         for name in names:
-            assert hasattr(module, name), f"README: {module_name} has no {name}"
+            assert hasattr(module, name), f"the docs: {module_name} has no {name}"
 
 
 def test_every_package_the_readme_names_imports() -> None:
     """The layout table and the prose name Python packages by dotted path; each must import.
     (`rollout_checkpoint.v1.ParticipantService` and the like are gRPC service names.)"""
     pattern = r"`(rollout_checkpoint\.(?:server|client|examples)(?:\.\w+)*)`"
-    names = set(re.findall(pattern, README.read_text()))
+    names = set(re.findall(pattern, _all_pages()))
     assert len(names) >= 5, names
     for name in sorted(names):
         importlib.import_module(name)

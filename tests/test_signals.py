@@ -12,7 +12,7 @@ too, and the first one's code stands.
 
 The offsets count from the moment the launcher holds SIGINT and SIGTERM (blocked or handled,
 read from /proc): a signal in the few milliseconds of CPython's own start before that is the
-interpreter's, which no code of ours can see (README, "Exit codes"). The default run covers
+interpreter's, which no code of ours can see (docs/operations.md, "Exit codes"). The default run covers
 each signal before the announcement, right after it and a second into serving; `-m slow` runs
 the whole grid.
 """
@@ -43,7 +43,7 @@ HOLD_SECONDS = 30.0
 EXIT_SECONDS = 60.0
 """Bound on a stop: uvicorn's drain, the sidecar's grace and the workers' own stop fit in it."""
 STOP_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130}
-"""The documented exit codes of a server stopped by a signal (README, "Exit codes")."""
+"""The documented exit codes of a server stopped by a signal (docs/operations.md, "Exit codes")."""
 AFTER_ANNOUNCE = "after-announce"
 GRID = (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT = (0.0, AFTER_ANNOUNCE, 1.0)

@@ -59,7 +59,7 @@ GUARD = TIMEOUT + 60
 CALL_MARGIN = 3.0
 """An in-process call: the deadline is the caller's own, only scheduling is added."""
 SHUTDOWN_GRACE = 10.0 + 5.0
-"""README "Shutdown": uvicorn drains HTTP for up to 10 s, then the sidecar stops with
+"""docs/kubernetes.md, "Shutdown": uvicorn drains HTTP for up to 10 s, then the sidecar stops with
 SHUTDOWN_GRACE_SECONDS (5)."""
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 

@@ -37,9 +37,13 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, refused, serve_app
+from .doc_pages import commands
+from .doc_steps import differences, steps
 from .loop_thread import only_when_asked_for
 from .processes import kill_group, started
 
+DOC_SECTIONS = [("docs/your-server.md", "Several workers per server")]
+PAGE_SECONDS = 240
 WORKERS = 3
 WAIT = 60.0
 COOKIE = "rollout_session"
@@ -138,6 +142,15 @@ def counted(count: int) -> bytes:
 
 def blocker_reasons(status: Any) -> list[int]:
     return sorted(b.reason for b in status.readiness.blockers)
+
+
+def test_the_pages_workers_block_prints_what_it_shows(tmp_path: Path) -> None:
+    """docs/your-server.md's example, as a reader runs it: four workers, one participant that
+    counts them at its Prepare and commits one part."""
+    page_steps = steps(commands(*DOC_SECTIONS[0]))
+    assert any("--workers 4" in step.command for step in page_steps)
+    wrong, stderr = differences(page_steps, tmp_path, PAGE_SECONDS)
+    assert wrong == [], "\n\n".join(wrong) + f"\n\nstderr:\n{stderr[-3000:]}"
 
 
 # -- resources: cookie routing, checkpoint, SIGKILL, restore, continue -------------------

@@ -1,4 +1,4 @@
-"""Certificates for TLS tests, made with the `openssl` CLI (as the README's Kubernetes steps do).
+"""Certificates for TLS tests, made with the `openssl` CLI (as docs/kubernetes.md's steps do).
 
 `self_signed` is a server certificate that is its own CA; `Authority` signs server and client
 certificates, for mutual TLS. All for `localhost` / 127.0.0.1 and one day."""

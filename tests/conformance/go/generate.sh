@@ -12,8 +12,8 @@
 # No remapping: every file of the package has the same go_package (one Go package,
 # checkpointv1), so no generated file imports another by that path, and
 # `paths=source_relative` writes each next to its .proto's path under gen/. This is what
-# any consumer that generates its own copy does (README.md, "Regenerating and evolving the
-# contract").
+# any consumer that generates its own copy does (docs/controllers.md,
+# "Regenerating and evolving the contract").
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../../.." && pwd)"

@@ -12,8 +12,8 @@
 // ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED.
 //
 // It prints one line per step and exits 1 at the first failed one.
-// tests/test_conformance.py starts the participant and runs it; README.md says how to
-// generate the code it imports.
+// tests/test_conformance.py starts the participant and runs it; docs/controllers.md says how
+// to generate the code it imports.
 package main
 
 //go:generate bash generate.sh
