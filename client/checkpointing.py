@@ -30,8 +30,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.coordination import (
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import (
     DERIVE,
     FleetCommit,
     FleetError,
@@ -39,14 +39,14 @@ from rollout_checkpoint.client.coordination import (
     Outcome,
     awaiting_restore,
 )
-from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointCorrupt,
     PublicationRoot,
     PublishedCheckpoint,
     PublishedParticipant,
     store_call,
 )
+from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 
@@ -170,7 +170,7 @@ async def checkpoint(
             scope = tuple(fixed)
         yield CheckpointEvent(Phase.COMMIT, progress)
         commit_started = time.monotonic()
-        result = await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
+        result = await fanout.commit(fleet, checkpoint_id, deadline, str(directory), scope)
         outcome.commit = result
         outcome.commit_seconds = time.monotonic() - commit_started
         yield CheckpointEvent(
@@ -184,7 +184,7 @@ async def checkpoint(
         raise
     if not keep_closed:
         yield CheckpointEvent(Phase.RESUME, progress)
-        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+        await fanout.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
         outcome.resumed_seconds = time.monotonic() - started
     await _complete_retention(root, outcome, deadline)
     yield CheckpointEvent(Phase.DONE, progress, outcome)
@@ -226,7 +226,7 @@ async def _asynchronous_checkpoint(
             scope = tuple(fixed)
         yield CheckpointEvent(Phase.COMMIT, progress, detail={"asynchronous": True})
         commit_started = time.monotonic()
-        snapshots = await coordination.commit(
+        snapshots = await fanout.commit(
             fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=True
         )
         outcome.commit_seconds = time.monotonic() - commit_started
@@ -235,11 +235,11 @@ async def _asynchronous_checkpoint(
         raise
     if not keep_closed:
         yield CheckpointEvent(Phase.RESUME, progress, detail={"asynchronous": True})
-        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+        await fanout.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
         outcome.resumed_seconds = time.monotonic() - started
     yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
     durable_started = time.monotonic()
-    result = await coordination.await_parts(fleet, checkpoint_id, snapshots, deadline)
+    result = await fanout.await_parts(fleet, checkpoint_id, snapshots, deadline)
     outcome.commit = result
     outcome.durable_seconds = time.monotonic() - durable_started
     yield CheckpointEvent(
@@ -267,7 +267,7 @@ async def _prepare(
     progress: FleetProgress | None = None
     await refuse_members_awaiting_restore(fleet)
     try:
-        async for progress in coordination.prepare(fleet, checkpoint_id, deadline):
+        async for progress in fanout.prepare(fleet, checkpoint_id, deadline):
             yield CheckpointEvent(Phase.PREPARE, progress)
     except FleetError as error:
         replaced = {
@@ -308,7 +308,7 @@ async def refuse_members_awaiting_restore(fleet: Fleet) -> None:
     unchecked = [m for m in fleet.members if not (m.prepare_fence and m.state_checked_boot_id)]
     if not unchecked:
         return
-    statuses = await coordination.fan_out(
+    statuses = await fanout.fan_out(
         "status", unchecked, lambda m: m.client.get_status(), fleet.spec.fan_out
     )
     waiting = sorted(name for name, status in statuses.items() if awaiting_restore(status))
@@ -399,7 +399,7 @@ def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:
 
 async def _name_replacements_awaiting_restore(fleet: Fleet) -> None:
     """Members that refused a fenced Prepare are other processes now, no longer checked
-    (`coordination._check_again` forgot them): read their status again, so a replacement
+    (`fanout._check_again` forgot them): read their status again, so a replacement
     awaiting its restore is named as such (INVALID_PHASE `awaitingRestore`, what a
     supervisor recovers from) rather than as a failed prepare."""
     with contextlib.suppress(FleetError):
@@ -416,7 +416,7 @@ async def _abort(
     The checkpoint's own failure is what the caller gets; a failed resume here is only logged.
     """
     try:
-        await coordination.resume(
+        await fanout.resume(
             fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS), sparing=sparing
         )
     except FleetError as error:
@@ -491,9 +491,9 @@ async def restore_published(
     `checkpoint_id` is the fresh control id of this restore; `source` names the published
     checkpoint (None or "LATEST": the latest). Every member must have a part in it.
     `rejoin`: restore a fleet whose members may have served, such as the survivors of a
-    crash whose crashed member was replaced (`coordination.restore`)."""
+    crash whose crashed member was replaced (`fanout.restore`)."""
     verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
-    replies = await coordination.restore(
+    replies = await fanout.restore(
         fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
     )
     return RestoredCheckpoint(

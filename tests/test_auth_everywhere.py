@@ -233,7 +233,7 @@ async def test_a_member_that_refuses_the_coordinators_token_is_reported_as_refus
         cli = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "status",
             "--fleet",
             str(fleet),

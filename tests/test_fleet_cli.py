@@ -30,7 +30,7 @@ from .processes import kill_group, started
 
 DOC_SECTIONS = [("docs/controllers.md", "A fleet in one shell")]
 PAGE_SECONDS = 240
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
 
 

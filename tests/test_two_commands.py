@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tomllib
 
-from rollout_checkpoint.client import cli
+from rollout_checkpoint.client.cli import main as cli
 
 from .doc_pages import REPO, commands
 
@@ -40,5 +40,5 @@ def test_the_two_commands_are_the_users_and_the_one_ci_runs() -> None:
 def test_the_users_command_names_what_the_project_has() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "dev" in project["optional-dependencies"]
-    assert project["scripts"]["rollout-checkpoint"] == "rollout_checkpoint.client.cli:main"
+    assert project["scripts"]["rollout-checkpoint"] == "rollout_checkpoint.client.cli.main:main"
     assert cli._parser().parse_args(["demo"]).command == "demo"

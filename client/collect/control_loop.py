@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.checkpoints import CheckpointTaker, NumberedSteps
 from rollout_checkpoint.client.collect.control import ControlCalls
 from rollout_checkpoint.client.collect.dispatch import Dispatcher
@@ -49,7 +50,6 @@ from rollout_checkpoint.client.collect.options import CollectOptions
 from rollout_checkpoint.client.collect.retirement import Retirement
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import CollectView
-from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.client.fleet import Fleet
 
 

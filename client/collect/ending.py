@@ -14,8 +14,8 @@ import signal
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.view import Counts
-from rollout_checkpoint.client.console import ExitCode
 
 
 def finished_code(counts: Counts) -> int:

@@ -16,13 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.errors import OutputFailed
 from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import CollectView
-from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
 
@@ -66,7 +66,7 @@ class Retirement:
         batch = book.retire_queue[:BATCH]
         deadline = time.time() + self.timeout
         try:
-            await coordination.retire(
+            await fanout.retire(
                 fleet, self.control.new_id("retire"), deadline, [r.episode for r in batch]
             )
         except (FleetError, ControlError) as error:
@@ -98,7 +98,7 @@ class Retirement:
         batch = sorted(book.forget_queue)[:BATCH]
         deadline = time.time() + self.timeout
         try:
-            await coordination.forget(fleet, self.control.new_id("forget"), deadline, batch)
+            await fanout.forget(fleet, self.control.new_id("forget"), deadline, batch)
         except (FleetError, ControlError) as error:
             if self.control.failed(f"forget of {len(batch)} rollout(s)", error):
                 # Forgetting is housekeeping (the marks only refuse stale attempts): give up
@@ -115,7 +115,7 @@ class Retirement:
         deadline = time.time() + self.timeout
         for start in range(0, len(left), BATCH):
             try:
-                await coordination.forget(
+                await fanout.forget(
                     fleet, self.control.new_id("forget"), deadline, left[start : start + BATCH]
                 )
             except (FleetError, ControlError) as exc:

@@ -25,6 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+    store_call,
+)
 from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.client.collect.inputs import load_input
 from rollout_checkpoint.client.collect.journal import (
@@ -36,11 +41,6 @@ from rollout_checkpoint.client.collect.journal import (
 from rollout_checkpoint.client.collect.options import CollectOptions
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import CollectView, Counts
-from rollout_checkpoint.client.publication import (
-    PublicationRoot,
-    open_checkpoint_root,
-    store_call,
-)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,14 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from rollout_checkpoint.client.coordination import FleetError, FleetProgress, Outcome
+from rollout_checkpoint.client.checkpointing.fanout import FleetError, FleetProgress, Outcome
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationError,
+    as_checkpoint_error,
+)
 from rollout_checkpoint.client.coordinator.fleet_events import WatcherTooSlow
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError
-from rollout_checkpoint.client.publication import PublicationError, as_checkpoint_error
 from rollout_checkpoint.client.recovery import RecoveryLostRace
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.handlers import Metadata, checkpoint_status

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
-from rollout_checkpoint.client.coordination import awaiting_restore
+from rollout_checkpoint.client.checkpointing.fanout import awaiting_restore
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient

@@ -17,8 +17,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from rollout_checkpoint.client.checkpointing import CheckpointOutcome, Phase, checkpoint
-from rollout_checkpoint.client.coordination import DERIVE, FleetError
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointOutcome, Phase, checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetError
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationError,
+    PublicationRoot,
+    store_call,
+)
 from rollout_checkpoint.client.coordinator.calls import (
     encodable,
     listed_blockers,
@@ -27,7 +32,6 @@ from rollout_checkpoint.client.coordinator.calls import (
 )
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
-from rollout_checkpoint.client.publication import PublicationError, PublicationRoot, store_call
 from rollout_checkpoint.client.recovery import StepHook
 from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.core.rpc.wire import episode_message

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from rollout_checkpoint.client.coordinator.calls import encodable, status_of
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
-from rollout_checkpoint.client.membership import MemberEvent
+from rollout_checkpoint.client.fleet.membership import MemberEvent
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.server.core.rpc.wire import duration
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb

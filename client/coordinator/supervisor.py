@@ -36,19 +36,19 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationError,
+    open_checkpoint_root,
+    store_call,
+)
 from rollout_checkpoint.client.coordinator.calls import encodable, status_of
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.coordinator.mending import mend
 from rollout_checkpoint.client.coordinator.periodic_checkpoints import PeriodicCheckpoints
 from rollout_checkpoint.client.coordinator.restart_strategy import RecoveryTries, RestartStrategy
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
-from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
-from rollout_checkpoint.client.publication import (
-    PublicationError,
-    open_checkpoint_root,
-    store_call,
-)
+from rollout_checkpoint.client.fleet.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.client.recovery import (
     Recovery,
     RecoveryLostRace,

@@ -15,13 +15,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from rollout_checkpoint.client.publication.manifest import FleetManifest, PublishedParticipant
-from rollout_checkpoint.client.publication.root import (
+from rollout_checkpoint.client.checkpointing.publication.manifest import (
+    FleetManifest,
+    PublishedParticipant,
+)
+from rollout_checkpoint.client.checkpointing.publication.root import (
     CheckpointRoot,
     CrashHook,
     PublishedCheckpoint,
 )
-from rollout_checkpoint.client.publication.verify import CheckpointSummary
+from rollout_checkpoint.client.checkpointing.publication.verify import CheckpointSummary
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.object_store import is_object_url
 
@@ -79,7 +82,9 @@ def open_checkpoint_root(
     PublicationError."""
     text = os.fspath(location)
     if is_object_url(text):
-        from rollout_checkpoint.client.publication.object_root import ObjectCheckpointRoot
+        from rollout_checkpoint.client.checkpointing.publication.object_root import (
+            ObjectCheckpointRoot,
+        )
 
         return ObjectCheckpointRoot(text, clock=clock, crash_hook=crash_hook)
     return CheckpointRoot(text, clock=clock, crash_hook=crash_hook)

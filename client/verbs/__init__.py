@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from rollout_checkpoint.client.console import run_async
-from rollout_checkpoint.client.verbs.coordinator_verb import coordinator_verb
-from rollout_checkpoint.client.verbs.fleet_verbs import fleet_command
-from rollout_checkpoint.client.verbs.inspection import inspect_verb
-from rollout_checkpoint.client.verbs.parsers import FLEET_VERBS
-from rollout_checkpoint.client.verbs.status import health_verb
+from rollout_checkpoint.client.cli.console import run_async
+from rollout_checkpoint.client.cli.coordinator_verb import coordinator_verb
+from rollout_checkpoint.client.cli.fleet_verbs import fleet_command
+from rollout_checkpoint.client.cli.inspection import inspect_verb
+from rollout_checkpoint.client.cli.parsers import FLEET_VERBS
+from rollout_checkpoint.client.cli.status import health_verb
 from rollout_checkpoint.server.core.stop_signals import PROCESS
 
 
