@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.coordination import DERIVE
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE
 from rollout_checkpoint.client.fleet import Fleet
 
 from .common import BenchResult, Processes, Server, deadline_in, now, ratios, rss_bytes
@@ -155,13 +155,13 @@ async def settled_ledgers(fleet: Fleet, group: Group) -> int:
 
 async def checkpoint(fleet: Fleet, checkpoint_id: str, directory: Path) -> int:
     """Prepare, commit with a derived scope, resume; returns the scope's size."""
-    progress = await coordination.prepare_until_done(fleet, checkpoint_id, deadline_in(TIMEOUT))
+    progress = await fanout.prepare_until_done(fleet, checkpoint_id, deadline_in(TIMEOUT))
     if not progress.prepared:
         raise RuntimeError(f"not prepared: {progress.outcome} {progress.blockers()}")
-    committed = await coordination.commit(
+    committed = await fanout.commit(
         fleet, checkpoint_id, deadline_in(TIMEOUT), str(directory), DERIVE
     )
-    await coordination.resume(fleet, checkpoint_id, deadline_in(TIMEOUT))
+    await fanout.resume(fleet, checkpoint_id, deadline_in(TIMEOUT))
     shutil.rmtree(directory, ignore_errors=True)
     assert committed.scope is not None
     return len(committed.scope)
@@ -214,14 +214,14 @@ async def one_run(
                         raise RuntimeError("the rollouts meant to be in flight all finished")
                     await asyncio.sleep(0.002)  # the state lives in another process
             preparing = now()
-            progress = await coordination.prepare_until_done(fleet, tag, deadline_in(TIMEOUT))
+            progress = await fanout.prepare_until_done(fleet, tag, deadline_in(TIMEOUT))
             if not progress.prepared:
                 raise RuntimeError(f"not prepared: {progress.outcome} {progress.blockers()}")
             measured.prepare_seconds = now() - preparing
             measured.ledgers_before_commit = await model_ledgers(fleet, group)
             measured.rss_before_commit = {role: rss_bytes(s) for role, s in roles(group).items()}
             directory = workdir / tag
-            committed = await coordination.commit(
+            committed = await fanout.commit(
                 fleet, tag, deadline_in(TIMEOUT), str(directory), DERIVE
             )
             assert committed.scope is not None
@@ -231,7 +231,7 @@ async def one_run(
             )
             measured.rss = {role: rss_bytes(s) for role, s in roles(group).items()}
             measured.tracked = await tracked_entries(fleet, group)
-            await coordination.resume(fleet, tag, deadline_in(TIMEOUT))
+            await fanout.resume(fleet, tag, deadline_in(TIMEOUT))
             measured.failed += await live
             shutil.rmtree(directory, ignore_errors=True)
     finally:

@@ -13,7 +13,7 @@ import asyncio
 import shutil
 from typing import Any
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
@@ -32,15 +32,15 @@ async def cycle(
     fleet: Fleet, checkpoint_id: str, directory: str, scope: list[EpisodeId]
 ) -> dict[str, float]:
     started = now()
-    progress = await coordination.prepare_until_done(fleet, checkpoint_id, deadline_in(TIMEOUT))
+    progress = await fanout.prepare_until_done(fleet, checkpoint_id, deadline_in(TIMEOUT))
     prepared = now()
     if not progress.prepared:
         raise RuntimeError(f"the fleet did not get prepared: {progress.outcome}")
-    committed_reply = await coordination.commit(
+    committed_reply = await fanout.commit(
         fleet, checkpoint_id, deadline_in(TIMEOUT), directory, scope
     )
     committed = now()
-    await coordination.resume(fleet, checkpoint_id, deadline_in(TIMEOUT))
+    await fanout.resume(fleet, checkpoint_id, deadline_in(TIMEOUT))
     resumed = now()
     if committed_reply.record_count() < len(scope):
         raise RuntimeError(f"committed {committed_reply.record_count()} records of {len(scope)}")

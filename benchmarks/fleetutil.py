@@ -155,7 +155,7 @@ def launch_coordinator(
         name,
         [
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "coordinator",
             "--fleet",
             str(fleet_file),

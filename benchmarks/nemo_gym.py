@@ -118,7 +118,7 @@ async def run(ctx: Any) -> BenchResult:
             name,
             [
                 "-m",
-                "rollout_checkpoint.client.cli",
+                "rollout_checkpoint.client.cli.main",
                 "serve",
                 SERVER,
                 f"--token={processes.token}",

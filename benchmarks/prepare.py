@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.v1 import types_pb2
 
@@ -79,7 +79,7 @@ class Controllers:
         return f"bench-{label}-{self.count}"
 
     async def prepare_library(self, checkpoint_id: str, progress: Progress) -> None:
-        async for snapshot in coordination.prepare(self.fleet, checkpoint_id, deadline_in(TIMEOUT)):
+        async for snapshot in fanout.prepare(self.fleet, checkpoint_id, deadline_in(TIMEOUT)):
             if snapshot.outcome is not None:
                 progress.prepared_at = now()
                 progress.prepared = snapshot.prepared
@@ -102,7 +102,7 @@ class Controllers:
                     progress.resources_waiting.set()
 
     async def resume_library(self, checkpoint_id: str) -> None:
-        await coordination.resume(self.fleet, checkpoint_id, deadline_in(TIMEOUT))
+        await fanout.resume(self.fleet, checkpoint_id, deadline_in(TIMEOUT))
 
     async def resume_coordinator(self, checkpoint_id: str) -> None:
         await self.coordinator.resume(checkpoint_id, deadline_in(TIMEOUT))

@@ -40,17 +40,17 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import verified_source
-from rollout_checkpoint.client.coordination import FleetError, awaiting_restore, fan_out
-from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import verified_source
+from rollout_checkpoint.client.checkpointing.fanout import FleetError, awaiting_restore, fan_out
+from rollout_checkpoint.client.checkpointing.publication import (
     NoPublishedCheckpoint,
     PublicationError,
     PublicationRoot,
     store_call,
 )
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -172,10 +172,10 @@ async def recover(
             raise RecoveryLostRace(error) from None
         else:
             if abandon_on_failure:
-                await coordination.abandon_restore(fleet, control_id, episodes, deadline)
+                await fanout.abandon_restore(fleet, control_id, episodes, deadline)
             raise
     await step(Step.RESTORED)
-    await coordination.resume(fleet, control_id, deadline)
+    await fanout.resume(fleet, control_id, deadline)
     continued_rollouts = {e.rollout_id for e in episodes}
     restarted = (
         ()

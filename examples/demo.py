@@ -39,11 +39,11 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import restore_published
-from rollout_checkpoint.client.console import HelpFormatter, epilog
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import restore_published
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot, PublishedParticipant
+from rollout_checkpoint.client.cli.console import HelpFormatter, epilog
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.publication import CheckpointRoot, PublishedParticipant
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
@@ -404,7 +404,7 @@ class Demo:
         async with await Fleet.discover(processes.spec(self.token)) as fleet:
             started = time.monotonic()
             last = None
-            async for progress in coordination.prepare(fleet, checkpoint_id, deadline):
+            async for progress in fanout.prepare(fleet, checkpoint_id, deadline):
                 last = progress
                 states = " ".join(
                     f"{m.name}:{_state(m.state) if m.reached else '-'}({m.readiness.blocker_count})"
@@ -426,7 +426,7 @@ class Demo:
             in_flight = await self.fix_scope(fleet, rollouts)
             commit_started = time.monotonic()
             directory = root.directory(checkpoint_id)
-            result = await coordination.commit(
+            result = await fanout.commit(
                 fleet,
                 checkpoint_id,
                 deadline,
@@ -438,7 +438,7 @@ class Demo:
             if self.options.async_commit:
                 # The fleet is killed next, so it stays closed; the parts are awaited here.
                 durable_started = time.monotonic()
-                result = await coordination.await_parts(fleet, checkpoint_id, result, deadline)
+                result = await fanout.await_parts(fleet, checkpoint_id, result, deadline)
                 self.report.numbers["durable_ms"] = round(
                     (time.monotonic() - durable_started) * 1000, 2
                 )
@@ -551,7 +551,7 @@ class Demo:
             restored = await restore_published(target, root, restore_id, deadline)
             if timed:
                 self.report.numbers["restore_ms"] = round((time.monotonic() - started) * 1000, 2)
-            await coordination.resume(fleet, restore_id, deadline)
+            await fanout.resume(fleet, restore_id, deadline)
             return restored.continued
 
     async def second_checkpoint(
@@ -566,11 +566,11 @@ class Demo:
         scope = sorted(e.next_attempt() for e in continued)
         deadline = time.time() + self.options.timeout
         checkpoint_id = root.new_checkpoint_id()
-        last = await coordination.prepare_until_done(fleet, checkpoint_id, deadline)
+        last = await fanout.prepare_until_done(fleet, checkpoint_id, deadline)
         if not last.prepared:
             raise DemoFailed(f"the restored fleet did not get prepared: {last.blockers()}")
         directory = root.directory(checkpoint_id)
-        result = await coordination.commit(
+        result = await fanout.commit(
             fleet,
             checkpoint_id,
             deadline,
@@ -581,8 +581,8 @@ class Demo:
         if self.options.async_commit:
             # Resume first, then await the parts: the restored fleet may move on while they
             # are written, and the parts must still hold the state of the cut, byte for byte.
-            await coordination.resume(fleet, checkpoint_id, deadline)
-            result = await coordination.await_parts(fleet, checkpoint_id, result, deadline)
+            await fanout.resume(fleet, checkpoint_id, deadline)
+            result = await fanout.await_parts(fleet, checkpoint_id, result, deadline)
         if self.options.crash_twice:
             parts = [
                 PublishedParticipant(
@@ -592,7 +592,7 @@ class Demo:
             ]
             await asyncio.to_thread(root.publish, checkpoint_id, parts, scope, b"", keep=2)
         if not self.options.async_commit:
-            await coordination.resume(fleet, checkpoint_id, deadline)
+            await fanout.resume(fleet, checkpoint_id, deadline)
         mismatches = []
         for part in (Path(first["directory"]) / "participants").glob("*/*"):
             before = _records_by_rollout(part)

@@ -293,7 +293,7 @@ class SelfHealDemo:
         command = [
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "coordinator",
             "--fleet",
             str(fleet_file),

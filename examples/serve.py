@@ -44,7 +44,7 @@ from typing import IO, Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from rollout_checkpoint.client.console import ExitCode, HelpFormatter, epilog
+from rollout_checkpoint.client.cli.console import ExitCode, HelpFormatter, epilog
 from rollout_checkpoint.server.core.extras import NEMO_GYM, MissingExtra, require
 from rollout_checkpoint.server.core.stop_signals import EXIT_CODES, PROCESS, StopSignals
 from rollout_checkpoint.server.nemo_gym.servers import KEEP_ALIVE_SECONDS

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.client.publication import CheckpointRoot, PublishedParticipant
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot, PublishedParticipant
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 
@@ -102,7 +102,7 @@ def inspect_json(summary_json: dict[str, Any]) -> dict[str, Any]:
 
 
 def regenerate() -> None:
-    from rollout_checkpoint.client.publication import verify_checkpoint
+    from rollout_checkpoint.client.checkpointing.publication import verify_checkpoint
 
     shutil.rmtree(FIXTURES, ignore_errors=True)
     build(FIXTURES)

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from grpc import aio
 
-from rollout_checkpoint.client.checkpointing import Phase, checkpoint
-from rollout_checkpoint.client.coordination import FleetError
-from rollout_checkpoint.client.publication import CheckpointRoot
+from rollout_checkpoint.client.checkpointing.checkpoint import Phase, checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc

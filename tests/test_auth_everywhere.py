@@ -233,7 +233,7 @@ async def test_a_member_that_refuses_the_coordinators_token_is_reported_as_refus
         cli = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "status",
             "--fleet",
             str(fleet),
@@ -371,7 +371,7 @@ async def test_the_token_is_in_no_log_error_or_status(
 
 COORDINATOR_AT_DEBUG = """
 import logging, sys
-from rollout_checkpoint.client.cli import main
+from rollout_checkpoint.client.cli.main import main
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
 sys.exit(main(sys.argv[1:]))
 """

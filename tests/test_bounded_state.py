@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.coordination import DERIVE
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE
 from rollout_checkpoint.examples.policy_model import GatePoint
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -161,11 +161,9 @@ async def test_a_hand_driven_fleet_checkpoints_only_the_rollouts_in_flight(tmp_p
 
         model = f.servers["policy_model"].participant
         agent = f.servers["agent"].participant.episodes_tracker
-        progress = await coordination.prepare_until_done(f.fleet, "c1", deadline())
+        progress = await fanout.prepare_until_done(f.fleet, "c1", deadline())
         assert progress.prepared
-        committed = await coordination.commit(
-            f.fleet, "c1", deadline(), str(tmp_path / "c1"), DERIVE
-        )
+        committed = await fanout.commit(f.fleet, "c1", deadline(), str(tmp_path / "c1"), DERIVE)
         live = {EpisodeId(r) for r in in_flight}
         assert committed.scope == live
         for name, member in committed.members.items():
@@ -174,17 +172,17 @@ async def test_a_hand_driven_fleet_checkpoints_only_the_rollouts_in_flight(tmp_p
         assert set(model.ledgers) == live
         assert agent.counts() == {"episodes": 3, "parked": 3, "restored_pending": 0, "outcomes": 0}
 
-        await coordination.resume(f.fleet, "c1", deadline())
+        await fanout.resume(f.fleet, "c1", deadline())
         release.set()
         for run in runs:
             await run
         # Nothing in flight any more: the next derived checkpoint is empty and frees the rest.
-        assert (await coordination.prepare_until_done(f.fleet, "c2", deadline())).prepared
-        empty = await coordination.commit(f.fleet, "c2", deadline(), str(tmp_path / "c2"), DERIVE)
+        assert (await fanout.prepare_until_done(f.fleet, "c2", deadline())).prepared
+        empty = await fanout.commit(f.fleet, "c2", deadline(), str(tmp_path / "c2"), DERIVE)
         assert empty.scope == frozenset()
         assert not any(m.exported for m in empty.members.values())
         assert model.ledgers == {} and agent.counts()["outcomes"] == 0
-        await coordination.resume(f.fleet, "c2", deadline())
+        await fanout.resume(f.fleet, "c2", deadline())
 
 
 async def test_with_no_checkpoint_the_model_keeps_ledgers_only_for_rollouts_in_flight() -> None:
@@ -245,15 +243,13 @@ async def test_a_reply_delivered_to_a_caller_already_closed_is_still_in_its_chec
             return not agent.live() and not agent.episode_infos()
 
         await until_changed(f.servers["agent"].runtime.control, delivered, WAIT)
-        assert (await coordination.prepare_until_done(f.fleet, "c1", deadline())).prepared
-        committed = await coordination.commit(
-            f.fleet, "c1", deadline(), str(tmp_path / "c1"), DERIVE
-        )
+        assert (await fanout.prepare_until_done(f.fleet, "c1", deadline())).prepared
+        committed = await fanout.commit(f.fleet, "c1", deadline(), str(tmp_path / "c1"), DERIVE)
         assert committed.scope == {EpisodeId("late")}  # the environment holds it
         assert list(committed.members["agent"].exported) == ["late"]
         (record,) = records(tmp_path / "c1", "agent", "agent")
         assert set(record["boundary"]) == {"done"}
-        await coordination.resume(f.fleet, "c1", deadline())
+        await fanout.resume(f.fleet, "c1", deadline())
         reply = await run
         assert {k: v for k, v in reply.items() if k not in ("environment", "task_digest")} == (
             record["boundary"]["done"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_checkpoint.client import cli as cli_module
-from rollout_checkpoint.client.console import EXIT_CODE_MEANINGS, ExitCode
+from rollout_checkpoint.client.cli import main as cli_module
+from rollout_checkpoint.client.cli.console import EXIT_CODE_MEANINGS, ExitCode
 from rollout_checkpoint.examples import serve
 
 from .test_fleet_cli import CLI, ENV, RealFleet, cli, real_fleet

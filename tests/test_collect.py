@@ -27,12 +27,12 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect import CorruptFile, read_jsonl
 from rollout_checkpoint.client.collect.inputs import TaskRow
 from rollout_checkpoint.client.collect.outcome import Outcome, classify
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import Counts
-from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "examples" / "prompt_injection_tasks.jsonl"
 TOKEN = "collect-test-token"
 ENV = dict(os.environ, COLLECT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 CRASHING_CLI = [sys.executable, "-m", "tests.collect_crash"]
 """`collect` with a crash point injected (run from the repository root)."""
 REPEATS = 3

@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
+from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.inputs import TaskRow
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import Counts
-from rollout_checkpoint.client.console import ExitCode
 from rollout_checkpoint.examples.demo import (
     Options,
     _trajectory,

@@ -91,7 +91,7 @@ def coordinator(counter: Counter, tmp_path: Path) -> Iterator[str]:
         f'[[participants]]\nname = "counter"\naddress = "{counter.grpc}"\n'
     )
     log = tmp_path / "coordinator.log"
-    command = [sys.executable, "-m", "rollout_checkpoint.client.cli", "coordinator"]
+    command = [sys.executable, "-m", "rollout_checkpoint.client.cli.main", "coordinator"]
     command += ["--fleet", str(fleet), "--grpc-address", "127.0.0.1:0"]
     process = start(command, log, counter.env())
     try:

@@ -14,9 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import checkpoint
-from rollout_checkpoint.client.coordination import DERIVE, FleetError, Outcome
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetError, Outcome
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot, PublishedCheckpoint
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import (
     DEFAULT_FAN_OUT,
@@ -26,7 +27,6 @@ from rollout_checkpoint.client.fleet import (
     MemberSpec,
     load_fleet_file,
 )
-from rollout_checkpoint.client.publication import CheckpointRoot, PublishedCheckpoint
 from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.participant import Kind
@@ -103,13 +103,13 @@ async def fleet_of(*kinds: Kind, fan_out: int = DEFAULT_FAN_OUT) -> AsyncIterato
 async def test_prepare_closes_stages_in_order_and_resume_reopens_in_reverse() -> None:
     async with fleet_of(*KINDS) as f:
         assert [m.name for m in f.fleet.members] == ["environment", "model", "agent", "resources"]
-        snapshots = [s async for s in coordination.prepare(f.fleet, "c1", f.deadline())]
+        snapshots = [s async for s in fanout.prepare(f.fleet, "c1", f.deadline())]
         final = snapshots[-1]
         assert final.outcome == Outcome.PREPARED and final.prepared
         assert all(m.state == types_pb2.PARTICIPANT_STATE_PREPARED for m in final.members)
         assert [s.sequence for s in snapshots] == list(range(1, len(snapshots) + 1))
         assert f.log == ["close environment", "close model", "close agent", "close resources"]
-        await coordination.resume(f.fleet, "c1", f.deadline())
+        await fanout.resume(f.fleet, "c1", f.deadline())
         assert f.log[4:] == ["open resources", "open agent", "open model", "open environment"]
 
 
@@ -117,32 +117,29 @@ async def test_a_stage_larger_than_the_fan_out_bound_is_prepared_and_resumed_who
     # fan_out=1: a Prepare stream frees its slot at its first update and stays open, so
     # the next member's Prepare starts while the first is still being watched.
     async with fleet_of(*[Kind.RESOURCES] * 3, Kind.ENVIRONMENT, fan_out=1) as f:
-        final = await coordination.prepare_until_done(f.fleet, "c1", f.deadline())
+        final = await fanout.prepare_until_done(f.fleet, "c1", f.deadline())
         assert final.prepared and all(m.done for m in final.members)
         assert sorted(f.log) == sorted(f"close {m.name}" for m in f.fleet.members)
-        await coordination.resume(f.fleet, "c1", f.deadline())
+        await fanout.resume(f.fleet, "c1", f.deadline())
         assert len(f.log) == 8
 
 
 async def test_progress_snapshots_are_spaced_by_the_interval_and_the_outcome_never_waits() -> None:
     # fan_out=1: the members answer one after another, so every update arrives on its own.
     async with fleet_of(*[Kind.RESOURCES] * 8, fan_out=1) as f:
-        each = [
-            s async for s in coordination.prepare(f.fleet, "c1", f.deadline(), progress_interval=0)
-        ]
+        each = [s async for s in fanout.prepare(f.fleet, "c1", f.deadline(), progress_interval=0)]
         assert len(each) >= 8, "without an interval, every member's update is a snapshot"
-        await coordination.resume(f.fleet, "c1", f.deadline())
+        await fanout.resume(f.fleet, "c1", f.deadline())
 
         started = time.monotonic()
         spaced = [
-            s
-            async for s in coordination.prepare(f.fleet, "c2", f.deadline(), progress_interval=600)
+            s async for s in fanout.prepare(f.fleet, "c2", f.deadline(), progress_interval=600)
         ]
         assert time.monotonic() - started < 60, "the stage's end waited for the interval"
         assert [s.outcome for s in spaced] == [None, Outcome.PREPARED]
         assert [s.sequence for s in spaced] == [1, 2]
         assert all(m.state == types_pb2.PARTICIPANT_STATE_PREPARED for m in spaced[-1].members)
-        await coordination.resume(f.fleet, "c2", f.deadline())
+        await fanout.resume(f.fleet, "c2", f.deadline())
 
 
 async def test_fan_out_calls_at_most_its_limit_at_once_and_collects_every_failure() -> None:
@@ -161,9 +158,9 @@ async def test_fan_out_calls_at_most_its_limit_at_once_and_collects_every_failur
 
     members: list[Any] = [types.SimpleNamespace(name=f"m{i}") for i in range(20)]
     with pytest.raises(FleetError) as refused:
-        await coordination.fan_out("probe", members, call, 4)
+        await fanout.fan_out("probe", members, call, 4)
     assert most == 4 and set(refused.value.failures) == {"m7", "m17"}
-    replies = await coordination.fan_out("probe", members[:7], call, 3)
+    replies = await fanout.fan_out("probe", members[:7], call, 3)
     assert list(replies) == [f"m{i}" for i in range(7)] and most == 4
 
 
@@ -177,7 +174,7 @@ async def test_an_unready_stage_stops_prepare_there() -> None:
         snapshots: list[Any] = []
 
         async def run() -> None:
-            async for snapshot in coordination.prepare(f.fleet, "c1", deadline):
+            async for snapshot in fanout.prepare(f.fleet, "c1", deadline):
                 snapshots.append(snapshot)
 
         task = asyncio.ensure_future(run())
@@ -196,13 +193,13 @@ async def test_an_unready_stage_stops_prepare_there() -> None:
         assert "close resources" not in f.log
         assert f.h["resources"].participant.admission  # never touched
         with pytest.raises(FleetError) as refused:
-            await coordination.retire(f.fleet, "x", f.deadline(), [EpisodeId("r1")])
+            await fanout.retire(f.fleet, "x", f.deadline(), [EpisodeId("r1")])
         assert refused.value.reason == "PARTICIPANT_FAILED"
         assert refused.value.failures["environment"].reason == "INVALID_PHASE"
-        await coordination.resume(f.fleet, "c1", f.deadline())
+        await fanout.resume(f.fleet, "c1", f.deadline())
         await in_flight.aclose()
-        await coordination.retire(f.fleet, "x", f.deadline(), [EpisodeId("r1")])
-        assert (await coordination.prepare_until_done(f.fleet, "c2", f.deadline())).prepared
+        await fanout.retire(f.fleet, "x", f.deadline(), [EpisodeId("r1")])
+        assert (await fanout.prepare_until_done(f.fleet, "c2", f.deadline())).prepared
 
 
 async def test_resume_after_a_partial_prepare_fences_members_never_reached() -> None:
@@ -211,11 +208,11 @@ async def test_resume_after_a_partial_prepare_fences_members_never_reached() -> 
         model.seed(EpisodeId("r1"), {})
         in_flight = contextlib.AsyncExitStack()
         await in_flight.enter_async_context(model.request(EpisodeId("r1")))
-        task = asyncio.ensure_future(coordination.prepare_until_done(f.fleet, "c1", f.deadline(5)))
+        task = asyncio.ensure_future(fanout.prepare_until_done(f.fleet, "c1", f.deadline(5)))
         await f.h["model"].until(lambda: f.h["model"].control.state == "PREPARING")
         f.advance(6)
         assert (await task).outcome == Outcome.NOT_PREPARED
-        replies = await coordination.resume(f.fleet, "c1", f.deadline())
+        replies = await fanout.resume(f.fleet, "c1", f.deadline())
         assert replies["resources"].idempotent and not replies["model"].idempotent
         late = f.h["resources"].client.prepare("c1", f.deadline())
         from .conftest import drain, refused
@@ -229,28 +226,26 @@ async def test_commit_scopes_every_member_and_renew_extends_every_lease(tmp_path
         for harness in f.h.values():
             for rollout in ("r1", "r2", "r3"):
                 harness.participant.seed(EpisodeId(rollout), {"at": harness.participant.instance})
-        assert (await coordination.prepare_until_done(f.fleet, "c1", f.deadline(10))).prepared
+        assert (await fanout.prepare_until_done(f.fleet, "c1", f.deadline(10))).prepared
         before = {
             n: (await h.client.get_status()).lease_expires_at.ToSeconds() for n, h in f.h.items()
         }
-        earliest = await coordination.renew(f.fleet, "c1", f.deadline(100))
+        earliest = await fanout.renew(f.fleet, "c1", f.deadline(100))
         assert earliest == pytest.approx(f.deadline(100) + 600, abs=1)
         after = {
             n: (await h.client.get_status()).lease_expires_at.ToSeconds() for n, h in f.h.items()
         }
         assert all(after[n] > before[n] for n in f.h)
-        result = await coordination.commit(
+        result = await fanout.commit(
             f.fleet, "c1", f.deadline(), str(tmp_path / "c1"), [EpisodeId("r1"), EpisodeId("r3")]
         )
         assert {n: list(r.exported) for n, r in result.members.items()} == {
             n: ["r1", "r3"] for n in f.h
         }
         assert result.record_count() == 6
-        await coordination.resume(f.fleet, "c1", f.deadline())
-        assert (await coordination.prepare_until_done(f.fleet, "c2", f.deadline())).prepared
-        derived = await coordination.commit(
-            f.fleet, "c2", f.deadline(), str(tmp_path / "c2"), DERIVE
-        )
+        await fanout.resume(f.fleet, "c1", f.deadline())
+        assert (await fanout.prepare_until_done(f.fleet, "c2", f.deadline())).prepared
+        derived = await fanout.commit(f.fleet, "c2", f.deadline(), str(tmp_path / "c2"), DERIVE)
         assert derived.scope == {EpisodeId("r1"), EpisodeId("r2"), EpisodeId("r3")}
         assert all(list(r.exported) == ["r1", "r2", "r3"] for r in derived.members.values())
 
@@ -299,8 +294,8 @@ async def make_fleet_checkpoint(f: RunningFleet, directory: str, episodes: list[
     for harness in f.h.values():
         for episode in episodes:
             harness.participant.seed(episode, {"n": 1})
-    assert (await coordination.prepare_until_done(f.fleet, "c1", f.deadline())).prepared
-    await coordination.commit(f.fleet, "c1", f.deadline(), directory, episodes)
+    assert (await fanout.prepare_until_done(f.fleet, "c1", f.deadline())).prepared
+    await fanout.commit(f.fleet, "c1", f.deadline(), directory, episodes)
 
 
 async def test_restore_is_all_or_nothing(tmp_path: Path) -> None:
@@ -311,7 +306,7 @@ async def test_restore_is_all_or_nothing(tmp_path: Path) -> None:
     async with fleet_of(Kind.AGENT, Kind.RESOURCES) as f:
         f.h["resources"].participant.fail["install"] = RuntimeError("disk on fire")
         with pytest.raises(FleetError) as failed:
-            await coordination.restore(f.fleet, "restore-1", f.deadline(), directory, episodes)
+            await fanout.restore(f.fleet, "restore-1", f.deadline(), directory, episodes)
         assert list(failed.value.failures) == ["resources"]
         assert failed.value.failures["resources"].reason == "HOOK_FAILED"
         for name, harness in f.h.items():
@@ -334,7 +329,7 @@ async def test_restore_cleanup_goes_on_when_a_retire_fails(
         f.h["resources"].participant.fail["install"] = RuntimeError("broken")
         f.h["agent"].participant.fail["retire"] = RuntimeError("retire broken too")
         with pytest.raises(FleetError) as failed:
-            await coordination.restore(f.fleet, "restore-1", f.deadline(), directory, episodes)
+            await fanout.restore(f.fleet, "restore-1", f.deadline(), directory, episodes)
         assert list(failed.value.failures) == ["resources"]
         for name, harness in f.h.items():
             status = await harness.client.get_status()
@@ -342,7 +337,9 @@ async def test_restore_cleanup_goes_on_when_a_retire_fails(
             assert harness.control.retired_attempts.highest("r1") == 1, name
     # The cleanup's own failure is logged once (what failed, and why going on is safe); the
     # caller gets the restore's failure.
-    logged = [r for r in caplog.records if r.name == "rollout_checkpoint.client.coordination"]
+    logged = [
+        r for r in caplog.records if r.name == "rollout_checkpoint.client.checkpointing.fanout"
+    ]
     assert len(logged) == 1 and logged[0].levelname == "WARNING", logged
     message = logged[0].getMessage()
     assert "restore-1" in message and "retire failed on 1 member(s): agent" in message
@@ -355,14 +352,12 @@ async def test_restore_succeeds_everywhere(tmp_path: Path) -> None:
     async with fleet_of(Kind.AGENT, Kind.RESOURCES) as old:
         await make_fleet_checkpoint(old, directory, episodes)
     async with fleet_of(Kind.AGENT, Kind.RESOURCES) as f:
-        replies = await coordination.restore(
-            f.fleet, "restore-1", f.deadline(), directory, episodes
-        )
+        replies = await fanout.restore(f.fleet, "restore-1", f.deadline(), directory, episodes)
         assert {n: list(r.restored) for n, r in replies.items()} == {
             "agent": ["r1-a1"],
             "resources": ["r1-a1"],
         }
-        await coordination.resume(f.fleet, "restore-1", f.deadline())
+        await fanout.resume(f.fleet, "restore-1", f.deadline())
         assert all(h.participant.admission for h in f.h.values())
 
 
@@ -379,9 +374,9 @@ async def test_retire_and_forget_go_callers_before_callees() -> None:
                 await original(episode)
 
             harness.participant.retire = recording
-        await coordination.retire(f.fleet, "x", f.deadline(), [EpisodeId("r1")])
+        await fanout.retire(f.fleet, "x", f.deadline(), [EpisodeId("r1")])
         assert order[:2] == ["environment", "agent"] and sorted(order[2:]) == ["model", "resources"]
-        await coordination.forget(f.fleet, "x", f.deadline(), ["r1"])
+        await fanout.forget(f.fleet, "x", f.deadline(), ["r1"])
         assert all(h.control.retired_attempts.highest("r1") is None for h in f.h.values())
 
 
@@ -445,7 +440,7 @@ async def test_straggler_policy_retires_blockers_and_prepares_again() -> None:
             ):
                 f.advance(6)
 
-        result = await coordination.prepare_retiring_stragglers(
+        result = await fanout.prepare_retiring_stragglers(
             f.fleet,
             lambda: next(ids),
             lambda: next(deadlines),

@@ -20,8 +20,8 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc import aio
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
 from rollout_checkpoint.client.coordinator.calls import fleet_metadata, status_of
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
@@ -218,7 +218,7 @@ async def test_the_fleet_library_names_every_member_that_refused_prepare() -> No
         await hold_conflict_and_stale(h, deadline)
         async with await Fleet.discover(spec_of(h)) as fleet:
             with pytest.raises(FleetError) as caught:
-                async for _ in coordination.prepare(fleet, "c1", deadline):
+                async for _ in fanout.prepare(fleet, "c1", deadline):
                     pass
         failures = caught.value.failures
         assert {name: e.reason for name, e in failures.items()} == {

@@ -31,7 +31,7 @@ from .conftest import TOKEN, start_harness, stop_harness
 from .processes import kill_group, started
 from .tls_files import Authority, self_signed
 
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="NONE")
 METADATA = (("authorization", f"Bearer {TOKEN}"),)
 

@@ -23,7 +23,7 @@ def demo(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
         [
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "demo",
             *args,
             "--output-dir",
@@ -127,7 +127,7 @@ def test_the_narrative_agrees_with_the_report(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "demo",
             "--rollouts",
             "12",

@@ -39,7 +39,8 @@ EXTENSION_SURFACE = (
     "rollout_checkpoint.server.core.errors",
     "rollout_checkpoint.client.participant",
     "rollout_checkpoint.client.errors",
-    "rollout_checkpoint.client.fleet",
+    "rollout_checkpoint.client.fleet.spec",
+    "rollout_checkpoint.client.fleet.discovery",
 )
 
 
@@ -120,7 +121,7 @@ FIELD_DOCUMENTED = (
     ("rollout_checkpoint.server.runtime.settings", "CheckpointSettings"),
     ("rollout_checkpoint.server.episodic.episode_steps", "StepMode"),
     ("rollout_checkpoint.server.episodic.episode_steps", "Phase"),
-    ("rollout_checkpoint.client.fleet", "FleetSpec"),
+    ("rollout_checkpoint.client.fleet.spec", "FleetSpec"),
 )
 """Classes whose every member or field is part of the contract: a mode a user picks, a
 setting a user sets, a key of the fleet file. Each needs its own attribute docstring (the

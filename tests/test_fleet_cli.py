@@ -26,7 +26,7 @@ from rollout_checkpoint.v1 import types_pb2
 from .conftest import TOKEN
 from .processes import kill_group, started
 
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
 
 

@@ -17,7 +17,7 @@ from unittest import mock
 
 import httpx
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.examples import agent as agent_module
 from rollout_checkpoint.examples import environment as environment_module
@@ -163,7 +163,7 @@ async def test_a_checkpoint_without_a_crash_parks_and_releases_everything(tmp_pa
     async with in_process_fleet(model_gate=gate) as f:
         runs = {r: asyncio.ensure_future(f.run(r, t)) for r, t in rollouts.items()}
         await held_once.wait()
-        progress = await coordination.prepare_until_done(f.fleet, "c1", deadline())
+        progress = await fanout.prepare_until_done(f.fleet, "c1", deadline())
         assert progress.prepared
         hold.set()
         model = f.servers["policy_model"].participant
@@ -176,9 +176,7 @@ async def test_a_checkpoint_without_a_crash_parks_and_releases_everything(tmp_pa
             and status.state == types_pb2.PARTICIPANT_STATE_PREPARED
         )
         in_flight = [EpisodeId(r) for r in rollouts]
-        committed = await coordination.commit(
-            f.fleet, "c1", deadline(), str(tmp_path / "c1"), in_flight
-        )
+        committed = await fanout.commit(f.fleet, "c1", deadline(), str(tmp_path / "c1"), in_flight)
         assert committed.members["agent"].exported  # episodes parked at their boundaries
         # The agent tells the model when each episode finished, and its ledger goes: read
         # each ledger as it is released.
@@ -190,7 +188,7 @@ async def test_a_checkpoint_without_a_crash_parks_and_releases_everything(tmp_pa
             release(episode)
 
         with mock.patch.object(model, "episode_finished", finished):
-            await coordination.resume(f.fleet, "c1", deadline())
+            await fanout.resume(f.fleet, "c1", deadline())
             results = {r: await run for r, run in runs.items()}
             control = f.servers["policy_model"].runtime.control
             await until_changed(control, lambda: set(released) == set(rollouts))
@@ -243,7 +241,7 @@ async def verify_during_checkpoint(mode: VerifyMode) -> tuple[Any, dict[str, Any
                 agent_blocked.set()
 
         preparing = asyncio.ensure_future(
-            coordination.prepare_until_done(f.fleet, "c1", prepare_deadline, on_progress=watch)
+            fanout.prepare_until_done(f.fleet, "c1", prepare_deadline, on_progress=watch)
         )
         if mode is VerifyMode.WAIT:
             blocked = asyncio.ensure_future(agent_blocked.wait())
@@ -255,13 +253,13 @@ async def verify_during_checkpoint(mode: VerifyMode) -> tuple[Any, dict[str, Any
         async with asyncio.timeout(60):
             progress = await preparing
         resources.verify_gate.set()
-        await coordination.resume(f.fleet, "c1", clock.now() + 60)
+        await fanout.resume(f.fleet, "c1", clock.now() + 60)
         return progress, await run
 
 
 async def test_a_wait_verify_in_flight_is_waited_for() -> None:
     progress, reply = await verify_during_checkpoint(VerifyMode.WAIT)
-    assert progress.outcome == coordination.Outcome.NOT_PREPARED
+    assert progress.outcome == fanout.Outcome.NOT_PREPARED
     agent = next(m for m in progress.members if m.name == "agent")
     assert [b.capture_key for b in agent.readiness.blockers] == ["v1"]
     assert reply["reward"] == 1.0

@@ -25,7 +25,7 @@ from rollout_checkpoint.client.coordinator.calls import status_of
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, WatcherTooSlow
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
-from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
+from rollout_checkpoint.client.fleet.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import checkpoint, restore_published
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint, restore_published
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.examples.demo import FleetProcesses, launch_server, serve_options
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
@@ -150,7 +150,7 @@ async def test_a_cut_generation_continues_after_the_fleet_is_killed_and_restored
             fleets.append(restored := await start(logs, "restored", start_closed=True))
             async with await Fleet.discover(restored.spec(TOKEN)) as fleet:
                 await restore_published(fleet, root, "restore-1", time.time() + TIMEOUT)
-                await coordination.resume(fleet, "restore-1", time.time() + TIMEOUT)
+                await fanout.resume(fleet, "restore-1", time.time() + TIMEOUT)
             continued = await run(http, restored, attempt=1)
             assert continued["messages"] == baseline["messages"]
             assert continued["reward"] == baseline["reward"]

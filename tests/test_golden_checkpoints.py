@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointCorrupt,
     CheckpointRoot,
     inspect,

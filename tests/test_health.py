@@ -168,7 +168,7 @@ def killed_at_exit(process: subprocess.Popen[str]) -> Iterator[None]:
         process.wait(timeout=WAIT)
 
 
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 BASE_ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
 
 

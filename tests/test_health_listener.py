@@ -60,7 +60,7 @@ from .tls_files import self_signed
 
 METADATA = (("authorization", f"Bearer {TOKEN}"),)
 PARTICIPANT_NAMES = ("", PARTICIPANT_SERVICE, LIVENESS, READINESS)
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 ENV = dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN, GRPC_VERBOSITY="ERROR")
 WAIT = 30.0
 

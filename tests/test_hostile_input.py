@@ -37,8 +37,8 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
@@ -1052,7 +1052,7 @@ async def test_a_record_at_the_highest_attempt_is_refused_by_restore_typed(tmp_p
         await assert_untouched(h)
         async with await Fleet.discover(FleetSpec.from_addresses([h.grpc_address], TOKEN)) as fleet:
             with pytest.raises(FleetError) as caught:
-                await coordination.restore(
+                await fanout.restore(
                     fleet, "restore-2", h.deadline(), str(checkpoint_dir), [EpisodeId("r8"), top]
                 )
         assert caught.value.reason == "PARTICIPANT_FAILED"

@@ -37,7 +37,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from packaging.version import Version
 
-from rollout_checkpoint.client import cli
+from rollout_checkpoint.client.cli import main as cli
 from rollout_checkpoint.client.coordinator.service import SERVICE_NAME as COORDINATOR_SERVICE
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec, load_fleet_file

@@ -82,7 +82,7 @@ def test_wheel_alone_provides_the_packages(tmp_path: Path) -> None:
     assert not missing, f"not in the wheel: {sorted(missing)}"
     assert "rollout_checkpoint/py.typed" in names
     assert any(n.startswith("rollout_checkpoint/v1/") and n.endswith("_pb2.pyi") for n in names)
-    assert f"{CONSOLE_SCRIPT} = rollout_checkpoint.client.cli:main" in entry_points_txt, (
+    assert f"{CONSOLE_SCRIPT} = rollout_checkpoint.client.cli.main:main" in entry_points_txt, (
         entry_points_txt
     )
 
@@ -123,7 +123,7 @@ def test_wheel_alone_provides_the_packages(tmp_path: Path) -> None:
 
     script = venv / "bin" / CONSOLE_SCRIPT
     assert script.is_file(), f"{CONSOLE_SCRIPT} not installed into {venv / 'bin'}"
-    if "rollout_checkpoint/client/cli.py" in names:
+    if "rollout_checkpoint/client/cli/main.py" in names:
         proc = run(script, "--help", cwd=tmp_path, env=env)
         assert proc.returncode == 0, explain(proc)
 

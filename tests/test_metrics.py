@@ -5,7 +5,7 @@
   the injected clock), and after a restore; labels never carry checkpoint ids; every
   runtime has its own registry.
 * OpenTelemetry: an in-memory exporter sees one trace for a controller's
-  coordination.prepare + commit over two participants, the participants' operation spans
+  fanout.prepare + commit over two participants, the participants' operation spans
   parented under the controller's span (W3C traceparent in gRPC metadata) and the phases
   (wait_ready, export, write; read, install for a restore) under those; through the
   CoordinatorService the chain is caller -> coordinator -> participant.
@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.coordinator import calls
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
@@ -200,10 +200,10 @@ async def test_one_checkpoint_is_one_trace_across_the_fleet(
         exporter.clear()  # discovery's GetParticipant calls are no part of the checkpoint
         deadline = members["env-1"].deadline()
         with provider.get_tracer("controller").start_as_current_span("checkpoint") as root:
-            progress = await coordination.prepare_until_done(fleet, "ckpt-t1", deadline)
+            progress = await fanout.prepare_until_done(fleet, "ckpt-t1", deadline)
             assert progress.prepared
-            await coordination.commit(fleet, "ckpt-t1", deadline, checkpoint_dir, None)
-        await coordination.resume(fleet, "ckpt-t1", deadline)  # outside: a trace of its own
+            await fanout.commit(fleet, "ckpt-t1", deadline, checkpoint_dir, None)
+        await fanout.resume(fleet, "ckpt-t1", deadline)  # outside: a trace of its own
     finally:
         await fleet.close()
         for h in members.values():

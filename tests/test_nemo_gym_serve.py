@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_checkpoint.client.console import ExitCode
+from rollout_checkpoint.client.cli.console import ExitCode
 
 from .test_fleet_cli import CLI, ENV
 from .test_nemo_gym_checkpoint import serve_command

@@ -25,7 +25,7 @@ import httpx
 import obstore
 import pytest
 
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointConflict,
     CheckpointCorrupt,
     NoPublishedCheckpoint,
@@ -33,7 +33,7 @@ from rollout_checkpoint.client.publication import (
     PublishedParticipant,
     open_checkpoint_root,
 )
-from rollout_checkpoint.client.publication.object_root import ObjectCheckpointRoot
+from rollout_checkpoint.client.checkpointing.publication.object_root import ObjectCheckpointRoot
 from rollout_checkpoint.server.core.checkpoint_storage import PartStorage
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
@@ -322,7 +322,7 @@ async def test_publish_latest_retention_and_inspect_on_the_store(
     # The CLI's inspect: a root follows LATEST, a checkpoint URL verifies that checkpoint.
     out = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "rollout_checkpoint.client.cli", "inspect", url, "--json"],
+        [sys.executable, "-m", "rollout_checkpoint.client.cli.main", "inspect", url, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -411,7 +411,7 @@ def test_without_obstore_a_url_is_a_typed_error_naming_the_extra(tmp_path: objec
     which extra to install (obstore hidden from its imports)."""
     code = (
         "import sys; sys.modules['obstore'] = None\n"
-        "from rollout_checkpoint.client.publication import open_checkpoint_root, PublicationError\n"
+        "from rollout_checkpoint.client.checkpointing.publication import open_checkpoint_root, PublicationError\n"
         "from rollout_checkpoint.server.core.object_parts import ObjectPartStorage\n"
         "from rollout_checkpoint.server.core.part_storage import WriteFence\n"
         "from rollout_checkpoint.server.core.errors import CheckpointError\n"
@@ -446,7 +446,7 @@ def test_cli_checkpoint_inspect_and_restore_source_on_s3(
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "rollout_checkpoint.client.cli", *args],
+            [sys.executable, "-m", "rollout_checkpoint.client.cli.main", *args],
             env=env,
             capture_output=True,
             text=True,

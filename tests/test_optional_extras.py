@@ -93,8 +93,8 @@ def test_reflection_configured_without_the_package_fails_while_the_app_is_built(
 def test_coordinator_reflection_without_the_package_fails_at_construction(
     without_reflection: None,
 ) -> None:
+    from rollout_checkpoint.client.cli.errors import classify
     from rollout_checkpoint.client.coordinator.service import Coordinator
-    from rollout_checkpoint.client.verbs.errors import classify
 
     spec = FleetSpec(members=(MemberSpec("counter", "127.0.0.1:9"),), token=TOKEN)
     with pytest.raises(MissingExtra) as raised:

@@ -31,12 +31,12 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import checkpoint
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from rollout_checkpoint.v1 import types_pb2
@@ -230,11 +230,11 @@ async def test_a_member_killed_while_prepared(servers: Servers, tmp_path: Path) 
     await asyncio.gather(seed(a, ["r1", "r2"]), seed(b, ["r3"]))
     deadline = time.time() + 600  # never reached on b's clock but when the test moves it
     async with fleet_of(a, b) as fleet:
-        progress = await coordination.prepare_until_done(fleet, "k1", deadline)
+        progress = await fanout.prepare_until_done(fleet, "k1", deadline)
         assert progress.prepared
         a.kill()
         with pytest.raises(FleetError) as caught:
-            await coordination.commit(fleet, "k1", deadline, str(tmp_path / "k1"), None)
+            await fanout.commit(fleet, "k1", deadline, str(tmp_path / "k1"), None)
         assert_unreachable(caught.value, "a", "commit")
     # The controller gives up too (no Resume). b's clock has not moved, so no timer of b can
     # have fired: it is closed, holding a lease of deadline + grace...
@@ -314,7 +314,7 @@ async def test_a_member_killed_while_it_restores(servers: Servers, tmp_path: Pat
     a, b = servers.start(("a", "read"), ("b", ""))
     async with fleet_of(a, b) as fleet:
         running = asyncio.ensure_future(
-            coordination.restore(fleet, "restore-1", time.time() + 30, str(directory), scope)
+            fanout.restore(fleet, "restore-1", time.time() + 30, str(directory), scope)
         )
         await wait_marker(servers, "a-read")
         a.kill()
@@ -329,14 +329,12 @@ async def test_a_member_killed_while_it_restores(servers: Servers, tmp_path: Pat
 
     a2, b2 = servers.start(("a", ""), ("b", ""))
     async with fleet_of(a2, b2) as fleet:
-        replies = await coordination.restore(
-            fleet, "restore-2", time.time() + 30, str(directory), scope
-        )
+        replies = await fanout.restore(fleet, "restore-2", time.time() + 30, str(directory), scope)
         assert {n: list(r.restored) for n, r in replies.items()} == {
             "a": ["r1-a1"],
             "b": ["r2-a1", "r3-a1"],
         }
-        await coordination.resume(fleet, "restore-2", time.time() + 30)
+        await fanout.resume(fleet, "restore-2", time.time() + 30)
     async with httpx.AsyncClient(base_url=f"http://{b2.http}", timeout=10) as http:
         state = await http.get("/ng-rollout/r2-a1/state")
         assert state.json() == {"state": {"r": "r2"}}

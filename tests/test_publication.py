@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from rollout_checkpoint.client import publication
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing import publication
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointConflict,
     CheckpointCorrupt,
     CheckpointRoot,

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import restore_published
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import restore_published
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.examples.demo import (
     Demo,
     FleetProcesses,
@@ -114,7 +114,7 @@ async def test_a_fleet_with_one_member_replaced_rejoins_and_matches_the_baseline
         assert isinstance(scope, list) and scope, "the cut found no rollout in flight"
         deadline = time.time() + TIMEOUT
         async with await Fleet.discover(processes.spec(demo.token)) as fleet:
-            await coordination.resume(fleet, str(checkpoint["id"]), deadline)
+            await fanout.resume(fleet, str(checkpoint["id"]), deadline)
         # The survivors go on serving past the cut until the agent dies under them.
         await asyncio.to_thread(replace_agent, processes, logs, demo.token)
 
@@ -130,7 +130,7 @@ async def test_a_fleet_with_one_member_replaced_rejoins_and_matches_the_baseline
             )
             restored = await restore_published(fleet, root, "restore-1", deadline, rejoin=True)
             assert list(restored.continued) == scope
-            await coordination.resume(fleet, "restore-1", deadline)
+            await fanout.resume(fleet, "restore-1", deadline)
         # The environment kept its episodes at their boundary while the agent was gone (its
         # relay re-issues a call that cannot reach its callee); the rejoin retired them, so
         # their requests end now (409 stale_attempt).

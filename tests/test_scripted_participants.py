@@ -34,15 +34,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import CheckpointOutcome, checkpoint
-from rollout_checkpoint.client.coordination import FleetError, Outcome
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointOutcome, checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import FleetError, Outcome
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
+from rollout_checkpoint.client.fleet.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.client.participant import TRANSPORT_SLACK_SECONDS
-from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.layout import LATEST_NAME
 from rollout_checkpoint.server.runtime.participant import Kind
@@ -302,14 +302,14 @@ async def test_slow_heartbeats_within_the_deadline_are_no_timeout(
     scripted.script["Prepare"] = slow
     async with mixed_fleet(scripted, grpc_addr, tmp_path) as f:
         started = time.monotonic()
-        progress = await coordination.prepare_until_done(f.fleet, "ck-slow", time.time() + 30)
+        progress = await fanout.prepare_until_done(f.fleet, "ck-slow", time.time() + 30)
         assert time.monotonic() - started >= 6.0
         assert progress.outcome == Outcome.PREPARED
         assert {m.name: m.state for m in progress.members} == {
             "real": types_pb2.PARTICIPANT_STATE_PREPARED,
             "scripted": types_pb2.PARTICIPANT_STATE_PREPARED,
         }
-        await coordination.resume(f.fleet, "ck-slow", time.time() + 30)
+        await fanout.resume(f.fleet, "ck-slow", time.time() + 30)
         await f.assert_resumed("ck-slow")
 
 
@@ -327,10 +327,10 @@ async def test_a_members_final_message_ends_its_prepare_before_its_stream_closes
     scripted.script["Prepare"] = final_then_silent
     async with mixed_fleet(scripted, grpc_addr, tmp_path) as f:
         async with asyncio.timeout(20):
-            progress = await coordination.prepare_until_done(f.fleet, "ck-final", time.time() + 60)
+            progress = await fanout.prepare_until_done(f.fleet, "ck-final", time.time() + 60)
         assert progress.outcome == Outcome.PREPARED
         async with asyncio.timeout(20):
-            await coordination.resume(f.fleet, "ck-final", time.time() + 60)
+            await fanout.resume(f.fleet, "ck-final", time.time() + 60)
         await f.assert_resumed("ck-final")
         # The stream it left open is read to its end, not cancelled: the member ends it.
         scripted.released.set()
@@ -381,7 +381,7 @@ async def test_unknown_fields_and_enum_values_from_a_newer_participant_do_not_st
 ) -> None:
     speaking_a_newer_schema(scripted, types_pb2.PARTICIPANT_STATE_PREPARED)
     async with mixed_fleet(scripted, grpc_addr, tmp_path) as f:
-        progress: list[coordination.FleetProgress] = []
+        progress: list[fanout.FleetProgress] = []
         outcome: CheckpointOutcome | None = None
         async for event in checkpoint(f.fleet, f.root, time.time() + 30, checkpoint_id="ck-new"):
             if event.progress is not None:
@@ -662,7 +662,7 @@ async def run_collect(tmp_path: Path, address: str, *extra: str) -> tuple[int, s
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "collect",
             "--fleet",
             str(fleet_file),

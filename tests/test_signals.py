@@ -37,7 +37,7 @@ from tests.processes import announcement, kill_group, start
 
 TOKEN = "signals-token"
 ENV = os.environ | {"ROLLOUT_CHECKPOINT_TOKEN": TOKEN}
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli"]
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 HOLD_SECONDS = 30.0
 """Bound on the launcher's start until it holds the signals (a Python start, loaded machine)."""
 EXIT_SECONDS = 60.0

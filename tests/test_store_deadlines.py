@@ -29,16 +29,16 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
-from rollout_checkpoint.client.checkpointing import checkpoint, restore_published
-from rollout_checkpoint.client.coordinator.service import Coordinator
-from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import Fleet, FleetSpec
-from rollout_checkpoint.client.participant import timestamp
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint, restore_published
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointRoot,
     StorageFailed,
     open_checkpoint_root,
 )
+from rollout_checkpoint.client.coordinator.service import Coordinator
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec
+from rollout_checkpoint.client.participant import timestamp
 from rollout_checkpoint.server.core.clock import SystemClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
@@ -95,13 +95,13 @@ def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 def cli_command(*args: str, frozen: str | None = None) -> list[str]:
     """The CLI, optionally in a process whose `safe_files.<frozen>` never returns."""
     if frozen is None:
-        return [sys.executable, "-m", "rollout_checkpoint.client.cli", *args]
+        return [sys.executable, "-m", "rollout_checkpoint.client.cli.main", *args]
     return [
         sys.executable,
         "-m",
         "tests.frozen_storage",
         frozen,
-        "rollout_checkpoint.client.cli",
+        "rollout_checkpoint.client.cli.main",
         *args,
     ]
 

@@ -31,9 +31,13 @@ import httpx
 import pytest
 from grpc import aio
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import checkpoint, refuse_members_awaiting_restore
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import (
+    checkpoint,
+    refuse_members_awaiting_restore,
+)
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.coordinator.service import Coordinator
 from rollout_checkpoint.client.coordinator.supervisor import (
     RECOVERY_ANNOUNCED,
@@ -41,7 +45,6 @@ from rollout_checkpoint.client.coordinator.supervisor import (
     SupervisorSettings,
 )
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
@@ -478,9 +481,9 @@ async def test_a_member_replaced_after_the_status_round_refuses_its_prepare_unto
         await refuse_members_awaiting_restore(fleet)
         counters.replace("c1")
         with pytest.raises(FleetError) as refused:
-            await coordination.prepare_until_done(fleet, "ckpt-fenced", time.time() + 30)
+            await fanout.prepare_until_done(fleet, "ckpt-fenced", time.time() + 30)
         assert refused.value.failures["c1"].reason == "BOOT_ID_MISMATCH"
-        await coordination.resume(fleet, "ckpt-fenced", time.time() + 30, sparing={"c1"})
+        await fanout.resume(fleet, "ckpt-fenced", time.time() + 30, sparing={"c1"})
     after = await statuses(spec)
     assert after["c1"].state == IDLE and not after["c1"].admission_open  # awaits its restore
     assert after["c1"].checkpoint_id == ""
@@ -532,7 +535,7 @@ async def test_a_fleet_reads_each_process_status_once_and_names_a_later_replacem
         # Once the replacement is opened (by another controller), its fenced Prepare is
         # refused, its status read again, and the checkpoint goes on with it.
         async with await Fleet.discover(spec) as other:
-            await coordination.resume(other, "ckpt-open-the-replacement", time.time() + 30)
+            await fanout.resume(other, "ckpt-open-the-replacement", time.time() + 30)
         calls.clear()
         outcome = None
         async for event in checkpoint(fleet, root, time.time() + 30, scope=None):

@@ -37,13 +37,13 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.coordinator.supervisor import (
     PAUSE_AT_VARIABLE,
     RestartStrategy,
     SupervisorSettings,
 )
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.publication import CheckpointRoot
 from rollout_checkpoint.client.recovery import Step
 
 from .conftest import TOKEN
@@ -95,7 +95,7 @@ class Coordinators:
         command = [
             sys.executable,
             "-m",
-            "rollout_checkpoint.client.cli",
+            "rollout_checkpoint.client.cli.main",
             "coordinator",
             "--fleet",
             str(self.fleet_file),

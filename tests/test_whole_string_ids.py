@@ -20,14 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rollout_checkpoint.client.coordinator.service import _check_id
-from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
-from rollout_checkpoint.client.participant import timestamp
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     FleetManifest,
     PublishedParticipant,
     parse_time,
 )
+from rollout_checkpoint.client.coordinator.service import _check_id
+from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
+from rollout_checkpoint.client.participant import timestamp
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
 from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.core.layout import StoredManifest

@@ -15,19 +15,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import CheckpointEvent, Phase, checkpoint
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent, Phase, checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationError,
+    PublicationRoot,
+)
 from rollout_checkpoint.client.collect.control import ControlCalls
 from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import CollectView
-from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import (
-    PublicationError,
-    PublicationRoot,
-)
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.v1 import types_pb2
@@ -117,7 +117,7 @@ class CheckpointTaker:
                     return None
                 # Controller obligation 2: the checkpoint was aborted (fleet resumed); retire
                 # the stragglers, whose /run then fails and is retried as a later attempt.
-                await coordination.retire(
+                await fanout.retire(
                     self.fleet, self.control.new_id("retire"), self._deadline, blocking
                 )
                 self.view.note(f"collect: retired {len(blocking)} straggler(s); preparing again")
@@ -162,7 +162,7 @@ class CheckpointTaker:
         fleet = self.fleet
         entry = [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_ENVIRONMENT]
         entry = entry or [m for m in fleet.members if m.kind == types_pb2.PARTICIPANT_KIND_AGENT]
-        pages = await coordination.fan_out(
+        pages = await fanout.fan_out(
             "list episodes", entry, lambda m: m.client.all_episodes(), fleet.spec.fan_out
         )
         held = {
@@ -176,7 +176,7 @@ class CheckpointTaker:
             remaining = self._deadline - time.time() - 5.0
             await asyncio.wait(on_wire, timeout=max(0.5, min(ON_WIRE_SECONDS, remaining)))
         await self.output.drain()  # "finished" in the state means durable in the output
-        boots = await coordination.fan_out(
+        boots = await fanout.fan_out(
             "describe", fleet.members, lambda m: m.client.get_participant(), fleet.spec.fan_out
         )
         state = self.book.controller_state(

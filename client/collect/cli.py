@@ -21,10 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
-from rollout_checkpoint.client.collect.collector import CollectOptions, Collector
-from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
-from rollout_checkpoint.client.console import (
+from rollout_checkpoint.client.checkpointing.publication import (
+    CheckpointCorrupt,
+    PublicationError,
+    StorageFailed,
+)
+from rollout_checkpoint.client.cli.console import (
     CliError,
     ExitCode,
     HelpFormatter,
@@ -34,12 +36,10 @@ from rollout_checkpoint.client.console import (
     run_async,
     run_verb,
 )
-from rollout_checkpoint.client.publication import (
-    CheckpointCorrupt,
-    PublicationError,
-    StorageFailed,
-)
-from rollout_checkpoint.client.verbs.errors import classify as classify_fleet_error
+from rollout_checkpoint.client.cli.errors import classify as classify_fleet_error
+from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
+from rollout_checkpoint.client.collect.collector import CollectOptions, Collector
+from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.object_store import is_object_url
 

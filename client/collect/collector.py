@@ -50,7 +50,14 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from rollout_checkpoint.client import coordination
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+    store_call,
+)
+from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.checkpoints import (
     CheckpointSettings,
     CheckpointStepHook,
@@ -72,15 +79,8 @@ from rollout_checkpoint.client.collect.recovery import GaveUp, InPlaceRecovery
 from rollout_checkpoint.client.collect.resume import FleetSetup
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, now_text
 from rollout_checkpoint.client.collect.view import CollectView, Counts
-from rollout_checkpoint.client.console import ExitCode
-from rollout_checkpoint.client.coordination import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
-from rollout_checkpoint.client.publication import (
-    PublicationRoot,
-    open_checkpoint_root,
-    store_call,
-)
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +406,7 @@ class Collector:
         batch = book.retire_queue[:BATCH]
         deadline = time.time() + self.options.checkpoint_timeout
         try:
-            await coordination.retire(
+            await fanout.retire(
                 fleet, self.control.new_id("retire"), deadline, [r.episode for r in batch]
             )
         except (FleetError, ControlError) as error:
@@ -440,7 +440,7 @@ class Collector:
         batch = sorted(book.forget_queue)[:BATCH]
         deadline = time.time() + self.options.checkpoint_timeout
         try:
-            await coordination.forget(fleet, self.control.new_id("forget"), deadline, batch)
+            await fanout.forget(fleet, self.control.new_id("forget"), deadline, batch)
         except (FleetError, ControlError) as error:
             if self.control.failed(f"forget of {len(batch)} rollout(s)", error):
                 # Forgetting is housekeeping (the marks only refuse stale attempts): give up
@@ -459,7 +459,7 @@ class Collector:
         deadline = time.time() + self.options.checkpoint_timeout
         for start in range(0, len(left), BATCH):
             try:
-                await coordination.forget(
+                await fanout.forget(
                     fleet, self.control.new_id("forget"), deadline, left[start : start + BATCH]
                 )
             except (FleetError, ControlError) as exc:

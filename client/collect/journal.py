@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     FleetManifest,
     PublicationError,
     PublicationRoot,
 )
+from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
 from rollout_checkpoint.server.core.object_store import is_object_url
 
 DISPATCH_LOG = "dispatched.jsonl"

@@ -54,21 +54,21 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
-from rollout_checkpoint.client.collect.journal import collect_state, read_latest_manifest
-from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
-from rollout_checkpoint.client.collect.view import CollectView
-from rollout_checkpoint.client.coordination import FleetError, fan_out
-from rollout_checkpoint.client.errors import ControlError
-from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
-from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import FleetError, fan_out
+from rollout_checkpoint.client.checkpointing.publication import (
     FleetManifest,
     PublicationError,
     PublicationRoot,
     store_call,
 )
+from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
+from rollout_checkpoint.client.collect.journal import collect_state, read_latest_manifest
+from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
+from rollout_checkpoint.client.collect.view import CollectView
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
+from rollout_checkpoint.client.fleet.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.client.recovery import (
     RecoveryLostRace,
     end_cut_checkpoints,
@@ -345,6 +345,6 @@ class InPlaceRecovery:
         """Retire `episodes` (each up to its attempt) everywhere, in batches."""
         for start in range(0, len(episodes), BATCH):
             batch = list(episodes[start : start + BATCH])
-            await coordination.retire(fleet, self.control.new_id("retire"), deadline, batch)
+            await fanout.retire(fleet, self.control.new_id("retire"), deadline, batch)
             for episode in batch:
                 self.book.retired(self.book.rollouts[episode.rollout_id], episode.attempt)

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import restore_published
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import restore_published
+from rollout_checkpoint.client.checkpointing.fanout import FleetError, awaiting_restore
+from rollout_checkpoint.client.checkpointing.publication import PublicationError, PublicationRoot
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import Previous, attempts_in
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
-from rollout_checkpoint.client.coordination import FleetError, awaiting_restore
 from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import PublicationError, PublicationRoot
 from rollout_checkpoint.client.recovery import end_cut_checkpoints
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -81,7 +81,7 @@ class FleetSetup:
         have created."""
         manifest, state = previous.manifest, previous.state
         assert manifest is not None and state is not None
-        statuses = await coordination.fan_out(
+        statuses = await fanout.fan_out(
             "status", self.fleet.members, lambda m: m.client.get_status(), self.fleet.spec.fan_out
         )
         survivors = not all(awaiting_restore(s) for s in statuses.values())
@@ -149,7 +149,7 @@ class FleetSetup:
         except PublicationError as error:
             self.view.note(f"collect: checkpoint {name} cannot be restored ({error})")
             return False
-        await coordination.resume(self.fleet, restore_id, deadline)
+        await fanout.resume(self.fleet, restore_id, deadline)
         for episode in scope:
             self.book.continues(self.book.rollouts[episode.rollout_id], episode.attempt + 1)
         into = "the fleet, its survivors rejoining" if survivors is not None else "a fresh fleet"
@@ -162,12 +162,12 @@ class FleetSetup:
         """Resume every member: a fleet started closed opens, and a checkpoint a crashed
         collector left open (its fleet kept running) is ended, so Retire is allowed."""
         fleet = self.fleet
-        statuses = await coordination.fan_out(
+        statuses = await fanout.fan_out(
             "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
         )
         fresh = self.control.new_id("open")
         for _, members in reversed(fleet.stages()):
-            await coordination.fan_out(
+            await fanout.fan_out(
                 "resume",
                 members,
                 lambda m: m.client.resume(statuses[m.name].checkpoint_id or fresh, deadline),
@@ -187,7 +187,7 @@ class FleetSetup:
             restart.append(EpisodeId(rollout.rollout_id, highest))
         for start in range(0, len(restart), BATCH):
             batch = restart[start : start + BATCH]
-            await coordination.retire(self.fleet, self.control.new_id("retire"), deadline, batch)
+            await fanout.retire(self.fleet, self.control.new_id("retire"), deadline, batch)
             for episode in batch:
                 rollout = self.book.rollouts[episode.rollout_id]
                 self.book.retired(rollout, episode.attempt)

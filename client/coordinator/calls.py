@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from rollout_checkpoint.client.coordination import FleetError, FleetProgress, Outcome
+from rollout_checkpoint.client.checkpointing.fanout import FleetError, FleetProgress, Outcome
 from rollout_checkpoint.client.coordinator.fleet_events import WatcherTooSlow
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason

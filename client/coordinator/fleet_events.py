@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rollout_checkpoint.client.membership import Change, MemberEvent
+from rollout_checkpoint.client.fleet.membership import Change, MemberEvent
 from rollout_checkpoint.server.core.rpc.wire import timestamp
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 

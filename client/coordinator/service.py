@@ -18,14 +18,22 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import (
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import (
     CheckpointEvent,
     Phase,
     checkpoint,
     restore_published,
 )
-from rollout_checkpoint.client.coordination import DERIVE, FleetProgress, MemberProgress
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetProgress, MemberProgress
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationError,
+    PublicationRoot,
+    StorageFailed,
+    as_checkpoint_error,
+    open_checkpoint_root,
+    store_call,
+)
 from rollout_checkpoint.client.coordinator.calls import (
     PREPARE_OUTCOMES,
     SERVICE,
@@ -39,15 +47,7 @@ from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.coordinator.supervisor import Supervisor, SupervisorSettings
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
-from rollout_checkpoint.client.membership import FleetWatch
-from rollout_checkpoint.client.publication import (
-    PublicationError,
-    PublicationRoot,
-    StorageFailed,
-    as_checkpoint_error,
-    open_checkpoint_root,
-    store_call,
-)
+from rollout_checkpoint.client.fleet.membership import FleetWatch
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id, rollout_id_problem
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
@@ -149,7 +149,7 @@ class CoordinatorServicer:
     async def _guard(self, call: Any) -> Any:
         try:
             return await call
-        except coordination.FleetError as error:
+        except fanout.FleetError as error:
             if error.reason == Reason.PARTICIPANT_UNREACHABLE or any(
                 not e.decided_by_server for e in error.failures.values()
             ):
@@ -182,7 +182,7 @@ class CoordinatorServicer:
         deadline = self._deadline(request, "deadline")
         _check_id(request.checkpoint_id)
         fleet = await self.fleet()
-        async for progress in coordination.prepare(fleet, request.checkpoint_id, deadline):
+        async for progress in fanout.prepare(fleet, request.checkpoint_id, deadline):
             yield cpb.CoordinatorServicePrepareResponse(
                 progress=_progress(progress), final=progress.outcome is not None
             )
@@ -195,9 +195,7 @@ class CoordinatorServicer:
         scope = _scope_choice(request)
         fleet = await self.fleet()
         result = await self._guard(
-            coordination.commit(
-                fleet, request.checkpoint_id, deadline, request.checkpoint_dir, scope
-            )
+            fanout.commit(fleet, request.checkpoint_id, deadline, request.checkpoint_dir, scope)
         )
         return cpb.CoordinatorServiceCommitResponse(
             members=[
@@ -251,7 +249,7 @@ class CoordinatorServicer:
         deadline = self._deadline(request, "deadline", allow_past=True)
         _check_id(request.checkpoint_id)
         fleet = await self.fleet()
-        replies = await self._guard(coordination.resume(fleet, request.checkpoint_id, deadline))
+        replies = await self._guard(fanout.resume(fleet, request.checkpoint_id, deadline))
         return cpb.CoordinatorServiceResumeResponse(
             idempotent_members=sorted(n for n, r in replies.items() if r.idempotent)
         )
@@ -265,7 +263,7 @@ class CoordinatorServicer:
         if not episodes:
             raise invalid_request("episodes", "must name at least one episode")
         fleet = await self.fleet()
-        await self._guard(coordination.retire(fleet, request.checkpoint_id, deadline, episodes))
+        await self._guard(fanout.retire(fleet, request.checkpoint_id, deadline, episodes))
         return cpb.CoordinatorServiceRetireResponse(retired=[e.capture_key for e in episodes])
 
     async def forget(
@@ -281,7 +279,7 @@ class CoordinatorServicer:
                 raise invalid_request("rollout_ids", problem)
         fleet = await self.fleet()
         await self._guard(
-            coordination.forget(fleet, request.checkpoint_id, deadline, list(request.rollout_ids))
+            fanout.forget(fleet, request.checkpoint_id, deadline, list(request.rollout_ids))
         )
         return cpb.CoordinatorServiceForgetResponse(forgotten=sorted(set(request.rollout_ids)))
 
@@ -291,7 +289,7 @@ class CoordinatorServicer:
         deadline = self._deadline(request, "deadline")
         _check_id(request.checkpoint_id)
         fleet = await self.fleet()
-        earliest = await self._guard(coordination.renew(fleet, request.checkpoint_id, deadline))
+        earliest = await self._guard(fanout.renew(fleet, request.checkpoint_id, deadline))
         return cpb.CoordinatorServiceRenewResponse(lease_expires_at=timestamp(earliest))
 
     async def checkpoint(
@@ -355,7 +353,7 @@ async def _discover(spec: FleetSpec) -> Fleet:
             name: error.errors.get(name) or ControlError(grpc.StatusCode.UNAVAILABLE, message)
             for name, message in error.failures.items()
         }
-        raise coordination.FleetError("discover", failures) from error
+        raise fanout.FleetError("discover", failures) from error
 
 
 def _check_id(checkpoint_id: str) -> None:
@@ -485,6 +483,8 @@ class Coordinator:
         self._server: aio.Server | None = None
 
     async def start(self) -> int:
+        """Bind and start serving (health SERVING first), then the supervisor; returns the
+        bound port (an address ending in `:0` picks a free one)."""
         server = aio.server(
             interceptors=[BearerTokenInterceptor(self.servicer.spec.token)],
             options=[("grpc.so_reuseport", 0)],
@@ -511,6 +511,8 @@ class Coordinator:
         return self.port
 
     async def stop(self) -> None:
+        """Stop gracefully: health NOT_SERVING first (so balancers move away), then the
+        supervisor and the member watch, then the server within `grace` seconds."""
         await self.health.enter_graceful_shutdown()
         if self.supervisor is not None:
             await self.supervisor.stop()

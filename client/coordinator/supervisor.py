@@ -49,8 +49,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client.checkpointing import CheckpointOutcome, Phase, checkpoint
-from rollout_checkpoint.client.coordination import DERIVE, FleetError, awaiting_restore
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointOutcome, Phase, checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetError, awaiting_restore
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationError,
+    as_checkpoint_error,
+    open_checkpoint_root,
+    store_call,
+)
 from rollout_checkpoint.client.coordinator.calls import (
     listed_blockers,
     prepare_outcome,
@@ -59,14 +65,8 @@ from rollout_checkpoint.client.coordinator.calls import (
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.membership import Change, FleetWatch, MemberEvent
+from rollout_checkpoint.client.fleet.membership import Change, FleetWatch, MemberEvent
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.publication import (
-    PublicationError,
-    as_checkpoint_error,
-    open_checkpoint_root,
-    store_call,
-)
 from rollout_checkpoint.client.recovery import (
     RECOVERY_PREFIX,
     Recovery,

@@ -8,7 +8,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from rollout_checkpoint.client.publication.errors import CheckpointCorrupt, StorageFailed
+from rollout_checkpoint.client.checkpointing.publication.errors import (
+    CheckpointCorrupt,
+    StorageFailed,
+)
 from rollout_checkpoint.server.core import layout, safe_files
 
 ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC

@@ -14,32 +14,36 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rollout_checkpoint.client.publication.errors import (
+from rollout_checkpoint.client.checkpointing.publication.errors import (
     CheckpointConflict,
     CheckpointCorrupt,
     NoPublishedCheckpoint,
     StorageFailed,
 )
-from rollout_checkpoint.client.publication.files import (
+from rollout_checkpoint.client.checkpointing.publication.files import (
     DIR_FLAGS,
     ROOT_FLAGS,
     io_errors,
     open_failure,
     read_regular,
 )
-from rollout_checkpoint.client.publication.latest import (
+from rollout_checkpoint.client.checkpointing.publication.latest import (
     is_published,
     latest_is_newer,
     read_latest,
     write_latest,
 )
-from rollout_checkpoint.client.publication.manifest import (
+from rollout_checkpoint.client.checkpointing.publication.manifest import (
     FleetManifest,
     PublishedParticipant,
     check_unique,
 )
-from rollout_checkpoint.client.publication.retention import apply_retention, scan_root
-from rollout_checkpoint.client.publication.verify import CheckpointSummary, verify_open, verify_part
+from rollout_checkpoint.client.checkpointing.publication.retention import apply_retention, scan_root
+from rollout_checkpoint.client.checkpointing.publication.verify import (
+    CheckpointSummary,
+    verify_open,
+    verify_part,
+)
 from rollout_checkpoint.server.core import daemon_threads, layout, safe_files
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.layout import (

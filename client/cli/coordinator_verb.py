@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rollout_checkpoint.client.console import CliError, ExitCode
+from rollout_checkpoint.client.cli.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.server.core.rpc.health_listener import HealthBindError
 from rollout_checkpoint.server.core.rpc.tls import TlsFilesError, server_credentials

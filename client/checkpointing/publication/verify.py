@@ -13,15 +13,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.client.publication.errors import CheckpointCorrupt
-from rollout_checkpoint.client.publication.files import (
+from rollout_checkpoint.client.checkpointing.publication.errors import CheckpointCorrupt
+from rollout_checkpoint.client.checkpointing.publication.files import (
     DIR_FLAGS,
     ROOT_FLAGS,
     io_errors,
     open_part_dir,
     read_regular,
 )
-from rollout_checkpoint.client.publication.manifest import (
+from rollout_checkpoint.client.checkpointing.publication.manifest import (
     FleetManifest,
     PublishedParticipant,
     format_time,

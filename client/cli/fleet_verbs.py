@@ -18,15 +18,21 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.checkpointing import (
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import (
     ABORT_SECONDS,
     CheckpointOutcome,
     Phase,
     checkpoint,
     restore_published,
 )
-from rollout_checkpoint.client.console import (
+from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetError
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+    store_call,
+)
+from rollout_checkpoint.client.cli.console import (
     PROG,
     ExitCode,
     Interrupted,
@@ -35,17 +41,11 @@ from rollout_checkpoint.client.console import (
     human_bytes,
     signal_name,
 )
-from rollout_checkpoint.client.coordination import DERIVE, FleetError
+from rollout_checkpoint.client.cli.errors import fleet_error_line
+from rollout_checkpoint.client.cli.names import TOKEN_ENV, rfc3339
+from rollout_checkpoint.client.cli.progress import ProgressView, progress_json
+from rollout_checkpoint.client.cli.status import status_verb
 from rollout_checkpoint.client.fleet import Fleet, FleetConfigError, FleetSpec, load_fleet_file
-from rollout_checkpoint.client.publication import (
-    PublicationRoot,
-    open_checkpoint_root,
-    store_call,
-)
-from rollout_checkpoint.client.verbs.errors import fleet_error_line
-from rollout_checkpoint.client.verbs.names import TOKEN_ENV, rfc3339
-from rollout_checkpoint.client.verbs.progress import ProgressView, progress_json
-from rollout_checkpoint.client.verbs.status import status_verb
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
 
@@ -154,7 +154,7 @@ async def _abort_after_signal(
     name = signal_name(signum)
     command = resume_command(args, checkpoint_id)
     try:
-        await coordination.resume(fleet, checkpoint_id, time.time() + ABORT_SECONDS)
+        await fanout.resume(fleet, checkpoint_id, time.time() + ABORT_SECONDS)
     except FleetError as error:
         return Interrupted(
             signum,
@@ -183,9 +183,7 @@ async def _dispatch(
         opened.checkpoint_id = args.checkpoint_id
         view = ProgressView(args.json)
         with view:
-            last = await coordination.prepare_until_done(
-                fleet, args.checkpoint_id, deadline, view.update
-            )
+            last = await fanout.prepare_until_done(fleet, args.checkpoint_id, deadline, view.update)
         if not last.prepared:
             opened.checkpoint_id = None  # prepare's own answer: the members stay as they are
         view.final(last)
@@ -196,9 +194,7 @@ async def _dispatch(
         )
         return ExitCode.OK if last.prepared else ExitCode.NOT_PREPARED
     if command == "commit":
-        result = await coordination.commit(
-            fleet, args.checkpoint_id, deadline, args.dir, _scope(args)
-        )
+        result = await fanout.commit(fleet, args.checkpoint_id, deadline, args.dir, _scope(args))
         output.result(
             f"committed {args.checkpoint_id} into {args.dir}: {len(result.members)} members, "
             f"{result.record_count()} records, {human_bytes(result.bytes())}",
@@ -212,20 +208,20 @@ async def _dispatch(
     if command == "resume":
         return await _resume(args, output, fleet, deadline)
     if command == "retire":
-        await coordination.retire(fleet, args.checkpoint_id, deadline, args.episodes)
+        await fanout.retire(fleet, args.checkpoint_id, deadline, args.episodes)
         keys = [e.capture_key for e in args.episodes]
         output.result(
             f"retired {', '.join(keys)} on {len(fleet.members)} members", {"retired": keys}
         )
     elif command == "forget":
-        await coordination.forget(fleet, args.checkpoint_id, deadline, args.rollout_ids)
+        await fanout.forget(fleet, args.checkpoint_id, deadline, args.rollout_ids)
         forgotten = sorted(set(args.rollout_ids))
         output.result(
             f"forgot {', '.join(forgotten)} on {len(fleet.members)} members",
             {"forgotten": forgotten},
         )
     elif command == "renew":
-        earliest = rfc3339(await coordination.renew(fleet, args.checkpoint_id, deadline))
+        earliest = rfc3339(await fanout.renew(fleet, args.checkpoint_id, deadline))
         output.result(
             f"renewed {args.checkpoint_id}: the earliest lease expires at {earliest}",
             {"lease_expires_at": earliest},
@@ -358,7 +354,7 @@ async def _restore(run: VerbRun) -> int:
 
 
 async def _resume(args: argparse.Namespace, output: Output, fleet: Fleet, deadline: float) -> int:
-    replies = await coordination.resume(fleet, args.checkpoint_id, deadline)
+    replies = await fanout.resume(fleet, args.checkpoint_id, deadline)
     statuses = await asyncio.gather(
         *(m.client.get_status() for m in fleet.members), return_exceptions=True
     )

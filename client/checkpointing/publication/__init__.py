@@ -64,8 +64,8 @@ and their summaries); `bounded` (`store_call`: a root's method bounded by a dead
 
 from __future__ import annotations
 
-from rollout_checkpoint.client.publication.bounded import store_call, store_call_sync
-from rollout_checkpoint.client.publication.errors import (
+from rollout_checkpoint.client.checkpointing.publication.bounded import store_call, store_call_sync
+from rollout_checkpoint.client.checkpointing.publication.errors import (
     CheckpointConflict,
     CheckpointCorrupt,
     NoPublishedCheckpoint,
@@ -74,20 +74,23 @@ from rollout_checkpoint.client.publication.errors import (
     as_checkpoint_error,
     reason_of,
 )
-from rollout_checkpoint.client.publication.manifest import (
+from rollout_checkpoint.client.checkpointing.publication.manifest import (
     FleetManifest,
     PublishedParticipant,
     format_time,
     parse_time,
 )
-from rollout_checkpoint.client.publication.root import (
+from rollout_checkpoint.client.checkpointing.publication.root import (
     CheckpointRoot,
     CrashHook,
     PendingRetention,
     PublishedCheckpoint,
 )
-from rollout_checkpoint.client.publication.roots import PublicationRoot, open_checkpoint_root
-from rollout_checkpoint.client.publication.verify import (
+from rollout_checkpoint.client.checkpointing.publication.roots import (
+    PublicationRoot,
+    open_checkpoint_root,
+)
+from rollout_checkpoint.client.checkpointing.publication.verify import (
     CheckpointSummary,
     ParticipantSummary,
     inspect,

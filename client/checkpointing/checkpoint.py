@@ -30,8 +30,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.coordination import (
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import (
     DERIVE,
     FleetCommit,
     FleetError,
@@ -39,14 +39,14 @@ from rollout_checkpoint.client.coordination import (
     Outcome,
     awaiting_restore,
 )
-from rollout_checkpoint.client.fleet import Fleet
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointCorrupt,
     PublicationRoot,
     PublishedCheckpoint,
     PublishedParticipant,
     store_call,
 )
+from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 
@@ -56,6 +56,8 @@ ABORT_SECONDS = 30.0
 
 
 class Phase:
+    """The steps of a checkpoint, in order, as `CheckpointEvent.phase` names them."""
+
     PREPARE = "PREPARE"
     SCOPE = "SCOPE"
     COMMIT = "COMMIT"
@@ -68,6 +70,9 @@ class Phase:
 
 @dataclass
 class CheckpointOutcome:
+    """What one checkpoint did: how its prepare ended, what was committed and published, and
+    how long each step took (seconds). `published` is None when nothing was published."""
+
     checkpoint_id: str
     prepare_outcome: str
     published: PublishedCheckpoint | None = None
@@ -88,10 +93,12 @@ class CheckpointOutcome:
 
     @property
     def record_count(self) -> int:
+        """Records committed (0 when nothing was)."""
         return self.commit.record_count() if self.commit is not None else 0
 
     @property
     def bytes(self) -> int:
+        """Bytes of records committed (0 when nothing was)."""
         return self.commit.bytes() if self.commit is not None else 0
 
 
@@ -114,6 +121,7 @@ class CheckpointEvent:
 
     @property
     def final(self) -> bool:
+        """Whether this is the last event (it carries the outcome)."""
         return self.phase == Phase.DONE
 
 
@@ -137,117 +145,59 @@ async def checkpoint(
 
     `asynchronous`: snapshot, resume, then wait for the parts and publish (see the module
     docstring). A part that fails after the resume raises `FleetError` ("await part") with
-    nothing published; the fleet is already running."""
+    nothing published; the fleet is already running.
+
+    Both modes share every step up to the commit and after the publication; they differ in
+    what the abort covers. Until every member answered its commit (synchronous: until the
+    checkpoint is published) a failure aborts, resuming the fleet. After an asynchronous
+    resume only the publication is at stake: a part that failed, a member that died or was
+    replaced mid-write, or a write still running at `deadline` raises and publishes nothing,
+    so `LATEST` keeps naming the previous complete checkpoint."""
+    if checkpoint_id is None:
+        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
+    directory = root.directory(checkpoint_id)
+    started = time.monotonic()
+    prepared: list[CheckpointOutcome] = []
+    async for event in _prepare(fleet, checkpoint_id, deadline, started, prepared, asynchronous):
+        yield event
+    outcome = prepared[0]
+    progress = outcome.progress
+    if outcome.prepare_outcome != Outcome.PREPARED:
+        return
+    mode = {"asynchronous": True} if asynchronous else {}
+    try:
+        if fix_scope is not None:
+            yield CheckpointEvent(Phase.SCOPE, progress)
+            fixed, controller_state = await fix_scope(checkpoint_id)
+            scope = tuple(fixed)
+        yield CheckpointEvent(Phase.COMMIT, progress, detail=dict(mode))
+        commit_started = time.monotonic()
+        committed = await fanout.commit(
+            fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=asynchronous
+        )
+        outcome.commit_seconds = time.monotonic() - commit_started
+        if not asynchronous:
+            outcome.commit = committed
+            async for event in _publish(
+                fleet, root, committed, controller_state, keep, outcome, deadline
+            ):
+                yield event
+    except BaseException:
+        await _abort(fleet, checkpoint_id, deadline)
+        raise
+    if not keep_closed:
+        yield CheckpointEvent(Phase.RESUME, progress, detail=dict(mode))
+        await fanout.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+        outcome.resumed_seconds = time.monotonic() - started
     if asynchronous:
-        async for event in _asynchronous_checkpoint(
-            fleet,
-            root,
-            deadline,
-            checkpoint_id=checkpoint_id,
-            scope=scope,
-            controller_state=controller_state,
-            keep=keep,
-            keep_closed=keep_closed,
-            fix_scope=fix_scope,
+        yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
+        durable_started = time.monotonic()
+        outcome.commit = await fanout.await_parts(fleet, checkpoint_id, committed, deadline)
+        outcome.durable_seconds = time.monotonic() - durable_started
+        async for event in _publish(
+            fleet, root, outcome.commit, controller_state, keep, outcome, deadline
         ):
             yield event
-        return
-    if checkpoint_id is None:
-        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
-    directory = root.directory(checkpoint_id)
-    started = time.monotonic()
-    prepared: list[CheckpointOutcome] = []
-    async for event in _prepare(fleet, checkpoint_id, deadline, started, prepared, False):
-        yield event
-    outcome = prepared[0]
-    progress = outcome.progress
-    if outcome.prepare_outcome != Outcome.PREPARED:
-        return
-    try:
-        if fix_scope is not None:
-            yield CheckpointEvent(Phase.SCOPE, progress)
-            fixed, controller_state = await fix_scope(checkpoint_id)
-            scope = tuple(fixed)
-        yield CheckpointEvent(Phase.COMMIT, progress)
-        commit_started = time.monotonic()
-        result = await coordination.commit(fleet, checkpoint_id, deadline, str(directory), scope)
-        outcome.commit = result
-        outcome.commit_seconds = time.monotonic() - commit_started
-        yield CheckpointEvent(
-            Phase.PUBLISH,
-            progress,
-            detail={"records": result.record_count(), "bytes": result.bytes()},
-        )
-        await _publish(fleet, root, result, controller_state, keep, outcome, deadline)
-    except BaseException:
-        await _abort(fleet, checkpoint_id, deadline)
-        raise
-    if not keep_closed:
-        yield CheckpointEvent(Phase.RESUME, progress)
-        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
-        outcome.resumed_seconds = time.monotonic() - started
-    await _complete_retention(root, outcome, deadline)
-    yield CheckpointEvent(Phase.DONE, progress, outcome)
-
-
-async def _asynchronous_checkpoint(
-    fleet: Fleet,
-    root: PublicationRoot,
-    deadline: float,
-    *,
-    checkpoint_id: str | None,
-    scope: Iterable[EpisodeId] | str | None,
-    controller_state: bytes,
-    keep: int,
-    keep_closed: bool,
-    fix_scope: ScopeFixer | None,
-) -> AsyncIterator[CheckpointEvent]:
-    """prepare -> snapshot everywhere -> resume -> every part durable -> publish.
-
-    Until every member answered its snapshot a failure aborts (resumes) as in the synchronous
-    order. After the resume only the publication is at stake: a part that failed, a member
-    that died or was replaced mid-write, or a write still running at `deadline` raises and
-    publishes nothing, so `LATEST` keeps naming the previous complete checkpoint."""
-    if checkpoint_id is None:
-        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
-    directory = root.directory(checkpoint_id)
-    started = time.monotonic()
-    prepared: list[CheckpointOutcome] = []
-    async for event in _prepare(fleet, checkpoint_id, deadline, started, prepared, True):
-        yield event
-    outcome = prepared[0]
-    progress = outcome.progress
-    if outcome.prepare_outcome != Outcome.PREPARED:
-        return
-    try:
-        if fix_scope is not None:
-            yield CheckpointEvent(Phase.SCOPE, progress)
-            fixed, controller_state = await fix_scope(checkpoint_id)
-            scope = tuple(fixed)
-        yield CheckpointEvent(Phase.COMMIT, progress, detail={"asynchronous": True})
-        commit_started = time.monotonic()
-        snapshots = await coordination.commit(
-            fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=True
-        )
-        outcome.commit_seconds = time.monotonic() - commit_started
-    except BaseException:
-        await _abort(fleet, checkpoint_id, deadline)
-        raise
-    if not keep_closed:
-        yield CheckpointEvent(Phase.RESUME, progress, detail={"asynchronous": True})
-        await coordination.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
-        outcome.resumed_seconds = time.monotonic() - started
-    yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
-    durable_started = time.monotonic()
-    result = await coordination.await_parts(fleet, checkpoint_id, snapshots, deadline)
-    outcome.commit = result
-    outcome.durable_seconds = time.monotonic() - durable_started
-    yield CheckpointEvent(
-        Phase.PUBLISH,
-        progress,
-        detail={"records": result.record_count(), "bytes": result.bytes()},
-    )
-    await _publish(fleet, root, result, controller_state, keep, outcome, deadline)
     await _complete_retention(root, outcome, deadline)
     yield CheckpointEvent(Phase.DONE, progress, outcome)
 
@@ -267,7 +217,7 @@ async def _prepare(
     progress: FleetProgress | None = None
     await refuse_members_awaiting_restore(fleet)
     try:
-        async for progress in coordination.prepare(fleet, checkpoint_id, deadline):
+        async for progress in fanout.prepare(fleet, checkpoint_id, deadline):
             yield CheckpointEvent(Phase.PREPARE, progress)
     except FleetError as error:
         replaced = {
@@ -308,7 +258,7 @@ async def refuse_members_awaiting_restore(fleet: Fleet) -> None:
     unchecked = [m for m in fleet.members if not (m.prepare_fence and m.state_checked_boot_id)]
     if not unchecked:
         return
-    statuses = await coordination.fan_out(
+    statuses = await fanout.fan_out(
         "status", unchecked, lambda m: m.client.get_status(), fleet.spec.fan_out
     )
     waiting = sorted(name for name, status in statuses.items() if awaiting_restore(status))
@@ -333,13 +283,19 @@ async def _publish(
     keep: int,
     outcome: CheckpointOutcome,
     deadline: float,
-) -> None:
-    """Publish `outcome`'s checkpoint from every member's durable part (in a thread: it
-    verifies every part) and record what was published and continued. Retention is left
-    pending for `_complete_retention`, which runs once the fleet runs again.
+) -> AsyncIterator[CheckpointEvent]:
+    """Announce (PUBLISH), then publish `outcome`'s checkpoint from every member's durable
+    part (in a thread: it verifies every part) and record what was published and continued.
+    Retention is left pending for `_complete_retention`, which runs once the fleet runs
+    again.
 
     Bounded by the checkpoint's deadline: a store that hangs is `StorageFailed` then, and the
     publication is abandoned before its next step (`publication.bounded`)."""
+    yield CheckpointEvent(
+        Phase.PUBLISH,
+        outcome.progress,
+        detail={"records": result.record_count(), "bytes": result.bytes()},
+    )
     publish_started = time.monotonic()
     continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
     parts = [
@@ -399,7 +355,7 @@ def _exported(result: FleetCommit) -> tuple[EpisodeId, ...]:
 
 async def _name_replacements_awaiting_restore(fleet: Fleet) -> None:
     """Members that refused a fenced Prepare are other processes now, no longer checked
-    (`coordination._check_again` forgot them): read their status again, so a replacement
+    (`fanout._check_again` forgot them): read their status again, so a replacement
     awaiting its restore is named as such (INVALID_PHASE `awaitingRestore`, what a
     supervisor recovers from) rather than as a failed prepare."""
     with contextlib.suppress(FleetError):
@@ -416,7 +372,7 @@ async def _abort(
     The checkpoint's own failure is what the caller gets; a failed resume here is only logged.
     """
     try:
-        await coordination.resume(
+        await fanout.resume(
             fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS), sparing=sparing
         )
     except FleetError as error:
@@ -430,6 +386,9 @@ async def _abort(
 
 @dataclass
 class RestoredCheckpoint:
+    """A restore done: the published checkpoint it came from, every member's Restore reply (by
+    member name), the continued episodes, and the controller state published with it."""
+
     source_checkpoint_id: str
     replies: dict[str, object]
     continued: tuple[EpisodeId, ...]
@@ -491,9 +450,9 @@ async def restore_published(
     `checkpoint_id` is the fresh control id of this restore; `source` names the published
     checkpoint (None or "LATEST": the latest). Every member must have a part in it.
     `rejoin`: restore a fleet whose members may have served, such as the survivors of a
-    crash whose crashed member was replaced (`coordination.restore`)."""
+    crash whose crashed member was replaced (`fanout.restore`)."""
     verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
-    replies = await coordination.restore(
+    replies = await fanout.restore(
         fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
     )
     return RestoredCheckpoint(

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rollout_checkpoint.client.publication.errors import StorageFailed
+from rollout_checkpoint.client.checkpointing.publication.errors import StorageFailed
 from rollout_checkpoint.server.core import daemon_threads
 
 T = TypeVar("T")

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from rollout_checkpoint.client.publication.errors import CheckpointCorrupt
-from rollout_checkpoint.client.publication.files import DIR_FLAGS
-from rollout_checkpoint.client.publication.latest import created_at_for_ordering, read_latest
+from rollout_checkpoint.client.checkpointing.publication.errors import CheckpointCorrupt
+from rollout_checkpoint.client.checkpointing.publication.files import DIR_FLAGS
+from rollout_checkpoint.client.checkpointing.publication.latest import (
+    created_at_for_ordering,
+    read_latest,
+)
 from rollout_checkpoint.server.core import daemon_threads, layout
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.layout import (

@@ -1,7 +1,7 @@
 """The `rollout-checkpoint` command line: the top-level parser and `main`.
 
-The verbs live in `rollout_checkpoint.client.verbs` (fleet verbs, `status`, `health`,
-`inspect`, `coordinator`, `participant`) and `rollout_checkpoint.client.collect` (`collect`);
+The verbs live beside it in `rollout_checkpoint.client.cli` (fleet verbs, `status`, `health`,
+`inspect`, `coordinator`, `participant`) and in `rollout_checkpoint.client.collect` (`collect`);
 `serve` and `demo` exec the examples. Every verb ends through one handler (`console.run_verb`):
 errors are one line and an exit code of the one table in `console.ExitCode`, never a
 traceback.
@@ -47,10 +47,10 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from rollout_checkpoint.client.cli.console import HelpFormatter, exit_code_table
+    from rollout_checkpoint.client.cli.parsers import add_fleet_verbs
+    from rollout_checkpoint.client.cli.participant import add_participant_verbs
     from rollout_checkpoint.client.collect import add_collect_verb
-    from rollout_checkpoint.client.console import HelpFormatter, exit_code_table
-    from rollout_checkpoint.client.verbs.parsers import add_fleet_verbs
-    from rollout_checkpoint.client.verbs.participant import add_participant_verbs
 
     kinds = ", ".join(f"{name} ({what})" for name, what in SERVED_KINDS)
     parser = argparse.ArgumentParser(
@@ -115,12 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_verb(args: argparse.Namespace, arguments: list[str]) -> int:
+    from rollout_checkpoint.client.cli.console import run_async, run_verb
+    from rollout_checkpoint.client.cli.dispatch import is_fleet_command
+    from rollout_checkpoint.client.cli.dispatch import run as run_fleet_command
+    from rollout_checkpoint.client.cli.errors import classify
+    from rollout_checkpoint.client.cli.participant import participant_verb
     from rollout_checkpoint.client.collect import run_collect
-    from rollout_checkpoint.client.console import run_async, run_verb
-    from rollout_checkpoint.client.verbs import is_fleet_command
-    from rollout_checkpoint.client.verbs import run as run_fleet_command
-    from rollout_checkpoint.client.verbs.errors import classify
-    from rollout_checkpoint.client.verbs.participant import participant_verb
 
     if args.command == "collect":
         return run_collect(args, ["rollout-checkpoint", *arguments])

@@ -10,9 +10,9 @@ import stat
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rollout_checkpoint.client.publication.errors import CheckpointCorrupt
-from rollout_checkpoint.client.publication.files import DIR_FLAGS, read_regular
-from rollout_checkpoint.client.publication.manifest import parse_time
+from rollout_checkpoint.client.checkpointing.publication.errors import CheckpointCorrupt
+from rollout_checkpoint.client.checkpointing.publication.files import DIR_FLAGS, read_regular
+from rollout_checkpoint.client.checkpointing.publication.manifest import parse_time
 from rollout_checkpoint.server.core import layout, safe_files
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.layout import (

@@ -9,15 +9,15 @@ import json
 import time
 from pathlib import Path
 
-from rollout_checkpoint.client.collect.journal import DISPATCH_LOG
-from rollout_checkpoint.client.console import CliError, ExitCode
-from rollout_checkpoint.client.publication import (
+from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointSummary,
     NoPublishedCheckpoint,
     store_call_sync,
     verify_checkpoint,
 )
-from rollout_checkpoint.client.publication.object_root import verify_object_checkpoint
+from rollout_checkpoint.client.checkpointing.publication.object_root import verify_object_checkpoint
+from rollout_checkpoint.client.cli.console import CliError, ExitCode
+from rollout_checkpoint.client.collect.journal import DISPATCH_LOG
 from rollout_checkpoint.server.core.layout import FLEET_MANIFEST_NAME, LATEST_NAME, PARTICIPANTS_DIR
 from rollout_checkpoint.server.core.object_store import is_object_url
 

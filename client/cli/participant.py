@@ -17,15 +17,15 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from rollout_checkpoint.client.console import (
+from rollout_checkpoint.client.cli.console import (
     CliError,
     ExitCode,
     HelpFormatter,
     epilog,
     exit_code_table,
 )
+from rollout_checkpoint.client.cli.names import EPISODE_FORMAT, TOKEN_ENV, episode_arg
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.client.verbs.names import EPISODE_FORMAT, TOKEN_ENV, episode_arg
 
 _RPCS: dict[str, tuple[str, str, bool]] = {
     # name: (help, example arguments, takes a checkpoint id)

@@ -10,11 +10,11 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
-from rollout_checkpoint.client.checkpointing import CheckpointEvent, Phase
-from rollout_checkpoint.client.console import make_console
-from rollout_checkpoint.client.coordination import FleetProgress
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent, Phase
+from rollout_checkpoint.client.checkpointing.fanout import FleetProgress
+from rollout_checkpoint.client.cli.console import make_console
+from rollout_checkpoint.client.cli.names import state_name
 from rollout_checkpoint.client.fleet import KIND_NAMES
-from rollout_checkpoint.client.verbs.names import state_name
 
 
 class ProgressView:

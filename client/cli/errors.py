@@ -5,12 +5,16 @@ a conflict's refusal names the active checkpoint, so the operator knows what to 
 
 from __future__ import annotations
 
-from rollout_checkpoint.client import coordination
-from rollout_checkpoint.client.console import CliError, ExitCode
-from rollout_checkpoint.client.coordination import FleetError
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.publication import (
+    CheckpointCorrupt,
+    PublicationError,
+    reason_of,
+)
+from rollout_checkpoint.client.cli.console import CliError, ExitCode
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, FleetConfigError
-from rollout_checkpoint.client.publication import CheckpointCorrupt, PublicationError, reason_of
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.extras import MissingExtra
 
@@ -36,7 +40,7 @@ def classify(error: BaseException) -> CliError | None:
             else ExitCode.REFUSED,
             fleet_error_line(error),
             error.reason,
-            {"failures": coordination.describe_failures(error)},
+            {"failures": fanout.describe_failures(error)},
         )
     if isinstance(error, ControlError):
         return control_error(error)

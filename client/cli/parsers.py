@@ -8,9 +8,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.client.console import HelpFormatter, add_output_flags, epilog
+from rollout_checkpoint.client.cli.console import HelpFormatter, add_output_flags, epilog
+from rollout_checkpoint.client.cli.names import EPISODE_FORMAT, TOKEN_ENV, episode_arg
 from rollout_checkpoint.client.participant import LIVENESS_HEALTH, READINESS_HEALTH
-from rollout_checkpoint.client.verbs.names import EPISODE_FORMAT, TOKEN_ENV, episode_arg
 
 INSPECT_TIMEOUT_SECONDS = 120.0
 """`inspect --timeout`'s default: the fleet verbs' own. Verifying hashes every record, so a

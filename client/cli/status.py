@@ -19,7 +19,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2
 from rich.table import Table
 
-from rollout_checkpoint.client.console import PROG, ExitCode, make_console
+from rollout_checkpoint.client.cli.console import PROG, ExitCode, make_console
+from rollout_checkpoint.client.cli.errors import control_error
+from rollout_checkpoint.client.cli.names import state_name
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import KIND_NAMES, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import (
@@ -27,8 +29,6 @@ from rollout_checkpoint.client.participant import (
     READINESS_HEALTH,
     SERVER_HEALTH,
 )
-from rollout_checkpoint.client.verbs.errors import control_error
-from rollout_checkpoint.client.verbs.names import state_name
 from rollout_checkpoint.server.core.errors import Reason
 
 HEALTH_TIMEOUT_SECONDS = 5.0

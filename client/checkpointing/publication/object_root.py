@@ -36,26 +36,29 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from rollout_checkpoint.client.publication.errors import (
+from rollout_checkpoint.client.checkpointing.publication.errors import (
     CheckpointConflict,
     CheckpointCorrupt,
     NoPublishedCheckpoint,
     PublicationError,
     StorageFailed,
 )
-from rollout_checkpoint.client.publication.manifest import (
+from rollout_checkpoint.client.checkpointing.publication.manifest import (
     FleetManifest,
     PublishedParticipant,
     parse_time,
 )
-from rollout_checkpoint.client.publication.root import (
+from rollout_checkpoint.client.checkpointing.publication.root import (
     PendingRetention,
     PublishedCheckpoint,
     check_continued,
     check_participants,
     stop_if_abandoned,
 )
-from rollout_checkpoint.client.publication.verify import CheckpointSummary, ParticipantSummary
+from rollout_checkpoint.client.checkpointing.publication.verify import (
+    CheckpointSummary,
+    ParticipantSummary,
+)
 from rollout_checkpoint.server.core import daemon_threads, layout
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, corrupt_checkpoint
@@ -400,6 +403,8 @@ class ObjectCheckpointRoot:
         return checkpoint_id
 
     def load(self, checkpoint_id_or_latest: str | None = None) -> FleetManifest:
+        """The verified fleet manifest of a published checkpoint (None or "LATEST": latest),
+        as `CheckpointRoot.load`."""
         return self.inspect(checkpoint_id_or_latest).manifest
 
     def inspect(self, checkpoint_id_or_latest: str | None = None) -> CheckpointSummary:
