@@ -1,9 +1,9 @@
 """`rollout_checkpoint.client` is the controller library's one public module.
 
 Its `__all__` is the documented API (the docs' API reference is generated from it): every
-name resolves, every name and every public method or property of a public class says its
-contract in a docstring. (That importing it loads nothing, not even grpc, is
-tests/test_layout.py's `test_importing_the_light_packages_loads_no_grpc_and_no_runtime`.)
+name resolves, and every name, every public method or property of a public class and every
+field of one says its contract in a docstring. (That importing it loads nothing, not even
+grpc, is tests/test_layout.py's `test_importing_the_light_packages_loads_no_grpc_and_no_runtime`.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import rollout_checkpoint.client as client
 
 from .processes import REPO
-from .test_docstrings import _own_docstring, _undocumented_class
+from .test_docstrings import _own_docstring, _undocumented_class, _undocumented_fields
 
 
 def test_all_is_sorted_and_unique() -> None:
@@ -67,3 +67,16 @@ def _undocumented(name: str) -> Iterator[str]:
 def test_every_public_name_and_method_has_a_docstring() -> None:
     missing = [undocumented for name in client.__all__ for undocumented in _undocumented(name)]
     assert not missing, f"public names without a docstring: {missing}"
+
+
+def test_every_field_of_a_public_class_has_a_docstring() -> None:
+    """A public class's fields and constants are what a caller reads (an outcome, a progress
+    snapshot) or sets (the settings): each says its meaning in an attribute docstring, the
+    string right after it, which editors and the API reference show."""
+    missing = [
+        field
+        for name in client.__all__
+        if inspect.isclass(value := getattr(client, name))
+        for field in _undocumented_fields(value.__module__, name)
+    ]
+    assert not missing, f"fields without a docstring: {missing}"

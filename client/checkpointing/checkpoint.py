@@ -59,13 +59,19 @@ class Phase:
     """The steps of a checkpoint, in order, as `CheckpointEvent.phase` names them."""
 
     PREPARE = "PREPARE"
+    """Every stage is being prepared, in order; the event carries the progress."""
     SCOPE = "SCOPE"
+    """The fleet is prepared; `fix_scope` is deciding the scope and the controller state."""
     COMMIT = "COMMIT"
+    """Every member commits its part (asynchronous checkpoints: snapshots it)."""
     PUBLISH = "PUBLISH"
+    """Every part is committed and durable; the fleet manifest is being published."""
     RESUME = "RESUME"
+    """The fleet is being resumed (not with `keep_closed`)."""
     AWAIT_PARTS = "AWAIT_PARTS"
     """Asynchronous checkpoints: the fleet resumed; waiting until every part is durable."""
     DONE = "DONE"
+    """The last event: it carries the `CheckpointOutcome`."""
 
 
 @dataclass
@@ -74,15 +80,25 @@ class CheckpointOutcome:
     how long each step took (seconds). `published` is None when nothing was published."""
 
     checkpoint_id: str
+    """The checkpoint's id (the control id of every call, and its directory's name)."""
     prepare_outcome: str
+    """How the prepare ended (`Outcome`); nothing follows unless PREPARED."""
     published: PublishedCheckpoint | None = None
+    """The publication (None when nothing was published: not prepared)."""
     commit: FleetCommit | None = None
+    """Every member's commit reply and the scope (None when nothing was committed)."""
     continued: tuple[EpisodeId, ...] = ()
+    """The episodes the published checkpoint continues, sorted."""
     prepare_seconds: float = 0.0
+    """From the start until the prepare's outcome."""
     commit_seconds: float = 0.0
+    """The commit (asynchronous checkpoints: until every member snapshotted)."""
     publish_seconds: float = 0.0
+    """Verifying every part and publishing the fleet manifest."""
     progress: FleetProgress | None = None
+    """The prepare's last snapshot."""
     asynchronous: bool = False
+    """Whether the fleet resumed before its parts were durable."""
     durable_seconds: float = 0.0
     """Asynchronous checkpoints: from the resume until every part was durable."""
     resumed_seconds: float | None = None
@@ -115,9 +131,14 @@ class CheckpointEvent:
     """One step of a checkpoint: prepare progress, a phase change, or the final outcome."""
 
     phase: str
+    """The step this event reports (`Phase`)."""
     progress: FleetProgress | None = None
+    """The prepare's latest snapshot (None before the first)."""
     outcome: CheckpointOutcome | None = None
+    """Set on the last event (`Phase.DONE`) only."""
     detail: dict[str, object] = field(default_factory=dict)
+    """What the step adds: `records` and `bytes` at PUBLISH, `asynchronous` at COMMIT and RESUME,
+    `resumed` at AWAIT_PARTS."""
 
     @property
     def final(self) -> bool:
@@ -390,9 +411,13 @@ class RestoredCheckpoint:
     member name), the continued episodes, and the controller state published with it."""
 
     source_checkpoint_id: str
+    """The published checkpoint that was restored."""
     replies: dict[str, object]
+    """Every member's Restore reply, by member name."""
     continued: tuple[EpisodeId, ...]
+    """The episodes restored to continue (attempt N)."""
     controller_state: bytes
+    """The controller state published with the checkpoint."""
 
 
 @dataclass(frozen=True)

@@ -102,12 +102,19 @@ class MemberProgress:
     """One member's part of a `FleetProgress` (frozen: snapshots share unchanged entries)."""
 
     name: str
+    """The member's fleet-file name."""
     kind: Kind
+    """Its participant kind (its stage)."""
     reached: bool = False
+    """Whether the prepare reached its stage (members of later stages are not called yet)."""
     state: types_pb2.ParticipantState.ValueType = types_pb2.PARTICIPANT_STATE_UNSPECIFIED
+    """Its state as its last update reported it."""
     readiness: types_pb2.ReadinessReport = field(default_factory=types_pb2.ReadinessReport)
+    """Its last readiness report: what still blocks it (the blockers it lists and their count)."""
     done: bool = False
+    """Whether its prepare stream ended (its final message was its outcome)."""
     error: ControlError | None = None
+    """Its refusal or transport failure, when its prepare failed."""
 
 
 class Outcome:
@@ -117,8 +124,11 @@ class Outcome:
     fleet otherwise (`checkpoint` does)."""
 
     PREPARED = "PREPARED"
+    """Every member of every stage is PREPARED: the fleet may be committed."""
     NOT_PREPARED = "NOT_PREPARED"
+    """A stage was not prepared by the deadline."""
     ENDED = "ENDED"
+    """A member of the stage is IDLE again: the checkpoint ended on it before it prepared."""
 
 
 @dataclass
@@ -126,10 +136,15 @@ class FleetProgress:
     """A snapshot of the fleet's prepare. `outcome` is set on the last one only."""
 
     stage: Kind
+    """The stage being prepared (the last one reached, in the last snapshot)."""
     members: list[MemberProgress]
+    """Every member's progress, in the fleet's order (by stage, then name)."""
     sequence: int
+    """The snapshot's number within this prepare, from 1."""
     elapsed: float
+    """Seconds since the prepare started."""
     outcome: str | None = None
+    """How the prepare ended (`Outcome`); set on the last snapshot only."""
 
     @property
     def prepared(self) -> bool:
@@ -391,7 +406,9 @@ class FleetCommit:
     unscoped)."""
 
     members: dict[str, pb.CommitResponse]
+    """Every member's Commit reply (its part's manifest and digest), by member name."""
     scope: frozenset[EpisodeId] | None
+    """The episodes committed, or None for an unscoped commit (each member's exported ones)."""
 
     def record_count(self) -> int:
         """Records in every member's part."""

@@ -110,9 +110,11 @@ class RestartStrategy:
     max_tries: int = 3
     """Recovery tries allowed within `window_seconds`; one more gives up."""
     window_seconds: float = 600.0
+    """The window `max_tries` counts tries in (a failure rate, like Flink's)."""
     backoff_seconds: float = 1.0
     """The wait after the first failed try; doubled after each further one."""
     max_backoff_seconds: float = 30.0
+    """The longest wait between two tries, however many failed."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class SupervisorSettings:
     """The deadline of one recovery try (restore and resume), and how long it waits for a
     member that is down before the try counts as failed."""
     strategy: RestartStrategy = field(default_factory=RestartStrategy)
+    """How many recovery tries before the supervisor gives up."""
     step: StepHook = no_pause
     """Awaited at each point between the steps of a recovery or a checkpoint (tests kill the
     supervisor there: `coordinator --supervise` pauses at the point that

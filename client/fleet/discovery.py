@@ -42,11 +42,18 @@ class Member:
     """A discovered fleet member and its client."""
 
     name: str
+    """The member's fleet-file name."""
     address: str
+    """Its sidecar's gRPC address."""
     kind: Kind
+    """Its participant kind, which places it in the prepare order (`STAGE_ORDER`)."""
     instance: str
+    """The instance name it reported: its part's directory under its kind."""
     boot_id: str
+    """The boot id of the process discovery found; a new one is a new process, whose state is
+    gone."""
     client: ParticipantClient
+    """The member's client (closed with the fleet)."""
     prepare_fence: bool = False
     """The member honours `PrepareRequest.expected_boot_id` (GetParticipant says so)."""
     state_checked_boot_id: str = ""

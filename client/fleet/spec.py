@@ -49,7 +49,9 @@ class MemberSpec:
     """One fleet member as the fleet file names it: its name and its sidecar's address."""
 
     name: str
+    """The member's name in the fleet file: unique, a valid id, what every report names."""
     address: str
+    """Its sidecar's gRPC address (`host:port`)."""
 
 
 @dataclass(frozen=True)

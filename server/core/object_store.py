@@ -22,7 +22,7 @@ Why each rule exists:
   instead, so retries are bounded here (`RETRY_SECONDS`). A store that accepts connections and
   never answers is not retried at all: one request waits `REQUEST_SECONDS` (sized for a large
   upload), so every caller that has a deadline bounds the call itself (a participant's Commit
-  and Restore; a controller through `client.publication.bounded`).
+  and Restore; a controller through `client.checkpointing.publication.bounded`).
 * **obstore is imported lazily** (the optional `[s3]` extra): a local-only installation never
   needs it, and one that names a URL without it gets `extras.MissingExtra`, whose one line
   says which extra to install.
