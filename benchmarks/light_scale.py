@@ -6,9 +6,9 @@ plane, over an always-ready participant with a few tiny episodes); a fleet of si
 first S members, spread over every host, so the sizes run interleaved round by round on the
 same processes. Each round checkpoints every size twice: prepare + commit (unscoped: each
 member exports what it holds) + publish + resume through the coordination library and
-`client/checkpointing/publication/` in this process (`checkpointing.checkpoint`), then the same through
-the CoordinatorService (`rollout-checkpoint coordinator`, its own process; its Checkpoint
-RPC). The coordinator's CPU per member is its process CPU time over the checkpoint divided
+`client/checkpointing/publication/` in this process (`checkpointing.checkpoint`), then the
+same through the CoordinatorService (`rollout-checkpoint coordinator`, its own process; its
+Checkpoint RPC). The coordinator's CPU per member is its process CPU time over the checkpoint divided
 by the members: this process's for the library, the coordinator process's for the service.
 The members' CPU per member is the host processes' over the same checkpoint: on this one
 machine every member shares the coordinator's cores, which a real fleet's members do not.
@@ -30,7 +30,7 @@ from typing import Any
 
 from grpc import aio
 
-from rollout_checkpoint.client.checkpointing import checkpoint
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
 from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.fleet import DEFAULT_FAN_OUT, Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.client.participant import timestamp

@@ -106,6 +106,7 @@ class Recovery:
     """A finished recovery: the fleet is open again."""
 
     recovery_id: str
+    """The id of every call of the recovery, derived from what it restores (`recovery_id`)."""
     source_checkpoint_id: str | None
     """None: there was no published checkpoint; the fresh members were only opened."""
     continued: tuple[EpisodeId, ...]
@@ -114,6 +115,7 @@ class Recovery:
     """Rollouts in flight before the recovery that are not continued, each at the highest
     attempt that was retired (restart it from its input as the next one), sorted."""
     controller_state: bytes = b""
+    """The controller state published with the restored checkpoint (empty without one)."""
     opened: tuple[str, ...] = ()
     """Members that were opened without a restore (no checkpoint yet)."""
     replayed: bool = False

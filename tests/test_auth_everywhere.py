@@ -371,7 +371,7 @@ async def test_the_token_is_in_no_log_error_or_status(
 
 COORDINATOR_AT_DEBUG = """
 import logging, sys
-from rollout_checkpoint.client.cli import main
+from rollout_checkpoint.client.cli.main import main
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
 sys.exit(main(sys.argv[1:]))
 """

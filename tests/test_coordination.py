@@ -14,7 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
-from rollout_checkpoint.client.checkpointing import checkpoint, fanout
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
 from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetError, Outcome
 from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot, PublishedCheckpoint
 from rollout_checkpoint.client.errors import ControlError

@@ -31,7 +31,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_checkpoint.client.checkpointing import checkpoint, fanout
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
 from rollout_checkpoint.client.checkpointing.fanout import FleetError
 from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec

@@ -16,21 +16,36 @@ class CollectOptions:
     """One collection's settings (the CLI's flags of the same names)."""
 
     fleet: Path
+    """The fleet file (TOML or YAML)."""
     entry_url: str
+    """The entry point's base URL (the environment server's or the agent's HTTP address)."""
     input: Path
+    """The tasks, one JSON object a line."""
     output: Path
+    """The rollouts, one JSON line each."""
     checkpoint_dir: Path | str
     """A directory, or an object-store URL (`s3://bucket/prefix`)."""
     num_repeats: int = 1
+    """Rollouts per task (K)."""
     concurrency: int = 32
+    """Rollouts in flight at once."""
     checkpoint_every: float | None = None
+    """Seconds between checkpoints (None: only on SIGUSR1 and when the run stops)."""
     resume: bool = False
+    """Continue the collection in `output` and `checkpoint_dir`."""
     max_attempts: int = 3
+    """Failures of one rollout before it is recorded as failed."""
     max_recoveries: int = 3
     """Recoveries in place after a lost member (0: none; the run stops for a `--resume`)."""
     checkpoint_timeout: float = 300.0
+    """Seconds for one checkpoint, and for one recovery including the wait for a lost member to
+    answer again."""
     request_timeout: float = 3600.0
+    """Seconds for one `/run`."""
     keep: int | None = None
+    """Published checkpoints kept (None: the fleet file's `keep`)."""
     straggler_rounds: int = 1
+    """Retries of a checkpoint whose prepare was not done in time, each after retiring the
+    rollouts still blocking it; then that checkpoint is given up."""
     command: Sequence[str] = ()
     """The command line that started the run, repeated with `--resume` when it stops."""

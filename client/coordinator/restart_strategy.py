@@ -37,9 +37,11 @@ class RestartStrategy:
     max_tries: int = 3
     """Recovery tries allowed within `window_seconds`; one more gives up."""
     window_seconds: float = 600.0
+    """The window `max_tries` counts tries in (a failure rate, like Flink's)."""
     backoff_seconds: float = 1.0
     """The wait after the first failed try; doubled after each further one."""
     max_backoff_seconds: float = 30.0
+    """The longest wait between two tries, however many failed."""
 
 
 class RecoveryTries:

@@ -472,6 +472,8 @@ class Coordinator:
         self._server: aio.Server | None = None
 
     async def start(self) -> int:
+        """Bind and start serving (health SERVING first), then the supervisor; returns the
+        bound port (an address ending in `:0` picks a free one)."""
         server = aio.server(
             interceptors=[BearerTokenInterceptor(self.servicer.spec.token)],
             options=[("grpc.so_reuseport", 0)],
@@ -498,6 +500,8 @@ class Coordinator:
         return self.port
 
     async def stop(self) -> None:
+        """Stop gracefully: health NOT_SERVING first (so balancers move away), then the
+        supervisor and the member watch, then the server within `grace` seconds."""
         await self.health.enter_graceful_shutdown()
         if self.supervisor is not None:
             await self.supervisor.stop()

@@ -89,6 +89,7 @@ class SupervisorSettings:
     """The deadline of one recovery try (restore and resume), and how long it waits for a
     member that is down before the try counts as failed."""
     strategy: RestartStrategy = field(default_factory=RestartStrategy)
+    """How many recovery tries before the supervisor gives up."""
     step: StepHook = no_pause
     """Awaited at each point between the steps of a recovery or a checkpoint (tests kill the
     supervisor there: `coordinator --supervise` pauses at the point that

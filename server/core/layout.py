@@ -7,8 +7,9 @@
 
 A participant's *part* is complete iff its `manifest.json` exists; a *checkpoint* is published
 iff its fleet manifest `checkpoint.json` exists. The participant runtime writes and reads
-parts (`part_storage`); controllers publish and verify checkpoints (`client.checkpointing.publication`).
-Both take every name, pattern and the part manifest's schema from here. Pure: no I/O.
+parts (`part_storage`); controllers publish and verify checkpoints
+(`client.checkpointing.publication`). Both take every name, pattern and the part manifest's
+schema from here. Pure: no I/O.
 """
 
 from __future__ import annotations

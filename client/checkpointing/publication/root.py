@@ -65,10 +65,13 @@ class PublishedCheckpoint:
     """The result of a publication."""
 
     checkpoint_id: str
+    """The published checkpoint's id."""
     directory: Path | str
     """The checkpoint's directory (a URL on an object store)."""
     fleet_manifest_sha256: str
+    """The digest of its `checkpoint.json`."""
     manifest: FleetManifest
+    """Its fleet manifest."""
     already_published: bool = False
     """True when an identical fleet manifest was already there (an idempotent retry)."""
     deleted: tuple[str, ...] = ()
@@ -88,6 +91,7 @@ class PendingRetention:
     before anything is deleted), so a controller publishes, resumes, then completes it."""
 
     keep: int
+    """How many published checkpoints survive (the publication's `keep`)."""
     unpublished_before: int | datetime
     """Unpublished checkpoints older than this are abandoned attempts: the checkpoint
     directory's mtime in ns (a local root) or its oldest object's time (an object store), as

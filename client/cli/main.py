@@ -1,7 +1,7 @@
 """The `rollout-checkpoint` command line: the top-level parser and `main`.
 
-The verbs live in `rollout_checkpoint.client.cli.dispatch` (fleet verbs, `status`, `health`,
-`inspect`, `coordinator`, `participant`) and `rollout_checkpoint.client.collect` (`collect`);
+The verbs live beside it in `rollout_checkpoint.client.cli` (fleet verbs, `status`, `health`,
+`inspect`, `coordinator`, `participant`) and in `rollout_checkpoint.client.collect` (`collect`);
 `serve` and `demo` exec the examples. Every verb ends through one handler (`console.run_verb`):
 errors are one line and an exit code of the one table in `console.ExitCode`, never a
 traceback.

@@ -43,13 +43,21 @@ class ParticipantSummary:
     """One verified participant part."""
 
     name: str
+    """The member's fleet-file name."""
     kind: str
+    """Its kind as a word."""
     instance: str
+    """Its instance."""
     manifest_sha256: str
+    """Its part manifest's digest (the one the fleet manifest names)."""
     records_file: str
+    """Its records file's name (`records-<sha256>.jsonl`)."""
     records_sha256: str
+    """The records file's digest."""
     record_count: int
+    """How many records it holds."""
     bytes: int
+    """The records file's size."""
     episodes: tuple[str, ...]
     """The capture keys of its records, sorted (unique)."""
 
@@ -75,8 +83,11 @@ class CheckpointSummary:
     directory: Path | str
     """The checkpoint's directory (a URL on an object store)."""
     fleet_manifest_sha256: str
+    """The digest of `checkpoint.json`."""
     manifest: FleetManifest
+    """The fleet manifest, decoded."""
     participants: tuple[ParticipantSummary, ...]
+    """Every part, verified, in the manifest's order."""
     warnings: tuple[str, ...] = ()
     """Things that do not make the checkpoint unrestorable but an operator should know."""
 

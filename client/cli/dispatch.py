@@ -1,21 +1,6 @@
-"""The verbs of `rollout-checkpoint` other than `serve`, `demo` and `collect`, one concept a
-module:
-
-* `names`: the wire's values as the CLI shows and parses them (states, health names, times,
-  `--episode`);
-* `parsers`: the fleet verbs' argument parsers and help (`health`, `inspect`, `coordinator`
-  too);
-* `errors`: how the client library's exceptions end a verb (exit code, one line);
-* `fleet_verbs`: prepare, commit, checkpoint, restore, resume, retire, forget, renew, and the
-  abort after a signal;
-* `status`: `status` and `health`;
-* `progress`: a prepare's live progress;
-* `inspection`: `inspect`;
-* `coordinator_verb`: `coordinator`;
-* `participant`: `participant RPC`.
-
-`run` dispatches a parsed fleet verb; every verb ends through `console.run_verb` with
-`errors.classify`.
+"""Running a parsed verb other than `serve`, `demo`, `collect` and `participant`: the fleet
+verbs, `health`, `inspect` and `coordinator` (the modules are listed in the package's
+docstring). Every verb ends through `console.run_verb` with `errors.classify`.
 """
 
 from __future__ import annotations

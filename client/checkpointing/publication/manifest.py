@@ -43,9 +43,14 @@ class PublishedParticipant:
     """One fleet member's committed part: what its Commit reply reported."""
 
     name: str
+    """The member's fleet-file name."""
     kind: str
+    """Its kind as a word (`environment`, `model`, `agent`, `resources`)."""
     instance: str
+    """Its instance: its part's directory under its kind."""
     manifest_sha256: str
+    """The digest of its part's manifest as its Commit reported it: what verification holds the part
+    to."""
 
     @property
     def manifest_path(self) -> str:
@@ -73,11 +78,18 @@ class FleetManifest:
     """The content of `checkpoint.json`."""
 
     checkpoint_id: str
+    """The checkpoint's id (its directory's name)."""
     created_at: datetime
+    """When it was published (UTC): what orders checkpoints for retention and `LATEST`."""
     participants: tuple[PublishedParticipant, ...]
+    """Every member's part, by member."""
     continued: tuple[EpisodeId, ...]
+    """The episodes a restore of it continues."""
     controller_state: bytes
+    """Opaque bytes the controller published with it (collect's rollout book), returned by a
+    restore."""
     schema_version: int = SCHEMA_VERSION
+    """The manifest's schema; a reader refuses one it does not know."""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object `checkpoint.json` holds (each entry's manifest path derived)."""

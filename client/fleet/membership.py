@@ -79,13 +79,21 @@ class MemberEvent:
     REPLACED; `detail` says why (the transport error of a DOWN)."""
 
     name: str
+    """The member's fleet-file name."""
     address: str
+    """Its sidecar's gRPC address."""
     change: Change
+    """What happened (`Change`)."""
     boot_id: str = ""
+    """Its boot id as last seen (empty while it never answered)."""
     previous_boot_id: str = ""
+    """REPLACED only: the boot id of the process that was lost."""
     kind: Kind = types_pb2.PARTICIPANT_KIND_UNSPECIFIED
+    """Its kind as last seen (UNSPECIFIED while it never answered)."""
     instance: str = ""
+    """Its instance as last seen (empty while it never answered)."""
     detail: str = ""
+    """Why, for a DOWN: the transport error."""
     at: float = 0.0
     """When it was seen (`time.time()`)."""
 

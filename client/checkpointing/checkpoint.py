@@ -56,28 +56,49 @@ ABORT_SECONDS = 30.0
 
 
 class Phase:
+    """The steps of a checkpoint, in order, as `CheckpointEvent.phase` names them."""
+
     PREPARE = "PREPARE"
+    """Every stage is being prepared, in order; the event carries the progress."""
     SCOPE = "SCOPE"
+    """The fleet is prepared; `fix_scope` is deciding the scope and the controller state."""
     COMMIT = "COMMIT"
+    """Every member commits its part (asynchronous checkpoints: snapshots it)."""
     PUBLISH = "PUBLISH"
+    """Every part is committed and durable; the fleet manifest is being published."""
     RESUME = "RESUME"
+    """The fleet is being resumed (not with `keep_closed`)."""
     AWAIT_PARTS = "AWAIT_PARTS"
     """Asynchronous checkpoints: the fleet resumed; waiting until every part is durable."""
     DONE = "DONE"
+    """The last event: it carries the `CheckpointOutcome`."""
 
 
 @dataclass
 class CheckpointOutcome:
+    """What one checkpoint did: how its prepare ended, what was committed and published, and
+    how long each step took (seconds). `published` is None when nothing was published."""
+
     checkpoint_id: str
+    """The checkpoint's id (the control id of every call, and its directory's name)."""
     prepare_outcome: str
+    """How the prepare ended (`Outcome`); nothing follows unless PREPARED."""
     published: PublishedCheckpoint | None = None
+    """The publication (None when nothing was published: not prepared)."""
     commit: FleetCommit | None = None
+    """Every member's commit reply and the scope (None when nothing was committed)."""
     continued: tuple[EpisodeId, ...] = ()
+    """The episodes the published checkpoint continues, sorted."""
     prepare_seconds: float = 0.0
+    """From the start until the prepare's outcome."""
     commit_seconds: float = 0.0
+    """The commit (asynchronous checkpoints: until every member snapshotted)."""
     publish_seconds: float = 0.0
+    """Verifying every part and publishing the fleet manifest."""
     progress: FleetProgress | None = None
+    """The prepare's last snapshot."""
     asynchronous: bool = False
+    """Whether the fleet resumed before its parts were durable."""
     durable_seconds: float = 0.0
     """Asynchronous checkpoints: from the resume until every part was durable."""
     resumed_seconds: float | None = None
@@ -88,10 +109,12 @@ class CheckpointOutcome:
 
     @property
     def record_count(self) -> int:
+        """Records committed (0 when nothing was)."""
         return self.commit.record_count() if self.commit is not None else 0
 
     @property
     def bytes(self) -> int:
+        """Bytes of records committed (0 when nothing was)."""
         return self.commit.bytes() if self.commit is not None else 0
 
 
@@ -108,12 +131,18 @@ class CheckpointEvent:
     """One step of a checkpoint: prepare progress, a phase change, or the final outcome."""
 
     phase: str
+    """The step this event reports (`Phase`)."""
     progress: FleetProgress | None = None
+    """The prepare's latest snapshot (None before the first)."""
     outcome: CheckpointOutcome | None = None
+    """Set on the last event (`Phase.DONE`) only."""
     detail: dict[str, object] = field(default_factory=dict)
+    """What the step adds: `records` and `bytes` at PUBLISH, `asynchronous` at COMMIT and RESUME,
+    `resumed` at AWAIT_PARTS."""
 
     @property
     def final(self) -> bool:
+        """Whether this is the last event (it carries the outcome)."""
         return self.phase == Phase.DONE
 
 
@@ -137,117 +166,59 @@ async def checkpoint(
 
     `asynchronous`: snapshot, resume, then wait for the parts and publish (see the module
     docstring). A part that fails after the resume raises `FleetError` ("await part") with
-    nothing published; the fleet is already running."""
+    nothing published; the fleet is already running.
+
+    Both modes share every step up to the commit and after the publication; they differ in
+    what the abort covers. Until every member answered its commit (synchronous: until the
+    checkpoint is published) a failure aborts, resuming the fleet. After an asynchronous
+    resume only the publication is at stake: a part that failed, a member that died or was
+    replaced mid-write, or a write still running at `deadline` raises and publishes nothing,
+    so `LATEST` keeps naming the previous complete checkpoint."""
+    if checkpoint_id is None:
+        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
+    directory = root.directory(checkpoint_id)
+    started = time.monotonic()
+    prepared: list[CheckpointOutcome] = []
+    async for event in _prepare(fleet, checkpoint_id, deadline, started, prepared, asynchronous):
+        yield event
+    outcome = prepared[0]
+    progress = outcome.progress
+    if outcome.prepare_outcome != Outcome.PREPARED:
+        return
+    mode = {"asynchronous": True} if asynchronous else {}
+    try:
+        if fix_scope is not None:
+            yield CheckpointEvent(Phase.SCOPE, progress)
+            fixed, controller_state = await fix_scope(checkpoint_id)
+            scope = tuple(fixed)
+        yield CheckpointEvent(Phase.COMMIT, progress, detail=dict(mode))
+        commit_started = time.monotonic()
+        committed = await fanout.commit(
+            fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=asynchronous
+        )
+        outcome.commit_seconds = time.monotonic() - commit_started
+        if not asynchronous:
+            outcome.commit = committed
+            async for event in _publish(
+                fleet, root, committed, controller_state, keep, outcome, deadline
+            ):
+                yield event
+    except BaseException:
+        await _abort(fleet, checkpoint_id, deadline)
+        raise
+    if not keep_closed:
+        yield CheckpointEvent(Phase.RESUME, progress, detail=dict(mode))
+        await fanout.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
+        outcome.resumed_seconds = time.monotonic() - started
     if asynchronous:
-        async for event in _asynchronous_checkpoint(
-            fleet,
-            root,
-            deadline,
-            checkpoint_id=checkpoint_id,
-            scope=scope,
-            controller_state=controller_state,
-            keep=keep,
-            keep_closed=keep_closed,
-            fix_scope=fix_scope,
+        yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
+        durable_started = time.monotonic()
+        outcome.commit = await fanout.await_parts(fleet, checkpoint_id, committed, deadline)
+        outcome.durable_seconds = time.monotonic() - durable_started
+        async for event in _publish(
+            fleet, root, outcome.commit, controller_state, keep, outcome, deadline
         ):
             yield event
-        return
-    if checkpoint_id is None:
-        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
-    directory = root.directory(checkpoint_id)
-    started = time.monotonic()
-    prepared: list[CheckpointOutcome] = []
-    async for event in _prepare(fleet, checkpoint_id, deadline, started, prepared, False):
-        yield event
-    outcome = prepared[0]
-    progress = outcome.progress
-    if outcome.prepare_outcome != Outcome.PREPARED:
-        return
-    try:
-        if fix_scope is not None:
-            yield CheckpointEvent(Phase.SCOPE, progress)
-            fixed, controller_state = await fix_scope(checkpoint_id)
-            scope = tuple(fixed)
-        yield CheckpointEvent(Phase.COMMIT, progress)
-        commit_started = time.monotonic()
-        result = await fanout.commit(fleet, checkpoint_id, deadline, str(directory), scope)
-        outcome.commit = result
-        outcome.commit_seconds = time.monotonic() - commit_started
-        yield CheckpointEvent(
-            Phase.PUBLISH,
-            progress,
-            detail={"records": result.record_count(), "bytes": result.bytes()},
-        )
-        await _publish(fleet, root, result, controller_state, keep, outcome, deadline)
-    except BaseException:
-        await _abort(fleet, checkpoint_id, deadline)
-        raise
-    if not keep_closed:
-        yield CheckpointEvent(Phase.RESUME, progress)
-        await fanout.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
-        outcome.resumed_seconds = time.monotonic() - started
-    await _complete_retention(root, outcome, deadline)
-    yield CheckpointEvent(Phase.DONE, progress, outcome)
-
-
-async def _asynchronous_checkpoint(
-    fleet: Fleet,
-    root: PublicationRoot,
-    deadline: float,
-    *,
-    checkpoint_id: str | None,
-    scope: Iterable[EpisodeId] | str | None,
-    controller_state: bytes,
-    keep: int,
-    keep_closed: bool,
-    fix_scope: ScopeFixer | None,
-) -> AsyncIterator[CheckpointEvent]:
-    """prepare -> snapshot everywhere -> resume -> every part durable -> publish.
-
-    Until every member answered its snapshot a failure aborts (resumes) as in the synchronous
-    order. After the resume only the publication is at stake: a part that failed, a member
-    that died or was replaced mid-write, or a write still running at `deadline` raises and
-    publishes nothing, so `LATEST` keeps naming the previous complete checkpoint."""
-    if checkpoint_id is None:
-        checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
-    directory = root.directory(checkpoint_id)
-    started = time.monotonic()
-    prepared: list[CheckpointOutcome] = []
-    async for event in _prepare(fleet, checkpoint_id, deadline, started, prepared, True):
-        yield event
-    outcome = prepared[0]
-    progress = outcome.progress
-    if outcome.prepare_outcome != Outcome.PREPARED:
-        return
-    try:
-        if fix_scope is not None:
-            yield CheckpointEvent(Phase.SCOPE, progress)
-            fixed, controller_state = await fix_scope(checkpoint_id)
-            scope = tuple(fixed)
-        yield CheckpointEvent(Phase.COMMIT, progress, detail={"asynchronous": True})
-        commit_started = time.monotonic()
-        snapshots = await fanout.commit(
-            fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=True
-        )
-        outcome.commit_seconds = time.monotonic() - commit_started
-    except BaseException:
-        await _abort(fleet, checkpoint_id, deadline)
-        raise
-    if not keep_closed:
-        yield CheckpointEvent(Phase.RESUME, progress, detail={"asynchronous": True})
-        await fanout.resume(fleet, checkpoint_id, max(deadline, time.time() + ABORT_SECONDS))
-        outcome.resumed_seconds = time.monotonic() - started
-    yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
-    durable_started = time.monotonic()
-    result = await fanout.await_parts(fleet, checkpoint_id, snapshots, deadline)
-    outcome.commit = result
-    outcome.durable_seconds = time.monotonic() - durable_started
-    yield CheckpointEvent(
-        Phase.PUBLISH,
-        progress,
-        detail={"records": result.record_count(), "bytes": result.bytes()},
-    )
-    await _publish(fleet, root, result, controller_state, keep, outcome, deadline)
     await _complete_retention(root, outcome, deadline)
     yield CheckpointEvent(Phase.DONE, progress, outcome)
 
@@ -333,13 +304,19 @@ async def _publish(
     keep: int,
     outcome: CheckpointOutcome,
     deadline: float,
-) -> None:
-    """Publish `outcome`'s checkpoint from every member's durable part (in a thread: it
-    verifies every part) and record what was published and continued. Retention is left
-    pending for `_complete_retention`, which runs once the fleet runs again.
+) -> AsyncIterator[CheckpointEvent]:
+    """Announce (PUBLISH), then publish `outcome`'s checkpoint from every member's durable
+    part (in a thread: it verifies every part) and record what was published and continued.
+    Retention is left pending for `_complete_retention`, which runs once the fleet runs
+    again.
 
     Bounded by the checkpoint's deadline: a store that hangs is `StorageFailed` then, and the
     publication is abandoned before its next step (`publication.bounded`)."""
+    yield CheckpointEvent(
+        Phase.PUBLISH,
+        outcome.progress,
+        detail={"records": result.record_count(), "bytes": result.bytes()},
+    )
     publish_started = time.monotonic()
     continued = tuple(sorted(result.scope)) if result.scope is not None else _exported(result)
     parts = [
@@ -430,10 +407,17 @@ async def _abort(
 
 @dataclass
 class RestoredCheckpoint:
+    """A restore done: the published checkpoint it came from, every member's Restore reply (by
+    member name), the continued episodes, and the controller state published with it."""
+
     source_checkpoint_id: str
+    """The published checkpoint that was restored."""
     replies: dict[str, object]
+    """Every member's Restore reply, by member name."""
     continued: tuple[EpisodeId, ...]
+    """The episodes restored to continue (attempt N)."""
     controller_state: bytes
+    """The controller state published with the checkpoint."""
 
 
 @dataclass(frozen=True)

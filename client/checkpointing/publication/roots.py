@@ -35,7 +35,9 @@ class PublicationRoot(Protocol):
     location: str
     """The root as an operator names it: a path or a URL (for messages and --json)."""
 
-    def new_checkpoint_id(self) -> str: ...
+    def new_checkpoint_id(self) -> str:
+        """A fresh id (`ckpt-<UTC time>-<8 hex>`) not yet used under this root."""
+        ...
 
     def directory(self, checkpoint_id: str) -> Path | str:
         """The checkpoint's directory: what a Commit or Restore names as `checkpoint_dir`."""
@@ -52,22 +54,36 @@ class PublicationRoot(Protocol):
         created_at: datetime | None = None,
         verify_records: bool = True,
         defer_retention: bool = False,
-    ) -> PublishedCheckpoint: ...
+    ) -> PublishedCheckpoint:
+        """Verify every part, write the fleet manifest, move `LATEST`, apply retention (see
+        `CheckpointRoot.publish`); safe to retry with the same arguments."""
+        ...
 
     def complete_retention(self, published: PublishedCheckpoint) -> PublishedCheckpoint:
         """Apply a deferred retention (see `PendingRetention`); never raises for a failed
         deletion."""
         ...
 
-    def latest(self) -> str | None: ...
+    def latest(self) -> str | None:
+        """The id `LATEST` names, or None when nothing was published yet."""
+        ...
 
-    def load(self, checkpoint_id_or_latest: str | None = None) -> FleetManifest: ...
+    def load(self, checkpoint_id_or_latest: str | None = None) -> FleetManifest:
+        """The verified fleet manifest of a published checkpoint (None or "LATEST": latest);
+        verified whole first, because what a restore installs must be what was published."""
+        ...
 
-    def inspect(self, checkpoint_id_or_latest: str | None = None) -> CheckpointSummary: ...
+    def inspect(self, checkpoint_id_or_latest: str | None = None) -> CheckpointSummary:
+        """`load`, returning the whole verified summary."""
+        ...
 
-    def published(self) -> list[str]: ...
+    def published(self) -> list[str]:
+        """Ids of the published checkpoints, oldest first."""
+        ...
 
-    def read_fleet_manifest(self, checkpoint_id: str) -> FleetManifest: ...
+    def read_fleet_manifest(self, checkpoint_id: str) -> FleetManifest:
+        """The fleet manifest of a published checkpoint, decoded (not verified)."""
+        ...
 
 
 def open_checkpoint_root(

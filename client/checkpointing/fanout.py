@@ -71,17 +71,24 @@ class FleetError(Exception):
 
     @property
     def reason(self) -> str:
+        """`PARTICIPANT_UNREACHABLE` when no member decided (every failure is a transport
+        failure: the outcome on the members is unknown, a retry may succeed), else
+        `PARTICIPANT_FAILED`."""
         if all(not e.decided_by_server for e in self.failures.values()):
             return Reason.PARTICIPANT_UNREACHABLE
         return Reason.PARTICIPANT_FAILED
 
     @property
     def code(self) -> grpc.StatusCode:
+        """The gRPC code a service reports this failure with: UNAVAILABLE when no member was
+        reached, else the first refusing member's own code."""
         if self.reason == Reason.PARTICIPANT_UNREACHABLE:
             return grpc.StatusCode.UNAVAILABLE
         return next(e.code for e in self.failures.values() if e.decided_by_server)
 
     def failed_members(self) -> str:
+        """`name=REASON,...` of every failed member (`UNREACHABLE` for a transport failure):
+        the `failedMembers` metadata of the error a service returns."""
         return ",".join(
             f"{name}={error.reason or 'UNREACHABLE'}" for name, error in self.failures.items()
         )
@@ -95,18 +102,33 @@ class MemberProgress:
     """One member's part of a `FleetProgress` (frozen: snapshots share unchanged entries)."""
 
     name: str
+    """The member's fleet-file name."""
     kind: Kind
+    """Its participant kind (its stage)."""
     reached: bool = False
+    """Whether the prepare reached its stage (members of later stages are not called yet)."""
     state: types_pb2.ParticipantState.ValueType = types_pb2.PARTICIPANT_STATE_UNSPECIFIED
+    """Its state as its last update reported it."""
     readiness: types_pb2.ReadinessReport = field(default_factory=types_pb2.ReadinessReport)
+    """Its last readiness report: what still blocks it (the blockers it lists and their count)."""
     done: bool = False
+    """Whether its prepare stream ended (its final message was its outcome)."""
     error: ControlError | None = None
+    """Its refusal or transport failure, when its prepare failed."""
 
 
 class Outcome:
+    """How a fleet prepare ended (`FleetProgress.outcome`): every member PREPARED; a stage
+    NOT_PREPARED by the deadline; or ENDED, a member of the stage IDLE again (the checkpoint
+    ended on it before it prepared). Only PREPARED may be committed; the caller resumes the
+    fleet otherwise (`checkpoint` does)."""
+
     PREPARED = "PREPARED"
+    """Every member of every stage is PREPARED: the fleet may be committed."""
     NOT_PREPARED = "NOT_PREPARED"
+    """A stage was not prepared by the deadline."""
     ENDED = "ENDED"
+    """A member of the stage is IDLE again: the checkpoint ended on it before it prepared."""
 
 
 @dataclass
@@ -114,13 +136,19 @@ class FleetProgress:
     """A snapshot of the fleet's prepare. `outcome` is set on the last one only."""
 
     stage: Kind
+    """The stage being prepared (the last one reached, in the last snapshot)."""
     members: list[MemberProgress]
+    """Every member's progress, in the fleet's order (by stage, then name)."""
     sequence: int
+    """The snapshot's number within this prepare, from 1."""
     elapsed: float
+    """Seconds since the prepare started."""
     outcome: str | None = None
+    """How the prepare ended (`Outcome`); set on the last snapshot only."""
 
     @property
     def prepared(self) -> bool:
+        """Whether this is the last snapshot and every member prepared."""
         return self.outcome == Outcome.PREPARED
 
     def blockers(self) -> list[tuple[str, types_pb2.Blocker]]:
@@ -132,11 +160,14 @@ class FleetProgress:
         return found
 
     def blocker_count(self) -> int:
+        """How many blockers the reached, unprepared members report (their counts, which
+        may exceed the blockers they list)."""
         return sum(
             m.readiness.blocker_count for m in self.members if m.reached and m.state != PREPARED
         )
 
     def blocking_episodes(self) -> set[EpisodeId]:
+        """The episodes the listed blockers name (a blocker without one is left out)."""
         episodes = set()
         for _, blocker in self.blockers():
             if blocker.capture_key:
@@ -351,6 +382,8 @@ async def prepare_until_done(
     deadline: float,
     on_progress: Callable[[FleetProgress], None] | None = None,
 ) -> FleetProgress:
+    """`prepare` to its end, calling `on_progress` with every snapshot; returns the last one,
+    whose `outcome` says how it ended."""
     last: FleetProgress | None = None
     async for snapshot in prepare(fleet, checkpoint_id, deadline):
         if on_progress is not None:
@@ -369,13 +402,20 @@ DERIVE = "derive"
 
 @dataclass
 class FleetCommit:
+    """Every member's Commit reply, by member name, and the scope they committed (None:
+    unscoped)."""
+
     members: dict[str, pb.CommitResponse]
+    """Every member's Commit reply (its part's manifest and digest), by member name."""
     scope: frozenset[EpisodeId] | None
+    """The episodes committed, or None for an unscoped commit (each member's exported ones)."""
 
     def record_count(self) -> int:
+        """Records in every member's part."""
         return sum(r.manifest.record_count for r in self.members.values())
 
     def bytes(self) -> int:
+        """Bytes of every member's records."""
         return sum(r.manifest.bytes for r in self.members.values())
 
 
@@ -617,25 +657,30 @@ def _caller_groups(fleet: Fleet) -> list[list[Member]]:
 async def retire(
     fleet: Fleet, checkpoint_id: str, deadline: float, episodes: Sequence[EpisodeId]
 ) -> None:
-    for group in _caller_groups(fleet):
-        await fan_out(
-            "retire",
-            group,
-            lambda m: m.client.retire(checkpoint_id, deadline, episodes),
-            fleet.spec.fan_out,
-        )
+    """Retire `episodes` (those attempts end for good) on every member, callers before
+    callees (`_callers_first`)."""
+    await _callers_first(
+        "retire", fleet, lambda m: m.client.retire(checkpoint_id, deadline, episodes)
+    )
 
 
 async def forget(
     fleet: Fleet, checkpoint_id: str, deadline: float, rollout_ids: Sequence[str]
 ) -> None:
+    """Forget `rollout_ids` (every attempt, and what is recorded of them) on every member,
+    callers before callees (`_callers_first`)."""
+    await _callers_first(
+        "forget", fleet, lambda m: m.client.forget(checkpoint_id, deadline, rollout_ids)
+    )
+
+
+async def _callers_first(
+    operation: str, fleet: Fleet, call: Callable[[Member], Awaitable[Any]]
+) -> None:
+    """`call` on every member, one caller group after the other: a caller that still ran an
+    attempt could otherwise send a late request to a callee that already ended it."""
     for group in _caller_groups(fleet):
-        await fan_out(
-            "forget",
-            group,
-            lambda m: m.client.forget(checkpoint_id, deadline, rollout_ids),
-            fleet.spec.fan_out,
-        )
+        await fan_out(operation, group, call, fleet.spec.fan_out)
 
 
 async def renew(fleet: Fleet, checkpoint_id: str, deadline: float) -> float:

@@ -403,6 +403,8 @@ class ObjectCheckpointRoot:
         return checkpoint_id
 
     def load(self, checkpoint_id_or_latest: str | None = None) -> FleetManifest:
+        """The verified fleet manifest of a published checkpoint (None or "LATEST": latest),
+        as `CheckpointRoot.load`."""
         return self.inspect(checkpoint_id_or_latest).manifest
 
     def inspect(self, checkpoint_id_or_latest: str | None = None) -> CheckpointSummary:
