@@ -2,7 +2,7 @@
 
 Every server runs as a child process of the benchmark in its own process group (killed as a
 group when the benchmark ends, whatever happens), logs to a file in the work directory and
-announces its addresses with one JSON line on stdout (`examples/serve.py`).
+announces its addresses with one JSON line on stdout (`examples/serve/`).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ class Processes:
         )
 
     def serve(self, name: str, kind: str, *args: str, env: dict[str, str] | None = None) -> Server:
-        """An example server (`examples/serve.py`) with its sidecar and the run's token."""
+        """An example server (`examples/serve/`) with its sidecar and the run's token."""
         return self.launch(
             name, [*SERVE, kind, f"--token={self.token}", "--instance", name, *args], env=env
         )

@@ -31,7 +31,11 @@ from typing import Any
 import httpx
 from grpc import aio
 
-from rollout_checkpoint.examples.demo import (
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
+from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
+
+from .demo import (
     DemoFailed,
     FleetProcesses,
     Options,
@@ -44,9 +48,6 @@ from rollout_checkpoint.examples.demo import (
     start_announcing,
     start_fleet,
 )
-from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
-from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
 RECOVERY_TIMEOUT_SECONDS = 120.0
 CHECKPOINT_EVERY_SECONDS = 0.5

@@ -34,11 +34,11 @@ from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.examples.demo import (
     Options,
-    _trajectory,
     launch_server,
     signal_group,
     start_fleet,
 )
+from rollout_checkpoint.examples.demo.comparison import _trajectory
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .test_collect import (

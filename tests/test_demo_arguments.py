@@ -10,6 +10,7 @@ import pytest
 
 from rollout_checkpoint.examples import demo
 from rollout_checkpoint.examples.demo import FleetProcesses, Server, serve_options
+from rollout_checkpoint.examples.demo import fleet as demo_fleet
 from rollout_checkpoint.examples.serve import parse_args
 
 
@@ -27,14 +28,14 @@ def test_a_killed_fleet_dies_callers_first(monkeypatch: pytest.MonkeyPatch, tmp_
         process = subprocess.Popen(["sleep", "60"], start_new_session=True, text=True)
         fleet.servers[name] = Server(name, "k", process, "", "", tmp_path / name)
     order: list[str] = []
-    signal_group = demo.signal_group
+    signal_group = demo_fleet.signal_group
 
     def recording(process: subprocess.Popen[str], signum: int) -> None:
         order.append(next(n for n, s in fleet.servers.items() if s.process is process))
         assert all(fleet.servers[n].process.poll() is not None for n in order[:-1])
         signal_group(process, signum)
 
-    monkeypatch.setattr(demo, "signal_group", recording)
+    monkeypatch.setattr(demo_fleet, "signal_group", recording)
     fleet.kill()
     assert order == ["environment", "agent", "policy_model", "prompt_injection"]
 
@@ -52,7 +53,7 @@ async def test_workers_reach_the_resources_agent_and_environment_servers_only(
         process.wait()
         return Server(name, kind, process, "127.0.0.1:1", "127.0.0.1:2", logs / name, args)
 
-    monkeypatch.setattr(demo, "launch_server", launch)
+    monkeypatch.setattr(demo_fleet, "launch_server", launch)
     options = demo.parse_args(["--workers", "3"])
     assert options.workers == 3
     await demo.start_fleet("first", tmp_path, "token", options, start_closed=False)

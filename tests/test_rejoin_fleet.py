@@ -28,7 +28,6 @@ from rollout_checkpoint.examples.demo import (
     FleetProcesses,
     Options,
     Rollout,
-    _trajectory,
     launch_server,
     make_rollouts,
     run_all,
@@ -36,6 +35,7 @@ from rollout_checkpoint.examples.demo import (
     serve_options,
     signal_group,
 )
+from rollout_checkpoint.examples.demo.comparison import _trajectory
 
 from .conftest import refused
 

@@ -1,0 +1,32 @@
+"""The policy model's JSON bodies in and typed errors out (`{"error": {"code", "detail"}}`).
+
+One error shape for the scripted model and the proxy alike, so an agent reads a refused
+request the same whichever answers it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.responses import Response
+
+from .policy import PolicyError, _dumps
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        raise PolicyError("invalid_json", "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise PolicyError("invalid_json", "the body must be a JSON object")
+    return body
+
+
+def _error(status: int, code: str, detail: str) -> Response:
+    return Response(
+        _dumps({"error": {"code": code, "detail": detail}}),
+        status_code=status,
+        media_type="application/json",
+    )

@@ -1,0 +1,102 @@
+"""The app and its checkpoint runtime for the chosen server.
+
+The policy model, the agent, the environment and the NeMo Gym integration are imported only
+when chosen: `serve counter` does not pay for their imports, and only a `nemo-gym:*` server
+needs the nemo-gym extra installed (without it: exit 2 before anything is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+from typing import Any
+
+from rollout_checkpoint.server.core.extras import NEMO_GYM, require
+from rollout_checkpoint.server.resources import ResourcesServerConfig
+from rollout_checkpoint.server.runtime.install import CheckpointRuntime
+from rollout_checkpoint.server.runtime.settings import CheckpointSettings
+
+from .arguments import EXIT_USAGE, _split, fail
+from .kinds import NEMO_GYM_KINDS, RESOURCES, server_class
+
+
+def build_nemo_gym(
+    server: str, instance: str, http_address: str, checkpoint: CheckpointSettings | None
+) -> tuple[Any, CheckpointRuntime | None]:
+    """One of NeMo Gym's own servers, as `ng_run`'s `run_webserver()` serves it, checkpointed
+    with the shipped hooks. Raises `MissingExtra` (exit 2) without nemo-gym or without this
+    server in the installed nemo-gym, before anything is built."""
+    # Imported here: the integration imports nemo-gym's session key when it installs.
+    from rollout_checkpoint.server.nemo_gym import (
+        add_run_webserver_layers,
+        build_server,
+        checkpoint_nemo_gym_server,
+    )
+
+    kind = NEMO_GYM_KINDS[server]
+    require(replace(NEMO_GYM, modules=(*NEMO_GYM.modules, kind.module)), server)
+    host, port = _split(http_address)
+    nemo_gym_server = build_server(kind, instance, host, port)
+    app = nemo_gym_server.setup_webserver()
+    add_run_webserver_layers(nemo_gym_server, app)
+    installed = checkpoint_nemo_gym_server(nemo_gym_server, app, checkpoint)
+    return app, installed.runtime if installed is not None else None
+
+
+def build(
+    args: argparse.Namespace, instance: str, checkpoint: CheckpointSettings | None
+) -> tuple[Any, CheckpointRuntime | None]:
+    """The app and its checkpoint runtime for the chosen server."""
+    if args.server in NEMO_GYM_KINDS:
+        return build_nemo_gym(args.server, instance, args.http_address, checkpoint)
+    if args.server in RESOURCES:
+        config = ResourcesServerConfig(
+            instance=instance,
+            checkpoint=checkpoint,
+            session_secret=args.session_secret
+            or os.environ.get("ROLLOUT_CHECKPOINT_SESSION_SECRET")
+            or None,
+            expose_tools_over_mcp=True if args.mcp else None,
+        )
+        resources = server_class(args.server)(config)
+        return resources.build_app(), resources.runtime
+    if args.server == "policy_model":
+        from ..policy_model import PolicyModelConfig, PolicyModelServer
+
+        model = PolicyModelServer(
+            PolicyModelConfig(
+                instance=instance,
+                checkpoint=checkpoint,
+                latency=args.latency,
+                token_latency=args.token_latency,
+                upstream=args.upstream,
+                upstream_continuation=args.upstream_continuation,
+            )
+        )
+        return model.build_app(), model.runtime
+    if args.server == "agent":
+        from ..agent import AgentConfig, AgentServer
+
+        if args.model_url is None:
+            fail(EXIT_USAGE, "agent: --model-url is required")
+        servers = dict(item.split("=", 1) for item in args.resources)
+        agent = AgentServer(
+            AgentConfig(
+                instance=instance, model_url=args.model_url, servers=servers, checkpoint=checkpoint
+            )
+        )
+        return agent.build_app(), agent.runtime
+    from ..environment import EnvironmentConfig, EnvironmentServer
+
+    if args.agent_url is None:
+        fail(EXIT_USAGE, "environment: --agent-url is required")
+    environment = EnvironmentServer(
+        EnvironmentConfig(
+            instance=instance,
+            agent_url=args.agent_url,
+            resources_server=args.resources_server,
+            checkpoint=checkpoint,
+        )
+    )
+    return environment.build_app(), environment.runtime

@@ -1,0 +1,131 @@
+"""One `serve` process from its first line to its exit: signals, announcement, uvicorn."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import IO, Any
+
+import uvicorn
+
+from rollout_checkpoint.server.core.extras import MissingExtra
+from rollout_checkpoint.server.core.stop_signals import EXIT_CODES, PROCESS
+from rollout_checkpoint.server.nemo_gym.servers import KEEP_ALIVE_SECONDS
+from rollout_checkpoint.server.runtime.logs import configure_logging
+from rollout_checkpoint.server.runtime.worker_bridge import (
+    WORKER_SOCKET_ENV,
+)
+
+from .arguments import (
+    EXIT_USAGE,
+    _split,
+    check_free,
+    fail,
+    parse_args,
+    refuse_inapplicable_flags,
+    settings_or_exit,
+)
+from .build import build
+from .kinds import KINDS, NEMO_GYM_KINDS, default_instance
+from .uvicorn_server import GRACEFUL_SHUTDOWN_SECONDS, QuietServer
+from .workers import refuse_for_workers, serve_main_of_workers, serve_worker
+
+
+def announcement_stream() -> IO[str]:
+    """The real stdout, for the one announcement line; `sys.stdout` becomes stderr.
+
+    A reader takes the first line and may never drain the pipe, so anything else printed to
+    stdout would fill it and block the server: NeMo Gym prints freely (its exception
+    middleware, its validation handler), and so may any library a server imports."""
+    announce = sys.stdout
+    sys.stdout = sys.stderr
+    return announce
+
+
+def main(argv: list[str] | None = None) -> None:
+    PROCESS.take()  # first: see stop_signals
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    announce = announcement_stream()
+    refuse_inapplicable_flags(args)
+    refuse_for_workers(args)
+    if os.environ.get(WORKER_SOCKET_ENV):  # one worker of a `--workers N` main process
+        instance = args.instance or default_instance(args.server)
+        configure_logging(
+            args.log_level,
+            json_lines=args.log_format == "json",
+            secrets=[os.environ.get("ROLLOUT_CHECKPOINT_TOKEN", "")],
+            stream=sys.stderr,
+        )
+        settings = settings_or_exit(args, instance)
+        PROCESS.exit_if_received()
+        app, _ = build(args, instance, settings)
+        serve_worker(args, app)
+        return
+    instance = args.instance or default_instance(args.server)
+    checkpoint = settings_or_exit(args, instance)
+    check_free("HTTP", args.http_address)
+    if checkpoint is not None:
+        check_free("gRPC", checkpoint.grpc_address)
+        if checkpoint.health_address is not None:
+            check_free("health", checkpoint.health_address)
+    token = checkpoint.token.get_secret_value() if checkpoint is not None else args.token
+    configure_logging(
+        args.log_level,
+        json_lines=args.log_format == "json",
+        secrets=[token or ""],
+        stream=sys.stderr,
+    )
+    PROCESS.exit_if_received()
+    if args.workers > 1:
+        assert checkpoint is not None  # refuse_for_workers
+        serve_main_of_workers(args, argv, instance, checkpoint, announce)
+        PROCESS.exit_if_received()
+        return
+    try:
+        app, runtime = build(args, instance, checkpoint)
+    except MissingExtra as error:  # --mcp without the mcp extra, nemo-gym:* without nemo-gym
+        fail(EXIT_USAGE, str(error))
+    host, port = _split(args.http_address)
+
+    class AnnouncingServer(QuietServer):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.should_exit:
+                return
+            bound = self.servers[0].sockets[0].getsockname()
+            announcement = {
+                "http": f"{host}:{bound[1]}",
+                "grpc": runtime.address if runtime is not None else None,
+                "instance": instance,
+                "kind": KINDS[args.server],
+                "pid": os.getpid(),
+            }
+            if runtime is not None and runtime.health_address is not None:
+                announcement["health"] = runtime.health_address
+            print(json.dumps(announcement), file=announce, flush=True)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level=args.log_level,
+        log_config=None,  # uvicorn's lines go through the same (structured) handler
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    if args.server in NEMO_GYM_KINDS:  # NeMo Gym's agents count on run_webserver()'s keep-alive
+        config.timeout_keep_alive = KEEP_ALIVE_SECONDS
+    AnnouncingServer(config).run()
+    PROCESS.exit_if_received()
+
+
+def run_main() -> None:
+    """`main`, with a KeyboardInterrupt that still reaches here (raised by code rather than by
+    a signal, or before `main` took the signals) ending as SIGINT does, without a traceback."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit(EXIT_CODES[signal.SIGINT]) from None

@@ -1,0 +1,63 @@
+"""The examples' source layout: what keeps `mypy --strict examples/` clean and every example
+small enough to change without fear (issue 29).
+
+Checked on the source text (no import, no mypy run): `scripts/typecheck` runs the real
+`mypy --strict examples/`, these say which rule a failure there comes from.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .processes import REPO
+
+EXAMPLES = REPO / "examples"
+LARGEST_CLASS_LINES = 400
+"""Issue 29: no class over 400 lines in server/, client/ or examples/."""
+
+
+def _example_modules() -> list[Path]:
+    return sorted(p for p in EXAMPLES.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _absolute_example_imports(path: Path) -> list[str]:
+    """`rollout_checkpoint.examples...` imports of `path`, as `file:line module`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "rollout_checkpoint.examples" or name.startswith(
+                "rollout_checkpoint.examples."
+            ):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    return found
+
+
+def test_the_examples_import_one_another_relatively() -> None:
+    """`mypy --strict examples/` names each file by its path (`examples.demo.tour`); an
+    absolute import reaches the same file under its installed name
+    (`rollout_checkpoint.examples.demo.tour`). One file, two modules: a class one of them
+    hands to the other is two incompatible types, and mypy reports it (`demo` passing its
+    `Options` to `self_heal` did). A relative import resolves under either name."""
+    absolute = [hit for path in _example_modules() for hit in _absolute_example_imports(path)]
+    assert absolute == [], "import sibling examples relatively:\n" + "\n".join(absolute)
+
+
+def test_no_example_class_is_over_400_lines() -> None:
+    """A class that size mixes responsibilities; each example is split by concept instead
+    (a package per large example: its `__init__` re-exports what others use)."""
+    too_long = [
+        f"{path.relative_to(REPO)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in _example_modules()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > LARGEST_CLASS_LINES
+    ]
+    assert too_long == [], "\n".join(too_long)
