@@ -32,8 +32,6 @@ from .sessions import SessionEnvironments
 class HiringTools(SessionEnvironments):
     """The hiring pipeline's tools (served as `POST /<tool name>` and over MCP)."""
 
-    # -- hiring ---------------------------------------------------------------------------
-
     @tool("Candidates (id, name, position, status), optionally filtered by status or position.")
     async def list_candidates(self, session_id: str, args: ListCandidatesArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:

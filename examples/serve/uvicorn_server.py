@@ -8,25 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 from collections.abc import Iterator
-from typing import IO
 
 import uvicorn
 
 from rollout_checkpoint.server.core.stop_signals import PROCESS, StopSignals
-
-
-def announcement_stream() -> IO[str]:
-    """The real stdout, for the one announcement line; `sys.stdout` becomes stderr.
-
-    A reader takes the first line and may never drain the pipe, so anything else printed to
-    stdout would fill it and block the server: NeMo Gym prints freely (its exception
-    middleware, its validation handler), and so may any library a server imports."""
-    announce = sys.stdout
-    sys.stdout = sys.stderr
-    return announce
-
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
 """uvicorn's graceful-shutdown timeout: how long SIGTERM waits for HTTP requests to finish
