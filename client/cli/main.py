@@ -31,7 +31,7 @@ SERVED_KINDS = (
     ("nemo-gym:indirect_prompt_injection", "NeMo Gym's own, resources, exported, verify wait"),
     ("nemo-gym:example_session_state_mgmt", "NeMo Gym's own, resources, exported"),
 )
-"""What `serve` runs (examples/serve.py's KINDS; a test keeps the two equal). Listed here
+"""What `serve` runs (examples/serve/kinds.py KINDS; a test keeps the two equal). Listed here
 because the CLI never imports the participant runtime. The `nemo-gym:` ones need nemo-gym
 installed in the same environment."""
 
