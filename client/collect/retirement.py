@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.fanout import FleetError
@@ -29,6 +30,7 @@ from rollout_checkpoint.client.fleet import Fleet
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Retirement:
     """Retires and forgets the rollouts of one collection, a batch a call (see the module
     doc). Each call takes the fleet as it is now (a recovery in place swaps it).
@@ -37,27 +39,16 @@ class Retirement:
     error the run cannot go on after (a failed rollout that cannot be retired, an output
     that cannot be written)."""
 
-    def __init__(
-        self,
-        book: RolloutBook,
-        output: DurableAppender,
-        view: CollectView,
-        control: ControlCalls,
-        *,
-        max_attempts: int,
-        timeout: float,
-        on_change: Callable[[], None],
-        on_fatal: Callable[[BaseException], None],
-    ) -> None:
-        self.book = book
-        self.output = output
-        self.view = view
-        self.control = control
-        self.max_attempts = max_attempts
-        self.timeout = timeout
-        """Seconds for one retire or forget call on the whole fleet."""
-        self.on_change = on_change
-        self.on_fatal = on_fatal
+    book: RolloutBook
+    output: DurableAppender
+    view: CollectView
+    control: ControlCalls
+    _: KW_ONLY
+    max_attempts: int
+    timeout: float
+    """Seconds for one retire or forget call on the whole fleet."""
+    on_change: Callable[[], None]
+    on_fatal: Callable[[BaseException], None]
 
     async def retire_failed(self, fleet: Fleet) -> None:
         """Retire a batch of failed attempts, then send each again as a later attempt, or

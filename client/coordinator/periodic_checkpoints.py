@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointOutcome, Phase, checkpoint
 from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetError
@@ -59,28 +59,20 @@ class Held:
     aborted without reaching it): their state is read again."""
 
 
+@dataclass(eq=False)
 class PeriodicCheckpoints:
     """Takes the supervisor's checkpoints of one fleet (see the module docstring)."""
 
-    def __init__(
-        self,
-        spec: FleetSpec,
-        root: PublicationRoot,
-        events: FleetEventLog,
-        *,
-        seconds: float,
-        step: StepHook,
-        discover: Callable[[FleetSpec], Awaitable[Fleet]],
-    ) -> None:
-        self.spec = spec
-        self.root = root
-        self.events = events
-        self.seconds = seconds
-        """The deadline of one checkpoint (prepare, commit, publish)."""
-        self.step = step
-        self._discover = discover
-        self.own: deque[str] = deque(maxlen=64)
-        """The ids of the latest checkpoints taken here."""
+    spec: FleetSpec
+    root: PublicationRoot
+    events: FleetEventLog
+    _: KW_ONLY
+    seconds: float
+    """The deadline of one checkpoint (prepare, commit, publish)."""
+    step: StepHook
+    discover: Callable[[FleetSpec], Awaitable[Fleet]]
+    own: deque[str] = field(init=False, default_factory=lambda: deque(maxlen=64))
+    """The ids of the latest checkpoints taken here."""
 
     async def take(self) -> Held:
         """Take, publish and announce one checkpoint; what a refusal said about the members
@@ -96,7 +88,7 @@ class PeriodicCheckpoints:
         self.own.append(checkpoint_id)
         outcome: CheckpointOutcome | None = None
         try:
-            fleet = await self._discover(self.spec)
+            fleet = await self.discover(self.spec)
         except DiscoveryError as error:
             log.info("supervisor: checkpoint skipped (%s)", error)
             return Held()
