@@ -25,13 +25,13 @@ from .conftest import REPO
 from .test_kubernetes import (
     identity,
     objects,
-    readme_kubernetes,
     render,
     validate_strictly,
     walk,
 )
 
 OVERLAY = REPO / "deploy" / "kubernetes-object-store"
+KUBERNETES_PAGE = REPO / "docs" / "kubernetes.md"
 SECRET = "rollout-checkpoint-object-store"
 PREFIX = "ROLLOUT_CHECKPOINT_"
 
@@ -81,7 +81,7 @@ def test_credentials_come_only_from_a_secret_made_by_hand(
             assert not variable["name"].startswith("AWS_"), (identity(workload), variable)
     text = (OVERLAY / "kustomization.yaml").read_text()
     assert f"kubectl create secret generic {SECRET}" in text
-    assert f"create secret generic {SECRET}" in readme_kubernetes()
+    assert f"create secret generic {SECRET}" in KUBERNETES_PAGE.read_text()
 
 
 def test_participants_allow_the_url_the_fleet_file_publishes_under(
