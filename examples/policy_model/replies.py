@@ -24,9 +24,11 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _error(status: int, code: str, detail: str) -> Response:
+def _error(status: int, code: str, detail: str, **names: str) -> Response:
+    """The typed error; `names` are further fields of the error object (what it is about, for
+    a tool to read without parsing `detail`)."""
     return Response(
-        _dumps({"error": {"code": code, "detail": detail}}),
+        _dumps({"error": {"code": code, "detail": detail, **names}}),
         status_code=status,
         media_type="application/json",
     )
