@@ -165,7 +165,7 @@ async def test_a_call_the_baseline_never_made_is_refused_typed_and_counted(
         assert elsewhere.json()["error"]["code"] == NOT_IN_RECORDING
         counted = await stats(replayer)
         assert counted["not_in_recording"] == 3
-        assert counted["misses"] == [
+        assert counted["misses"][:2] == [
             {"rollout_id": rollout, "digest": digest, "path": PATH},
             {
                 "rollout_id": other,
@@ -173,10 +173,17 @@ async def test_a_call_the_baseline_never_made_is_refused_typed_and_counted(
                 "path": PATH,
             },
         ]
+        # A caller's rollout id that UTF-8 cannot encode is named too (escaped), not a 500.
+        hostile = json.dumps(chat(CLINIC, metadata={"rollout_id": "\ud800"})).encode()
+        odd = await replayer.http.post(
+            PATH, content=hostile, headers={"content-type": "application/json"}
+        )
+        assert odd.status_code == 409 and odd.json()["error"]["rollout_id"] == "\ud800"
+        assert (await stats(replayer))["misses"][-1]["rollout_id"] == "\ud800"
         # The recorded call is still answered.
         same_reply(await replayer.post(rollout, chat(CLINIC)), first)
     logged = [r.getMessage() for r in caplog.records if NOT_IN_RECORDING in r.getMessage()]
-    assert len(logged) == 3 and f"rollout_id={rollout} digest={digest}" in logged[0]
+    assert len(logged) == 4 and f"rollout_id={rollout} digest={digest}" in logged[0]
 
 
 @pytest.mark.parametrize("mode", ["replay", "record"])
@@ -250,6 +257,21 @@ async def test_a_torn_last_line_is_ignored_on_replay_and_cut_before_recording(
     baseline.write_bytes(b'{"rollout_id": "r1"}\n')
     with pytest.raises(InputFileError, match=r"baseline.jsonl:1: a recorded reply needs"):
         await load(baseline, "replay")
+
+
+async def test_a_reply_that_cannot_be_recorded_never_reaches_its_caller() -> None:
+    """A disk that is full (/dev/full: every write fails with ENOSPC): the caller gets 503
+    `recording_failed` instead of a reply a replay of this run would not know, and a stream
+    is cut short rather than finished."""
+    (rollout,) = rollouts(CLINIC, falls=False, count=1)
+    async with model(recording=Recording(Path("/dev/full"), "record", {})) as recorder:
+        refused = await recorder.post(rollout, chat(CLINIC))
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "recording_failed"
+        with pytest.raises(httpx.RemoteProtocolError):
+            await recorder.post(rollout, chat(CLINIC, stream=True))
+        counted = await stats(recorder)
+        assert (counted["recorded"], counted["replies"]) == (0, 0)
 
 
 # -- the proxy in front of a model that samples ------------------------------------------------

@@ -32,6 +32,7 @@ and restore work unchanged in both modes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -46,17 +47,12 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed
-from rollout_checkpoint.client.collect.journal import (
-    DurableAppender,
-    json_line,
-    parse_jsonl,
-    read_jsonl,
-)
+from rollout_checkpoint.client.collect.journal import DurableAppender, parse_jsonl, read_jsonl
 from rollout_checkpoint.server.model.participant import GENERATION_PATHS, body_then, read_body
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 from .config import InputFileError
-from .policy import ANONYMOUS, _dumps
+from .policy import ANONYMOUS
 from .replies import _error
 
 log = logging.getLogger(__name__)
@@ -85,10 +81,25 @@ def call_digest(path: str, body: bytes) -> str:
     """The SHA-256 of the path and the request body (a JSON object in canonical form: sorted
     keys, compact, ASCII; any other body as its bytes), so a re-issued call whose body was
     serialized in another key order is the same call."""
+    return _digest(path, body, _parsed(body))
+
+
+def call_key(scope: Scope, body: bytes) -> tuple[str, str]:
+    """A call's key in the recording: (rollout id, digest), the body parsed once. CPU-bound
+    on a long conversation (parse, canonical dump, hash): run it in a thread."""
+    request = _parsed(body)
+    rollout_id = rollout_of(scope, request if isinstance(request, dict) else None)
+    return rollout_id, _digest(scope["path"], body, request)
+
+
+def _parsed(body: bytes) -> object:
     try:
-        request = json.loads(body)
+        return json.loads(body)
     except (ValueError, RecursionError):
-        request = None
+        return None
+
+
+def _digest(path: str, body: bytes, request: object) -> str:
     material = (
         json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
         if isinstance(request, dict)
@@ -106,8 +117,9 @@ class RecordedReply:
     body: bytes
 
     def line(self, rollout_id: str, digest: str, path: str) -> bytes:
-        """The recording's line: the body as text when it is UTF-8 (readable, and what every
-        JSON or event-stream reply is), else as base64."""
+        """The recording's line: the body as text when it is UTF-8 (what every JSON or
+        event-stream reply is), else as base64. ASCII JSON: a rollout id with a lone
+        surrogate (`metadata.rollout_id` is the caller's) is escaped, not a failed write."""
         entry: dict[str, Any] = {
             "rollout_id": rollout_id,
             "digest": digest,
@@ -119,7 +131,7 @@ class RecordedReply:
             entry["body"] = self.body.decode("utf-8")
         except UnicodeDecodeError:
             entry["body_base64"] = base64.b64encode(self.body).decode()
-        return json_line(entry)
+        return json.dumps(entry, separators=(",", ":")).encode() + b"\n"
 
     @classmethod
     def of_line(cls, entry: Mapping[str, Any]) -> tuple[tuple[str, str], RecordedReply]:
@@ -217,7 +229,8 @@ class Recording:
             return
         if self._appender is None:
             raise OutputFailed(f"the recording {self.path} is not open")
-        await self._appender.append(reply.line(rollout_id, digest, path))
+        line = await asyncio.to_thread(reply.line, rollout_id, digest, path)
+        await self._appender.append(line)
         self.replies.setdefault((rollout_id, digest), reply)
         self.stats.recorded += 1
 
@@ -232,7 +245,8 @@ class Recording:
             f"the recording {self.path.name} holds no reply to this call of rollout "
             f"{rollout_id} (digest {digest}): the baseline never asked it"
         )
-        return _error(409, NOT_IN_RECORDING, detail, rollout_id=rollout_id, digest=digest)
+        error = {"code": NOT_IN_RECORDING, "detail": detail, "rollout_id": rollout_id}
+        return _ascii_json({"error": {**error, "digest": digest}}, 409)
 
     def stats_reply(self) -> Response:
         stats = self.stats
@@ -248,7 +262,13 @@ class Recording:
                 for (rollout_id, digest), path in stats.misses.items()
             ],
         }
-        return Response(_dumps(body), media_type="application/json")
+        return _ascii_json(body)
+
+
+def _ascii_json(body: object, status: int = 200) -> Response:
+    """A JSON reply in ASCII: the rollout id it names is the caller's `metadata.rollout_id`,
+    which may hold a lone surrogate that UTF-8 cannot encode."""
+    return Response(json.dumps(body, separators=(",", ":")), status, media_type="application/json")
 
 
 class RecordingMiddleware:
@@ -270,12 +290,7 @@ class RecordingMiddleware:
             await self.app(scope, receive, send)
             return
         body = await read_body(receive)
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
-            parsed = None
-        rollout_id = rollout_of(scope, parsed if isinstance(parsed, dict) else None)
-        digest = call_digest(scope["path"], body)
+        rollout_id, digest = await asyncio.to_thread(call_key, scope, body)
         recording = self.recording
         recorded = recording.replies.get((rollout_id, digest))
         if recorded is not None:
@@ -342,7 +357,7 @@ class _RecordedCall:
                 log.error("recording_failed rollout_id=%s: %s", self.key[0], error)
                 if self.streamed:
                     raise
-                failed = _error(503, "recording_failed", str(error), rollout_id=self.key[0])
+                failed = _error(503, "recording_failed", str(error))
                 await failed(scope, receive, self._send)
                 return
         if self.streamed:

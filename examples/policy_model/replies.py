@@ -24,11 +24,9 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _error(status: int, code: str, detail: str, **names: str) -> Response:
-    """The typed error; `names` are further fields of the error object (what it is about, for
-    a tool to read without parsing `detail`)."""
+def _error(status: int, code: str, detail: str) -> Response:
     return Response(
-        _dumps({"error": {"code": code, "detail": detail, **names}}),
+        _dumps({"error": {"code": code, "detail": detail}}),
         status_code=status,
         media_type="application/json",
     )
