@@ -27,6 +27,7 @@ from rollout_checkpoint.examples.policy_model import (
     GatePoint,
     PolicyModelConfig,
     PolicyModelServer,
+    Recording,
     ScriptedPolicy,
 )
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
@@ -214,6 +215,7 @@ async def model(
     checkpoint: bool = True,
     upstream: str | None = None,
     instance: str = "policy_model",
+    recording: Recording | None = None,
     **settings: Any,
 ) -> AsyncIterator[Model]:
     clock = ManualClock()
@@ -226,6 +228,7 @@ async def model(
             else None,
             latency=0.0,
             upstream=upstream,
+            recording=recording,
             gate=gate,
             clock=clock,
         )

@@ -59,26 +59,35 @@ def read_jsonl(path: Path, what: str) -> tuple[list[dict[str, Any]], int]:
         return [], 0
     with path.open("r+b") as file:
         data = file.read()
-        end = data.rfind(b"\n") + 1
-        lines = data[:end].split(b"\n")[:-1]
-        records: list[dict[str, Any]] = []
-        for number, raw in enumerate(lines, 1):
-            try:
-                value = json.loads(raw)
-            except ValueError:
-                value = None
-            if not isinstance(value, dict):
-                if number == len(lines) and not raw.strip(b"\x00"):
-                    end -= len(raw) + 1  # a line of zeros a power loss left: torn too
-                    break
-                raise CorruptFile(f"{path}:{number}: the {what} holds a line that is not JSON")
-            records.append(value)
+        records, end = parse_jsonl(data, path, what)
         cut = len(data) - end
         if cut:
             file.truncate(end)
             file.flush()
             os.fsync(file.fileno())
     return records, cut
+
+
+def parse_jsonl(data: bytes, path: Path, what: str) -> tuple[list[dict[str, Any]], int]:
+    """The JSON object lines of `data` (the contents of `path`) and the length of its intact
+    part: a torn last line (no newline, or a line of zeros a power loss left) is left out, for
+    a reader that must not write (a recording replayed read-only). `CorruptFile` for a bad
+    line before the last: damage, not a crash artefact."""
+    end = data.rfind(b"\n") + 1
+    lines = data[:end].split(b"\n")[:-1]
+    records: list[dict[str, Any]] = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            if number == len(lines) and not raw.strip(b"\x00"):
+                end -= len(raw) + 1
+                break
+            raise CorruptFile(f"{path}:{number}: the {what} holds a line that is not JSON")
+        records.append(value)
+    return records, end
 
 
 def check_appendable(path: Path) -> None:

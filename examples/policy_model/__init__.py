@@ -17,6 +17,12 @@ conversation shows the injected text in a tool result, it calls `injection.targe
 `injection.target_args` (completed with harmless values for arguments the tool requires),
 then carries on with the plan. So rewards vary across rollouts but are reproducible.
 
+`--tasks FILE` makes the scripted model follow a user's tasks (the JSON lines `collect` takes)
+instead of the shipped ones. `--record FILE` appends every reply to a recording and `--replay
+FILE` answers every call from one, so a run with a real (sampling) model can be compared with
+its baseline call for call; a call the baseline never made is refused 409 `not_in_recording`
+(recording.py).
+
 `--latency` simulates generation time so rollouts stay in flight long enough to be cut, and
 `--token-latency` the time of each generated token: the model generates its answer token by
 token (four characters each: the final message's content, or the tool call's arguments), so a
@@ -42,30 +48,41 @@ admission middleware (`ModelParticipant`: 409 `admission_closed`, held responses
 delivered calls) and the gRPC sidecar.
 
 One concept a module: `policy` (the scripted decisions, pure), `generation` (a generation
-token by token, and what a cut stages), `upstream` (proxy mode), `server` (the app and the
-participant's backend), `config`, `replies` (the error shape) and `cli`. This package is the
+token by token, and what a cut stages), `upstream` (proxy mode), `recording` (record and
+replay), `task_file` (a user's tasks), `server` (the app and the participant's backend),
+`config`, `replies` (the error shape) and `cli`. This package is the
 example's public face: what it re-exports is what `serve`, the demo and the tests use.
 """
 
 from __future__ import annotations
 
-from .cli import add_arguments, build_server, main
-from .config import PolicyModelConfig
+from .cli import add_arguments, build_server, file_options, main
+from .config import InputFileError, PolicyModelConfig
 from .generation import GatePoint, generation_text, split_tokens
 from .policy import INJECTION_FILLERS, Decision, PolicyError, ScriptedPolicy
+from .recording import NOT_IN_RECORDING, STATS_PATH, RecordedReply, Recording, call_digest
 from .server import PolicyModelServer
+from .task_file import load_task_file
 
 __all__ = [
     "INJECTION_FILLERS",
+    "NOT_IN_RECORDING",
+    "STATS_PATH",
     "Decision",
     "GatePoint",
+    "InputFileError",
     "PolicyError",
     "PolicyModelConfig",
     "PolicyModelServer",
+    "RecordedReply",
+    "Recording",
     "ScriptedPolicy",
     "add_arguments",
     "build_server",
+    "call_digest",
+    "file_options",
     "generation_text",
+    "load_task_file",
     "main",
     "split_tokens",
 ]

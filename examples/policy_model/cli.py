@@ -13,9 +13,12 @@ from typing import Any
 
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .config import PolicyModelConfig
+from ..serve.arguments import add_file_arguments
+from .config import InputFileError, PolicyModelConfig
 from .policy import DEFAULT_MODEL
+from .recording import Recording
 from .server import PolicyModelServer
+from .task_file import load_task_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,11 +60,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def file_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `PolicyModelConfig` fields the file flags name (`tasks`, `recording`), loaded now,
+    before anything listens; `InputFileError` (one line) for a file that cannot be used or a
+    flag that does not apply."""
+    options: dict[str, Any] = {}
+    tasks = getattr(args, "tasks", None)
+    if tasks is not None:
+        if getattr(args, "upstream", None) is not None:
+            raise InputFileError("--tasks applies to the scripted model, not to --upstream")
+        options["tasks"] = load_task_file(tasks)
+    record, replay = getattr(args, "record", None), getattr(args, "replay", None)
+    if record is not None:
+        options["recording"] = Recording.load(record, "record")
+    elif replay is not None:
+        options["recording"] = Recording.load(replay, "replay")
+    return options
+
+
 def build_server(
     args: argparse.Namespace, checkpoint: CheckpointSettings | None = None
 ) -> PolicyModelServer:
     """A server from parsed flags. `checkpoint` None: built from the common serve flags
-    (`--no-checkpoint`, `--token`, `--grpc-address`, `--start-closed`, `--instance`)."""
+    (`--no-checkpoint`, `--token`, `--grpc-address`, `--start-closed`, `--instance`).
+    `InputFileError` for a file flag that cannot be used (`file_options`)."""
     instance = getattr(args, "instance", None) or "policy_model"
     if checkpoint is None and not getattr(args, "no_checkpoint", False):
         overrides: dict[str, Any] = {
@@ -86,6 +108,7 @@ def build_server(
             upstream_timeout=getattr(args, "upstream_timeout", 600.0),
             model_name=getattr(args, "model_name", DEFAULT_MODEL),
             fall_one_in=getattr(args, "fall_one_in", 4),
+            **file_options(args),
         )
     )
 
@@ -111,13 +134,18 @@ def main(argv: list[str] | None = None) -> None:
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
     add_arguments(parser)
+    add_file_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    server = build_server(args)
+    try:
+        server = build_server(args)
+    except InputFileError as error:
+        print(f"{parser.prog}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     app = server.build_app()
     host, _, port = args.http_address.rpartition(":")
     host = host.strip("[]")

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_checkpoint.server.core.clock import Clock
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .generation import Gate
 from .policy import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from .recording import Recording
+
+
+class InputFileError(ValueError):
+    """A file the policy model was given (`--tasks`, `--record`, `--replay`) cannot be used:
+    its message is the one line the command prints before it exits 2, naming the file."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,11 @@ class PolicyModelConfig:
     fall_one_in: int = 4
     """One (task, rollout) pair in this many falls for the injection (0: never)."""
     tasks: tuple[Mapping[str, Any], ...] | None = None
-    """The tasks the scripted model knows (default: the shipped prompt-injection tasks)."""
+    """The tasks the scripted model knows (default: the shipped prompt-injection tasks;
+    `--tasks FILE`: a user's, loaded by `task_file.load_task_file`)."""
+    recording: Recording | None = None
+    """Record every reply to this recording, or answer every call from it (`--record`,
+    `--replay`; recording.py). None: the model answers."""
     gate: Gate | None = None
     """For tests: awaited at each `GatePoint` of a scripted generation."""
     clock: Clock | None = None

@@ -87,6 +87,12 @@ class ScriptedPolicy:
             plan = task.get("reference_plan")
             if not isinstance(task_id, str) or not isinstance(plan, list) or not plan:
                 raise ValueError(f"task {task_id!r} needs a task_id and a non-empty reference_plan")
+            for number, step in enumerate(plan, 1):
+                if not _plan_step(step):
+                    raise ValueError(
+                        f"task {task_id!r}: reference_plan step {number} is not "
+                        '{"name": <tool>, "arguments": {...}}'
+                    )
             self.tasks[task_id] = task
         self.fall_one_in = fall_one_in
 
@@ -164,6 +170,14 @@ class ScriptedPolicy:
             "usage": _usage(messages, message),
         }
         return decision, reply
+
+
+def _plan_step(step: object) -> bool:
+    """A step the policy can call: a tool name, and arguments that are an object if given
+    (checked when the tasks are loaded: a bad step would otherwise fail mid-rollout)."""
+    if not isinstance(step, Mapping) or not isinstance(step.get("name"), str):
+        return False
+    return isinstance(step.get("arguments") or {}, Mapping)
 
 
 def _messages(request: Mapping[str, Any]) -> list[Mapping[str, Any]]:

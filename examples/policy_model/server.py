@@ -25,7 +25,7 @@ from rollout_checkpoint.server.model.participant import (
     ModelParticipant,
 )
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
-from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware, episode_of
+from rollout_checkpoint.server.runtime.rollout_prefix import RolloutPrefixMiddleware
 
 from ..prompt_injection import load_tasks
 from .config import PolicyModelConfig
@@ -37,7 +37,8 @@ from .generation import (
     generation_text,
     split_tokens,
 )
-from .policy import ANONYMOUS, Decision, PolicyError, ScriptedPolicy, _dumps
+from .policy import Decision, PolicyError, ScriptedPolicy, _dumps
+from .recording import RecordingMiddleware, rollout_of
 from .replies import _error, _json_object
 from .upstream import ProxyGeneration, UpstreamProxy
 
@@ -89,6 +90,8 @@ class PolicyModelServer:
             app.add_api_route("/v1/chat/completions", self._chat_route, methods=["POST"])
             app.add_api_route("/v1/models", self._models_route, methods=["GET"])
             app.add_api_route("/scripted/stats", self._stats_route, methods=["GET"])
+        if self.config.recording is not None:  # innermost: the ledger sees what it answers
+            app.add_middleware(RecordingMiddleware, recording=self.config.recording)
         if self.checkpoint_enabled:
             assert self.config.checkpoint is not None
             cuts = not self.proxy or self.config.upstream_continuation == "vllm"
@@ -102,10 +105,11 @@ class PolicyModelServer:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        if self.upstream is None:
-            yield
-            return
-        async with self.upstream.running():
+        async with contextlib.AsyncExitStack() as running:
+            if self.config.recording is not None:
+                await running.enter_async_context(self.config.recording.running())
+            if self.upstream is not None:
+                await running.enter_async_context(self.upstream.running())
             yield
 
     # -- scripted ---------------------------------------------------------------------------
@@ -191,7 +195,7 @@ class PolicyModelServer:
             final_prefix = _continued_final_message(body)
             if final_prefix is not None:  # vLLM's continuation: the rest of that message
                 body = dict(body, messages=body["messages"][:-1])
-            rollout_id = self._rollout_id(request, body)
+            rollout_id = rollout_of(request.scope, body)
             decision, reply = self.policy.completion(body, rollout_id, model=self.config.model_name)
         except PolicyError as exc:
             return _error(400, exc.code, exc.detail)
@@ -222,14 +226,6 @@ class PolicyModelServer:
         async for _ in self._tokens(generation):
             pass
         return Response(_dumps(reply), media_type="application/json")
-
-    def _rollout_id(self, request: Request, body: Mapping[str, Any]) -> str:
-        episode = episode_of(request.scope)
-        if episode is not None:
-            return episode.rollout_id
-        metadata = body.get("metadata")
-        named = metadata.get("rollout_id") if isinstance(metadata, Mapping) else None
-        return named if isinstance(named, str) and named else ANONYMOUS
 
     async def _events(
         self,

@@ -11,6 +11,7 @@ import argparse
 import errno
 import socket
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
@@ -119,6 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="how the upstream continues a generation cut's prefix (vllm: "
         "continue_final_message; none: cut calls are generated again)",
     )
+    add_file_arguments(model)
     agent = parser.add_argument_group("agent")
     agent.add_argument("--model-url", default=None, help="the policy model's base URL")
     agent.add_argument(
@@ -136,6 +138,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the fleet name the agent uses for tools",
     )
     return parser.parse_args(argv)
+
+
+def add_file_arguments(parser: argparse._ActionsContainer) -> None:
+    """The flags naming the policy model's files: `serve policy_model`'s and the policy model's
+    own (`python -m rollout_checkpoint.examples.policy_model`). Defined here, not in the
+    policy model's package, so that `serve counter` does not import the policy model."""
+    parser.add_argument(
+        "--tasks",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the tasks the scripted model follows (JSON lines, the file collect's --input "
+        "takes; default: the shipped prompt-injection tasks)",
+    )
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="append every reply to this recording (JSON lines), keyed by rollout and "
+        "request; a call it already holds is answered from it",
+    )
+    modes.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="answer every call from this recording; a call it does not hold gets 409 "
+        "not_in_recording",
+    )
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -211,8 +244,17 @@ def check_free(label: str, address: str) -> None:
             fail(EXIT_ADDRESS_IN_USE, f"cannot listen on {label} address {address}: {reason}")
 
 
+POLICY_MODEL_FILES = {"tasks": "--tasks", "record": "--record", "replay": "--replay"}
+"""The policy model's file flags: refused for any other server rather than ignored (a
+recording the operator asked for and never got would surface only when replayed)."""
+
+
 def refuse_inapplicable_flags(args: argparse.Namespace) -> None:
     """Exit 2 with one line for a flag the chosen server cannot honour."""
+    if args.server != "policy_model":
+        for attribute, flag in POLICY_MODEL_FILES.items():
+            if getattr(args, attribute) is not None:
+                fail(EXIT_USAGE, f"{flag} applies to policy_model only, not to {args.server}")
     if args.server in NEMO_GYM_KINDS:
         for attribute, flag in NOT_FOR_NEMO_GYM.items():
             if getattr(args, attribute):

@@ -62,8 +62,13 @@ def build(
         resources = server_class(args.server)(config)
         return resources.build_app(), resources.runtime
     if args.server == "policy_model":
-        from ..policy_model import PolicyModelConfig, PolicyModelServer
+        from ..policy_model import InputFileError, PolicyModelConfig, PolicyModelServer
+        from ..policy_model import file_options as policy_model_files
 
+        try:
+            files = policy_model_files(args)
+        except InputFileError as error:
+            fail(EXIT_USAGE, str(error))
         model = PolicyModelServer(
             PolicyModelConfig(
                 instance=instance,
@@ -72,6 +77,7 @@ def build(
                 token_latency=args.token_latency,
                 upstream=args.upstream,
                 upstream_continuation=args.upstream_continuation,
+                **files,
             )
         )
         return model.build_app(), model.runtime

@@ -440,7 +440,7 @@ class ModelAdmissionMiddleware:
         if refusal is not None:
             await send_refusal(send, 409, *refusal)
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         call = participant.call_started(episode, body)
         # The backend keys its generation by the call (to stage its prefix at a cut), and
         # continues a restored cut's prefix attached to a re-issued call.
@@ -480,16 +480,6 @@ class ModelAdmissionMiddleware:
         chunks: list[bytes] = []
         streamed = False
         stream_complete = False
-        replayed = False
-
-        async def replay_body() -> Message:
-            # The body once, then the real channel: an app that listens for the disconnect
-            # (a streaming response) must wait on it, not spin on empty bodies.
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
 
         async def capture(message: Message) -> None:
             nonlocal start, streamed, stream_complete
@@ -512,7 +502,7 @@ class ModelAdmissionMiddleware:
             chunks.append(message.get("body", b""))
 
         try:
-            await self.app(scope, replay_body, capture)
+            await self.app(scope, body_then(body, receive), capture)
         except _ShuttingDown:
             await send_refusal(send, 503, "shutting_down", "the server is shutting down; retry")
             return
@@ -537,7 +527,23 @@ class _ShuttingDown(Exception):
     """Raised into the app when a held stream is never started (the server shuts down)."""
 
 
-async def _read_body(receive: Receive) -> bytes:
+def body_then(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app `body` (already read by a middleware) once, then the real
+    channel: an app that listens for the disconnect (a streaming response) must wait on it,
+    not spin on empty bodies."""
+    replayed = False
+
+    async def receive_body() -> Message:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive_body
+
+
+async def read_body(receive: Receive) -> bytes:
     """The whole body; `ClientDisconnect` when the caller leaves before sending it all: a
     partial body must never run a generation, let alone enter an episode's ledger."""
     parts = []
