@@ -15,6 +15,10 @@ a `FleetSpec` of `MemberSpec`s (`FleetConfigError` when it is invalid). `Fleet.d
 every member live (`Member`: kind, instance, boot id, client) or fails naming the ones it
 could not reach (`DiscoveryError`). `FleetWatch` reports who is in the fleet right now
 (`MemberEvent`, its `Change`: up, down, replaced: a new boot id is a new process whose state is gone).
+A member whose fleet-file entry has a `command` can be started from it: `start_member` runs it in
+a process group of its own and returns a `LaunchedMember` once it is live (a replacement starts
+closed); a start that fails is a `LaunchError` (`CommandNotStarted`, `ExitedBeforeReady`,
+`NotReadyInTime`).
 
 **Checkpointing.** `checkpoint` takes one whole checkpoint: prepare every stage in order,
 commit, publish, resume, yielding `CheckpointEvent`s (their `Phase`) and ending with a
@@ -116,6 +120,14 @@ if TYPE_CHECKING:
     )
     from rollout_checkpoint.client.errors import ControlError
     from rollout_checkpoint.client.fleet.discovery import DiscoveryError, Fleet, Member
+    from rollout_checkpoint.client.fleet.launch import (
+        CommandNotStarted,
+        ExitedBeforeReady,
+        LaunchedMember,
+        LaunchError,
+        NotReadyInTime,
+        start_member,
+    )
     from rollout_checkpoint.client.fleet.membership import Change, FleetWatch, MemberEvent
     from rollout_checkpoint.client.fleet.spec import (
         FleetConfigError,
@@ -143,6 +155,14 @@ _HOMES: dict[str, tuple[str, ...]] = {
     ),
     "rollout_checkpoint.client.fleet.discovery": ("DiscoveryError", "Fleet", "Member"),
     "rollout_checkpoint.client.fleet.membership": ("Change", "FleetWatch", "MemberEvent"),
+    "rollout_checkpoint.client.fleet.launch": (
+        "CommandNotStarted",
+        "ExitedBeforeReady",
+        "LaunchError",
+        "LaunchedMember",
+        "NotReadyInTime",
+        "start_member",
+    ),
     "rollout_checkpoint.client.checkpointing.checkpoint": (
         "CheckpointEvent",
         "CheckpointOutcome",
@@ -213,9 +233,11 @@ __all__ = [
     "CheckpointSummary",
     "CollectOptions",
     "Collector",
+    "CommandNotStarted",
     "ControlError",
     "Coordinator",
     "DiscoveryError",
+    "ExitedBeforeReady",
     "Fleet",
     "FleetCommit",
     "FleetConfigError",
@@ -224,11 +246,14 @@ __all__ = [
     "FleetProgress",
     "FleetSpec",
     "FleetWatch",
+    "LaunchError",
+    "LaunchedMember",
     "Member",
     "MemberEvent",
     "MemberProgress",
     "MemberSpec",
     "NoPublishedCheckpoint",
+    "NotReadyInTime",
     "ObjectCheckpointRoot",
     "Outcome",
     "ParticipantClient",
@@ -263,6 +288,7 @@ __all__ = [
     "restore_published",
     "resume",
     "retire",
+    "start_member",
     "undo_unfinished_recovery",
     "verify_checkpoint",
 ]

@@ -10,6 +10,15 @@ comes from, TLS, and the controller's checkpoint root:
     [[participants]]
     name = "counter"
     address = "127.0.0.1:9001"
+    command = ["rollout-checkpoint", "serve", "counter", "--grpc-address", "127.0.0.1:9001"]
+    env = { ROLLOUT_CHECKPOINT_LEASE_GRACE_SECONDS = "60" }   # optional
+
+A participant's `command` (optional) is how a controller that kills and replaces members starts
+it (`client/fleet/launch.py`): an argv list, run without a shell in the fleet file's folder, with
+the controller's environment plus `env`. It is a list, never a string: a string would have to be
+split by some shell's rules, and a path or an argument with a space would then start another
+program than the one written. A replacement is the same command with
+`ROLLOUT_CHECKPOINT_START_CLOSED=true` added, so it serves nothing before its restore.
 
 It is read whole and checked before any member is called (`FleetConfigError`): a typo found
 after the fleet closed for a checkpoint would leave it closed for nothing.
@@ -19,7 +28,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,12 +55,20 @@ burst, and a deadline could pass for the last members while the first are still 
 
 @dataclass(frozen=True)
 class MemberSpec:
-    """One fleet member as the fleet file names it: its name and its sidecar's address."""
+    """One fleet member as the fleet file names it: its name, its sidecar's address and, when
+    a controller is to start it, its command."""
 
     name: str
     """The member's name in the fleet file: unique, a valid id, what every report names."""
     address: str
     """Its sidecar's gRPC address (`host:port`)."""
+    command: tuple[str, ...] = ()
+    """The argv that starts it (no shell); empty: the member is started by someone else."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Variables its command runs with, over the controller's own environment."""
+    directory: str | None = None
+    """The folder its command runs in (the fleet file's, so a relative path in the command
+    means what it means beside the file); None without a command."""
 
 
 @dataclass(frozen=True)
@@ -158,13 +175,7 @@ def _spec_from(
     unknown = set(data) - _KNOWN_KEYS
     if unknown:
         raise FleetConfigError(f"unknown fleet file keys: {', '.join(sorted(unknown))}")
-    members = []
-    for entry in data.get("participants") or []:
-        if not isinstance(entry, dict) or set(entry) != {"name", "address"}:
-            raise FleetConfigError("each participant has exactly a name and an address")
-        if not is_valid_id(str(entry["name"])):
-            raise FleetConfigError(f"participant name {entry['name']!r} is not a valid name")
-        members.append(MemberSpec(str(entry["name"]), str(entry["address"])))
+    members = [_member_from(entry, base) for entry in data.get("participants") or []]
     if not members:
         raise FleetConfigError("a fleet needs at least one participant")
     if len({m.name for m in members}) != len(members):
@@ -203,6 +214,57 @@ def _spec_from(
         allow_agents_without_model=bool(data.get("allow_agents_without_model", False)),
         fan_out=fan_out,
     )
+
+
+_PARTICIPANT_KEYS = {"name", "address", "command", "env"}
+
+
+def _member_from(entry: Any, base: Path) -> MemberSpec:
+    if (
+        not isinstance(entry, dict)
+        or not {"name", "address"} <= set(entry)
+        or not set(entry) <= _PARTICIPANT_KEYS
+    ):
+        raise FleetConfigError(
+            "each participant has a name and an address, and optionally a command and an env"
+        )
+    name = str(entry["name"])
+    if not is_valid_id(name):
+        raise FleetConfigError(f"participant name {entry['name']!r} is not a valid name")
+    command = _command(name, entry["command"]) if "command" in entry else ()
+    return MemberSpec(
+        name,
+        str(entry["address"]),
+        command=command,
+        env=_environment(name, entry.get("env", {})),
+        directory=str(base.resolve()) if command else None,
+    )
+
+
+def _command(name: str, command: Any) -> tuple[str, ...]:
+    if isinstance(command, str):
+        raise FleetConfigError(
+            f"participant {name}: command is a list of arguments, e.g. "
+            f'["rollout-checkpoint", "serve", "counter"], not a string: it is run without a '
+            f"shell, so nothing would split it"
+        )
+    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+        raise FleetConfigError(f"participant {name}: command is a list of strings")
+    if not command or not command[0]:
+        raise FleetConfigError(f"participant {name}: command names a program to run")
+    return tuple(command)
+
+
+def _environment(name: str, env: Any) -> dict[str, str]:
+    if not isinstance(env, dict) or not all(
+        isinstance(key, str) and key and "=" not in key and isinstance(value, str)
+        for key, value in env.items()
+    ):
+        raise FleetConfigError(
+            f"participant {name}: env is a table of variable names to strings "
+            f'(quote numbers and booleans: "60", "true")'
+        )
+    return dict(env)
 
 
 def _token(data: dict[str, Any], base: Path, environ: dict[str, str] | os._Environ[str]) -> str:
