@@ -9,6 +9,7 @@ no traceback, nothing announced, exit 2.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -140,6 +141,8 @@ def user_dir(tmp_path: Path) -> Path:
     directory.mkdir()
     (directory / "notes.py").write_text(NOTES)
     (directory / "factories.py").write_text(FACTORIES)
+    # Prints to stdout as it is imported: serve keeps stdout for its one announcement line.
+    (directory / "chatty.py").write_text('print("imported")\nfrom factories import make_model\n')
     (directory / "broken.py").write_text('raise RuntimeError("no config file")\n')
     (directory / "needs_dependency.py").write_text("import not_installed_anywhere\n")
     return directory
@@ -192,9 +195,9 @@ async def test_a_users_server_is_checkpointed_killed_and_restored_into_a_closed_
     on from the very words it had; with two workers, each worker imports the module itself."""
     checkpoint_dir = str(tmp_path / "ckpt")
     command = ["notes:NotesServer", "--workers", str(workers)]
-    first = serve(*command)
+    first = serve(*command, "--health-address", "127.0.0.1:0")
     assert first["kind"] == "resources" and first["instance"] == "notes.NotesServer"
-    announced_keys = {"grpc", "http", "instance", "kind", "pid", "process"}  # process: ours
+    announced_keys = {"grpc", "health", "http", "instance", "kind", "pid", "process"}
     if workers > 1:
         assert first["workers"] == workers
         announced_keys |= {"workers", "worker_pids"}
@@ -242,13 +245,17 @@ async def test_a_factory_announces_its_participants_kind_and_is_driven_like_any_
 ) -> None:
     """A function returning the app it installed checkpointing on, with the settings `serve`
     made from its flags: the announced kind is its participant's (here the policy model's),
-    the instance `--instance`'s, and its sidecar takes a Prepare and a Resume."""
-    announced = serve("factories:make_model", "--instance", "my-model")
+    the instance `--instance`'s, its sidecar takes a Prepare and a Resume, and SIGTERM stops
+    it gracefully; what its module prints at import goes to stderr, never before the
+    announcement."""
+    announced = serve("chatty:make_model", "--instance", "my-model")
     assert announced["kind"] == "model" and announced["instance"] == "my-model"
     client = ParticipantClient(announced["grpc"], TOKEN)
     assert (await client.prepare_until_final("ckpt-1", deadline())).state == PREPARED
     await client.resume("ckpt-1", deadline())
     await client.close()
+    announced["process"].send_signal(signal.SIGTERM)
+    assert announced["process"].wait(timeout=WAIT) == 0  # a graceful stop, as an example's
     unchecked = serve("factories:make_model", "--no-checkpoint")
     assert unchecked["grpc"] is None and unchecked["kind"] is None  # no participant installed
 
