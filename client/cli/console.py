@@ -44,7 +44,7 @@ class ExitCode(IntEnum):
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "done",
     ExitCode.FAILURES_RECORDED: "done, with failures recorded (collect: failed rollouts; demo: a check failed)",
-    ExitCode.USAGE: "usage or configuration error (bad flag, missing fleet file or token, bad checkpoint root, no such directory)",
+    ExitCode.USAGE: "usage or configuration error (bad flag, missing fleet file or token, bad checkpoint root, no such directory; serve: a MODULE:ATTRIBUTE it cannot import or run)",
     ExitCode.NOT_PREPARED: "the fleet was not prepared by the deadline (nothing was taken; the fleet was reopened)",
     ExitCode.REFUSED: "refused by a participant or the coordinator (a typed reason: STALE_CHECKPOINT, CHECKPOINT_CONFLICT, TOKEN_INVALID, STORAGE_FAILED, …)",
     ExitCode.UNREACHABLE: "a participant could not be reached (collect: or was lost more often than --max-recoveries allows)",

@@ -33,7 +33,8 @@ SERVED_KINDS = (
 )
 """What `serve` runs (examples/serve/kinds.py KINDS; a test keeps the two equal). Listed here
 because the CLI never imports the participant runtime. The `nemo-gym:` ones need nemo-gym
-installed in the same environment."""
+installed in the same environment. Beside them `serve` runs a user's own server, named
+`MODULE:ATTRIBUTE` (examples/serve/user_app.py)."""
 
 
 def _version() -> str:
@@ -57,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="rollout-checkpoint",
         description="A gRPC control plane that checkpoints a fleet of RL rollout servers. "
         "`VERB --help` describes each verb.",
-        epilog=f"serve runs: {kinds}.\n\n{exit_code_table()}",
+        epilog=f"serve runs: {kinds}; or your own server as MODULE:ATTRIBUTE (serve --help)."
+        f"\n\n{exit_code_table()}",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -68,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     verbs.add_parser(
         "serve",
-        help="run an example fleet server, or one of NeMo Gym's, with its sidecar: "
-        f"{', '.join(n for n, _ in SERVED_KINDS)}; serve --help",
+        help="run a fleet server with its sidecar: an example, one of NeMo Gym's "
+        f"({', '.join(n for n, _ in SERVED_KINDS)}) or your own as MODULE:ATTRIBUTE; "
+        "serve --help",
     )
     add_fleet_verbs(verbs)
     add_collect_verb(verbs)

@@ -1,4 +1,5 @@
-"""Run one fleet server (an example, or one of NeMo Gym's own) with its checkpoint sidecar.
+"""Run one fleet server (an example, one of NeMo Gym's own, or your own as MODULE:ATTRIBUTE)
+with its checkpoint sidecar.
 
     python -m rollout_checkpoint.examples.serve counter --http-address 127.0.0.1:0
     python -m rollout_checkpoint.examples.serve policy_model --latency 0.05
@@ -7,6 +8,7 @@
     python -m rollout_checkpoint.examples.serve environment --agent-url http://127.0.0.1:8003
     python -m rollout_checkpoint.examples.serve nemo-gym:indirect_prompt_injection
     python -m rollout_checkpoint.examples.serve prompt_injection --workers 4
+    python -m rollout_checkpoint.examples.serve my_server:MyServer --workers 4
 
 `--workers N` (resources, environment and agent servers) runs N HTTP worker processes behind the
 one port and keeps ONE participant: this process binds the port, runs the control plane and the
@@ -25,9 +27,12 @@ from the imports to the shutdown, either one ends it without a traceback, with 0
 `ng_run` builds it but without Ray (`rollout_checkpoint.server.nemo_gym.servers`), checkpointed
 with the shipped hooks; its instance name defaults to ng_run's, which also keys its cookies.
 
+`MODULE:ATTRIBUTE` serves the user's own server, a `ResourcesServer` subclass or an app factory,
+with the same flags, announcement and signals (`user_app` says what ATTRIBUTE may name and why).
+
 One concept a module: `kinds` (what can be served), `arguments` (the command line and its
-refusals), `build` (the app for a kind), `workers` (`--workers N`) and `process` (the process's
-life: signals, announcement, uvicorn). This package is `serve`'s public face: what it
+refusals), `user_app` (`MODULE:ATTRIBUTE`), `build` (the app for a kind), `workers`
+(`--workers N`) and `process` (the process's life: signals, announcement, uvicorn). This package is `serve`'s public face: what it
 re-exports is what the CLI, the demo, the benchmarks and the tests use.
 """
 

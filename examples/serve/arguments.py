@@ -19,9 +19,12 @@ from pydantic import ValidationError
 from rollout_checkpoint.client.cli.console import ExitCode, HelpFormatter, epilog
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .kinds import KINDS, NEMO_GYM_KINDS, NOT_FOR_NEMO_GYM
+from .kinds import KINDS, NEMO_GYM_KINDS, NOT_FOR_NEMO_GYM, is_user_app
 
-SUMMARY = "Run one fleet server (an example, or one of NeMo Gym's own) with its checkpoint sidecar"
+SUMMARY = (
+    "Run one fleet server (an example, one of NeMo Gym's own, or your own as MODULE:ATTRIBUTE) "
+    "with its checkpoint sidecar"
+)
 """The first line of `--help` (and of the package's docstring)."""
 
 
@@ -37,14 +40,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "servers: " + ", ".join(f"{name} ({kind})" for name, kind in sorted(KINDS.items())),
             "nemo-gym:<server>: NeMo Gym's own server, from the nemo-gym installed in this "
             "environment (tested: 0.4.0 on Python 3.12); --instance defaults to ng_run's.",
+            "MODULE:ATTRIBUTE: your own server, MODULE imported with the working directory "
+            "first on sys.path. ATTRIBUTE names a ResourcesServer subclass (built from these "
+            "flags; --workers N imports it in each worker) or a function taking the "
+            "CheckpointSettings made from these flags (None with --no-checkpoint) and "
+            "returning the Starlette/FastAPI app it called install_checkpointing on with "
+            "them (one process). Not an app built at import: its settings would ignore these "
+            "flags. --instance defaults to MODULE.ATTRIBUTE.",
         ),
         formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "server",
-        choices=sorted(KINDS),
         metavar="SERVER",
-        help="which server to run (servers: below)",
+        help="which server to run: one of the servers below, or MODULE:ATTRIBUTE (yours)",
     )
     parser.add_argument(
         "--http-address", default="127.0.0.1:0", help="HOST:PORT (port 0 picks a free one)"
@@ -66,7 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--instance",
         default=None,
         help="instance name (default: the server's name; nemo-gym:<server>: ng_run's "
-        "instance name, which also names its session cookie and secret)",
+        "instance name, which also names its session cookie and secret; MODULE:ATTRIBUTE: "
+        "MODULE.ATTRIBUTE)",
     )
     parser.add_argument(
         "--start-closed",
@@ -137,7 +147,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="prompt_injection",
         help="the fleet name the agent uses for tools",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.server not in KINDS and not is_user_app(args.server):
+        fail(
+            EXIT_USAGE,
+            f"unknown server {args.server!r}: one of {', '.join(sorted(KINDS))}, "
+            "or MODULE:ATTRIBUTE (your own)",
+        )
+    return args
 
 
 def add_file_arguments(parser: argparse._ActionsContainer) -> None:
@@ -249,13 +266,14 @@ POLICY_MODEL_FILES = {"tasks": "--tasks", "record": "--record", "replay": "--rep
 recording the operator asked for and never got would surface only when replayed)."""
 
 
-def refuse_inapplicable_flags(args: argparse.Namespace) -> None:
-    """Exit 2 with one line for a flag the chosen server cannot honour."""
+def refuse_inapplicable_flags(args: argparse.Namespace, builds_its_own_app: bool) -> None:
+    """Exit 2 with one line for a flag the chosen server cannot honour (`builds_its_own_app`:
+    a user's factory, which configures its resources server itself, if it has one)."""
     if args.server != "policy_model":
         for attribute, flag in POLICY_MODEL_FILES.items():
             if getattr(args, attribute) is not None:
                 fail(EXIT_USAGE, f"{flag} applies to policy_model only, not to {args.server}")
-    if args.server in NEMO_GYM_KINDS:
+    if args.server in NEMO_GYM_KINDS or builds_its_own_app:
         for attribute, flag in NOT_FOR_NEMO_GYM.items():
             if getattr(args, attribute):
                 fail(EXIT_USAGE, f"{flag} does not apply to {args.server}")

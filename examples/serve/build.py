@@ -13,12 +13,13 @@ from dataclasses import replace
 from typing import Any
 
 from rollout_checkpoint.server.core.extras import NEMO_GYM, require
-from rollout_checkpoint.server.resources import ResourcesServerConfig
+from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServerConfig
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from .arguments import EXIT_USAGE, _split, fail
 from .kinds import NEMO_GYM_KINDS, RESOURCES, server_class
+from .user_app import UserApp, user_code
 
 
 def build_nemo_gym(
@@ -44,23 +45,53 @@ def build_nemo_gym(
     return app, installed.runtime if installed is not None else None
 
 
-def build(
-    args: argparse.Namespace, instance: str, checkpoint: CheckpointSettings | None
+def build_resources(
+    cls: type[ResourcesServer],
+    args: argparse.Namespace,
+    instance: str,
+    checkpoint: CheckpointSettings | None,
 ) -> tuple[Any, CheckpointRuntime | None]:
-    """The app and its checkpoint runtime for the chosen server."""
+    """A resources server, an example's or the user's own, configured from the flags."""
+    config = ResourcesServerConfig(
+        instance=instance,
+        checkpoint=checkpoint,
+        session_secret=args.session_secret
+        or os.environ.get("ROLLOUT_CHECKPOINT_SESSION_SECRET")
+        or None,
+        expose_tools_over_mcp=True if args.mcp else None,
+    )
+    resources = cls(config)
+    return resources.build_app(), resources.runtime
+
+
+def build_user_app(
+    user_app: UserApp,
+    args: argparse.Namespace,
+    instance: str,
+    checkpoint: CheckpointSettings | None,
+) -> tuple[Any, CheckpointRuntime | None]:
+    """`serve MODULE:ATTRIBUTE`'s app: what the user's code raises is one line and exit 2."""
+    target = user_app.target
+    if isinstance(target, type):
+        with user_code(user_app.reference):
+            return build_resources(target, args, instance, checkpoint)
+    return user_app.from_factory(target, checkpoint)
+
+
+def build(
+    args: argparse.Namespace,
+    instance: str,
+    checkpoint: CheckpointSettings | None,
+    user_app: UserApp | None = None,
+) -> tuple[Any, CheckpointRuntime | None]:
+    """The app and its checkpoint runtime for the chosen server (`user_app`: what
+    MODULE:ATTRIBUTE named, loaded)."""
+    if user_app is not None:
+        return build_user_app(user_app, args, instance, checkpoint)
     if args.server in NEMO_GYM_KINDS:
         return build_nemo_gym(args.server, instance, args.http_address, checkpoint)
     if args.server in RESOURCES:
-        config = ResourcesServerConfig(
-            instance=instance,
-            checkpoint=checkpoint,
-            session_secret=args.session_secret
-            or os.environ.get("ROLLOUT_CHECKPOINT_SESSION_SECRET")
-            or None,
-            expose_tools_over_mcp=True if args.mcp else None,
-        )
-        resources = server_class(args.server)(config)
-        return resources.build_app(), resources.runtime
+        return build_resources(server_class(args.server), args, instance, checkpoint)
     if args.server == "policy_model":
         from ..policy_model import InputFileError, PolicyModelConfig, PolicyModelServer
         from ..policy_model import file_options as policy_model_files

@@ -9,6 +9,7 @@ CLI's own list of servable kinds (client/cli/main.py) is kept equal to it by a t
 from __future__ import annotations
 
 import importlib
+import re
 
 from rollout_checkpoint.server.nemo_gym.servers import SERVERS as NEMO_GYM_SERVERS
 from rollout_checkpoint.server.resources import ResourcesServer
@@ -38,13 +39,23 @@ KINDS = (
 )
 
 
+USER_APP = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+"""`serve MODULE:ATTRIBUTE`, the user's own server (user_app.py): both dotted Python names, so
+`nemo-gym:<server>` never matches (a hyphen is in no module name)."""
+
+
+def is_user_app(server: str) -> bool:
+    return USER_APP.fullmatch(server) is not None
+
+
 NOT_FOR_NEMO_GYM = {
     "mcp": "--mcp",
     "session_secret": "--session-secret",
 }
 """Resources flags a NeMo Gym server cannot honour (it has no MCP endpoint of ours, and its
 cookie secret is its own, derived from its class and instance name): refused rather than
-silently ignored, since a secret the operator set and we dropped would be a surprise."""
+silently ignored, since a secret the operator set and we dropped would be a surprise. A user's
+app factory (`serve MODULE:ATTRIBUTE`) cannot honour them either: it configures its own app."""
 
 
 def server_class(name: str) -> type[ResourcesServer]:

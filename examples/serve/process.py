@@ -28,7 +28,8 @@ from .arguments import (
     settings_or_exit,
 )
 from .build import build
-from .kinds import KINDS, NEMO_GYM_KINDS, default_instance
+from .kinds import NEMO_GYM_KINDS, default_instance, is_user_app
+from .user_app import load, served_kind
 from .uvicorn_server import GRACEFUL_SHUTDOWN_SECONDS, QuietServer
 from .workers import refuse_for_workers, serve_main_of_workers, serve_worker
 
@@ -48,11 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     PROCESS.take()  # first: see stop_signals
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    announce = announcement_stream()
-    refuse_inapplicable_flags(args)
-    refuse_for_workers(args)
+    announce = announcement_stream()  # before the user's module, which may print at import
+    user_app = load(args.server) if is_user_app(args.server) else None
+    refuse_inapplicable_flags(args, builds_its_own_app=user_app is not None and user_app.is_factory)
+    refuse_for_workers(args, user_app)
+    instance = args.instance or (
+        user_app.default_instance if user_app is not None else default_instance(args.server)
+    )
     if os.environ.get(WORKER_SOCKET_ENV):  # one worker of a `--workers N` main process
-        instance = args.instance or default_instance(args.server)
         configure_logging(
             args.log_level,
             json_lines=args.log_format == "json",
@@ -61,10 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         settings = settings_or_exit(args, instance)
         PROCESS.exit_if_received()
-        app, _ = build(args, instance, settings)
+        app, _ = build(args, instance, settings, user_app)
         serve_worker(args, app)
         return
-    instance = args.instance or default_instance(args.server)
     checkpoint = settings_or_exit(args, instance)
     check_free("HTTP", args.http_address)
     if checkpoint is not None:
@@ -81,11 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     PROCESS.exit_if_received()
     if args.workers > 1:
         assert checkpoint is not None  # refuse_for_workers
-        serve_main_of_workers(args, argv, instance, checkpoint, announce)
+        kind = served_kind(args.server, user_app)
+        assert kind is not None  # refuse_for_workers: a factory runs one process
+        serve_main_of_workers(args, argv, instance, checkpoint, announce, kind)
         PROCESS.exit_if_received()
         return
     try:
-        app, runtime = build(args, instance, checkpoint)
+        app, runtime = build(args, instance, checkpoint, user_app)
     except MissingExtra as error:  # --mcp without the mcp extra, nemo-gym:* without nemo-gym
         fail(EXIT_USAGE, str(error))
     host, port = _split(args.http_address)
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                 "http": f"{host}:{bound[1]}",
                 "grpc": runtime.address if runtime is not None else None,
                 "instance": instance,
-                "kind": KINDS[args.server],
+                "kind": served_kind(args.server, user_app, runtime),
                 "pid": os.getpid(),
             }
             if runtime is not None and runtime.health_address is not None:

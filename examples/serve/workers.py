@@ -33,7 +33,8 @@ from rollout_checkpoint.server.runtime.worker_pool import (
 from rollout_checkpoint.server.runtime.workers import serve_with_workers
 
 from .arguments import EXIT_USAGE, _split, fail
-from .kinds import KINDS, NEMO_GYM_KINDS
+from .kinds import NEMO_GYM_KINDS
+from .user_app import UserApp, served_kind
 from .uvicorn_server import GRACEFUL_SHUTDOWN_SECONDS, QuietServer
 
 WORKER_KINDS = {
@@ -73,13 +74,20 @@ def worker_command(argv: list[str]) -> list[str]:
     return [sys.executable, "-P", "-m", "rollout_checkpoint.examples.serve", *command]
 
 
-def refuse_for_workers(args: argparse.Namespace) -> None:
-    """Exit 2 with one line when `--workers` cannot apply."""
+def refuse_for_workers(args: argparse.Namespace, user_app: UserApp | None = None) -> None:
+    """Exit 2 with one line when `--workers` cannot apply (`user_app`: what
+    `serve MODULE:ATTRIBUTE` named; a factory's kind is known only once it built its app)."""
     if args.workers < 1:
         fail(EXIT_USAGE, "--workers must be at least 1")
     if args.workers == 1:
         return
-    kind = KINDS[args.server]
+    kind = served_kind(args.server, user_app)
+    if kind is None:
+        fail(
+            EXIT_USAGE,
+            f"--workers applies to a ResourcesServer subclass of yours, not to the factory "
+            f"{args.server}: the main process needs the kind before any worker builds the app",
+        )
     if kind not in WORKER_KINDS or args.server in NEMO_GYM_KINDS:
         fail(
             EXIT_USAGE,
@@ -97,11 +105,12 @@ def serve_main_of_workers(
     instance: str,
     checkpoint: CheckpointSettings,
     announce: IO[str],
+    served_kind: str,
 ) -> None:
     """The main process of `--workers N`: the control plane, the sidecar and the workers."""
     import asyncio
 
-    kind = Kind(KINDS[args.server])
+    kind = Kind(served_kind)
     placement = WORKER_KINDS[kind.value]
     pool = WorkerPool(
         kind,
