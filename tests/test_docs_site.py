@@ -60,10 +60,42 @@ def test_the_landing_page_shows_exactly_the_build_command() -> None:
     assert commands(*DOC_SECTIONS[0]) == ["scripts/docs\n"]
 
 
-def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
+def toctree_pages() -> list[str]:
+    """The pages of the landing page's table of contents, in its order."""
     toctree = re.search(r"```\{toctree\}\n(.*?)```", (DOCS / "index.md").read_text(), re.DOTALL)
     assert toctree is not None
-    pages = [line for line in toctree.group(1).splitlines() if line and not line.startswith(":")]
+    return [line for line in toctree.group(1).splitlines() if line and not line.startswith(":")]
+
+
+def test_the_readme_table_lists_the_site_pages_in_its_order() -> None:
+    """The README's table of the docs pages is the site's table of contents: a newcomer who
+    reads one and browses the other meets the same pages in the same order."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## The documentation", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| \[[^\]]+\]\(docs/([\w-]+)\.md\) \|", section, re.MULTILINE)
+    assert rows == toctree_pages()
+
+
+def test_what_is_in_the_box_has_a_row_for_every_folder() -> None:
+    """The getting-started page's "What is in the box" table is the layout a newcomer goes
+    by: every top-level folder of the repository, and every package of the server side and
+    of the controller library, has its row (a row may name a folder below it)."""
+    page = (DOCS / "getting-started.md").read_text()
+    section = page.split("## What is in the box", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w./-]+)` \|", section, re.MULTILINE)
+    tracked = run("git", "ls-files").stdout.splitlines()
+    folders = {path.split("/")[0] for path in tracked if "/" in path and not path.startswith(".")}
+    assert sorted(f for f in folders if not any(r.split("/")[0] == f for r in rows)) == []
+    packages = {
+        f"{init.parent.relative_to(REPO)}/"
+        for side in ("server", "client")
+        for init in (REPO / side).glob("*/__init__.py")
+    }
+    assert sorted(packages - set(rows)) == []
+
+
+def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
+    pages = toctree_pages()
     assert pages == [
         "getting-started",
         "your-server",

@@ -56,8 +56,9 @@ def add_collect_verb(verbs: Any) -> None:
         "collect",
         help="collect K rollouts of every task through a fleet, with crash-safe checkpoints",
         description="Collect K rollouts of every task through a fleet, with checkpoints that "
-        "survive a crash of the collector, a server, or everything (see the README). Progress "
-        "goes to stderr; `--json` prints a final summary as one JSON object on stdout.",
+        "survive a crash of the collector, a server, or everything (the docs' operations page, "
+        "'Collecting rollouts'). Progress goes to stderr; `--json` prints a final summary as one "
+        "JSON object on stdout.",
         epilog=epilog(EXAMPLE),
         formatter_class=HelpFormatter,
     )

@@ -9,10 +9,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.client.checkpointing import fanout
-from rollout_checkpoint.client.checkpointing.checkpoint import restore_published
-from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot, PublishedParticipant
-from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint import client
+from rollout_checkpoint.client import CheckpointRoot, Fleet, PublishedParticipant, restore_published
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .comparison import _records_by_rollout
@@ -51,7 +49,7 @@ class CheckpointSteps:
         async with await Fleet.discover(processes.spec(self.token)) as fleet:
             started = time.monotonic()
             last = None
-            async for progress in fanout.prepare(fleet, checkpoint_id, deadline):
+            async for progress in client.prepare(fleet, checkpoint_id, deadline):
                 last = progress
                 states = " ".join(
                     f"{m.name}:{_state(m.state) if m.reached else '-'}({m.readiness.blocker_count})"
@@ -73,7 +71,7 @@ class CheckpointSteps:
             in_flight = await self.fix_scope(fleet, rollouts)
             commit_started = time.monotonic()
             directory = root.directory(checkpoint_id)
-            result = await fanout.commit(
+            result = await client.commit(
                 fleet,
                 checkpoint_id,
                 deadline,
@@ -85,7 +83,7 @@ class CheckpointSteps:
             if self.options.async_commit:
                 # The fleet is killed next, so it stays closed; the parts are awaited here.
                 durable_started = time.monotonic()
-                result = await fanout.await_parts(fleet, checkpoint_id, result, deadline)
+                result = await client.await_parts(fleet, checkpoint_id, result, deadline)
                 self.report.numbers["durable_ms"] = round(
                     (time.monotonic() - durable_started) * 1000, 2
                 )
@@ -145,7 +143,7 @@ class CheckpointSteps:
             restored = await restore_published(target, root, restore_id, deadline)
             if timed:
                 self.report.numbers["restore_ms"] = round((time.monotonic() - started) * 1000, 2)
-            await fanout.resume(fleet, restore_id, deadline)
+            await client.resume(fleet, restore_id, deadline)
             return restored.continued
 
     async def second_checkpoint(
@@ -160,11 +158,11 @@ class CheckpointSteps:
         scope = sorted(e.next_attempt() for e in continued)
         deadline = time.time() + self.options.timeout
         checkpoint_id = root.new_checkpoint_id()
-        last = await fanout.prepare_until_done(fleet, checkpoint_id, deadline)
+        last = await client.prepare_until_done(fleet, checkpoint_id, deadline)
         if not last.prepared:
             raise DemoFailed(f"the restored fleet did not get prepared: {last.blockers()}")
         directory = root.directory(checkpoint_id)
-        result = await fanout.commit(
+        result = await client.commit(
             fleet,
             checkpoint_id,
             deadline,
@@ -175,8 +173,8 @@ class CheckpointSteps:
         if self.options.async_commit:
             # Resume first, then await the parts: the restored fleet may move on while they
             # are written, and the parts must still hold the state of the cut, byte for byte.
-            await fanout.resume(fleet, checkpoint_id, deadline)
-            result = await fanout.await_parts(fleet, checkpoint_id, result, deadline)
+            await client.resume(fleet, checkpoint_id, deadline)
+            result = await client.await_parts(fleet, checkpoint_id, result, deadline)
         if self.options.crash_twice:
             parts = [
                 PublishedParticipant(
@@ -186,7 +184,7 @@ class CheckpointSteps:
             ]
             await asyncio.to_thread(root.publish, checkpoint_id, parts, scope, b"", keep=2)
         if not self.options.async_commit:
-            await fanout.resume(fleet, checkpoint_id, deadline)
+            await client.resume(fleet, checkpoint_id, deadline)
         mismatches = []
         for part in (Path(first["directory"]) / "participants").glob("*/*"):
             before = _records_by_rollout(part)

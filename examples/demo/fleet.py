@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_checkpoint.client.fleet import FleetSpec, MemberSpec
+from rollout_checkpoint.client import FleetSpec, MemberSpec
 
 from .options import Options
 

@@ -2,7 +2,8 @@
 
 Only the order and the rollouts' traffic live here; what a step does to the fleet through the
 controller library is in `checkpoints`, and how the outcome is judged in `comparison`, so the
-tour reads as the four steps the README describes.
+tour reads as the four steps the getting-started page describes (docs/getting-started.md,
+"The demo").
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
-from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client import CheckpointRoot, Fleet
 
 from .checkpoints import CheckpointSteps
 from .comparison import _finished_during_the_cut, compare_with_baseline

@@ -25,8 +25,8 @@ from types import FrameType
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130}
-"""A server's exit code when a signal stopped it (README, "Exit codes"): SIGTERM is how an
-orchestrator ends a server, a graceful stop and so a success; SIGINT is a person's Ctrl-C,
+"""A server's exit code when a signal stopped it (docs/operations.md, "Exit codes"): SIGTERM is
+how an orchestrator ends a server, a graceful stop and so a success; SIGINT is a person's Ctrl-C,
 130 as shells report it, so `serve && next` does not go on to `next`."""
 
 Stop = Callable[[int], object]

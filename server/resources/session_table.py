@@ -74,7 +74,7 @@ class SessionTable:
         A session already tracked is left exactly as it is: a second seed is a retry, and a
         retry that reset the flags would drop a live episode from the checkpoint under way
         (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
-        it must block. Nor is a session ever moved to another episode (see `is_mismatched`)."""
+        it must block. Nor is a session ever moved to another episode (`episode_mismatch` in `SessionDataPlane.refusal`)."""
         if session_id in self.sessions:
             return False
         session = TrackedSession(
