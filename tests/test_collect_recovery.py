@@ -38,7 +38,7 @@ from rollout_checkpoint.examples.demo import (
     signal_group,
     start_fleet,
 )
-from rollout_checkpoint.examples.demo.comparison import _trajectory
+from rollout_checkpoint.examples.demo.comparison import trajectory_of
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .test_collect import (
@@ -159,7 +159,7 @@ def assert_exactly_once_as_the_baseline(work: Path, baseline: Baseline) -> dict[
     differing = [
         r
         for r, line in by_id.items()
-        if _trajectory(line["reply"]) != _trajectory(expected[r]["reply"])
+        if trajectory_of(line["reply"]) != trajectory_of(expected[r]["reply"])
     ]
     assert differing == [], "trajectories differ from the uninterrupted run"
     sent = dispatched(work)

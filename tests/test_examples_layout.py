@@ -45,3 +45,26 @@ def test_the_examples_import_one_another_relatively() -> None:
     `Options` to `self_heal` did). A relative import resolves under either name."""
     absolute = [hit for path in _example_modules() for hit in _absolute_example_imports(path)]
     assert absolute == [], "import sibling examples relatively:\n" + "\n".join(absolute)
+
+
+def _private_names_imported(path: Path) -> list[str]:
+    """Underscore names `path` imports from a sibling example module, as `file:line module.name`
+    (`import x as _x`, a private alias of a public name, is not one)."""
+    return [
+        f"{path.relative_to(REPO)}:{node.lineno} {'.' * node.level}{node.module or ''}.{alias.name}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+
+
+def test_no_example_module_imports_another_ones_private_names() -> None:
+    """The large examples are packages split by concept; a helper one module of a package
+    needs from another is that module's public name. An underscore name imported across
+    modules is a promise the owner does not know it made: renaming or changing it looks
+    local and breaks a sibling."""
+    private = [hit for path in _example_modules() for hit in _private_names_imported(path)]
+    assert private == [], "make these public names of the module that owns them:\n" + "\n".join(
+        private
+    )

@@ -35,7 +35,7 @@ from rollout_checkpoint.examples.demo import (
     serve_options,
     signal_group,
 )
-from rollout_checkpoint.examples.demo.comparison import _trajectory
+from rollout_checkpoint.examples.demo.comparison import trajectory_of
 
 from .conftest import refused
 
@@ -150,7 +150,7 @@ async def test_a_fleet_with_one_member_replaced_rejoins_and_matches_the_baseline
         differing = [
             r.rollout_id
             for r in rollouts
-            if _trajectory(r.reply or {}) != _trajectory(baseline[r.rollout_id].reply or {})
+            if trajectory_of(r.reply or {}) != trajectory_of(baseline[r.rollout_id].reply or {})
         ]
         assert not differing, f"differ from the uninterrupted baseline: {differing}"
     finally:

@@ -13,7 +13,7 @@ from rollout_checkpoint import client
 from rollout_checkpoint.client import CheckpointRoot, Fleet, PublishedParticipant, restore_published
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
-from .comparison import _records_by_rollout
+from .comparison import records_by_rollout
 from .fleet import FleetProcesses
 from .options import Options
 from .report import DemoFailed, Report
@@ -187,8 +187,8 @@ class CheckpointSteps:
             await client.resume(fleet, checkpoint_id, deadline)
         mismatches = []
         for part in (Path(first["directory"]) / "participants").glob("*/*"):
-            before = _records_by_rollout(part)
-            after = _records_by_rollout(directory / "participants" / part.parent.name / part.name)
+            before = records_by_rollout(part)
+            after = records_by_rollout(directory / "participants" / part.parent.name / part.name)
             if before != after:
                 mismatches.append(f"{part.parent.name}/{part.name}")
         self.report.check(

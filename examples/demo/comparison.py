@@ -31,10 +31,10 @@ counters kept in the environment)."""
 ID_COUNTERS = "_id_counters"
 
 
-def _finished_during_the_cut(first: dict[str, Any], in_scope: set[str]) -> int:
+def finished_during_the_cut(first: dict[str, Any], in_scope: set[str]) -> int:
     """Rollouts in scope that the agent's boundary records as done: they finished while the
     fleet was being cut, so they are answered from the checkpoint, not continued."""
-    agent_records = _records_by_rollout(
+    agent_records = records_by_rollout(
         Path(first["directory"]) / "participants" / "agent" / "agent"
     )
     return sum(
@@ -44,7 +44,7 @@ def _finished_during_the_cut(first: dict[str, Any], in_scope: set[str]) -> int:
     )
 
 
-def _records_by_rollout(part: Path) -> dict[str, str]:
+def records_by_rollout(part: Path) -> dict[str, str]:
     """rollout id -> the record without its episode id, as canonical text (order kept)."""
     records: dict[str, str] = {}
     for path in part.glob("records-*.jsonl"):
@@ -65,14 +65,14 @@ def check_trajectories(
         r.rollout_id
         for r in rollouts
         if r.reply is not None
-        and _trajectory(r.reply) != _trajectory(baseline[r.rollout_id].reply or {})
+        and trajectory_of(r.reply) != trajectory_of(baseline[r.rollout_id].reply or {})
     ]
     report.check(
         "trajectories_equal_baseline", not differing, f"differ from the baseline: {differing}"
     )
 
 
-def _trajectory(reply: dict[str, Any]) -> Any:
+def trajectory_of(reply: dict[str, Any]) -> Any:
     """What must equal the baseline: every message (tool calls, arguments, outputs) and the
     verification, without the fields that name the attempt."""
     verify = {k: v for k, v in (reply.get("verify") or {}).items()}
@@ -115,7 +115,7 @@ def compare_with_baseline(
         bool(rewards) and report.numbers["mean_reward"] == report.numbers["baseline_mean_reward"],
         "mean rewards differ",
     )
-    agent_records = _records_by_rollout(
+    agent_records = records_by_rollout(
         Path(first["directory"]) / "participants" / "agent" / "agent"
     )
     prefix_problems = []
@@ -160,7 +160,7 @@ def check_exports(
     change it, with the seeded key order kept: a restore that replayed, lost or reordered
     state would show here, not only in a final reward."""
     tasks = {r.rollout_id: r.task for r in rollouts}
-    exports = _records_by_rollout(
+    exports = records_by_rollout(
         Path(first["directory"]) / "participants" / "resources" / "prompt_injection"
     )
     problems = []

@@ -21,7 +21,7 @@ from rich.console import Console
 from rollout_checkpoint.client import CheckpointRoot, Fleet
 
 from .checkpoints import CheckpointSteps
-from .comparison import _finished_during_the_cut, compare_with_baseline
+from .comparison import compare_with_baseline, finished_during_the_cut
 from .fleet import FleetProcesses, start_fleet
 from .options import Options
 from .report import Report
@@ -158,7 +158,7 @@ class Demo:
         for rollout in remaining:
             rollout.error = None
             rollout.dispatched = False
-        finished_during = _finished_during_the_cut(first, in_scope)
+        finished_during = finished_during_the_cut(first, in_scope)
         self.say(
             f"   continuing {len(in_scope) - finished_during} rollouts as attempt {attempt}"
             + (

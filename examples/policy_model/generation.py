@@ -13,7 +13,7 @@ from typing import Any
 
 from rollout_checkpoint.server.model.generation_cuts import GenerationPrefix
 
-from .policy import Decision, _dumps
+from .policy import Decision, compact_json
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def generation_text(decision: Decision) -> str:
     content, or the tool call's arguments (JSON)."""
     if decision.tool_name is None:
         return decision.content or ""
-    return _dumps(decision.arguments)
+    return compact_json(decision.arguments)
 
 
 def split_tokens(text: str) -> list[str]:
@@ -83,7 +83,7 @@ class GenerationStats:
 Gate = Callable[[GatePoint], Awaitable[None]]
 
 
-def _continued_final_message(body: Mapping[str, Any]) -> GenerationPrefix | None:
+def continued_final_message(body: Mapping[str, Any]) -> GenerationPrefix | None:
     """The prefix of a vLLM-style continuation: `continue_final_message: true` with a last
     assistant message whose content is a string (what the proxy sends for a generation cut)."""
     if body.get("continue_final_message") is not True:

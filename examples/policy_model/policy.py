@@ -70,7 +70,7 @@ class Decision:
                 {
                     "id": f"call_{self.step}_0",
                     "type": "function",
-                    "function": {"name": self.tool_name, "arguments": _dumps(self.arguments)},
+                    "function": {"name": self.tool_name, "arguments": compact_json(self.arguments)},
                 }
             ],
         }
@@ -192,7 +192,7 @@ def _model_name(request: Mapping[str, Any], default: str | None) -> str:
     return model if isinstance(model, str) and model else (default or DEFAULT_MODEL)
 
 
-def _dumps(value: object) -> str:
+def compact_json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -203,8 +203,8 @@ def _completion_id(task_id: str, rollout_id: str, step: int) -> str:
 
 def _usage(messages: Sequence[Mapping[str, Any]], message: Mapping[str, Any]) -> dict[str, int]:
     """A deterministic token estimate (four characters a token)."""
-    prompt = math.ceil(len(_dumps(list(messages))) / 4)
-    completion = math.ceil(len(_dumps(message)) / 4)
+    prompt = math.ceil(len(compact_json(list(messages))) / 4)
+    completion = math.ceil(len(compact_json(message)) / 4)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

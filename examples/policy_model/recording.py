@@ -53,7 +53,7 @@ from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 from .config import InputFileError
 from .policy import ANONYMOUS
-from .replies import _error
+from .replies import error_reply
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ class _RecordedCall:
                 log.error("recording_failed rollout_id=%s: %s", self.key[0], error)
                 if self.streamed:
                     raise
-                failed = _error(503, "recording_failed", str(error))
+                failed = error_reply(503, "recording_failed", str(error))
                 await failed(scope, receive, self._send)
                 return
         if self.streamed:

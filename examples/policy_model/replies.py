@@ -11,10 +11,10 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from .policy import PolicyError, _dumps
+from .policy import PolicyError, compact_json
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
+def json_object_of(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw) if raw else None
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
@@ -24,9 +24,9 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _error(status: int, code: str, detail: str) -> Response:
+def error_reply(status: int, code: str, detail: str) -> Response:
     return Response(
-        _dumps({"error": {"code": code, "detail": detail}}),
+        compact_json({"error": {"code": code, "detail": detail}}),
         status_code=status,
         media_type="application/json",
     )

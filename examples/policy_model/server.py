@@ -33,13 +33,13 @@ from .generation import (
     GatePoint,
     Generation,
     GenerationStats,
-    _continued_final_message,
+    continued_final_message,
     generation_text,
     split_tokens,
 )
-from .policy import Decision, PolicyError, ScriptedPolicy, _dumps
+from .policy import Decision, PolicyError, ScriptedPolicy, compact_json
 from .recording import RecordingMiddleware, rollout_of
-from .replies import _error, _json_object
+from .replies import error_reply, json_object_of
 from .upstream import ProxyGeneration, UpstreamProxy
 
 
@@ -126,7 +126,7 @@ class PolicyModelServer:
                 }
             ],
         }
-        return Response(_dumps(body), media_type="application/json")
+        return Response(compact_json(body), media_type="application/json")
 
     async def _stats_route(self, request: Request) -> Response:
         body = {
@@ -144,7 +144,7 @@ class PolicyModelServer:
                 if isinstance(g, Generation) and g.done < len(g.tokens)
             ],
         }
-        return Response(_dumps(body), media_type="application/json")
+        return Response(compact_json(body), media_type="application/json")
 
     async def stage(self, calls: Sequence[object]) -> Mapping[object, GenerationPrefix]:
         """`GenerationBackend.stage`: the prefix each call generated so far (a held call's is
@@ -191,14 +191,14 @@ class PolicyModelServer:
 
     async def _chat_route(self, request: Request) -> Response:
         try:
-            body = _json_object(await request.body())
-            final_prefix = _continued_final_message(body)
+            body = json_object_of(await request.body())
+            final_prefix = continued_final_message(body)
             if final_prefix is not None:  # vLLM's continuation: the rest of that message
                 body = dict(body, messages=body["messages"][:-1])
             rollout_id = rollout_of(request.scope, body)
             decision, reply = self.policy.completion(body, rollout_id, model=self.config.model_name)
         except PolicyError as exc:
-            return _error(400, exc.code, exc.detail)
+            return error_reply(400, exc.code, exc.detail)
         point = GatePoint("generate", str(body["metadata"]["task_id"]), rollout_id, decision.step)
         if self.config.latency > 0:
             await asyncio.sleep(self.config.latency)
@@ -225,7 +225,7 @@ class PolicyModelServer:
             )
         async for _ in self._tokens(generation):
             pass
-        return Response(_dumps(reply), media_type="application/json")
+        return Response(compact_json(reply), media_type="application/json")
 
     async def _events(
         self,
@@ -250,7 +250,7 @@ class PolicyModelServer:
                     {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 ],
             }
-            return f"data: {_dumps(event)}\n\n".encode()
+            return f"data: {compact_json(event)}\n\n".encode()
 
         def piece(text: str) -> bytes:
             if decision.tool_name is None:
@@ -293,5 +293,5 @@ class PolicyModelServer:
                 "choices": [],
                 "usage": reply["usage"],
             }
-            yield f"data: {_dumps(usage)}\n\n".encode()
+            yield f"data: {compact_json(usage)}\n\n".encode()
         yield b"data: [DONE]\n\n"

@@ -26,8 +26,8 @@ from rollout_checkpoint.server.model.generation_cuts import GenerationPrefix, ca
 from ..relay import timed_out
 from .config import PolicyModelConfig
 from .generation import Generation
-from .policy import PolicyError, _dumps
-from .replies import _error, _json_object
+from .policy import PolicyError, compact_json
+from .replies import error_reply, json_object_of
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class UpstreamProxy:
         """Every route of proxy mode: a generation call or `/v1/models`, passed upstream."""
         client = self.client
         if client is None:
-            return _error(503, "upstream_not_ready", "the upstream client is not running")
+            return error_reply(503, "upstream_not_ready", "the upstream client is not running")
         body = await request.body()
         call = call_of(request.scope)
         if (
@@ -110,7 +110,7 @@ class UpstreamProxy:
             and request.scope["path"] == "/v1/chat/completions"
         ):
             try:
-                parsed = _json_object(body)
+                parsed = json_object_of(body)
             except PolicyError:
                 parsed = None
             if parsed is not None and parsed.get("stream") is not True:
@@ -204,7 +204,7 @@ class UpstreamProxy:
             except (httpx.HTTPError, ValueError) as exc:
                 log.warning("upstream %s failed: %r", url, exc)
                 return _upstream_failed(exc)
-            return Response(_dumps(generation.completion()), media_type="application/json")
+            return Response(compact_json(generation.completion()), media_type="application/json")
 
 
 @dataclass
@@ -292,9 +292,9 @@ def _upstream_failed(exc: Exception) -> Response:
     else 502 `upstream_unavailable` (unreachable, went away mid-reply, or garbled it)."""
     if isinstance(exc, httpx.TransportError) and timed_out(exc):
         detail = f"the upstream model server did not answer in time ({type(exc).__name__})"
-        return _error(504, "upstream_timeout", detail)
+        return error_reply(504, "upstream_timeout", detail)
     detail = f"the upstream model server failed: {type(exc).__name__} {exc}".rstrip()
-    return _error(502, "upstream_unavailable", detail)
+    return error_reply(502, "upstream_unavailable", detail)
 
 
 def _untyped_failure(upstream: httpx.Response) -> bool:
@@ -307,4 +307,6 @@ def _untyped_failure(upstream: httpx.Response) -> bool:
 def _upstream_answered(status: int, content: bytes) -> Response:
     """An untyped upstream failure as the usual typed error, with the upstream's status."""
     text = content[:200].decode("utf-8", errors="replace")
-    return _error(status, "upstream_failed", f"the upstream model server answered {status}: {text}")
+    return error_reply(
+        status, "upstream_failed", f"the upstream model server answered {status}: {text}"
+    )

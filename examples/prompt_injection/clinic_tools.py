@@ -23,16 +23,16 @@ from .arguments import (
     UpdateChartArgs,
 )
 from .environment_state import (
-    _collection,
-    _current_user,
-    _ids,
-    _list,
-    _matches,
-    _new_id,
-    _now,
-    _patient,
-    _patients,
-    _q,
+    collection_in,
+    current_user_in,
+    ids_in,
+    list_in,
+    matches_filter,
+    new_id_in,
+    now_in,
+    patient_in,
+    patients_in,
+    quoted,
 )
 from .errors import ToolError
 from .sessions import SessionEnvironments
@@ -48,7 +48,7 @@ class ClinicTools(SessionEnvironments):
         def run(env: dict[str, Any]) -> object:
             needle = args.query.strip().lower()
             found = []
-            for patient_id, patient in _patients(env).items():
+            for patient_id, patient in patients_in(env).items():
                 if not isinstance(patient, dict):
                     continue
                 conditions = patient.get("conditions")
@@ -64,7 +64,7 @@ class ClinicTools(SessionEnvironments):
                         }
                     )
             if not found:
-                return f"No patients found matching {_q(args.query)}."
+                return f"No patients found matching {quoted(args.query)}."
             return found
 
         return self._run(session_id, "search_patients", run)
@@ -72,27 +72,27 @@ class ClinicTools(SessionEnvironments):
     @tool("A patient's full record: demographics, conditions, medications, chart notes.")
     async def get_patient_record(self, session_id: str, args: PatientArgs) -> dict[str, str]:
         return self._run(
-            session_id, "get_patient_record", lambda env: _patient(env, args.patient_id)
+            session_id, "get_patient_record", lambda env: patient_in(env, args.patient_id)
         )
 
     @tool("A patient's lab results.")
     async def get_lab_results(self, session_id: str, args: PatientArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
-            _patient(env, args.patient_id)
+            patient_in(env, args.patient_id)
             labs = env.get("lab_results", {})
             results = labs.get(args.patient_id.strip(), []) if isinstance(labs, dict) else []
-            return results or f"No lab results on file for {_q(args.patient_id)}."
+            return results or f"No lab results on file for {quoted(args.patient_id)}."
 
         return self._run(session_id, "get_lab_results", run)
 
     @tool("The current user's messages: folder `inbox` (default), `sent` or `all`.")
     async def get_messages(self, session_id: str, args: MessagesArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
-            messages = _collection(env, "messages", list, "messages")
-            email = str(_current_user(env).get("email", "")).lower()
+            messages = collection_in(env, "messages", list, "messages")
+            email = str(current_user_in(env).get("email", "")).lower()
             folder = args.folder.strip().lower()
             if folder not in ("inbox", "sent", "all"):
-                raise ToolError(f"unknown folder {_q(args.folder)} (use inbox, sent or all)")
+                raise ToolError(f"unknown folder {quoted(args.folder)} (use inbox, sent or all)")
             field = {"inbox": "to", "sent": "from"}.get(folder)
             selected = [
                 m
@@ -107,13 +107,13 @@ class ClinicTools(SessionEnvironments):
     @tool("Appointments, optionally only those on a date (YYYY-MM-DD) or of one patient.")
     async def get_schedule(self, session_id: str, args: ScheduleArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
-            appointments = _collection(env, "appointments", list, "appointments")
+            appointments = collection_in(env, "appointments", list, "appointments")
             selected = [
                 a
                 for a in appointments
                 if isinstance(a, dict)
-                and _matches(a.get("date"), args.date)
-                and _matches(a.get("patient_id"), args.patient_id)
+                and matches_filter(a.get("date"), args.date)
+                and matches_filter(a.get("patient_id"), args.patient_id)
             ]
             return selected or "No appointments found."
 
@@ -124,12 +124,12 @@ class ClinicTools(SessionEnvironments):
     @tool("Append a note to a patient's chart.")
     async def update_patient_chart(self, session_id: str, args: UpdateChartArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
-            patient = _patient(env, args.patient_id)
+            patient = patient_in(env, args.patient_id)
             notes = patient.setdefault("chart_notes", [])
             if not isinstance(notes, list):
                 raise ToolError("the patient's chart_notes is not a list")
-            author = _current_user(env).get("name", "")
-            notes.append({"date": _now(env)[:10], "author": author, "note": args.note})
+            author = current_user_in(env).get("name", "")
+            notes.append({"date": now_in(env)[:10], "author": author, "note": args.note})
             return f"Note added to the chart of {patient.get('name', args.patient_id)} ({args.patient_id.strip()})."
 
         return self._run(session_id, "update_patient_chart", run)
@@ -137,16 +137,16 @@ class ClinicTools(SessionEnvironments):
     @tool("Send a message from the current user.")
     async def send_message(self, session_id: str, args: SendMessageArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
-            messages = _list(env, "messages")
-            message_id = _new_id(env, "MSG", _ids(messages, "message_id"))
+            messages = list_in(env, "messages")
+            message_id = new_id_in(env, "MSG", ids_in(messages, "message_id"))
             messages.append(
                 {
                     "message_id": message_id,
-                    "from": _current_user(env).get("email", ""),
+                    "from": current_user_in(env).get("email", ""),
                     "to": args.to.strip(),
                     "subject": args.subject,
                     "body": args.body,
-                    "timestamp": args.timestamp if args.timestamp is not None else _now(env),
+                    "timestamp": args.timestamp if args.timestamp is not None else now_in(env),
                 }
             )
             return {"status": "sent", "message_id": message_id, "to": args.to.strip()}
@@ -157,24 +157,24 @@ class ClinicTools(SessionEnvironments):
     async def prescribe_medication(self, session_id: str, args: PrescribeArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
             patient_id = args.patient_id.strip()
-            _patient(env, patient_id)
+            patient_in(env, patient_id)
             prescriptions = env.setdefault("prescriptions", {})
             if not isinstance(prescriptions, dict):
                 raise ToolError("the environment's prescriptions is not an object")
             taken: set[str] = set()
             for entries in prescriptions.values():
                 if isinstance(entries, list):
-                    taken |= _ids(entries, "prescription_id")
+                    taken |= ids_in(entries, "prescription_id")
             entries = prescriptions.setdefault(patient_id, [])
             if not isinstance(entries, list):
-                raise ToolError(f"the prescriptions of {_q(patient_id)} are not a list")
+                raise ToolError(f"the prescriptions of {quoted(patient_id)} are not a list")
             prescription = {
-                "prescription_id": _new_id(env, "RX", taken),
+                "prescription_id": new_id_in(env, "RX", taken),
                 "medication": args.medication,
                 "dosage": args.dosage,
                 "instructions": args.instructions,
-                "prescribed_by": _current_user(env).get("name", ""),
-                "date": _now(env)[:10],
+                "prescribed_by": current_user_in(env).get("name", ""),
+                "date": now_in(env)[:10],
                 "status": "active",
             }
             entries.append(prescription)
@@ -188,9 +188,9 @@ class ClinicTools(SessionEnvironments):
     ) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
             patient_id = args.patient_id.strip()
-            patient = _patient(env, patient_id)
-            appointments = _list(env, "appointments")
-            provider = args.provider or _current_user(env).get("name", "")
+            patient = patient_in(env, patient_id)
+            appointments = list_in(env, "appointments")
+            provider = args.provider or current_user_in(env).get("name", "")
             for other in appointments:
                 if (
                     isinstance(other, dict)
@@ -203,7 +203,7 @@ class ClinicTools(SessionEnvironments):
                         f"on {args.date} at {args.time}"
                     )
             appointment = {
-                "appointment_id": _new_id(env, "APT", _ids(appointments, "appointment_id")),
+                "appointment_id": new_id_in(env, "APT", ids_in(appointments, "appointment_id")),
                 "patient_id": patient_id,
                 "patient_name": patient.get("name", ""),
                 "date": args.date,
@@ -223,13 +223,13 @@ class ClinicTools(SessionEnvironments):
     ) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
             wanted = args.appointment_id.strip()
-            for appointment in _collection(env, "appointments", list, "appointments"):
+            for appointment in collection_in(env, "appointments", list, "appointments"):
                 if isinstance(appointment, dict) and appointment.get("appointment_id") == wanted:
                     if appointment.get("status") == "cancelled":
                         raise ToolError(f"appointment {wanted} is already cancelled")
                     appointment["status"] = "cancelled"
                     appointment["cancellation_reason"] = args.reason
                     return f"Appointment {wanted} cancelled."
-            raise ToolError(f"no appointment with id {_q(args.appointment_id)}")
+            raise ToolError(f"no appointment with id {quoted(args.appointment_id)}")
 
         return self._run(session_id, "cancel_appointment", run)

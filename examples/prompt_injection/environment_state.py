@@ -16,43 +16,43 @@ COUNTERS_KEY = "_id_counters"
 """Where an environment keeps the counters its created ids come from."""
 
 
-def _q(value: object) -> str:
+def quoted(value: object) -> str:
     """Quote a value inside a message (JSON, so the text stays ASCII and unambiguous)."""
     return json.dumps(value)
 
 
-def _collection(env: dict[str, Any], key: str, kind: type, what: str) -> Any:
+def collection_in(env: dict[str, Any], key: str, kind: type, what: str) -> Any:
     value = env.get(key)
     if not isinstance(value, kind):
         raise ToolError(f"this environment has no {what}")
     return value
 
 
-def _patients(env: dict[str, Any]) -> dict[str, Any]:
-    patients: dict[str, Any] = _collection(env, "patients", dict, "patient records")
+def patients_in(env: dict[str, Any]) -> dict[str, Any]:
+    patients: dict[str, Any] = collection_in(env, "patients", dict, "patient records")
     return patients
 
 
-def _patient(env: dict[str, Any], patient_id: str) -> dict[str, Any]:
-    patient = _patients(env).get(patient_id.strip())
+def patient_in(env: dict[str, Any], patient_id: str) -> dict[str, Any]:
+    patient = patients_in(env).get(patient_id.strip())
     if not isinstance(patient, dict):
-        raise ToolError(f"no patient with id {_q(patient_id)}")
+        raise ToolError(f"no patient with id {quoted(patient_id)}")
     return patient
 
 
-def _candidates(env: dict[str, Any]) -> dict[str, Any]:
-    candidates: dict[str, Any] = _collection(env, "candidates", dict, "candidates")
+def candidates_in(env: dict[str, Any]) -> dict[str, Any]:
+    candidates: dict[str, Any] = collection_in(env, "candidates", dict, "candidates")
     return candidates
 
 
-def _candidate(env: dict[str, Any], candidate_id: str) -> dict[str, Any]:
-    candidate = _candidates(env).get(candidate_id.strip())
+def candidate_in(env: dict[str, Any], candidate_id: str) -> dict[str, Any]:
+    candidate = candidates_in(env).get(candidate_id.strip())
     if not isinstance(candidate, dict):
-        raise ToolError(f"no candidate with id {_q(candidate_id)}")
+        raise ToolError(f"no candidate with id {quoted(candidate_id)}")
     return candidate
 
 
-def _list(env: dict[str, Any], key: str) -> list[Any]:
+def list_in(env: dict[str, Any], key: str) -> list[Any]:
     """The environment's list under `key`, created (at the end, in order) when missing."""
     value = env.setdefault(key, [])
     if not isinstance(value, list):
@@ -60,17 +60,17 @@ def _list(env: dict[str, Any], key: str) -> list[Any]:
     return value
 
 
-def _current_user(env: dict[str, Any]) -> dict[str, Any]:
+def current_user_in(env: dict[str, Any]) -> dict[str, Any]:
     user = env.get("current_user")
     return user if isinstance(user, dict) else {}
 
 
-def _now(env: dict[str, Any]) -> str:
+def now_in(env: dict[str, Any]) -> str:
     value = env.get("current_time")
     return value if isinstance(value, str) else ""
 
 
-def _new_id(env: dict[str, Any], prefix: str, in_use: set[str]) -> str:
+def new_id_in(env: dict[str, Any], prefix: str, in_use: set[str]) -> str:
     """The next `<prefix>-<n>` id: from a counter kept in the environment, skipping ids taken.
 
     Pure in the environment: the same environment always yields the same id, so a restored
@@ -89,13 +89,13 @@ def _new_id(env: dict[str, Any], prefix: str, in_use: set[str]) -> str:
             return candidate
 
 
-def _ids(items: list[Any], field: str) -> set[str]:
+def ids_in(items: list[Any], field: str) -> set[str]:
     return {
         item[field] for item in items if isinstance(item, dict) and isinstance(item.get(field), str)
     }
 
 
-def _matches(value: object, wanted: str | None) -> bool:
+def matches_filter(value: object, wanted: str | None) -> bool:
     return wanted is None or (
         isinstance(value, str) and value.strip().lower() == wanted.strip().lower()
     )

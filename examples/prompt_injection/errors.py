@@ -25,5 +25,5 @@ class ToolError(Exception):
     """A tool's own failure: answered 200 with an error string, as an agent expects."""
 
 
-def _no_session() -> RequestRefused:
+def no_session_refusal() -> RequestRefused:
     return RequestRefused(400, "no_session", "call seed_session first")

@@ -17,14 +17,14 @@ from .arguments import (
     SendOfferArgs,
 )
 from .environment_state import (
-    _candidate,
-    _candidates,
-    _current_user,
-    _ids,
-    _list,
-    _matches,
-    _new_id,
-    _now,
+    candidate_in,
+    candidates_in,
+    current_user_in,
+    ids_in,
+    list_in,
+    matches_filter,
+    new_id_in,
+    now_in,
 )
 from .sessions import SessionEnvironments
 
@@ -42,10 +42,10 @@ class HiringTools(SessionEnvironments):
                     "position": c.get("position"),
                     "status": c.get("status"),
                 }
-                for candidate_id, c in _candidates(env).items()
+                for candidate_id, c in candidates_in(env).items()
                 if isinstance(c, dict)
-                and _matches(c.get("status"), args.status)
-                and _matches(c.get("position"), args.position)
+                and matches_filter(c.get("status"), args.status)
+                and matches_filter(c.get("position"), args.position)
             ]
             return selected or "No candidates found."
 
@@ -54,7 +54,7 @@ class HiringTools(SessionEnvironments):
     @tool("A candidate's full file: contact, résumé summary, status, interview notes.")
     async def get_candidate(self, session_id: str, args: CandidateArgs) -> dict[str, str]:
         return self._run(
-            session_id, "get_candidate", lambda env: _candidate(env, args.candidate_id)
+            session_id, "get_candidate", lambda env: candidate_in(env, args.candidate_id)
         )
 
     @tool("Change a candidate's status (e.g. Phone Screen, Final Round, Rejected).")
@@ -62,7 +62,7 @@ class HiringTools(SessionEnvironments):
         self, session_id: str, args: ChangeStatusArgs
     ) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
-            candidate = _candidate(env, args.candidate_id)
+            candidate = candidate_in(env, args.candidate_id)
             previous = candidate.get("status")
             candidate["status"] = args.status
             return {
@@ -77,16 +77,16 @@ class HiringTools(SessionEnvironments):
     async def send_offer(self, session_id: str, args: SendOfferArgs) -> dict[str, str]:
         def run(env: dict[str, Any]) -> object:
             candidate_id = args.candidate_id.strip()
-            candidate = _candidate(env, candidate_id)
-            offers = _list(env, "offers")
+            candidate = candidate_in(env, candidate_id)
+            offers = list_in(env, "offers")
             offer = {
-                "offer_id": _new_id(env, "OFFER", _ids(offers, "offer_id")),
+                "offer_id": new_id_in(env, "OFFER", ids_in(offers, "offer_id")),
                 "candidate_id": candidate_id,
                 "position": args.position or candidate.get("position", ""),
                 "salary": args.salary,
                 "start_date": args.start_date,
-                "sent_by": _current_user(env).get("email", ""),
-                "date": _now(env)[:10],
+                "sent_by": current_user_in(env).get("email", ""),
+                "date": now_in(env)[:10],
             }
             offers.append(offer)
             candidate["status"] = "offered"

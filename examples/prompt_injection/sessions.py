@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ToolError, _no_session
+from .errors import ToolError, no_session_refusal
 
 Handler = Callable[[dict[str, Any]], object]
 
@@ -27,7 +27,7 @@ class SessionEnvironments:
     def _environment(self, session_id: str | None) -> dict[str, Any]:
         environment = self.environments.get(session_id) if session_id is not None else None
         if environment is None:
-            raise _no_session()
+            raise no_session_refusal()
         return environment
 
     def _run(self, session_id: str, name: str, handler: Handler) -> dict[str, str]:

@@ -188,7 +188,7 @@ def add_file_arguments(parser: argparse._ActionsContainer) -> None:
     )
 
 
-def _split(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -242,7 +242,7 @@ def check_free(label: str, address: str) -> None:
     another gRPC server (SO_REUSEPORT). A port taken between this check and the real bind
     still fails, the long way."""
     try:
-        host, port = _split(address)
+        host, port = split_address(address)
     except ValueError:
         fail(EXIT_USAGE, f"{label} address {address!r} is not HOST:PORT")
     if port == 0:

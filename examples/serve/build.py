@@ -17,7 +17,7 @@ from rollout_checkpoint.server.resources import ResourcesServer, ResourcesServer
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
-from .arguments import EXIT_USAGE, _split, fail
+from .arguments import EXIT_USAGE, fail, split_address
 from .kinds import NEMO_GYM_KINDS, RESOURCES, server_class
 from .user_app import UserApp, user_code
 
@@ -37,7 +37,7 @@ def build_nemo_gym(
 
     kind = NEMO_GYM_KINDS[server]
     require(replace(NEMO_GYM, modules=(*NEMO_GYM.modules, kind.module)), server)
-    host, port = _split(http_address)
+    host, port = split_address(http_address)
     nemo_gym_server = build_server(kind, instance, host, port)
     app = nemo_gym_server.setup_webserver()
     add_run_webserver_layers(nemo_gym_server, app)

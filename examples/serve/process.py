@@ -20,12 +20,12 @@ from rollout_checkpoint.server.runtime.worker_bridge import (
 
 from .arguments import (
     EXIT_USAGE,
-    _split,
     check_free,
     fail,
     parse_args,
     refuse_inapplicable_flags,
     settings_or_exit,
+    split_address,
 )
 from .build import build
 from .kinds import NEMO_GYM_KINDS, default_instance, is_user_app
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         app, runtime = build(args, instance, checkpoint, user_app)
     except MissingExtra as error:  # --mcp without the mcp extra, nemo-gym:* without nemo-gym
         fail(EXIT_USAGE, str(error))
-    host, port = _split(args.http_address)
+    host, port = split_address(args.http_address)
 
     class AnnouncingServer(QuietServer):
         async def startup(self, sockets: Any = None) -> None:

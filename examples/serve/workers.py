@@ -32,7 +32,7 @@ from rollout_checkpoint.server.runtime.worker_pool import (
 )
 from rollout_checkpoint.server.runtime.workers import serve_with_workers
 
-from .arguments import EXIT_USAGE, _split, fail
+from .arguments import EXIT_USAGE, fail, split_address
 from .kinds import NEMO_GYM_KINDS
 from .user_app import UserApp, served_kind
 from .uvicorn_server import GRACEFUL_SHUTDOWN_SECONDS, QuietServer
@@ -119,7 +119,7 @@ def serve_main_of_workers(
         placement=placement,
         identity=record_identity_by_session if placement is Placement.SESSIONS else None,
     )
-    host, port = _split(args.http_address)
+    host, port = split_address(args.http_address)
 
     def announced(addresses: dict[str, Any]) -> None:
         line = {
