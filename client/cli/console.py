@@ -37,6 +37,7 @@ class ExitCode(IntEnum):
     CORRUPT = 6
     OUTPUT_UNWRITABLE = 7
     ADDRESS_IN_USE = 8
+    VIOLATIONS_FOUND = 9
     INTERRUPTED = 130
     TERMINATED = 143
 
@@ -51,6 +52,7 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.CORRUPT: "corrupt checkpoint, output or dispatch log: a manifest, digest or record does not verify",
     ExitCode.OUTPUT_UNWRITABLE: "the output cannot be written (collect)",
     ExitCode.ADDRESS_IN_USE: "an address to listen on is taken or invalid (serve, coordinator)",
+    ExitCode.VIOLATIONS_FOUND: "certify: a check did not hold (report.json names the server, the check and the first counter-example)",
     ExitCode.INTERRUPTED: "stopped by SIGINT (Ctrl-C), after aborting what it started (serve, coordinator: after their graceful stop)",
     ExitCode.TERMINATED: "stopped by SIGTERM, after aborting what it started (serve, coordinator: 0, a graceful stop is how a server ends)",
 }

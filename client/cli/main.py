@@ -1,7 +1,8 @@
 """The `rollout-checkpoint` command line: the top-level parser and `main`.
 
 The verbs live beside it in `rollout_checkpoint.client.cli` (fleet verbs, `status`, `health`,
-`inspect`, `coordinator`, `participant`) and in `rollout_checkpoint.client.collect` (`collect`);
+`inspect`, `coordinator`, `participant`), in `rollout_checkpoint.client.collect` (`collect`) and
+in `rollout_checkpoint.client.certify` (`certify`);
 `serve` and `demo` exec the examples. Every verb ends through one handler (`console.run_verb`):
 errors are one line and an exit code of the one table in `console.ExitCode`, never a
 traceback.
@@ -48,6 +49,7 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from rollout_checkpoint.client.certify.cli import add_certify_verb
     from rollout_checkpoint.client.cli.console import HelpFormatter, exit_code_table
     from rollout_checkpoint.client.cli.parsers import add_fleet_verbs
     from rollout_checkpoint.client.cli.participant import add_participant_verbs
@@ -76,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_fleet_verbs(verbs)
     add_collect_verb(verbs)
+    add_certify_verb(verbs)
     add_participant_verbs(verbs)
     return parser
 
@@ -127,6 +130,10 @@ def _run_verb(args: argparse.Namespace, arguments: list[str]) -> int:
 
     if args.command == "collect":
         return run_collect(args, ["rollout-checkpoint", *arguments])
+    if args.command == "certify":
+        from rollout_checkpoint.client.certify.cli import run_certify
+
+        return run_certify(args)
 
     def verb() -> int:
         if is_fleet_command(args.command):
