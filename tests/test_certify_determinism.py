@@ -30,12 +30,9 @@ def test_replies_that_differ_name_the_server_once_and_unreproduce_the_rollouts()
     assert [(v.check, v.server, v.session) for v in findings] == [
         (Check.DETERMINISTIC, "counter", "t2.0")
     ]
-    assert (findings[0].step, findings[0].path, findings[0].trial) == (
-        0,
-        "$.messages[3].content",
-        None,
-    )
-    assert "(and 2 other sessions)" in findings[0].detail  # t3's reply and t2's export
+    # The field that drifts before the reply that shows it; t2's and t3's replies counted.
+    assert (findings[0].step, findings[0].path, findings[0].trial) == (3, "$.count", None)
+    assert "(and 2 other sessions)" in findings[0].detail
     assert unreproduced == {("*", "t2.0"), ("*", "t3.0"), ("counter", "t2.0")}
 
 
@@ -77,7 +74,7 @@ def test_a_rollout_unfinished_in_one_pass_is_skipped_without_a_determinism_findi
     assert [v.check for v in own] == [Check.FINISHED_EXACTLY_ONCE]
 
 
-def test_each_server_that_did_not_reproduce_is_one_finding_in_the_order_they_show() -> None:
+def test_each_server_that_did_not_reproduce_is_one_finding_exports_first() -> None:
     first = baseline()
     first.exports["prompt_injection"] = {"t1.0": {"environment": {"mail": []}}}
     second = like(first, "baseline-2")
@@ -85,8 +82,8 @@ def test_each_server_that_did_not_reproduce_is_one_finding_in_the_order_they_sho
     set_reply(second, "t2.0", reply(["1", "2", "3"], final="bye"))
     findings, _ = compare_baselines(first, second, servers=SERVERS)
     assert [(v.server, v.session, v.path) for v in findings] == [
-        ("agent", "t2.0", "$.messages[8].content"),
         ("prompt_injection", "t1.0", "$.environment.mail[0]"),
+        ("agent", "t2.0", "$.messages[8].content"),
     ]
 
 

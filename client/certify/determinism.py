@@ -4,7 +4,9 @@ The baseline runs twice, the second time at another concurrency and replaying th
 pass's model calls. Whatever still differs came from a server, not from sampling: state
 shared across sessions (a second rollout sees the first's writes), the wall clock, a hash
 or set order. Each such server is reported once, with the session, the step and the first
-differing path of its first counter-example; and every rollout it touched is handed to the
+differing path of its first counter-example, a difference of its exported state before one
+of its replies (`$.count` names the field that drifts; `$.messages[3].content` only shows
+that a reply changed); and every rollout it touched is handed to the
 trials as unreproduced, because a trial compared with a value the baseline could not repeat
 would blame the fault for the server's nondeterminism.
 
@@ -39,12 +41,13 @@ def compare_baselines(
     first: RunObservation, second: RunObservation, *, servers: Sequence[ServerFacts] = ()
 ) -> tuple[list[Violation], set[Unreproduced]]:
     """DETERMINISTIC findings (one per server that did not reproduce, with its first
-    counter-example in input order) and the pairs the trials must skip. `servers` names
+    counter-example: its exports', then its replies', each in input order) and the pairs
+    the trials must skip. `servers` names
     the agent, the policy model and, for tasks that do not say, the resources member."""
     roles = Roles.of(servers)
     found = [
-        *_replies(first, second, roles),
         *_exports(first, second),
+        *_replies(first, second, roles),
         *_model_misses(second, roles),
     ]
     unreproduced = {pair for _, pair in found}
