@@ -114,12 +114,14 @@ class Certification:
         again = await run_baseline(
             setup, recording=recording, mode="replay", concurrency=second, label="baseline-2"
         )
-        findings, unreproduced = compare_baselines(baseline, again)
+        findings, unreproduced = compare_baselines(baseline, again, servers=facts)
         findings += await self._probe(spec, facts, baseline)
         trials = []
         for done, plan in enumerate(plans):
             self.progress(_describe(plan), done, len(plans))
-            trials.append(await self._trial(setup, plan, recording, baseline, unreproduced))
+            trials.append(
+                await self._trial(setup, plan, recording, baseline, unreproduced, facts)
+            )
         self.progress("done", len(plans), len(plans))
         seconds = time.monotonic() - self.started
         trial_seconds = sum(t.seconds for t in trials)
@@ -167,6 +169,7 @@ class Certification:
         recording: Path,
         baseline: RunObservation,
         unreproduced: set[tuple[str, str]],
+        facts: Sequence[ServerFacts],
     ) -> TrialResult:
         started = time.monotonic()
         observation, reached, note = await run_trial(setup, plan, recording)
@@ -175,6 +178,7 @@ class Certification:
             baseline,
             trial=plan.number,
             unreproduced=unreproduced,
+            servers=facts,
         )
         if violations:
             outcome = Outcome.VIOLATED
