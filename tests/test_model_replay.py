@@ -474,3 +474,42 @@ def test_the_pages_record_and_replay_prints_what_it_shows(tmp_path: Path) -> Non
     assert any("--replay" in step.command for step in page_steps)
     wrong, stderr = differences(page_steps, tmp_path, PAGE_SECONDS)
     assert wrong == [], "\n\n".join(wrong) + f"\n\nstderr:\n{stderr[-3000:]}"
+
+
+def test_a_replay_latency_holds_every_replayed_answer_and_needs_a_replay(tmp_path: Path) -> None:
+    """`--replay-latency` makes a replayed rollout take time (certify's faults must meet
+    rollouts in flight); it applies to a replay only, and is refused with one line elsewhere."""
+    tasks, baseline = tmp_path / "my_tasks.jsonl", tmp_path / "baseline.jsonl"
+    tasks.write_text(json.dumps(USER_TASK) + "\n")
+    body = {"messages": [{"role": "user", "content": USER_TASK["user_prompt"]}]}
+    body["metadata"] = {"task_id": "refund-1"}
+    latency = 1.5
+    seconds = {}
+    for mode, flags in (
+        ("record", ["--record", str(baseline)]),
+        ("replay", ["--replay", str(baseline), "--replay-latency", str(latency)]),
+    ):
+        process = start_process(serve_command("--tasks", str(tasks), *flags), env=ENV)
+        try:
+            announced = announcement(process, "the policy model")
+            with httpx.Client(base_url=f"http://{announced['http']}", timeout=WAIT) as http:
+                reply = http.post(f"/ng-rollout/refund-1.0{PATH}", json=body)
+                assert reply.status_code == 200, reply.text
+                seconds[mode] = reply.elapsed.total_seconds()
+        finally:
+            kill_group(process)
+    assert seconds["replay"] >= latency
+    for flags, message in (
+        (["--replay-latency", "0.1"], "--replay-latency applies to --replay only"),
+        (
+            ["--replay", str(baseline), "--replay-latency", "-1"],
+            "--replay-latency is a number of seconds, 0 or more",
+        ),
+    ):
+        refused = run(*serve_command(*flags), env=ENV)
+        assert refused.returncode == 2, refused.stderr
+        (line,) = refused.stderr.splitlines()
+        assert message in line
+    other = run(*CLI, "serve", "counter", "--replay-latency", "0.1", env=ENV)
+    assert other.returncode == 2
+    assert "--replay-latency applies to policy_model only" in other.stderr
