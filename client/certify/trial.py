@@ -178,11 +178,11 @@ class TrialRun:
         observation = await new_observation(self.setup, f"trial {self.plan.number}")
         observation.reopen_deadline = self.reopen_deadline
         self.expected = len(observation.expected)
+        reopening: asyncio.Task[float | None] | None = None
         try:
             await self.processes.start_all()
             pause = pause_step(self.plan, self.spec.async_commit)
             controller = await self._start(pause_at=pause)
-            reopening: asyncio.Task[float | None] | None = None
             if await self._moment(controller, pause):
                 self.reached = True
                 struck = time.monotonic()
@@ -190,13 +190,14 @@ class TrialRun:
                 reopening = asyncio.create_task(
                     seconds_until_open(self.spec, struck, struck + self.reopen_deadline)
                 )
-            elif controller.process.returncode is None:
-                controller.cont()  # paused at a step the plan did not want (none, today)
             codes = await self._finish(controller)
             if reopening is not None:
                 observation.reopen_seconds = await reopening
             await self._observe(observation, codes)
         finally:
+            if reopening is not None and not reopening.done():
+                reopening.cancel()
+                await asyncio.gather(reopening, return_exceptions=True)
             for controller in self.controllers:
                 controller.kill()
                 with contextlib.suppress(TimeoutError):
