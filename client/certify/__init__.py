@@ -12,6 +12,7 @@ recovered through the product's own paths (the collector's in-place recovery, `c
 * `plan`: which trials a seed makes;
 * `observations`: what one run left behind, as the checks read it;
 * `json_paths`: the first differing JSON path of two documents;
+* `trajectories`: a rollout's trajectory, and whose code its first difference points at;
 * `invariants`: the checks of one run against the baseline;
 * `determinism`: the baseline against its second pass;
 * `stateless_probe`: a `stateless` server's requests replayed on a fresh process;
