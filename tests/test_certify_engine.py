@@ -24,12 +24,14 @@ import pytest
 from rollout_checkpoint.client.certify.aftermath import restarted_rollouts
 from rollout_checkpoint.client.certify.baseline import run_baseline
 from rollout_checkpoint.client.certify.controller import pause_point
+from rollout_checkpoint.client.certify.determinism import compare_baselines
 from rollout_checkpoint.client.certify.findings import Fault, Phase, ServerFacts, TrialPlan
 from rollout_checkpoint.client.certify.fleet_processes import (
     MemberNotStarted,
     discover,
     http_url,
 )
+from rollout_checkpoint.client.certify.invariants import check_run
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.trial import async_fleet_file, pause_step, run_trial
@@ -156,6 +158,8 @@ def test_the_baseline_replayed_at_another_concurrency_equals_the_recorded_one(
     assert_every_rollout_once_as_the_baseline(second, first)
     assert second.exports == first.exports
     assert second.expected == first.expected and len(first.expected) == 6 * REPEATS
+    # The seam with the analysis: the example fleet's baseline is deterministic.
+    assert compare_baselines(first, second, servers=certified.setup.facts) == ([], set())
 
 
 # -- trials ----------------------------------------------------------------------------------
@@ -185,6 +189,11 @@ def test_a_trial_strikes_at_its_phase_and_the_product_recovers_every_rollout_onc
     assert observation.reopen_seconds is not None
     assert observation.reopen_seconds <= observation.reopen_deadline
     assert observation.exports == certified.baseline.exports
+    # The seam with the analysis: every check holds on the example fleet.
+    findings = check_run(
+        observation, certified.baseline, trial=plan.number, servers=certified.setup.facts
+    )
+    assert findings == []
     if plan.phase is Phase.BACKGROUND_WRITE:
         assert "derived fleet file with async_commit = true" in note
         assert not (certified.setup.fleet_path.parent / ".fleet.certify-async.toml").exists()
