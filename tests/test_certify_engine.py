@@ -35,6 +35,8 @@ from rollout_checkpoint.client.certify.invariants import check_run
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.trial import async_fleet_file, pause_step, run_trial
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent
+from rollout_checkpoint.client.collect.checkpoints import CheckpointTaker
 from rollout_checkpoint.client.fleet.spec import MemberSpec
 from rollout_checkpoint.examples.demo.comparison import trajectory_of
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -278,3 +280,38 @@ def test_a_rollout_is_restarted_only_when_no_checkpoint_continued_its_attempt() 
     assert restarted["c.0"].startswith(
         "attempt 2 sent from its input (attempts dispatched: 0, 1, 2)"
     )
+
+
+@pytest.mark.parametrize(
+    ("phases", "steps"),
+    [
+        (
+            ["PREPARE", "PREPARE", "SCOPE", "COMMIT", "PUBLISH", "RESUME", "DONE"],
+            ["preparing", "prepared", "committed", "resumed"],
+        ),
+        (
+            ["PREPARE", "SCOPE", "COMMIT", "RESUME+", "AWAIT_PARTS+", "PUBLISH", "DONE"],
+            ["preparing", "prepared", "snapshotted", "resumed", "writing", "committed"],
+        ),
+        (  # an asynchronous checkpoint that keeps the fleet closed (a stop): no resume
+            ["PREPARE", "SCOPE", "COMMIT+", "AWAIT_PARTS", "PUBLISH", "DONE"],
+            ["preparing", "prepared", "snapshotted", "committed"],
+        ),
+    ],
+    ids=["synchronous", "asynchronous", "asynchronous-kept-closed"],
+)
+def test_a_checkpoints_steps_are_named_in_the_order_a_run_meets_them(
+    phases: list[str], steps: list[str]
+) -> None:
+    """The collector's checkpoint events as `CheckpointTaker` names them for the step hook
+    (`+`: the event of an asynchronous checkpoint, AWAIT_PARTS+ after its resume)."""
+    named: list[str] = []
+    taker = object.__new__(CheckpointTaker)  # only its step naming is exercised
+    taker.step = named.append
+    taker._last_phase = None
+    for phase in phases:
+        name = phase.rstrip("+")
+        plus = phase.endswith("+")
+        detail = {"resumed": plus} if name == "AWAIT_PARTS" else {"asynchronous": plus}
+        taker._name_steps(CheckpointEvent(name, detail=dict(detail)))
+    assert named == steps
