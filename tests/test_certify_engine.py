@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -162,6 +163,33 @@ def test_the_baseline_replayed_at_another_concurrency_equals_the_recorded_one(
     assert second.expected == first.expected and len(first.expected) == 6 * REPEATS
     # The seam with the analysis: the example fleet's baseline is deterministic.
     assert compare_baselines(first, second, servers=certified.setup.facts) == ([], set())
+
+
+def test_a_replay_of_a_call_the_baseline_never_made_is_a_miss_not_a_failed_baseline(
+    certified: Certified, tmp_path: Path
+) -> None:
+    """A recording without one rollout's calls: that rollout fails (its first model call is
+    refused `not_in_recording`), the pass still returns, and the miss names the rollout."""
+    lost = certified.baseline.expected[0]
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text(
+        "".join(
+            line + "\n"
+            for line in certified.recording.read_text().splitlines()
+            if json.loads(line)["rollout_id"] != lost
+        )
+    )
+    second = asyncio.run(
+        run_baseline(
+            certified.setup, recording=partial, mode="replay", concurrency=4, label="partial"
+        )
+    )
+    assert second.controller_exit == 1
+    assert {(r["rollout_id"], r["status"]) for r in second.rows if r["status"] != "ok"} == {
+        (lost, "failed")
+    }
+    assert {rollout for rollout, _ in second.model_misses} == {lost}
+    assert all(path == "/v1/chat/completions" for _, path in second.model_misses)
 
 
 # -- trials ----------------------------------------------------------------------------------

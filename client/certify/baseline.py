@@ -1,8 +1,8 @@
 """One uninterrupted run of every task: what every trial is compared with.
 
 A fresh fleet (the policy model recording, or replaying the recording), the collector without
-a pause and without periodic checkpoints, which must exit 0: a baseline that failed a rollout
-cannot tell a trial's loss from its own. Then certify's own scoped checkpoint of the sessions
+a pause and without periodic checkpoints, which must exit 0 when recording: a baseline that
+failed a rollout cannot tell a trial's loss from its own (`accepted_exits`). Then certify's own scoped checkpoint of the sessions
 (`runs.collect_exports`) and the replay's misses. The fleet is always closed, whatever
 happened: the next run needs its ports.
 """
@@ -30,6 +30,7 @@ from rollout_checkpoint.client.certify.runs import (
     untyped_failures,
 )
 from rollout_checkpoint.client.certify.setup import CertifySetup
+from rollout_checkpoint.client.cli.console import ExitCode
 
 NOTES_IN_ERROR = 5
 """How many of the collector's last notes a failed baseline's message carries."""
@@ -45,11 +46,23 @@ async def run_directory(setup: CertifySetup, label: str) -> Path:
     return directory
 
 
+def accepted_exits(mode: Mode) -> set[int]:
+    """The collector's exit codes a baseline goes on with. Recording: 0 only (a rollout that
+    failed in the baseline has nothing to be compared with). Replaying (the second pass):
+    also 1, rollouts recorded as failed, which is how a server that made the agent ask
+    something new shows (the model refused the call `not_in_recording`): that is the
+    nondeterminism the second pass exists to find, not a reason to stop."""
+    if mode == "record":
+        return {ExitCode.OK}
+    return {ExitCode.OK, ExitCode.FAILURES_RECORDED}
+
+
 async def run_baseline(
     setup: CertifySetup, *, recording: Path, mode: Mode, concurrency: int, label: str
 ) -> RunObservation:
     """Run every task once through a fresh fleet whose policy model records to (`record`) or
-    replays from (`replay`) `recording`; `RunFailed` when the collector does not exit 0.
+    replays from (`replay`) `recording`; `RunFailed` when the collector's exit code is not
+    one of `accepted_exits(mode)`.
     `MemberNotStarted` when a member's command does not come up."""
     directory = await run_directory(setup, label)
     observation = await new_observation(setup, label)
@@ -72,12 +85,12 @@ async def run_baseline(
         observation.controller_exit = code
         observation.notes = await controller.notes()
         observation.rows = await read_rows(directory / "rollouts.jsonl")
-        if code != 0:
+        if code not in accepted_exits(mode):
             last = "; ".join(observation.notes[-NOTES_IN_ERROR:])
             raise RunFailed(f"{label}: the collector exited {code}: {last}")
         observation.exports = await collect_exports(setup, observation.rows, directory / "exports")
         if mode == "replay":
-            observation.model_misses = await model_misses(setup)
+            observation.model_misses = await model_misses(setup, processes)
         observation.untyped = await untyped_failures(processes, [directory / "collect.log"], [code])
         return observation
     finally:

@@ -10,6 +10,7 @@ root (the sessions' exported state, written by the user's own export hooks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -42,6 +43,10 @@ EXPORT_SECONDS = 60.0
 STATS_SECONDS = 10.0
 DISPATCH_LOG = "dispatched.jsonl"
 """The collector's dispatch log, in its checkpoint directory."""
+MISS_LOGGED = re.compile(
+    r"not_in_recording rollout_id=(?P<rollout>\S+) digest=(?P<digest>\S+) path=(?P<path>\S+)"
+)
+"""The policy model's warning for a call its recording does not hold (recording.py)."""
 UNTYPED_LINE = re.compile(r"Traceback \(most recent call last\)|StatusCode\.INTERNAL|\bINTERNAL:")
 """A member log line that shows a failure without a reason of the contract."""
 
@@ -187,18 +192,34 @@ def _canonical_order(states: list[Any]) -> list[Any]:
     return sorted(states, key=lambda s: json.dumps(s, sort_keys=True))
 
 
-async def model_misses(setup: CertifySetup) -> list[tuple[str, str]]:
-    """(rollout id, path) of every call the replaying policy model did not find recorded."""
+async def model_misses(setup: CertifySetup, processes: FleetProcesses) -> list[tuple[str, str]]:
+    """(rollout id, path) of every call the replaying policy model did not find recorded, once
+    per call: from its `GET /recording/stats` and from the `not_in_recording` warnings in the
+    logs of every process that served as the model (a model killed by the trial took its
+    counts with it; its log kept them)."""
     model = setup.model_member
-    spec_member = next((m for m in setup.spec.members if m.name == model), None)
-    url = http_url(spec_member) if spec_member is not None else None
-    if url is None:
+    member = next((m for m in setup.spec.members if m.name == model), None)
+    if model is None or member is None:
         return []
-    async with httpx.AsyncClient(timeout=STATS_SECONDS) as http:
-        reply = await http.get(f"{url}/recording/stats")
-        reply.raise_for_status()
-        body = reply.json()
-    return [(str(m["rollout_id"]), str(m["path"])) for m in body.get("misses", [])]
+    misses: dict[tuple[str, str], str] = {}
+    url = http_url(member)
+    if url is not None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            async with httpx.AsyncClient(timeout=STATS_SECONDS) as http:
+                reply = await http.get(f"{url}/recording/stats")
+                reply.raise_for_status()
+                for miss in reply.json().get("misses", []):
+                    key = (str(miss["rollout_id"]), str(miss["digest"]))
+                    misses[key] = str(miss["path"])
+
+    def logged() -> None:
+        for path in processes.logs_of(model):
+            if path.exists():
+                for found in MISS_LOGGED.finditer(path.read_text(errors="replace")):
+                    misses.setdefault((found["rollout"], found["digest"]), found["path"])
+
+    await asyncio.to_thread(logged)
+    return [(rollout_id, path) for (rollout_id, _), path in misses.items()]
 
 
 async def untyped_failures(

@@ -307,8 +307,7 @@ class TrialRun:
             )
         except (RunFailed, FleetError, ControlError, DiscoveryError, PublicationError) as error:
             observation.notes.append(f"certify: the sessions could not be exported ({error})")
-        with contextlib.suppress(OSError, ValueError):
-            observation.model_misses = await model_misses(setup)
+        observation.model_misses = await model_misses(setup, self.processes)
         observation.untyped = await untyped_failures(
             self.processes, [c.log for c in self.controllers], codes
         )
