@@ -136,6 +136,44 @@ async def test_the_hidden_state_server_is_caught_replaying_its_own_baseline(
     assert violation.trial is None
 
 
+async def test_a_process_wide_count_is_caught_even_where_replaying_in_order_reproduces_it(
+    tmp_path: Path,
+) -> None:
+    """A baseline of one rollout on a fresh `hidden_state` process answers 1, 3, 6: a fresh
+    process replaying those requests once each, in that order, would answer exactly the
+    same. Each replayed twice, the second answer gives the hidden count away."""
+    spec = load(free_port_fleet("hidden_state", tmp_path / "fleet"))
+    counter = member(spec, "counter")
+    launched = await start_member(spec, counter, stderr=tmp_path / "baseline.log")
+    calls: list[Call] = []
+    try:
+        async with httpx.AsyncClient(base_url=http_url(counter), timeout=WAIT) as http:
+            await http.post("/ng-rollout/one.0/seed_session", json={"environment": {}})
+            for count in (1, 2, 3):
+                reply = await http.post(
+                    "/ng-rollout/one.0/increment_counter", json={"count": count}
+                )
+                calls.append(("increment_counter", {"count": count}, reply.text))
+    finally:
+        await stop([launched])
+    assert [json.loads(answer) for _, _, answer in calls] == [{"count": n} for n in (1, 3, 6)]
+    baseline = RunObservation(
+        "baseline",
+        ["one.0"],
+        {"one.0": {"resources_server": "counter", "environment": {}}},
+        rows=[agent_row("one.0", *calls)],
+    )
+
+    found = await probe_stateless(
+        spec, counter, http_url(counter), baseline, deadline=time.time() + WAIT
+    )
+
+    assert [(v.server, v.session, v.step, v.path) for v in found] == [
+        ("counter", "one.0", 0, "$.count")
+    ]
+    assert "(2 other requests too)" in found[0].detail
+
+
 def weather_fleet(directory: Path) -> FleetSpec:
     http, grpc = free_ports(2)
     command = ["rollout-checkpoint", "serve", "weather"]
@@ -163,7 +201,7 @@ async def weather_baseline(spec: FleetSpec, logs: Path) -> RunObservation:
                 await http.post(f"/ng-rollout/{city}.0/seed_session", json={})
                 reply = await http.post(f"/ng-rollout/{city}.0/get_weather", json={"city": city})
             assert reply.status_code == 200, reply.text
-            rows.append(agent_row(f"{city}.0", "get_weather", {"city": city}, reply.text))
+            rows.append(agent_row(f"{city}.0", ("get_weather", {"city": city}, reply.text)))
     finally:
         await stop(launched)
     return RunObservation(
@@ -174,34 +212,30 @@ async def weather_baseline(spec: FleetSpec, logs: Path) -> RunObservation:
     )
 
 
-def agent_row(rollout_id: str, tool: str, arguments: dict[str, Any], answer: str) -> dict[str, Any]:
-    """An output row with one tool call, in the example agent's reply format."""
-    call_id = "call_0_0"
-    arguments_text = json.dumps(arguments)
-    call = {
-        "id": call_id,
-        "type": "function",
-        "function": {"name": tool, "arguments": arguments_text},
-    }
+Call = tuple[str, dict[str, Any], str]
+"""A tool call as the agent records it: the tool, its arguments, the tool message's content."""
+
+
+def agent_row(rollout_id: str, *calls: Call) -> dict[str, Any]:
+    """An output row with these tool calls, one a step, in the example agent's reply format."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "?"}]
+    function_calls = []
+    for step, (tool, arguments, answer) in enumerate(calls):
+        call_id, arguments_text = f"call_{step}_0", json.dumps(arguments)
+        function = {"name": tool, "arguments": arguments_text}
+        messages.append(
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": answer})
+        function_calls.append({"type": "function_call", "call_id": call_id, **function})
+    messages.append({"role": "assistant", "content": "Done."})
     return {
         "rollout_id": rollout_id,
         "status": "ok",
-        "reply": {
-            "messages": [
-                {"role": "user", "content": "?"},
-                {"role": "assistant", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": call_id, "content": answer},
-                {"role": "assistant", "content": "Done."},
-            ],
-            "function_calls": [
-                {
-                    "type": "function_call",
-                    "call_id": call_id,
-                    "name": tool,
-                    "arguments": arguments_text,
-                }
-            ],
-        },
+        "reply": {"messages": messages, "function_calls": function_calls},
     }
 
 
@@ -238,7 +272,7 @@ async def test_a_passed_deadline_sends_nothing(tmp_path: Path) -> None:
     (an answer that differs from the server's is not found)."""
     spec = weather_fleet(tmp_path / "fleet")
     weather = spec.members[0]
-    row = agent_row("Oslo.0", "get_weather", {"city": "Oslo"}, '{"city": "Oslo"}')
+    row = agent_row("Oslo.0", ("get_weather", {"city": "Oslo"}, '{"city": "Oslo"}'))
     baseline = RunObservation(
         "baseline", ["Oslo.0"], {"Oslo.0": {"resources_server": "weather"}}, rows=[row]
     )
@@ -248,8 +282,12 @@ async def test_a_passed_deadline_sends_nothing(tmp_path: Path) -> None:
 
 def test_only_the_members_tool_calls_are_taken_each_with_the_message_answering_it() -> None:
     rows = [
-        agent_row("a.0", "get_weather", {"city": "Oslo"}, '{"t": 1}'),
-        agent_row("b.0", "increment_counter", {"count": 2}, '{"success": true}'),
+        agent_row("a.0", ("get_weather", {"city": "Oslo"}, '{"t": 1}')),
+        agent_row(
+            "b.0",
+            ("increment_counter", {"count": 1}, '{"success": true}'),
+            ("increment_counter", {"count": 2}, '{"success": true}'),
+        ),
         {"rollout_id": "c.0", "status": "failed", "reply": None},
     ]
     baseline = RunObservation(
@@ -262,10 +300,11 @@ def test_only_the_members_tool_calls_are_taken_each_with_the_message_answering_i
         },
         rows=rows,
     )
-    (request,) = baseline_requests("counter", baseline)
-    assert (request.rollout_id, request.step, request.name) == ("b.0", 0, "increment_counter")
-    assert request.arguments == {"count": 2} and request.answered == '{"success": true}'
-    assert request.seed == {"environment": {"initial_count": 3}}
+    first, second = baseline_requests("counter", baseline)
+    assert (first.rollout_id, first.step, first.arguments) == ("b.0", 0, {"count": 1})
+    assert (second.rollout_id, second.step, second.arguments) == ("b.0", 1, {"count": 2})
+    assert second.name == "increment_counter" and second.answered == '{"success": true}'
+    assert second.seed == {"environment": {"initial_count": 3}}
 
 
 @pytest.mark.parametrize(
