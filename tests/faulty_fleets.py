@@ -10,12 +10,14 @@ members' commands run in the fleet file's folder and name it relatively).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
 
+from rollout_checkpoint.client.fleet.launch import LaunchedMember, start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec, load_fleet_file
 
 from .conftest import TOKEN
@@ -75,3 +77,26 @@ def http_url(member: MemberSpec) -> str:
     command = list(member.command)
     address = command[command.index("--http-address") + 1]
     return f"http://{address}"
+
+
+async def start_fleet(spec: FleetSpec, logs: Path) -> list[LaunchedMember]:
+    """Every member started from its command at once (each one's stderr in `logs`); if one
+    fails to start, the others are stopped and its error raised."""
+    logs.mkdir(parents=True, exist_ok=True)
+    started = await asyncio.gather(
+        *(start_member(spec, m, stderr=logs / f"{m.name}.log") for m in spec.members),
+        return_exceptions=True,
+    )
+    launched = [s for s in started if isinstance(s, LaunchedMember)]
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:
+        await stop(launched)
+        raise failed[0]
+    return launched
+
+
+async def stop(launched: list[LaunchedMember]) -> None:
+    """SIGKILL each member's process group and reap it."""
+    for process in launched:
+        process.kill()
+        await process.wait()

@@ -27,11 +27,19 @@ from rollout_checkpoint.client.certify.stateless_probe import (
     baseline_requests,
     probe_stateless,
 )
-from rollout_checkpoint.client.fleet.launch import LaunchedMember, start_member
+from rollout_checkpoint.client.fleet.launch import start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec
 
 from .conftest import TOKEN
-from .faulty_fleets import SCRIPTS_PATH, free_port_fleet, http_url, load, member
+from .faulty_fleets import (
+    SCRIPTS_PATH,
+    free_port_fleet,
+    http_url,
+    load,
+    member,
+    start_fleet,
+    stop,
+)
 from .s3_server import free_ports
 from .test_fleet_launch import write_fleet
 
@@ -43,26 +51,6 @@ CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 def scripts_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fleet files' commands run `rollout-checkpoint`: this interpreter's."""
     monkeypatch.setenv("PATH", SCRIPTS_PATH)
-
-
-async def start_fleet(spec: FleetSpec, logs: Path) -> list[LaunchedMember]:
-    logs.mkdir(parents=True, exist_ok=True)
-    started = await asyncio.gather(
-        *(start_member(spec, m, stderr=logs / f"{m.name}.log") for m in spec.members),
-        return_exceptions=True,
-    )
-    launched = [s for s in started if isinstance(s, LaunchedMember)]
-    failed = [s for s in started if isinstance(s, BaseException)]
-    if failed:
-        await stop(launched)
-        raise failed[0]
-    return launched
-
-
-async def stop(launched: list[LaunchedMember]) -> None:
-    for process in launched:
-        process.kill()
-        await process.wait()
 
 
 async def collected_baseline(fleet: Path, work: Path) -> RunObservation:
