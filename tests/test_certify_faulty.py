@@ -44,19 +44,23 @@ CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 RUN_SECONDS = 900
 FAULTY_MODULES = "rollout_checkpoint.examples.faulty"
 
-SEED = 529
-TRIALS = 2
-"""`--seed 529 --trials 2`: on these fleets (members environment, policy_model, agent,
+SEED = 1420
+TRIALS = 3
+"""`--seed 1420 --trials 3`: on these fleets (members environment, policy_model, agent,
 prompt_injection, counter, in that order) the plan is trial 1 = SIGKILL of the collector
 mid-step (`collect --resume` then restores `LATEST` into the running fleet), trial 2 = SIGKILL
-of prompt_injection mid-step (the collector's in-place recovery restores `LATEST` into the
-whole fleet, the counter rejoining as a survivor). Each restores the counter's sessions that a
-checkpoint caught mid-episode into a process that held them, and continues their episodes from
-the agent's boundary, which is what the three trial-found bugs need (a replacement of the
-counter itself would hide `restore_not_idempotent`, which only shows in a process that held
-the session). Two such trials, not one: a bug missed because no rollout happened to be mid-
-episode at a checkpoint in one trial is found in the other. `test_the_seed_strikes_where_the
-_planted_bugs_live` holds the plan to that."""
+of the environment mid-step, trial 3 = SIGKILL of the agent once every member snapshotted the
+second checkpoint (the collector's in-place recovery restores `LATEST`, the first checkpoint,
+into the whole fleet, the counter rejoining as a survivor). Each restores the counter's
+sessions that a checkpoint caught mid-episode into the process that held them, and continues
+their episodes from the agent's boundary, re-issuing the tool calls made since: what the three
+trial-found bugs need (a replacement of the counter itself would hide
+`restore_not_idempotent`, which only shows in a process that held the session). Three such
+trials, not one: a trial whose restore restarts the caught episodes from their inputs instead
+(the product says why; a resume's rejoin refused by the policy model was seen, see
+tests/test_faulty_servers.py) or whose checkpoint caught no episode mid-way proves nothing, and
+the others still find the bug. `test_the_seed_strikes_where_the_planted_bugs_live` holds the
+plan to that."""
 CONCURRENCY = 4
 """Rollouts in flight: half the 8 tasks, so the run goes in two waves of four episodes of 12
 increments each, and a mid-step fault finds several episodes that a checkpoint caught
@@ -114,14 +118,20 @@ EXPECTED = {
 }
 
 
+CHECKPOINT_PHASES = frozenset({Phase.PREPARE, Phase.AFTER_SNAPSHOT, Phase.PUBLICATION})
+
+
 def reaches_a_restore_into_the_running_counter(plan: TrialPlan) -> bool:
-    """A mid-step kill of the collector, or of a member other than the counter: a restore of
-    `LATEST` into the fleet with the counter a survivor, episodes continued from it."""
-    if plan.phase is not Phase.MID_STEP:
-        return False
-    return plan.fault is Fault.KILL_CONTROLLER or (
+    """A kill of the collector, or of a member other than the counter, mid-step or during
+    the second checkpoint (the first is `LATEST` then): a restore of `LATEST` into the fleet
+    with the counter a survivor, episodes continued from it."""
+    when = plan.phase is Phase.MID_STEP or (
+        plan.phase in CHECKPOINT_PHASES and plan.checkpoint == 2
+    )
+    who = plan.fault is Fault.KILL_CONTROLLER or (
         plan.fault is Fault.KILL_MEMBER and plan.target != "counter"
     )
+    return when and who
 
 
 @pytest.mark.parametrize("bug", BUGS)
