@@ -56,7 +56,9 @@ def add_certify_verb(verbs: Any) -> None:
         epilog=epilog(EXAMPLE, "rerun one trial exactly: the same command with --only N"),
         formatter_class=HelpFormatter,
     )
-    sub.add_argument("--fleet", type=Path, required=True, help="fleet file with a command per member")
+    sub.add_argument(
+        "--fleet", type=Path, required=True, help="fleet file with a command per member"
+    )
     sub.add_argument("--tasks", type=Path, required=True, help="tasks, one JSON object a line")
     sub.add_argument("--trials", type=_positive_int, default=50, help="trials (default 50)")
     sub.add_argument("--seed", type=int, default=1, help="the seed of the trial plan (default 1)")
@@ -67,7 +69,11 @@ def add_certify_verb(verbs: Any) -> None:
         help="directory for report.json, report.html and the runs' logs (default certify-report)",
     )
     sub.add_argument(
-        "--only", type=_positive_int, default=None, metavar="N", help="run trial N of the plan alone"
+        "--only",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="run trial N of the plan alone",
     )
     sub.add_argument(
         "--entry-url",

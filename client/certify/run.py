@@ -119,9 +119,7 @@ class Certification:
         trials = []
         for done, plan in enumerate(plans):
             self.progress(_describe(plan), done, len(plans))
-            trials.append(
-                await self._trial(setup, plan, recording, baseline, unreproduced, facts)
-            )
+            trials.append(await self._trial(setup, plan, recording, baseline, unreproduced, facts))
         self.progress("done", len(plans), len(plans))
         seconds = time.monotonic() - self.started
         trial_seconds = sum(t.seconds for t in trials)

@@ -19,10 +19,10 @@ CHECKPOINT_TIMEOUT = 15.0
 """The trial collector's `--checkpoint-timeout`: bounds one checkpoint and one recovery. A
 fault that breaks a checkpoint (a member stopped, storage read-only) costs this much at most;
 a healthy checkpoint of a small fleet takes well under a second even on a loaded machine."""
-CHECKPOINT_EVERY = 0.4
+CHECKPOINT_EVERY = 0.3
 """Seconds between a trial's periodic checkpoints: several checkpoints during a run of a few
 seconds, so the trial's checkpoint 1 or 2 always comes while rollouts are in flight."""
-MODEL_LATENCY = 0.05
+MODEL_LATENCY = 0.2
 """Seconds added to every replayed model answer (`--replay-latency`)."""
 CONCURRENCY = 4
 """Rollouts in flight: fewer than the tasks, so a checkpoint meets rollouts at every stage."""

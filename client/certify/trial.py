@@ -176,7 +176,6 @@ class TrialRun:
 
     async def run(self) -> RunObservation:
         observation = await new_observation(self.setup, f"trial {self.plan.number}")
-        observation.reopen_deadline = self.reopen_deadline
         self.expected = len(observation.expected)
         reopening: asyncio.Task[float | None] | None = None
         try:
@@ -186,6 +185,7 @@ class TrialRun:
             if await self._moment(controller, pause):
                 self.reached = True
                 struck = time.monotonic()
+                observation.reopen_deadline = self.reopen_deadline  # only a fault is timed
                 controller = await self.striker.strike(controller)
                 reopening = asyncio.create_task(
                     seconds_until_open(self.spec, struck, struck + self.reopen_deadline)

@@ -1,0 +1,102 @@
+"""The faulty fleets of examples/faulty/, moved to free ports and a private folder for a test.
+
+Each fleet file names fixed loopback ports (82Nx/92Nx) and paths under /tmp: two runs at once
+(or a run beside a developer's own fleet) would collide. `free_port_fleet` writes a copy whose
+every `127.0.0.1:<port>` is a port that was free a moment ago (the same port everywhere it
+appears, so the agent still reaches the counter it names), whose /tmp paths (checkpoint root,
+the side-effect ledger) are under the test's folder, with the tasks file beside it (the
+members' commands run in the fleet file's folder and name it relatively).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from rollout_checkpoint.client.fleet.launch import LaunchedMember, start_member
+from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec, load_fleet_file
+
+from .conftest import TOKEN
+from .processes import REPO
+from .s3_server import free_ports
+
+FAULTY = REPO / "examples" / "faulty"
+TASKS = FAULTY / "tasks.jsonl"
+BUGS = (
+    "dropped_field",
+    "restore_not_idempotent",
+    "background_mutation",
+    "hidden_state",
+    "side_effect_file",
+)
+"""Every planted bug: `examples/faulty/<bug>.py` served by `examples/faulty/<bug>.toml`."""
+OUTSIDE = "/tmp/rollout-checkpoint-faulty"
+"""Where the fleet files keep what lives outside the processes."""
+LOOPBACK_PORT = re.compile(r"127\.0\.0\.1:(\d+)")
+SCRIPTS_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+"""PATH with this interpreter's scripts first: the fleet files run `rollout-checkpoint`."""
+
+
+HONEST = "rollout_checkpoint.examples.faulty.honest:HonestCounter"
+"""The counter every faulty server starts from, without its planted bug: the control."""
+
+
+def free_port_fleet(bug: str, directory: Path, *, honest: bool = False) -> Path:
+    """`examples/faulty/<bug>.toml` rewritten into `directory` (see the module); `honest`:
+    its counter member serves the honest counter instead (the control of a bug's test)."""
+    text = (FAULTY / f"{bug}.toml").read_text()
+    if honest:
+        text = re.sub(r"rollout_checkpoint\.examples\.faulty\.\w+:\w+", HONEST, text)
+    ports = sorted(set(LOOPBACK_PORT.findall(text)))
+    moved = dict(zip(ports, free_ports(len(ports)), strict=True))
+    text = LOOPBACK_PORT.sub(lambda match: f"127.0.0.1:{moved[match.group(1)]}", text)
+    text = text.replace(OUTSIDE, str(directory / "outside"))
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(TASKS, directory / TASKS.name)
+    fleet = directory / f"{bug}.toml"
+    fleet.write_text(text)
+    return fleet
+
+
+def load(fleet: Path) -> FleetSpec:
+    return load_fleet_file(fleet, environ={"ROLLOUT_CHECKPOINT_TOKEN": TOKEN})
+
+
+def member(spec: FleetSpec, name: str) -> MemberSpec:
+    (found,) = (m for m in spec.members if m.name == name)
+    return found
+
+
+def http_url(member: MemberSpec) -> str:
+    """The member's HTTP base URL from its command's `--http-address` (the fallback
+    `fleet_processes.http_url` uses when the fleet file gives no `url`)."""
+    command = list(member.command)
+    address = command[command.index("--http-address") + 1]
+    return f"http://{address}"
+
+
+async def start_fleet(spec: FleetSpec, logs: Path) -> list[LaunchedMember]:
+    """Every member started from its command at once (each one's stderr in `logs`); if one
+    fails to start, the others are stopped and its error raised."""
+    logs.mkdir(parents=True, exist_ok=True)
+    started = await asyncio.gather(
+        *(start_member(spec, m, stderr=logs / f"{m.name}.log") for m in spec.members),
+        return_exceptions=True,
+    )
+    launched = [s for s in started if isinstance(s, LaunchedMember)]
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:
+        await stop(launched)
+        raise failed[0]
+    return launched
+
+
+async def stop(launched: list[LaunchedMember]) -> None:
+    """SIGKILL each member's process group and reap it."""
+    for process in launched:
+        process.kill()
+        await process.wait()
