@@ -20,7 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rollout_checkpoint.client.certify.findings import all_violations
 from rollout_checkpoint.client.certify.report import CertifyReport, print_summary, write_report
-from rollout_checkpoint.client.certify.run import BaselineFailed, Certification, CertifyOptions
+from rollout_checkpoint.client.certify.run import (
+    BaselineFailed,
+    Certification,
+    CertifyOptions,
+    certifiable,
+)
 from rollout_checkpoint.client.cli.console import (
     CliError,
     ExitCode,
@@ -114,13 +119,14 @@ def run_certify(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
 
     def certify() -> int:
+        spec = certifiable(options)
         with _progress(console) as progress:
             task = progress.add_task("starting", total=None)
 
             def show(what: str, done: int, planned: int) -> None:
                 progress.update(task, description=what, completed=done, total=planned or None)
 
-            report = run_async(lambda signals: Certification(options, show).run())
+            report = run_async(lambda signals: Certification(options, spec, show).run())
         json_path, html_path = write_report(options.report, report)
         print_summary(console, report)
         console.print(f"report: {json_path} and {html_path}")

@@ -36,6 +36,7 @@ from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.stateless_probe import probe_stateless
 from rollout_checkpoint.client.certify.trial import run_trial
 from rollout_checkpoint.client.collect.errors import UsageError
+from rollout_checkpoint.client.collect.inputs import load_input
 from rollout_checkpoint.client.fleet import FleetSpec, load_fleet_file
 
 PROBE_SECONDS = 120.0
@@ -79,14 +80,14 @@ class CertifyOptions:
 class Certification:
     """Runs one certification (see the module docstring) to its `CertifyReport`."""
 
-    def __init__(self, options: CertifyOptions, progress: Progress) -> None:
+    def __init__(self, options: CertifyOptions, spec: FleetSpec, progress: Progress) -> None:
         self.options = options
+        self.spec = spec
         self.progress = progress
         self.started = time.monotonic()
 
     async def run(self) -> CertifyReport:
-        options = self.options
-        spec = _certifiable(load_fleet_file(options.fleet))
+        options, spec = self.options, self.spec
         work = options.report / "work"
         work.mkdir(parents=True, exist_ok=True)
         plans = self._plans(spec)
@@ -192,8 +193,12 @@ class Certification:
         )
 
 
-def _certifiable(spec: FleetSpec) -> FleetSpec:
-    """Certify starts, kills and replaces every member: each needs its `command`."""
+def certifiable(options: CertifyOptions) -> FleetSpec:
+    """The fleet, once it is known that certify can run it (read before any process starts,
+    so a fleet it cannot run is one line, not a half-started fleet to clean up): every member
+    has its `command` (certify starts, kills and replaces each), and the tasks read."""
+    spec = load_fleet_file(options.fleet)
+    load_input(options.tasks, options.num_repeats)
     missing = [member.name for member in spec.members if not member.command]
     if missing:
         raise UsageError(
