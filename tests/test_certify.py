@@ -63,7 +63,7 @@ def certified(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     """One certify run of the example fleet (the tests below read what it left)."""
     work = tmp_path_factory.mktemp("certify")
     fleet, _ = example_fleet(work)
-    tasks = tasks_file(work, 8)
+    tasks = tasks_file(work)
     report = work / "report"
     args = ["--fleet", str(fleet), "--tasks", str(tasks), "--trials", str(TRIALS)]
     args += ["--seed", str(SEED), "--report", str(report), "--json"]
@@ -87,7 +87,7 @@ def test_every_check_holds_on_the_example_fleet(certified: dict[str, Any]) -> No
     assert report["verdict"] == "held", report["findings"]
     assert report["findings"] == []
     assert {s["name"]: s["kind"] for s in report["servers"]} == KINDS
-    assert report["baseline"]["rollouts"] == 8
+    assert report["baseline"]["rollouts"] == 6
     assert report["baseline"]["concurrencies"] == [4, 1]
     assert len(report["trials"]) == TRIALS
     held = [t for t in report["trials"] if t["outcome"] == "held"]
