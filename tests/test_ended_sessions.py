@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 
+from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.resources import VerifyMode
 from rollout_checkpoint.server.resources.session_table import SessionTable
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -115,3 +117,25 @@ def test_the_oldest_ended_session_is_dropped_first_past_the_limit() -> None:
     exported = table.exportable(frozenset(episodes), RetiredAttempts())
     assert [s.session_id for s in exported] == ["s1", "s2"]
     assert table.sessions == {} and table.episodes() == []
+
+
+class ReplayCounter(CounterServer):
+    checkpoint_verify = VerifyMode.REPLAY
+
+
+async def test_a_verify_during_a_checkpoint_ends_its_session_at_reopen(tmp_path: Path) -> None:
+    async with running(ReplayCounter, export_ended_sessions=True) as r:
+        episode = r.browser()
+        await episode.post("/ng-rollout/r1/seed_session", json={"initial_count": 2})
+        await drain(r.client.prepare("c1", r.deadline()))
+        reply = await episode.post("/ng-rollout/r1/verify", json={"expected_count": 2})
+        assert reply.json()["reward"] == 1.0  # admitted while closed: a replay verify
+        commit = await r.client.commit("c1", r.deadline(), str(tmp_path / "c1"))
+        assert list(commit.exported) == ["r1"]  # still live until admission reopens
+        await r.client.resume("c1", r.deadline())
+        assert await r.client.all_episodes() == []
+        assert await committed(r, "c2", tmp_path / "c2", None) == ([], [])
+        assert await committed(r, "c3", tmp_path / "c3", [EpisodeId("r1")]) == (
+            ["r1"],
+            [{"count": 2}],
+        )
