@@ -4,6 +4,7 @@ the setting."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,35 @@ async def test_a_verify_during_a_checkpoint_ends_its_session_at_reopen(tmp_path:
             ["r1"],
             [{"count": 2}],
         )
+
+
+class GatedRetireCounter(CounterServer):
+    """Its first retire hook waits for the test: the moment a retire is half way."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.first_retired: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.release = asyncio.Event()
+
+    async def retire_session_state(self, session_id: str) -> None:
+        if not self.first_retired.done():
+            self.first_retired.set_result(session_id)
+            await self.release.wait()
+        await super().retire_session_state(session_id)
+
+
+async def test_a_retire_spares_an_ended_session_whose_id_a_seed_made_live_again() -> None:
+    async with running(GatedRetireCounter, export_ended_sessions=True) as r:
+        server = r.server
+        assert isinstance(server, GatedRetireCounter)
+        browsers = {count + 1: await verified(r, "r1", count) for count in (1, 2)}
+        session_of = {count: sid for sid, count in server.counters.items()}
+        retire = asyncio.ensure_future(r.client.retire("x", r.deadline(), [EpisodeId("r1")]))
+        first = await asyncio.wait_for(server.first_retired, 30)
+        [(count, other)] = [(c, sid) for c, sid in session_of.items() if sid != first]
+        reseeded = await browsers[count].post("/ng-rollout/r2/seed_session", json={})
+        assert reseeded.status_code == 200  # the same cookie, a new live session of r2
+        server.release.set()
+        await retire
+        assert server.counters == {other: count}  # the live session's state was not freed
+        assert [e.capture_key for e in await r.client.all_episodes()] == ["r2"]

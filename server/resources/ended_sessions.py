@@ -43,6 +43,9 @@ class EndedSessions:
         self._sessions: dict[str, TrackedSession] = {}
         self._by_rollout: dict[str, set[str]] = {}
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
     def keep(self, session: TrackedSession) -> None:
         """Keep a session that just ended, dropping the oldest past the limit."""
         if not self.limit:

@@ -348,8 +348,12 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         retiring the rollout is the one sign that nothing will name them again: left kept,
         they would be held until the limit pushes them out. Each is dropped only once its
         hook returned, so a hook that raises fails the RPC and the retry frees it again; the
-        Retire marked the attempt first, so no Commit meanwhile exports it."""
+        Retire marked the attempt first, so no Commit meanwhile exports it. One no longer
+        kept when its turn comes is skipped: a seed may have tracked its id live again (a
+        reused cookie), and the hook would free that live session's state."""
         for session_id in self._table.ended.covered_by(episode):
+            if session_id not in self._table.ended:
+                continue
             await self._hooks.retire_session_state(session_id)
             self._table.ended.drop(session_id)
 
