@@ -142,6 +142,24 @@ def test_a_session_exported_on_one_side_only_differs_at_the_root() -> None:
     assert "exported no state" in found.detail and "(and 1 other sessions)" in found.detail
 
 
+def test_a_session_that_ended_in_a_killed_member_is_not_missing_but_a_later_one_is() -> None:
+    """A rollout that finished before its member was SIGKILLed took its ended session with the
+    process (no checkpoint scope holds a finished rollout): not the server's fault. An attempt
+    sent after the kill can only have lived in the replacement, which must export it."""
+    base = baseline()
+    run = like(base)
+    del run.exports["counter"]["t1.0"]
+    run.sent_before_kill = {"counter": [("t1.0", 0), ("t2.0", 0)]}
+    assert checks(run, base) == []
+    run.sent_before_kill = {"counter": [("t1.0", 1)], "prompt_injection": [("t1.0", 0)]}
+    found = only(checks(run, base), Check.EXPORTED_STATE_EQUALS_BASELINE)
+    assert (found.server, found.session) == ("counter", "t1.0")
+    run.sent_before_kill = {"counter": [("t1.0", 0)]}
+    run.exports["counter"]["t1.0"] = {"count": 99, "log": []}
+    found = only(checks(run, base), Check.EXPORTED_STATE_EQUALS_BASELINE)
+    assert (found.session, found.path) == ("t1.0", "$.count")
+
+
 def test_a_rollout_that_did_not_finish_is_not_also_an_export_finding() -> None:
     base = baseline()
     run = like(base)

@@ -30,7 +30,9 @@ class Fault(enum.StrEnum):
     STOP_MEMBER = "stop_member"
     """SIGSTOP of one member until its lease has expired, then SIGCONT."""
     STORAGE = "storage"
-    """The checkpoint storage fails (a read-only checkpoint directory) for one checkpoint."""
+    """The checkpoint storage fails for one checkpoint: the checkpoint root is moved aside and
+    a plain file takes its place (every write under it fails, as on a full or read-only
+    disk, even for root, whom permissions do not stop), then it is put back."""
 
 
 class Phase(enum.StrEnum):

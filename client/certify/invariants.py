@@ -77,6 +77,15 @@ class _Context:
             return True
         return server is not None and (server, rollout_id) in self.unreproduced
 
+    def died_with(self, member: str, rollout_id: str) -> bool:
+        """Whether the finished attempt of `rollout_id` was sent before `member` was
+        SIGKILLed: its session ended in the killed process and no checkpoint holds it (a
+        finished rollout is in no scope), so a missing export is the fault's doing."""
+        sent = self.run.sent_before_kill.get(member, ())
+        return any(
+            (rollout_id, row.get("attempt")) in sent for row in self.run_rows.get(rollout_id, [])
+        )
+
     def task(self, rollout_id: str) -> dict[str, Any]:
         return self.run.tasks.get(rollout_id) or self.baseline.tasks.get(rollout_id) or {}
 
@@ -176,6 +185,8 @@ def _exports(context: _Context) -> Violation | None:
                     continue
                 expected = context.baseline.exports.get(member, {}).get(rollout_id)
                 actual = context.run.exports.get(member, {}).get(rollout_id)
+                if actual is None and context.died_with(member, rollout_id):
+                    continue
                 path = first_difference(expected, actual)
                 if path is None:
                     continue

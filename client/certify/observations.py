@@ -46,6 +46,12 @@ class RunObservation:
     """(rollout id, path) of every policy-model call the replay did not find recorded."""
     restarted: dict[str, str] = field(default_factory=dict)
     """Rollout id -> the reason the product gave for restarting it from its input."""
+    sent_before_kill: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    """Member -> every (rollout id, attempt) the collector had sent (its dispatch log, written
+    ahead of the send) when that member was SIGKILLed. Such an attempt's ended session died
+    with the process (a finished rollout is in no checkpoint's scope to restore it from), so
+    its missing export is the fault's doing, not the server's; an attempt sent after the kill
+    can only hold state in the replacement, which must export it."""
     controller_exit: int | None = None
     """The collector's last exit code (None: it never ended)."""
     notes: list[str] = field(default_factory=list)

@@ -20,6 +20,7 @@ from pathlib import Path
 from rollout_checkpoint.client.certify.controller import ControllerProcess
 from rollout_checkpoint.client.certify.findings import Fault, TrialPlan
 from rollout_checkpoint.client.certify.fleet_processes import FleetProcesses
+from rollout_checkpoint.client.certify.runs import dispatched_attempts
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec
 
@@ -59,6 +60,8 @@ class Striker:
     """What the fault did (one line each), for the trial's note."""
     killed_controllers: int = 0
     """Collectors this fault killed (their exit code is certify's doing, not the product's)."""
+    sent_before_kill: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    """See `RunObservation.sent_before_kill`."""
 
     async def strike(self, controller: ControllerProcess) -> ControllerProcess:
         """Do the fault; the collector that runs on afterwards (a new one after a kill)."""
@@ -70,9 +73,9 @@ class Striker:
             self.notes.append("collector SIGKILLed; `collect --resume` continues the run")
             return await self.resume()
         if fault is Fault.KILL_MEMBER:
-            await self._kill_and_replace([self._target()])
+            await self.kill_and_replace([self._target()])
         elif fault is Fault.KILL_FLEET:
-            await self._kill_and_replace(list(self.processes.running))
+            await self.kill_and_replace(list(self.processes.running))
         elif fault is Fault.STOP_MEMBER:
             await self._stop_past_lease(self._target(), controller)
             return controller
@@ -87,9 +90,15 @@ class Striker:
             raise ValueError(f"trial {self.plan.number}: {self.plan.fault} needs a target")
         return self.plan.target
 
-    async def _kill_and_replace(self, names: list[str]) -> None:
-        """SIGKILL every group at once, then start each replacement closed."""
+    async def kill_and_replace(self, names: list[str]) -> None:
+        """SIGKILL every group at once, then start each replacement closed. The dispatch log
+        is read once the processes are dead: every attempt in it by then may have held state
+        in them (the log is written before the send), and none sent later can have."""
         await asyncio.gather(*(self.processes.kill(name) for name in names))
+        sent = await dispatched_attempts(self.checkpoint_root)
+        pairs = [(rollout_id, attempt) for rollout_id, tried in sent.items() for attempt in tried]
+        for name in names:
+            self.sent_before_kill.setdefault(name, []).extend(pairs)
         await asyncio.gather(*(self.processes.replace(name) for name in names))
         self.notes.append(f"SIGKILLed {', '.join(names)}; replacement(s) started closed")
 

@@ -236,9 +236,8 @@ class TrialRun:
                 self.unreached = "the run ended before a checkpoint to recover from"
                 return False
             trigger = self.plan.trigger or self.spec.members[0].name
-            await self.processes.kill(trigger)
-            await self.processes.replace(trigger)
-            self.striker.notes.append(f"SIGKILLed {trigger} to make a recovery")
+            await self.striker.kill_and_replace([trigger])
+            self.striker.notes[-1] = f"SIGKILLed {trigger} to make a recovery"
         if pause is None:
             if await self._published_with_rollouts_left(controller, self.plan.moment):
                 return True
@@ -298,6 +297,7 @@ class TrialRun:
         continued = await continued_episodes(root, observation.published)
         dispatched = await dispatched_attempts(self.root_path)
         observation.restarted = restarted_rollouts(observation.rows, dispatched, continued)
+        observation.sent_before_kill = dict(self.striker.sent_before_kill)
         setup = self.setup
         try:
             observation.exports = await collect_exports(
