@@ -14,6 +14,7 @@ import asyncio
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ BUGS = (
 OUTSIDE = "/tmp/rollout-checkpoint-faulty"
 """Where the fleet files keep what lives outside the processes."""
 LOOPBACK_PORT = re.compile(r"127\.0\.0\.1:(\d+)")
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 SCRIPTS_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 """PATH with this interpreter's scripts first: the fleet files run `rollout-checkpoint`."""
 
@@ -100,3 +102,38 @@ async def stop(launched: list[LaunchedMember]) -> None:
     for process in launched:
         process.kill()
         await process.wait()
+
+
+def collect_args(fleet: Path, work: Path, *extra: str) -> list[str]:
+    """`collect` of the fleet's tasks (the file beside it) at concurrency 4, its output and
+    checkpoints in `work`, then `extra` flags."""
+    spec = load(fleet)
+    return [
+        "collect",
+        "--fleet",
+        str(fleet),
+        "--entry-url",
+        http_url(member(spec, "environment")),
+        "--input",
+        str(fleet.parent / TASKS.name),
+        "--output",
+        str(work / "rollouts.jsonl"),
+        "--checkpoint-dir",
+        str(work / "checkpoints"),
+        "--concurrency",
+        "4",
+        *extra,
+    ]
+
+
+def run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """A command of the CLI (or `tests.collect_crash`) with the fleets' token, run from the
+    repository, its output captured."""
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

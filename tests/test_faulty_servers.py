@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,15 +31,17 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 
 from .conftest import TOKEN
 from .faulty_fleets import (
+    CLI,
     SCRIPTS_PATH,
+    collect_args,
     free_port_fleet,
     http_url,
     load,
     member,
+    run,
     start_fleet,
     stop,
 )
-from .processes import REPO
 
 WAIT = 60.0
 SERVED = ["faulty", "honest"]
@@ -300,53 +300,23 @@ async def test_side_effect_file_applies_a_replayed_call_twice(tmp_path: Path, se
 
 
 CRASHING_CLI = [sys.executable, "-m", "tests.collect_crash"]
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
-
-
-def collect_args(fleet: Path, spec: FleetSpec, work: Path) -> list[str]:
-    return [
-        "collect",
-        "--fleet",
-        str(fleet),
-        "--entry-url",
-        http_url(member(spec, "environment")),
-        "--input",
-        str(fleet.parent / "tasks.jsonl"),
-        "--output",
-        str(work / "rollouts.jsonl"),
-        "--checkpoint-dir",
-        str(work / "checkpoints"),
-        "--concurrency",
-        "4",
-        "--checkpoint-every",
-        "0.3",
-    ]
-
-
-def run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command,
-        cwd=REPO,
-        env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN),
-        capture_output=True,
-        text=True,
-        timeout=WAIT * 3,
-    )
 
 
 TRIES = 4
 """Crash-and-resume runs a test makes until one continues an episode (see below)."""
 
 
-async def crashed_and_resumed(fleet: Path, spec: FleetSpec, work: Path) -> list[dict[str, Any]]:
+async def crashed_and_resumed(fleet: Path, work: Path) -> list[dict[str, Any]]:
     """`collect` SIGKILLed once its third checkpoint prepared the fleet (closed, holding
     what the episodes did since the second, `LATEST`), then `collect --resume`: the output
     rows."""
     work.mkdir()
-    args = collect_args(fleet, spec, work)
-    crashed = await asyncio.to_thread(run, [*CRASHING_CLI, "--crash-at", "prepared@3", *args])
+    args = collect_args(fleet, work, "--checkpoint-every", "0.3")
+    crashed = await asyncio.to_thread(
+        run, [*CRASHING_CLI, "--crash-at", "prepared@3", *args], WAIT * 3
+    )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    resumed = await asyncio.to_thread(run, [*CLI, *args, "--resume"])
+    resumed = await asyncio.to_thread(run, [*CLI, *args, "--resume"], WAIT * 3)
     assert resumed.returncode == 0, resumed.stderr
     return [json.loads(line) for line in (work / "rollouts.jsonl").read_text().splitlines()]
 
@@ -373,7 +343,7 @@ async def test_the_products_own_recovery_meets_the_bug(
     launched = await start_fleet(spec, tmp_path / "logs")
     try:
         for number in range(TRIES):
-            rows = await crashed_and_resumed(fleet, spec, tmp_path / f"run-{number}")
+            rows = await crashed_and_resumed(fleet, tmp_path / f"run-{number}")
             continued = [row for row in rows if row["reply"]["continued_from_step"] is not None]
             if continued:
                 break
