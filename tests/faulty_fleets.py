@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rollout_checkpoint.client.certify import fleet_processes
 from rollout_checkpoint.client.fleet.launch import LaunchedMember, start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec, load_fleet_file
 
@@ -74,11 +75,10 @@ def member(spec: FleetSpec, name: str) -> MemberSpec:
 
 
 def http_url(member: MemberSpec) -> str:
-    """The member's HTTP base URL from its command's `--http-address` (the fallback
-    `fleet_processes.http_url` uses when the fleet file gives no `url`)."""
-    command = list(member.command)
-    address = command[command.index("--http-address") + 1]
-    return f"http://{address}"
+    """The member's HTTP base URL, as certify finds it (every faulty member names one)."""
+    url = fleet_processes.http_url(member)
+    assert url is not None, member
+    return url
 
 
 async def start_fleet(spec: FleetSpec, logs: Path) -> list[LaunchedMember]:

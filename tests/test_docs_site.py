@@ -105,6 +105,7 @@ def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
         "kubernetes",
         "object-store",
         "guarantees",
+        "certify",
         "benchmarks",
         "api",
         "contract",

@@ -322,3 +322,21 @@ async def test_a_command_that_never_listens_is_killed_at_the_deadline(tmp_path: 
     pid = int(failed.value.stderr_tail)
     with pytest.raises(ProcessLookupError):  # killed and reaped before the error was raised
         os.kill(pid, 0)
+
+
+def test_a_participants_url_is_read_and_a_bad_one_refused(tmp_path: Path) -> None:
+    """`url` is optional and additive: an http(s) URL with a host (trailing slash dropped),
+    else refused naming the participant before any member is called."""
+    fleet = write_fleet(
+        tmp_path / "fleet.toml",
+        [
+            {"name": "a", "address": "127.0.0.1:1", "url": "http://127.0.0.1:8102/"},
+            {"name": "b", "address": "127.0.0.1:2"},
+        ],
+    )
+    a, b = load(fleet).members
+    assert (a.url, b.url) == ("http://127.0.0.1:8102", None)
+    for bad in ("127.0.0.1:8102", "ftp://host", "http://", "8102"):
+        write_fleet(fleet, [{"name": "a", "address": "x", "url": bad}])
+        with pytest.raises(FleetConfigError, match=r"^participant a: url is an http"):
+            load(fleet)

@@ -356,27 +356,34 @@ def serve_command(*extra: str) -> list[str]:
     return [*CLI, "serve", "policy_model", "--latency", "0", *extra]
 
 
+def first_call_of_the_user_task(tasks: Path, *flags: str) -> httpx.Response:
+    """`serve policy_model --tasks TASKS FLAGS`'s reply to the user task's first call (the
+    server is stopped by SIGTERM after it, and must end as a graceful stop ends)."""
+    body = {"messages": [{"role": "user", "content": USER_TASK["user_prompt"]}]}
+    body["metadata"] = {"task_id": "refund-1"}
+    process = start_process(serve_command("--tasks", str(tasks), *flags), env=ENV)
+    try:
+        announced = announcement(process, "the policy model")
+        with httpx.Client(base_url=f"http://{announced['http']}", timeout=WAIT) as http:
+            reply = http.post(f"/ng-rollout/refund-1.0{PATH}", json=body)
+            assert reply.status_code == 200, reply.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT) in (0, -signal.SIGTERM)
+        return reply
+    finally:
+        kill_group(process)
+
+
 def test_serve_follows_a_users_tasks_file_and_records_and_replays_it(tmp_path: Path) -> None:
     tasks, baseline = tmp_path / "my_tasks.jsonl", tmp_path / "baseline.jsonl"
     tasks.write_text(json.dumps(USER_TASK) + "\n")
-    body = {"messages": [{"role": "user", "content": USER_TASK["user_prompt"]}]}
-    body["metadata"] = {"task_id": "refund-1"}
     replies = []
     for flags in (["--record", str(baseline)], ["--replay", str(baseline)]):
-        process = start_process(serve_command("--tasks", str(tasks), *flags), env=ENV)
-        try:
-            announced = announcement(process, "the policy model")
-            with httpx.Client(base_url=f"http://{announced['http']}", timeout=WAIT) as http:
-                reply = http.post(f"/ng-rollout/refund-1.0{PATH}", json=body)
-                assert reply.status_code == 200, reply.text
-                (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
-                assert call["function"]["name"] == "lookup_order"
-                assert json.loads(call["function"]["arguments"]) == {"order_id": 42}
-                replies.append(reply.content)
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=WAIT) in (0, -signal.SIGTERM)
-        finally:
-            kill_group(process)
+        reply = first_call_of_the_user_task(tasks, *flags)
+        (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "lookup_order"
+        assert json.loads(call["function"]["arguments"]) == {"order_id": 42}
+        replies.append(reply.content)
     assert replies[0] == replies[1]
 
 
@@ -474,3 +481,31 @@ def test_the_pages_record_and_replay_prints_what_it_shows(tmp_path: Path) -> Non
     assert any("--replay" in step.command for step in page_steps)
     wrong, stderr = differences(page_steps, tmp_path, PAGE_SECONDS)
     assert wrong == [], "\n\n".join(wrong) + f"\n\nstderr:\n{stderr[-3000:]}"
+
+
+def test_a_replay_latency_holds_every_replayed_answer_and_needs_a_replay(tmp_path: Path) -> None:
+    """`--replay-latency` makes a replayed rollout take time (certify's faults must meet
+    rollouts in flight); it applies to a replay only, and is refused with one line elsewhere."""
+    tasks, baseline = tmp_path / "my_tasks.jsonl", tmp_path / "baseline.jsonl"
+    tasks.write_text(json.dumps(USER_TASK) + "\n")
+    latency = 1.5
+    recorded = first_call_of_the_user_task(tasks, "--record", str(baseline))
+    replayed = first_call_of_the_user_task(
+        tasks, "--replay", str(baseline), "--replay-latency", str(latency)
+    )
+    assert replayed.content == recorded.content
+    assert replayed.elapsed.total_seconds() >= latency
+    for flags, message in (
+        (["--replay-latency", "0.1"], "--replay-latency applies to --replay only"),
+        (
+            ["--replay", str(baseline), "--replay-latency", "-1"],
+            "--replay-latency is a number of seconds, 0 or more",
+        ),
+    ):
+        refused = run(*serve_command(*flags), env=ENV)
+        assert refused.returncode == 2, refused.stderr
+        (line,) = refused.stderr.splitlines()
+        assert message in line
+    other = run(*CLI, "serve", "counter", "--replay-latency", "0.1", env=ENV)
+    assert other.returncode == 2
+    assert "--replay-latency applies to policy_model only" in other.stderr

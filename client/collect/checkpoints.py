@@ -38,10 +38,16 @@ stays in the scope: the agent keeps a finished episode's outcome for exactly thi
 restored attempt N+1 delivers it instead of running the episode again."""
 
 CheckpointStepHook = Callable[[str, int], None]
-"""Called with (step, checkpoint number from 1) at each step of each checkpoint: `prepared`
-(the fleet is prepared, nothing committed), `committed` (parts written, nothing published)
-and the publication steps (`after_verify`, `after_fleet_manifest`, `after_latest`). Fault
-tests SIGKILL the collector there; production passes none."""
+"""Called with (step, number) at each step of each checkpoint and of each in-place recovery,
+in the order a run meets them. A checkpoint's steps carry its number (from 1): `preparing`
+(its Prepare went out), `prepared` (the fleet is prepared, nothing committed), `snapshotted`
+(asynchronous: every member snapshotted, the fleet not resumed yet), `resumed` (its resume of
+the fleet finished), `writing` (asynchronous: resumed, the parts being written), `committed`
+(parts durable, nothing published) and the publication steps (`after_verify`,
+`after_fleet_manifest`, `after_latest`). A recovery's steps carry its number (from 1, every
+try counted): `recovery_cut_ended`, `recovery_restored` (`recovery.Step`) and `recovered`
+(the fleet resumed, the cut rollouts queued again). Fault tests and `certify` stop or kill
+the collector there, at the exact moment a fault is meant to meet; production passes none."""
 
 
 class NumberedSteps:
@@ -97,6 +103,7 @@ class CheckpointTaker:
     _deadline: float = field(default=0.0, init=False)
     _checkpoint_id: str | None = field(default=None, init=False)
     _published: bool = field(default=False, init=False)
+    _last_phase: str | None = field(default=None, init=False)
 
     async def take(self, *, stop: bool) -> str | None:
         """Take and publish one checkpoint: its id, or None when none could be taken (the
@@ -106,7 +113,7 @@ class CheckpointTaker:
         try:
             for round_number in range(settings.straggler_rounds + 1):
                 self._deadline = time.time() + settings.timeout
-                self._checkpoint_id, self._published = None, False
+                self._checkpoint_id, self._published, self._last_phase = None, False, None
                 outcome = None
                 async for event in checkpoint(
                     self.fleet,
@@ -154,11 +161,8 @@ class CheckpointTaker:
 
     def _on_event(self, event: CheckpointEvent) -> None:
         self.book.counts.phase = f"checkpoint: {event.phase.lower()}"
-        if event.phase == Phase.SCOPE:
-            self.step("prepared")
-        elif event.phase == Phase.PUBLISH:
-            self.step("committed")
-        elif event.phase == Phase.RESUME and not event.detail.get("asynchronous"):
+        self._name_steps(event)
+        if event.phase == Phase.RESUME and not event.detail.get("asynchronous"):
             # Synchronous: the resume comes after the publication. Asynchronous: before it,
             # so nothing is published yet (a failure after it is a checkpoint not taken).
             self._published = True
@@ -169,6 +173,26 @@ class CheckpointTaker:
             )
             if self.resumed is not None:
                 self.resumed()
+
+    def _name_steps(self, event: CheckpointEvent) -> None:
+        """Call `step` at the checkpoint's steps (`CheckpointStepHook`). An event is yielded
+        before the step it names runs, so the end of a resume is the event after RESUME."""
+        phase, last = event.phase, self._last_phase
+        self._last_phase = phase
+        if phase == Phase.PREPARE and last is None:
+            self.step("preparing")
+        elif phase == Phase.SCOPE:
+            self.step("prepared")
+        elif phase == Phase.RESUME and event.detail.get("asynchronous"):
+            self.step("snapshotted")
+        elif phase == Phase.AWAIT_PARTS and not event.detail.get("resumed"):
+            self.step("snapshotted")  # kept closed (a stop): no resume comes between
+        if last == Phase.RESUME:
+            self.step("resumed")
+        if phase == Phase.AWAIT_PARTS and event.detail.get("resumed"):
+            self.step("writing")
+        elif phase == Phase.PUBLISH:
+            self.step("committed")
 
     async def _fix_scope(self, checkpoint_id: str) -> tuple[list[EpisodeId], bytes]:
         """Called once the fleet is prepared (nothing starts or ends any more): await the

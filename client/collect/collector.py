@@ -63,8 +63,8 @@ from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
 class Collector:
     """One run of a collection (see the module doc); `run` it once.
 
-    `step_hook` (fault tests only) is called at each step of each checkpoint, see
-    `CheckpointStepHook`."""
+    `step_hook` (fault tests and certify only) is called at each step of each checkpoint
+    and of each in-place recovery, see `CheckpointStepHook`."""
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class Collector:
         self.stopped = False
         """The run stopped before every rollout was collected (a signal, a lost member)."""
         self._steps = NumberedSteps(step_hook)
+        self._step_hook = step_hook
         self.fleet: Fleet | None = None
         self.dispatcher: Dispatcher | None = None
         self.recovery: InPlaceRecovery | None = None
@@ -189,6 +190,7 @@ class Collector:
                     max_recoveries=options.max_recoveries,
                     timeout=options.checkpoint_timeout,
                     on_loss=self._member_lost,
+                    step_hook=self._step_hook,
                 )
                 parts = RunningParts(
                     book,

@@ -63,6 +63,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     PublicationRoot,
     store_call,
 )
+from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import collect_state, read_latest_manifest
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
@@ -114,6 +115,8 @@ class InPlaceRecovery:
     max_recoveries: int
     timeout: float
     on_loss: Callable[[], None]
+    step_hook: CheckpointStepHook | None = None
+    """Called at each step of each recovery try, numbered by try (`CheckpointStepHook`)."""
     tries: int = field(default=0, init=False)
     """Recovery tries made (each counts against `max_recoveries`)."""
     _down: set[str] = field(default_factory=set, init=False)
@@ -268,6 +271,7 @@ class InPlaceRecovery:
                     source=manifest.checkpoint_id,
                     scope=scope,
                     abandon_on_failure=True,
+                    step=self._step,
                 )
             except PublicationError as error:
                 self.view.note(
@@ -299,6 +303,7 @@ class InPlaceRecovery:
         ]
         await self._retire(fleet, finished, deadline)
         book.recovered(continued, restarted)
+        await self._step("recovered")
         seconds = time.time() - (self._first_sign or time.time())
         book.counts.recoveries += 1
         source = f"checkpoint {restored_from}" if restored_from else "no checkpoint"
@@ -308,6 +313,12 @@ class InPlaceRecovery:
             f"{len(restarted)} restart from their inputs"
             + (f" ({dropped} request(s) dropped)" if dropped else "")
         )
+
+    async def _step(self, point: str) -> None:
+        """The hook's call at `point` of this try (`recovery.Step` names spelt as the
+        checkpoint steps are: `recovery_cut_ended`, `recovery_restored`)."""
+        if self.step_hook is not None:
+            self.step_hook(point.replace("-", "_"), self.tries)
 
     async def _this_runs_latest(self, deadline: float) -> FleetManifest | None:
         """`LATEST`'s fleet manifest when this run published it, read by `deadline`; else

@@ -12,6 +12,7 @@ comes from, TLS, and the controller's checkpoint root:
     address = "127.0.0.1:9001"
     command = ["rollout-checkpoint", "serve", "counter", "--grpc-address", "127.0.0.1:9001"]
     env = { ROLLOUT_CHECKPOINT_LEASE_GRACE_SECONDS = "60" }   # optional
+    url = "http://127.0.0.1:8001"             # optional: its HTTP base URL
 
 A participant's `command` (optional) is how a controller that kills and replaces members starts
 it (`client/fleet/launch.py`): an argv list, run without a shell in the fleet file's folder, with
@@ -19,6 +20,10 @@ the controller's environment plus `env`. It is a list, never a string: a string 
 split by some shell's rules, and a path or an argument with a space would then start another
 program than the one written. A replacement is the same command with
 `ROLLOUT_CHECKPOINT_START_CLOSED=true` added, so it serves nothing before its restore.
+
+A participant's `url` (optional, `http://` or `https://`) is its HTTP base URL, for a tool that
+calls the member's own HTTP API beside its sidecar (`certify` reads the policy model's replay
+statistics there). Without it, a tool takes the `--http-address HOST:PORT` of its `command`.
 
 It is read whole and checked before any member is called (`FleetConfigError`): a typo found
 after the fleet closed for a checkpoint would leave it closed for nothing.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +75,9 @@ class MemberSpec:
     directory: str | None = None
     """The folder its command runs in (the fleet file's, so a relative path in the command
     means what it means beside the file); None without a command."""
+    url: str | None = None
+    """Its HTTP base URL (`http://` or `https://`, no trailing slash), when the fleet file
+    gives one."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +225,7 @@ def _spec_from(
     )
 
 
-_PARTICIPANT_KEYS = {"name", "address", "command", "env"}
+_PARTICIPANT_KEYS = {"name", "address", "command", "env", "url"}
 
 
 def _member_from(entry: Any, base: Path) -> MemberSpec:
@@ -226,7 +235,8 @@ def _member_from(entry: Any, base: Path) -> MemberSpec:
         or not set(entry) <= _PARTICIPANT_KEYS
     ):
         raise FleetConfigError(
-            "each participant has a name and an address, and optionally a command and an env"
+            "each participant has a name and an address, and optionally a command and an env "
+            "(and a url)"
         )
     name = str(entry["name"])
     if not is_valid_id(name):
@@ -238,7 +248,20 @@ def _member_from(entry: Any, base: Path) -> MemberSpec:
         command=command,
         env=_environment(name, entry.get("env", {})),
         directory=str(base.resolve()) if command else None,
+        url=_url(name, entry["url"]) if "url" in entry else None,
     )
+
+
+def _url(name: str, url: Any) -> str:
+    """An absolute http(s) URL with a host: anything else would only fail at the first call,
+    long after the fleet was started for it."""
+    parsed = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise FleetConfigError(
+            f"participant {name}: url is an http:// or https:// URL with a host, "
+            f'e.g. "http://127.0.0.1:8102"'
+        )
+    return str(url).rstrip("/")
 
 
 def _command(name: str, command: Any) -> tuple[str, ...]:

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def file_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The `PolicyModelConfig` fields the file flags name (`tasks`, `recording`), loaded now,
+    """The `PolicyModelConfig` fields the file flags name (`tasks`, `recording` and its
+    `replay_latency`), loaded now,
     before anything listens; `InputFileError` (one line) for a file that cannot be used or a
     flag that does not apply."""
     options: dict[str, Any] = {}
@@ -71,10 +72,16 @@ def file_options(args: argparse.Namespace) -> dict[str, Any]:
             raise InputFileError("--tasks applies to the scripted model, not to --upstream")
         options["tasks"] = load_task_file(tasks)
     record, replay = getattr(args, "record", None), getattr(args, "replay", None)
+    replay_latency = getattr(args, "replay_latency", None) or 0.0
+    if not replay_latency >= 0:
+        raise InputFileError("--replay-latency is a number of seconds, 0 or more")
+    if replay_latency and replay is None:
+        raise InputFileError("--replay-latency applies to --replay only")
     if record is not None:
         options["recording"] = Recording.load(record, "record")
     elif replay is not None:
         options["recording"] = Recording.load(replay, "replay")
+        options["replay_latency"] = replay_latency
     return options
 
 

@@ -54,6 +54,10 @@ class PolicyModelConfig:
     recording: Recording | None = None
     """Record every reply to this recording, or answer every call from it (`--record`,
     `--replay`; recording.py). None: the model answers."""
+    replay_latency: float = 0.0
+    """Seconds a replayed answer waits before it is sent (`--replay-latency`). A replay that
+    answers at once finishes a rollout in milliseconds: a checkpoint or a fault (certify's
+    trials) would then meet no rollout in flight, and prove nothing about them."""
     gate: Gate | None = None
     """For tests: awaited at each `GatePoint` of a scripted generation."""
     clock: Clock | None = None

@@ -275,9 +275,12 @@ class RecordingMiddleware:
     """Answers generation calls from the recording, or records the app's replies (the module
     docstring states the rules). Innermost: inside the model participant's middleware."""
 
-    def __init__(self, app: ASGIApp, recording: Recording) -> None:
+    def __init__(self, app: ASGIApp, recording: Recording, replay_latency: float = 0.0) -> None:
         self.app = app
         self.recording = recording
+        self.replay_latency = replay_latency
+        """Seconds each answer from the recording waits (`--replay-latency`): it stands for
+        the generation the recording saves, so that replayed rollouts take time."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -294,6 +297,8 @@ class RecordingMiddleware:
         recording = self.recording
         recorded = recording.replies.get((rollout_id, digest))
         if recorded is not None:
+            if self.replay_latency and recording.mode == "replay":
+                await asyncio.sleep(self.replay_latency)
             recording.stats.replayed += 1
             reply = Response(recorded.body, recorded.status, media_type=recorded.content_type)
             await reply(scope, receive, send)

@@ -91,7 +91,11 @@ class PolicyModelServer:
             app.add_api_route("/v1/models", self._models_route, methods=["GET"])
             app.add_api_route("/scripted/stats", self._stats_route, methods=["GET"])
         if self.config.recording is not None:  # innermost: the ledger sees what it answers
-            app.add_middleware(RecordingMiddleware, recording=self.config.recording)
+            app.add_middleware(
+                RecordingMiddleware,
+                recording=self.config.recording,
+                replay_latency=self.config.replay_latency,
+            )
         if self.checkpoint_enabled:
             assert self.config.checkpoint is not None
             cuts = not self.proxy or self.config.upstream_continuation == "vllm"

@@ -186,6 +186,14 @@ def add_file_arguments(parser: argparse._ActionsContainer) -> None:
         help="answer every call from this recording; a call it does not hold gets 409 "
         "not_in_recording",
     )
+    parser.add_argument(
+        "--replay-latency",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds every replayed answer waits before it is sent (default 0), so that "
+        "rollouts replayed are still in flight when a checkpoint or a fault comes",
+    )
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -261,7 +269,12 @@ def check_free(label: str, address: str) -> None:
             fail(EXIT_ADDRESS_IN_USE, f"cannot listen on {label} address {address}: {reason}")
 
 
-POLICY_MODEL_FILES = {"tasks": "--tasks", "record": "--record", "replay": "--replay"}
+POLICY_MODEL_FILES = {
+    "tasks": "--tasks",
+    "record": "--record",
+    "replay": "--replay",
+    "replay_latency": "--replay-latency",
+}
 """The policy model's file flags: refused for any other server rather than ignored (a
 recording the operator asked for and never got would surface only when replayed)."""
 

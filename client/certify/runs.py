@@ -1,0 +1,270 @@
+"""What a baseline and a trial share: the collector's command line, and reading back what a
+run left behind into a `RunObservation`.
+
+Everything here reads what a user could read themselves: the collector's output file, its
+dispatch log and published checkpoints, the members' logs, the policy model's replay
+statistics, and a scoped checkpoint certify takes of the fleet after the run into a private
+root (the sessions' exported state, written by the user's own export hooks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from rollout_checkpoint.client.certify.fleet_processes import FleetProcesses, http_url
+from rollout_checkpoint.client.certify.observations import RunObservation
+from rollout_checkpoint.client.certify.setup import CertifySetup
+from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+    store_call,
+)
+from rollout_checkpoint.client.cli.console import ExitCode
+from rollout_checkpoint.client.collect.inputs import load_input, rollout_id_of
+from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.server.core.episodes import EpisodeId
+
+Mode = Literal["record", "replay"]
+RUN_SECONDS = 600.0
+"""The bound of one collector run: far beyond what a certify run of a few dozen rollouts
+takes, so hitting it means the run hangs (killed, reported), not that it is slow."""
+EXPORT_SECONDS = 60.0
+"""The deadline of certify's own scoped checkpoint after a run."""
+STATS_SECONDS = 10.0
+DISPATCH_LOG = "dispatched.jsonl"
+"""The collector's dispatch log, in its checkpoint directory."""
+MISS_LOGGED = re.compile(
+    r"not_in_recording rollout_id=(?P<rollout>\S+) digest=(?P<digest>\S+) path=(?P<path>\S+)"
+)
+"""The policy model's warning for a call its recording does not hold (recording.py)."""
+UNTYPED_LINE = re.compile(r"Traceback \(most recent call last\)|StatusCode\.INTERNAL|\bINTERNAL:")
+"""A member log line that shows a failure without a reason of the contract."""
+
+
+class RunFailed(Exception):
+    """A run that must succeed did not (a baseline's collector did not exit 0): nothing can be
+    compared with it. The message carries the collector's last notes."""
+
+
+def model_args(setup: CertifySetup, mode: Mode, recording: Path) -> dict[str, list[str]]:
+    """The policy model's extra argv: `--record FILE`, or `--replay FILE --replay-latency S`
+    (a replay that answers at once leaves no rollout in flight for a fault to meet)."""
+    model = setup.model_member
+    if model is None:
+        return {}
+    if mode == "record":
+        return {model: ["--record", str(recording)]}
+    return {model: ["--replay", str(recording), "--replay-latency", str(setup.model_latency)]}
+
+
+def collect_args(
+    setup: CertifySetup,
+    directory: Path,
+    *,
+    fleet: Path | None = None,
+    concurrency: int,
+    checkpoint_every: float | None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """`collect`'s flags for a run whose files live in `directory` (`rollouts.jsonl`,
+    `checkpoints/`); `fleet` replaces the user's fleet file (a derived one)."""
+    every = ["--checkpoint-every", str(checkpoint_every)] if checkpoint_every else []
+    return [
+        "--fleet",
+        str(fleet or setup.fleet_path),
+        "--entry-url",
+        setup.entry_url,
+        "--input",
+        str(setup.tasks),
+        "--output",
+        str(directory / "rollouts.jsonl"),
+        "--checkpoint-dir",
+        str(directory / "checkpoints"),
+        "--num-repeats",
+        str(setup.num_repeats),
+        "--concurrency",
+        str(concurrency),
+        "--checkpoint-timeout",
+        str(setup.checkpoint_timeout),
+        *every,
+        *extra,
+        "--json",
+    ]
+
+
+async def new_observation(setup: CertifySetup, label: str) -> RunObservation:
+    """An observation with the run's expected rollouts and their tasks, read as `collect`
+    reads its input (so both agree on every rollout id)."""
+    rows, _ = await asyncio.to_thread(load_input, setup.tasks, setup.num_repeats)
+    expected, tasks = [], {}
+    for row in rows:
+        for repeat in range(setup.num_repeats):
+            rollout_id = rollout_id_of(row.task_id, repeat)
+            expected.append(rollout_id)
+            tasks[rollout_id] = row.row
+    return RunObservation(label=label, expected=expected, tasks=tasks)
+
+
+async def read_rows(output: Path) -> list[dict[str, Any]]:
+    """Every whole JSON line of the collector's output, in file order (none: no file)."""
+
+    def read() -> list[dict[str, Any]]:
+        if not output.exists():
+            return []
+        rows = []
+        for line in output.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a killed collector: the collector cuts it too
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    return await asyncio.to_thread(read)
+
+
+async def collect_exports(
+    setup: CertifySetup, rows: Iterable[dict[str, Any]], root_directory: Path
+) -> dict[str, dict[str, Any]]:
+    """Every resources member's exported session state of every finished rollout: certify's
+    own checkpoint of the fleet, scoped to the final episode of each `ok` row, into a private
+    root, read back from its parts. A session a member no longer tracks (it ended, e.g. at
+    its `/verify`) is not exported and not here."""
+    scope = [
+        EpisodeId(row["rollout_id"], int(row["attempt"]))
+        for row in rows
+        if row.get("status") == "ok"
+    ]
+    members = set(setup.resources_members)
+    if not scope or not members:
+        return {}
+    root = await asyncio.to_thread(open_checkpoint_root, root_directory)
+    fleet = await Fleet.discover(setup.spec)
+    try:
+        published = None
+        async for event in checkpoint(
+            fleet, root, time.time() + EXPORT_SECONDS, scope=scope, keep=1
+        ):
+            if event.final and event.outcome is not None:
+                published = event.outcome.published
+        if published is None:
+            raise RunFailed("certify's own checkpoint of the sessions after the run failed")
+        instances = {m.name: (m.kind_name, m.instance) for m in fleet.members}
+    finally:
+        await fleet.close()
+    directory = Path(str(root.directory(published.checkpoint_id)))
+    return await asyncio.to_thread(_read_exports, directory, instances, members)
+
+
+def _read_exports(
+    directory: Path, instances: dict[str, tuple[str, str]], members: set[str]
+) -> dict[str, dict[str, Any]]:
+    exports: dict[str, dict[str, Any]] = {}
+    for name in sorted(members):
+        kind, instance = instances[name]
+        states: dict[str, list[Any]] = {}
+        for path in sorted((directory / "participants" / kind / instance).glob("records-*.jsonl")):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                states.setdefault(record["episode_id"]["rollout_id"], []).append(record["state"])
+        if states:
+            exports[name] = {
+                rollout: found[0] if len(found) == 1 else _canonical_order(found)
+                for rollout, found in states.items()
+            }
+    return exports
+
+
+def _canonical_order(states: list[Any]) -> list[Any]:
+    """Several sessions of one rollout, in an order that does not depend on their ids (which
+    are random per run)."""
+    return sorted(states, key=lambda s: json.dumps(s, sort_keys=True))
+
+
+async def model_misses(setup: CertifySetup, processes: FleetProcesses) -> list[tuple[str, str]]:
+    """(rollout id, path) of every call the replaying policy model did not find recorded, once
+    per call: from its `GET /recording/stats` and from the `not_in_recording` warnings in the
+    logs of every process that served as the model (a model killed by the trial took its
+    counts with it; its log kept them)."""
+    model = setup.model_member
+    member = next((m for m in setup.spec.members if m.name == model), None)
+    if model is None or member is None:
+        return []
+    misses: dict[tuple[str, str], str] = {}
+    url = http_url(member)
+    if url is not None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            async with httpx.AsyncClient(timeout=STATS_SECONDS) as http:
+                reply = await http.get(f"{url}/recording/stats")
+                reply.raise_for_status()
+                for miss in reply.json().get("misses", []):
+                    key = (str(miss["rollout_id"]), str(miss["digest"]))
+                    misses[key] = str(miss["path"])
+
+    def logged() -> None:
+        for path in processes.logs_of(model):
+            if path.exists():
+                for found in MISS_LOGGED.finditer(path.read_text(errors="replace")):
+                    misses.setdefault((found["rollout"], found["digest"]), found["path"])
+
+    await asyncio.to_thread(logged)
+    return [(rollout_id, path) for (rollout_id, _), path in misses.items()]
+
+
+async def untyped_failures(
+    processes: FleetProcesses, controller_logs: Iterable[Path], exit_codes: Iterable[int]
+) -> list[str]:
+    """Failures without a reason of the contract: an exit code the CLI's table does not have,
+    and every member (or controller) log line showing a traceback or an INTERNAL status."""
+    known = {int(code) for code in ExitCode}
+    found = [f"collect: exit code {code}" for code in exit_codes if code not in known]
+    logs = [(name, path) for name in processes.members for path in processes.logs_of(name)]
+    logs += [("collect", path) for path in controller_logs]
+
+    def scan() -> list[str]:
+        lines = []
+        for name, path in logs:
+            if not path.exists():
+                continue
+            for line in path.read_text(errors="replace").splitlines():
+                if UNTYPED_LINE.search(line):
+                    lines.append(f"{name} ({path.name}): {line.strip()}")
+        return lines
+
+    return found + await asyncio.to_thread(scan)
+
+
+async def dispatched_attempts(checkpoint_dir: Path) -> dict[str, list[int]]:
+    """Rollout id -> every attempt the collector's dispatch log says it sent, in order."""
+
+    def read() -> dict[str, list[int]]:
+        path = checkpoint_dir / DISPATCH_LOG
+        attempts: dict[str, list[int]] = {}
+        if not path.exists():
+            return attempts
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and "rollout_id" in entry:
+                attempts.setdefault(entry["rollout_id"], []).append(int(entry["attempt"]))
+        return attempts
+
+    return await asyncio.to_thread(read)
+
+
+async def published_ids(root: PublicationRoot) -> list[str]:
+    """The ids of the checkpoints published under `root`, oldest first."""
+    return await store_call(time.time() + EXPORT_SECONDS, root.location, root.published)

@@ -1,0 +1,345 @@
+"""Certify's engine on the example fleet: the fleet's members discovered, a baseline recorded
+and replayed, and one trial of each fault kind, each reached at its phase and recovered by the
+product with every rollout exactly once.
+
+Real processes throughout: the example fleet file (`examples/fleet.toml`) moved to free ports
+(`tests/certify_fleet.py`), each member started from its own command, the collector as
+`python -m rollout_checkpoint.client.certify.controller`, pausing itself at the trial's step.
+The checks here are the engine's: what the observations hold. Whether a finding is a violation
+is `invariants`' business, tested on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_checkpoint.client.certify.aftermath import restarted_rollouts
+from rollout_checkpoint.client.certify.baseline import run_baseline
+from rollout_checkpoint.client.certify.controller import pause_point
+from rollout_checkpoint.client.certify.determinism import compare_baselines
+from rollout_checkpoint.client.certify.findings import Fault, Phase, ServerFacts, TrialPlan
+from rollout_checkpoint.client.certify.fleet_processes import (
+    MemberNotStarted,
+    discover,
+    http_url,
+)
+from rollout_checkpoint.client.certify.invariants import check_run
+from rollout_checkpoint.client.certify.observations import RunObservation
+from rollout_checkpoint.client.certify.setup import CertifySetup
+from rollout_checkpoint.client.certify.trial import async_fleet_file, pause_step, run_trial
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent
+from rollout_checkpoint.client.collect.checkpoints import CheckpointTaker
+from rollout_checkpoint.client.fleet.spec import MemberSpec
+from rollout_checkpoint.examples.demo.comparison import trajectory_of
+from rollout_checkpoint.server.core.episodes import EpisodeId
+
+from .certify_fleet import example_fleet, load, tasks_file
+from .conftest import TOKEN
+from .test_fleet_launch import write_fleet
+
+REPEATS = 2
+"""Twelve rollouts (six tasks, twice): enough for two checkpoints during a run."""
+CHECKPOINT_TIMEOUT = 8.0
+EXAMPLE_FACTS = [
+    ServerFacts("environment", "environment"),
+    ServerFacts("policy_model", "policy_model"),
+    ServerFacts("agent", "agent"),
+    ServerFacts("prompt_injection", "resources", "exported"),
+    ServerFacts("counter", "resources", "exported"),
+]
+
+
+@dataclass
+class Certified:
+    """The example fleet set up for certify, and its recorded baseline."""
+
+    setup: CertifySetup
+    recording: Path
+    baseline: RunObservation
+
+
+@pytest.fixture(scope="module")
+def certified(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Certified]:
+    directory = tmp_path_factory.mktemp("certify")
+    with pytest.MonkeyPatch.context() as patch:
+        # The collector loads the fleet file itself: its token comes from the environment.
+        patch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+        path, entry = example_fleet(directory)
+        spec = load(path)
+        facts = asyncio.run(discover(spec, directory / "discover"))
+        setup = CertifySetup(
+            fleet_path=path,
+            spec=spec,
+            tasks=tasks_file(directory),
+            entry_url=entry,
+            work=directory / "work",
+            facts=facts,
+            num_repeats=REPEATS,
+            checkpoint_timeout=CHECKPOINT_TIMEOUT,
+        )
+        recording = directory / "recording.jsonl"
+        baseline = asyncio.run(
+            run_baseline(setup, recording=recording, mode="record", concurrency=4, label="baseline")
+        )
+        yield Certified(setup, recording, baseline)
+
+
+def by_rollout(observation: RunObservation) -> dict[str, dict[str, Any]]:
+    return {row["rollout_id"]: row for row in observation.rows}
+
+
+def assert_every_rollout_once_as_the_baseline(
+    observation: RunObservation, baseline: RunObservation
+) -> None:
+    ids = [row["rollout_id"] for row in observation.rows]
+    assert sorted(ids) == sorted(observation.expected), "every rollout exactly once"
+    assert {row["status"] for row in observation.rows} == {"ok"}
+    expected = by_rollout(baseline)
+    differing = [
+        rollout
+        for rollout, row in by_rollout(observation).items()
+        if trajectory_of(row["reply"]) != trajectory_of(expected[rollout]["reply"])
+    ]
+    assert differing == [], "trajectories differ from the baseline"
+
+
+# -- discovery and the baselines -------------------------------------------------------------
+
+
+def test_discovery_names_every_members_kind_and_a_resources_servers_mode(
+    certified: Certified,
+) -> None:
+    assert certified.setup.facts == EXAMPLE_FACTS
+    assert certified.setup.model_member == "policy_model"
+    assert certified.setup.resources_members == ["prompt_injection", "counter"]
+
+
+def test_a_command_that_does_not_start_is_named_with_its_stderr(tmp_path: Path) -> None:
+    script = "import sys; sys.stderr.write('no such dataset\\n'); sys.exit(3)"
+    fleet = write_fleet(
+        tmp_path / "fleet.toml",
+        [{"name": "broken", "address": "127.0.0.1:1", "command": [sys.executable, "-c", script]}],
+    )
+    with pytest.raises(MemberNotStarted, match=r"(?s)^broken: exited with 3.*no such dataset"):
+        asyncio.run(discover(load(fleet), tmp_path / "logs"))
+
+
+def test_a_members_http_url_is_its_url_else_its_commands_http_address() -> None:
+    command = ("serve", "counter", "--http-address", "127.0.0.1:8102")
+    assert http_url(MemberSpec("a", "x:1", command=command)) == "http://127.0.0.1:8102"
+    equals = ("serve", "--http-address=10.0.0.2:80")
+    assert http_url(MemberSpec("a", "x:1", command=equals)) == "http://10.0.0.2:80"
+    assert http_url(MemberSpec("a", "x:1", command=command, url="https://m")) == "https://m"
+    assert http_url(MemberSpec("a", "x:1")) is None
+
+
+def test_the_baseline_replayed_at_another_concurrency_equals_the_recorded_one(
+    certified: Certified,
+) -> None:
+    first = certified.baseline
+    assert first.controller_exit == 0 and first.untyped == []
+    second = asyncio.run(
+        run_baseline(
+            certified.setup,
+            recording=certified.recording,
+            mode="replay",
+            concurrency=2,
+            label="baseline-2",
+        )
+    )
+    assert second.controller_exit == 0 and second.untyped == []
+    assert second.model_misses == [], "every model call was in the recording"
+    assert_every_rollout_once_as_the_baseline(second, first)
+    assert second.exports == first.exports
+    assert second.expected == first.expected and len(first.expected) == 6 * REPEATS
+    # The seam with the analysis: the example fleet's baseline is deterministic.
+    assert compare_baselines(first, second, servers=certified.setup.facts) == ([], set())
+
+
+def test_a_replay_of_a_call_the_baseline_never_made_is_a_miss_not_a_failed_baseline(
+    certified: Certified, tmp_path: Path
+) -> None:
+    """A recording without one rollout's calls: that rollout fails (its first model call is
+    refused `not_in_recording`), the pass still returns, and the miss names the rollout."""
+    lost = certified.baseline.expected[0]
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text(
+        "".join(
+            line + "\n"
+            for line in certified.recording.read_text().splitlines()
+            if json.loads(line)["rollout_id"] != lost
+        )
+    )
+    second = asyncio.run(
+        run_baseline(
+            certified.setup, recording=partial, mode="replay", concurrency=4, label="partial"
+        )
+    )
+    assert second.controller_exit == 1
+    assert {(r["rollout_id"], r["status"]) for r in second.rows if r["status"] != "ok"} == {
+        (lost, "failed")
+    }
+    assert {rollout for rollout, _ in second.model_misses} == {lost}
+    assert all(path == "/v1/chat/completions" for _, path in second.model_misses)
+
+
+# -- trials ----------------------------------------------------------------------------------
+
+
+TRIALS = [
+    TrialPlan(1, Fault.KILL_MEMBER, Phase.RESTORE, "prompt_injection", trigger="agent"),
+    TrialPlan(2, Fault.KILL_FLEET, Phase.PREPARE, None, checkpoint=2),
+    TrialPlan(3, Fault.KILL_CONTROLLER, Phase.PUBLICATION, None, moment=0.5),
+    TrialPlan(4, Fault.STOP_MEMBER, Phase.AFTER_SNAPSHOT, "counter"),
+    TrialPlan(5, Fault.STORAGE, Phase.BACKGROUND_WRITE, None),
+]
+
+
+@pytest.mark.parametrize("plan", TRIALS, ids=[f"{p.fault}-{p.phase}" for p in TRIALS])
+def test_a_trial_strikes_at_its_phase_and_the_product_recovers_every_rollout_once(
+    certified: Certified, plan: TrialPlan, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    observation, reached, note = asyncio.run(run_trial(certified.setup, plan, certified.recording))
+    assert reached, note
+    assert observation.label == f"trial {plan.number}"
+    assert observation.controller_exit == 0, observation.notes[-5:]
+    assert_every_rollout_once_as_the_baseline(observation, certified.baseline)
+    assert observation.published and observation.restore_failures == {}
+    assert observation.untyped == [] and observation.model_misses == []
+    assert observation.reopen_seconds is not None
+    assert observation.reopen_seconds <= observation.reopen_deadline
+    assert observation.exports == certified.baseline.exports
+    # The seam with the analysis: every check holds on the example fleet.
+    findings = check_run(
+        observation, certified.baseline, trial=plan.number, servers=certified.setup.facts
+    )
+    assert findings == []
+    if plan.phase is Phase.BACKGROUND_WRITE:
+        assert "derived fleet file with async_commit = true" in note
+        assert not (certified.setup.fleet_path.parent / ".fleet.certify-async.toml").exists()
+
+
+def test_a_phase_whose_step_never_comes_is_not_reached(
+    certified: Certified, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    plan = TrialPlan(9, Fault.KILL_FLEET, Phase.PREPARE, None, checkpoint=1000)
+    observation, reached, note = asyncio.run(run_trial(certified.setup, plan, certified.recording))
+    assert not reached
+    assert note == "not reached: the collector never reached preparing@1000 before the run ended"
+    assert_every_rollout_once_as_the_baseline(observation, certified.baseline)
+
+
+# -- the pieces, without processes -----------------------------------------------------------
+
+
+def test_each_phase_pauses_the_collector_at_its_step() -> None:
+    def step(phase: Phase, asynchronous: bool = False, moment: float = 0.5) -> str | None:
+        plan = TrialPlan(1, Fault.STORAGE, phase, None, checkpoint=2, moment=moment)
+        return pause_step(plan, asynchronous)
+
+    assert step(Phase.MID_STEP) is None
+    assert step(Phase.PREPARE) == "preparing@2"
+    assert step(Phase.AFTER_SNAPSHOT) == "committed@2"
+    assert step(Phase.AFTER_SNAPSHOT, asynchronous=True) == "snapshotted@2"
+    assert step(Phase.BACKGROUND_WRITE) == "writing@2"
+    assert {step(Phase.PUBLICATION, moment=m) for m in (0.2, 0.201, 0.202)} == {
+        "after_verify@2",
+        "after_fleet_manifest@2",
+        "after_latest@2",
+    }
+    assert {step(Phase.RESTORE, moment=m) for m in (0.2, 0.201)} == {
+        "recovery_cut_ended@1",
+        "recovery_restored@1",
+    }
+    assert step(Phase.AFTER_RESUME) == "recovered@1"
+    for text in (step(p, True) for p in Phase):
+        if text is not None:
+            assert pause_point(text)
+
+
+def test_a_pause_point_names_a_step_and_a_number_from_1() -> None:
+    assert pause_point("writing@3") == ("writing", 3)
+    assert pause_point("recovered") == ("recovered", 1)
+    for bad, message in (
+        ("snapshot@1", "'snapshot' is not a step"),
+        ("prepared@0", "numbered from 1"),
+        ("prepared@x", "'x' is not a number"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            pause_point(bad)
+
+
+def test_the_derived_fleet_file_sets_async_commit_and_keeps_the_rest(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text('token_env = "T"\nasync_commit = false\n[[participants]]\nname = "a"\n')
+    assert async_fleet_file(toml).read_text() == (
+        'token_env = "T"\nasync_commit = true\n[[participants]]\nname = "a"\n'
+    )
+    toml.write_text('keep = 3\n[[participants]]\nname = "a"\n')
+    derived = async_fleet_file(toml)
+    assert derived.parent == tmp_path and derived.name.startswith(".")
+    assert derived.read_text().startswith("async_commit = true\nkeep = 3\n")
+    yaml = tmp_path / "fleet.yaml"
+    yaml.write_text("keep: 3\nasync_commit: false\nparticipants: []\n")
+    assert "async_commit: true" in async_fleet_file(yaml).read_text()
+
+
+def test_a_rollout_is_restarted_only_when_no_checkpoint_continued_its_attempt() -> None:
+    rows = [
+        {"rollout_id": "a.0", "attempt": 0, "status": "ok"},
+        {"rollout_id": "b.0", "attempt": 1, "status": "ok"},
+        {"rollout_id": "c.0", "attempt": 2, "status": "ok"},
+        {"rollout_id": "d.0", "attempt": 1, "status": "failed"},
+    ]
+    dispatched = {"b.0": [0, 1], "c.0": [0, 1, 2]}
+    restarted = restarted_rollouts(rows, dispatched, {EpisodeId("b.0", 0)})
+    assert list(restarted) == ["c.0"]
+    assert restarted["c.0"].startswith(
+        "attempt 2 sent from its input (attempts dispatched: 0, 1, 2)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("phases", "steps"),
+    [
+        (
+            ["PREPARE", "PREPARE", "SCOPE", "COMMIT", "PUBLISH", "RESUME", "DONE"],
+            ["preparing", "prepared", "committed", "resumed"],
+        ),
+        (
+            ["PREPARE", "SCOPE", "COMMIT", "RESUME+", "AWAIT_PARTS+", "PUBLISH", "DONE"],
+            ["preparing", "prepared", "snapshotted", "resumed", "writing", "committed"],
+        ),
+        (  # an asynchronous checkpoint that keeps the fleet closed (a stop): no resume
+            ["PREPARE", "SCOPE", "COMMIT+", "AWAIT_PARTS", "PUBLISH", "DONE"],
+            ["preparing", "prepared", "snapshotted", "committed"],
+        ),
+    ],
+    ids=["synchronous", "asynchronous", "asynchronous-kept-closed"],
+)
+def test_a_checkpoints_steps_are_named_in_the_order_a_run_meets_them(
+    phases: list[str], steps: list[str]
+) -> None:
+    """The collector's checkpoint events as `CheckpointTaker` names them for the step hook
+    (`+`: the event of an asynchronous checkpoint, AWAIT_PARTS+ after its resume)."""
+    named: list[str] = []
+    taker = object.__new__(CheckpointTaker)  # only its step naming is exercised
+    taker.step = named.append
+    taker._last_phase = None
+    for phase in phases:
+        name = phase.rstrip("+")
+        plus = phase.endswith("+")
+        detail = {"resumed": plus} if name == "AWAIT_PARTS" else {"asynchronous": plus}
+        taker._name_steps(CheckpointEvent(name, detail=dict(detail)))
+    assert named == steps
