@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from rollout_checkpoint.client.certify.aftermath import restarted_rollouts
@@ -28,12 +29,14 @@ from rollout_checkpoint.client.certify.controller import pause_point
 from rollout_checkpoint.client.certify.determinism import compare_baselines
 from rollout_checkpoint.client.certify.findings import Fault, Phase, ServerFacts, TrialPlan
 from rollout_checkpoint.client.certify.fleet_processes import (
+    FleetProcesses,
     MemberNotStarted,
     discover,
     http_url,
 )
 from rollout_checkpoint.client.certify.invariants import check_run
 from rollout_checkpoint.client.certify.observations import RunObservation
+from rollout_checkpoint.client.certify.runs import collect_exports
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.trial import async_fleet_file, pause_step, run_trial
 from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent
@@ -190,6 +193,39 @@ def test_a_replay_of_a_call_the_baseline_never_made_is_a_miss_not_a_failed_basel
     }
     assert {rollout for rollout, _ in second.model_misses} == {lost}
     assert all(path == "/v1/chat/completions" for _, path in second.model_misses)
+
+
+async def exported_after_a_verify(setup: CertifySetup, directory: Path) -> dict[str, Any]:
+    """Certify's export of the fleet after a counter session of rollout `ended.0` verified
+    (the session ended): the fleet started as certify starts it."""
+    processes = FleetProcesses(setup.spec, directory / "logs")
+    try:
+        await processes.start_all()
+        counter = next(m for m in setup.spec.members if m.name == "counter")
+        async with httpx.AsyncClient(base_url=f"{http_url(counter)}/ng-rollout/ended.0") as http:
+            seeded = await http.post("/seed_session", json={"initial_count": 1})
+            assert seeded.status_code == 200
+            added = await http.post("/increment_counter", json={"count": 2})
+            assert added.status_code == 200
+            verified = await http.post("/verify", json={"expected_count": 3})
+            assert verified.json()["reward"] == 1.0
+        finished = [{"rollout_id": "ended.0", "attempt": 0, "status": "ok"}]
+        return await collect_exports(setup, finished, directory / "exports")
+    finally:
+        await processes.close()
+
+
+def test_certify_exports_the_state_of_a_session_that_ended_at_its_verify(
+    certified: Certified, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Certify starts every member with ROLLOUT_CHECKPOINT_EXPORT_ENDED_SESSIONS=true, so its
+    scoped checkpoint after a run holds a finished rollout's final state: without it the
+    counter stops tracking the session at its verify and the export is `{}`. (The example
+    fleet's tasks never use the counter, and prompt_injection frees its state at verify, so
+    the baselines' exports stay `{}`: this drives the counter directly.)"""
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    exports = asyncio.run(exported_after_a_verify(certified.setup, tmp_path))
+    assert exports == {"counter": {"ended.0": {"count": 3}}}
 
 
 # -- trials ----------------------------------------------------------------------------------

@@ -203,3 +203,32 @@ def test_ipi_gets_environment_states_and_waits_for_verify() -> None:
     assert isinstance(hooks, EnvironmentStates) and verify is VerifyMode.WAIT
     assert hooks.environments is server.session_id_to_env
     assert ready_hooks(object()) is None
+
+
+async def test_the_export_ended_sessions_setting_reaches_a_nemo_gym_server() -> None:
+    """Certify starts `serve nemo-gym:…` with ROLLOUT_CHECKPOINT_EXPORT_ENDED_SESSIONS=true: a
+    session its verify ended is exported by a scope naming its episode (never unscoped)."""
+    server = StatefulCounterResourcesServer()
+    app = server.setup_webserver()
+
+    @app.post("/verify")
+    async def verify() -> dict[str, Any]:
+        return {"reward": 1.0}
+
+    kept = CheckpointSettings(enabled=True, token=TOKEN, export_ended_sessions=True)
+    installed = checkpoint_nemo_gym_server(server, app, kept, session_key=SESSION_ID_KEY)
+    assert installed is not None
+    episode = EpisodeId("r1")
+    uvicorn_server, serving, port = await serve_app(app)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            await http.post(rollout_path(episode, "/seed_session"), json={"initial_count": 3})
+            await http.post(rollout_path(episode, "/increment_counter"), json={"count": 2})
+            assert (await http.post(rollout_path(episode, "/verify"), json={})).status_code == 200
+        assert installed.participant.sessions == {}
+        assert await installed.participant.export(None) == []
+        [record] = await installed.participant.export(frozenset({episode}))
+        assert record.episode_id == episode and record.fields["state"]["count"] == 5
+    finally:
+        uvicorn_server.should_exit = True
+        await serving

@@ -8,6 +8,12 @@ member writes its own log files (`<name>.<n>.out`, `<name>.<n>.err`), so a trace
 after a trial names the process that wrote it, and a replacement does not truncate the log of
 the process it replaced.
 
+Every incarnation, of the baselines and of the trials alike, runs with
+`ROLLOUT_CHECKPOINT_EXPORT_ENDED_SESSIONS=true`: a resources server stops tracking a session
+at its `/verify`, so without it certify's checkpoint after a run would export no finished
+rollout's state, and the check that no tool call was applied twice would compare nothing.
+Both sides run with it, so a difference between them is the server's.
+
 `close()` always leaves nothing running: a trial that failed half way must not leave a member
 holding a port the next trial's fleet needs.
 """
@@ -31,6 +37,8 @@ CLOSE_SECONDS = 10.0
 """How long a member may take to stop gracefully on SIGTERM before its group is SIGKILLed."""
 FACTS_SECONDS = 10.0
 """The timeout of the GetParticipant call that reads a member's kind."""
+EXPORT_ENDED_SESSIONS = {"ROLLOUT_CHECKPOINT_EXPORT_ENDED_SESSIONS": "true"}
+"""Set over each member's own `env` (see the module docstring)."""
 KINDS = {**KIND_NAMES, **{k: "policy_model" for k, v in KIND_NAMES.items() if v == "model"}}
 """A participant kind as `ServerFacts.kind` spells it."""
 
@@ -62,7 +70,7 @@ def http_url(member: MemberSpec) -> str | None:
 class FleetProcesses:
     """The members of `spec` as processes, each started from its command plus
     `extra_args[name]` (the policy model's `--record FILE` or `--replay FILE
-    --replay-latency S`), logging under `logs`."""
+    --replay-latency S`) with its `env` plus `EXPORT_ENDED_SESSIONS`, logging under `logs`."""
 
     def __init__(
         self,
@@ -74,7 +82,11 @@ class FleetProcesses:
         self.spec = spec
         self.logs = logs
         self.members = {
-            m.name: dataclasses.replace(m, command=(*m.command, *extra_args.get(m.name, ())))
+            m.name: dataclasses.replace(
+                m,
+                command=(*m.command, *extra_args.get(m.name, ())),
+                env={**m.env, **EXPORT_ENDED_SESSIONS},
+            )
             for m in spec.members
         }
         self.running: dict[str, LaunchedMember] = {}

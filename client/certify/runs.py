@@ -139,8 +139,9 @@ async def collect_exports(
 ) -> dict[str, dict[str, Any]]:
     """Every resources member's exported session state of every finished rollout: certify's
     own checkpoint of the fleet, scoped to the final episode of each `ok` row, into a private
-    root, read back from its parts. A session a member no longer tracks (it ended, e.g. at
-    its `/verify`) is not exported and not here."""
+    root, read back from its parts. Sessions that ended (at their `/verify`) are exported too,
+    since every member runs with `ROLLOUT_CHECKPOINT_EXPORT_ENDED_SESSIONS` (`fleet_processes`);
+    one whose server freed its state when it ended (prompt_injection's verify) is not here."""
     scope = [
         EpisodeId(row["rollout_id"], int(row["attempt"]))
         for row in rows

@@ -127,6 +127,7 @@ def checkpoint_nemo_gym_server(
         chosen_mode,
         chosen_verify or VerifyMode.WAIT,
         hooks if hooks is not None else _NoState(),
+        keep_ended=settings.export_ended_sessions,
     )
     passthrough = set(STATELESS_ROUTES)
     if settings.metrics_path is not None:

@@ -39,8 +39,8 @@ class SessionDataPlane:
 
     context: ParticipantContext
 
-    def __init__(self, *, restart_only: bool) -> None:
-        self._table = SessionTable(restart_only=restart_only)
+    def __init__(self, *, restart_only: bool, ended_limit: int = 0) -> None:
+        self._table = SessionTable(restart_only=restart_only, ended_limit=ended_limit)
         self._seeding: dict[EpisodeId, int] = {}
         self._binding: dict[str, tuple[EpisodeId, int]] = {}
         """Untracked sessions with a seed running under a prefix: the episode the seed will
@@ -244,14 +244,15 @@ class SessionDataPlane:
 
     def session_ended(self, session_id: str | None, *, deferred: bool = False) -> None:
         """A successful close or verify. A replay verify during a checkpoint ends the session only
-        at reopen, so that checkpoint still exports it: the restore re-runs the verify."""
+        at reopen, so that checkpoint still exports it: the restore re-runs the verify. An
+        ended session is no longer live (`SessionTable.end`)."""
         session = self._table.get(session_id)
         if session is None:
             return
         if deferred:
             session.end_deferred = True
             return
-        self._table.untrack(session.session_id)
+        self._table.end(session.session_id)
         self._notify()
 
     # -- tracking -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.resources.data_plane import SessionDataPlane
+from rollout_checkpoint.server.resources.ended_sessions import ENDED_SESSIONS_KEPT
 from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
@@ -175,12 +176,26 @@ class ResourcesParticipant(SessionDataPlane, Participant):
     `session_started`/`session_ended` (via `ResourcesServer.checkpoint_session_started`/
     `checkpoint_session_ended`). This half waits for the data plane's seeds and requests
     before it frees a session, and calls the hooks.
+
+    `keep_ended` (`CheckpointSettings.export_ended_sessions`): an `exported` server keeps its
+    ended sessions exportable by a scope naming them (`ended_sessions`), for certify's check
+    of each session's final state; the other modes export nothing, so they keep none.
     """
 
     def __init__(
-        self, instance: str, mode: CheckpointMode, verify: VerifyMode, hooks: SessionHooks
+        self,
+        instance: str,
+        mode: CheckpointMode,
+        verify: VerifyMode,
+        hooks: SessionHooks,
+        *,
+        keep_ended: bool = False,
     ) -> None:
-        super().__init__(restart_only=mode is CheckpointMode.RESTART_ONLY)
+        keeps_ended = keep_ended and mode is CheckpointMode.EXPORTED
+        super().__init__(
+            restart_only=mode is CheckpointMode.RESTART_ONLY,
+            ended_limit=ENDED_SESSIONS_KEPT if keeps_ended else 0,
+        )
         self.kind = Kind.RESOURCES
         self.instance = instance
         self.mode = mode
@@ -304,7 +319,8 @@ class ResourcesParticipant(SessionDataPlane, Participant):
             self._notify()
 
     async def retire(self, episode: EpisodeId) -> None:
-        """Wait for seeds, refuse and drain the covered sessions, free them, stop tracking."""
+        """Wait for seeds, refuse and drain the covered sessions, free them, stop tracking;
+        then free the covered ended sessions (`_retire_ended`)."""
 
         def covered(other: EpisodeId) -> bool:
             return other.rollout_id == episode.rollout_id and other.attempt <= episode.attempt
@@ -323,6 +339,23 @@ class ResourcesParticipant(SessionDataPlane, Participant):
                 await self._hooks.retire_session_state(session_id)
             self._table.untrack(session_id)
             self._notify()
+        await self._retire_ended(episode)
+
+    async def _retire_ended(self, episode: EpisodeId) -> None:
+        """Free the kept ended sessions `episode`'s Retire covers, as a live one is freed.
+
+        The server still holds their state (a verify does not free it), and the controller
+        retiring the rollout is the one sign that nothing will name them again: left kept,
+        they would be held until the limit pushes them out. Each is dropped only once its
+        hook returned, so a hook that raises fails the RPC and the retry frees it again; the
+        Retire marked the attempt first, so no Commit meanwhile exports it. One no longer
+        kept when its turn comes is skipped: a seed may have tracked its id live again (a
+        reused cookie), and the hook would free that live session's state."""
+        for session_id in self._table.ended.covered_by(episode):
+            if session_id not in self._table.ended:
+                continue
+            await self._hooks.retire_session_state(session_id)
+            self._table.ended.drop(session_id)
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         """One record per session: an episode may hold several sessions (one per cookie jar
@@ -361,7 +394,12 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         `stale_attempt` for good. The attempt marks stay, so every late request that names
         a discarded attempt is still refused; one that names no rollout reaches a session
         the server no longer holds, as it would in a fresh replacement. A seed still running
-        keeps the process served (it is about to track a session)."""
+        keeps the process served (it is about to track a session).
+
+        Ended sessions stay kept: the rejoin retired only the live episodes (freeing the
+        ended sessions of their rollouts), and the server still holds the others' state, so
+        a scope naming a finished rollout still exports it, as from a process never
+        rejoined."""
         self._served = False
         self._table.forget_retired_sessions()
 

@@ -295,7 +295,11 @@ class ResourcesServer:
         if self.checkpoint_enabled:
             assert self.config.checkpoint is not None
             self.participant = ResourcesParticipant(
-                self.instance, self.mode, self.verify_mode, self
+                self.instance,
+                self.mode,
+                self.verify_mode,
+                self,
+                keep_ended=self.config.checkpoint.export_ended_sessions,
             )
             app.add_middleware(
                 ResourcesAdmissionMiddleware,

@@ -5,6 +5,8 @@ and the sets a readiness report reads are kept beside them — sessions being re
 `restart_only` sessions that block a Prepare, sessions with requests in flight — so a
 report costs O(blockers), not O(sessions). Sessions of retired attempts are remembered
 until their rollout is forgotten, so a late request on one is refused (`stale_attempt`).
+Sessions that ended are kept apart, exportable by a scope naming them, only when the
+participant asks for it (`ended_sessions.EndedSessions`).
 
 The table only keeps these facts consistent; it waits for nothing, calls no hook and
 notifies no one: `ResourcesParticipant` decides when a session starts, ends or is freed.
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.resources.ended_sessions import EndedSessions
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import Blocker, BlockerReason, EpisodeInfo
 
@@ -37,10 +40,13 @@ class SessionTable:
     derived from them (the module docstring says why they are kept apart).
 
     `restart_only`: live sessions block a Prepare until retired (`CheckpointMode.RESTART_ONLY`),
-    except those first seeded while admission was closed, until admission reopens."""
+    except those first seeded while admission was closed, until admission reopens.
+    `ended_limit`: how many ended sessions stay exportable (`ended`; 0, the default: none)."""
 
-    def __init__(self, *, restart_only: bool) -> None:
+    def __init__(self, *, restart_only: bool, ended_limit: int = 0) -> None:
         self.restart_only = restart_only
+        self.ended = EndedSessions(ended_limit)
+        """Sessions that ended, exported only by a scope naming their episode."""
         self.sessions: dict[str, TrackedSession] = {}
         self._by_rollout: dict[str, set[str]] = {}
         self.retired_sessions: dict[str, EpisodeId] = {}
@@ -74,9 +80,14 @@ class SessionTable:
         A session already tracked is left exactly as it is: a second seed is a retry, and a
         retry that reset the flags would drop a live episode from the checkpoint under way
         (marked seeded-while-closed, its state is not exported) or stop it blocking a prepare
-        it must block. Nor is a session ever moved to another episode (`episode_mismatch` in `SessionDataPlane.refusal`)."""
+        it must block. Nor is a session ever moved to another episode (`episode_mismatch` in `SessionDataPlane.refusal`).
+
+        An ended session of this id is no longer kept: its state is the live session's now
+        (a restore installed it, or a new seed reused the cookie), and a scope naming both
+        episodes would export one state twice."""
         if session_id in self.sessions:
             return False
+        self.ended.drop(session_id)
         session = TrackedSession(
             session_id, episode, restored_pending=restored, seeded_while_closed=seeded_while_closed
         )
@@ -89,7 +100,9 @@ class SessionTable:
         return True
 
     def untrack(self, session_id: str) -> None:
-        """Stop tracking a session (closed, freed or dropped by the server); no-op if untracked."""
+        """Stop tracking a session, live or ended (freed or dropped by the server); no-op if
+        untracked."""
+        self.ended.drop(session_id)
         session = self.sessions.pop(session_id, None)
         if session is None:
             return
@@ -101,6 +114,15 @@ class SessionTable:
         self._retiring.discard(session_id)
         self._restart_blockers.discard(session_id)
         self._installed.discard(session_id)
+
+    def end(self, session_id: str) -> None:
+        """A successful verify or close ended this session: it is no longer live, and is kept
+        in `ended` (when the participant keeps ended sessions); no-op if untracked."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        self.untrack(session_id)
+        self.ended.keep(session)
 
     def request_started(self, session: TrackedSession) -> None:
         session.inflight += 1
@@ -117,7 +139,7 @@ class SessionTable:
         closed become ordinary (under `restart_only`, blockers unless being retired)."""
         for session in list(self.sessions.values()):
             if session.end_deferred:
-                self.untrack(session.session_id)
+                self.end(session.session_id)
                 continue
             if session.seeded_while_closed:
                 session.seeded_while_closed = False
@@ -149,8 +171,10 @@ class SessionTable:
         return session_id in self._installed
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
-        """Drop the retired sessions of these rollouts: their requests are no longer refused."""
+        """Drop the retired and the ended sessions of these rollouts: their requests are no
+        longer refused, and no scope names them any more."""
         forgotten = set(rollout_ids)
+        self.ended.forget(forgotten)
         for session_id, episode in list(self.retired_sessions.items()):
             if episode.rollout_id in forgotten:
                 del self.retired_sessions[session_id]
@@ -216,19 +240,19 @@ class SessionTable:
     def exportable(
         self, scope: frozenset[EpisodeId] | None, retired: RetiredAttempts
     ) -> list[TrackedSession]:
-        """The sessions a Commit of `scope` exports, sorted by (episode, session id): not being
-        retired, not first seeded during this checkpoint, not of a retired attempt."""
-        return sorted(
-            (
-                s
-                for s in self.sessions.values()
-                if s.session_id not in self._retiring
-                and not s.seeded_while_closed
-                and not retired.is_retired(s.episode)
-                and (scope is None or s.episode in scope)
-            ),
-            key=lambda s: (s.episode, s.session_id),
+        """The sessions a Commit of `scope` exports, sorted by (episode, session id): live ones
+        not being retired, not first seeded during this checkpoint, not of a retired attempt;
+        and the ended sessions a scope (never an unscoped commit) names."""
+        live = (
+            s
+            for s in self.sessions.values()
+            if s.session_id not in self._retiring
+            and not s.seeded_while_closed
+            and not retired.is_retired(s.episode)
+            and (scope is None or s.episode in scope)
         )
+        ended = self.ended.in_scope(scope, retired) if scope is not None else ()
+        return sorted([*live, *ended], key=lambda s: (s.episode, s.session_id))
 
     def restored_pending(self) -> frozenset[EpisodeId]:
         """Episodes with a restored session no request used yet (and not being retired)."""

@@ -59,6 +59,15 @@ class CheckpointSettings(BaseSettings):
     start_closed_timeout_seconds: float | None = Field(None, gt=0)
     """With `start_closed`: open anyway after this long without a Restore or Resume (None:
     `lease_grace_seconds`), so a controller that never comes does not idle the process."""
+    export_ended_sessions: bool = False
+    """A resources server keeps a session that ended (a successful verify or close) exportable
+    by a Commit whose scope names its episode (`server.resources.ended_sessions`): certify
+    sets it to compare every session's final state with its baseline's, which a server that
+    stops tracking a session at its verify would never export. Off by default: an ended
+    session then leaves every checkpoint. Either way it never blocks a Prepare, is never
+    listed as a live episode, and an unscoped Commit does not export it; at most
+    `ENDED_SESSIONS_KEPT` (10,000) are kept, the oldest dropped first, and a Retire of the
+    rollout frees one (`retire_session_state`)."""
     readiness_pause_threshold_seconds: float = Field(30.0, gt=0)
     """How long a checkpoint may keep admission closed before the `participant-readiness`
     health turns NOT_SERVING; a shorter pause keeps the pod in its Service, so clients see no
