@@ -88,26 +88,27 @@ class Expected:
 
 
 EXPECTED = {
-    # The restore forgets `history`: the verify reply of a continued rollout (which reports the
-    # session's state) lost the entries from before the checkpoint, and its first remaining
-    # one differs from the baseline's first (every entry is a distinct, growing count). Not
-    # the exported-state check: a successful /verify ends a session, so certify's checkpoint
-    # after the run exports none of them.
+    # The restore forgets `history`: the exported state of a continued rollout's session lost
+    # the entries from before the checkpoint, and its first remaining one differs from the
+    # baseline's first (every entry is a distinct, growing count). Its verify reply, which
+    # reports the state, differs too (`$.verify.history[0]`, the trajectory check).
     "dropped_field": Expected(
-        Check.TRAJECTORY_EQUALS_BASELINE, frozenset({"$.verify.history[0]"}), by_trial=True
+        Check.EXPORTED_STATE_EQUALS_BASELINE, frozenset({"$.history[0]"}), by_trial=True
     ),
-    # The survivor's rejoin adds the checkpoint's count to the one it kept.
+    # The survivor's rejoin adds the checkpoint's count to the one it kept (and the verify
+    # reply reports it: `$.verify.count`).
     "restore_not_idempotent": Expected(
-        Check.TRAJECTORY_EQUALS_BASELINE, frozenset({"$.verify.count"}), by_trial=True
+        Check.EXPORTED_STATE_EQUALS_BASELINE, frozenset({"$.count"}), by_trial=True
     ),
-    # Idle ticks depend on the wall clock: the baseline's two passes differ there.
+    # Idle ticks depend on the wall clock: the baseline's two passes export different ones
+    # (a server's exported-state difference is the determinism check's first counter-example).
     "background_mutation": Expected(
-        Check.DETERMINISTIC, frozenset({"$.verify.idle_ticks"}), by_trial=False
+        Check.DETERMINISTIC, frozenset({"$.idle_ticks"}), by_trial=False
     ),
     # Each increment answers the process-wide count: the probe's first replay differs there.
     "hidden_state": Expected(Check.STATELESS_HAS_NO_STATE, frozenset({"$.count"}), by_trial=False),
     # A replayed increment is in the ledger twice: the verification (which reads the ledger)
-    # differs; the tool replies and the in-memory state do not.
+    # differs; the tool replies and the exported, in-memory state do not.
     "side_effect_file": Expected(
         Check.TRAJECTORY_EQUALS_BASELINE, frozenset({"$.verify.count"}), by_trial=True
     ),

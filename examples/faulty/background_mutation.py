@@ -4,8 +4,8 @@ Every session counts `idle_ticks`, incremented by a task of the process every `T
 while the session exists. The runtime admits, counts and drains requests, but this task is
 none: it changes state during a checkpoint, after the export took its snapshot, and its
 ticks between a checkpoint and a crash are lost by a restore. Its exported state depends on
-the wall clock: two uninterrupted runs at different concurrencies differ there (the verify
-reply reports it with the rest of the state: at `$.verify.idle_ticks`).
+the wall clock: two uninterrupted runs at different concurrencies differ at `$.idle_ticks` (and
+the verify reply, which reports the state, at `$.verify.idle_ticks`).
 """
 
 from __future__ import annotations

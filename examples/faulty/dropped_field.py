@@ -5,7 +5,7 @@
 reply and the reward still match (they read the count only), so nothing looks wrong until the
 state is read: after any restore (a replacement, a survivor's rejoin, `collect --resume`) the
 session's history has lost every entry before the checkpoint, and its state (exported, and
-reported by `/verify`) differs from the uninterrupted run's at `history[0]`
+reported by `/verify`) differs from the uninterrupted run's at `$.history[0]`
 (`$.verify.history[0]` of the rollout).
 """
 

@@ -65,9 +65,8 @@ class HonestCounter(ResourcesServer):
     instead of as a model call the baseline never made.
 
     The verification reports the session's whole state beside the reward, as a grader
-    that shows its work does: a successful `/verify` ends the session, so no checkpoint
-    taken after the run exports it, and the verify reply (part of every rollout's output)
-    is where a state the bug changed can be seen afterwards, at its field."""
+    that shows its work does: the verify reply is part of every rollout's output, so a
+    state the bug changed shows there at its field too, beside the exported state."""
 
     checkpoint_mode = CheckpointMode.EXPORTED
 
