@@ -14,9 +14,11 @@ import asyncio
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+from rollout_checkpoint.client.certify import fleet_processes
 from rollout_checkpoint.client.fleet.launch import LaunchedMember, start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec, load_fleet_file
 
@@ -37,6 +39,7 @@ BUGS = (
 OUTSIDE = "/tmp/rollout-checkpoint-faulty"
 """Where the fleet files keep what lives outside the processes."""
 LOOPBACK_PORT = re.compile(r"127\.0\.0\.1:(\d+)")
+CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 SCRIPTS_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 """PATH with this interpreter's scripts first: the fleet files run `rollout-checkpoint`."""
 
@@ -72,11 +75,10 @@ def member(spec: FleetSpec, name: str) -> MemberSpec:
 
 
 def http_url(member: MemberSpec) -> str:
-    """The member's HTTP base URL from its command's `--http-address` (the fallback
-    `fleet_processes.http_url` uses when the fleet file gives no `url`)."""
-    command = list(member.command)
-    address = command[command.index("--http-address") + 1]
-    return f"http://{address}"
+    """The member's HTTP base URL, as certify finds it (every faulty member names one)."""
+    url = fleet_processes.http_url(member)
+    assert url is not None, member
+    return url
 
 
 async def start_fleet(spec: FleetSpec, logs: Path) -> list[LaunchedMember]:
@@ -100,3 +102,38 @@ async def stop(launched: list[LaunchedMember]) -> None:
     for process in launched:
         process.kill()
         await process.wait()
+
+
+def collect_args(fleet: Path, work: Path, *extra: str) -> list[str]:
+    """`collect` of the fleet's tasks (the file beside it) at concurrency 4, its output and
+    checkpoints in `work`, then `extra` flags."""
+    spec = load(fleet)
+    return [
+        "collect",
+        "--fleet",
+        str(fleet),
+        "--entry-url",
+        http_url(member(spec, "environment")),
+        "--input",
+        str(fleet.parent / TASKS.name),
+        "--output",
+        str(work / "rollouts.jsonl"),
+        "--checkpoint-dir",
+        str(work / "checkpoints"),
+        "--concurrency",
+        "4",
+        *extra,
+    ]
+
+
+def run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """A command of the CLI (or `tests.collect_crash`) with the fleets' token, run from the
+    repository, its output captured."""
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -44,23 +44,22 @@ CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 RUN_SECONDS = 900
 FAULTY_MODULES = "rollout_checkpoint.examples.faulty"
 
-SEED = 1420
+SEED = 59874
 TRIALS = 3
-"""`--seed 1420 --trials 3`: on these fleets (members environment, policy_model, agent,
-prompt_injection, counter, in that order) the plan is trial 1 = SIGKILL of the collector
-mid-step (`collect --resume` then restores `LATEST` into the running fleet), trial 2 = SIGKILL
-of the environment mid-step, trial 3 = SIGKILL of the agent once every member snapshotted the
-second checkpoint (the collector's in-place recovery restores `LATEST`, the first checkpoint,
-into the whole fleet, the counter rejoining as a survivor). Each restores the counter's
-sessions that a checkpoint caught mid-episode into the process that held them, and continues
-their episodes from the agent's boundary, re-issuing the tool calls made since: what the three
-trial-found bugs need (a replacement of the counter itself would hide
-`restore_not_idempotent`, which only shows in a process that held the session). Three such
-trials, not one: a trial whose restore restarts the caught episodes from their inputs instead
-(the product says why; a resume's rejoin refused by the policy model was seen, see
-tests/test_faulty_servers.py) or whose checkpoint caught no episode mid-way proves nothing, and
-the others still find the bug. `test_the_seed_strikes_where_the_planted_bugs_live` holds the
-plan to that."""
+"""`--seed 59874 --trials 3`: on these fleets (members environment, policy_model, agent,
+prompt_injection, counter, in that order) the plan is three SIGKILLs of a member that is
+neither the counter nor the environment: the policy model mid-step, prompt_injection once
+every member snapshotted the second checkpoint, the policy model during the second
+checkpoint's Prepare. The collector's in-place recovery then restores `LATEST` into the whole
+fleet, the counter rejoining as a survivor, and continues the episodes it caught from the
+agent's boundary, re-issuing the tool calls made since: what the three trial-found bugs need
+(a replacement of the counter itself would hide `restore_not_idempotent`, which only shows in
+a process that held the session). Measured with this engine (driving `run_trial` before the
+verb existed): trials 2 and 3 continued episodes and found each bug; trial 1, like a mid-step
+kill of the environment, restarted the caught episodes from their inputs (the product's
+choice, with its reason) and proved nothing; a kill of the collector mid-step was "not
+reached". Three such trials, not one, so a trial that restarts instead still leaves one that
+finds the bug. `test_the_seed_strikes_where_the_planted_bugs_live` holds the plan to that."""
 CONCURRENCY = 4
 """Rollouts in flight: half the 8 tasks, so the run goes in two waves of four episodes of 12
 increments each, and a mid-step fault finds several episodes that a checkpoint caught
@@ -83,37 +82,35 @@ class Expected:
 
     check: Check
     paths: frozenset[str]
-    """The first differing path it may name (several only where the path's spelling is the
-    report's choice, not the bug's)."""
+    """The first differing path it must name."""
     by_trial: bool
     """Found by a trial (True) or by the baseline (its second pass, the stateless probe)."""
 
 
 EXPECTED = {
-    # The restore forgets `history`; the exported state after the run lost the entries from
-    # before the checkpoint, and the first remaining one differs from the baseline's first
-    # (every history entry is a distinct, growing count).
+    # The restore forgets `history`: the exported state of a continued rollout's session lost
+    # the entries from before the checkpoint, and its first remaining one differs from the
+    # baseline's first (every entry is a distinct, growing count). Its verify reply, which
+    # reports the state, differs too (`$.verify.history[0]`, the trajectory check).
     "dropped_field": Expected(
         Check.EXPORTED_STATE_EQUALS_BASELINE, frozenset({"$.history[0]"}), by_trial=True
     ),
-    # The survivor's rejoin adds the checkpoint's count to the one it kept.
+    # The survivor's rejoin adds the checkpoint's count to the one it kept (and the verify
+    # reply reports it: `$.verify.count`).
     "restore_not_idempotent": Expected(
         Check.EXPORTED_STATE_EQUALS_BASELINE, frozenset({"$.count"}), by_trial=True
     ),
-    # Idle ticks depend on the wall clock: the baseline's two passes differ there.
+    # Idle ticks depend on the wall clock: the baseline's two passes export different ones
+    # (a server's exported-state difference is the determinism check's first counter-example).
     "background_mutation": Expected(
         Check.DETERMINISTIC, frozenset({"$.idle_ticks"}), by_trial=False
     ),
     # Each increment answers the process-wide count: the probe's first replay differs there.
     "hidden_state": Expected(Check.STATELESS_HAS_NO_STATE, frozenset({"$.count"}), by_trial=False),
     # A replayed increment is in the ledger twice: the verification (which reads the ledger)
-    # differs; the replies and the exported state do not. Its reward differs too: whether the
-    # report's first path is the verify reply's count, its reward or the rollout's reward is
-    # the trajectory walk's order, not the bug's.
+    # differs; the tool replies and the exported, in-memory state do not.
     "side_effect_file": Expected(
-        Check.TRAJECTORY_EQUALS_BASELINE,
-        frozenset({"$.verify.count", "$.verify.reward", "$.reward"}),
-        by_trial=True,
+        Check.TRAJECTORY_EQUALS_BASELINE, frozenset({"$.verify.count"}), by_trial=True
     ),
 }
 
@@ -122,16 +119,15 @@ CHECKPOINT_PHASES = frozenset({Phase.PREPARE, Phase.AFTER_SNAPSHOT, Phase.PUBLIC
 
 
 def reaches_a_restore_into_the_running_counter(plan: TrialPlan) -> bool:
-    """A kill of the collector, or of a member other than the counter, mid-step or during
-    the second checkpoint (the first is `LATEST` then): a restore of `LATEST` into the fleet
-    with the counter a survivor, episodes continued from it."""
+    """A SIGKILL of a member that is neither the counter nor the environment, mid-step or
+    during the second checkpoint (the first is `LATEST` then): the in-place recovery restores
+    `LATEST` into the fleet with the counter a survivor and continues episodes from it."""
     when = plan.phase is Phase.MID_STEP or (
         plan.phase in CHECKPOINT_PHASES and plan.checkpoint == 2
     )
-    who = plan.fault is Fault.KILL_CONTROLLER or (
-        plan.fault is Fault.KILL_MEMBER and plan.target != "counter"
+    return (
+        when and plan.fault is Fault.KILL_MEMBER and plan.target not in ("counter", "environment")
     )
-    return when and who
 
 
 @pytest.mark.parametrize("bug", BUGS)

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,21 +27,12 @@ from rollout_checkpoint.client.certify.stateless_probe import (
 from rollout_checkpoint.client.fleet.launch import start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec
 
-from .conftest import TOKEN
-from .faulty_fleets import (
-    SCRIPTS_PATH,
-    free_port_fleet,
-    http_url,
-    load,
-    member,
-    start_fleet,
-    stop,
-)
+from . import faulty_fleets as fleets
+from .faulty_fleets import SCRIPTS_PATH, free_port_fleet, http_url, load, member
 from .s3_server import free_ports
 from .test_fleet_launch import write_fleet
 
 WAIT = 120.0
-CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 
 
 @pytest.fixture(autouse=True)
@@ -57,41 +45,19 @@ async def collected_baseline(fleet: Path, work: Path) -> RunObservation:
     """`collect` of the fleet's tasks, uninterrupted, as certify's baseline is."""
     spec = load(fleet)
     tasks = [json.loads(line) for line in (fleet.parent / "tasks.jsonl").read_text().splitlines()]
-    output = work / "rollouts.jsonl"
-    launched = await start_fleet(spec, work / "logs")
+    launched = await fleets.start_fleet(spec, work / "logs")
     try:
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [
-                *CLI,
-                "collect",
-                "--fleet",
-                str(fleet),
-                "--entry-url",
-                http_url(member(spec, "environment")),
-                "--input",
-                str(fleet.parent / "tasks.jsonl"),
-                "--output",
-                str(output),
-                "--checkpoint-dir",
-                str(work / "checkpoints"),
-                "--concurrency",
-                "4",
-            ],
-            env=dict(os.environ, ROLLOUT_CHECKPOINT_TOKEN=TOKEN),
-            capture_output=True,
-            text=True,
-            timeout=WAIT,
-        )
+        command = [*fleets.CLI, *fleets.collect_args(fleet, work)]
+        done = await asyncio.to_thread(fleets.run, command, WAIT)
     finally:
-        await stop(launched)
+        await fleets.stop(launched)
     assert done.returncode == 0, done.stderr
     expected = [f"{task['task_id']}.0" for task in tasks]
     return RunObservation(
         label="baseline",
         expected=expected,
         tasks={f"{task['task_id']}.0": task for task in tasks},
-        rows=[json.loads(line) for line in output.read_text().splitlines()],
+        rows=[json.loads(line) for line in (work / "rollouts.jsonl").read_text().splitlines()],
     )
 
 
@@ -143,7 +109,7 @@ async def test_a_process_wide_count_is_caught_even_where_replaying_in_order_repr
                 )
                 calls.append(("increment_counter", {"count": count}, reply.text))
     finally:
-        await stop([launched])
+        await fleets.stop([launched])
     assert [json.loads(answer) for _, _, answer in calls] == [{"count": n} for n in (1, 3, 6)]
     baseline = RunObservation(
         "baseline",
@@ -180,7 +146,7 @@ CITIES = ("Lisbon", "Oslo", "Nairobi")
 async def weather_baseline(spec: FleetSpec, logs: Path) -> RunObservation:
     """One rollout a city, one `get_weather` call each, its tool message the reply's text as
     the example agent records it."""
-    launched = await start_fleet(spec, logs)
+    launched = await fleets.start_fleet(spec, logs)
     rows = []
     try:
         for city in CITIES:
@@ -191,7 +157,7 @@ async def weather_baseline(spec: FleetSpec, logs: Path) -> RunObservation:
             assert reply.status_code == 200, reply.text
             rows.append(agent_row(f"{city}.0", ("get_weather", {"city": city}, reply.text)))
     finally:
-        await stop(launched)
+        await fleets.stop(launched)
     return RunObservation(
         label="baseline",
         expected=[row["rollout_id"] for row in rows],

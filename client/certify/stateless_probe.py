@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from rollout_checkpoint.client.certify.findings import Check, Violation
+from rollout_checkpoint.client.certify.json_paths import first_difference
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.fleet.launch import start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec
@@ -196,31 +197,6 @@ def answer_difference(expected: str, actual: str) -> str | None:
     if parsed_expected is missing or parsed_actual is missing:
         return None if expected == actual else "$"
     return first_difference(parsed_expected, parsed_actual)
-
-
-def first_difference(expected: Any, actual: Any, path: str = "$") -> str | None:
-    """The first JSON path where two JSON values differ (None: equal). Private stand-in for
-    `json_paths.first_difference` (same syntax: `.key`, `["key"]`, `[i]`; key order does
-    not count; 1, 1.0 and true differ) until that module is on main."""
-    if type(expected) is not type(actual):
-        return path
-    if isinstance(expected, dict):
-        for key in sorted(set(expected) | set(actual)):
-            inner = f"{path}.{key}" if key.isidentifier() else f"{path}[{json.dumps(key)}]"
-            if key not in expected or key not in actual:
-                return inner
-            found = first_difference(expected[key], actual[key], inner)
-            if found is not None:
-                return found
-        return None
-    if isinstance(expected, list):
-        for index, (left, right) in enumerate(zip(expected, actual, strict=False)):
-            found = first_difference(left, right, f"{path}[{index}]")
-            if found is not None:
-                return found
-        shorter = min(len(expected), len(actual))
-        return None if len(expected) == len(actual) else f"{path}[{shorter}]"
-    return None if expected == actual else path
 
 
 def _probe_id(number: int, send: int, used: set[str]) -> str:

@@ -4,13 +4,13 @@ Every session counts `idle_ticks`, incremented by a task of the process every `T
 while the session exists. The runtime admits, counts and drains requests, but this task is
 none: it changes state during a checkpoint, after the export took its snapshot, and its
 ticks between a checkpoint and a crash are lost by a restore. Its exported state depends on
-the wall clock: two uninterrupted runs at different concurrencies differ at `$.idle_ticks`.
+the wall clock: two uninterrupted runs at different concurrencies differ at `$.idle_ticks` (and
+the verify reply, which reports the state, at `$.verify.idle_ticks`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any
 
 from rollout_checkpoint.server.resources import InvalidSessionState
@@ -43,12 +43,8 @@ class BackgroundMutationCounter(HonestCounter):
                 # BUG: session state changed outside any request the runtime admits.
                 self.idle_ticks[session_id] = self.idle_ticks.get(session_id, 0) + 1
 
-    async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
-        return {
-            sid: {**self.counters[sid].to_json(), "idle_ticks": self.idle_ticks.get(sid, 0)}
-            for sid in session_ids
-            if sid in self.counters
-        }
+    def state_of(self, session_id: str) -> dict[str, Any]:
+        return {**super().state_of(session_id), "idle_ticks": self.idle_ticks.get(session_id, 0)}
 
     async def restore_session_states(self, states: dict[str, Any]) -> None:
         for session_id, state in states.items():

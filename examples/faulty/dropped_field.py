@@ -1,11 +1,12 @@
 """Planted bug: the restore hook forgets a field the export writes.
 
 `history` was added to the state after the restore hook was written: the export writes
-`{count, history}`, the restore installs the count and starts `history` empty. Every reply
-and the reward still match (they read the count only), so nothing looks wrong until the
+`{count, history}`, the restore installs the count and starts `history` empty. Every tool
+reply and the reward still match (they read the count only), so nothing looks wrong until the
 state is read: after any restore (a replacement, a survivor's rejoin, `collect --resume`) the
-session's history has lost every entry before the checkpoint, and its exported state differs
-from the uninterrupted run's at `$.history[0]`.
+session's history has lost every entry before the checkpoint, and its state (exported, and
+reported by `/verify`) differs from the uninterrupted run's at `$.history[0]`
+(`$.verify.history[0]` of the rollout).
 """
 
 from __future__ import annotations

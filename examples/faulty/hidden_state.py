@@ -35,4 +35,4 @@ class HiddenStateCounter(ResourcesServer):
 
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         expected = body.get("expected_count")
-        return {"reward": 1.0 if self.total == expected else 0.0, "count": self.total}
+        return {"count": self.total, "reward": 1.0 if self.total == expected else 0.0}

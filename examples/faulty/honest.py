@@ -62,7 +62,11 @@ class HonestCounter(ResourcesServer):
     so a planted bug that corrupts the count or the history changes no reply the policy model
     reads, every restored episode asks the model what the baseline asked (the replayed model
     answers it), and the bug shows where it lives, in the exported state or the verification,
-    instead of as a model call the baseline never made."""
+    instead of as a model call the baseline never made.
+
+    The verification reports the session's whole state beside the reward, as a grader
+    that shows its work does: the verify reply is part of every rollout's output, so a
+    state the bug changed shows there at its field too, beside the exported state."""
 
     checkpoint_mode = CheckpointMode.EXPORTED
 
@@ -86,14 +90,18 @@ class HonestCounter(ResourcesServer):
         counter = self.counters.get(session_id)
         return {"count": counter.count if counter is not None else 0}
 
+    def state_of(self, session_id: str) -> dict[str, Any]:
+        """The session's state as its export writes it and its verification reports it."""
+        return self.counters[session_id].to_json()
+
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        counter = self.counters.get(session_id)
-        count = counter.count if counter is not None else None
-        expected = body.get("expected_count")
-        return {"reward": 1.0 if count is not None and count == expected else 0.0, "count": count}
+        if session_id not in self.counters:
+            return {"count": None, "reward": 0.0}
+        state = self.state_of(session_id)
+        return {**state, "reward": 1.0 if state["count"] == body.get("expected_count") else 0.0}
 
     async def export_session_states(self, session_ids: list[str]) -> Mapping[str, Any]:
-        return {sid: self.counters[sid].to_json() for sid in session_ids if sid in self.counters}
+        return {sid: self.state_of(sid) for sid in session_ids if sid in self.counters}
 
     async def restore_session_states(self, states: dict[str, Any]) -> None:
         # Validate every state before installing any: never a partial set.

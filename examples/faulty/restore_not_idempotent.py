@@ -5,7 +5,8 @@ closed), which alone costs memory, nothing more, and wrote the restore as "add w
 checkpoint says" instead of "set it". In a fresh replacement the two agree. In a process that
 held the session, a survivor taking a rejoining Restore after another member died, or after
 `collect --resume`, or a Restore retried after a failed one, the count is the checkpoint's
-plus what the session held: the exported state differs at `$.count`.
+plus what the session held: its state (exported, and reported by `/verify`) differs at
+`$.count` (`$.verify.count` of the rollout).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The file (`LEDGER_VARIABLE`, default `DEFAULT_LEDGER`) is an audit ledger, one J
 by the count in memory. A restore rolls the in-memory count back to the checkpoint and the
 restored episode re-issues the tool calls made after it, but nothing rolls the file back: each
 such call is in the ledger twice, the verified count is too high and the reward differs from
-the uninterrupted run's (`$.verify`). The exported state itself is correct.
+the uninterrupted run's (`$.verify.count`). The exported state itself is correct.
 """
 
 from __future__ import annotations
@@ -61,4 +61,4 @@ class SideEffectFileCounter(HonestCounter):
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         total = await asyncio.to_thread(ledger_total, self.ledger, session_id)
         expected = body.get("expected_count")
-        return {"reward": 1.0 if total == expected else 0.0, "count": total}
+        return {"count": total, "reward": 1.0 if total == expected else 0.0}
