@@ -24,9 +24,6 @@ from .test_fleet_launch import SCRIPTS, write_fleet
 EXAMPLE_FLEET = REPO / "examples" / "fleet.toml"
 EXAMPLE_TASKS = REPO / "examples" / "prompt_injection_tasks.jsonl"
 LOOPBACK_PORT = re.compile(r"127\.0\.0\.1:(\d+)")
-LEASE = {"ROLLOUT_CHECKPOINT_LEASE_GRACE_SECONDS": "2"}
-"""A checkpoint's lease outlives its deadline by 2 s, not the default 600 s: a member
-certify stops past its lease is stopped for seconds, not ten minutes."""
 
 
 def example_fleet(directory: Path, *, async_commit: bool = False) -> tuple[Path, str]:
@@ -51,7 +48,7 @@ def example_fleet(directory: Path, *, async_commit: bool = False) -> tuple[Path,
             "name": member.name,
             "address": move(member.address),
             "command": [move(argument) for argument in member.command],
-            "env": {**SCRIPTS, **LEASE},
+            "env": dict(SCRIPTS),
         }
         for member in example.members
     ]

@@ -29,6 +29,8 @@ from rollout_checkpoint.client.certify.controller import pause_point
 from rollout_checkpoint.client.certify.determinism import compare_baselines
 from rollout_checkpoint.client.certify.findings import Fault, Phase, ServerFacts, TrialPlan
 from rollout_checkpoint.client.certify.fleet_processes import (
+    LEASE_GRACE,
+    LEASE_GRACE_VARIABLE,
     FleetProcesses,
     MemberNotStarted,
     discover,
@@ -238,9 +240,18 @@ TRIALS = [
     TrialPlan(4, Fault.STOP_MEMBER, Phase.AFTER_SNAPSHOT, "counter"),
     TrialPlan(5, Fault.STORAGE, Phase.BACKGROUND_WRITE, None),
 ]
+"""One trial of each fault kind. The first runs by default; the others run with `-m slow`:
+tests/test_certify.py already runs one trial of each kind through the verb, and each trial
+here costs a fleet's start and a whole run (CI's budget)."""
 
 
-@pytest.mark.parametrize("plan", TRIALS, ids=[f"{p.fault}-{p.phase}" for p in TRIALS])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        pytest.param(p, id=f"{p.fault}-{p.phase}", marks=[pytest.mark.slow] if n else [])
+        for n, p in enumerate(TRIALS)
+    ],
+)
 def test_a_trial_strikes_at_its_phase_and_the_product_recovers_every_rollout_once(
     certified: Certified, plan: TrialPlan, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -379,3 +390,30 @@ def test_a_checkpoints_steps_are_named_in_the_order_a_run_meets_them(
         detail = {"resumed": plus} if name == "AWAIT_PARTS" else {"asynchronous": plus}
         taker._name_steps(CheckpointEvent(name, detail=dict(detail)))
     assert named == steps
+
+
+def test_members_get_a_short_lease_grace_unless_the_fleet_or_certify_sets_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop-past-the-lease trial waits out the lease: with the default grace (600 s) each
+    would cost ten minutes, so certify's members get `LEASE_GRACE`, but a grace the fleet file
+    or certify's own environment sets is the user's and stays."""
+    monkeypatch.delenv(LEASE_GRACE_VARIABLE, raising=False)
+    command = ["rollout-checkpoint", "serve", "counter"]
+    fleet = write_fleet(
+        tmp_path / "fleet.toml",
+        [
+            {"name": "a", "address": "127.0.0.1:1", "command": command},
+            {
+                "name": "b",
+                "address": "127.0.0.1:2",
+                "command": command,
+                "env": {LEASE_GRACE_VARIABLE: "30"},
+            },
+        ],
+    )
+    members = FleetProcesses(load(fleet), tmp_path).members
+    assert members["a"].env[LEASE_GRACE_VARIABLE] == LEASE_GRACE
+    assert members["b"].env[LEASE_GRACE_VARIABLE] == "30"
+    monkeypatch.setenv(LEASE_GRACE_VARIABLE, "45")
+    assert LEASE_GRACE_VARIABLE not in FleetProcesses(load(fleet), tmp_path).members["a"].env

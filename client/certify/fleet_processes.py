@@ -14,6 +14,12 @@ at its `/verify`, so without it certify's checkpoint after a run would export no
 rollout's state, and the check that no tool call was applied twice would compare nothing.
 Both sides run with it, so a difference between them is the server's.
 
+They also run with a checkpoint lease grace of `LEASE_GRACE` unless the fleet file (or
+certify's own environment) sets one: a stop-past-the-lease trial stops a member until the
+lease of the checkpoint under way expires, and the default grace (ten minutes) would make each
+such trial cost ten minutes. The grace decides how long a dead controller's checkpoint keeps a
+member closed, not whether a hook is correct, so certifying with a short one proves the same.
+
 `close()` always leaves nothing running: a trial that failed half way must not leave a member
 holding a port the next trial's fleet needs.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +46,10 @@ FACTS_SECONDS = 10.0
 """The timeout of the GetParticipant call that reads a member's kind."""
 EXPORT_ENDED_SESSIONS = {"ROLLOUT_CHECKPOINT_EXPORT_ENDED_SESSIONS": "true"}
 """Set over each member's own `env` (see the module docstring)."""
+LEASE_GRACE_VARIABLE = "ROLLOUT_CHECKPOINT_LEASE_GRACE_SECONDS"
+LEASE_GRACE = "2"
+"""Seconds a checkpoint's lease outlives its deadline in certify's fleets, unless set (see
+the module docstring)."""
 KINDS = {**KIND_NAMES, **{k: "policy_model" for k, v in KIND_NAMES.items() if v == "model"}}
 """A participant kind as `ServerFacts.kind` spells it."""
 
@@ -67,6 +78,13 @@ def http_url(member: MemberSpec) -> str | None:
     return None
 
 
+def _lease_grace(env: Mapping[str, str]) -> dict[str, str]:
+    """`LEASE_GRACE`, unless the member's `env` or certify's environment sets a grace."""
+    if LEASE_GRACE_VARIABLE in env or LEASE_GRACE_VARIABLE in os.environ:
+        return {}
+    return {LEASE_GRACE_VARIABLE: LEASE_GRACE}
+
+
 class FleetProcesses:
     """The members of `spec` as processes, each started from its command plus
     `extra_args[name]` (the policy model's `--record FILE` or `--replay FILE
@@ -85,7 +103,7 @@ class FleetProcesses:
             m.name: dataclasses.replace(
                 m,
                 command=(*m.command, *extra_args.get(m.name, ())),
-                env={**m.env, **EXPORT_ENDED_SESSIONS},
+                env={**_lease_grace(m.env), **m.env, **EXPORT_ENDED_SESSIONS},
             )
             for m in spec.members
         }
