@@ -202,9 +202,9 @@ def _server_table(document: dict[str, Any]) -> Table:
 
 def _matrix_table(document: dict[str, Any]) -> Table:
     table = Table(title="capability matrix (fault x phase)")
-    table.add_column("fault")
-    for phase in Phase:
-        table.add_column(str(phase))
+    table.add_column("fault", no_wrap=True)
+    for phase in Phase:  # a header wraps at its spaces rather than being cut on a narrow terminal
+        table.add_column(str(phase).replace("_", " "), overflow="fold")
     for fault in Fault:
         cells = [matrix_cell(document, fault, phase) for phase in Phase]
         table.add_row(
