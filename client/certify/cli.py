@@ -37,6 +37,7 @@ from rollout_checkpoint.client.cli.console import (
     run_verb,
 )
 from rollout_checkpoint.client.cli.errors import classify as classify_fleet_error
+from rollout_checkpoint.client.cli.parsers import positive_int
 from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.client.fleet import FleetConfigError
 from rollout_checkpoint.client.fleet.launch import LaunchError
@@ -65,7 +66,7 @@ def add_certify_verb(verbs: Any) -> None:
         "--fleet", type=Path, required=True, help="fleet file with a command per member"
     )
     sub.add_argument("--tasks", type=Path, required=True, help="tasks, one JSON object a line")
-    sub.add_argument("--trials", type=_positive_int, default=50, help="trials (default 50)")
+    sub.add_argument("--trials", type=positive_int, default=50, help="trials (default 50)")
     sub.add_argument("--seed", type=int, default=1, help="the seed of the trial plan (default 1)")
     sub.add_argument(
         "--report",
@@ -75,7 +76,7 @@ def add_certify_verb(verbs: Any) -> None:
     )
     sub.add_argument(
         "--only",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="run trial N of the plan alone",
@@ -87,19 +88,12 @@ def add_certify_verb(verbs: Any) -> None:
     )
     sub.add_argument(
         "--concurrency",
-        type=_positive_int,
+        type=positive_int,
         default=4,
         help="rollouts in flight (the baseline's second pass runs at another one; default 4)",
     )
-    sub.add_argument("--num-repeats", type=_positive_int, default=1, help="rollouts per task")
+    sub.add_argument("--num-repeats", type=positive_int, default=1, help="rollouts per task")
     add_output_flags(sub, verbose=False)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def run_certify(args: argparse.Namespace) -> int:

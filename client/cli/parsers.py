@@ -299,7 +299,7 @@ def add_fleet_verbs(verbs: Any) -> None:
     )
     supervise.add_argument(
         "--max-recoveries",
-        type=_positive_int,
+        type=positive_int,
         default=3,
         metavar="N",
         help="recovery tries allowed within --recovery-window; one more gives up",
@@ -334,7 +334,8 @@ def _non_negative_seconds(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """A flag's value that must be an integer of 1 or more (argparse makes the error usage)."""
     try:
         value = int(text)
     except ValueError:
