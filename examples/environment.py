@@ -139,6 +139,13 @@ class EnvironmentServer:
             if participant is not None and tracked is not None:
                 participant.end_task(tracked)
 
+    def _resources_server(self, task: dict[str, Any]) -> str:
+        """The member the agent runs the task's tools on: the task's own `resources_server`
+        (a fleet of several resources servers names it per task, as `collect`'s input does),
+        else the one this environment was started with."""
+        named = task.get("resources_server")
+        return named if isinstance(named, str) and named else self.config.resources_server
+
     def _attribution(self, task: dict[str, Any]) -> dict[str, str]:
         """What every reply of a run carries beside the agent's: which environment ran which
         task, so a failure is attributable as well as a result."""
@@ -178,7 +185,7 @@ class EnvironmentServer:
                 response = await post_replayable(
                     self.http,
                     url,
-                    json={"task": task, "resources_server": self.config.resources_server},
+                    json={"task": task, "resources_server": self._resources_server(task)},
                 )
                 code = refusal_code(response)
                 unreachable.saw(code)

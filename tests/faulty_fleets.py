@@ -1,9 +1,9 @@
-"""The faulty fleets of examples/faulty/, moved to free ports and a private folder for a test.
+"""The faulty fleet of examples/faulty/, moved to free ports and a private folder for a test.
 
-Each fleet file names fixed loopback ports (82Nx/92Nx) and paths under /tmp: two runs at once
+The fleet file names fixed loopback ports (820x/920x) and paths under /tmp: two runs at once
 (or a run beside a developer's own fleet) would collide. `free_port_fleet` writes a copy whose
 every `127.0.0.1:<port>` is a port that was free a moment ago (the same port everywhere it
-appears, so the agent still reaches the counter it names), whose /tmp paths (checkpoint root,
+appears, so the agent still reaches the member it names), whose /tmp paths (checkpoint root,
 the side-effect ledger) are under the test's folder, with the tasks file beside it (the
 members' commands run in the fleet file's folder and name it relatively).
 """
@@ -27,6 +27,7 @@ from .processes import REPO
 from .s3_server import free_ports
 
 FAULTY = REPO / "examples" / "faulty"
+FLEET = FAULTY / "fleet.toml"
 TASKS = FAULTY / "tasks.jsonl"
 BUGS = (
     "dropped_field",
@@ -35,32 +36,27 @@ BUGS = (
     "hidden_state",
     "side_effect_file",
 )
-"""Every planted bug: `examples/faulty/<bug>.py` served by `examples/faulty/<bug>.toml`."""
+"""Every planted bug: `examples/faulty/<bug>.py`, served by the fleet's member `<bug>`."""
+HONEST = "honest"
+"""The member serving the counter every faulty one starts from, without a bug: the control."""
 OUTSIDE = "/tmp/rollout-checkpoint-faulty"
-"""Where the fleet files keep what lives outside the processes."""
+"""Where the fleet file keeps what lives outside the processes."""
 LOOPBACK_PORT = re.compile(r"127\.0\.0\.1:(\d+)")
 CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 SCRIPTS_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 """PATH with this interpreter's scripts first: the fleet files run `rollout-checkpoint`."""
 
 
-HONEST = "rollout_checkpoint.examples.faulty.honest:HonestCounter"
-"""The counter every faulty server starts from, without its planted bug: the control."""
-
-
-def free_port_fleet(bug: str, directory: Path, *, honest: bool = False) -> Path:
-    """`examples/faulty/<bug>.toml` rewritten into `directory` (see the module); `honest`:
-    its counter member serves the honest counter instead (the control of a bug's test)."""
-    text = (FAULTY / f"{bug}.toml").read_text()
-    if honest:
-        text = re.sub(r"rollout_checkpoint\.examples\.faulty\.\w+:\w+", HONEST, text)
+def free_port_fleet(directory: Path) -> Path:
+    """`examples/faulty/fleet.toml` rewritten into `directory` (see the module)."""
+    text = FLEET.read_text()
     ports = sorted(set(LOOPBACK_PORT.findall(text)))
     moved = dict(zip(ports, free_ports(len(ports)), strict=True))
     text = LOOPBACK_PORT.sub(lambda match: f"127.0.0.1:{moved[match.group(1)]}", text)
     text = text.replace(OUTSIDE, str(directory / "outside"))
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(TASKS, directory / TASKS.name)
-    fleet = directory / f"{bug}.toml"
+    fleet = directory / FLEET.name
     fleet.write_text(text)
     return fleet
 
@@ -105,8 +101,8 @@ async def stop(launched: list[LaunchedMember]) -> None:
 
 
 def collect_args(fleet: Path, work: Path, *extra: str) -> list[str]:
-    """`collect` of the fleet's tasks (the file beside it) at concurrency 4, its output and
-    checkpoints in `work`, then `extra` flags."""
+    """`collect` of the fleet's tasks (the file beside it) at concurrency 6 (an episode of
+    each resources member at once), its output and checkpoints in `work`, then `extra` flags."""
     spec = load(fleet)
     return [
         "collect",
@@ -121,7 +117,7 @@ def collect_args(fleet: Path, work: Path, *extra: str) -> list[str]:
         "--checkpoint-dir",
         str(work / "checkpoints"),
         "--concurrency",
-        "4",
+        "6",
         *extra,
     ]
 

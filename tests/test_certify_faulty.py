@@ -1,24 +1,22 @@
 """The mutation test of `certify`: each planted bug of examples/faulty/ must be reported.
 
-A certify run that finds nothing on a fleet with a planted checkpointing bug is a failing test:
-for each faulty fleet (moved to free ports), `rollout-checkpoint certify` must exit 9
-(violations found) and its report.json must name the counter member, the check that catches
-that bug and the first differing JSON path. The same run with the honest counter in its place
-must hold: what certify reports is the planted bug, not the fleet or the tasks.
-
-Written against the CLI's contract (the verb, its flags, its exit codes and report.json); the
-runs are skipped while the verb is not there. The trial plan they rely on is checked now.
+A certify run that finds nothing on a fleet with a planted checkpointing bug is a failing test.
+ONE run of the faulty fleet (moved to free ports) holds every bug at once, each served by a
+resources member named after it, beside `honest`, the counter they all start from: it must
+exit 9 (violations found), its report.json must name, for each bug, its member, the check that
+catches that bug and the first differing JSON path, and no finding may name `honest`: in the
+same fleet, under the same faults and tasks, the control holds, so each finding is its bug.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +27,8 @@ from rollout_checkpoint.client.cli.console import ExitCode
 from .conftest import TOKEN
 from .faulty_fleets import (
     BUGS,
-    FAULTY,
+    FLEET,
+    HONEST,
     LOOPBACK_PORT,
     SCRIPTS_PATH,
     TASKS,
@@ -44,45 +43,33 @@ CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
 RUN_SECONDS = 900
 FAULTY_MODULES = "rollout_checkpoint.examples.faulty"
 
-SEED = 59874
+SEED = 508660
 TRIALS = 3
-"""`--seed 59874 --trials 3`: on these fleets (members environment, policy_model, agent,
-prompt_injection, counter, in that order) the plan is three SIGKILLs of a member that is
-neither the counter nor the environment: the policy model mid-step, prompt_injection once
-every member snapshotted the second checkpoint, the policy model during the second
-checkpoint's Prepare. The collector's in-place recovery then restores `LATEST` into the whole
-fleet, the counter rejoining as a survivor, and continues the episodes it caught from the
+"""`--seed 508660 --trials 3`: on this fleet (members environment, policy_model, agent, then
+the six resources members) the plan is three SIGKILLs during the second checkpoint of a
+member whose loss leaves every faulty counter running: the policy model once every member
+snapshotted, `honest` during publication, the policy model during Prepare. The collector's
+in-place recovery then restores `LATEST` (the first checkpoint) into the whole fleet, the
+faulty counters rejoining as survivors, and continues the episodes it caught from the
 agent's boundary, re-issuing the tool calls made since: what the three trial-found bugs need
-(a replacement of the counter itself would hide `restore_not_idempotent`, which only shows in
-a process that held the session). Measured with this engine (driving `run_trial` before the
-verb existed): trials 2 and 3 continued episodes and found each bug; trial 1, like a mid-step
-kill of the environment, restarted the caught episodes from their inputs (the product's
-choice, with its reason) and proved nothing; a kill of the collector mid-step was "not
-reached". Three such trials, not one, so a trial that restarts instead still leaves one that
-finds the bug. `test_the_seed_strikes_where_the_planted_bugs_live` holds the plan to that."""
-CONCURRENCY = 4
-"""Rollouts in flight: half the 8 tasks, so the run goes in two waves of four episodes of 12
-increments each, and a mid-step fault finds several episodes that a checkpoint caught
-mid-way and that went on past it. Measured with the product's own path alone (a real `collect
---checkpoint-every 0.3` of the side_effect_file fleet SIGKILLed right after its first
-checkpoint, then `collect --resume`): three runs out of three continued at least one episode
-whose replayed increments doubled the ledger; at concurrency 2 (with 4 or 8 increments a
-task), one run of two continued none."""
-
-CERTIFY_VERB = importlib.util.find_spec("rollout_checkpoint.client.certify.cli") is not None
-needs_certify_verb = pytest.mark.skipif(
-    not CERTIFY_VERB,
-    reason="rollout_checkpoint.client.certify.cli (the certify verb) is not built yet",
-)
+(a replacement of the faulty counter itself would hide `restore_not_idempotent`, which only
+shows in a process that held the session). Three such trials, not one, so a trial that
+restarts the caught episodes from their inputs instead (the product's choice, with its
+reason) still leaves others that find the bugs; a mid-step kill (which restarted them in the
+measurements) is not among them. `test_the_seed_strikes_where_the_planted_bugs_live` holds
+the plan to that."""
+CONCURRENCY = 6
+"""Rollouts in flight: half the 12 tasks, in the file's order one of each resources member,
+so each of the two waves has an episode of every member in flight when a checkpoint cuts it
+(episodes of 8 increments, the replayed model answering each call after its latency)."""
 
 
 @dataclass(frozen=True)
 class Expected:
-    """What certify must report for one planted bug."""
+    """What certify must report for one planted bug: one of `found` (check -> the first
+    differing paths it may name), by a trial or by the baseline."""
 
-    check: Check
-    paths: frozenset[str]
-    """The first differing path it must name."""
+    found: dict[Check, frozenset[str]]
     by_trial: bool
     """Found by a trial (True) or by the baseline (its second pass, the stateless probe)."""
 
@@ -91,26 +78,37 @@ EXPECTED = {
     # The restore forgets `history`: the exported state of a continued rollout's session lost
     # the entries from before the checkpoint, and its first remaining one differs from the
     # baseline's first (every entry is a distinct, growing count). Its verify reply, which
-    # reports the state, differs too (`$.verify.history[0]`, the trajectory check).
+    # reports the state, differs there too (the trajectory check).
     "dropped_field": Expected(
-        Check.EXPORTED_STATE_EQUALS_BASELINE, frozenset({"$.history[0]"}), by_trial=True
+        {
+            Check.EXPORTED_STATE_EQUALS_BASELINE: frozenset({"$.history[0]"}),
+            Check.TRAJECTORY_EQUALS_BASELINE: frozenset({"$.verify.history[0]"}),
+        },
+        by_trial=True,
     ),
     # The survivor's rejoin adds the checkpoint's count to the one it kept (and the verify
-    # reply reports it: `$.verify.count`).
+    # reply reports it).
     "restore_not_idempotent": Expected(
-        Check.EXPORTED_STATE_EQUALS_BASELINE, frozenset({"$.count"}), by_trial=True
+        {
+            Check.EXPORTED_STATE_EQUALS_BASELINE: frozenset({"$.count"}),
+            Check.TRAJECTORY_EQUALS_BASELINE: frozenset({"$.verify.count"}),
+        },
+        by_trial=True,
     ),
     # Idle ticks depend on the wall clock: the baseline's two passes export different ones
     # (a server's exported-state difference is the determinism check's first counter-example).
     "background_mutation": Expected(
-        Check.DETERMINISTIC, frozenset({"$.idle_ticks"}), by_trial=False
+        {Check.DETERMINISTIC: frozenset({"$.idle_ticks", "$.verify.idle_ticks"})},
+        by_trial=False,
     ),
     # Each increment answers the process-wide count: the probe's first replay differs there.
-    "hidden_state": Expected(Check.STATELESS_HAS_NO_STATE, frozenset({"$.count"}), by_trial=False),
+    "hidden_state": Expected(
+        {Check.STATELESS_HAS_NO_STATE: frozenset({"$.count"})}, by_trial=False
+    ),
     # A replayed increment is in the ledger twice: the verification (which reads the ledger)
     # differs; the tool replies and the exported, in-memory state do not.
     "side_effect_file": Expected(
-        Check.TRAJECTORY_EQUALS_BASELINE, frozenset({"$.verify.count"}), by_trial=True
+        {Check.TRAJECTORY_EQUALS_BASELINE: frozenset({"$.verify.count"})}, by_trial=True
     ),
 }
 
@@ -118,23 +116,26 @@ EXPECTED = {
 CHECKPOINT_PHASES = frozenset({Phase.PREPARE, Phase.AFTER_SNAPSHOT, Phase.PUBLICATION})
 
 
-def reaches_a_restore_into_the_running_counter(plan: TrialPlan) -> bool:
-    """A SIGKILL of a member that is neither the counter nor the environment, mid-step or
-    during the second checkpoint (the first is `LATEST` then): the in-place recovery restores
-    `LATEST` into the fleet with the counter a survivor and continues episodes from it."""
-    when = plan.phase is Phase.MID_STEP or (
-        plan.phase in CHECKPOINT_PHASES and plan.checkpoint == 2
-    )
+def reaches_a_restore_into_the_running_faulty_counters(plan: TrialPlan) -> bool:
+    """A SIGKILL, during the second checkpoint (the first is `LATEST` then), of a member that
+    is neither a faulty counter nor the environment: the in-place recovery restores `LATEST`
+    into the fleet with every faulty counter a survivor and continues episodes from it."""
     return (
-        when and plan.fault is Fault.KILL_MEMBER and plan.target not in ("counter", "environment")
+        plan.fault is Fault.KILL_MEMBER
+        and plan.phase in CHECKPOINT_PHASES
+        and plan.checkpoint == 2
+        and plan.target not in (*BUGS, "environment")
     )
 
 
-@pytest.mark.parametrize("bug", BUGS)
-def test_the_seed_strikes_where_the_planted_bugs_live(bug: str) -> None:
-    members = [member.name for member in load(FAULTY / f"{bug}.toml").members]
-    plans = plan_trials(SEED, TRIALS, members)
-    assert all(reaches_a_restore_into_the_running_counter(plan) for plan in plans), plans
+def members() -> list[str]:
+    """The fleet's member names, in its file's order (the order the plan draws from)."""
+    return [member.name for member in load(FLEET).members]
+
+
+def test_the_seed_strikes_where_the_planted_bugs_live() -> None:
+    plans = plan_trials(SEED, TRIALS, members())
+    assert all(reaches_a_restore_into_the_running_faulty_counters(plan) for plan in plans), plans
     assert set(EXPECTED) == set(BUGS)
 
 
@@ -163,66 +164,68 @@ def certify(fleet: Path, report: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@needs_certify_verb
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The one certify run of the faulty fleet: its report.json (it must exit 9)."""
+    work = tmp_path_factory.mktemp("certify-faulty")
+    run = certify(free_port_fleet(work / "fleet"), work / "report")
+    assert run.returncode == ExitCode.VIOLATIONS_FOUND, run.stderr
+    found: dict[str, Any] = json.loads((work / "report" / "report.json").read_text())
+    assert found["format"] == REPORT_FORMAT and found["verdict"] == "violated"
+    return found
+
+
 @pytest.mark.timeout(RUN_SECONDS + 60)
 @pytest.mark.parametrize("bug", BUGS)
-def test_certify_reports_the_planted_bug(tmp_path: Path, bug: str) -> None:
+def test_certify_reports_the_planted_bug(report: dict[str, Any], bug: str) -> None:
     expected = EXPECTED[bug]
-    run = certify(free_port_fleet(bug, tmp_path / "fleet"), tmp_path / "report")
-    assert run.returncode == ExitCode.VIOLATIONS_FOUND, run.stderr
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["format"] == REPORT_FORMAT and report["verdict"] == "violated"
     named = [
         finding
         for finding in report["findings"]
-        if finding["server"] == "counter" and finding["check"] == expected.check
+        if finding["server"] == bug and finding["check"] in expected.found
     ]
-    assert named, f"no {expected.check} finding on counter: {report['findings']}"
-    assert named[0]["path"] in expected.paths, named
+    assert named, f"no {sorted(expected.found)} finding on {bug}: {report['findings']}"
+    assert any(finding["path"] in expected.found[finding["check"]] for finding in named), named
     if expected.by_trial:
-        assert named[0]["trial"] in range(1, TRIALS + 1), named
+        assert any(finding["trial"] in range(1, TRIALS + 1) for finding in named), named
     else:
-        assert named[0]["trial"] is None and named[0] in report["baseline"]["findings"]
-    (counter,) = (row for row in report["summary"] if row["server"] == "counter")
-    assert counter["violations"] >= 1
+        assert all(finding in report["baseline"]["findings"] for finding in named), named
+        assert all(finding["trial"] is None for finding in named), named
+    (row,) = (row for row in report["summary"] if row["server"] == bug)
+    assert row["violations"] >= 1
 
 
-@needs_certify_verb
 @pytest.mark.timeout(RUN_SECONDS + 60)
-def test_certify_holds_on_the_honest_counter_in_the_same_fleet(tmp_path: Path) -> None:
-    """The control: the same fleet, tasks, seed and trials with the counter the faulty ones
-    start from. Every check holds, so each finding above is its planted bug."""
-    fleet = free_port_fleet("side_effect_file", tmp_path / "fleet", honest=True)
-    run = certify(fleet, tmp_path / "report")
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert run.returncode == ExitCode.OK, report["findings"]
-    assert report["verdict"] == "held" and report["findings"] == []
+def test_certify_finds_nothing_on_the_honest_counter_in_the_same_run(
+    report: dict[str, Any],
+) -> None:
+    """The control: `honest` served the same tasks under the same faults (one trial even
+    killed it), and no check failed on it, so each finding above is its planted bug."""
+    assert [f for f in report["findings"] if f["server"] == HONEST] == []
+    (row,) = (row for row in report["summary"] if row["server"] == HONEST)
+    struck = [plan for plan in plan_trials(SEED, TRIALS, members()) if plan.target == HONEST]
+    assert row["violations"] == 0 and row["trials"] == len(struck) >= 1
 
 
-def ports_of(fleet: Path) -> set[str]:
-    return set(LOOPBACK_PORT.findall(fleet.read_text()))
-
-
-@pytest.mark.parametrize("bug", BUGS)
-def test_each_faulty_fleet_is_the_example_fleet_with_its_counter_replaced(bug: str) -> None:
-    """The example fleet's members and commands, but the counter serves the faulty module
-    (as a user's app), the agent reaches it under the name `counter`, the environment sends
-    every task there, the scripted model follows the tasks beside the file; on ports of its
-    own, so two of these fleets, or one beside the example fleet, can run at once."""
-    fleet = FAULTY / f"{bug}.toml"
-    spec = load(fleet)
-    example = load(REPO / "examples" / "fleet.toml")
-    assert [m.name for m in spec.members] == [m.name for m in example.members]
-    counter = member(spec, "counter")
-    assert counter.command[:2] == ("rollout-checkpoint", "serve")
-    module, _, attribute = counter.command[2].partition(":")
-    assert module == f"{FAULTY_MODULES}.{bug}" and attribute.endswith("Counter")
+def test_the_faulty_fleet_serves_each_bug_under_its_own_name() -> None:
+    """The example fleet's environment, model and agent, then one resources member per
+    faulty module and `honest`, each served as a user's app under the name of its module;
+    the agent reaches each under that name, each task names one of them, every member has
+    tasks, the scripted model follows the tasks beside the file; on ports of its own, so
+    the fleet can run beside the example fleet."""
+    spec = load(FLEET)
+    resources = [*BUGS, HONEST]
+    assert [m.name for m in spec.members] == ["environment", "policy_model", "agent", *resources]
     agent = list(member(spec, "agent").command)
-    assert f"counter={http_url(counter)}" in agent
-    environment = list(member(spec, "environment").command)
-    assert environment[environment.index("--resources-server") + 1] == "counter"
+    for name in resources:
+        served = member(spec, name)
+        assert served.command[:2] == ("rollout-checkpoint", "serve")
+        module, _, attribute = served.command[2].partition(":")
+        assert module == f"{FAULTY_MODULES}.{name}" and attribute.endswith("Counter")
+        assert f"{name}={http_url(served)}" in agent
+    tasks = [json.loads(line) for line in TASKS.read_text().splitlines()]
+    assert sorted({task["resources_server"] for task in tasks}) == sorted(resources)
     model = list(member(spec, "policy_model").command)
-    assert (fleet.parent / model[model.index("--tasks") + 1]) == TASKS
-    others = [FAULTY / f"{other}.toml" for other in BUGS if other != bug]
-    for other in [REPO / "examples" / "fleet.toml", *others]:
-        assert not ports_of(fleet) & ports_of(other), other
+    assert (FLEET.parent / model[model.index("--tasks") + 1]) == TASKS
+    example = set(LOOPBACK_PORT.findall((REPO / "examples" / "fleet.toml").read_text()))
+    assert not set(LOOPBACK_PORT.findall(FLEET.read_text())) & example

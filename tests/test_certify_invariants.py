@@ -81,6 +81,24 @@ def test_a_message_the_agent_wrote_points_at_the_agent() -> None:
     assert found.detail.endswith("(and 1 other rollouts)")
 
 
+def test_each_server_a_check_points_at_gets_a_finding_of_its_own() -> None:
+    """Two resources servers both wrong in one run: the first one's finding must not hide
+    the other's (its summary row would then say it held), and each counts only its own."""
+    base = baseline()
+    base.tasks["t3.0"]["resources_server"] = "prompt_injection"
+    run = like(base)
+    set_reply(run, "t1.0", reply(["1", "2", "3"], reward=0.0))
+    set_reply(run, "t2.0", reply(["1", "2", "3"], reward=0.0))
+    set_reply(run, "t3.0", reply(["1", "2", "3"], reward=0.0))
+    found = checks(run, base)
+    assert [(v.check, v.server, v.session) for v in found] == [
+        (Check.TRAJECTORY_EQUALS_BASELINE, "counter", "t1.0"),
+        (Check.TRAJECTORY_EQUALS_BASELINE, "prompt_injection", "t3.0"),
+    ]
+    assert found[0].detail.endswith("(and 1 other rollouts)")
+    assert "other rollouts" not in found[1].detail
+
+
 def test_a_reward_or_verification_that_differs_points_at_the_resources_server() -> None:
     base = baseline()
     run = like(base)
@@ -137,9 +155,12 @@ def test_a_session_exported_on_one_side_only_differs_at_the_root() -> None:
     run = like(base)
     del run.exports["counter"]["t1.0"]
     run.exports["prompt_injection"] = {"t2.0": {"environment": {}}}
-    found = only(checks(run, base), Check.EXPORTED_STATE_EQUALS_BASELINE)
-    assert (found.server, found.session, found.path) == ("counter", "t1.0", "$")
-    assert "exported no state" in found.detail and "(and 1 other sessions)" in found.detail
+    missing, extra = checks(run, base)
+    assert {missing.check, extra.check} == {Check.EXPORTED_STATE_EQUALS_BASELINE}
+    assert (missing.server, missing.session, missing.path) == ("counter", "t1.0", "$")
+    assert missing.detail == "counter exported no state for session 't1.0'"
+    assert (extra.server, extra.session, extra.path) == ("prompt_injection", "t2.0", "$")
+    assert "a session 't2.0' the baseline did not have" in extra.detail
 
 
 def test_a_session_that_ended_in_a_killed_member_is_not_missing_but_a_later_one_is() -> None:
@@ -216,11 +237,11 @@ def test_an_untyped_refusal_names_the_member_it_came_from() -> None:
     base = baseline()
     run = like(base)
     run.untyped = ["counter: HTTP 500 without a reason", "collector: exit code 70"]
-    found = only(checks(run, base), Check.REFUSALS_TYPED)
-    assert found.server == "counter"
-    assert (
-        found.detail == "untyped: counter: HTTP 500 without a reason (and 1 other untyped refusals)"
-    )
+    found = checks(run, base)
+    assert [(v.check, v.server, v.detail) for v in found] == [
+        (Check.REFUSALS_TYPED, "counter", "untyped: counter: HTTP 500 without a reason"),
+        (Check.REFUSALS_TYPED, None, "untyped: collector: exit code 70"),
+    ]
     run.untyped = ["collector: exit code 70"]
     assert only(checks(run, base), Check.REFUSALS_TYPED).server is None
 

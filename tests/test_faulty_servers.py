@@ -1,10 +1,10 @@
 """Each planted bug of examples/faulty/ is real: it loses or duplicates state under a fault.
 
-Real processes: each faulty counter is started from its own fleet file's command (moved to free
-ports), checkpointed, killed or rejoined, and restored through its sidecar as a controller
-would; the requests are real HTTP under rollout prefixes, with the session cookie the seed set.
-Every scenario also runs on the honest counter the faulty ones start from (the same fleet file
-with the counter member replaced), which must come out right: the bug is the override, not the
+Real processes: each faulty counter is started from its member's command in the faulty fleet
+file (moved to free ports), checkpointed, killed or rejoined, and restored through its sidecar
+as a controller would; the requests are real HTTP under rollout prefixes, with the session
+cookie the seed set. Every scenario also runs on the honest counter the faulty ones start from
+(the fleet's `honest` member), which must come out right: the bug is the override, not the
 scenario.
 """
 
@@ -32,7 +32,9 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from .conftest import TOKEN
 from .faulty_fleets import (
     CLI,
+    HONEST,
     SCRIPTS_PATH,
+    TASKS,
     collect_args,
     free_port_fleet,
     http_url,
@@ -59,7 +61,7 @@ def deadline() -> float:
 
 @dataclass
 class Counter:
-    """The counter member of a faulty fleet, as a controller and an agent reach it."""
+    """A counter member of the faulty fleet, as a controller and an agent reach it."""
 
     spec: FleetSpec
     member: MemberSpec
@@ -140,11 +142,10 @@ def exported_states(directory: Path) -> dict[str, Any]:
 
 @asynccontextmanager
 async def counter_of(bug: str, served: str, tmp_path: Path) -> AsyncIterator[Counter]:
-    """The counter member of `examples/faulty/<bug>.toml` (or the honest counter in its
-    place), started from the fleet file's command; every process it ran is killed after."""
-    fleet = free_port_fleet(bug, tmp_path / "fleet", honest=served == "honest")
-    spec = load(fleet)
-    counter = Counter(spec, member(spec, "counter"), tmp_path, [])
+    """The member `bug` of the faulty fleet (or `honest` in its place), started from the fleet
+    file's command; every process it ran is killed after."""
+    spec = load(free_port_fleet(tmp_path / "fleet"))
+    counter = Counter(spec, member(spec, bug if served == "faulty" else HONEST), tmp_path, [])
     await counter.start()
     try:
         yield counter
@@ -323,38 +324,57 @@ async def crashed_and_resumed(fleet: Path, work: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (work / "rollouts.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("served", SERVED)
-@pytest.mark.parametrize("bug", ["restore_not_idempotent", "side_effect_file"])
-async def test_the_products_own_recovery_meets_the_bug(
-    tmp_path: Path, bug: str, served: str
-) -> None:
+RECOVERY_BUGS = ("restore_not_idempotent", "side_effect_file")
+"""The bugs a crashed and resumed collection meets on its own (the others need certify's
+second baseline pass or its fresh-process probe)."""
+
+
+def continued_by_member(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The continued rollouts of a run, by the resources member their task names."""
+    served = {task["task_id"]: task["resources_server"] for task in tasks()}
+    continued: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["reply"]["continued_from_step"] is not None:
+            continued.setdefault(served[row["task_id"]], []).append(row)
+    return continued
+
+
+def tasks() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in TASKS.read_text().splitlines()]
+
+
+async def test_the_products_own_recovery_meets_the_bugs(tmp_path: Path) -> None:
     """The whole faulty fleet and its tasks under `collect`, SIGKILLed while its second
     checkpoint is under way, then `collect --resume`: the rejoining Restore rolls every
     survivor back to the first (`LATEST`) and continues the episodes it caught, which
-    re-issue the tool calls they made since. With the honest counter every rollout is rewarded as an uninterrupted
-    one is; with the faulty one some continued rollout is not (a survivor's count doubled;
-    increments replayed into the ledger a second time). This is the path a certify trial
-    killing the collector takes.
+    re-issue the tool calls they made since. Every rollout of the honest counter is rewarded
+    as an uninterrupted one is; some continued rollout of each faulty one is not (a
+    survivor's count doubled; increments replayed into the ledger a second time). This is
+    the path a certify trial killing the collector takes.
 
     A resume may also restart the caught episodes from their inputs instead, with the reason
     it gives (a rejoining Restore the policy model refused, "restore needs a model process
     that has not served calls", was seen in about one run in four), or finish before the
     crash point on a slow machine: such a run proves nothing either way, and the scenario
-    runs again on the same fleet, `TRIES` times at most."""
-    fleet = free_port_fleet(bug, tmp_path / "fleet", honest=served == "honest")
+    runs again on the same fleet, `TRIES` times at most, until one continued an episode of
+    each of the two faulty counters and of the honest one."""
+    fleet = free_port_fleet(tmp_path / "fleet")
     spec = load(fleet)
     launched = await start_fleet(spec, tmp_path / "logs")
+    wanted = (*RECOVERY_BUGS, HONEST)
     try:
         for number in range(TRIES):
             rows = await crashed_and_resumed(fleet, tmp_path / f"run-{number}")
-            continued = [row for row in rows if row["reply"]["continued_from_step"] is not None]
-            if continued:
+            continued = continued_by_member(rows)
+            if all(name in continued for name in wanted):
                 break
     finally:
         await stop(launched)
-    assert continued, f"no run of {TRIES} continued an episode: nothing was restored"
-    assert sorted(row["rollout_id"] for row in rows) == [f"count-{n}.0" for n in range(1, 9)]
-    if served == "faulty":
-        assert any(row["reward"] == 0.0 for row in continued), continued
-    else:
-        assert all(row["reward"] == 1.0 for row in rows), rows
+    assert all(name in continued for name in wanted), f"no run of {TRIES} continued {wanted}"
+    assert sorted(row["rollout_id"] for row in rows) == sorted(
+        f"{task['task_id']}.0" for task in tasks()
+    )
+    for bug in RECOVERY_BUGS:
+        assert any(row["reward"] == 0.0 for row in continued[bug]), continued[bug]
+    honest = {task["task_id"] for task in tasks() if task["resources_server"] == HONEST}
+    assert all(row["reward"] == 1.0 for row in rows if row["task_id"] in honest), rows

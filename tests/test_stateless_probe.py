@@ -1,7 +1,7 @@
 """The stateless probe: a `stateless` server's baseline requests replayed on a fresh process.
 
-Real processes and real HTTP: the baseline of the faulty `hidden_state` fleet is a real
-`collect` run of the whole fleet (its rows exactly as the agent wrote them); the weather
+Real processes and real HTTP: the baseline of the faulty fleet's `hidden_state` member is a
+real `collect` run of the whole fleet (its rows exactly as the agent wrote them); the weather
 example's is built from its own real replies. The probe then starts the member again from its
 fleet-file command, alone, and replays.
 """
@@ -67,12 +67,15 @@ async def test_the_hidden_state_server_is_caught_replaying_its_own_baseline(
     """The faulty `hidden_state` counter (declared stateless, one count for the whole
     process), after a real uninterrupted run of its fleet: the very first request of the
     baseline, replayed twice on a fresh process, cannot be answered the same both times."""
-    fleet = free_port_fleet("hidden_state", tmp_path / "fleet")
+    fleet = free_port_fleet(tmp_path / "fleet")
     baseline = await collected_baseline(fleet, tmp_path / "baseline")
     assert all(row["status"] == "ok" for row in baseline.rows)
     spec = load(fleet)
-    counter = member(spec, "counter")
-    assert len(baseline_requests("counter", baseline)) == 12 * len(baseline.expected)
+    counter = member(spec, "hidden_state")
+    served = [
+        r for r in baseline.expected if baseline.tasks[r]["resources_server"] == "hidden_state"
+    ]
+    assert len(baseline_requests("hidden_state", baseline)) == 8 * len(served)
 
     found = await probe_stateless(
         spec, counter, http_url(counter), baseline, deadline=time.time() + WAIT
@@ -81,8 +84,8 @@ async def test_the_hidden_state_server_is_caught_replaying_its_own_baseline(
     (violation,) = found
     assert violation.check == Check.STATELESS_HAS_NO_STATE
     assert (violation.server, violation.session, violation.step, violation.path) == (
-        "counter",
-        baseline.expected[0],
+        "hidden_state",
+        served[0],
         0,
         "$.count",
     )
@@ -96,8 +99,8 @@ async def test_a_process_wide_count_is_caught_even_where_replaying_in_order_repr
     """A baseline of one rollout on a fresh `hidden_state` process answers 1, 3, 6: a fresh
     process replaying those requests once each, in that order, would answer exactly the
     same. Each replayed twice, the second answer gives the hidden count away."""
-    spec = load(free_port_fleet("hidden_state", tmp_path / "fleet"))
-    counter = member(spec, "counter")
+    spec = load(free_port_fleet(tmp_path / "fleet"))
+    counter = member(spec, "hidden_state")
     launched = await start_member(spec, counter, stderr=tmp_path / "baseline.log")
     calls: list[Call] = []
     try:
@@ -114,7 +117,7 @@ async def test_a_process_wide_count_is_caught_even_where_replaying_in_order_repr
     baseline = RunObservation(
         "baseline",
         ["one.0"],
-        {"one.0": {"resources_server": "counter", "environment": {}}},
+        {"one.0": {"resources_server": "hidden_state", "environment": {}}},
         rows=[agent_row("one.0", *calls)],
     )
 
@@ -123,7 +126,7 @@ async def test_a_process_wide_count_is_caught_even_where_replaying_in_order_repr
     )
 
     assert [(v.server, v.session, v.step, v.path) for v in found] == [
-        ("counter", "one.0", 0, "$.count")
+        ("hidden_state", "one.0", 0, "$.count")
     ]
     assert "(2 other requests too)" in found[0].detail
 

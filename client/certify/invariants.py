@@ -1,8 +1,11 @@
-"""The named checks of one run against the baseline: one `Violation` per check that fails.
+"""The named checks of one run against the baseline: one `Violation` per check that fails, and
+per server it points at.
 
-Each check walks the rollouts in input order and keeps its FIRST counter-example (the one a
-user opens first), counting the others in `detail`: a hook that lost a field shows in every
-rollout, and one precise line is worth more than a hundred. Everything here is a pure
+Each check walks the rollouts in input order and keeps, for each server, its FIRST
+counter-example (the one a user opens first), counting that server's others in `detail`: a
+hook that lost a field shows in every rollout, and one precise line is worth more than a
+hundred. Per server, not per check: a fleet with two broken servers would otherwise see the
+second's failures counted under the first's line, and its summary row say it held. Everything here is a pure
 function of two `RunObservation`s, so every check can be shown to fire, and to stay quiet,
 on hand-made observations.
 
@@ -46,16 +49,16 @@ def check_run(
     `servers` (the fleet's members as certify saw them) lets a finding name the agent, the
     policy model and a task's resources server when its task row does not say."""
     context = _Context(run, baseline, trial, unreproduced, Roles.of(servers))
-    findings = [
-        _finished_exactly_once(context),
-        _trajectories(context),
-        _exports(context),
-        _restores(context),
-        _admission(context),
-        _refusals(context),
-        _model_calls(context),
+    admission = _admission(context)
+    return [
+        *_finished_exactly_once(context),
+        *_trajectories(context),
+        *_exports(context),
+        *_restores(context),
+        *([admission] if admission is not None else []),
+        *_refusals(context),
+        *_model_calls(context),
     ]
-    return [f for f in findings if f is not None]
 
 
 @dataclass
@@ -107,16 +110,25 @@ class _Context:
         )
 
 
-def first_of(counter_examples: Iterator[Violation], what: str) -> Violation | None:
-    """The first counter-example, its detail saying how many other `what` there are."""
-    first = next(counter_examples, None)
-    if first is None:
-        return None
-    others = sum(1 for _ in counter_examples)
-    return replace(first, detail=f"{first.detail} (and {others} other {what})") if others else first
+def first_of(counter_examples: Iterator[Violation], what: str) -> list[Violation]:
+    """Each server's first counter-example, in the order of those firsts, its detail saying
+    how many other `what` there are of that server."""
+    firsts: dict[str | None, Violation] = {}
+    others: dict[str | None, int] = {}
+    for example in counter_examples:
+        if example.server in firsts:
+            others[example.server] += 1
+        else:
+            firsts[example.server], others[example.server] = example, 0
+    return [
+        replace(first, detail=f"{first.detail} (and {others[server]} other {what})")
+        if others[server]
+        else first
+        for server, first in firsts.items()
+    ]
 
 
-def _finished_exactly_once(context: _Context) -> Violation | None:
+def _finished_exactly_once(context: _Context) -> list[Violation]:
     def problems() -> Iterator[Violation]:
         expected = set(context.run.expected)
         for rollout_id in context.run.expected:
@@ -143,7 +155,7 @@ def _finished_exactly_once(context: _Context) -> Violation | None:
     return first_of(problems(), "rollouts")
 
 
-def _trajectories(context: _Context) -> Violation | None:
+def _trajectories(context: _Context) -> list[Violation]:
     def problems() -> Iterator[Violation]:
         for rollout_id in context.run.expected:
             expected = context.baseline_rows.get(rollout_id)
@@ -170,7 +182,7 @@ def _trajectories(context: _Context) -> Violation | None:
     return first_of(problems(), "rollouts")
 
 
-def _exports(context: _Context) -> Violation | None:
+def _exports(context: _Context) -> list[Violation]:
     members = list(context.baseline.exports)
     members += [m for m in context.run.exports if m not in context.baseline.exports]
 
@@ -212,7 +224,7 @@ def export_detail(member: str, rollout_id: str, expected: Any, actual: Any, path
     return f"{member}'s exported state of session {rollout_id!r} differs at {path}"
 
 
-def _restores(context: _Context) -> Violation | None:
+def _restores(context: _Context) -> list[Violation]:
     failures = context.run.restore_failures
     order = [c for c in context.run.published if c in failures]
     order += sorted(c for c in failures if c not in order)
@@ -238,7 +250,7 @@ def _admission(context: _Context) -> Violation | None:
     )
 
 
-def _refusals(context: _Context) -> Violation | None:
+def _refusals(context: _Context) -> list[Violation]:
     found = (
         _violation(
             context, Check.REFUSALS_TYPED, f"untyped: {line}", server=_member_named(context, line)
@@ -256,7 +268,7 @@ def _member_named(context: _Context, line: str) -> str | None:
     return where if where in members else None
 
 
-def _model_calls(context: _Context) -> Violation | None:
+def _model_calls(context: _Context) -> list[Violation]:
     model = context.roles.policy_model
     found = (
         _violation(

@@ -13,7 +13,10 @@ first differing JSON path):
   `/verify` reads back.
 
 Each is served as a user's own server is, `rollout-checkpoint serve
-rollout_checkpoint.examples.faulty.<module>:<Class>`; `<module>.toml` beside it is the example
-fleet with the counter member replaced by it, and `tasks.jsonl` the tasks that drive it. They
-are not among the example names `serve` offers, and the docs list none of them as an example.
+rollout_checkpoint.examples.faulty.<module>:<Class>`. `fleet.toml` beside them is ONE fleet
+serving them all: the example environment, policy model and agent, and a resources member per
+module named after it, `honest` (the counter they all start from, `honest.py`) among them as
+the control; `tasks.jsonl` holds a few tasks per member, each row's `resources_server` naming
+it. One certify run of that fleet finds every bug, and nothing at `honest`. They are not among
+the example names `serve` offers, and the docs list none of them as an example to copy.
 """

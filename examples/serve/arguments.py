@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     environment.add_argument(
         "--resources-server",
         default="prompt_injection",
-        help="the fleet name the agent uses for tools",
+        help="the fleet name the agent uses for a task's tools (a task's own resources_server wins)",
     )
     args = parser.parse_args(argv)
     if args.server not in KINDS and not is_user_app(args.server):
