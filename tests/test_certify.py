@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,7 @@ def certify(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def certified(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def certified(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One certify run of the example fleet (the tests below read what it left)."""
     work = tmp_path_factory.mktemp("certify")
     fleet, _ = example_fleet(work)
@@ -68,7 +67,7 @@ def certified(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     args = ["--fleet", str(fleet), "--tasks", str(tasks), "--trials", str(TRIALS)]
     args += ["--seed", str(SEED), "--report", str(report), "--json"]
     completed = certify(*args, cwd=work)
-    yield {"completed": completed, "report": report, "work": work, "fleet": fleet}
+    return {"completed": completed, "report": report, "work": work, "fleet": fleet}
 
 
 def test_the_plan_covers_every_fault_kind() -> None:

@@ -196,9 +196,9 @@ def test_what_the_baseline_did_not_reproduce_is_skipped() -> None:
     run.exports["counter"]["t2.0"] = {"count": 0, "log": []}
     run.model_misses.append(("t2.0", "/rollouts/t2.0/v1/chat/completions"))
     assert checks(run, base, unreproduced={("*", "t2.0")}) == []
-    # Only the counter's state was unreproduced: its trajectory and model calls still count.
-    found = checks(run, base, unreproduced={("counter", "t2.0")})
-    assert [v.check for v in found] == [Check.MODEL_CALLS_RECORDED]
+    # Only the counter was unreproduced for t2.0: every finding pointing at it is skipped,
+    # the model call its different answers made the agent ask included.
+    assert checks(run, base, unreproduced={("counter", "t2.0")}) == []
     found = checks(run, base, unreproduced={("prompt_injection", "t2.0")})
     assert [v.check for v in found] == [
         Check.TRAJECTORY_EQUALS_BASELINE,
@@ -246,12 +246,14 @@ def test_an_untyped_refusal_names_the_member_it_came_from() -> None:
     assert only(checks(run, base), Check.REFUSALS_TYPED).server is None
 
 
-def test_a_model_call_the_baseline_never_made_is_a_finding() -> None:
+def test_a_model_call_the_baseline_never_made_points_at_the_rollouts_server() -> None:
+    """The model only replays: a call it never recorded means a tool of the rollout's server
+    answered differently before it, so the finding names that server, not the model."""
     base = baseline()
     run = like(base)
     run.model_misses = [("t3.0", "/rollouts/t3.0/v1/chat/completions")]
     found = only(checks(run, base), Check.MODEL_CALLS_RECORDED)
-    assert (found.server, found.session, found.trial) == ("policy_model", "t3.0", 7)
+    assert (found.server, found.session, found.trial) == ("counter", "t3.0", 7)
 
 
 def test_every_check_that_fails_is_one_violation_in_the_checks_order() -> None:

@@ -269,18 +269,24 @@ def _member_named(context: _Context, line: str) -> str | None:
 
 
 def _model_calls(context: _Context) -> list[Violation]:
-    model = context.roles.policy_model
+    """A replay miss points at the server the rollout's tools hit, not at the policy model:
+    the model only replays; the agent asked something new because a tool answered
+    differently before it (the policy model when the rollout's task names no server)."""
+
+    def pointed(rollout_id: str) -> str | None:
+        return context.roles.resources_of(context.task(rollout_id)) or context.roles.policy_model
+
     found = (
         _violation(
             context,
             Check.MODEL_CALLS_RECORDED,
             f"rollout {rollout_id!r} asked the policy model something the baseline never asked"
             f" ({path}): a server answered differently, so the agent's next request changed",
-            server=model,
+            server=pointed(rollout_id),
             session=rollout_id,
         )
         for rollout_id, path in context.run.model_misses
-        if not context.skipped(model, rollout_id)
+        if not context.skipped(pointed(rollout_id), rollout_id)
     )
     return first_of(found, "calls")
 
