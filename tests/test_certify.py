@@ -140,3 +140,19 @@ def test_a_missing_tasks_file_is_refused(tmp_path: Path) -> None:
     assert completed.returncode == ExitCode.USAGE
     (line,) = completed.stderr.strip().splitlines()
     assert "none.jsonl" in line
+
+
+def test_a_member_that_cannot_start_ends_the_run_with_one_line_and_exit_5(tmp_path: Path) -> None:
+    fleet, _ = example_fleet(tmp_path)
+    members = load(fleet).members
+    participants = [
+        {"name": m.name, "address": m.address, "command": list(m.command)} for m in members
+    ]
+    participants[0]["command"] = [str(tmp_path / "no-such-server")]
+    broken = write_fleet(tmp_path / "broken.toml", participants)
+    tasks = tasks_file(tmp_path, 2)
+    completed = certify("--fleet", str(broken), "--tasks", str(tasks), cwd=tmp_path)
+    assert completed.returncode == ExitCode.UNREACHABLE, completed.stderr
+    (line,) = completed.stderr.strip().splitlines()
+    assert "environment" in line and "no-such-server" in line
+    assert "Traceback" not in completed.stderr

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rollout_checkpoint.client.certify.findings import all_violations
+from rollout_checkpoint.client.certify.fleet_processes import MemberNotStarted
 from rollout_checkpoint.client.certify.report import CertifyReport, print_summary, write_report
 from rollout_checkpoint.client.certify.run import (
     BaselineFailed,
@@ -26,6 +27,7 @@ from rollout_checkpoint.client.certify.run import (
     CertifyOptions,
     certifiable,
 )
+from rollout_checkpoint.client.certify.runs import RunFailed
 from rollout_checkpoint.client.cli.console import (
     CliError,
     ExitCode,
@@ -141,7 +143,7 @@ def _progress(console: Console) -> Progress:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
-        transient=False,
+        transient=True,  # the live line goes; the verdict and tables stay (an error is one line)
     )
 
 
@@ -151,8 +153,14 @@ def _violated(report: CertifyReport) -> bool:
 
 def classify(error: BaseException) -> CliError | None:
     """The exit code and one line for an exception that ends a certification (None: a bug)."""
-    if isinstance(error, UsageError | FleetConfigError | BaselineFailed):
+    if isinstance(error, UsageError | FleetConfigError | BaselineFailed | RunFailed):
         return CliError(ExitCode.USAGE, str(error))
-    if isinstance(error, LaunchError):
-        return CliError(ExitCode.UNREACHABLE, str(error))
+    if isinstance(error, LaunchError | MemberNotStarted):
+        return CliError(ExitCode.UNREACHABLE, _first_line(str(error)))
     return classify_fleet_error(error)
+
+
+def _first_line(message: str) -> str:
+    """A launch error's first line (its stderr tail follows on the next lines): the CLI's
+    errors are one line, the member's log keeps the rest."""
+    return message.splitlines()[0] if message else message
