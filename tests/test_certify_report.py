@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rollout_checkpoint.client.certify.findings import REPORT_FORMAT, Fault, Phase
+from rollout_checkpoint.client.certify.findings import (
+    REPORT_FORMAT,
+    Check,
+    Fault,
+    Outcome,
+    Phase,
+    ServerFacts,
+    TrialPlan,
+    TrialResult,
+    Violation,
+    summaries,
+)
 from rollout_checkpoint.client.certify.report import (
     ReportFormatError,
     load_report,
@@ -165,3 +176,28 @@ def test_the_terminal_summary_prints_hostile_text_as_itself() -> None:
     print_summary(console, sample_report(violated=False))
     out = console.export_text()
     assert "every check held" in out and "findings" not in out
+
+
+def test_a_member_survives_a_trial_that_struck_it_when_no_finding_points_at_it() -> None:
+    """A trial that struck one member and found another server's bug: the struck member
+    survived its fault (the bug is the other server's), the other did not survive anything."""
+    plan = TrialPlan(1, Fault.KILL_MEMBER, Phase.PREPARE, target="agent")
+    bug = Violation(Check.EXPORTED_STATE_EQUALS_BASELINE, "differs", server="counter", trial=1)
+    trials = [
+        TrialResult(plan, Outcome.VIOLATED, [bug]),
+        TrialResult(
+            TrialPlan(2, Fault.KILL_MEMBER, Phase.RESTORE, target="agent"), Outcome.NOT_REACHED
+        ),
+    ]
+    servers = [ServerFacts("agent", "agent"), ServerFacts("counter", "resources", "exported")]
+    rows = {row.server: row for row in summaries(servers, trials, [])}
+    assert (rows["agent"].trials, rows["agent"].faults_survived, rows["agent"].violations) == (
+        2,
+        1,
+        0,
+    )
+    assert (
+        rows["counter"].trials,
+        rows["counter"].faults_survived,
+        rows["counter"].violations,
+    ) == (0, 0, 1)

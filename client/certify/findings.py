@@ -196,7 +196,7 @@ class ServerSummary:
     trials: int
     """Trials whose fault struck this member (a fleet-wide fault strikes every member)."""
     faults_survived: int
-    """Of those, trials that held."""
+    """Of those, trials that reached their fault and found nothing pointing at this member."""
     violations: int
     """Violations, of every trial and of the baseline, that point at this member."""
 
@@ -215,11 +215,19 @@ def summaries(
                 server=server.name,
                 kind=server.kind,
                 trials=len(struck),
-                faults_survived=sum(1 for t in struck if t.outcome == Outcome.HELD),
+                faults_survived=sum(1 for t in struck if _survived(t, server.name)),
                 violations=len(pointed),
             )
         )
     return rows
+
+
+def _survived(trial: TrialResult, member: str) -> bool:
+    """A trial that struck `member` found nothing pointing at it (another server's bug in the
+    same trial is that server's, not this one's failure to survive), and was reached."""
+    if trial.outcome == Outcome.NOT_REACHED:
+        return False
+    return not any(v.server == member for v in trial.violations)
 
 
 def _strikes(plan: TrialPlan, member: str) -> bool:
