@@ -136,6 +136,9 @@ class Certification:
             trials=trials,
             seconds=seconds,
             trials_per_minute=(60.0 * len(trials) / trial_seconds) if trial_seconds else 0.0,
+            exported_sessions={
+                name: len(baseline.exports.get(name, {})) for name in setup.resources_members
+            },
         )
 
     def _plans(self, spec: FleetSpec) -> list[TrialPlan]:
