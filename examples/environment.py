@@ -139,6 +139,13 @@ class EnvironmentServer:
             if participant is not None and tracked is not None:
                 participant.end_task(tracked)
 
+    def _resources_server(self, task: dict[str, Any]) -> str:
+        """The fleet name of the resources server the task's tools go to: the task's own
+        `resources_server` (a tasks file mixing servers, as certify and collect take it),
+        else this environment's default (`--resources-server`)."""
+        named = task.get("resources_server")
+        return named if isinstance(named, str) and named else self.config.resources_server
+
     def _attribution(self, task: dict[str, Any]) -> dict[str, str]:
         """What every reply of a run carries beside the agent's: which environment ran which
         task, so a failure is attributable as well as a result."""
@@ -178,7 +185,7 @@ class EnvironmentServer:
                 response = await post_replayable(
                     self.http,
                     url,
-                    json={"task": task, "resources_server": self.config.resources_server},
+                    json={"task": task, "resources_server": self._resources_server(task)},
                 )
                 code = refusal_code(response)
                 unreachable.saw(code)
