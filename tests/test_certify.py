@@ -141,3 +141,18 @@ def test_a_missing_tasks_file_is_refused(tmp_path: Path) -> None:
     assert completed.returncode == ExitCode.USAGE
     (line,) = completed.stderr.strip().splitlines()
     assert "none.jsonl" in line
+
+
+def test_a_baseline_whose_rollouts_fail_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Every task names a resources server the agent does not know: each rollout fails
+    without any fault, so there is no baseline to hold trials to. Refused with exit 2 and one
+    line saying why, not certify's traceback."""
+    fleet, _ = example_fleet(tmp_path)
+    tasks = tasks_file(tmp_path, 2)
+    rows = [json.loads(line) for line in tasks.read_text().splitlines()]
+    tasks.write_text("".join(json.dumps({**r, "resources_server": "nowhere"}) + "\n" for r in rows))
+    completed = certify("--fleet", str(fleet), "--tasks", str(tasks), "--trials", "1", cwd=tmp_path)
+    assert completed.returncode == ExitCode.USAGE, completed.stderr[-4000:]
+    assert "Traceback" not in completed.stderr
+    last = completed.stderr.strip().splitlines()[-1]
+    assert "baseline" in last and "unknown_server" in last and "fix the fleet" in last, last
