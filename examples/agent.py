@@ -76,6 +76,10 @@ from .relay import (
 )
 
 VERIFY_HEADER = "x-ng-checkpoint-verify"
+NO_TOOL_LIST = frozenset({404, 405})
+"""`GET /tools` answers of a server that lists no tools over HTTP: NeMo Gym's servers declare
+theirs in their config, and IPI's catch-all `POST /{tool}` makes the path a 405. The model
+then gets no tool definitions; the tool calls themselves go to the server as for ours."""
 FINISHED_TIMEOUT = 5.0
 """Seconds the episode-finished call to the model may take (it runs after the reply left)."""
 SYSTEM_PROMPT = (
@@ -274,7 +278,7 @@ class Episode:
         server = self._server_url()
         response = await self.http.post(
             server + rollout_path(self.episode_id, "/seed_session"),
-            json={"environment": self.task.get("environment", {})},
+            json={**self.task, "environment": self.task.get("environment", {})},
         )
         if response.status_code != 200:
             raise CalleeFailed.answered("seed_session", response)
@@ -294,6 +298,8 @@ class Episode:
 
     async def _tools(self) -> list[dict[str, Any]]:
         response = await self.http.get(self._server_url() + "/tools")
+        if response.status_code in NO_TOOL_LIST:
+            return []
         tools = json_reply("/tools", response).get("tools", [])
         if not isinstance(tools, list):
             raise CalleeFailed.answered("/tools", response)
@@ -383,7 +389,10 @@ class Episode:
             *self.state["function_calls"],
             {"type": "message", "role": "assistant", "content": final.get("content")},
         ]
-        body = {"response": {"output": output}}
+        body = {
+            "responses_create_params": self.task.get("responses_create_params", {"input": []}),
+            "response": {**self._response_frame(), "output": output},
+        }
         for key in ("injection", "required_tools"):
             if key in self.task:
                 body[key] = self.task[key]
@@ -400,6 +409,21 @@ class Episode:
         return json_reply("verify", response)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _response_frame(self) -> dict[str, Any]:
+        """The fields a Responses-API object needs beside its `output`: NeMo Gym's servers
+        validate `/verify`'s `response` as one (422 without them) and echo it back, so the
+        values are the rollout's own, never a clock's or a counter's: the reply of a
+        restored attempt must equal the uninterrupted run's."""
+        return {
+            "id": f"resp_{self.episode_id.rollout_id}",
+            "object": "response",
+            "created_at": 0,
+            "model": self.config.model_name,
+            "parallel_tool_calls": False,
+            "tool_choice": "auto",
+            "tools": [],
+        }
 
     def _cookie_header(self) -> dict[str, str]:
         cookies: dict[str, str] = self.state["cookies"]

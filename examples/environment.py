@@ -140,9 +140,9 @@ class EnvironmentServer:
                 participant.end_task(tracked)
 
     def _resources_server(self, task: dict[str, Any]) -> str:
-        """The member the agent runs the task's tools on: the task's own `resources_server`
-        (a fleet of several resources servers names it per task, as `collect`'s input does),
-        else the one this environment was started with."""
+        """The fleet name of the resources server the task's tools go to: the task's own
+        `resources_server` (a tasks file mixing servers, as certify and collect take it),
+        else this environment's default (`--resources-server`)."""
         named = task.get("resources_server")
         return named if isinstance(named, str) and named else self.config.resources_server
 

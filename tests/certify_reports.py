@@ -79,4 +79,5 @@ def sample_report(*, violated: bool = True) -> CertifyReport:
         trials=trials,
         seconds=6.5,
         trials_per_minute=27.7,
+        exported_sessions={"prompt_injection": 0, "counter": 3},
     )

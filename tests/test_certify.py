@@ -156,3 +156,18 @@ def test_a_member_that_cannot_start_ends_the_run_with_one_line_and_exit_5(tmp_pa
     (line,) = completed.stderr.strip().splitlines()
     assert "environment" in line and "no-such-server" in line
     assert "Traceback" not in completed.stderr
+
+
+def test_a_baseline_whose_rollouts_fail_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Every task names a resources server the agent does not know: each rollout fails
+    without any fault, so there is no baseline to hold trials to. Refused with exit 2 and one
+    line saying why, not certify's traceback."""
+    fleet, _ = example_fleet(tmp_path)
+    tasks = tasks_file(tmp_path, 2)
+    rows = [json.loads(line) for line in tasks.read_text().splitlines()]
+    tasks.write_text("".join(json.dumps({**r, "resources_server": "nowhere"}) + "\n" for r in rows))
+    completed = certify("--fleet", str(fleet), "--tasks", str(tasks), "--trials", "1", cwd=tmp_path)
+    assert completed.returncode == ExitCode.USAGE, completed.stderr[-4000:]
+    assert "Traceback" not in completed.stderr
+    last = completed.stderr.strip().splitlines()[-1]
+    assert "baseline" in last and "unknown_server" in last and "fix the fleet" in last, last

@@ -51,6 +51,7 @@ def test_report_json_has_the_documented_schema() -> None:
     assert document["baseline"]["rollouts"] == 3
     assert document["baseline"]["concurrencies"] == [4, 1]
     assert [set(v) for v in document["baseline"]["findings"]] == [VIOLATION_KEYS]
+    assert document["baseline"]["exported_sessions"] == {"counter": 3, "prompt_injection": 0}
     assert [t["command"] for t in document["trials"]] == [
         f"{COMMAND} --only {n}" for n in (1, 2, 3)
     ]

@@ -72,17 +72,22 @@ async def test_a_verified_session_is_exported_only_by_a_scope_naming_it(tmp_path
         )
 
 
-async def test_retire_frees_an_ended_session_and_forget_drops_it(tmp_path: Path) -> None:
+async def test_retire_frees_an_ended_session_and_forget_keeps_the_later_attempts(
+    tmp_path: Path,
+) -> None:
+    """A collector's rollout that failed once: attempt 0 ended and is retired (its state
+    freed), attempt 1 ends, and the rollout is forgotten once attempt 1's reply is durable.
+    Attempt 1's ended session is the rollout's final state: a scope naming it still exports
+    it (certify's exported-state check reads it after the run)."""
     async with running(export_ended_sessions=True) as r:
         await verified(r, "r1", 3)
-        await verified(r, "r2", 5)
-        assert len(r.server.counters) == 2
         await r.client.retire("x", r.deadline(), [EpisodeId("r1")])
-        assert list(r.server.counters.values()) == [6]  # the retire hook freed r1's state
-        await r.client.forget("x", r.deadline(), ["r2"])
+        assert r.server.counters == {}  # the retire hook freed attempt 0's state
+        await verified(r, "r1-a1", 5)
+        await r.client.forget("x", r.deadline(), ["r1"])
         assert list(r.server.counters.values()) == [6]  # a forget calls no hook
-        scope = [EpisodeId("r1"), EpisodeId("r2")]
-        assert await committed(r, "c1", tmp_path / "c1", scope) == ([], [])
+        scope = [EpisodeId("r1"), EpisodeId("r1", 1)]
+        assert await committed(r, "c1", tmp_path / "c1", scope) == (["r1-a1"], [{"count": 6}])
         assert (await r.client.get_status()).counters["retired_sessions"] == 0
 
 

@@ -17,7 +17,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,11 @@ class CertifyReport:
     trials: list[TrialResult]
     seconds: float
     trials_per_minute: float
+    exported_sessions: dict[str, int] = field(default_factory=dict)
+    """Resources member -> the sessions whose state the baseline exported: what the
+    exported-state check holds each trial's to. 0 for a server that keeps no state past a
+    session's end (NeMo Gym's IPI drops it at `/verify`), where the check has nothing to
+    compare."""
 
     @property
     def findings(self) -> list[Violation]:
@@ -96,6 +101,7 @@ class CertifyReport:
                 "rollouts": self.baseline_rollouts,
                 "concurrencies": list(self.concurrencies),
                 "findings": [v.to_json() for v in self.baseline_findings],
+                "exported_sessions": dict(sorted(self.exported_sessions.items())),
             },
             "trials": [t.to_json(self.command) for t in self.trials],
             "matrix": {

@@ -32,6 +32,7 @@ from rollout_checkpoint.client.certify.invariants import check_run
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.certify.plan import plan_trial, plan_trials
 from rollout_checkpoint.client.certify.report import CertifyReport
+from rollout_checkpoint.client.certify.runs import Mode, RunFailed
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.stateless_probe import probe_stateless
 from rollout_checkpoint.client.certify.trial import run_trial
@@ -107,12 +108,12 @@ class Certification:
         recording.unlink(missing_ok=True)
         first, second = options.concurrencies
         self.progress(f"baseline at concurrency {first} (recording the model)", 0, len(plans))
-        baseline = await run_baseline(
+        baseline = await _baseline(
             setup, recording=recording, mode="record", concurrency=first, label="baseline"
         )
         _require_whole(baseline)
         self.progress(f"baseline again at concurrency {second} (replaying)", 0, len(plans))
-        again = await run_baseline(
+        again = await _baseline(
             setup, recording=recording, mode="replay", concurrency=second, label="baseline-2"
         )
         findings, unreproduced = compare_baselines(baseline, again, servers=facts)
@@ -136,6 +137,9 @@ class Certification:
             trials=trials,
             seconds=seconds,
             trials_per_minute=(60.0 * len(trials) / trial_seconds) if trial_seconds else 0.0,
+            exported_sessions={
+                name: len(baseline.exports.get(name, {})) for name in setup.resources_members
+            },
         )
 
     def _plans(self, spec: FleetSpec) -> list[TrialPlan]:
@@ -220,6 +224,20 @@ def _entry_url(spec: FleetSpec, facts: Sequence[ServerFacts]) -> str:
         "no entry point: give the environment (or agent) member a `url` in the fleet file, "
         "an --http-address in its command, or pass --entry-url"
     )
+
+
+async def _baseline(
+    setup: CertifySetup, *, recording: Path, mode: Mode, concurrency: int, label: str
+) -> RunObservation:
+    """`run_baseline`, whose failure (the collector failed rollouts or hung, without any
+    fault) is `BaselineFailed`: the fleet is what to fix, said in one line with exit 2, not a
+    traceback of certify's."""
+    try:
+        return await run_baseline(
+            setup, recording=recording, mode=mode, concurrency=concurrency, label=label
+        )
+    except RunFailed as failed:
+        raise BaselineFailed(f"{failed}; fix the fleet before certifying it") from None
 
 
 def _require_whole(baseline: RunObservation) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import httpx
 
 from rollout_checkpoint.client.certify.fleet_processes import FleetProcesses, http_url
+from rollout_checkpoint.client.certify.member_logs import untyped_in_log
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.checkpointing.checkpoint import checkpoint
@@ -47,8 +48,6 @@ MISS_LOGGED = re.compile(
     r"not_in_recording rollout_id=(?P<rollout>\S+) digest=(?P<digest>\S+) path=(?P<path>\S+)"
 )
 """The policy model's warning for a call its recording does not hold (recording.py)."""
-UNTYPED_LINE = re.compile(r"Traceback \(most recent call last\)|StatusCode\.INTERNAL|\bINTERNAL:")
-"""A member log line that shows a failure without a reason of the contract."""
 
 
 class RunFailed(Exception):
@@ -227,21 +226,15 @@ async def untyped_failures(
     processes: FleetProcesses, controller_logs: Iterable[Path], exit_codes: Iterable[int]
 ) -> list[str]:
     """Failures without a reason of the contract: an exit code the CLI's table does not have,
-    and every member (or controller) log line showing a traceback or an INTERNAL status."""
+    and every member (or controller) log line showing an INTERNAL status or a traceback that
+    escaped the code that raised it (`member_logs.untyped_in_log`)."""
     known = {int(code) for code in ExitCode}
     found = [f"collect: exit code {code}" for code in exit_codes if code not in known]
     logs = [(name, path) for name in processes.members for path in processes.logs_of(name)]
     logs += [("collect", path) for path in controller_logs]
 
     def scan() -> list[str]:
-        lines = []
-        for name, path in logs:
-            if not path.exists():
-                continue
-            for line in path.read_text(errors="replace").splitlines():
-                if UNTYPED_LINE.search(line):
-                    lines.append(f"{name} ({path.name}): {line.strip()}")
-        return lines
+        return [line for name, path in logs for line in untyped_in_log(name, path)]
 
     return found + await asyncio.to_thread(scan)
 

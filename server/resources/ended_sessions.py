@@ -12,13 +12,17 @@ An ended session is never live: it blocks no Prepare, is not listed by ListEpiso
 controller would take it for a running episode and retire or continue it), is not counted
 in any readiness report, and an unscoped Commit (every live episode) does not export it.
 Held state must stay bounded, so an entry goes when its rollout is retired (the server's
-`retire_session_state` frees it) or forgotten, when its id is tracked live again, when the
-server's export no longer holds it, and, past `ENDED_SESSIONS_KEPT`, the oldest first.
+`retire_session_state` frees it), when its id is tracked live again, when the server's export
+no longer holds it, and, past `ENDED_SESSIONS_KEPT`, the oldest first. A Forget drops none:
+a controller forgets a retired rollout once a *later* attempt of it finished (its reply is
+durable), and that attempt's ended session is the rollout's final state, the very one a
+scoped checkpoint after the run must export (the Retire already dropped the retired
+attempts' own; a Forget waits for it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -85,9 +89,3 @@ class EndedSessions:
             for session_id in self._by_rollout.get(episode.rollout_id, ())
             if self._sessions[session_id].episode.attempt <= episode.attempt
         )
-
-    def forget(self, rollout_ids: Iterable[str]) -> None:
-        """Drop every kept session of these rollouts (the controller is done with them)."""
-        for rollout_id in rollout_ids:
-            for session_id in list(self._by_rollout.get(rollout_id, ())):
-                self.drop(session_id)

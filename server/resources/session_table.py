@@ -171,10 +171,10 @@ class SessionTable:
         return session_id in self._installed
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
-        """Drop the retired and the ended sessions of these rollouts: their requests are no
-        longer refused, and no scope names them any more."""
+        """Drop the retired sessions of these rollouts: their requests are no longer refused.
+        Their ended sessions stay kept (`ended_sessions`: the last attempt's is the rollout's
+        final state)."""
         forgotten = set(rollout_ids)
-        self.ended.forget(forgotten)
         for session_id, episode in list(self.retired_sessions.items()):
             if episode.rollout_id in forgotten:
                 del self.retired_sessions[session_id]
