@@ -100,6 +100,7 @@ def test_every_check_holds_on_the_example_fleet(certified: dict[str, Any]) -> No
     assert "every check held" in completed.stderr
 
 
+@pytest.mark.slow  # a second certify run (baseline twice + a trial); `-m slow` runs it
 def test_only_reruns_exactly_that_trial(certified: dict[str, Any]) -> None:
     report = json.loads((certified["report"] / "report.json").read_text())
     first = report["trials"][1]

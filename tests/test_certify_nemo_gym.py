@@ -169,6 +169,7 @@ def test_the_plan_faults_both_nemo_gym_members() -> None:
     ]
 
 
+@pytest.mark.slow  # two minutes of CI's 30-minute budget; `-m slow` runs it
 def test_every_check_holds_on_nemo_gyms_servers(certified: dict[str, Any]) -> None:
     completed = certified["completed"]
     assert completed.returncode == ExitCode.OK, completed.stderr[-6000:]
