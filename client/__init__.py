@@ -135,7 +135,7 @@ if TYPE_CHECKING:
         MemberSpec,
         load_fleet_file,
     )
-    from rollout_checkpoint.client.participant import ParticipantClient
+    from rollout_checkpoint.client.participant import ParticipantClient, receipt_from_header
     from rollout_checkpoint.client.recovery import (
         Recovery,
         RecoveryLostRace,
@@ -146,7 +146,7 @@ if TYPE_CHECKING:
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "rollout_checkpoint.client.errors": ("ControlError",),
-    "rollout_checkpoint.client.participant": ("ParticipantClient",),
+    "rollout_checkpoint.client.participant": ("ParticipantClient", "receipt_from_header"),
     "rollout_checkpoint.client.fleet.spec": (
         "FleetConfigError",
         "FleetSpec",
@@ -281,6 +281,7 @@ __all__ = [
     "open_checkpoint_root",
     "prepare",
     "prepare_until_done",
+    "receipt_from_header",
     "recover",
     "recovery_id",
     "renew",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
@@ -395,6 +396,60 @@ class ParticipantClient:
                 request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
             )
         )
+
+    async def list_results(
+        self, page_size: int = 0, page_token: str = ""
+    ) -> pb.ListResultsResponse:
+        """ListResults: one page of the results held until their receipts are acknowledged
+        (`page_size` 0: 100), sorted by capture key, with how many are held and the cap.
+
+        Read-only; raises `ControlError` (`INVALID_REQUEST` for a negative size or a token
+        this participant did not issue)."""
+        request = pb.ListResultsRequest(page_size=page_size, page_token=page_token)
+        return await self._call(
+            self._stub.ListResults(request, metadata=self._call_metadata(), timeout=self._timeout)
+        )
+
+    async def all_results(self, page_size: int = 0) -> list[pb.HeldResult]:
+        """Every held result, following ListResults pages to the end."""
+        results: list[pb.HeldResult] = []
+        token = ""
+        while True:
+            page = await self.list_results(page_size, token)
+            results.extend(page.results)
+            token = page.next_page_token
+            if not token:
+                return results
+
+    async def acknowledge_results(
+        self, receipts: Iterable[pb.ResultReceipt], deadline: float
+    ) -> pb.AcknowledgeResultsResponse:
+        """AcknowledgeResults: the caller persisted these results; the participant releases
+        them. Idempotent (a receipt not held any more is counted in `not_held`).
+
+        Raises `ControlError`: `RECEIPT_MISMATCH` (one names a held attempt with another
+        digest; nothing released), `CHECKPOINT_DEADLINE_EXCEEDED`, `INVALID_REQUEST`."""
+        request = pb.AcknowledgeResultsRequest(deadline=timestamp(deadline), receipts=receipts)
+        return await self._call(
+            self._stub.AcknowledgeResults(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
+        )
+
+
+def receipt_from_header(value: str) -> pb.ResultReceipt:
+    """The receipt of an `x-rollout-receipt` reply header (its JSON); ValueError for
+    anything else. A trainer keeps it with the persisted result and acknowledges it."""
+    try:
+        fields = json.loads(value)
+        return pb.ResultReceipt(
+            rollout_id=fields["rollout_id"],
+            attempt=fields["attempt"],
+            result_sha256=fields["result_sha256"],
+            lineage=fields["lineage"],
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a result receipt: {value[:200]!r}") from exc
 
 
 def unparsable_reply() -> ControlError:

@@ -9,16 +9,20 @@ restored record again under N+1, so a second crash still continues (as N+2).
 
 A finished episode's outcome is kept only while a checkpoint may need it (outcomes.py): the
 participant installs `ReplyDeliveryMiddleware` through `install_checkpointing`, which tells
-it when each reply left, and releases the rest at each commit.
+it when each reply left, and releases the rest at each commit. A run whose caller asked for
+a receipt is held longer, in the result outbox, until the caller acknowledges it
+(receipts.py, runtime/result_outbox.py): in this process, or in the main process of a
+server with several workers (its bridge offers `remote_outbox`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, cast
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, rejected_checkpoint
@@ -28,6 +32,7 @@ from rollout_checkpoint.server.episodic.episode_steps import (
     EpisodeSteps,
     TrackedEpisode,
 )
+from rollout_checkpoint.server.episodic.receipts import OutboxAccess, ResultReceiptMiddleware
 from rollout_checkpoint.server.runtime.participant import (
     AsgiWrapper,
     ExportRecord,
@@ -35,6 +40,15 @@ from rollout_checkpoint.server.runtime.participant import (
     Participant,
     ReadinessReport,
     RestoredRecord,
+)
+from rollout_checkpoint.server.runtime.result_outbox import (
+    DEFAULT_OUTBOX_CAP,
+    Lookup,
+    Receipt,
+    ResultOutbox,
+    held_results,
+    outbox_identity,
+    split_records,
 )
 
 
@@ -57,6 +71,10 @@ class EpisodeParticipant(Participant):
         self.kind = kind
         self.instance = instance
         self.steps: EpisodeSteps | None = None
+        self.outbox: ResultOutbox | None = None
+        """The results held under receipts here; None in a worker, whose outbox is the main
+        process's (`remote_outbox`)."""
+        self._remote_outbox: OutboxAccess | None = None
 
     def attach(self, context: Any) -> None:
         super().attach(context)
@@ -65,6 +83,9 @@ class EpisodeParticipant(Participant):
             context.changed,
             sealed=lambda: bool(context.start_closed_pending),
         )
+        self._remote_outbox = getattr(context, "remote_outbox", None)
+        if self._remote_outbox is None:
+            self.outbox = ResultOutbox(cap=getattr(context, "outbox_cap", DEFAULT_OUTBOX_CAP))
 
     @property
     def episodes_tracker(self) -> EpisodeSteps:
@@ -90,10 +111,16 @@ class EpisodeParticipant(Participant):
         return ReadinessReport(report.ready, report.blockers, count, report.counts)
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
-        return [
+        records = [
             ExportRecord(episode_id, self.record_fields(episode_id, _json_copy(boundary)))
             for episode_id, boundary in self.episodes_tracker.export(scope)
         ]
+        if self.outbox is not None:
+            records.extend(self.outbox.export())
+        return records
+
+    def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        return outbox_identity(episode, record) or episode
 
     def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
         """The stored fields of one episode's record (beside `episode_id`), from its boundary
@@ -110,11 +137,17 @@ class EpisodeParticipant(Participant):
         return record.fields["boundary"]
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
-        if self.episodes_tracker.has_served():
+        if self.has_served():
             raise rejected_checkpoint("restore needs a process that has not run episodes")
-        boundaries = {record.restored_as: self.validate_record(record) for record in records}
-        self.installed(records)
+        outbox_records, own = split_records(records)
+        held = await asyncio.to_thread(held_results, outbox_records) if outbox_records else []
+        boundaries = {record.restored_as: self.validate_record(record) for record in own}
+        self.installed(own)
         self.episodes_tracker.install(boundaries)
+        if held:
+            if self.outbox is None:
+                raise rejected_checkpoint("a worker holds no outbox: restore through its server")
+            self.outbox.install(held)
 
     def installed(self, records: Sequence[RestoredRecord]) -> None:
         """Every record is valid and about to be installed: keep what the kind needs of them."""
@@ -122,18 +155,60 @@ class EpisodeParticipant(Participant):
 
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
         self.episodes_tracker.discard_installed(episodes)
+        if self.outbox is not None:
+            undone = set(episodes)
+            self.outbox.drop_held_as(undone)
 
     async def retire(self, episode: EpisodeId) -> None:
+        if self.outbox is not None:
+            self.outbox.drop(functools.partial(_covers, episode))
         await self.episodes_tracker.retire(episode)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
+        if self.outbox is not None:
+            forgotten = set(rollout_ids)
+            self.outbox.drop(lambda produced: produced.rollout_id in forgotten)
         self.episodes_tracker.forget(rollout_ids)
 
     def committed(self, scope: frozenset[EpisodeId] | None) -> None:
         self.episodes_tracker.committed(scope)
 
     def data_plane_middleware(self) -> Sequence[AsgiWrapper]:
-        return [functools.partial(ReplyDeliveryMiddleware, reports=self)]
+        # Delivery outermost: it reports what was really handed to the server, after the
+        # receipt middleware released a held-back reply.
+        return [
+            functools.partial(ReplyDeliveryMiddleware, reports=self),
+            functools.partial(ResultReceiptMiddleware, outbox=self),
+        ]
+
+    # -- OutboxAccess (receipts.py) --------------------------------------------------------
+
+    async def lookup(self, episode: EpisodeId, route: str) -> Lookup:
+        if self._remote_outbox is not None:
+            return await self._remote_outbox.lookup(episode, route)
+        return cast(ResultOutbox, self.outbox).lookup(episode, route)
+
+    async def put(
+        self, episode: EpisodeId, route: str, canonical: str, digest: str
+    ) -> Receipt | None:
+        """Hold the result; the outcome kept for a caller without a receipt goes, since the
+        outbox now holds this result until its acknowledgement (never twice)."""
+        if self._remote_outbox is not None:
+            receipt = await self._remote_outbox.put(episode, route, canonical, digest)
+        else:
+            lineage = getattr(self.context, "lineage", ())
+            receipt = cast(ResultOutbox, self.outbox).hold(
+                episode, route, canonical, digest, lineage
+            )
+        if receipt is not None:
+            self.episodes_tracker.receipted(episode)
+        return receipt
+
+    def result_outbox(self) -> ResultOutbox | None:
+        return self.outbox
+
+    def counters(self) -> Mapping[str, int]:
+        return self.outbox.counters() if self.outbox is not None else {}
 
     def delivered(self, episode_id: EpisodeId) -> None:
         """The reply of `episode_id`'s run left (see `EpisodeSteps.delivered`)."""
@@ -150,10 +225,12 @@ class EpisodeParticipant(Participant):
         return self.episodes_tracker.episode_infos()
 
     def has_served(self) -> bool:
-        return self.episodes_tracker.has_served()
+        return self.episodes_tracker.has_served() or bool(self.outbox)
 
     def forget_served(self) -> None:
         self.episodes_tracker.forget_served()
+        if self.outbox is not None:
+            self.outbox.clear()  # the rejoining restore brings back the checkpoint's
 
     async def claim_restored(self, episode_id: EpisodeId) -> None:
         """In one worker of several: claim `episode_id`'s restored record from the main
@@ -257,6 +334,10 @@ class EnvironmentParticipant(EpisodeParticipant):
 
     def facts(self) -> Mapping[str, str]:
         return {"relay_step": "replay"}
+
+
+def _covers(retired: EpisodeId, produced: EpisodeId) -> bool:
+    return produced.rollout_id == retired.rollout_id and produced.attempt <= retired.attempt
 
 
 def _json_copy(value: Any) -> Any:

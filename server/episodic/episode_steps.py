@@ -245,6 +245,14 @@ class EpisodeSteps:
         self._outcomes.failed(episode_id.capture_key)
         self._notify()
 
+    def receipted(self, episode_id: EpisodeId) -> None:
+        """The result of `episode_id`'s run is held in the result outbox under a receipt
+        until its caller acknowledges it: the outcome kept for a caller without one goes
+        (the outbox offers the result again, after a crash too; kept both ways, a checkpoint
+        would carry it twice)."""
+        self._outcomes.discard(episode_id.capture_key)
+        self._notify()
+
     def committed(self, scope: frozenset[EpisodeId] | None) -> None:
         """This owner's part of a checkpoint of `scope` is written, with every outcome the
         scope names: release delivered outcomes, and with an explicit scope every outcome it

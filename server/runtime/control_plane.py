@@ -42,6 +42,7 @@ from rollout_checkpoint.server.core.checkpoint_storage import (
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
+from rollout_checkpoint.server.core.errors import invalid_request
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime import resumption
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
@@ -61,6 +62,7 @@ from rollout_checkpoint.server.runtime.prepare_stream import (
 )
 from rollout_checkpoint.server.runtime.restore_job import RestoreResult
 from rollout_checkpoint.server.runtime.restore_steps import RestoreSteps
+from rollout_checkpoint.server.runtime.result_outbox import Acknowledgement, Receipt
 from rollout_checkpoint.server.runtime.retirement import Retirement
 from rollout_checkpoint.server.runtime.state_machine import (
     ControlSettings,
@@ -79,6 +81,10 @@ __all__ = [
     "StatusSnapshot",
     "UpdateKind",
 ]
+
+
+MAX_ACKNOWLEDGED = 10_000
+"""Receipts one AcknowledgeResults may name (a bounded request)."""
 
 
 class ControlPlane(ControlViews, ChangeSignals):
@@ -154,6 +160,18 @@ class ControlPlane(ControlViews, ChangeSignals):
         if machine.state is not State.PREPARING or machine.prepare_deadline is None:
             return None
         return max(0.0, machine.prepare_deadline - self.clock.now())
+
+    @property
+    def outbox_cap(self) -> int:
+        """The most results an episode owner holds under receipts (`result_outbox`)."""
+        return self.settings.outbox_cap
+
+    @property
+    def lineage(self) -> tuple[str, ...]:
+        """The checkpoints what this process produces now descends from: the one its last
+        Restore read, or none. A receipt carries it (`result_outbox.Receipt.lineage`)."""
+        restored = self._machine.restored_from
+        return (restored,) if restored else ()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -362,6 +380,26 @@ class ControlPlane(ControlViews, ChangeSignals):
     ) -> tuple[str, ...]:
         self._check_call(checkpoint_id, deadline)
         return await self._retirement.forget(checkpoint_id, deadline, rollout_ids)
+
+    # -- AcknowledgeResults (`result_outbox`) --------------------------------------------
+
+    async def acknowledge_results(
+        self, deadline: float, receipts: Sequence[Receipt]
+    ) -> Acknowledgement:
+        """Release the results these receipts name. Allowed in every state (it only frees
+        memory; a result it releases between a Prepare and its Commit is one the trainer
+        holds); RECEIPT_MISMATCH releases nothing."""
+        self._check_deadline(deadline)
+        if not receipts:
+            raise invalid_request("receipts", "name at least one receipt")
+        if len(receipts) > MAX_ACKNOWLEDGED:
+            raise invalid_request("receipts", f"at most {MAX_ACKNOWLEDGED} per call")
+        outbox = self.participant.result_outbox()
+        if outbox is None:
+            return Acknowledgement(not_held=len(receipts))
+        acknowledged = outbox.acknowledge(receipts)
+        self.changed()
+        return acknowledged
 
     # -- internals ----------------------------------------------------------------------
 

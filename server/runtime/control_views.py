@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
-from rollout_checkpoint.server.runtime.paging import page_of
+from rollout_checkpoint.server.runtime.paging import page_by_key, page_of
 from rollout_checkpoint.server.runtime.participant import (
     EpisodeInfo,
     Participant,
     ReadinessReport,
 )
+from rollout_checkpoint.server.runtime.result_outbox import HeldResult
 from rollout_checkpoint.server.runtime.state_machine import State, StateMachine
 
 
@@ -32,6 +33,10 @@ class StatusSnapshot:
     restored_pending: int
     facts: dict[str, str]
     counters: dict[str, int]
+
+
+RESULTS_PAGE_SIZE = 100
+"""ListResults' page when none is asked for: results are larger than episodes."""
 
 
 class ControlViews:
@@ -101,3 +106,15 @@ class ControlViews:
     async def list_episodes(self, page_size: int, page_token: str) -> tuple[list[EpisodeInfo], str]:
         await self.participant.refresh()  # as `status`
         return page_of(self.participant.episodes(), page_size, page_token)
+
+    async def list_results(
+        self, page_size: int, page_token: str
+    ) -> tuple[list[HeldResult], str, int, int]:
+        """A page of the results held under receipts, the next token, how many are held and
+        the cap (nothing held and cap 0 for a kind without an outbox)."""
+        outbox = self.participant.result_outbox()
+        held = outbox.results() if outbox is not None else []
+        page, token = page_by_key(
+            held, lambda h: h.episode_id.capture_key, page_size, page_token, RESULTS_PAGE_SIZE
+        )
+        return page, token, len(held), outbox.cap if outbox is not None else 0

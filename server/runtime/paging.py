@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import invalid_request
 from rollout_checkpoint.server.runtime.participant import EpisodeInfo
+
+T = TypeVar("T")
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 500
@@ -26,16 +29,26 @@ def page_of(
     """The page of `episodes` after `page_token` ("" for the first), and the next token ("" at
     the end). `page_size` 0 means the default; a negative size or a foreign token raises
     `CheckpointError(INVALID_REQUEST)`."""
+    return page_by_key(
+        episodes, lambda e: e.episode_id.capture_key, page_size, page_token, DEFAULT_PAGE_SIZE
+    )
+
+
+def page_by_key(
+    items: Iterable[T], key: Callable[[T], str], page_size: int, page_token: str, default: int
+) -> tuple[list[T], str]:
+    """`page_of` for any items ordered by a capture key (`key`); `default` is the size of a
+    page when `page_size` is 0."""
     if page_size < 0:
         raise invalid_request("page_size", "must not be negative")
-    size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+    size = min(page_size or default, MAX_PAGE_SIZE)
     after = decode_page_token(page_token) if page_token else None
-    ordered = sorted(episodes, key=lambda e: e.episode_id.capture_key)
+    ordered = sorted(items, key=key)
     if after is not None:
-        ordered = [e for e in ordered if e.episode_id.capture_key > after]
+        ordered = [item for item in ordered if key(item) > after]
     page = ordered[:size]
     more = len(ordered) > size
-    token = encode_page_token(page[-1].episode_id.capture_key) if more and page else ""
+    token = encode_page_token(key(page[-1])) if more and page else ""
     return page, token
 
 

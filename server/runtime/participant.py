@@ -12,10 +12,13 @@ import abc
 import enum
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
+
+if TYPE_CHECKING:
+    from rollout_checkpoint.server.runtime.result_outbox import ResultOutbox
 
 MAX_LISTED_BLOCKERS = 100
 
@@ -382,6 +385,13 @@ class Participant(abc.ABC):
         works) and next to the routes. The episode owners' reply-delivery report
         (episodic/delivery.py) comes this way, so no server can forget to install it."""
         return ()
+
+    def result_outbox(self) -> ResultOutbox | None:
+        """The results this participant holds under receipts until the trainer acknowledges
+        them (result_outbox.py), which ListResults pages and AcknowledgeResults releases;
+        None for a kind that answers no trainer's run (both RPCs then find nothing). The
+        participant exports it with every commit and installs it at restore itself."""
+        return None
 
     def shutting_down_now(self) -> None:
         """SIGTERM arrived: release whatever waits for a resume (it will get 503)."""

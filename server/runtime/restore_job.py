@@ -51,6 +51,7 @@ from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import restored_record
 from rollout_checkpoint.server.runtime.refusals import call_hook
 from rollout_checkpoint.server.runtime.restored_memory import StringTable, release_free_heap
+from rollout_checkpoint.server.runtime.result_outbox import is_outbox_record
 from rollout_checkpoint.server.runtime.waiting import await_until, retrieve_exception
 
 log = logging.getLogger(__name__)
@@ -273,14 +274,14 @@ class RestoreJob:
             if identity in seen:
                 raise corrupt_checkpoint(f"two records of episode {key}", part, capture_key=key)
             seen.add(identity)
-            if key in wanted and episode.attempt >= MAX_ATTEMPT:
+            if (key in wanted or is_outbox_record(record)) and episode.attempt >= MAX_ATTEMPT:
                 raise rejected_checkpoint(
                     f"episode {key} is at the highest attempt: it has no next attempt to restore as",
                     path=part,
                     capture_key=key,
                 )
-            if key not in wanted:
-                return False
+            if key not in wanted and not is_outbox_record(record):
+                return False  # the outbox is the participant's, not an episode's: always kept
             # Kept: its episode parsed once (the restored record takes it over), and its
             # equal short strings shared with the records before it while it is fresh, so
             # the copies it drops are reused by the next record's decode (restored_memory.py).

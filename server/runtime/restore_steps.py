@@ -31,6 +31,7 @@ from rollout_checkpoint.server.core.part_storage import CheckpointStorage
 from rollout_checkpoint.server.runtime.participant import RestoredRecord
 from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
 from rollout_checkpoint.server.runtime.restore_job import Discard, RestoreJob, RestoreResult
+from rollout_checkpoint.server.runtime.result_outbox import is_outbox_record
 from rollout_checkpoint.server.runtime.state_machine import Recorded, State, StateMachine
 
 
@@ -133,10 +134,16 @@ class RestoreSteps:
             machine.retired_attempts.mark(record.checkpointed)
         result = RestoreResult(
             source_checkpoint_id=manifest.checkpoint_id,
-            restored=tuple(sorted({r.restored_as.capture_key for r in records})),
+            # Held results are no episodes to continue: ListResults offers them.
+            restored=tuple(
+                sorted(
+                    {r.restored_as.capture_key for r in records if not is_outbox_record(r.fields)}
+                )
+            ),
         )
         machine.state = State.RESTORED
         machine.active_id = job.checkpoint_id
+        machine.restored_from = manifest.checkpoint_id
         machine.lease.renew(job.deadline)
         machine.results[(job.checkpoint_id, "restore")] = Recorded(job.args, result)
         self.observer.restored(len(records), manifest.bytes)

@@ -34,6 +34,7 @@ from rollout_checkpoint.server.runtime.participant import (
     Kind,
     ReadinessReport,
 )
+from rollout_checkpoint.server.runtime.result_outbox import HeldResult, receipts_from
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
@@ -186,8 +187,41 @@ class ParticipantServicer:
         )
         return pb.ForgetResponse(forgotten=forgotten)
 
+    async def list_results(self, request: pb.ListResultsRequest) -> pb.ListResultsResponse:
+        results, token, held, cap = await self.control.list_results(
+            request.page_size, request.page_token
+        )
+        return pb.ListResultsResponse(
+            results=[_held_result(h) for h in results], next_page_token=token, held=held, cap=cap
+        )
+
+    async def acknowledge_results(
+        self, request: pb.AcknowledgeResultsRequest
+    ) -> pb.AcknowledgeResultsResponse:
+        deadline = deadline_of(request)
+        receipts = receipts_from(
+            (r.rollout_id, r.attempt, r.result_sha256) for r in request.receipts
+        )
+        done = await self.control.acknowledge_results(deadline, receipts)
+        return pb.AcknowledgeResultsResponse(released=done.released, not_held=done.not_held)
+
 
 # -- conversions ----------------------------------------------------------------------------
+
+
+def _held_result(held: HeldResult) -> pb.HeldResult:
+    receipt = held.receipt
+    return pb.HeldResult(
+        receipt=pb.ResultReceipt(
+            rollout_id=receipt.rollout_id,
+            attempt=receipt.attempt,
+            result_sha256=receipt.result_sha256,
+            lineage=list(receipt.lineage),
+        ),
+        capture_key=held.episode_id.capture_key,
+        route=held.route,
+        result_json=held.canonical.encode(),
+    )
 
 
 def _scope(scope: types_pb2.EpisodeScope, field: str) -> frozenset[EpisodeId]:

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.object_store import is_object_url, parse_object_url
 from rollout_checkpoint.server.runtime.control_plane import ControlSettings
+from rollout_checkpoint.server.runtime.result_outbox import DEFAULT_OUTBOX_CAP
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}$")
 
@@ -68,6 +69,11 @@ class CheckpointSettings(BaseSettings):
     listed as a live episode, and an unscoped Commit does not export it; at most
     `ENDED_SESSIONS_KEPT` (10,000) are kept, the oldest dropped first, and a Retire of the
     rollout frees one (`retire_session_state`)."""
+    outbox_cap: int = Field(DEFAULT_OUTBOX_CAP, gt=0)
+    """The most finished results an episode owner holds under receipts until the trainer
+    acknowledges them (`server.runtime.result_outbox`); past it, a new run that asks for a
+    receipt is refused, HTTP 429 `outbox_full` with `Retry-After`. Every held result is in
+    every checkpoint, so this also bounds what unacknowledged results add to one."""
     readiness_pause_threshold_seconds: float = Field(30.0, gt=0)
     """How long a checkpoint may keep admission closed before the `participant-readiness`
     health turns NOT_SERVING; a shorter pause keeps the pod in its Service, so clients see no
@@ -148,4 +154,5 @@ class CheckpointSettings(BaseSettings):
             start_closed=self.start_closed,
             start_closed_timeout_seconds=self.start_closed_timeout_seconds,
             readiness_pause_threshold_seconds=self.readiness_pause_threshold_seconds,
+            outbox_cap=self.outbox_cap,
         )

@@ -56,6 +56,7 @@ from rollout_checkpoint.server.runtime.observe import ControlObserver
 from rollout_checkpoint.server.runtime.participant import Participant
 from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
 from rollout_checkpoint.server.runtime.restore_job import RestoreJob
+from rollout_checkpoint.server.runtime.result_outbox import DEFAULT_OUTBOX_CAP
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class ControlSettings:
     start_closed: bool = False
     start_closed_timeout_seconds: float | None = None
     readiness_pause_threshold_seconds: float = 30.0
+    outbox_cap: int = DEFAULT_OUTBOX_CAP
 
 
 class Recorded(NamedTuple):
@@ -139,6 +141,9 @@ class StateMachine:
         refuses everything new, as a `start_closed` process does before its restore (see
         `awaiting_restore`)."""
         self.shutting_down = False
+        self.restored_from: str | None = None
+        """The checkpoint the last successful Restore read: what this process's results
+        descend from (a receipt's lineage)."""
 
     # -- readiness ------------------------------------------------------------------------
 

@@ -31,7 +31,12 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
-from rollout_checkpoint.server.runtime.worker_link import Link, LinkClosed
+from rollout_checkpoint.server.runtime.result_outbox import (
+    Lookup,
+    Receipt,
+    unbridged_result,
+)
+from rollout_checkpoint.server.runtime.worker_link import Link, LinkClosed, WorkerCallFailed
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,18 @@ class WorkerBridge:
         if reply is None:
             return None
         return RestoredRecord(EpisodeId.from_capture_key(reply["checkpointed"]), reply["fields"])
+
+    @property
+    def remote_outbox(self) -> BridgedOutbox:
+        """The result outbox of this server: the main process's, one for every worker, so a
+        late run finds its result whichever worker it reaches (result_outbox.py)."""
+        return BridgedOutbox(self)
+
+    async def outbox_call(self, op: str, body: Any) -> Any:
+        """A call to the main process's outbox; None without a connection."""
+        if self._link is None:
+            return None
+        return await self._link.call(op, body)
 
     # -- connection ----------------------------------------------------------------------
 
@@ -287,3 +304,39 @@ def _records(items: Any) -> list[RestoredRecord]:
         RestoredRecord(EpisodeId.from_capture_key(item["checkpointed"]), item["fields"])
         for item in items
     ]
+
+
+class BridgedOutbox:
+    """A worker's access to the main process's outbox (`receipts.OutboxAccess`)."""
+
+    def __init__(self, bridge: WorkerBridge) -> None:
+        self._bridge = bridge
+
+    async def lookup(self, episode: EpisodeId, route: str) -> Lookup:
+        reply = await self._bridge.outbox_call(
+            "outbox_lookup", {"episode": episode.capture_key, "route": route}
+        )
+        if reply is None:
+            return Lookup(None, False)
+        held = reply["held"]
+        return Lookup(None if held is None else unbridged_result(held), bool(reply["full"]))
+
+    async def put(
+        self, episode: EpisodeId, route: str, canonical: str, digest: str
+    ) -> Receipt | None:
+        """None when the main process cannot be reached: the reply then carries no receipt
+        (the server is going down with its main process anyway)."""
+        try:
+            reply = await self._bridge.outbox_call(
+                "outbox_put",
+                {
+                    "episode": episode.capture_key,
+                    "route": route,
+                    "canonical": canonical,
+                    "digest": digest,
+                },
+            )
+        except WorkerCallFailed:
+            log.warning("the result of %s could not be held: no main process", episode)
+            return None
+        return None if reply is None else Receipt.from_json(reply)

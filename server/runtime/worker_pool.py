@@ -56,6 +56,14 @@ from rollout_checkpoint.server.runtime.participant import (
     ReadinessReport,
     RestoredRecord,
 )
+from rollout_checkpoint.server.runtime.result_outbox import (
+    DEFAULT_OUTBOX_CAP,
+    ResultOutbox,
+    bridged_result,
+    held_results,
+    outbox_identity,
+    split_records,
+)
 from rollout_checkpoint.server.runtime.worker_bridge import episode_keys
 from rollout_checkpoint.server.runtime.worker_link import Link, WorkerCallFailed
 
@@ -167,6 +175,13 @@ class WorkerPool(Participant):
         self.restarts = 0
         """Workers that registered in the place of one that was there before."""
         self._ever: set[int] = set()
+        self.outbox = ResultOutbox()
+        """The results every worker's runs hold under receipts, in one place: a late run
+        finds its result whichever worker it reaches (result_outbox.py)."""
+
+    def attach(self, context: Any) -> None:
+        super().attach(context)
+        self.outbox.cap = getattr(context, "outbox_cap", DEFAULT_OUTBOX_CAP)
 
     # -- the bridge: workers register, push state, claim ---------------------------------
 
@@ -189,6 +204,21 @@ class WorkerPool(Participant):
                 }
             if op == "claim":
                 return self._claim(EpisodeId.from_capture_key(body["episode"]))
+            if op == "outbox_lookup":
+                found = self.outbox.lookup(
+                    EpisodeId.from_capture_key(body["episode"]), body["route"]
+                )
+                held = None if found.held is None else bridged_result(found.held)
+                return {"held": held, "full": found.full}
+            if op == "outbox_put":
+                receipt = self.outbox.hold(
+                    EpisodeId.from_capture_key(body["episode"]),
+                    body["route"],
+                    body["canonical"],
+                    body["digest"],
+                    getattr(self.context, "lineage", ()),
+                )
+                return receipt.as_json()
             raise ValueError(f"unknown bridge call {op!r}")
 
         def listen(op: str, body: Any) -> None:
@@ -366,6 +396,7 @@ class WorkerPool(Participant):
             episode = EpisodeId.from_capture_key(key)
             if scope is None or episode in scope:
                 records.append(ExportRecord(episode, dict(record.fields)))
+        records.extend(self.outbox.export())
         return records
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
@@ -378,7 +409,10 @@ class WorkerPool(Participant):
                 code="FAILED_PRECONDITION",
             ) from None
         if self.placement is Placement.CLAIMS:
-            await self._hold(records)
+            outbox_records, own = split_records(records)
+            held = await asyncio.to_thread(held_results, outbox_records) if outbox_records else []
+            await self._hold(own)
+            self.outbox.install(held)
             return
         by_worker: dict[int, list[dict[str, Any]]] = {}
         for record in records:
@@ -411,7 +445,7 @@ class WorkerPool(Participant):
     async def _hold(self, records: Sequence[RestoredRecord]) -> None:
         """Claims placement: validate every record on a worker (the kind's own rules), then
         hold them all here."""
-        if any(w.state.served for w in self.workers.values()) or self._held:
+        if any(w.state.served for w in self.workers.values()) or self._held or self.outbox:
             raise CheckpointError(
                 Reason.INVALID_CHECKPOINT_STATE,
                 "restore needs a process that has not run episodes",
@@ -427,11 +461,17 @@ class WorkerPool(Participant):
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
         for episode in episodes:
             self._held.pop(episode.capture_key, None)
+        self.outbox.drop_held_as(set(episodes))
         if self.placement is Placement.SESSIONS:
             await self._call_all("discard", {"episodes": episode_keys(episodes)})
         self.context.changed()
 
     async def retire(self, episode: EpisodeId) -> None:
+        self.outbox.drop(
+            lambda produced: (
+                produced.rollout_id == episode.rollout_id and produced.attempt <= episode.attempt
+            )
+        )
         for key in list(self._held):
             held = EpisodeId.from_capture_key(key)
             if held.rollout_id == episode.rollout_id and held.attempt <= episode.attempt:
@@ -472,7 +512,11 @@ class WorkerPool(Participant):
         return list(infos.values())
 
     def has_served(self) -> bool:
-        return bool(self._held) or any(w.state.served for w in self.workers.values())
+        return (
+            bool(self._held)
+            or bool(self.outbox)
+            or any(w.state.served for w in self.workers.values())
+        )
 
     def forget_served(self) -> None:
         """Every worker forgets; until its next push says so itself, a worker counts as
@@ -480,17 +524,26 @@ class WorkerPool(Participant):
         listed, and its push after each retire is already here). A worker that still holds
         something keeps it served, and its own install refuses to mix anyway."""
         self._broadcast("forget_served")
+        self.outbox.clear()  # the rejoining restore brings back the checkpoint's
         for worker in self.workers.values():
             state = worker.state
             state.served = bool(state.episodes or state.restored_pending)
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
+        outbox = outbox_identity(episode, record)
+        if outbox is not None:
+            return outbox
         if self._identity is not None:
             return self._identity(episode, record)
         return episode
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
+        forgotten = set(rollout_ids)
+        self.outbox.drop(lambda produced: produced.rollout_id in forgotten)
         self._broadcast("forget", {"rollouts": list(rollout_ids)})
+
+    def result_outbox(self) -> ResultOutbox:
+        return self.outbox
 
     def committed(self, scope: frozenset[EpisodeId] | None) -> None:
         self._broadcast("committed", {"scope": episode_keys(scope)})
@@ -507,7 +560,9 @@ class WorkerPool(Participant):
         return facts
 
     def counters(self) -> Mapping[str, int]:
-        totals: dict[str, int] = {}
+        totals: dict[str, int] = (
+            dict(self.outbox.counters()) if self.placement is Placement.CLAIMS else {}
+        )
         for worker in self.workers.values():
             for name, value in worker.state.counters.items():
                 totals[name] = totals.get(name, 0) + value

@@ -188,6 +188,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     Metadata: `bootId` (this process's), `expectedBootId`. A controller
     learns the member's state again (GetStatus) before it checkpoints it.
     """
+    ERROR_REASON_RECEIPT_MISMATCH: _ErrorReason.ValueType  # 20
+    """FAILED_PRECONDITION. An AcknowledgeResults names a held rollout and
+    attempt with another `result_sha256` than the receipt issued for it:
+    nothing was released. Metadata: `captureKey`, `resultSha256` (the issued
+    digest). The trainer holds a result this participant did not produce for
+    that attempt; it should drop its copy and take the held one
+    (ListResults).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """The `ErrorInfo.reason` values. The reason string on the wire is the value
@@ -319,5 +327,13 @@ process than this one: this process replaced it and holds none of its
 state. Nothing changed (admission untouched, no checkpoint started).
 Metadata: `bootId` (this process's), `expectedBootId`. A controller
 learns the member's state again (GetStatus) before it checkpoints it.
+"""
+ERROR_REASON_RECEIPT_MISMATCH: ErrorReason.ValueType  # 20
+"""FAILED_PRECONDITION. An AcknowledgeResults names a held rollout and
+attempt with another `result_sha256` than the receipt issued for it:
+nothing was released. Metadata: `captureKey`, `resultSha256` (the issued
+digest). The trainer holds a result this participant did not produce for
+that attempt; it should drop its copy and take the held one
+(ListResults).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -1016,3 +1016,209 @@ class ForgetResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ForgetResponse: _TypeAlias = ForgetResponse  # noqa: Y015
+
+@_typing.final
+class ResultReceipt(_message.Message):
+    """The receipt of one finished result: what a trainer acknowledges once it
+    persisted the result.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUT_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    RESULT_SHA256_FIELD_NUMBER: _builtins.int
+    LINEAGE_FIELD_NUMBER: _builtins.int
+    rollout_id: _builtins.str
+    """The rollout whose result this is."""
+    attempt: _builtins.int
+    """The attempt that produced it (0 for the first)."""
+    result_sha256: _builtins.str
+    """The SHA-256, 64 lowercase hex characters, of the result's canonical JSON:
+    keys sorted, no whitespace (`,` and `:` separators), UTF-8. Opaque to a
+    trainer: echo it, never recompute it.
+    """
+    @_builtins.property
+    def lineage(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The checkpoints the fleet state that produced the result was restored
+        from, oldest first; empty for a result of a fleet never restored.
+        Informational: an acknowledgement may leave it empty.
+        """
+
+    def __init__(
+        self,
+        *,
+        rollout_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        result_sha256: _builtins.str = ...,
+        lineage: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "lineage", b"lineage", "result_sha256", b"result_sha256", "rollout_id", b"rollout_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResultReceipt: _TypeAlias = ResultReceipt  # noqa: Y015
+
+@_typing.final
+class HeldResult(_message.Message):
+    """One result held in the outbox."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECEIPT_FIELD_NUMBER: _builtins.int
+    CAPTURE_KEY_FIELD_NUMBER: _builtins.int
+    ROUTE_FIELD_NUMBER: _builtins.int
+    RESULT_JSON_FIELD_NUMBER: _builtins.int
+    capture_key: _builtins.str
+    """The capture key it is held under: the producing attempt's, or after a
+    Restore the restored attempt N+1's.
+    """
+    route: _builtins.str
+    """The data-plane route that produced it (`/run`), after the rollout prefix."""
+    result_json: _builtins.bytes
+    """The result: its canonical JSON, UTF-8."""
+    @_builtins.property
+    def receipt(self) -> Global___ResultReceipt:
+        """The receipt issued with the result."""
+
+    def __init__(
+        self,
+        *,
+        receipt: Global___ResultReceipt | None = ...,
+        capture_key: _builtins.str = ...,
+        route: _builtins.str = ...,
+        result_json: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["receipt", b"receipt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capture_key", b"capture_key", "receipt", b"receipt", "result_json", b"result_json", "route", b"route"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldResult: _TypeAlias = HeldResult  # noqa: Y015
+
+@_typing.final
+class ListResultsRequest(_message.Message):
+    """Request of ListResults."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """The most results to return; 0 means 100, larger values are capped at
+    1000.
+    """
+    page_token: _builtins.str
+    """The `next_page_token` of the previous page; empty for the first page."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListResultsRequest: _TypeAlias = ListResultsRequest  # noqa: Y015
+
+@_typing.final
+class ListResultsResponse(_message.Message):
+    """Reply of ListResults."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    CAP_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """The token of the next page; empty on the last page."""
+    held: _builtins.int
+    """How many results the outbox holds in all."""
+    cap: _builtins.int
+    """The outbox's cap: past it, new runs that ask for a receipt are refused
+    (HTTP 429 `outbox_full`, retryable).
+    """
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldResult]:
+        """The results of this page, sorted by capture key."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___HeldResult] | None = ...,
+        next_page_token: _builtins.str = ...,
+        held: _builtins.int = ...,
+        cap: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cap", b"cap", "held", b"held", "next_page_token", b"next_page_token", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListResultsResponse: _TypeAlias = ListResultsResponse  # noqa: Y015
+
+@_typing.final
+class AcknowledgeResultsRequest(_message.Message):
+    """Request of AcknowledgeResults."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    RECEIPTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Absolute deadline. Required."""
+
+    @_builtins.property
+    def receipts(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResultReceipt]:
+        """The receipts to acknowledge, as issued (`lineage` may be left empty). At
+        least one, at most 10000.
+        """
+
+    def __init__(
+        self,
+        *,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        receipts: _abc.Iterable[Global___ResultReceipt] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "receipts", b"receipts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcknowledgeResultsRequest: _TypeAlias = AcknowledgeResultsRequest  # noqa: Y015
+
+@_typing.final
+class AcknowledgeResultsResponse(_message.Message):
+    """Reply of AcknowledgeResults."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    NOT_HELD_FIELD_NUMBER: _builtins.int
+    released: _builtins.int
+    """How many receipts released a held result."""
+    not_held: _builtins.int
+    """How many named nothing held (already acknowledged, released, unknown)."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.int = ...,
+        not_held: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["not_held", b"not_held", "released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcknowledgeResultsResponse: _TypeAlias = AcknowledgeResultsResponse  # noqa: Y015

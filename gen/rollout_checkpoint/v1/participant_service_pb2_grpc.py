@@ -90,6 +90,16 @@ class ParticipantServiceStub:
                 request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ForgetRequest.SerializeToString,
                 response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ForgetResponse.FromString,
                 _registered_method=True)
+        self.ListResults = channel.unary_unary(
+                '/rollout_checkpoint.v1.ParticipantService/ListResults',
+                request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ListResultsRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ListResultsResponse.FromString,
+                _registered_method=True)
+        self.AcknowledgeResults = channel.unary_unary(
+                '/rollout_checkpoint.v1.ParticipantService/AcknowledgeResults',
+                request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsResponse.FromString,
+                _registered_method=True)
 
 
 class ParticipantServiceServicer:
@@ -437,6 +447,57 @@ class ParticipantServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListResults(self, request, context):
+        """Lists the finished results this entry participant holds until their
+        receipts are acknowledged (its result outbox), sorted by capture key.
+
+        Idempotent and read-only; allowed in every state. A data-plane request
+        under a rollout prefix that carries the header `x-rollout-receipt:
+        request` and is answered 200 with a JSON body has its result kept here,
+        and the reply carries its receipt in the header `x-rollout-receipt` (the
+        JSON of a `ResultReceipt` with the field names of this file). The outbox
+        is part of every checkpoint this participant commits, whatever the
+        scope: after a Restore, the results that finished before the crash and
+        were never acknowledged are listed here again (keyed by the restored
+        attempt N+1, the receipt unchanged), so a trainer that lost them takes
+        them from this list instead of running the rollouts again. A later
+        request of the same rollout and route with the receipt header gets the
+        held result, not a new run (reply header `x-rollout-result-source:
+        outbox`). Participants that are no episode owner (model, resources)
+        always answer an empty list. Pages are consistent per page, as in
+        ListEpisodes.
+
+        Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
+        participant did not issue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcknowledgeResults(self, request, context):
+        """Acknowledges receipts: the trainer persisted these results, so the
+        participant releases them from its outbox at once.
+
+        Idempotent: a receipt already acknowledged, or unknown here (released by
+        a Retire or Forget of its rollout, or never issued), changes nothing and
+        succeeds. All or nothing: one receipt that names a held rollout and
+        attempt with another `result_sha256` than the one issued refuses the
+        whole call with `RECEIPT_MISMATCH` and releases none (the trainer holds
+        a result this fleet did not produce for that attempt). Allowed in every
+        state, during a checkpoint and after SIGTERM too (it only releases
+        memory): an acknowledgement that reaches the participant between a
+        Prepare and its Commit leaves the result out of that checkpoint, which is
+        right, since the trainer holds it.
+
+        Errors: `RECEIPT_MISMATCH`, `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
+        already past), `INVALID_REQUEST` (no receipts or more than 10000, an
+        invalid rollout id or attempt, a digest that is not 64 lowercase hex
+        characters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParticipantServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -494,6 +555,16 @@ def add_ParticipantServiceServicer_to_server(servicer, server):
                     servicer.Forget,
                     request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ForgetRequest.FromString,
                     response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ForgetResponse.SerializeToString,
+            ),
+            'ListResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListResults,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ListResultsRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.ListResultsResponse.SerializeToString,
+            ),
+            'AcknowledgeResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcknowledgeResults,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -794,6 +865,60 @@ class ParticipantService:
             '/rollout_checkpoint.v1.ParticipantService/Forget',
             rollout__checkpoint_dot_v1_dot_participant__service__pb2.ForgetRequest.SerializeToString,
             rollout__checkpoint_dot_v1_dot_participant__service__pb2.ForgetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout_checkpoint.v1.ParticipantService/ListResults',
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.ListResultsRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.ListResultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcknowledgeResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout_checkpoint.v1.ParticipantService/AcknowledgeResults',
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -376,6 +376,49 @@ class ParticipantServiceStub:
     everything yet), `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
     `CHECKPOINT_DEADLINE_EXCEEDED`, `INVALID_REQUEST`.
     """
+    ListResults: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.ListResultsRequest, _participant_service_pb2.ListResultsResponse]
+    """Lists the finished results this entry participant holds until their
+    receipts are acknowledged (its result outbox), sorted by capture key.
+
+    Idempotent and read-only; allowed in every state. A data-plane request
+    under a rollout prefix that carries the header `x-rollout-receipt:
+    request` and is answered 200 with a JSON body has its result kept here,
+    and the reply carries its receipt in the header `x-rollout-receipt` (the
+    JSON of a `ResultReceipt` with the field names of this file). The outbox
+    is part of every checkpoint this participant commits, whatever the
+    scope: after a Restore, the results that finished before the crash and
+    were never acknowledged are listed here again (keyed by the restored
+    attempt N+1, the receipt unchanged), so a trainer that lost them takes
+    them from this list instead of running the rollouts again. A later
+    request of the same rollout and route with the receipt header gets the
+    held result, not a new run (reply header `x-rollout-result-source:
+    outbox`). Participants that are no episode owner (model, resources)
+    always answer an empty list. Pages are consistent per page, as in
+    ListEpisodes.
+
+    Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
+    participant did not issue.
+    """
+    AcknowledgeResults: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.AcknowledgeResultsRequest, _participant_service_pb2.AcknowledgeResultsResponse]
+    """Acknowledges receipts: the trainer persisted these results, so the
+    participant releases them from its outbox at once.
+
+    Idempotent: a receipt already acknowledged, or unknown here (released by
+    a Retire or Forget of its rollout, or never issued), changes nothing and
+    succeeds. All or nothing: one receipt that names a held rollout and
+    attempt with another `result_sha256` than the one issued refuses the
+    whole call with `RECEIPT_MISMATCH` and releases none (the trainer holds
+    a result this fleet did not produce for that attempt). Allowed in every
+    state, during a checkpoint and after SIGTERM too (it only releases
+    memory): an acknowledgement that reaches the participant between a
+    Prepare and its Commit leaves the result out of that checkpoint, which is
+    right, since the trainer holds it.
+
+    Errors: `RECEIPT_MISMATCH`, `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
+    already past), `INVALID_REQUEST` (no receipts or more than 10000, an
+    invalid rollout id or attempt, a digest that is not 64 lowercase hex
+    characters).
+    """
 
 @_typing.type_check_only
 class ParticipantServiceAsyncStub(ParticipantServiceStub):
@@ -678,6 +721,49 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     Errors: `RETIRE_INCOMPLETE` (a Retire of one of them has not freed
     everything yet), `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
     `CHECKPOINT_DEADLINE_EXCEEDED`, `INVALID_REQUEST`.
+    """
+    ListResults: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.ListResultsRequest, _participant_service_pb2.ListResultsResponse]  # type: ignore[assignment]
+    """Lists the finished results this entry participant holds until their
+    receipts are acknowledged (its result outbox), sorted by capture key.
+
+    Idempotent and read-only; allowed in every state. A data-plane request
+    under a rollout prefix that carries the header `x-rollout-receipt:
+    request` and is answered 200 with a JSON body has its result kept here,
+    and the reply carries its receipt in the header `x-rollout-receipt` (the
+    JSON of a `ResultReceipt` with the field names of this file). The outbox
+    is part of every checkpoint this participant commits, whatever the
+    scope: after a Restore, the results that finished before the crash and
+    were never acknowledged are listed here again (keyed by the restored
+    attempt N+1, the receipt unchanged), so a trainer that lost them takes
+    them from this list instead of running the rollouts again. A later
+    request of the same rollout and route with the receipt header gets the
+    held result, not a new run (reply header `x-rollout-result-source:
+    outbox`). Participants that are no episode owner (model, resources)
+    always answer an empty list. Pages are consistent per page, as in
+    ListEpisodes.
+
+    Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
+    participant did not issue.
+    """
+    AcknowledgeResults: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.AcknowledgeResultsRequest, _participant_service_pb2.AcknowledgeResultsResponse]  # type: ignore[assignment]
+    """Acknowledges receipts: the trainer persisted these results, so the
+    participant releases them from its outbox at once.
+
+    Idempotent: a receipt already acknowledged, or unknown here (released by
+    a Retire or Forget of its rollout, or never issued), changes nothing and
+    succeeds. All or nothing: one receipt that names a held rollout and
+    attempt with another `result_sha256` than the one issued refuses the
+    whole call with `RECEIPT_MISMATCH` and releases none (the trainer holds
+    a result this fleet did not produce for that attempt). Allowed in every
+    state, during a checkpoint and after SIGTERM too (it only releases
+    memory): an acknowledgement that reaches the participant between a
+    Prepare and its Commit leaves the result out of that checkpoint, which is
+    right, since the trainer holds it.
+
+    Errors: `RECEIPT_MISMATCH`, `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
+    already past), `INVALID_REQUEST` (no receipts or more than 10000, an
+    invalid rollout id or attempt, a digest that is not 64 lowercase hex
+    characters).
     """
 
 class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -1044,6 +1130,61 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         Errors: `RETIRE_INCOMPLETE` (a Retire of one of them has not freed
         everything yet), `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,
         `CHECKPOINT_DEADLINE_EXCEEDED`, `INVALID_REQUEST`.
+        """
+
+    @_abc_1.abstractmethod
+    def ListResults(
+        self,
+        request: _participant_service_pb2.ListResultsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_participant_service_pb2.ListResultsResponse, _abc.Awaitable[_participant_service_pb2.ListResultsResponse]]:
+        """Lists the finished results this entry participant holds until their
+        receipts are acknowledged (its result outbox), sorted by capture key.
+
+        Idempotent and read-only; allowed in every state. A data-plane request
+        under a rollout prefix that carries the header `x-rollout-receipt:
+        request` and is answered 200 with a JSON body has its result kept here,
+        and the reply carries its receipt in the header `x-rollout-receipt` (the
+        JSON of a `ResultReceipt` with the field names of this file). The outbox
+        is part of every checkpoint this participant commits, whatever the
+        scope: after a Restore, the results that finished before the crash and
+        were never acknowledged are listed here again (keyed by the restored
+        attempt N+1, the receipt unchanged), so a trainer that lost them takes
+        them from this list instead of running the rollouts again. A later
+        request of the same rollout and route with the receipt header gets the
+        held result, not a new run (reply header `x-rollout-result-source:
+        outbox`). Participants that are no episode owner (model, resources)
+        always answer an empty list. Pages are consistent per page, as in
+        ListEpisodes.
+
+        Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this
+        participant did not issue.
+        """
+
+    @_abc_1.abstractmethod
+    def AcknowledgeResults(
+        self,
+        request: _participant_service_pb2.AcknowledgeResultsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_participant_service_pb2.AcknowledgeResultsResponse, _abc.Awaitable[_participant_service_pb2.AcknowledgeResultsResponse]]:
+        """Acknowledges receipts: the trainer persisted these results, so the
+        participant releases them from its outbox at once.
+
+        Idempotent: a receipt already acknowledged, or unknown here (released by
+        a Retire or Forget of its rollout, or never issued), changes nothing and
+        succeeds. All or nothing: one receipt that names a held rollout and
+        attempt with another `result_sha256` than the one issued refuses the
+        whole call with `RECEIPT_MISMATCH` and releases none (the trainer holds
+        a result this fleet did not produce for that attempt). Allowed in every
+        state, during a checkpoint and after SIGTERM too (it only releases
+        memory): an acknowledgement that reaches the participant between a
+        Prepare and its Commit leaves the result out of that checkpoint, which is
+        right, since the trainer holds it.
+
+        Errors: `RECEIPT_MISMATCH`, `CHECKPOINT_DEADLINE_EXCEEDED` (deadline
+        already past), `INVALID_REQUEST` (no receipts or more than 10000, an
+        invalid rollout id or attempt, a digest that is not 64 lowercase hex
+        characters).
         """
 
 def add_ParticipantServiceServicer_to_server(servicer: ParticipantServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,379 @@
+"""The result outbox: finished results held, under a receipt, until the trainer acknowledges them.
+
+Without it a finished rollout exists only as the HTTP reply to its `/run`: a trainer that
+crashes after the reply arrived and before it persisted it has lost the result, and the
+only way back is running the rollout again (minutes of generation, and tools with side
+effects applied twice). So a request that asks for a receipt (episodic/receipts.py) has its result
+put here *before* its reply goes on the wire, and it stays until one of:
+
+* the trainer acknowledges the receipt (`acknowledge`): it persisted the result;
+* a Retire or Forget of the rollout (`drop`): the controller gave it up;
+* a rejoining Restore (`clear`): the restore brings back the checkpoint's outbox instead.
+
+Every checkpoint exports the whole outbox, whatever its scope (an unacknowledged result is
+in flight as far as the trainer is concerned), so after a crash the restored outbox offers
+again every result finished before the cut and never acknowledged. Outcomes of callers that
+asked for no receipt keep the older, shorter rule (episodic/outcomes.py); a receipt supersedes that
+outcome, so one result is never held twice.
+
+The outbox is bounded by a cap the operator sets: a full outbox refuses new receipted runs
+(HTTP 429 `outbox_full`, retryable) rather than growing without end, because a trainer that
+never acknowledges would otherwise grow every checkpoint with its history. Acknowledged
+receipts are remembered (the last `ACKNOWLEDGED_KEPT`) so that an acknowledgement repeated
+after its release is recognised as such, and a digest that contradicts it is still refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from rollout_checkpoint.server.core.episodes import EpisodeId, rollout_id_problem
+from rollout_checkpoint.server.core.errors import (
+    CheckpointError,
+    Reason,
+    invalid_request,
+    rejected_checkpoint,
+)
+from rollout_checkpoint.server.runtime.participant import ExportRecord, RestoredRecord
+from rollout_checkpoint.server.runtime.records_codec import EncodedJSON
+
+DEFAULT_OUTBOX_CAP = 10_000
+"""Results held at most by default (`ROLLOUT_CHECKPOINT_OUTBOX_CAP`)."""
+ACKNOWLEDGED_KEPT = 100_000
+"""Acknowledged receipts remembered after their release: a repeated acknowledgement is then
+a no-op, and one with another digest is still refused."""
+RECEIPT_FIELD = "outbox_receipt"
+ROUTE_FIELD = "outbox_route"
+RESULT_FIELD = "outbox_result"
+"""The fields of an outbox record in a part (`{"episode_id", "outbox_receipt", "outbox_route",
+"outbox_result"}`): names no kind's own record uses, so a restore tells them apart."""
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def canonical_json(value: Any) -> str:
+    """`value` as its canonical JSON: keys sorted, no whitespace, UTF-8 (what a receipt's
+    digest is taken of). orjson when it can; the standard library keeps big integers."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+
+
+def result_digest(canonical: str) -> str:
+    """The SHA-256 of a canonical JSON text, as 64 lowercase hex characters."""
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """What a trainer acknowledges: which attempt produced the result, the digest of the
+    result as issued, and the checkpoints the producing fleet state was restored from."""
+
+    rollout_id: str
+    attempt: int
+    result_sha256: str
+    lineage: tuple[str, ...] = ()
+
+    @property
+    def capture_key(self) -> str:
+        return EpisodeId(self.rollout_id, self.attempt).capture_key
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "attempt": self.attempt,
+            "result_sha256": self.result_sha256,
+            "lineage": list(self.lineage),
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> Receipt:
+        """A receipt from its JSON form; ValueError for anything else."""
+        if not isinstance(value, dict) or set(value) != {
+            "rollout_id",
+            "attempt",
+            "result_sha256",
+            "lineage",
+        }:
+            raise ValueError("a receipt holds exactly rollout_id, attempt, result_sha256, lineage")
+        lineage = value["lineage"]
+        if not isinstance(lineage, list) or not all(isinstance(c, str) for c in lineage):
+            raise ValueError("a receipt's lineage is a list of checkpoint ids")
+        return checked_receipt(
+            value["rollout_id"], value["attempt"], value["result_sha256"], tuple(lineage)
+        )
+
+
+def checked_receipt(
+    rollout_id: Any, attempt: Any, digest: Any, lineage: tuple[str, ...] = ()
+) -> Receipt:
+    """A receipt from its parts, each checked (ValueError names the first bad one)."""
+    if not isinstance(rollout_id, str) or (problem := rollout_id_problem(rollout_id)):
+        raise ValueError(
+            f"rollout_id: {problem if isinstance(rollout_id, str) else 'not a string'}"
+        )
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt < 2**31:
+        raise ValueError("attempt: must be an integer from 0")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ValueError("result_sha256: must be 64 lowercase hex characters")
+    return Receipt(rollout_id, attempt, digest, lineage)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldResult:
+    """One result in the outbox: the capture key it is held under (the producing attempt's,
+    or the restored attempt N+1's), its receipt, the route that produced it and the result's
+    canonical JSON (what the receipt's digest was taken of, and what a late run gets)."""
+
+    episode_id: EpisodeId
+    receipt: Receipt
+    route: str
+    canonical: str
+
+    def record_fields(self) -> dict[str, Any]:
+        """The fields of this result's record in a part (beside `episode_id`); the result
+        goes as the canonical text it already is, never serialized again."""
+        return {
+            RECEIPT_FIELD: self.receipt.as_json(),
+            ROUTE_FIELD: self.route,
+            RESULT_FIELD: EncodedJSON(self.canonical.encode()),
+        }
+
+    @classmethod
+    def from_record(cls, episode_id: EpisodeId, fields: Mapping[str, Any]) -> HeldResult:
+        """The result a stored outbox record holds, held under `episode_id`; ValueError
+        for a record that is not exactly what `record_fields` writes or whose digest does
+        not match its result. CPU-bound on a large result: call it off the event loop."""
+        if set(fields) != {RECEIPT_FIELD, ROUTE_FIELD, RESULT_FIELD}:
+            raise ValueError(
+                f"an outbox record holds exactly {RECEIPT_FIELD}, {ROUTE_FIELD}, {RESULT_FIELD}"
+            )
+        receipt = Receipt.from_json(fields[RECEIPT_FIELD])
+        route = fields[ROUTE_FIELD]
+        if not isinstance(route, str) or not route.startswith("/"):
+            raise ValueError("an outbox result's route is a path")
+        canonical = canonical_json(fields[RESULT_FIELD])
+        if result_digest(canonical) != receipt.result_sha256:
+            raise ValueError("the result does not match its receipt's digest")
+        return cls(episode_id, receipt, route, canonical)
+
+
+def is_outbox_record(fields: Mapping[str, Any]) -> bool:
+    """Whether a stored record (its fields, unvalidated) is an outbox record."""
+    return RECEIPT_FIELD in fields
+
+
+def outbox_identity(episode: EpisodeId, fields: Mapping[str, Any]) -> Hashable | None:
+    """An outbox record's identity in a part (None for the kind's own records): apart from
+    any record of the kind for the same episode."""
+    return (episode, RECEIPT_FIELD) if is_outbox_record(fields) else None
+
+
+def split_records(
+    records: Sequence[RestoredRecord],
+) -> tuple[list[RestoredRecord], list[RestoredRecord]]:
+    """(outbox records, the kind's own records) of a restore."""
+    outbox = [r for r in records if is_outbox_record(r.fields)]
+    own = [r for r in records if not is_outbox_record(r.fields)]
+    return outbox, own
+
+
+def held_results(records: Sequence[RestoredRecord]) -> list[HeldResult]:
+    """The results of restored outbox records, each held under its restored attempt N+1;
+    `rejected_checkpoint` names the first invalid one. CPU-bound (every result is parsed
+    and its digest checked): run it in a thread."""
+    held = []
+    for record in records:
+        try:
+            held.append(HeldResult.from_record(record.restored_as, record.fields))
+        except ValueError as exc:
+            raise rejected_checkpoint(
+                f"an outbox record is invalid: {exc}", capture_key=record.checkpointed.capture_key
+            ) from None
+    return held
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What the outbox says of a receipted request before it runs: the result it already
+    holds for the rollout and route, and whether a new one would find room."""
+
+    held: HeldResult | None
+    full: bool
+
+
+@dataclass
+class Acknowledgement:
+    """What one AcknowledgeResults did."""
+
+    released: int = 0
+    not_held: int = 0
+
+
+@dataclass
+class ResultOutbox:
+    """The held results of one participant, one per rollout (a newer result of a rollout
+    replaces an older one), in the order they were put."""
+
+    cap: int = DEFAULT_OUTBOX_CAP
+    _held: OrderedDict[str, HeldResult] = field(default_factory=OrderedDict)
+    """By rollout id."""
+    _acknowledged: OrderedDict[tuple[str, int], str] = field(default_factory=OrderedDict)
+    """(rollout, attempt) -> digest of receipts acknowledged and released."""
+    offered_again: int = 0
+    """Late runs answered from the outbox (counter)."""
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def full(self) -> bool:
+        return len(self._held) >= self.cap
+
+    def find(self, rollout_id: str, route: str) -> HeldResult | None:
+        """The result held for `rollout_id` from `route`, if any."""
+        held = self._held.get(rollout_id)
+        return held if held is not None and held.route == route else None
+
+    def lookup(self, episode: EpisodeId, route: str) -> Lookup:
+        """Before a receipted run: its rollout's held result (counted as offered again), or
+        whether there is room for a new one."""
+        held = self.find(episode.rollout_id, route)
+        if held is not None:
+            self.offered_again += 1
+        return Lookup(held, self.full)
+
+    def hold(
+        self, episode: EpisodeId, route: str, canonical: str, digest: str, lineage: Sequence[str]
+    ) -> Receipt:
+        """Hold the result `episode` just produced from `route`; its receipt."""
+        held = held_result(episode, route, canonical, digest, lineage)
+        self.put(held)
+        return held.receipt
+
+    def put(self, held: HeldResult) -> None:
+        """Hold `held` (replacing what its rollout held). The cap is checked before the run
+        starts (`full`), not here: a run admitted is never refused its result."""
+        self._held.pop(held.receipt.rollout_id, None)
+        self._held[held.receipt.rollout_id] = held
+
+    def acknowledge(self, receipts: Sequence[Receipt]) -> Acknowledgement:
+        """Release every held result these receipts name; all or nothing (the module
+        docstring says why a contradicting digest refuses the whole call)."""
+        releases: list[str] = []
+        for receipt in receipts:
+            issued = self._issued_digest(receipt)
+            if issued is not None and issued != receipt.result_sha256:
+                raise CheckpointError(
+                    Reason.RECEIPT_MISMATCH,
+                    f"the receipt of {receipt.capture_key} was issued with another digest",
+                    metadata={"captureKey": receipt.capture_key, "resultSha256": issued},
+                )
+            held = self._held.get(receipt.rollout_id)
+            if held is not None and held.receipt.attempt == receipt.attempt:
+                releases.append(receipt.rollout_id)
+        outcome = Acknowledgement()
+        for rollout_id in releases:
+            held = self._held.pop(rollout_id, None)
+            if held is None:  # named twice in one call
+                continue
+            outcome.released += 1
+            self._remember(held.receipt)
+        outcome.not_held = len(receipts) - outcome.released
+        return outcome
+
+    def drop(self, covered: Callable[[EpisodeId], bool]) -> None:
+        """Release every held result whose producing attempt is `covered` (a Retire or
+        Forget: the controller gave the rollout up)."""
+        for rollout_id in [
+            r for r, held in self._held.items() if covered(_produced_by(held.receipt))
+        ]:
+            del self._held[rollout_id]
+
+    def drop_held_as(self, episodes: set[EpisodeId]) -> None:
+        """Release the results held under these keys (a failed restore undoes its install)."""
+        for rollout_id in [r for r, held in self._held.items() if held.episode_id in episodes]:
+            del self._held[rollout_id]
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def results(self) -> list[HeldResult]:
+        """Every held result, in capture-key order."""
+        return sorted(self._held.values(), key=lambda held: held.episode_id.capture_key)
+
+    def export(self) -> list[ExportRecord]:
+        """A record of every held result, under the key it is held by: every checkpoint
+        carries the whole outbox, whatever its scope."""
+        return [ExportRecord(held.episode_id, held.record_fields()) for held in self._held.values()]
+
+    def install(self, held: Iterable[HeldResult]) -> None:
+        for result in held:
+            self.put(result)
+
+    def counters(self) -> dict[str, int]:
+        return {"outbox_held": len(self._held), "outbox_offered_again": self.offered_again}
+
+    def _issued_digest(self, receipt: Receipt) -> str | None:
+        held = self._held.get(receipt.rollout_id)
+        if held is not None and held.receipt.attempt == receipt.attempt:
+            return held.receipt.result_sha256
+        return self._acknowledged.get((receipt.rollout_id, receipt.attempt))
+
+    def _remember(self, receipt: Receipt) -> None:
+        self._acknowledged[(receipt.rollout_id, receipt.attempt)] = receipt.result_sha256
+        while len(self._acknowledged) > ACKNOWLEDGED_KEPT:
+            self._acknowledged.popitem(last=False)
+
+
+def held_result(
+    episode: EpisodeId, route: str, canonical: str, digest: str, lineage: Sequence[str]
+) -> HeldResult:
+    """The outbox entry of a result `episode` just produced from `route`."""
+    receipt = Receipt(episode.rollout_id, episode.attempt, digest, tuple(lineage))
+    return HeldResult(episode, receipt, route, canonical)
+
+
+def bridged_result(held: HeldResult) -> dict[str, Any]:
+    """A held result as the worker bridge carries it."""
+    return {
+        "episode": held.episode_id.capture_key,
+        "receipt": held.receipt.as_json(),
+        "route": held.route,
+        "canonical": held.canonical,
+    }
+
+
+def unbridged_result(body: Mapping[str, Any]) -> HeldResult:
+    return HeldResult(
+        EpisodeId.from_capture_key(body["episode"]),
+        Receipt.from_json(body["receipt"]),
+        body["route"],
+        body["canonical"],
+    )
+
+
+def _produced_by(receipt: Receipt) -> EpisodeId:
+    return EpisodeId(receipt.rollout_id, receipt.attempt)
+
+
+def receipts_from(values: Iterable[tuple[str, int, str]]) -> list[Receipt]:
+    """Receipts to acknowledge from (rollout id, attempt, digest); INVALID_REQUEST names the
+    first bad one (`receipts[i]`)."""
+    receipts = []
+    for index, (rollout_id, attempt, digest) in enumerate(values):
+        try:
+            receipts.append(checked_receipt(rollout_id, attempt, digest))
+        except ValueError as exc:
+            raise invalid_request(f"receipts[{index}]", str(exc)) from None
+    return receipts
