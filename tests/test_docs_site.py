@@ -106,6 +106,7 @@ def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
         "object-store",
         "guarantees",
         "certify",
+        "trainers",
         "benchmarks",
         "api",
         "contract",
