@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 import grpc
 from grpc import aio
@@ -21,6 +21,17 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+
+
+class _Page(Protocol):
+    """A page of a paged listing (ListEpisodes, ListResults)."""
+
+    @property
+    def next_page_token(self) -> str: ...
+
+
+P = TypeVar("P", bound=_Page)
+Item = TypeVar("Item")
 
 
 def _health_name(value: constants_pb2.HealthServiceName.ValueType) -> str:
@@ -161,14 +172,9 @@ class ParticipantClient:
 
         Pages are consistent per page, not across pages: an episode that starts or ends
         meanwhile may be missed or seen. Raises `ControlError` from any page."""
-        episodes: list[types_pb2.Episode] = []
-        token = ""
-        while True:
-            page = await self.list_episodes(page_size, token)
-            episodes.extend(page.episodes)
-            token = page.next_page_token
-            if not token:
-                return episodes
+        return await every_page(
+            lambda token: self.list_episodes(page_size, token), lambda page: page.episodes
+        )
 
     async def watch_health(self, service: str) -> AsyncIterator[int]:
         """grpc.health.v1 Watch of `service` (no token needed): yields each status
@@ -412,14 +418,9 @@ class ParticipantClient:
 
     async def all_results(self, page_size: int = 0) -> list[pb.HeldResult]:
         """Every held result, following ListResults pages to the end."""
-        results: list[pb.HeldResult] = []
-        token = ""
-        while True:
-            page = await self.list_results(page_size, token)
-            results.extend(page.results)
-            token = page.next_page_token
-            if not token:
-                return results
+        return await every_page(
+            lambda token: self.list_results(page_size, token), lambda page: page.results
+        )
 
     async def acknowledge_results(
         self, receipts: Iterable[pb.ResultReceipt], deadline: float
@@ -435,6 +436,21 @@ class ParticipantClient:
                 request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
             )
         )
+
+
+async def every_page(
+    fetch: Callable[[str], Awaitable[P]], items: Callable[[P], Iterable[Item]]
+) -> list[Item]:
+    """Every item of a paged listing: `fetch(token)` from "" until a page has no
+    `next_page_token`."""
+    collected: list[Item] = []
+    token = ""
+    while True:
+        page = await fetch(token)
+        collected.extend(items(page))
+        token = page.next_page_token
+        if not token:
+            return collected
 
 
 def receipt_from_header(value: str) -> pb.ResultReceipt:
