@@ -245,14 +245,23 @@ async def serve_entry(**settings: Any) -> Served:
     return Served(entry, app, ParticipantClient(entry.runtime.address, TOKEN), server, serving)
 
 
-async def commit(served: Served, checkpoint_id: str, directory: Path) -> int:
-    """Prepare + Commit (scope=[]) + Resume; the part's bytes."""
+@dataclass(frozen=True)
+class Committed:
+    part_bytes: int
+    commit_seconds: float
+    """Wall time of the Commit RPC alone (the part written and synced)."""
+
+
+async def commit(served: Served, checkpoint_id: str, directory: Path) -> Committed:
+    """Prepare + Commit (scope=[]) + Resume."""
     final = await served.client.prepare_until_final(checkpoint_id, deadline_in(120))
     if final.state != types_pb2.PARTICIPANT_STATE_PREPARED:
         raise RuntimeError(f"Prepare {checkpoint_id} did not reach PREPARED: {final}")
+    started = time.perf_counter()
     committed = await served.client.commit(checkpoint_id, deadline_in(300), str(directory), [])
+    spent = time.perf_counter() - started
     await served.client.resume(checkpoint_id, deadline_in(60))
-    return int(committed.manifest.bytes)
+    return Committed(int(committed.manifest.bytes), spent)
 
 
 # -- 2. checkpoint bytes --------------------------------------------------------------------
@@ -267,17 +276,19 @@ async def checkpoint_bytes(held: int, work: Path) -> dict[str, Any]:
         full = await commit(served, "full", work / "bytes-full")
     finally:
         await served.close()
-    added = full - empty
+    added = full.part_bytes - empty.part_bytes
     return {
         "held_results": held,
         "result_bytes_each_mean": raw / held,
         "raw_result_bytes": raw,
-        "part_bytes_empty": empty,
-        "part_bytes_with_held": full,
+        "part_bytes_empty": empty.part_bytes,
+        "part_bytes_with_held": full.part_bytes,
+        "commit_seconds_empty": empty.commit_seconds,
+        "commit_seconds_with_held": full.commit_seconds,
         "bytes_added_per_result": added / held,
         "overhead_over_raw_result_bytes": added / raw,
         "note": "one commit each (bytes do not vary between runs); scope=[] so only the "
-        "outbox is exported (an empty commit writes no part: 0 bytes); raw = the held "
+        "outbox is exported (the empty commit's manifest reports its bytes); raw = the held "
         "results' canonical JSON",
     }
 
@@ -296,17 +307,18 @@ async def committed_outbox(work: Path) -> Path:
     return directory
 
 
-async def recover(directory: Path, round_: int) -> float:
-    """Wall seconds of Restore + all_results() in a fresh app started closed."""
+async def recover(directory: Path, round_: int) -> tuple[float, float]:
+    """Wall seconds of Restore, then of all_results(), in a fresh app started closed."""
     served = await serve_entry(start_closed=True)
     try:
         started = time.perf_counter()
         await served.client.restore(f"back-{round_}", deadline_in(120), str(directory), [])
+        restored = time.perf_counter()
         offered = await served.client.all_results()
-        spent = time.perf_counter() - started
+        listed = time.perf_counter()
         if len(offered) != RECOVERED:
             raise RuntimeError(f"restored {len(offered)} results, expected {RECOVERED}")
-        return spent
+        return restored - started, listed - restored
     finally:
         await served.close()
 
@@ -379,8 +391,9 @@ async def run(scale: str) -> dict[str, Any]:
         cpu = await receipts_on_run(sizes["requests"], sizes["rounds"])
         sized = await checkpoint_bytes(sizes["held"], work)
         directory = await committed_outbox(work)
-        recoveries = [await recover(directory, r) for r in range(sizes["restore_rounds"])]
+        phases = [await recover(directory, r) for r in range(sizes["restore_rounds"])]
         fleet = await fleet_rollouts(work, sizes["rollouts"], sizes["concurrency"])
+    recoveries = [restore + listing for restore, listing in phases]
     per_second = fleet["rollouts"] / fleet["seconds"]
     recompute = RECOVERED / per_second
     run_part = run_report(cpu)
@@ -399,6 +412,8 @@ async def run(scale: str) -> dict[str, Any]:
         "checkpoint_bytes": sized,
         "recovery": {
             "restore_and_list_seconds": spread(recoveries),
+            "restore_seconds": spread([restore for restore, _ in phases]),
+            "list_seconds": spread([listing for _, listing in phases]),
             "fleet_measured": {**fleet, "rollouts_per_second": per_second},
             "recompute_seconds_extrapolated": recompute,
             "recompute_over_recovery": [recompute / r for r in recoveries],
