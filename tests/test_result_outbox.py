@@ -283,6 +283,44 @@ async def test_the_outbox_survives_a_checkpoint_and_is_offered_again_after_resto
         assert [h.capture_key for h in await fresh.client.all_results()] == ["r1-a1", "r9"]
 
 
+async def test_a_survivor_rejoining_a_restore_keeps_its_newer_results(tmp_path: Path) -> None:
+    """A survivor of a fleet restored as a whole (rejoin) holds results finished after the
+    checkpoint: they stay (nothing else has them), and the checkpoint's are added for the
+    rollouts it holds nothing of."""
+    path = str(tmp_path / "ckpt")
+    async with entry_server() as s:
+        old = {key: await run(s, key, 1, **ASK) for key in ("a", "b")}
+        await drain(s.client.prepare("c1", deadline()))
+        await s.client.commit("c1", deadline(), path, scope=[])
+        await s.client.resume("c1", deadline())
+        # After the checkpoint: both acknowledged, "a" run again as attempt 1 (a new
+        # result), "n" finished.
+        await s.client.acknowledge_results(
+            [receipt_from_header(r.headers["x-rollout-receipt"]) for r in old.values()],
+            deadline(),
+        )
+        newer = await run(s, "a-a1", 5, **ASK)
+        await run(s, "n", 7, **ASK)
+        await s.client.restore("back", deadline(), path, scope=[], rejoin=True)
+        held = {h.receipt.rollout_id: h for h in await s.client.all_results()}
+        assert sorted(held) == ["a", "b", "n"]
+        assert held["a"].receipt == receipt_from_header(newer.headers["x-rollout-receipt"])
+        assert held["b"].capture_key == "b-a1"  # the checkpoint's, restored as attempt 1
+        assert held["n"].capture_key == "n"
+        await s.client.resume("back", deadline())
+
+
+async def test_a_result_with_an_integer_past_64_bits_is_held_exactly() -> None:
+    async with entry_server() as s:
+        big = 2**80 + 1
+        reply = await run(s, "big", big, **ASK)
+        assert reply.json()["doubled"] == 2 * big
+        (held,) = await s.client.all_results()
+        assert json.loads(held.result_json)["doubled"] == 2 * big
+        receipt = receipt_from_header(reply.headers["x-rollout-receipt"])
+        assert receipt.result_sha256 == result_digest(canonical_json(reply.json()))
+
+
 # -- several workers: one outbox in the main process ----------------------------------------
 
 

@@ -75,6 +75,8 @@ class EpisodeParticipant(Participant):
         """The results held under receipts here; None in a worker, whose outbox is the main
         process's (`remote_outbox`)."""
         self._remote_outbox: OutboxAccess | None = None
+        self._outbox_restored = False
+        """A restore installed held results here: the process restored (see `has_served`)."""
 
     def attach(self, context: Any) -> None:
         super().attach(context)
@@ -148,6 +150,7 @@ class EpisodeParticipant(Participant):
             if self.outbox is None:
                 raise rejected_checkpoint("a worker holds no outbox: restore through its server")
             self.outbox.install(held)
+            self._outbox_restored = True
 
     def installed(self, records: Sequence[RestoredRecord]) -> None:
         """Every record is valid and about to be installed: keep what the kind needs of them."""
@@ -225,12 +228,14 @@ class EpisodeParticipant(Participant):
         return self.episodes_tracker.episode_infos()
 
     def has_served(self) -> bool:
-        return self.episodes_tracker.has_served() or bool(self.outbox)
+        return self.episodes_tracker.has_served() or self._outbox_restored
 
     def forget_served(self) -> None:
+        """Also forget having installed an outbox, but keep the results held: they are
+        finished, and a rejoining restore adds the checkpoint's beside them
+        (`ResultOutbox.install`)."""
         self.episodes_tracker.forget_served()
-        if self.outbox is not None:
-            self.outbox.clear()  # the rejoining restore brings back the checkpoint's
+        self._outbox_restored = False
 
     async def claim_restored(self, episode_id: EpisodeId) -> None:
         """In one worker of several: claim `episode_id`'s restored record from the main

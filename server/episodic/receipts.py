@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Protocol
 
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -47,6 +49,7 @@ SOURCE_HEADER = b"x-rollout-result-source"
 """Reply header: `run` (this request ran it) or `outbox` (held, offered again)."""
 OUTBOX_FULL = "outbox_full"
 OUTBOX_FULL_RETRY_SECONDS = 1
+_LONG_DIGITS = re.compile(rb"\d{19,}")
 LARGE_BODY = 256 * 1024
 """Bodies past this many bytes are parsed and canonicalized in a thread."""
 
@@ -171,8 +174,18 @@ async def _canonical(body: bytes) -> tuple[str, str] | None:
 
 
 def _canonical_now(body: bytes) -> tuple[str, str] | None:
+    """orjson parses a reply about 2.5x faster than the standard library, but reads an
+    integer past 64 bits as a float, silently: a body with a run of 19 digits or more
+    (possibly such an integer) is parsed by the standard library, which keeps it exact."""
     try:
-        canonical = canonical_json(json.loads(body, parse_constant=_not_json))
+        if _LONG_DIGITS.search(body):
+            value = json.loads(body, parse_constant=_not_json)
+        else:
+            value = orjson.loads(body)
+    except (ValueError, TypeError, RecursionError):  # orjson.JSONDecodeError is a ValueError
+        return None
+    try:
+        canonical = canonical_json(value)
     except (ValueError, TypeError, RecursionError):
         return None
     return canonical, result_digest(canonical)

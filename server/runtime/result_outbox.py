@@ -8,7 +8,11 @@ put here *before* its reply goes on the wire, and it stays until one of:
 
 * the trainer acknowledges the receipt (`acknowledge`): it persisted the result;
 * a Retire or Forget of the rollout (`drop`): the controller gave it up;
-* a rejoining Restore (`clear`): the restore brings back the checkpoint's outbox instead.
+* a failed Restore that installed it (`drop_held_as`).
+
+A rejoining Restore keeps what a survivor holds: those results are finished, newer than the
+checkpoint's, and the trainer may not have them; it adds the checkpoint's for the rollouts
+the survivor holds nothing of.
 
 Every checkpoint exports the whole outbox, whatever its scope (an unacknowledged result is
 in flight as far as the trainer is concerned), so after a crash the restored outbox offers
@@ -232,6 +236,7 @@ class ResultOutbox:
     """(rollout, attempt) -> digest of receipts acknowledged and released."""
     offered_again: int = 0
     """Late runs answered from the outbox (counter)."""
+    _ordered: list[HeldResult] | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -266,6 +271,7 @@ class ResultOutbox:
         starts (`full`), not here: a run admitted is never refused its result."""
         self._held.pop(held.receipt.rollout_id, None)
         self._held[held.receipt.rollout_id] = held
+        self._ordered = None
 
     def acknowledge(self, receipts: Sequence[Receipt]) -> Acknowledgement:
         """Release every held result these receipts name; all or nothing (the module
@@ -285,6 +291,7 @@ class ResultOutbox:
         outcome = Acknowledgement()
         for rollout_id in releases:
             held = self._held.pop(rollout_id, None)
+            self._ordered = None
             if held is None:  # named twice in one call
                 continue
             outcome.released += 1
@@ -299,18 +306,20 @@ class ResultOutbox:
             r for r, held in self._held.items() if covered(_produced_by(held.receipt))
         ]:
             del self._held[rollout_id]
+            self._ordered = None
 
     def drop_held_as(self, episodes: set[EpisodeId]) -> None:
         """Release the results held under these keys (a failed restore undoes its install)."""
         for rollout_id in [r for r, held in self._held.items() if held.episode_id in episodes]:
             del self._held[rollout_id]
-
-    def clear(self) -> None:
-        self._held.clear()
+            self._ordered = None
 
     def results(self) -> list[HeldResult]:
-        """Every held result, in capture-key order."""
-        return sorted(self._held.values(), key=lambda held: held.episode_id.capture_key)
+        """Every held result, in capture-key order: sorted once per change, so paging
+        through a large outbox (ListResults) does not sort it again for every page."""
+        if self._ordered is None:
+            self._ordered = sorted(self._held.values(), key=lambda h: h.episode_id.capture_key)
+        return self._ordered
 
     def export(self) -> list[ExportRecord]:
         """A record of every held result, under the key it is held by: every checkpoint
@@ -318,8 +327,12 @@ class ResultOutbox:
         return [ExportRecord(held.episode_id, held.record_fields()) for held in self._held.values()]
 
     def install(self, held: Iterable[HeldResult]) -> None:
+        """Hold restored results, except for rollouts that hold one already: a survivor
+        rejoining a restore keeps what it produced after the checkpoint (newer, and never
+        acknowledged either) over the checkpoint's."""
         for result in held:
-            self.put(result)
+            if result.receipt.rollout_id not in self._held:
+                self.put(result)
 
     def counters(self) -> dict[str, int]:
         return {"outbox_held": len(self._held), "outbox_offered_again": self.offered_again}

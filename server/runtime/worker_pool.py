@@ -176,6 +176,7 @@ class WorkerPool(Participant):
         """Workers that registered in the place of one that was there before."""
         self._ever: set[int] = set()
         self.outbox = ResultOutbox()
+        self._outbox_restored = False
         """The results every worker's runs hold under receipts, in one place: a late run
         finds its result whichever worker it reaches (result_outbox.py)."""
 
@@ -413,6 +414,7 @@ class WorkerPool(Participant):
             held = await asyncio.to_thread(held_results, outbox_records) if outbox_records else []
             await self._hold(own)
             self.outbox.install(held)
+            self._outbox_restored = bool(held)
             return
         by_worker: dict[int, list[dict[str, Any]]] = {}
         for record in records:
@@ -445,7 +447,11 @@ class WorkerPool(Participant):
     async def _hold(self, records: Sequence[RestoredRecord]) -> None:
         """Claims placement: validate every record on a worker (the kind's own rules), then
         hold them all here."""
-        if any(w.state.served for w in self.workers.values()) or self._held or self.outbox:
+        if (
+            any(w.state.served for w in self.workers.values())
+            or self._held
+            or self._outbox_restored
+        ):
             raise CheckpointError(
                 Reason.INVALID_CHECKPOINT_STATE,
                 "restore needs a process that has not run episodes",
@@ -514,7 +520,7 @@ class WorkerPool(Participant):
     def has_served(self) -> bool:
         return (
             bool(self._held)
-            or bool(self.outbox)
+            or self._outbox_restored
             or any(w.state.served for w in self.workers.values())
         )
 
@@ -524,7 +530,7 @@ class WorkerPool(Participant):
         listed, and its push after each retire is already here). A worker that still holds
         something keeps it served, and its own install refuses to mix anyway."""
         self._broadcast("forget_served")
-        self.outbox.clear()  # the rejoining restore brings back the checkpoint's
+        self._outbox_restored = False  # the results held stay (`ResultOutbox.install`)
         for worker in self.workers.values():
             state = worker.state
             state.served = bool(state.episodes or state.restored_pending)
