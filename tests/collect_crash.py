@@ -4,7 +4,10 @@
 
 `--crash-at <step>@<n>` kills the collector at `<step>` of its n-th checkpoint (n defaults to
 1): `prepared` (the fleet is prepared), `committed` (parts written, nothing published) or a
-publication step (`after_verify`, `after_fleet_manifest`, `after_latest`). `--stop-at` instead
+publication step (`after_verify`, `after_fleet_manifest`, `after_latest`); or at the n-th
+edge of the receipt protocol: `received` (a result's reply arrived, its line not written),
+`persisted` (its line durable, not acknowledged), `acknowledging`, `acknowledged` (an
+acknowledgement round about to leave, come back). `--stop-at` instead
 SIGSTOPs it there (the test SIGCONTs it once it has done something to the fleet meanwhile). The
 hook reaches the collector through `run_collect(step_hook=...)`; production code has no switch
 for it.
@@ -20,7 +23,18 @@ from collections.abc import Sequence
 
 from rollout_checkpoint.client.collect import add_collect_verb, run_collect
 
-STEPS = ("prepared", "committed", "after_verify", "after_fleet_manifest", "after_latest")
+STEPS = (
+    "prepared",
+    "committed",
+    "after_verify",
+    "after_fleet_manifest",
+    "after_latest",
+    # The receipt protocol's edges, numbered by their own count (receipts.DeliverySteps).
+    "received",
+    "persisted",
+    "acknowledging",
+    "acknowledged",
+)
 
 
 def crash_point(text: str) -> tuple[str, int]:

@@ -54,7 +54,7 @@ REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
 """Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
-OPEN_FLEETS, CLOSED_FLEETS = 11, 3
+OPEN_FLEETS, CLOSED_FLEETS = 14, 4
 """The fleets this module takes (open, and started closed): the pool boots no more."""
 
 
@@ -317,8 +317,10 @@ def assert_continued(
     work: Path, by_id: dict[str, dict[str, Any]], manifest: dict[str, Any], finished: set[str]
 ) -> int:
     """Every rollout the checkpoint continued that had not finished before the crash ran as
-    attempt N+1, and each one cut mid-episode went on from its checkpointed step. Returns
-    how many did that."""
+    attempt N+1, and each one cut mid-episode went on from its checkpointed step, unless it
+    finished on a surviving fleet after the crash: the entry held its result under a
+    receipt and the resumed run took it from there (`source` `outbox`), not running it
+    again. Returns how many went on or were taken back."""
     steps = mid_episode(work, manifest)
     went_on = 0
     for episode in manifest["continued"]:
@@ -327,7 +329,10 @@ def assert_continued(
             continue
         line = by_id[rollout_id]
         assert line["attempt"] == episode["attempt"] + 1, (rollout_id, line["attempt"])
-        if rollout_id in steps:
+        if line["provenance"]["source"] == "outbox":
+            assert line["provenance"]["produced_by_attempt"] >= episode["attempt"]
+            went_on += 1
+        elif rollout_id in steps:
             assert line["reply"]["continued_from_step"] == steps[rollout_id], rollout_id
             went_on += 1
     return went_on
@@ -492,11 +497,22 @@ def test_a_crash_before_the_first_checkpoint_restarts_from_inputs_on_the_fleet_t
     resumed = fleets.collect(fleet, "--resume")
     assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
     by_id = assert_complete(work, baseline.rewards)
+    reoffered = 0
     for rollout_id, attempt in unfinished.items():
-        # Retired where it may still run, restarted from its input as a later attempt.
-        assert by_id[rollout_id]["attempt"] == attempt + 1
-        assert by_id[rollout_id]["reply"]["continued_from_step"] is None
-    assert "restored" not in fleets.log(resumed)
+        line = by_id[rollout_id]
+        if line["provenance"]["source"] == "outbox":
+            # It finished on the fleet after the collector died: the entry held its result
+            # under a receipt, and the resumed run wrote it from there, not running it again.
+            assert line["provenance"]["produced_by_attempt"] == attempt
+            reoffered += 1
+        else:
+            # Retired where it may still run, restarted from its input as a later attempt.
+            assert line["attempt"] == attempt + 1
+        assert line["reply"]["continued_from_step"] is None
+    log = fleets.log(resumed)
+    assert "restored" not in log
+    if reoffered:
+        assert f"{reoffered} of them re-offered by the entry's outbox" in log
     # Every retired rollout was forgotten once its later attempt replied.
     status = subprocess.run(
         [*CLI, "status", "--fleet", str(fleet.file), "--json"],
@@ -606,6 +622,88 @@ def test_a_checkpoint_that_cannot_be_restored_restarts_its_rollouts_as_later_att
         line = by_id[episode["rollout_id"]]
         assert line["attempt"] >= episode["attempt"] + 2
         assert line["reply"]["continued_from_step"] is None
+
+
+# -- exactly once through receipts: the collector killed at every edge of the protocol ------------
+
+
+def held_in_entry(fleet: RealFleet) -> int:
+    """How many results the entry (the environment) holds under receipts."""
+    return asyncio.run(_held_in_entry(fleet))
+
+
+async def _held_in_entry(fleet: RealFleet) -> int:
+    from rollout_checkpoint.client.participant import ParticipantClient
+
+    server = fleet.processes.servers["environment"]
+    async with ParticipantClient(server.grpc, TOKEN) as client:
+        return (await client.list_results()).held
+
+
+@pytest.mark.parametrize(
+    ("edge", "taken_back"),
+    [
+        # A result's reply arrived; the collector died before its line: the entry still
+        # holds it, and the resume writes it from there instead of running it again.
+        ("received@4", True),
+        # Its line is durable, its receipt not acknowledged: the resume acknowledges it and
+        # does not write it twice.
+        ("persisted@4", False),
+        # An acknowledgement round about to leave, and one that came back (with -m slow:
+        # the CI budget).
+        pytest.param("acknowledging@1", False, marks=pytest.mark.slow),
+        pytest.param("acknowledged@1", False, marks=pytest.mark.slow),
+        # During a checkpoint's publication (the fleet manifest written, LATEST not).
+        pytest.param("after_fleet_manifest@1", False, marks=pytest.mark.slow),
+    ],
+)
+def test_the_collector_killed_at_each_edge_of_the_receipt_protocol_loses_and_repeats_nothing(
+    fleets: Fleets, baseline: Baseline, edge: str, taken_back: bool
+) -> None:
+    """SIGKILL at the edge; then `--resume` on the fleet that kept running: every (task,
+    repeat) exactly once with the uninterrupted run's reward, no line written twice, and a
+    result that finished before the crash and never reached the output is re-offered by the
+    entry's outbox (counted in the summary), not run again. At the end the entry holds
+    nothing: every receipt was acknowledged."""
+    work = fleets.work
+    fleet = fleets.start().result()
+    extra = ("--checkpoint-every", "0.3") if edge.startswith("after_") else ()
+    process = fleets.collect(fleet, *extra, crash_at=edge)
+    assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
+    before = output_lines(work)
+    assert len({line["rollout_id"] for line in before}) == len(before)
+    resumed = fleets.collect(fleet, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    log = fleets.log(resumed)
+    reoffered = [r for r, line in by_id.items() if line["provenance"]["source"] == "outbox"]
+    if taken_back:
+        assert reoffered, log
+        assert f"{len(reoffered)} of them re-offered by the entry's outbox" in log
+    for line in by_id.values():
+        provenance = line["provenance"]
+        assert len(provenance["receipt_sha256"]) == 64
+        assert provenance["produced_by_attempt"] in provenance["attempts"]
+    assert held_in_entry(fleet) == 0
+
+
+def test_the_whole_fleet_killed_with_results_held_then_resumed_on_a_fresh_fleet(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """The entry is killed (with everything else) while it holds unacknowledged results:
+    those the last checkpoint carried come back with its outbox and are offered again; the
+    rest run again from the checkpoint. Nothing is lost and nothing is written twice."""
+    work = fleets.work
+    first, fresh = fleets.start(), fleets.start(closed=True)
+    fleet = first.result()
+    process = fleets.collect(fleet, "--checkpoint-every", "0.3", crash_at="received@9")
+    assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
+    fleet.kill()
+    assert latest(work) is not None
+    resumed = fleets.collect(fresh.result(), "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    assert_complete(work, baseline.rewards)
+    assert held_in_entry(fresh.result()) == 0
 
 
 def test_failed_rollouts_are_retired_retried_and_then_recorded_as_failed(

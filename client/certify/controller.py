@@ -44,7 +44,9 @@ CHECKPOINT_STEPS = (
 """Steps numbered by checkpoint (`CheckpointStepHook`)."""
 RECOVERY_STEPS = ("recovery_cut_ended", "recovery_restored", "recovered")
 """Steps numbered by recovery try."""
-STEPS = CHECKPOINT_STEPS + RECOVERY_STEPS
+DELIVERY_STEPS = ("received", "persisted", "acknowledging", "acknowledged")
+"""Steps of the receipt protocol, numbered by their own count (`receipts.DeliverySteps`)."""
+STEPS = CHECKPOINT_STEPS + RECOVERY_STEPS + DELIVERY_STEPS
 POLL_SECONDS = 0.02
 """Between two reads of /proc while the line came and the stop has not landed yet (the
 SIGSTOP follows the write by microseconds; this is the wait for the scheduler)."""

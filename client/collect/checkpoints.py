@@ -46,8 +46,10 @@ the fleet finished), `writing` (asynchronous: resumed, the parts being written),
 (parts durable, nothing published) and the publication steps (`after_verify`,
 `after_fleet_manifest`, `after_latest`). A recovery's steps carry its number (from 1, every
 try counted): `recovery_cut_ended`, `recovery_restored` (`recovery.Step`) and `recovered`
-(the fleet resumed, the cut rollouts queued again). Fault tests and `certify` stop or kill
-the collector there, at the exact moment a fault is meant to meet; production passes none."""
+(the fleet resumed, the cut rollouts queued again). The delivery steps of the receipt
+protocol carry their own count (from 1): `received`, `persisted`, `acknowledging`,
+`acknowledged` (`receipts.DeliverySteps`). Fault tests and `certify` stop or kill the
+collector there, at the exact moment a fault is meant to meet; production passes none."""
 
 
 class NumberedSteps:

@@ -52,6 +52,11 @@ from rollout_checkpoint.client.collect.ending import finished_code
 from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
 from rollout_checkpoint.client.collect.member_loss import InPlaceRecovery
 from rollout_checkpoint.client.collect.options import CollectOptions
+from rollout_checkpoint.client.collect.receipts import (
+    ACK_SETTLE_SECONDS,
+    Acknowledgements,
+    HeldResults,
+)
 from rollout_checkpoint.client.collect.resume import FleetSetup
 from rollout_checkpoint.client.collect.retirement import Retirement
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, now_text
@@ -91,6 +96,7 @@ class Collector:
         self.fleet: Fleet | None = None
         self.dispatcher: Dispatcher | None = None
         self.recovery: InPlaceRecovery | None = None
+        self._control_loop: ControlLoop | None = None
 
     async def run(self) -> int:
         """Collect everything; the exit code (`ExitCode.OK`, `FAILURES_RECORDED`, and
@@ -148,20 +154,41 @@ class Collector:
     async def _collect(
         self, start: StartingPoint, settings: CheckpointSettings, spec: FleetSpec
     ) -> int:
+        output = DurableAppender(self.options.output)
+        dispatch_log = DurableAppender(start.log_path)
+        await output.open()
+        await dispatch_log.open()
+        try:
+            return await self._collect_into(start, settings, spec, output, dispatch_log)
+        finally:
+            await output.close()
+            await dispatch_log.close()
+
+    async def _collect_into(
+        self,
+        start: StartingPoint,
+        settings: CheckpointSettings,
+        spec: FleetSpec,
+        output: DurableAppender,
+        dispatch_log: DurableAppender,
+    ) -> int:
         options, fleet, book = self.options, self.fleet, start.book
         assert fleet is not None
         self.counts.phase = "setting up the fleet"
         setup = FleetSetup(fleet, start.root, book, self.view, self.control)
-        await setup.run(start.previous, time.time() + options.checkpoint_timeout)
-        output = DurableAppender(options.output)
-        dispatch_log = DurableAppender(start.log_path)
-        await output.open()
-        await dispatch_log.open()
+        held = HeldResults(fleet, book, output, self.view)
+        await setup.run(
+            start.previous,
+            time.time() + options.checkpoint_timeout,
+            held.take_back if options.resume else held.release,
+        )
         limits = httpx.Limits(
             max_connections=options.concurrency + 8,
             max_keepalive_connections=options.concurrency,
         )
         timeout = httpx.Timeout(options.request_timeout, connect=30.0)
+        acknowledgements = Acknowledgements(self._current_fleet, self._step_hook)
+        acknowledging = asyncio.create_task(acknowledgements.run())
         try:
             header = {
                 "run_id": self.run_id,
@@ -179,6 +206,8 @@ class Collector:
                     concurrency=options.concurrency,
                     on_change=self._notify,
                     on_fatal=self._fail,
+                    acknowledgements=acknowledgements,
+                    step_hook=self._step_hook,
                 )
                 recovery = self.recovery = InPlaceRecovery(
                     spec,
@@ -221,7 +250,9 @@ class Collector:
                     ),
                     self._steps,
                 )
-                control_loop = ControlLoop(options, fleet, parts, self.requests, self._notify)
+                control_loop = self._control_loop = ControlLoop(
+                    options, fleet, parts, self.requests, self._notify
+                )
                 recovery.start(fleet)
                 dispatching = asyncio.create_task(dispatcher.run())
                 self.counts.phase = "collecting"
@@ -234,8 +265,17 @@ class Collector:
                     await dispatcher.cancel_in_flight()  # before their client closes under them
                     await recovery.close()
         finally:
-            await output.close()
-            await dispatch_log.close()
+            # What is durable is acknowledged while the fleet is still open; what is not
+            # acknowledged now stays held, and the next run acknowledges it.
+            acknowledging.cancel()
+            await asyncio.gather(acknowledging, return_exceptions=True)
+            await acknowledgements.settle(ACK_SETTLE_SECONDS)
+
+    def _current_fleet(self) -> Fleet | None:
+        """The fleet now: a recovery in place swaps it for one discovered again."""
+        if self._control_loop is not None:
+            return self._control_loop.fleet
+        return self.fleet
 
     # -- what the parts report ------------------------------------------------------------------
 

@@ -9,9 +9,19 @@ from collections.abc import Callable
 
 import httpx
 
+from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
 from rollout_checkpoint.client.collect.outcome import classify, transport_failure
+from rollout_checkpoint.client.collect.receipts import (
+    RECEIPT_HEADER,
+    RECEIPT_REQUEST,
+    SOURCE_HEADER,
+    Acknowledgements,
+    DeliverySteps,
+)
 from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
+from rollout_checkpoint.client.participant import receipt_from_header
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 
 class Dispatcher:
@@ -37,8 +47,12 @@ class Dispatcher:
         concurrency: int,
         on_change: Callable[[], None],
         on_fatal: Callable[[BaseException], None],
+        acknowledgements: Acknowledgements | None = None,
+        step_hook: CheckpointStepHook | None = None,
     ) -> None:
         self.book = book
+        self.acknowledgements = acknowledgements
+        self._steps = DeliverySteps(step_hook)
         self.output = output
         self.dispatch_log = dispatch_log
         self.http = http
@@ -131,15 +145,26 @@ class Dispatcher:
         book = self.book
         url = f"{self.entry_url}/ng-rollout/{rollout.episode.capture_key}/run"
         try:
+            receipt, source = None, "run"
             try:
-                response = await self.http.post(url, json={"task": rollout.task.row})
+                response = await self.http.post(
+                    url, json={"task": rollout.task.row}, headers=RECEIPT_REQUEST
+                )
                 outcome = classify(response)
+                receipt, source = receipt_of(response)
             except httpx.HTTPError as error:
                 outcome = transport_failure(error)
             if outcome.kind == "ok":
                 assert outcome.reply is not None
-                await self.output.append(json_line(rollout.finished_line(outcome.reply)))
+                self._steps("received")
+                line = rollout.finished_line(outcome.reply, receipt, source)
+                await self.output.append(json_line(line))
+                self._steps("persisted")
                 book.collected(rollout)
+                if source == "outbox":
+                    book.counts.reoffered += 1
+                if receipt is not None and self.acknowledgements is not None:
+                    self.acknowledgements.add(receipt)  # durable first, acknowledged second
                 self._backoff = 0.0
             elif outcome.kind == "not_started":
                 book.not_started(rollout)
@@ -152,3 +177,16 @@ class Dispatcher:
         finally:
             book.in_flight -= 1
             self.on_change()
+
+
+def receipt_of(response: httpx.Response) -> tuple[pb.ResultReceipt | None, str]:
+    """The receipt a reply carries (None: an entry that issues none, or a reply that is no
+    result) and where the result came from (`run`, or `outbox`: held, offered again)."""
+    source = response.headers.get(SOURCE_HEADER, "run")
+    header = response.headers.get(RECEIPT_HEADER)
+    if header is None:
+        return None, source
+    try:
+        return receipt_from_header(header), source
+    except ValueError:
+        return None, source

@@ -30,8 +30,13 @@ def stopped_code(signum: signal.Signals) -> int:
 
 def finished_note(counts: Counts, output: Path) -> str:
     """A run that collected everything."""
+    reoffered = (
+        f", {counts.reoffered} of them re-offered by the entry's outbox (not run again)"
+        if counts.reoffered
+        else ""
+    )
     return (
-        f"collect: {counts.done} rollout(s) collected, {counts.failed} failed, "
+        f"collect: {counts.done} rollout(s) collected{reoffered}, {counts.failed} failed, "
         f"into {output}; {counts.checkpoints} checkpoint(s) taken"
     )
 

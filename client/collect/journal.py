@@ -218,6 +218,8 @@ class Previous:
     """Bytes of a torn last line cut off the output."""
     dispatched: dict[str, int] = field(default_factory=dict)
     """Rollout id -> the highest attempt the dispatch log says was sent."""
+    sent: dict[str, list[int]] = field(default_factory=dict)
+    """Rollout id -> every attempt the dispatch log says was sent, in order (provenance)."""
     runs: list[str] = field(default_factory=list)
     """The run ids of the dispatch log's headers, in order."""
     log_cut: int = 0
@@ -253,6 +255,9 @@ def read_previous(output: Path, log: Path, root: PublicationRoot, input_digest: 
         rollout_id, attempt = entry.get("rollout_id"), entry.get("attempt")
         if isinstance(rollout_id, str) and type(attempt) is int:
             previous.dispatched[rollout_id] = max(previous.dispatched.get(rollout_id, 0), attempt)
+            sent = previous.sent.setdefault(rollout_id, [])
+            if attempt not in sent:
+                sent.append(attempt)
     try:
         previous.manifest = read_latest_manifest(root)
     except (PublicationError, OSError, ValueError) as error:

@@ -40,9 +40,12 @@ def classify(response: httpx.Response) -> Outcome:
     if response.status_code == 200 and isinstance(body, dict) and error is None:
         return Outcome("ok", reply=body)
     code = error.get("code") if isinstance(error, dict) else None
-    if response.status_code == 409 and code in ("admission_closed", "awaiting_restore"):
-        # Refused before the episode began (a checkpoint in progress, or a start_closed
-        # process waiting for its Restore or Resume): nothing ran anywhere.
+    if (response.status_code == 409 and code in ("admission_closed", "awaiting_restore")) or (
+        response.status_code == 429 and code == "outbox_full"
+    ):
+        # Refused before the episode began (a checkpoint in progress, a start_closed
+        # process waiting for its Restore or Resume, or an entry whose outbox of results
+        # waits for acknowledgements): nothing ran anywhere.
         return Outcome("not_started")
     detail = json.dumps(error) if error is not None else response.text[:300]
     return Outcome("failed", error=f"HTTP {response.status_code}: {detail}")

@@ -19,7 +19,7 @@ run may have re-sent its continuations.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.checkpoint import restore_published
@@ -54,9 +54,16 @@ class FleetSetup:
         self.view = view
         self.control = control
 
-    async def run(self, previous: Previous, deadline: float) -> None:
+    async def run(
+        self,
+        previous: Previous,
+        deadline: float,
+        take_back: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """Restore, reopen and retire as needed (every call by `deadline`, a `time.time()`),
-        then queue every pending rollout."""
+        then queue every pending rollout. `take_back` runs once the fleet is restored or
+        reopened and before any unfinished rollout is retired: it takes the results the
+        entry holds (receipts.py), which a Retire of their rollouts would release."""
         state = previous.state or {}
         # Every attempt of an unfinished rollout that may hold state somewhere.
         top: dict[str, int] = dict(previous.dispatched)
@@ -70,6 +77,8 @@ class FleetSetup:
             restored = await self._maybe_restore(previous, top, deadline)
         if not restored:
             await self._reopen(deadline)
+        if take_back is not None:
+            await take_back()
         await self._restart_unfinished(top, deadline)
         self.book.queue_pending()
 

@@ -20,6 +20,7 @@ from rollout_checkpoint.client.collect.inputs import TaskRow, rollout_id_of
 from rollout_checkpoint.client.collect.journal import STATE_FORMAT, attempts_in
 from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 
 class Status(enum.Enum):
@@ -61,14 +62,26 @@ class Rollout:
     """Whether the failure of its current attempt counts against `max_attempts` (a failure
     of an attempt a lost member cut does not)."""
     handle: asyncio.Task[None] | None = field(default=None, repr=False)
+    sent_attempts: list[int] = field(default_factory=list)
+    """Every attempt of it ever dispatched, in order (this run's and, on `--resume`, the
+    dispatch log's): the attempt chain its output line names."""
 
     @property
     def episode(self) -> EpisodeId:
         """The episode of its current attempt."""
         return EpisodeId(self.rollout_id, self.attempt)
 
-    def finished_line(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """The output line of a collected rollout."""
+    def finished_line(
+        self,
+        reply: dict[str, Any],
+        receipt: pb.ResultReceipt | None = None,
+        source: str = "run",
+    ) -> dict[str, Any]:
+        """The output line of a collected rollout, with where it came from (`provenance`):
+        the attempts dispatched, the attempt that produced the result, the checkpoints the
+        fleet state that produced it was restored from, its receipt's digest, whether a run
+        or the entry's outbox delivered it, and the policy weight versions of its turns."""
+        produced_by = receipt.attempt if receipt is not None else self.attempt
         return {
             "rollout_id": self.rollout_id,
             "task_id": self.task.task_id,
@@ -77,6 +90,14 @@ class Rollout:
             "status": "ok",
             "reward": reply.get("reward"),
             "reply": reply,
+            "provenance": {
+                "attempts": sorted({*self.sent_attempts, self.attempt, produced_by}),
+                "produced_by_attempt": produced_by,
+                "restored_from": list(receipt.lineage) if receipt is not None else [],
+                "receipt_sha256": receipt.result_sha256 if receipt is not None else None,
+                "source": source,
+                "weight_versions": reply.get("weight_versions"),
+            },
         }
 
     def failed_line(self) -> dict[str, Any]:
@@ -168,10 +189,18 @@ class RolloutBook:
 
     # -- dispatching and replies ----------------------------------------------------------------
 
+    def apply_sent(self, sent: dict[str, list[int]]) -> None:
+        """Take the attempts a previous run's dispatch log says were sent (provenance)."""
+        for rollout_id, attempts in sent.items():
+            if rollout_id in self.rollouts:
+                self.rollouts[rollout_id].sent_attempts = list(attempts)
+
     def take(self, count: int) -> list[Rollout]:
         """Move up to `count` pending rollouts in flight."""
         batch = [self.pending.popleft() for _ in range(min(count, len(self.pending)))]
         for rollout in batch:
+            if rollout.attempt not in rollout.sent_attempts:
+                rollout.sent_attempts.append(rollout.attempt)
             rollout.status = Status.IN_FLIGHT
             rollout.highest_used = max(rollout.highest_used, rollout.attempt)
             rollout.sent_in = self.generation

@@ -82,6 +82,7 @@ async def read_starting_point(
         await store_call(deadline, location, _refuse_existing, options.output, root, log_path)
         previous = Previous()
     book.apply_output(previous.finished)
+    book.apply_sent(previous.sent)
     if previous.output_cut:
         view.note(
             f"collect: cut a torn last line ({previous.output_cut} bytes) off {options.output}"

@@ -24,6 +24,9 @@ class Counts:
     checkpoints: int = 0
     recoveries: int = 0
     """Recoveries in place after a member was lost."""
+    reoffered: int = 0
+    """Results the entry offered again from its outbox (finished before a crash, never
+    acknowledged) instead of running them again."""
     last_checkpoint: str | None = None
     last_checkpoint_at: float | None = None
     phase: str = "starting"

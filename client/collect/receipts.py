@@ -1,0 +1,224 @@
+"""Receipts in `collect`: acknowledge what the output holds, take back what it lacks.
+
+Every `/run` asks the entry point for a receipt (`x-rollout-receipt: request`): the entry
+keeps the result in its outbox until it is acknowledged, and every checkpoint carries the
+outbox. The two rules below make each (task, repeat) reach the output exactly once, however
+the collector, the entry or everything crashes:
+
+* **Acknowledge only what is durable** (`Acknowledgements`): a receipt is acknowledged after
+  its output line is durable, never before. A collector killed between the reply and its
+  line leaves the result held by the entry; one killed after the line and before the
+  acknowledgement leaves it held too, and the next run acknowledges it without writing it
+  again (the output already names the rollout).
+* **Take back before restarting anything** (`take_back_held`): a `--resume` lists the
+  results the entry members hold (ListResults) right after the fleet is restored or reopened
+  and before the unfinished rollouts are retired (a Retire releases the rollout's held
+  result): one the output lacks is written from the outbox, counted as re-offered, not run
+  again.
+
+Acknowledgements go to every entry member (environment and agent): the one that issued a
+receipt releases it, the others hold nothing of it and count it `not_held`. A failed round
+keeps the receipts for the next one; it never fails the run (held results cost the entry
+memory, and at worst a full outbox refuses new runs, which `collect` backs off from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
+from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
+from rollout_checkpoint.client.collect.view import CollectView
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client.fleet.discovery import Member
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+from rollout_checkpoint.v1 import types_pb2
+
+RECEIPT_REQUEST = {"x-rollout-receipt": "request"}
+"""The header every `/run` of `collect` carries."""
+RECEIPT_HEADER = "x-rollout-receipt"
+"""The reply header holding the receipt (JSON)."""
+SOURCE_HEADER = "x-rollout-result-source"
+"""The reply header saying whether a run (`run`) or the outbox (`outbox`) delivered it."""
+ENTRY_KINDS = (types_pb2.PARTICIPANT_KIND_ENVIRONMENT, types_pb2.PARTICIPANT_KIND_AGENT)
+ACK_BATCH = 1000
+ACK_SECONDS = 10.0
+"""The deadline of one AcknowledgeResults call."""
+ACK_EVERY = 0.2
+"""Receipts wait at most this long to be acknowledged in a batch."""
+ACK_SETTLE_SECONDS = 5.0
+"""At the end of a run, how long acknowledging what waits may take."""
+
+
+def entry_members(fleet: Fleet) -> list[Member]:
+    """The members that may hold results under receipts: environments and agents."""
+    return [m for m in fleet.members if m.kind in ENTRY_KINDS]
+
+
+class DeliverySteps:
+    """The delivery steps of a run, each numbered by its own count from 1 (`received`: the
+    Nth result's reply arrived, its line not written; `persisted`: the Nth line is durable,
+    its receipt not acknowledged; `acknowledging` / `acknowledged`: the Nth acknowledgement
+    round is about to leave / came back), handed to the run's step hook: fault tests kill
+    the collector at an exact edge of the receipt protocol."""
+
+    def __init__(self, hook: Callable[[str, int], None] | None) -> None:
+        self._hook = hook
+        self._counts: dict[str, int] = {}
+
+    def __call__(self, step: str) -> None:
+        if self._hook is not None:
+            self._counts[step] = self._counts.get(step, 0) + 1
+            self._hook(step, self._counts[step])
+
+
+class Acknowledgements:
+    """Receipts of durable output lines, acknowledged in batches to the entry members of the
+    current fleet (`fleet()`: a recovery swaps it)."""
+
+    def __init__(
+        self,
+        fleet: Callable[[], Fleet | None],
+        step_hook: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._steps = DeliverySteps(step_hook)
+        self._waiting: list[pb.ResultReceipt] = []
+        self._wake = asyncio.Event()
+        self.failed_rounds = 0
+
+    def add(self, receipt: pb.ResultReceipt) -> None:
+        """`receipt`'s result is durable in the output."""
+        self._waiting.append(receipt)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Acknowledge as receipts come, until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(ACK_EVERY)  # gather a batch
+            if not await self.flush():
+                await asyncio.sleep(min(0.5 * 2**self.failed_rounds, 10.0))
+
+    async def flush(self) -> bool:
+        """Acknowledge every waiting receipt now; False (the receipts kept) on a failure."""
+        fleet = self._fleet()
+        if fleet is None or not self._waiting:
+            return True
+        batch, self._waiting = self._waiting[:ACK_BATCH], self._waiting[ACK_BATCH:]
+        self._steps("acknowledging")
+        try:
+            await acknowledge(fleet, batch)
+        except (ControlError, fanout.FleetError, OSError):
+            self._waiting[:0] = batch
+            self.failed_rounds += 1
+            return False
+        self._steps("acknowledged")
+        self.failed_rounds = 0
+        if self._waiting:
+            self._wake.set()
+        return True
+
+    async def settle(self, within: float) -> None:
+        """At the end of the run: acknowledge what waits, for at most `within` seconds."""
+        end = time.monotonic() + within
+        while self._waiting and time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, end - time.monotonic())):
+                    if not await self.flush():
+                        await asyncio.sleep(0.2)
+
+
+async def acknowledge(fleet: Fleet, receipts: list[pb.ResultReceipt]) -> None:
+    deadline = time.time() + ACK_SECONDS
+    await fanout.fan_out(
+        "acknowledge",
+        entry_members(fleet),
+        lambda m: m.client.acknowledge_results(receipts, deadline),
+        fleet.spec.fan_out,
+    )
+
+
+async def held_results(fleet: Fleet) -> list[pb.HeldResult]:
+    """Every result the entry members hold, one per rollout (the newest attempt's)."""
+    pages = await fanout.fan_out(
+        "list results", entry_members(fleet), lambda m: m.client.all_results(), fleet.spec.fan_out
+    )
+    newest: dict[str, pb.HeldResult] = {}
+    for results in pages.values():
+        for held in results:
+            known = newest.get(held.receipt.rollout_id)
+            if known is None or known.receipt.attempt < held.receipt.attempt:
+                newest[held.receipt.rollout_id] = held
+    return [newest[r] for r in sorted(newest)]
+
+
+class HeldResults:
+    """What `collect` does with the results the entry members hold before it dispatches."""
+
+    def __init__(
+        self, fleet: Fleet, book: RolloutBook, output: DurableAppender, view: CollectView
+    ) -> None:
+        self.fleet = fleet
+        self.book = book
+        self.output = output
+        self.view = view
+
+    async def take_back(self) -> None:
+        """`--resume`: write every held result of an unfinished rollout (one the output
+        lacks) as its output line, then acknowledge every held result."""
+        written, held = await take_back_held(self.fleet, self._write)
+        if held:
+            self.view.note(
+                f"collect: the entry held {held} result(s) never acknowledged; {written} of "
+                "them were not in the output and are written from it, not run again"
+            )
+
+    async def release(self) -> None:
+        """A new collection: release whatever the entry members still hold of rollouts of
+        these ids (an earlier collection's, never acknowledged), so no run of this one is
+        answered with another collection's result."""
+        held = await held_results(self.fleet)
+        for start in range(0, len(held), ACK_BATCH):
+            await acknowledge(self.fleet, [h.receipt for h in held[start : start + ACK_BATCH]])
+        if held:
+            self.view.note(f"collect: released {len(held)} result(s) an earlier run left held")
+
+    async def _write(self, held: pb.HeldResult) -> bool:
+        rollout = self.book.rollouts.get(held.receipt.rollout_id)
+        if rollout is None or rollout.status in (Status.DONE, Status.FAILED):
+            return False
+        try:
+            reply = json.loads(held.result_json)
+        except ValueError:
+            return False
+        if not isinstance(reply, dict) or "error" in reply:
+            return False
+        await self.output.append(json_line(rollout.finished_line(reply, held.receipt, "outbox")))
+        self.book.collected(rollout)
+        self.book.counts.reoffered += 1
+        return True
+
+
+TakeBack = Callable[[pb.HeldResult], Awaitable[bool]]
+"""Writes a held result to the output if it lacks it; True when written."""
+
+
+async def take_back_held(fleet: Fleet, take_back: TakeBack) -> tuple[int, int]:
+    """Write every held result the output lacks (`take_back`), then acknowledge every held
+    result: (written, acknowledged)."""
+    held = await held_results(fleet)
+    written = 0
+    for result in held:
+        if await take_back(result):
+            written += 1
+    for start in range(0, len(held), ACK_BATCH):
+        await acknowledge(fleet, [h.receipt for h in held[start : start + ACK_BATCH]])
+    return written, len(held)
