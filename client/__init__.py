@@ -51,6 +51,13 @@ restarted rollouts) or raises `RecoveryLostRace` when another controller holds t
 `CoordinatorService` for controllers in any language; with `SupervisorSettings` (and their
 `RestartStrategy`) it also checkpoints periodically and recovers the fleet by itself.
 
+**Results exactly once.** A trainer that drives the fleet itself keeps a `ResultLedger`:
+`dispatched`, then `received` (a `LedgerReceipt`: `receipt_from_header` reads one off a
+reply) says whether to persist the result (`Delivery`), `persisted` once its store holds it,
+`to_acknowledge` what to send in `ParticipantClient.acknowledge_results`, and `state` /
+`load` its versioned JSON, published with the fleet's checkpoint (a state it would not
+write is a `LedgerStateError`).
+
 **collect.** `Collector` runs K rollouts of every task through a fleet (`CollectOptions`),
 checkpointing as it goes and losing nothing to a crash; `rollout-checkpoint collect` is its
 command line.
@@ -135,6 +142,12 @@ if TYPE_CHECKING:
         MemberSpec,
         load_fleet_file,
     )
+    from rollout_checkpoint.client.ledger import (
+        Delivery,
+        LedgerReceipt,
+        LedgerStateError,
+        ResultLedger,
+    )
     from rollout_checkpoint.client.participant import ParticipantClient, receipt_from_header
     from rollout_checkpoint.client.recovery import (
         Recovery,
@@ -147,6 +160,12 @@ if TYPE_CHECKING:
 _HOMES: dict[str, tuple[str, ...]] = {
     "rollout_checkpoint.client.errors": ("ControlError",),
     "rollout_checkpoint.client.participant": ("ParticipantClient", "receipt_from_header"),
+    "rollout_checkpoint.client.ledger": (
+        "Delivery",
+        "LedgerReceipt",
+        "LedgerStateError",
+        "ResultLedger",
+    ),
     "rollout_checkpoint.client.fleet.spec": (
         "FleetConfigError",
         "FleetSpec",
@@ -236,6 +255,7 @@ __all__ = [
     "CommandNotStarted",
     "ControlError",
     "Coordinator",
+    "Delivery",
     "DiscoveryError",
     "ExitedBeforeReady",
     "Fleet",
@@ -248,6 +268,8 @@ __all__ = [
     "FleetWatch",
     "LaunchError",
     "LaunchedMember",
+    "LedgerReceipt",
+    "LedgerStateError",
     "Member",
     "MemberEvent",
     "MemberProgress",
@@ -268,6 +290,7 @@ __all__ = [
     "RecoveryLostRace",
     "RestartStrategy",
     "RestoredCheckpoint",
+    "ResultLedger",
     "StorageFailed",
     "SupervisorSettings",
     "abandon_restore",
