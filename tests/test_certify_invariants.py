@@ -233,6 +233,18 @@ def test_admission_must_reopen_within_the_deadline() -> None:
     assert checks(run, base) == []
 
 
+def test_a_result_still_held_after_a_completed_run_names_the_entry_member() -> None:
+    base = baseline()
+    run = like(base)
+    run.controller_exit = 0
+    run.held_after = {"environment": 2}
+    found = only(checks(run, base), Check.RESULTS_ACKNOWLEDGED)
+    assert found.server == "environment"
+    assert "still holds 2 result(s)" in found.detail
+    run.controller_exit = 5  # a run that stopped early may leave results held for its resume
+    assert checks(run, base) == []
+
+
 def test_an_untyped_refusal_names_the_member_it_came_from() -> None:
     base = baseline()
     run = like(base)

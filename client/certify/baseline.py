@@ -23,6 +23,7 @@ from rollout_checkpoint.client.certify.runs import (
     RunFailed,
     collect_args,
     collect_exports,
+    held_after,
     model_args,
     model_misses,
     new_observation,
@@ -89,6 +90,7 @@ async def run_baseline(
             last = "; ".join(observation.notes[-NOTES_IN_ERROR:])
             raise RunFailed(f"{label}: the collector exited {code}: {last}")
         observation.exports = await collect_exports(setup, observation.rows, directory / "exports")
+        observation.held_after = await held_after(setup.spec)
         if mode == "replay":
             observation.model_misses = await model_misses(setup, processes)
         observation.untyped = await untyped_failures(processes, [directory / "collect.log"], [code])

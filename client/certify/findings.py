@@ -74,6 +74,9 @@ class Check(enum.StrEnum):
     MODEL_CALLS_RECORDED = "model_calls_were_in_the_baseline"
     """Every policy-model call was one the baseline made (a miss in the replay: the server
     under test made the agent ask something new)."""
+    RESULTS_ACKNOWLEDGED = "every_result_acknowledged"
+    """After a run that completed, the entry members hold no result under a receipt: every
+    result reached the output and its receipt was acknowledged."""
     DETERMINISTIC = "baseline_is_deterministic"
     """The baseline run twice (at two concurrencies) gives the same replies and exports."""
     STATELESS_HAS_NO_STATE = "stateless_replies_depend_only_on_the_request"

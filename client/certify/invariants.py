@@ -58,6 +58,7 @@ def check_run(
         *([admission] if admission is not None else []),
         *_refusals(context),
         *_model_calls(context),
+        *_acknowledged(context),
     ]
 
 
@@ -289,6 +290,22 @@ def _model_calls(context: _Context) -> list[Violation]:
         if not context.skipped(pointed(rollout_id), rollout_id)
     )
     return first_of(found, "calls")
+
+
+def _acknowledged(context: _Context) -> list[Violation]:
+    """A completed run leaves nothing held: `collect` acknowledges every receipt once its
+    line is durable, and takes back on `--resume` what a crash left held."""
+    if context.run.controller_exit != 0:
+        return []
+    return [
+        _violation(
+            context,
+            Check.RESULTS_ACKNOWLEDGED,
+            f"{member} still holds {count} result(s) under receipts after the run completed",
+            server=member,
+        )
+        for member, count in sorted(context.run.held_after.items())
+    ]
 
 
 def _violation(

@@ -52,6 +52,9 @@ class RunObservation:
     with the process (a finished rollout is in no checkpoint's scope to restore it from), so
     its missing export is the fault's doing, not the server's; an attempt sent after the kill
     can only hold state in the replacement, which must export it."""
+    held_after: dict[str, int] = field(default_factory=dict)
+    """Entry member (fleet-file name) -> the results it still held under receipts after the
+    run (ListResults), for those holding any."""
     controller_exit: int | None = None
     """The collector's last exit code (None: it never ended)."""
     notes: list[str] = field(default_factory=list)

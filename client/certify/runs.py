@@ -32,7 +32,9 @@ from rollout_checkpoint.client.checkpointing.publication import (
 )
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.inputs import load_input, rollout_id_of
-from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client.collect.receipts import ENTRY_KINDS
+from rollout_checkpoint.client.errors import ControlError
+from rollout_checkpoint.client.fleet import Fleet, FleetSpec
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
 Mode = Literal["record", "replay"]
@@ -165,6 +167,26 @@ async def collect_exports(
         await fleet.close()
     directory = Path(str(root.directory(published.checkpoint_id)))
     return await asyncio.to_thread(_read_exports, directory, instances, members)
+
+
+async def held_after(spec: FleetSpec) -> dict[str, int]:
+    """Entry member -> the results it still holds under receipts (ListResults), for the
+    members holding any. A member that serves no outbox (an older server) holds none."""
+    fleet = await Fleet.discover(spec)
+    try:
+        held: dict[str, int] = {}
+        for member in fleet.members:
+            if member.kind not in ENTRY_KINDS:
+                continue
+            try:
+                count = (await member.client.list_results()).held
+            except ControlError:
+                continue
+            if count:
+                held[member.name] = count
+        return held
+    finally:
+        await fleet.close()
 
 
 def _read_exports(

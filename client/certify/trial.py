@@ -45,6 +45,7 @@ from rollout_checkpoint.client.certify.runs import (
     collect_args,
     collect_exports,
     dispatched_attempts,
+    held_after,
     model_args,
     model_misses,
     new_observation,
@@ -307,6 +308,7 @@ class TrialRun:
             )
         except (RunFailed, FleetError, ControlError, DiscoveryError, PublicationError) as error:
             observation.notes.append(f"certify: the sessions could not be exported ({error})")
+        observation.held_after = await held_after(self.spec)
         observation.model_misses = await model_misses(setup, self.processes)
         observation.untyped = await untyped_failures(
             self.processes, [c.log for c in self.controllers], codes

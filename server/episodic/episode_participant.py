@@ -17,7 +17,6 @@ server with several workers (its bridge offers `remote_outbox`).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import json
@@ -42,13 +41,11 @@ from rollout_checkpoint.server.runtime.participant import (
     RestoredRecord,
 )
 from rollout_checkpoint.server.runtime.result_outbox import (
-    DEFAULT_OUTBOX_CAP,
     Lookup,
     Receipt,
     ResultOutbox,
-    held_results,
     outbox_identity,
-    split_records,
+    restored_results,
 )
 
 
@@ -75,8 +72,6 @@ class EpisodeParticipant(Participant):
         """The results held under receipts here; None in a worker, whose outbox is the main
         process's (`remote_outbox`)."""
         self._remote_outbox: OutboxAccess | None = None
-        self._outbox_restored = False
-        """A restore installed held results here: the process restored (see `has_served`)."""
 
     def attach(self, context: Any) -> None:
         super().attach(context)
@@ -87,7 +82,7 @@ class EpisodeParticipant(Participant):
         )
         self._remote_outbox = getattr(context, "remote_outbox", None)
         if self._remote_outbox is None:
-            self.outbox = ResultOutbox(cap=getattr(context, "outbox_cap", DEFAULT_OUTBOX_CAP))
+            self.outbox = ResultOutbox.of(context)
 
     @property
     def episodes_tracker(self) -> EpisodeSteps:
@@ -141,8 +136,7 @@ class EpisodeParticipant(Participant):
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         if self.has_served():
             raise rejected_checkpoint("restore needs a process that has not run episodes")
-        outbox_records, own = split_records(records)
-        held = await asyncio.to_thread(held_results, outbox_records) if outbox_records else []
+        held, own = await restored_results(records)
         boundaries = {record.restored_as: self.validate_record(record) for record in own}
         self.installed(own)
         self.episodes_tracker.install(boundaries)
@@ -150,7 +144,6 @@ class EpisodeParticipant(Participant):
             if self.outbox is None:
                 raise rejected_checkpoint("a worker holds no outbox: restore through its server")
             self.outbox.install(held)
-            self._outbox_restored = True
 
     def installed(self, records: Sequence[RestoredRecord]) -> None:
         """Every record is valid and about to be installed: keep what the kind needs of them."""
@@ -164,13 +157,12 @@ class EpisodeParticipant(Participant):
 
     async def retire(self, episode: EpisodeId) -> None:
         if self.outbox is not None:
-            self.outbox.drop(functools.partial(_covers, episode))
+            self.outbox.retired(episode)
         await self.episodes_tracker.retire(episode)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         if self.outbox is not None:
-            forgotten = set(rollout_ids)
-            self.outbox.drop(lambda produced: produced.rollout_id in forgotten)
+            self.outbox.forgotten(rollout_ids)
         self.episodes_tracker.forget(rollout_ids)
 
     def committed(self, scope: frozenset[EpisodeId] | None) -> None:
@@ -187,6 +179,8 @@ class EpisodeParticipant(Participant):
     # -- OutboxAccess (receipts.py) --------------------------------------------------------
 
     async def lookup(self, episode: EpisodeId, route: str) -> Lookup:
+        """What the outbox holds of `episode`'s rollout for `route` (here, or in the main
+        process of a server with several workers), and whether it has room."""
         if self._remote_outbox is not None:
             return await self._remote_outbox.lookup(episode, route)
         return cast(ResultOutbox, self.outbox).lookup(episode, route)
@@ -228,14 +222,17 @@ class EpisodeParticipant(Participant):
         return self.episodes_tracker.episode_infos()
 
     def has_served(self) -> bool:
-        return self.episodes_tracker.has_served() or self._outbox_restored
+        return self.episodes_tracker.has_served() or (
+            self.outbox is not None and self.outbox.restored
+        )
 
     def forget_served(self) -> None:
         """Also forget having installed an outbox, but keep the results held: they are
         finished, and a rejoining restore adds the checkpoint's beside them
         (`ResultOutbox.install`)."""
         self.episodes_tracker.forget_served()
-        self._outbox_restored = False
+        if self.outbox is not None:
+            self.outbox.restored = False
 
     async def claim_restored(self, episode_id: EpisodeId) -> None:
         """In one worker of several: claim `episode_id`'s restored record from the main
@@ -339,10 +336,6 @@ class EnvironmentParticipant(EpisodeParticipant):
 
     def facts(self) -> Mapping[str, str]:
         return {"relay_step": "replay"}
-
-
-def _covers(retired: EpisodeId, produced: EpisodeId) -> bool:
-    return produced.rollout_id == retired.rollout_id and produced.attempt <= retired.attempt
 
 
 def _json_copy(value: Any) -> Any:

@@ -29,6 +29,7 @@ after its release is recognised as such, and a digest that contradicts it is sti
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -192,6 +193,15 @@ def split_records(
     return outbox, own
 
 
+async def restored_results(
+    records: Sequence[RestoredRecord],
+) -> tuple[list[HeldResult], list[RestoredRecord]]:
+    """A restore's held results (parsed and checked in a thread) and the kind's own records."""
+    outbox, own = split_records(records)
+    held = await asyncio.to_thread(held_results, outbox) if outbox else []
+    return held, own
+
+
 def held_results(records: Sequence[RestoredRecord]) -> list[HeldResult]:
     """The results of restored outbox records, each held under its restored attempt N+1;
     `rejected_checkpoint` names the first invalid one. CPU-bound (every result is parsed
@@ -236,6 +246,9 @@ class ResultOutbox:
     """(rollout, attempt) -> digest of receipts acknowledged and released."""
     offered_again: int = 0
     """Late runs answered from the outbox (counter)."""
+    restored: bool = False
+    """A Restore installed results here: the process has restored (its `has_served`), until
+    a rejoining Restore makes it forget so (the results stay)."""
     _ordered: list[HeldResult] | None = None
 
     def __len__(self) -> int:
@@ -308,6 +321,32 @@ class ResultOutbox:
             del self._held[rollout_id]
             self._ordered = None
 
+    def retired(self, episode: EpisodeId) -> None:
+        """A Retire of `episode`: release the result of any attempt <= it of its rollout."""
+        self.drop(
+            lambda produced: (
+                produced.rollout_id == episode.rollout_id and produced.attempt <= episode.attempt
+            )
+        )
+
+    def forgotten(self, rollout_ids: Iterable[str]) -> None:
+        """A Forget of these rollouts: release their results."""
+        forgotten = set(rollout_ids)
+        self.drop(lambda produced: produced.rollout_id in forgotten)
+
+    def answer_worker(self, op: str, body: Mapping[str, Any], lineage: Sequence[str]) -> Any:
+        """A worker's call to the outbox its main process holds (`outbox_lookup`,
+        `outbox_put`: worker_bridge.BridgedOutbox); KeyError for another call."""
+        episode = EpisodeId.from_capture_key(body["episode"])
+        if op == "outbox_lookup":
+            found = self.lookup(episode, body["route"])
+            held = None if found.held is None else bridged_result(found.held)
+            return {"held": held, "full": found.full}
+        if op == "outbox_put":
+            receipt = self.hold(episode, body["route"], body["canonical"], body["digest"], lineage)
+            return receipt.as_json()
+        raise KeyError(op)
+
     def drop_held_as(self, episodes: set[EpisodeId]) -> None:
         """Release the results held under these keys (a failed restore undoes its install)."""
         for rollout_id in [r for r, held in self._held.items() if held.episode_id in episodes]:
@@ -331,8 +370,14 @@ class ResultOutbox:
         rejoining a restore keeps what it produced after the checkpoint (newer, and never
         acknowledged either) over the checkpoint's."""
         for result in held:
+            self.restored = True
             if result.receipt.rollout_id not in self._held:
                 self.put(result)
+
+    @classmethod
+    def of(cls, context: Any) -> ResultOutbox:
+        """The outbox of a participant attached to `context` (its cap, when it says one)."""
+        return cls(cap=getattr(context, "outbox_cap", DEFAULT_OUTBOX_CAP))
 
     def counters(self) -> dict[str, int]:
         return {"outbox_held": len(self._held), "outbox_offered_again": self.offered_again}

@@ -57,12 +57,9 @@ from rollout_checkpoint.server.runtime.participant import (
     RestoredRecord,
 )
 from rollout_checkpoint.server.runtime.result_outbox import (
-    DEFAULT_OUTBOX_CAP,
     ResultOutbox,
-    bridged_result,
-    held_results,
     outbox_identity,
-    split_records,
+    restored_results,
 )
 from rollout_checkpoint.server.runtime.worker_bridge import episode_keys
 from rollout_checkpoint.server.runtime.worker_link import Link, WorkerCallFailed
@@ -175,14 +172,12 @@ class WorkerPool(Participant):
         self.restarts = 0
         """Workers that registered in the place of one that was there before."""
         self._ever: set[int] = set()
-        self.outbox = ResultOutbox()
-        self._outbox_restored = False
-        """The results every worker's runs hold under receipts, in one place: a late run
-        finds its result whichever worker it reaches (result_outbox.py)."""
 
     def attach(self, context: Any) -> None:
         super().attach(context)
-        self.outbox.cap = getattr(context, "outbox_cap", DEFAULT_OUTBOX_CAP)
+        self.outbox = ResultOutbox.of(context)
+        """The results every worker's runs hold under receipts, in one place: a late run
+        finds its result whichever worker it reaches (result_outbox.py)."""
 
     # -- the bridge: workers register, push state, claim ---------------------------------
 
@@ -205,21 +200,8 @@ class WorkerPool(Participant):
                 }
             if op == "claim":
                 return self._claim(EpisodeId.from_capture_key(body["episode"]))
-            if op == "outbox_lookup":
-                found = self.outbox.lookup(
-                    EpisodeId.from_capture_key(body["episode"]), body["route"]
-                )
-                held = None if found.held is None else bridged_result(found.held)
-                return {"held": held, "full": found.full}
-            if op == "outbox_put":
-                receipt = self.outbox.hold(
-                    EpisodeId.from_capture_key(body["episode"]),
-                    body["route"],
-                    body["canonical"],
-                    body["digest"],
-                    getattr(self.context, "lineage", ()),
-                )
-                return receipt.as_json()
+            if op.startswith("outbox_"):
+                return self.outbox.answer_worker(op, body, getattr(self.context, "lineage", ()))
             raise ValueError(f"unknown bridge call {op!r}")
 
         def listen(op: str, body: Any) -> None:
@@ -410,11 +392,9 @@ class WorkerPool(Participant):
                 code="FAILED_PRECONDITION",
             ) from None
         if self.placement is Placement.CLAIMS:
-            outbox_records, own = split_records(records)
-            held = await asyncio.to_thread(held_results, outbox_records) if outbox_records else []
+            held, own = await restored_results(records)
             await self._hold(own)
             self.outbox.install(held)
-            self._outbox_restored = bool(held)
             return
         by_worker: dict[int, list[dict[str, Any]]] = {}
         for record in records:
@@ -447,11 +427,7 @@ class WorkerPool(Participant):
     async def _hold(self, records: Sequence[RestoredRecord]) -> None:
         """Claims placement: validate every record on a worker (the kind's own rules), then
         hold them all here."""
-        if (
-            any(w.state.served for w in self.workers.values())
-            or self._held
-            or self._outbox_restored
-        ):
+        if any(w.state.served for w in self.workers.values()) or self._held or self.outbox.restored:
             raise CheckpointError(
                 Reason.INVALID_CHECKPOINT_STATE,
                 "restore needs a process that has not run episodes",
@@ -473,11 +449,7 @@ class WorkerPool(Participant):
         self.context.changed()
 
     async def retire(self, episode: EpisodeId) -> None:
-        self.outbox.drop(
-            lambda produced: (
-                produced.rollout_id == episode.rollout_id and produced.attempt <= episode.attempt
-            )
-        )
+        self.outbox.retired(episode)
         for key in list(self._held):
             held = EpisodeId.from_capture_key(key)
             if held.rollout_id == episode.rollout_id and held.attempt <= episode.attempt:
@@ -520,7 +492,7 @@ class WorkerPool(Participant):
     def has_served(self) -> bool:
         return (
             bool(self._held)
-            or self._outbox_restored
+            or self.outbox.restored
             or any(w.state.served for w in self.workers.values())
         )
 
@@ -530,22 +502,18 @@ class WorkerPool(Participant):
         listed, and its push after each retire is already here). A worker that still holds
         something keeps it served, and its own install refuses to mix anyway."""
         self._broadcast("forget_served")
-        self._outbox_restored = False  # the results held stay (`ResultOutbox.install`)
+        self.outbox.restored = False  # the results held stay (`ResultOutbox.install`)
         for worker in self.workers.values():
             state = worker.state
             state.served = bool(state.episodes or state.restored_pending)
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
-        outbox = outbox_identity(episode, record)
-        if outbox is not None:
-            return outbox
         if self._identity is not None:
-            return self._identity(episode, record)
-        return episode
+            return outbox_identity(episode, record) or self._identity(episode, record)
+        return outbox_identity(episode, record) or episode
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
-        forgotten = set(rollout_ids)
-        self.outbox.drop(lambda produced: produced.rollout_id in forgotten)
+        self.outbox.forgotten(rollout_ids)
         self._broadcast("forget", {"rollouts": list(rollout_ids)})
 
     def result_outbox(self) -> ResultOutbox:
