@@ -44,6 +44,14 @@ HEADER = "x-weight-version"
 SETTINGS = CheckpointSettings(enabled=True, token=TOKEN)
 
 
+def injection_server() -> PromptInjectionServer:
+    return PromptInjectionServer(
+        ResourcesServerConfig(
+            instance="prompt_injection", session_secret="wv-test-secret", checkpoint=SETTINGS
+        )
+    )
+
+
 def version_of(reply: httpx.Response) -> int:
     assert reply.status_code == 200, reply.text
     return int(reply.headers[HEADER])
@@ -216,12 +224,7 @@ async def test_the_agent_lists_the_version_of_each_model_call_across_a_change() 
     gate = Gate()
     release = gate.hold("generate", rollout)
     policy = PolicyModelServer(PolicyModelConfig(checkpoint=SETTINGS, latency=0.0, gate=gate))
-    resources = PromptInjectionServer(
-        ResourcesServerConfig(
-            instance="prompt_injection", session_secret="wv-test-secret", checkpoint=SETTINGS
-        )
-    )
-    async with serving(policy) as model_url, serving(resources) as resources_url:
+    async with serving(policy) as model_url, serving(injection_server()) as resources_url:
         agent = AgentServer(
             AgentConfig(
                 model_url=model_url,
@@ -252,14 +255,9 @@ async def test_an_unstamped_model_reply_counts_as_unknown() -> None:
     checkpoint middleware) contributes null."""
     (rollout,) = rollouts(CLINIC, falls=False, count=1)
     completion = {"choices": [{"message": {"role": "assistant", "content": "done"}}]}
-    resources = PromptInjectionServer(
-        ResourcesServerConfig(
-            instance="prompt_injection", session_secret="wv-test-secret", checkpoint=SETTINGS
-        )
-    )
     async with (
         serving(FailingCallee({}, Answer(200, completion))) as model_url,
-        serving(resources) as resources_url,
+        serving(injection_server()) as resources_url,
     ):
         agent = AgentServer(
             AgentConfig(

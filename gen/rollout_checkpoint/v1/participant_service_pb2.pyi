@@ -330,7 +330,9 @@ class GetStatusResponse(_message.Message):
 
     @_builtins.property
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Kind-specific counters. Resources: `retired_sessions`."""
+        """Kind-specific counters. Resources: `retired_sessions`. Policy model:
+        `weight_version` (see SetWeightVersion).
+        """
 
     def __init__(
         self,
