@@ -437,6 +437,20 @@ class ParticipantClient:
             )
         )
 
+    async def set_weight_version(self, version: int, deadline: float) -> int:
+        """SetWeightVersion: the policy model stamps the calls admitted from now on with
+        `version`; returns the version before. Idempotent; allowed in every state.
+
+        Raises `ControlError`: `INVALID_REQUEST` (not a policy model, a version above
+        2^63-1), `CHECKPOINT_DEADLINE_EXCEEDED`."""
+        request = pb.SetWeightVersionRequest(deadline=timestamp(deadline), weight_version=version)
+        reply: pb.SetWeightVersionResponse = await self._call(
+            self._stub.SetWeightVersion(
+                request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
+            )
+        )
+        return reply.previous
+
 
 async def every_page(
     fetch: Callable[[str], Awaitable[P]], items: Callable[[P], Iterable[Item]]

@@ -13,6 +13,12 @@ it. A 409 `admission_closed` (or `awaiting_restore`, a model process started clo
 model means "you are at the boundary before this call": the episode parks there and re-issues
 the call after resume.
 
+Each model reply's `x-weight-version` (the version of the policy weights it was sampled under)
+is kept in the boundary beside the conversation, and the `/run` result lists them as
+`weight_versions`, one per model call in order (null for a reply without the header): a
+rollout continued after a restore still reports the versions of its turns before the cut, so
+a trainer sees how far its weights moved during the rollout.
+
 A run that a callee failed answers a failure (`relay.failure_response`): the callee's status
 with `upstream_failed` (a model or resources server answering 4xx/5xx, a tool call refused
 409, failing 5xx or finding its session gone), 502 `upstream_unreachable` for a callee that
@@ -50,7 +56,10 @@ from rollout_checkpoint.server.episodic.episode_steps import (
     StepMode,
     TrackedEpisode,
 )
-from rollout_checkpoint.server.model.participant import EPISODE_FINISHED_PATH
+from rollout_checkpoint.server.model.participant import (
+    EPISODE_FINISHED_PATH,
+    WEIGHT_VERSION_HEADER,
+)
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.server.runtime.rollout_prefix import (
@@ -239,6 +248,10 @@ class Episode:
         self.state: dict[str, Any] = dict(restored) if self.continued else {}
         self.state.setdefault("resources_server", resources)
         self.restored_step = self.state.get("step") if self.continued else None
+        if self.continued:
+            # A boundary checkpointed before versions were collected: its earlier turns'
+            # versions are unknown, one null per model call made (one per step).
+            self.state.setdefault("weight_versions", [None] * int(self.state.get("step", 0)))
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -251,8 +264,9 @@ class Episode:
         tools = await self._tools()
         while self.state["step"] < self.config.max_steps:
             await self._boundary()
-            message = await self._model_call(tools)
+            message, weight_version = await self._model_call(tools)
             self.state["messages"].append(message)
+            self.state["weight_versions"].append(weight_version)
             calls = message.get("tool_calls") or []
             if not calls:
                 break
@@ -270,6 +284,7 @@ class Episode:
             "function_calls": self.state["function_calls"],
             "steps": self.state["step"],
             "continued_from_step": self.restored_step,
+            "weight_versions": self.state["weight_versions"],
         }
 
     # -- steps --------------------------------------------------------------------------
@@ -294,6 +309,7 @@ class Episode:
             function_calls=[],
             cookies=dict(response.cookies),
             verify_mode=verify_mode,
+            weight_versions=[],
         )
 
     async def _tools(self) -> list[dict[str, Any]]:
@@ -309,7 +325,9 @@ class Episode:
         if self.tracker is not None and self.tracked is not None:
             await self.tracker.boundary(self.tracked, json.loads(json.dumps(self.state)))
 
-    async def _model_call(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    async def _model_call(self, tools: list[dict[str, Any]]) -> tuple[dict[str, Any], int | None]:
+        """The model's message and the weight version it was sampled under (its reply's
+        `x-weight-version`; None from a model that does not stamp its replies)."""
         request = {
             "model": self.config.model_name,
             "messages": self.state["messages"],
@@ -343,7 +361,7 @@ class Episode:
                 continue
             if refused == "stale_attempt":
                 raise EpisodeRetired(self.episode_id.capture_key)
-            return _message_of(response)
+            return _message_of(response), weight_version_of(response)
 
     async def _tool_call(self, call: dict[str, Any]) -> None:
         function = call.get("function", {})
@@ -456,6 +474,13 @@ def _message_of(response: httpx.Response) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise CalleeFailed.answered("the model", response)
     return {k: v for k, v in message.items() if v is not None}
+
+
+def weight_version_of(response: httpx.Response) -> int | None:
+    """The `x-weight-version` a policy model stamps on its replies; None when absent or not a
+    version (a model without the checkpoint middleware, a proxy that mangled it)."""
+    value = response.headers.get(WEIGHT_VERSION_HEADER.decode(), "")
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def tool_output(response: httpx.Response) -> Any:

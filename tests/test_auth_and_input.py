@@ -29,6 +29,7 @@ UNARY = [
     "Resume",
     "Retire",
     "Forget",
+    "SetWeightVersion",
 ]
 ALL_RPCS = [*UNARY, "Prepare"]
 
@@ -50,6 +51,7 @@ def requests(deadline: float) -> dict[str, object]:
             checkpoint_id="c1", deadline=d, episodes=[types_pb2.EpisodeId(rollout_id="r")]
         ),
         "Forget": pb.ForgetRequest(checkpoint_id="c1", deadline=d, rollout_ids=["r"]),
+        "SetWeightVersion": pb.SetWeightVersionRequest(deadline=d, weight_version=1),
     }
 
 

@@ -6,6 +6,11 @@ agent at the boundary before the call, and a restored agent simply re-issues it.
 record is `{"calls": [...]}`, with at most one `generation_cut` beside it (generation_cuts.py);
 `restored_ledger` refuses anything else, so a Restore never installs a ledger it cannot
 continue.
+
+Each call carries the weight version it was admitted under (`"weight_version"`, see
+`ModelParticipant.set_weight_version`). The field is additive: a call stored before versions
+were recorded has none and reads as unknown, which `oldest_weight_version` skips; a call
+whose version is not an integer from 0 to 2^63-1 is refused like any other malformed record.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from typing import Any
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.model.generation_cuts import GenerationCut, GenerationPrefix
-from rollout_checkpoint.server.runtime.participant import RestoredRecord
+from rollout_checkpoint.server.runtime.participant import MAX_WEIGHT_VERSION, RestoredRecord
+
+WEIGHT_VERSION_KEY = "weight_version"
+"""A ledger row's field: the weight version its call was admitted under."""
 
 
 @dataclass(eq=False)
@@ -39,6 +47,9 @@ class ModelCall:
     """The request body: its conversation digest is computed only if the call is cut."""
     sequence: int = 0
     """Admission order: of several undelivered calls of one episode, the last one is cut."""
+    weight_version: int = 0
+    """The weight version current when the call was admitted: what its reply and its ledger
+    row are stamped with, whatever the version is by the time it is delivered."""
     staged: GenerationCut | None = None
     """The prefix its backend staged at this checkpoint's close (dropped at resume)."""
     prefix: GenerationPrefix | None = None
@@ -59,6 +70,9 @@ class Ledger:
 
     rows: list[bytes] = field(default_factory=list)
     cut: GenerationCut | None = None
+    oldest_weight_version: int | None = None
+    """The lowest known weight version among `rows` (None: none known), kept as rows are
+    added so that ListEpisodes never decodes a ledger."""
 
     @property
     def calls(self) -> list[dict[str, Any]]:
@@ -66,13 +80,31 @@ class Ledger:
         return [json.loads(row) for row in self.rows]
 
     def append(self, call: Mapping[str, Any]) -> None:
-        """Add a delivered call (`{"request_sha256", "response"}`) as its compact JSON."""
+        """Add a delivered call (`{"request_sha256", "response", "weight_version"}`) as its
+        compact JSON."""
         self.rows.append(_compact(call))
+        version = call.get(WEIGHT_VERSION_KEY)
+        if version is not None and (
+            self.oldest_weight_version is None or version < self.oldest_weight_version
+        ):
+            self.oldest_weight_version = version
 
     @classmethod
     def of(cls, calls: Sequence[Mapping[str, Any]], cut: GenerationCut | None = None) -> Ledger:
         """A ledger of stored rows (a restored record's `calls`) and its restored cut."""
-        return cls([_compact(c) for c in calls], cut)
+        ledger = cls(cut=cut)
+        for call in calls:
+            ledger.append(call)
+        return ledger
+
+
+def _valid_weight_version(call: Mapping[str, Any]) -> bool:
+    """A stored call's version is absent (unknown: recorded before versions were) or an
+    integer SetWeightVersion could have set (JSON `true` is no version)."""
+    if WEIGHT_VERSION_KEY not in call:
+        return True
+    version = call[WEIGHT_VERSION_KEY]
+    return type(version) is int and 0 <= version <= MAX_WEIGHT_VERSION
 
 
 def _compact(value: Any) -> bytes:
@@ -90,6 +122,12 @@ def restored_ledger(record: RestoredRecord) -> Ledger:
     ):
         raise rejected_checkpoint(
             "a model record holds a list of calls and at most one generation cut",
+            capture_key=record.checkpointed.capture_key,
+        )
+    if not all(_valid_weight_version(c) for c in calls):
+        raise rejected_checkpoint(
+            "a model record's call has a weight_version that is not an integer from 0 to "
+            f"{MAX_WEIGHT_VERSION}",
             capture_key=record.checkpointed.capture_key,
         )
     cut = None

@@ -49,6 +49,14 @@ The policy model prepares before the agents, and it never waits for generation:
   matches gets the prefix attached (`PREFIX_KEY` on its scope) and the backend continues it.
   A resume without a crash drops the staged cuts: the calls go on and deliver.
 
+* **Weight versions.** A trainer sets the version of the policy weights that serve
+  (`set_weight_version`, the SetWeightVersion RPC). Each call is stamped with the version
+  current when it was admitted: its reply carries `x-weight-version: <n>` (`WEIGHT_VERSION_HEADER`)
+  and its ledger row `"weight_version"`, so a checkpoint keeps what every delivered call was
+  sampled under, and ListEpisodes reports an episode's `oldest_weight_version` (live and
+  restored ledgers alike). A response held across a checkpoint keeps its admission's
+  version: it was sampled under those weights, whatever the trainer set meanwhile.
+
 The middleware works for any ASGI app that serves `/v1/chat/completions` (or `/v1/responses`,
 `/v1/messages`), including a thin proxy in front of a real OpenAI-compatible server.
 """
@@ -74,7 +82,12 @@ from rollout_checkpoint.server.model.generation_cuts import (
     GenerationCut,
     conversation_digest,
 )
-from rollout_checkpoint.server.model.ledger import Ledger, ModelCall, restored_ledger
+from rollout_checkpoint.server.model.ledger import (
+    WEIGHT_VERSION_KEY,
+    Ledger,
+    ModelCall,
+    restored_ledger,
+)
 from rollout_checkpoint.server.runtime.participant import (
     AWAITING_RESTORE,
     AWAITING_RESTORE_DETAIL,
@@ -92,6 +105,8 @@ from rollout_checkpoint.server.runtime.request_endings import cancel_request
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+WEIGHT_VERSION_HEADER = b"x-weight-version"
+"""The reply header of every generation call: the weight version it was admitted under."""
 EPISODE_FINISHED_PATH = "/ng-checkpoint/episode-finished"
 """`POST` under a rollout prefix: the episode's owner delivered its final reply, so the model
 drops the episode's ledger (the module docstring says why that is safe). Answered 204 by the
@@ -133,6 +148,8 @@ class ModelParticipant(Participant):
         self._served = False
         """A call of an episode reached the model (sticky): see `has_served`."""
         self._shutting_down = False
+        self.weight_version = 0
+        """The version of the policy weights serving now: what new calls are stamped with."""
 
     # -- data plane ---------------------------------------------------------------------
 
@@ -168,6 +185,7 @@ class ModelParticipant(Participant):
             asyncio.current_task(),
             body=request_body,
             sequence=self._admitted,
+            weight_version=self.weight_version,
         )
         self.calls.add(call)
         if episode is not None and episode in self.restored:
@@ -209,7 +227,13 @@ class ModelParticipant(Participant):
         except ValueError:
             response = {"raw_sha256": hashlib.sha256(response_body).hexdigest()}
         ledger = self.ledgers.setdefault(call.episode, Ledger())
-        ledger.append({"request_sha256": call.request_sha256, "response": response})
+        ledger.append(
+            {
+                "request_sha256": call.request_sha256,
+                "response": response,
+                WEIGHT_VERSION_KEY: call.weight_version,
+            }
+        )
 
     def call_finished(self, call: ModelCall) -> None:
         """Stop tracking the call, however it ended; idempotent."""
@@ -252,6 +276,13 @@ class ModelParticipant(Participant):
         self._open = True
         self._opened.set()
         self.context.changed()
+
+    def set_weight_version(self, version: int) -> int:
+        previous, self.weight_version = self.weight_version, version
+        return previous
+
+    def counters(self) -> Mapping[str, int]:
+        return {"weight_version": self.weight_version}
 
     def shutting_down_now(self) -> None:
         self._shutting_down = True
@@ -307,7 +338,7 @@ class ModelParticipant(Participant):
         for episode in sorted(scope):
             if self.context.retired.is_retired(episode):
                 continue
-            ledger = self.ledgers.get(episode) or self.restored.get(episode)
+            ledger = self._ledger(episode)
             cut = self.cut_of(episode)
             if ledger is None and cut is None:
                 continue
@@ -367,13 +398,29 @@ class ModelParticipant(Participant):
         for call in self.calls:
             if call.episode is not None:
                 streaming[call.episode] = streaming.get(call.episode, False) or call.streaming
-        infos = [EpisodeInfo(e, at_boundary=not s) for e, s in streaming.items()]
+        infos = [
+            EpisodeInfo(e, at_boundary=not s, oldest_weight_version=self._oldest_version(e))
+            for e, s in streaming.items()
+        ]
         infos.extend(
-            EpisodeInfo(e, at_boundary=True, restored_pending=True)
-            for e in self.restored
+            EpisodeInfo(
+                e,
+                at_boundary=True,
+                restored_pending=True,
+                oldest_weight_version=ledger.oldest_weight_version,
+            )
+            for e, ledger in self.restored.items()
             if e not in streaming
         )
         return infos
+
+    def _ledger(self, episode: EpisodeId) -> Ledger | None:
+        """The episode's ledger: claimed by a call, or restored and not claimed yet."""
+        return self.ledgers.get(episode) or self.restored.get(episode)
+
+    def _oldest_version(self, episode: EpisodeId) -> int | None:
+        ledger = self._ledger(episode)
+        return None if ledger is None else ledger.oldest_weight_version
 
     def committed(self, scope: frozenset[EpisodeId] | None) -> None:
         """Release the ledgers the commit's scope leaves out and no call uses now: the
@@ -492,7 +539,7 @@ class ModelAdmissionMiddleware:
                     if not await self.participant.hold_until_open(call):
                         raise _ShuttingDown
                     self.participant.streaming_started(call)
-                    await send(message)
+                    await send(stamped(message, call))
                 return
             if streamed:
                 chunks.append(message.get("body", b""))
@@ -518,9 +565,22 @@ class ModelAdmissionMiddleware:
             await send_refusal(send, 503, "shutting_down", "the server is shutting down; retry")
             return
         payload = b"".join(chunks)
-        await send(start)
+        await send(stamped(start, call))
         await send({"type": "http.response.body", "body": payload, "more_body": False})
         self.participant.delivered(call, payload)
+
+
+def stamped(start: Message, call: ModelCall) -> Message:
+    """The reply's start with `WEIGHT_VERSION_HEADER` set to the version the call was
+    admitted under (one the app set itself is replaced: the participant's stamp is what
+    the ledger records, and the two must agree)."""
+    headers = [
+        (name, value)
+        for name, value in start.get("headers", [])
+        if name.lower() != WEIGHT_VERSION_HEADER
+    ]
+    headers.append((WEIGHT_VERSION_HEADER, str(call.weight_version).encode()))
+    return {**start, "headers": headers}
 
 
 class _ShuttingDown(Exception):

@@ -54,7 +54,7 @@ from rollout_checkpoint.server.runtime.duties import Duties
 from rollout_checkpoint.server.runtime.lease import Lease, open_after_start_closed
 from rollout_checkpoint.server.runtime.observe import ControlObserver
 from rollout_checkpoint.server.runtime.part_writes import PartWrite, PartWrites
-from rollout_checkpoint.server.runtime.participant import Participant
+from rollout_checkpoint.server.runtime.participant import MAX_WEIGHT_VERSION, Participant
 from rollout_checkpoint.server.runtime.prepare_stream import (
     PrepareUpdate,
     UpdateKind,
@@ -400,6 +400,26 @@ class ControlPlane(ControlViews, ChangeSignals):
         acknowledged = outbox.acknowledge(receipts)
         self.changed()
         return acknowledged
+
+    # -- SetWeightVersion -----------------------------------------------------------------
+
+    async def set_weight_version(self, deadline: float, version: int) -> int:
+        """Stamp the calls admitted from now on with `version`; the version before. Allowed in
+        every state and after SIGTERM (it changes no recorded call, only what later ones are
+        stamped with); a kind without policy weights refuses INVALID_REQUEST."""
+        self._check_deadline(deadline)
+        if version > MAX_WEIGHT_VERSION:
+            raise invalid_request(
+                "weight_version", f"at most {MAX_WEIGHT_VERSION} (GetStatus counters are int64)"
+            )
+        previous = self.participant.set_weight_version(version)
+        if previous is None:
+            raise invalid_request(
+                "weight_version",
+                f"this {self.participant.kind.value} participant holds no policy weights: "
+                "set the weight version on the policy model",
+            )
+        return previous
 
     # -- internals ----------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from rollout_checkpoint.server.runtime.result_outbox import ResultOutbox
 
 MAX_LISTED_BLOCKERS = 100
+MAX_WEIGHT_VERSION = 2**63 - 1
+"""The highest weight version SetWeightVersion takes (and a stored call may carry): GetStatus
+reports the current one in its int64 `counters`, which could not carry a larger one."""
 
 AsgiWrapper = Callable[[Any], Any]
 """A middleware as a function of the ASGI app it wraps (`wrapper(app)` is the wrapped app):
@@ -139,11 +142,15 @@ class RestoredRecord:
 @dataclass(frozen=True, slots=True)
 class EpisodeInfo:
     """One live episode as ListEpisodes reports it: whether it is parked at a boundary (a
-    cut now would export it), and whether it is a restored attempt no request used yet."""
+    cut now would export it), whether it is a restored attempt no request used yet, and for
+    a policy model how old the weights its recorded calls were sampled under are."""
 
     episode_id: EpisodeId
     at_boundary: bool = False
     restored_pending: bool = False
+    oldest_weight_version: int | None = None
+    """The lowest weight version among the episode's recorded calls (a policy model's
+    only; None when no recorded call has a known version)."""
 
 
 class ParticipantContext(Protocol):
@@ -391,6 +398,14 @@ class Participant(abc.ABC):
         them (result_outbox.py), which ListResults pages and AcknowledgeResults releases;
         None for a kind that answers no trainer's run (both RPCs then find nothing). The
         participant exports it with every commit and installs it at restore itself."""
+        return None
+
+    def set_weight_version(self, version: int) -> int | None:
+        """Stamp the calls admitted from now on with weight version `version` (SetWeightVersion)
+        and return the version before; None for a kind that holds no policy weights (the call
+        is then refused). A call already admitted keeps its stamp: a response held across a
+        checkpoint was sampled under the weights of its admission, and recording it under
+        newer ones would hide the lag a controller bounds."""
         return None
 
     def shutting_down_now(self) -> None:

@@ -205,6 +205,14 @@ class ParticipantServicer:
         done = await self.control.acknowledge_results(deadline, receipts)
         return pb.AcknowledgeResultsResponse(released=done.released, not_held=done.not_held)
 
+    async def set_weight_version(
+        self, request: pb.SetWeightVersionRequest
+    ) -> pb.SetWeightVersionResponse:
+        previous = await self.control.set_weight_version(
+            deadline_of(request), request.weight_version
+        )
+        return pb.SetWeightVersionResponse(previous=previous)
+
 
 # -- conversions ----------------------------------------------------------------------------
 
@@ -254,6 +262,7 @@ def _episode(info: EpisodeInfo) -> types_pb2.Episode:
         capture_key=info.episode_id.capture_key,
         at_boundary=info.at_boundary,
         restored_pending=info.restored_pending,
+        oldest_weight_version=info.oldest_weight_version,
     )
 
 

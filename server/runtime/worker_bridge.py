@@ -290,7 +290,12 @@ class WorkerBridge:
             "served": participant.has_served(),
             "restored_pending": episode_keys(participant.restored_pending()),
             "episodes": [
-                [i.episode_id.capture_key, i.at_boundary, i.restored_pending]
+                [
+                    i.episode_id.capture_key,
+                    i.at_boundary,
+                    i.restored_pending,
+                    i.oldest_weight_version,
+                ]
                 for i in participant.episodes()
             ],
             "counters": dict(participant.counters()),

@@ -557,8 +557,13 @@ def _state_from(body: Any) -> WorkerState:
         served=bool(body["served"]),
         restored_pending=frozenset(EpisodeId.from_capture_key(k) for k in body["restored_pending"]),
         episodes=[
-            EpisodeInfo(EpisodeId.from_capture_key(k), at_boundary=b, restored_pending=p)
-            for k, b, p in body["episodes"]
+            EpisodeInfo(
+                EpisodeId.from_capture_key(k),
+                at_boundary=b,
+                restored_pending=p,
+                oldest_weight_version=v,
+            )
+            for k, b, p, v in body["episodes"]
         ],
         counters={str(k): int(v) for k, v in body["counters"].items()},
     )

@@ -330,7 +330,9 @@ class GetStatusResponse(_message.Message):
 
     @_builtins.property
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Kind-specific counters. Resources: `retired_sessions`."""
+        """Kind-specific counters. Resources: `retired_sessions`. Policy model:
+        `weight_version` (see SetWeightVersion).
+        """
 
     def __init__(
         self,
@@ -1222,3 +1224,57 @@ class AcknowledgeResultsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AcknowledgeResultsResponse: _TypeAlias = AcknowledgeResultsResponse  # noqa: Y015
+
+@_typing.final
+class SetWeightVersionRequest(_message.Message):
+    """Request of SetWeightVersion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.int
+    """The version of the policy weights that serve from now on. Opaque to the
+    participant (a trainer's step counter, say); 0 to 2^63-1.
+    """
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Absolute deadline. Required."""
+
+    def __init__(
+        self,
+        *,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        weight_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetWeightVersionRequest: _TypeAlias = SetWeightVersionRequest  # noqa: Y015
+
+@_typing.final
+class SetWeightVersionResponse(_message.Message):
+    """Reply of SetWeightVersion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREVIOUS_FIELD_NUMBER: _builtins.int
+    previous: _builtins.int
+    """The version current before this call (equal to `weight_version` when the
+    call changed nothing).
+    """
+    def __init__(
+        self,
+        *,
+        previous: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["previous", b"previous"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetWeightVersionResponse: _TypeAlias = SetWeightVersionResponse  # noqa: Y015

@@ -100,6 +100,11 @@ class ParticipantServiceStub:
                 request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsRequest.SerializeToString,
                 response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsResponse.FromString,
                 _registered_method=True)
+        self.SetWeightVersion = channel.unary_unary(
+                '/rollout_checkpoint.v1.ParticipantService/SetWeightVersion',
+                request_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.SetWeightVersionRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.SetWeightVersionResponse.FromString,
+                _registered_method=True)
 
 
 class ParticipantServiceServicer:
@@ -498,6 +503,37 @@ class ParticipantServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetWeightVersion(self, request, context):
+        """Sets the weight version of the policy model: the version every model
+        call admitted from now on is stamped with.
+
+        A trainer that updates the policy weights while rollouts are in flight
+        calls it once the new weights serve. Every generation call records the
+        version current when it was admitted with its delivered response in the
+        episode's ledger (and so in every checkpoint of it), and its reply carries
+        the header `x-weight-version: <n>`; ListEpisodes reports an episode's
+        `oldest_weight_version`, which a controller reads after a Restore to tell
+        how stale a cut rollout is. GetStatus reports the current version in
+        `counters["weight_version"]` (0 until set: a new process starts at 0).
+
+        Idempotent: setting the current value again changes nothing. Any value
+        from 0 to 2^63-1 (the largest `counters` carries) is accepted, lower ones
+        than the current too: a trainer that restored an older checkpoint of its
+        own goes back to its weights. Allowed in every state, during a
+        checkpoint and after SIGTERM too: it changes what calls admitted later
+        are stamped with, never a call already admitted or recorded (a response
+        held across the checkpoint keeps the version it was admitted under).
+
+        Errors: `INVALID_REQUEST` (field `weight_version`) from a participant
+        that holds no policy weights (any kind but the policy model), or for a
+        value above 2^63-1;
+        `CHECKPOINT_DEADLINE_EXCEEDED` (deadline already past); `INVALID_REQUEST`
+        (a deadline missing or further ahead than `max_deadline_seconds`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParticipantServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -565,6 +601,11 @@ def add_ParticipantServiceServicer_to_server(servicer, server):
                     servicer.AcknowledgeResults,
                     request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsRequest.FromString,
                     response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsResponse.SerializeToString,
+            ),
+            'SetWeightVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetWeightVersion,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.SetWeightVersionRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_participant__service__pb2.SetWeightVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -919,6 +960,33 @@ class ParticipantService:
             '/rollout_checkpoint.v1.ParticipantService/AcknowledgeResults',
             rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsRequest.SerializeToString,
             rollout__checkpoint_dot_v1_dot_participant__service__pb2.AcknowledgeResultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetWeightVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout_checkpoint.v1.ParticipantService/SetWeightVersion',
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.SetWeightVersionRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_participant__service__pb2.SetWeightVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -419,6 +419,33 @@ class ParticipantServiceStub:
     invalid rollout id or attempt, a digest that is not 64 lowercase hex
     characters).
     """
+    SetWeightVersion: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.SetWeightVersionRequest, _participant_service_pb2.SetWeightVersionResponse]
+    """Sets the weight version of the policy model: the version every model
+    call admitted from now on is stamped with.
+
+    A trainer that updates the policy weights while rollouts are in flight
+    calls it once the new weights serve. Every generation call records the
+    version current when it was admitted with its delivered response in the
+    episode's ledger (and so in every checkpoint of it), and its reply carries
+    the header `x-weight-version: <n>`; ListEpisodes reports an episode's
+    `oldest_weight_version`, which a controller reads after a Restore to tell
+    how stale a cut rollout is. GetStatus reports the current version in
+    `counters["weight_version"]` (0 until set: a new process starts at 0).
+
+    Idempotent: setting the current value again changes nothing. Any value
+    from 0 to 2^63-1 (the largest `counters` carries) is accepted, lower ones
+    than the current too: a trainer that restored an older checkpoint of its
+    own goes back to its weights. Allowed in every state, during a
+    checkpoint and after SIGTERM too: it changes what calls admitted later
+    are stamped with, never a call already admitted or recorded (a response
+    held across the checkpoint keeps the version it was admitted under).
+
+    Errors: `INVALID_REQUEST` (field `weight_version`) from a participant
+    that holds no policy weights (any kind but the policy model), or for a
+    value above 2^63-1;
+    `CHECKPOINT_DEADLINE_EXCEEDED` (deadline already past); `INVALID_REQUEST`
+    (a deadline missing or further ahead than `max_deadline_seconds`).
+    """
 
 @_typing.type_check_only
 class ParticipantServiceAsyncStub(ParticipantServiceStub):
@@ -764,6 +791,33 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     already past), `INVALID_REQUEST` (no receipts or more than 10000, an
     invalid rollout id or attempt, a digest that is not 64 lowercase hex
     characters).
+    """
+    SetWeightVersion: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.SetWeightVersionRequest, _participant_service_pb2.SetWeightVersionResponse]  # type: ignore[assignment]
+    """Sets the weight version of the policy model: the version every model
+    call admitted from now on is stamped with.
+
+    A trainer that updates the policy weights while rollouts are in flight
+    calls it once the new weights serve. Every generation call records the
+    version current when it was admitted with its delivered response in the
+    episode's ledger (and so in every checkpoint of it), and its reply carries
+    the header `x-weight-version: <n>`; ListEpisodes reports an episode's
+    `oldest_weight_version`, which a controller reads after a Restore to tell
+    how stale a cut rollout is. GetStatus reports the current version in
+    `counters["weight_version"]` (0 until set: a new process starts at 0).
+
+    Idempotent: setting the current value again changes nothing. Any value
+    from 0 to 2^63-1 (the largest `counters` carries) is accepted, lower ones
+    than the current too: a trainer that restored an older checkpoint of its
+    own goes back to its weights. Allowed in every state, during a
+    checkpoint and after SIGTERM too: it changes what calls admitted later
+    are stamped with, never a call already admitted or recorded (a response
+    held across the checkpoint keeps the version it was admitted under).
+
+    Errors: `INVALID_REQUEST` (field `weight_version`) from a participant
+    that holds no policy weights (any kind but the policy model), or for a
+    value above 2^63-1;
+    `CHECKPOINT_DEADLINE_EXCEEDED` (deadline already past); `INVALID_REQUEST`
+    (a deadline missing or further ahead than `max_deadline_seconds`).
     """
 
 class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -1185,6 +1239,39 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         already past), `INVALID_REQUEST` (no receipts or more than 10000, an
         invalid rollout id or attempt, a digest that is not 64 lowercase hex
         characters).
+        """
+
+    @_abc_1.abstractmethod
+    def SetWeightVersion(
+        self,
+        request: _participant_service_pb2.SetWeightVersionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_participant_service_pb2.SetWeightVersionResponse, _abc.Awaitable[_participant_service_pb2.SetWeightVersionResponse]]:
+        """Sets the weight version of the policy model: the version every model
+        call admitted from now on is stamped with.
+
+        A trainer that updates the policy weights while rollouts are in flight
+        calls it once the new weights serve. Every generation call records the
+        version current when it was admitted with its delivered response in the
+        episode's ledger (and so in every checkpoint of it), and its reply carries
+        the header `x-weight-version: <n>`; ListEpisodes reports an episode's
+        `oldest_weight_version`, which a controller reads after a Restore to tell
+        how stale a cut rollout is. GetStatus reports the current version in
+        `counters["weight_version"]` (0 until set: a new process starts at 0).
+
+        Idempotent: setting the current value again changes nothing. Any value
+        from 0 to 2^63-1 (the largest `counters` carries) is accepted, lower ones
+        than the current too: a trainer that restored an older checkpoint of its
+        own goes back to its weights. Allowed in every state, during a
+        checkpoint and after SIGTERM too: it changes what calls admitted later
+        are stamped with, never a call already admitted or recorded (a response
+        held across the checkpoint keeps the version it was admitted under).
+
+        Errors: `INVALID_REQUEST` (field `weight_version`) from a participant
+        that holds no policy weights (any kind but the policy model), or for a
+        value above 2^63-1;
+        `CHECKPOINT_DEADLINE_EXCEEDED` (deadline already past); `INVALID_REQUEST`
+        (a deadline missing or further ahead than `max_deadline_seconds`).
         """
 
 def add_ParticipantServiceServicer_to_server(servicer: ParticipantServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -439,6 +439,7 @@ class Episode(_message.Message):
     CAPTURE_KEY_FIELD_NUMBER: _builtins.int
     AT_BOUNDARY_FIELD_NUMBER: _builtins.int
     RESTORED_PENDING_FIELD_NUMBER: _builtins.int
+    OLDEST_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     capture_key: _builtins.str
     """Its capture key."""
     at_boundary: _builtins.bool
@@ -448,6 +449,15 @@ class Episode(_message.Message):
     restored_pending: _builtins.bool
     """True when the episode was installed by a Restore and no request of its
     attempt has used it yet.
+    """
+    oldest_weight_version: _builtins.int
+    """The lowest weight version among the episode's recorded (delivered) calls
+    (see ParticipantService.SetWeightVersion). Set only by a policy model,
+    and only when at least one recorded call has a known version (a ledger
+    restored from a checkpoint written before versions were recorded has
+    none). For a restored ledger not yet claimed, the versions it was
+    checkpointed with: a controller reads it right after a Restore to decide
+    whether a cut rollout is too stale to continue.
     """
     @_builtins.property
     def episode_id(self) -> Global___EpisodeId:
@@ -460,11 +470,14 @@ class Episode(_message.Message):
         capture_key: _builtins.str = ...,
         at_boundary: _builtins.bool = ...,
         restored_pending: _builtins.bool = ...,
+        oldest_weight_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["episode_id", b"episode_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_oldest_weight_version", b"_oldest_weight_version", "episode_id", b"episode_id", "oldest_weight_version", b"oldest_weight_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_boundary", b"at_boundary", "capture_key", b"capture_key", "episode_id", b"episode_id", "restored_pending", b"restored_pending"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_oldest_weight_version", b"_oldest_weight_version", "at_boundary", b"at_boundary", "capture_key", b"capture_key", "episode_id", b"episode_id", "oldest_weight_version", b"oldest_weight_version", "restored_pending", b"restored_pending"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__oldest_weight_version: _TypeAlias = _typing.Literal["oldest_weight_version"]  # noqa: Y015
+    _WhichOneofArgType__oldest_weight_version: _TypeAlias = _typing.Literal["_oldest_weight_version", b"_oldest_weight_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__oldest_weight_version) -> _WhichOneofReturnType__oldest_weight_version | None: ...
 
 Global___Episode: _TypeAlias = Episode  # noqa: Y015
