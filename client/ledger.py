@@ -57,11 +57,16 @@ class LedgerReceipt:
     """A result receipt as the ledger keeps it (the fields of `ResultReceipt`)."""
 
     rollout_id: str
+    """The rollout whose result it is."""
     attempt: int
+    """The attempt that produced the result (0 for the first)."""
     result_sha256: str
+    """The SHA-256 of the result's canonical JSON, as the entry issued it (echo it)."""
     lineage: tuple[str, ...] = ()
+    """The checkpoints the producing fleet state was restored from (informational)."""
 
     def as_json(self) -> dict[str, Any]:
+        """The receipt as the `x-rollout-receipt` header and ListResults carry it."""
         return {
             "rollout_id": self.rollout_id,
             "attempt": self.attempt,
@@ -128,6 +133,7 @@ class ResultLedger:
         return list(self._unacknowledged.values())
 
     def acknowledged(self, receipts: Iterable[LedgerReceipt]) -> None:
+        """AcknowledgeResults returned for these receipts: they are owed no more."""
         for receipt in receipts:
             self._unacknowledged.pop((receipt.rollout_id, receipt.attempt), None)
 
@@ -137,6 +143,7 @@ class ResultLedger:
         return list(entry.attempts) if entry is not None else []
 
     def is_persisted(self, rollout_id: str) -> bool:
+        """Whether the store holds a result of `rollout_id`."""
         entry = self._rollouts.get(rollout_id)
         return entry is not None and entry.persisted is not None
 
