@@ -54,7 +54,7 @@ REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
 """Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
-OPEN_FLEETS, CLOSED_FLEETS = 14, 4
+OPEN_FLEETS, CLOSED_FLEETS = 16, 6
 """The fleets this module takes (open, and started closed): the pool boots no more."""
 
 
@@ -704,6 +704,65 @@ def test_the_whole_fleet_killed_with_results_held_then_resumed_on_a_fresh_fleet(
     assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
     assert_complete(work, baseline.rewards)
     assert held_in_entry(fresh.result()) == 0
+
+
+def set_weight_version(fleet: RealFleet, version: int) -> None:
+    asyncio.run(_set_weight_version(fleet, version))
+
+
+async def _set_weight_version(fleet: RealFleet, version: int) -> None:
+    from rollout_checkpoint.client.participant import ParticipantClient
+
+    server = fleet.processes.servers["policy_model"]
+    async with ParticipantClient(server.grpc, TOKEN) as client:
+        await client.set_weight_version(version, time.time() + 30)
+
+
+@pytest.mark.parametrize(
+    "stale", ["drop", "regenerate", pytest.param("continue", marks=pytest.mark.slow)]
+)
+def test_a_rollout_continued_past_the_policy_lag_is_handled_as_stale_says(
+    fleets: Fleets, baseline: Baseline, stale: str
+) -> None:
+    """Everything killed mid-run with a checkpoint that cut rollouts mid-episode under weight
+    version 0; the fresh fleet's policy model serves version 5; `--resume --max-policy-lag 2`:
+    every rollout the checkpoint continued with a recorded model call is 5 versions behind,
+    and is dropped (its line says why), regenerated from its input, or continued (counted)."""
+    work = fleets.work
+    first, fresh = fleets.start(), fleets.start(closed=True)
+    fleet = first.result()
+    process = fleets.collect(fleet, "--checkpoint-every", "0.5")
+    stop_mid_run(work, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+    fleet.kill()
+    manifest = latest(work)
+    assert manifest is not None
+    cut = set(mid_episode(work, manifest)) - {line["rollout_id"] for line in output_lines(work)}
+    assert cut, "the checkpoint cut rollouts mid-episode"
+    set_weight_version(fresh.result(), 5)
+    resumed = fleets.collect(fresh.result(), "--resume", "--max-policy-lag", "2", "--stale", stale)
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    log = fleets.log(resumed)
+    assert "past --max-policy-lag 2" in log and "behind the current 5" in log
+    lines = output_lines(work)
+    assert sorted(line["rollout_id"] for line in lines) == sorted(baseline.rewards)
+    by_id = {line["rollout_id"]: line for line in lines}
+    if stale == "drop":
+        dropped = {r for r, line in by_id.items() if line["status"] == "dropped"}
+        assert dropped and dropped <= cut
+        assert all(by_id[r]["reason"].startswith("policy_lag") for r in dropped)
+        assert f"{len(dropped)} dropped for --max-policy-lag" in log
+    else:
+        assert all(line["status"] == "ok" for line in lines)
+        assert {r: line["reward"] for r, line in by_id.items()} == baseline.rewards
+        went_on = [r for r in cut if by_id[r]["reply"]["continued_from_step"] is not None]
+        if stale == "regenerate":
+            assert went_on == []  # restarted from their inputs under the current weights
+            assert "regenerated for --max-policy-lag" in log
+        else:
+            assert went_on and "continued past --max-policy-lag" in log
+            assert any(5 in (by_id[r]["reply"].get("weight_versions") or []) for r in went_on)
 
 
 def test_failed_rollouts_are_retired_retried_and_then_recorded_as_failed(

@@ -41,6 +41,7 @@ from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.collector import Collector
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
 from rollout_checkpoint.client.collect.options import CollectOptions
+from rollout_checkpoint.client.collect.staleness import Stale, StalenessPolicy
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.object_store import is_object_url
 
@@ -100,6 +101,23 @@ def add_collect_verb(verbs: Any) -> None:
         "is recovered in place: the run's latest checkpoint restored into the whole fleet, "
         "the rollouts it cut continued or restarted; once more, the run stops (exit 5) for a "
         "--resume. 0: never recover in place (default 3)",
+    )
+    sub.add_argument(
+        "--max-policy-lag",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="after a restore, a continued rollout whose oldest turn was sampled more than N "
+        "weight versions behind the policy model's current one (SetWeightVersion) is handled "
+        "by --stale (default: no bound)",
+    )
+    sub.add_argument(
+        "--stale",
+        choices=[s.value for s in Stale],
+        default=Stale.REGENERATE.value,
+        help="what happens to a continued rollout past --max-policy-lag: continue it anyway "
+        "(counted), regenerate it from its input, or drop it (recorded as dropped with the "
+        "reason) (default regenerate)",
     )
     sub.add_argument(
         "--checkpoint-timeout",
@@ -174,6 +192,7 @@ def run_collect(
         checkpoint_timeout=args.checkpoint_timeout,
         request_timeout=args.request_timeout,
         keep=args.keep,
+        staleness=StalenessPolicy(args.max_policy_lag, Stale(args.stale)),
         command=command,
     )
     as_json = bool(getattr(args, "json", False))

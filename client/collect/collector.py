@@ -59,7 +59,8 @@ from rollout_checkpoint.client.collect.receipts import (
 )
 from rollout_checkpoint.client.collect.resume import FleetSetup
 from rollout_checkpoint.client.collect.retirement import Retirement
-from rollout_checkpoint.client.collect.rollouts import RolloutBook, now_text
+from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook, now_text
+from rollout_checkpoint.client.collect.staleness import RecordDropped, StaleHandling
 from rollout_checkpoint.client.collect.starting_point import StartingPoint, read_starting_point
 from rollout_checkpoint.client.collect.view import CollectView, Counts
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
@@ -175,7 +176,8 @@ class Collector:
         options, fleet, book = self.options, self.fleet, start.book
         assert fleet is not None
         self.counts.phase = "setting up the fleet"
-        setup = FleetSetup(fleet, start.root, book, self.view, self.control)
+        stale = StaleHandling(options.staleness, book, self.view, self._dropped_into(output))
+        setup = FleetSetup(fleet, start.root, book, self.view, self.control, stale)
         held = HeldResults(fleet, book, output, self.view)
         await setup.run(
             start.previous,
@@ -220,6 +222,7 @@ class Collector:
                     timeout=options.checkpoint_timeout,
                     on_loss=self._member_lost,
                     step_hook=self._step_hook,
+                    stale=stale,
                 )
                 parts = RunningParts(
                     book,
@@ -270,6 +273,13 @@ class Collector:
             acknowledging.cancel()
             await asyncio.gather(acknowledging, return_exceptions=True)
             await acknowledgements.settle(ACK_SETTLE_SECONDS)
+
+    @staticmethod
+    def _dropped_into(output: DurableAppender) -> RecordDropped:
+        async def record(rollout: Rollout, reason: str) -> None:
+            await output.append(json_line(rollout.dropped_line(reason)))
+
+        return record
 
     def _current_fleet(self) -> Fleet | None:
         """The fleet now: a recovery in place swaps it for one discovered again."""

@@ -35,9 +35,19 @@ def finished_note(counts: Counts, output: Path) -> str:
         if counts.reoffered
         else ""
     )
+    stale = [
+        f"{count} {what}"
+        for count, what in (
+            (counts.stale_continued, "continued past --max-policy-lag"),
+            (counts.stale_regenerated, "regenerated for --max-policy-lag"),
+            (counts.dropped, "dropped for --max-policy-lag"),
+        )
+        if count
+    ]
     return (
         f"collect: {counts.done} rollout(s) collected{reoffered}, {counts.failed} failed, "
         f"into {output}; {counts.checkpoints} checkpoint(s) taken"
+        + (f"; {', '.join(stale)}" if stale else "")
     )
 
 
@@ -46,7 +56,7 @@ def stopped_note(
 ) -> str:
     """A run stopped by a signal, after checkpoint `published` (None: none could be taken)."""
     again = resume_command(command)
-    done = counts.done + counts.failed
+    done = counts.done + counts.failed + counts.dropped
     if published is not None:
         return (
             f"collect: stopped after checkpoint {published} ({done}/{counts.total} "
@@ -60,7 +70,7 @@ def stopped_note(
 
 def gave_up_note(counts: Counts, output: Path, command: Sequence[str], reason: str) -> str:
     """A run that lost a member and could not recover in place (`reason` says why)."""
-    done = counts.done + counts.failed
+    done = counts.done + counts.failed + counts.dropped
     return (
         f"collect: {reason}; stopped WITHOUT a new checkpoint ({done}/{counts.total} "
         f"rollouts in {output}). Once the fleet is whole again, continue from "

@@ -67,6 +67,7 @@ from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import collect_state, read_latest_manifest
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
+from rollout_checkpoint.client.collect.staleness import StaleHandling
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import DiscoveryError, Fleet, FleetSpec
@@ -117,6 +118,8 @@ class InPlaceRecovery:
     on_loss: Callable[[], None]
     step_hook: CheckpointStepHook | None = None
     """Called at each step of each recovery try, numbered by try (`CheckpointStepHook`)."""
+    stale: StaleHandling | None = None
+    """`--max-policy-lag`: what a recovery continues is screened first (staleness.py)."""
     tries: int = field(default=0, init=False)
     """Recovery tries made (each counts against `max_recoveries`)."""
     _down: set[str] = field(default_factory=set, init=False)
@@ -280,6 +283,9 @@ class InPlaceRecovery:
                 )
             else:
                 continued, restored_from = recovery.continued, manifest.checkpoint_id
+                if self.stale is not None:
+                    stale = await self.stale.screen(fleet, continued)
+                    continued = tuple(e for e in continued if e.rollout_id not in stale)
         control_id = self.control.new_id("recover")
         statuses: dict[str, pb.GetStatusResponse] = {}
         if restored_from is None:
@@ -303,6 +309,8 @@ class InPlaceRecovery:
         ]
         await self._retire(fleet, finished, deadline)
         book.recovered(continued, restarted)
+        if self.stale is not None:
+            await self.stale.drop_pending()
         await self._step("recovered")
         seconds = time.time() - (self._first_sign or time.time())
         book.counts.recoveries += 1

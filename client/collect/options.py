@@ -7,8 +7,10 @@ CLI) and none of them owns it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from rollout_checkpoint.client.collect.staleness import StalenessPolicy
 
 
 @dataclass
@@ -47,5 +49,8 @@ class CollectOptions:
     straggler_rounds: int = 1
     """Retries of a checkpoint whose prepare was not done in time, each after retiring the
     rollouts still blocking it; then that checkpoint is given up."""
+    staleness: StalenessPolicy = field(default_factory=StalenessPolicy)
+    """`--max-policy-lag` and `--stale`: what a restore does with a rollout whose oldest turn
+    is too many weight versions behind (staleness.py)."""
     command: Sequence[str] = ()
     """The command line that started the run, repeated with `--resume` when it stops."""

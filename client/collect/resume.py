@@ -28,6 +28,7 @@ from rollout_checkpoint.client.checkpointing.publication import PublicationError
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import Previous, attempts_in
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
+from rollout_checkpoint.client.collect.staleness import StaleHandling
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.recovery import end_cut_checkpoints
@@ -47,12 +48,14 @@ class FleetSetup:
         book: RolloutBook,
         view: CollectView,
         control: ControlCalls,
+        stale: StaleHandling | None = None,
     ) -> None:
         self.fleet = fleet
         self.root = root
         self.book = book
         self.view = view
         self.control = control
+        self.stale = stale
 
     async def run(
         self,
@@ -80,6 +83,8 @@ class FleetSetup:
         if take_back is not None:
             await take_back()
         await self._restart_unfinished(top, deadline)
+        if self.stale is not None:
+            await self.stale.drop_pending()
         self.book.queue_pending()
 
     async def _maybe_restore(
@@ -159,8 +164,14 @@ class FleetSetup:
             self.view.note(f"collect: checkpoint {name} cannot be restored ({error})")
             return False
         await fanout.resume(self.fleet, restore_id, deadline)
+        not_continued = (
+            await self.stale.screen(self.fleet, [e.next_attempt() for e in scope])
+            if self.stale is not None
+            else set()
+        )
         for episode in scope:
-            self.book.continues(self.book.rollouts[episode.rollout_id], episode.attempt + 1)
+            if episode.rollout_id not in not_continued:  # the others restart (or are dropped)
+                self.book.continues(self.book.rollouts[episode.rollout_id], episode.attempt + 1)
         into = "the fleet, its survivors rejoining" if survivors is not None else "a fresh fleet"
         self.view.note(
             f"collect: restored {name} into {into}: {len(scope)} rollout(s) continue as attempt N+1"

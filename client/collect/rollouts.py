@@ -100,6 +100,18 @@ class Rollout:
             },
         }
 
+    def dropped_line(self, reason: str) -> dict[str, Any]:
+        """The output line of a rollout dropped on purpose (`--stale drop`), never run again."""
+        return {
+            "rollout_id": self.rollout_id,
+            "task_id": self.task.task_id,
+            "repeat": self.repeat,
+            "attempt": self.attempt,
+            "status": "dropped",
+            "reward": None,
+            "reason": reason,
+        }
+
     def failed_line(self) -> dict[str, Any]:
         """The output line of a rollout that used up its attempts."""
         return {
@@ -144,7 +156,10 @@ class RolloutBook:
             if rollout is None:
                 continue
             rollout.attempt = int(line["attempt"])
-            if line.get("status") == "failed":
+            if line.get("status") == "dropped":
+                rollout.status = Status.FAILED
+                self.counts.dropped += 1
+            elif line.get("status") == "failed":
                 rollout.status = Status.FAILED
                 self.counts.failed += 1
             else:
@@ -243,6 +258,15 @@ class RolloutBook:
         """Its failed line is durable in the output."""
         rollout.status = Status.FAILED
         self.counts.failed += 1
+
+    def dropped(self, rollout: Rollout) -> None:
+        """Its dropped line is durable in the output: it is settled, never sent again (it
+        counts as dropped, not failed)."""
+        rollout.status = Status.FAILED
+        rollout.continued = False
+        if rollout in self.pending:
+            self.pending.remove(rollout)
+        self.counts.dropped += 1
 
     def retry(self, rollout: Rollout) -> None:
         """Its failed attempt is retired: send it again as the next attempt."""

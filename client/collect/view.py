@@ -24,6 +24,12 @@ class Counts:
     checkpoints: int = 0
     recoveries: int = 0
     """Recoveries in place after a member was lost."""
+    dropped: int = 0
+    """Rollouts dropped on purpose (`--stale drop`): settled, not failed."""
+    stale_continued: int = 0
+    stale_regenerated: int = 0
+    """Continued rollouts past `--max-policy-lag`, by what `--stale` did with them (the
+    dropped ones are `dropped`)."""
     reoffered: int = 0
     """Results the entry offered again from its outbox (finished before a crash, never
     acknowledged) instead of running them again."""
@@ -78,7 +84,7 @@ class CollectView:
         """The progress as one plain line."""
         c = self.counts
         return (
-            f"collect: {c.done + c.failed}/{c.total} done ({c.failed} failed), "
+            f"collect: {c.done + c.failed + c.dropped}/{c.total} done ({c.failed} failed), "
             f"{self.in_flight()} in flight, {c.retried} retried, {c.checkpoints} checkpoint(s), "
             f"{c.recoveries} recovery(ies), "
             f"last {self._last_checkpoint(' ')}, {c.phase}, "
@@ -91,7 +97,7 @@ class CollectView:
         table = Table(title="rollout-checkpoint collect", show_header=False)
         table.add_column(justify="right")
         table.add_column()
-        table.add_row("done", f"{c.done + c.failed}/{c.total}")
+        table.add_row("done", f"{c.done + c.failed + c.dropped}/{c.total}")
         table.add_row("in flight", str(self.in_flight()))
         table.add_row("failed", str(c.failed))
         table.add_row("retried", str(c.retried))
