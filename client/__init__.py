@@ -58,9 +58,10 @@ reply) says whether to persist the result (`Delivery`), `persisted` once its sto
 `load` its versioned JSON, published with the fleet's checkpoint (a state it would not
 write is a `LedgerStateError`).
 
-**collect.** `Collector` runs K rollouts of every task through a fleet (`CollectOptions`),
-checkpointing as it goes and losing nothing to a crash; `rollout-checkpoint collect` is its
-command line.
+**collect.** `Collector` runs K rollouts of every task through a fleet (`CollectOptions`;
+its `StalenessPolicy` says what a restore does with a rollout too many weight versions
+behind, `Stale`), checkpointing as it goes and losing nothing to a crash;
+`rollout-checkpoint collect` is its command line.
 
 This package imports nothing of `rollout_checkpoint.server` but its core (an import-linter
 contract in pyproject.toml enforces it).
@@ -120,6 +121,7 @@ if TYPE_CHECKING:
         ObjectCheckpointRoot,
     )
     from rollout_checkpoint.client.collect import CollectOptions, Collector
+    from rollout_checkpoint.client.collect.staleness import Stale, StalenessPolicy
     from rollout_checkpoint.client.coordinator.service import Coordinator
     from rollout_checkpoint.client.coordinator.supervisor import (
         RestartStrategy,
@@ -237,6 +239,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "rollout_checkpoint.client.coordinator.service": ("Coordinator",),
     "rollout_checkpoint.client.coordinator.supervisor": ("RestartStrategy", "SupervisorSettings"),
     "rollout_checkpoint.client.collect": ("CollectOptions", "Collector"),
+    "rollout_checkpoint.client.collect.staleness": ("Stale", "StalenessPolicy"),
 }
 """Where each public name lives: the module imported on the name's first use."""
 
@@ -291,6 +294,8 @@ __all__ = [
     "RestartStrategy",
     "RestoredCheckpoint",
     "ResultLedger",
+    "Stale",
+    "StalenessPolicy",
     "StorageFailed",
     "SupervisorSettings",
     "abandon_restore",

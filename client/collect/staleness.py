@@ -40,8 +40,11 @@ class Stale(enum.StrEnum):
     """What `--stale` does with a rollout continued past `--max-policy-lag`."""
 
     CONTINUE = "continue"
+    """Continue it anyway (counted in the summary)."""
     REGENERATE = "regenerate"
+    """Retire it and restart it from its input as a later attempt."""
     DROP = "drop"
+    """Retire it and record it as dropped, with the reason; never sent again."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,9 @@ class StalenessPolicy:
     """`--max-policy-lag` (None: no bound) and `--stale`."""
 
     max_lag: int | None = None
+    """The most weight versions a continued rollout's oldest turn may lag (None: no bound)."""
     action: Stale = Stale.REGENERATE
+    """What happens to a continued rollout past `max_lag`."""
 
 
 @dataclass(frozen=True)
