@@ -207,7 +207,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
 
 
 ReceiptProtocol.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=60,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
