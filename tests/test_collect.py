@@ -54,7 +54,7 @@ REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
 """Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
-OPEN_FLEETS, CLOSED_FLEETS = 16, 6
+OPEN_FLEETS, CLOSED_FLEETS = 15, 6
 """The fleets this module takes (open, and started closed): the pool boots no more."""
 
 
@@ -83,8 +83,14 @@ class FleetPool:
         for closed in (False, True):
             self.ahead[closed].append(self._submit(closed))
 
-    def take(self, *, closed: bool) -> Future[RealFleet]:
-        """A fleet (started closed: a replacement waiting for its restore, or open)."""
+    def take(self, *, closed: bool, workers: int = 1) -> Future[RealFleet]:
+        """A fleet (started closed: a replacement waiting for its restore, or open); with
+        `workers` > 1 its resources, agent and environment servers run that many workers,
+        booted on demand (no pool keeps such fleets ahead)."""
+        if workers > 1:
+            self.count += 1
+            label = f"fleet{self.count}"
+            return self.executor.submit(self._start, label, closed, workers)
         taken = self.ahead[closed].pop(0) if self.ahead[closed] else self._submit(closed)
         if self.left[closed] > 0 and not self.ahead[closed]:
             self.ahead[closed].append(self._submit(closed))
@@ -95,11 +101,10 @@ class FleetPool:
         self.count += 1
         return self.executor.submit(self._start, f"fleet{self.count}", closed)
 
-    def _start(self, label: str, closed: bool) -> RealFleet:
+    def _start(self, label: str, closed: bool, workers: int = 1) -> RealFleet:
+        options = Options(latency=LATENCY, workers=workers)
         processes = asyncio.run(
-            start_fleet(
-                label, self.work / "logs", TOKEN, Options(latency=LATENCY), start_closed=closed
-            )
+            start_fleet(label, self.work / "logs", TOKEN, options, start_closed=closed)
         )
         lines = ['token_env = "COLLECT_TOKEN"']
         for server in processes.servers.values():
@@ -125,8 +130,8 @@ class Fleets:
         self.used: list[Future[RealFleet]] = []
         self.collectors: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *, closed: bool = False) -> Future[RealFleet]:
-        future = self.pool.take(closed=closed)
+    def start(self, *, closed: bool = False, workers: int = 1) -> Future[RealFleet]:
+        future = self.pool.take(closed=closed, workers=workers)
         self.used.append(future)
         return future
 
@@ -641,24 +646,27 @@ async def _held_in_entry(fleet: RealFleet) -> int:
 
 
 @pytest.mark.parametrize(
-    ("edge", "taken_back"),
+    ("edge", "taken_back", "workers"),
     [
         # A result's reply arrived; the collector died before its line: the entry still
-        # holds it, and the resume writes it from there instead of running it again.
-        ("received@4", True),
+        # holds it (in its main process, its servers running 3 workers each), and the
+        # resume writes it from there instead of running it again.
+        ("received@4", True, 3),
         # Its line is durable, its receipt not acknowledged: the resume acknowledges it and
         # does not write it twice.
-        ("persisted@4", False),
-        # An acknowledgement round about to leave, and one that came back (with -m slow:
-        # the CI budget).
-        pytest.param("acknowledging@1", False, marks=pytest.mark.slow),
-        pytest.param("acknowledged@1", False, marks=pytest.mark.slow),
-        # During a checkpoint's publication (the fleet manifest written, LATEST not).
-        pytest.param("after_fleet_manifest@1", False, marks=pytest.mark.slow),
+        ("persisted@4", False, 1),
+        # The other worker count of each edge, an acknowledgement round about to leave and
+        # one that came back, and a checkpoint's publication (the fleet manifest written,
+        # LATEST not): with -m slow, for the CI budget.
+        pytest.param("received@4", True, 1, marks=pytest.mark.slow),
+        pytest.param("persisted@4", False, 3, marks=pytest.mark.slow),
+        pytest.param("acknowledging@1", False, 1, marks=pytest.mark.slow),
+        pytest.param("acknowledged@1", False, 3, marks=pytest.mark.slow),
+        pytest.param("after_fleet_manifest@1", False, 1, marks=pytest.mark.slow),
     ],
 )
 def test_the_collector_killed_at_each_edge_of_the_receipt_protocol_loses_and_repeats_nothing(
-    fleets: Fleets, baseline: Baseline, edge: str, taken_back: bool
+    fleets: Fleets, baseline: Baseline, edge: str, taken_back: bool, workers: int
 ) -> None:
     """SIGKILL at the edge; then `--resume` on the fleet that kept running: every (task,
     repeat) exactly once with the uninterrupted run's reward, no line written twice, and a
@@ -666,7 +674,7 @@ def test_the_collector_killed_at_each_edge_of_the_receipt_protocol_loses_and_rep
     entry's outbox (counted in the summary), not run again. At the end the entry holds
     nothing: every receipt was acknowledged."""
     work = fleets.work
-    fleet = fleets.start().result()
+    fleet = fleets.start(workers=workers).result()
     extra = ("--checkpoint-every", "0.3") if edge.startswith("after_") else ()
     process = fleets.collect(fleet, *extra, crash_at=edge)
     assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
