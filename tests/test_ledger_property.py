@@ -35,6 +35,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.records_codec import EncodedJSON
 from rollout_checkpoint.server.runtime.result_outbox import (
     HeldResult,
+    Produced,
     Receipt,
     ResultOutbox,
     canonical_json,
@@ -48,6 +49,15 @@ ROLLOUTS = [f"r{i}" for i in range(4)]
 def stored(fields: dict[str, Any]) -> dict[str, Any]:
     """A record's fields as a restore reads them back (EncodedJSON parsed)."""
     return {k: json.loads(v.data) if isinstance(v, EncodedJSON) else v for k, v in fields.items()}
+
+
+def produced(rollout: str, attempt: int) -> Produced:
+    """What the entry's run of `rollout`'s attempt produced (each attempt its own result)."""
+    canonical = canonical_json({"rollout": rollout, "attempt": attempt})
+    request = result_digest(canonical_json({"task": rollout}))
+    return Produced(
+        EpisodeId(rollout, attempt), ROUTE, request, canonical, result_digest(canonical)
+    )
 
 
 def ledger_receipt(receipt: Receipt) -> LedgerReceipt:
@@ -144,11 +154,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
         rollout = data.draw(st.sampled_from(sorted(self.running)))
         attempt = self.running.pop(rollout)
         self.runs += 1
-        canonical = canonical_json({"rollout": rollout, "attempt": attempt})
-        receipt = self.outbox.hold(
-            EpisodeId(rollout, attempt), ROUTE, canonical, result_digest(canonical), ()
-        )
-        self.inbox.append(receipt)
+        self.inbox.append(self.outbox.hold(produced(rollout, attempt), ()))
 
     @rule()
     def crash_entry(self) -> None:
@@ -198,12 +204,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
 
     def finish_now(self, rollout: str) -> None:
         attempt = self.running.pop(rollout)
-        canonical = canonical_json({"rollout": rollout, "attempt": attempt})
-        self.inbox.append(
-            self.outbox.hold(
-                EpisodeId(rollout, attempt), ROUTE, canonical, result_digest(canonical), ()
-            )
-        )
+        self.inbox.append(self.outbox.hold(produced(rollout, attempt), ()))
 
 
 ReceiptProtocol.TestCase.settings = settings(

@@ -37,6 +37,7 @@ from rollout_checkpoint.server.episodic.episode_participant import EpisodePartic
 from rollout_checkpoint.server.runtime.install import CheckpointRuntime, install_checkpointing
 from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.server.runtime.result_outbox import (
+    Produced,
     Receipt,
     ResultOutbox,
     canonical_json,
@@ -63,7 +64,11 @@ def deadline(seconds: float = 30.0) -> float:
 
 def result_of(rollout: str, attempt: int = 0, value: Any = None) -> Any:
     canonical = canonical_json({"rollout": rollout, "value": value})
-    return held_result(EpisodeId(rollout, attempt), "/run", canonical, result_digest(canonical), ())
+    request = result_digest(canonical_json({"x": 1}))
+    return held_result(
+        Produced(EpisodeId(rollout, attempt), "/run", request, canonical, result_digest(canonical)),
+        (),
+    )
 
 
 def test_acknowledging_is_idempotent_and_all_or_nothing() -> None:
@@ -214,6 +219,25 @@ async def test_a_late_run_gets_the_held_result_and_runs_nothing(tmp_path: Path) 
         assert (await s.client.list_results()).held == 0
         again = await run(s, "r1-a2", 21, **ASK)
         assert again.headers["x-rollout-result-source"] == "run"
+
+
+async def test_a_late_run_of_another_task_is_refused_not_answered_with_the_held_result() -> None:
+    """A result is held for the request that produced it: the same rollout sent with another
+    task (a trainer reusing an id) is refused 409 `request_mismatch`, and nothing runs; the
+    same task with its keys in another order is the same request."""
+    async with entry_server() as s:
+        first = await s.http.post("/ng-rollout/r1/run", json={"x": 1, "y": 2}, headers=ASK)
+        assert first.headers["x-rollout-result-source"] == "run"
+        other = await s.http.post("/ng-rollout/r1/run", json={"x": 3, "y": 2}, headers=ASK)
+        assert other.status_code == 409
+        assert other.json()["error"]["code"] == "request_mismatch"
+        same = await s.http.post(
+            "/ng-rollout/r1-a1/run",
+            content=b'{"y": 2, "x": 1}',
+            headers={**ASK, "content-type": "application/json"},
+        )
+        assert same.headers["x-rollout-result-source"] == "outbox"
+        assert len(s.entry.runs) == 1
 
 
 async def test_a_mismatched_digest_is_refused_and_releases_nothing() -> None:

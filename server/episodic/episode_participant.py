@@ -42,6 +42,7 @@ from rollout_checkpoint.server.runtime.participant import (
 )
 from rollout_checkpoint.server.runtime.result_outbox import (
     Lookup,
+    Produced,
     Receipt,
     ResultOutbox,
     outbox_identity,
@@ -185,20 +186,16 @@ class EpisodeParticipant(Participant):
             return await self._remote_outbox.lookup(episode, route)
         return cast(ResultOutbox, self.outbox).lookup(episode, route)
 
-    async def put(
-        self, episode: EpisodeId, route: str, canonical: str, digest: str
-    ) -> Receipt | None:
+    async def put(self, produced: Produced) -> Receipt | None:
         """Hold the result; the outcome kept for a caller without a receipt goes, since the
         outbox now holds this result until its acknowledgement (never twice)."""
         if self._remote_outbox is not None:
-            receipt = await self._remote_outbox.put(episode, route, canonical, digest)
+            receipt = await self._remote_outbox.put(produced)
         else:
             lineage = getattr(self.context, "lineage", ())
-            receipt = cast(ResultOutbox, self.outbox).hold(
-                episode, route, canonical, digest, lineage
-            )
+            receipt = cast(ResultOutbox, self.outbox).hold(produced, lineage)
         if receipt is not None:
-            self.episodes_tracker.receipted(episode)
+            self.episodes_tracker.receipted(produced.episode)
         return receipt
 
     def result_outbox(self) -> ResultOutbox | None:

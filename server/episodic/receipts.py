@@ -7,6 +7,8 @@ between fleet servers asks for none, so nothing is held twice). For such a reque
 1. If the outbox holds a result of the same rollout and route, the request gets that result
    at once and the app never sees it (`x-rollout-result-source: outbox`): a reply that was
    lost, or a result restored from a checkpoint, is offered again instead of run again.
+   A result held for another request of the rollout (another task: the body's canonical
+   JSON differs) is never served for it: 409 `request_mismatch`, typed, nothing run.
 2. Else, if the outbox is full, the request is refused before anything runs: HTTP 429
    `outbox_full` with `Retry-After` (the trainer acknowledges, then retries).
 3. Else the app runs. A 200 reply with a JSON body is held back until its result is in the
@@ -23,6 +25,7 @@ body is parsed off the event loop when it is large.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 from typing import Protocol
@@ -35,6 +38,7 @@ from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.result_outbox import (
     HeldResult,
     Lookup,
+    Produced,
     Receipt,
     canonical_json,
     result_digest,
@@ -48,6 +52,7 @@ RECEIPT_HEADER = b"x-rollout-receipt"
 SOURCE_HEADER = b"x-rollout-result-source"
 """Reply header: `run` (this request ran it) or `outbox` (held, offered again)."""
 OUTBOX_FULL = "outbox_full"
+REQUEST_MISMATCH = "request_mismatch"
 OUTBOX_FULL_RETRY_SECONDS = 1
 _LONG_DIGITS = re.compile(rb"\d{19,}")
 LARGE_BODY = 256 * 1024
@@ -61,9 +66,7 @@ class OutboxAccess(Protocol):
 
     async def lookup(self, episode: EpisodeId, route: str) -> Lookup: ...
 
-    async def put(
-        self, episode: EpisodeId, route: str, canonical: str, digest: str
-    ) -> Receipt | None:
+    async def put(self, produced: Produced) -> Receipt | None:
         """Hold the result; its receipt (lineage stamped where the outbox lives), or None
         when the outbox cannot be reached (the reply then goes out without a receipt)."""
         ...
@@ -89,8 +92,20 @@ class ResultReceiptMiddleware:
             await self.app(scope, receive, send)
             return
         route: str = scope["path"]
+        body, more = await _request_body(receive)
+        request = request_digest(body)
         found = await self.outbox.lookup(episode, route)
         if found.held is not None:
+            if found.held.request_sha256 != request:
+                await send_refusal(
+                    send,
+                    409,
+                    REQUEST_MISMATCH,
+                    f"the result of rollout {episode.rollout_id} held here answers another "
+                    "request (another task): acknowledge it, or run this one under another "
+                    "rollout id",
+                )
+                return
             await send_held(send, found.held)
             return
         if found.full:
@@ -104,8 +119,8 @@ class ResultReceiptMiddleware:
             )
             return
         reply = _HeldBackReply(send)
-        await self.app(scope, receive, reply.send)
-        await reply.release(self.outbox, episode, route)
+        await self.app(scope, _replayed(body, more, receive), reply.send)
+        await reply.release(self.outbox, episode, route, request)
 
 
 async def send_held(send: Send, held: HeldResult) -> None:
@@ -144,7 +159,9 @@ class _HeldBackReply:
             return
         await self._send(message)
 
-    async def release(self, outbox: OutboxAccess, episode: EpisodeId, route: str) -> None:
+    async def release(
+        self, outbox: OutboxAccess, episode: EpisodeId, route: str, request: str
+    ) -> None:
         """After the app returned: hold the result and send the reply with its receipt."""
         if self._start is None:
             return
@@ -152,7 +169,11 @@ class _HeldBackReply:
         headers = list(self._start.get("headers", ()))
         if self._complete:
             canonical = await _canonical(body)
-            receipt = None if canonical is None else await outbox.put(episode, route, *canonical)
+            receipt = (
+                None
+                if canonical is None
+                else await outbox.put(Produced(episode, route, request, *canonical))
+            )
             if receipt is not None:
                 headers += [(RECEIPT_HEADER, receipt_header(receipt)), (SOURCE_HEADER, b"run")]
         await self._send({**self._start, "headers": headers})
@@ -193,3 +214,35 @@ def _canonical_now(body: bytes) -> tuple[str, str] | None:
 
 def _not_json(constant: str) -> None:
     raise ValueError(f"{constant} is no JSON")
+
+
+def request_digest(body: bytes) -> str:
+    """What a held result remembers of the request that produced it: the SHA-256 of its
+    canonical JSON (the same task re-sent by another process, keys in another order, is the
+    same request), or of its bytes when it is no JSON."""
+    canonical = _canonical_now(body)
+    return canonical[1] if canonical is not None else hashlib.sha256(body).hexdigest()
+
+
+async def _request_body(receive: Receive) -> tuple[bytes, list[Message]]:
+    """The whole request body, and any message that came after it (a disconnect)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), [message]
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks), []
+
+
+def _replayed(body: bytes, after: list[Message], receive: Receive) -> Receive:
+    """A `receive` that hands the app the body already read, then what came after it."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}, *after]
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay

@@ -57,9 +57,11 @@ ACKNOWLEDGED_KEPT = 100_000
 a no-op, and one with another digest is still refused."""
 RECEIPT_FIELD = "outbox_receipt"
 ROUTE_FIELD = "outbox_route"
+REQUEST_FIELD = "outbox_request_sha256"
 RESULT_FIELD = "outbox_result"
-"""The fields of an outbox record in a part (`{"episode_id", "outbox_receipt", "outbox_route",
-"outbox_result"}`): names no kind's own record uses, so a restore tells them apart."""
+OUTBOX_FIELDS = (RECEIPT_FIELD, ROUTE_FIELD, REQUEST_FIELD, RESULT_FIELD)
+"""The fields of an outbox record in a part (beside `episode_id`): names no kind's own
+record uses, so a restore tells them apart."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -144,6 +146,9 @@ class HeldResult:
     receipt: Receipt
     route: str
     canonical: str
+    request_sha256: str
+    """The digest of the request that produced it (`request_digest`): a late run of the
+    rollout gets this result only if it asks the same (receipts.py)."""
 
     def record_fields(self) -> dict[str, Any]:
         """The fields of this result's record in a part (beside `episode_id`); the result
@@ -151,6 +156,7 @@ class HeldResult:
         return {
             RECEIPT_FIELD: self.receipt.as_json(),
             ROUTE_FIELD: self.route,
+            REQUEST_FIELD: self.request_sha256,
             RESULT_FIELD: EncodedJSON(self.canonical.encode()),
         }
 
@@ -159,18 +165,19 @@ class HeldResult:
         """The result a stored outbox record holds, held under `episode_id`; ValueError
         for a record that is not exactly what `record_fields` writes or whose digest does
         not match its result. CPU-bound on a large result: call it off the event loop."""
-        if set(fields) != {RECEIPT_FIELD, ROUTE_FIELD, RESULT_FIELD}:
-            raise ValueError(
-                f"an outbox record holds exactly {RECEIPT_FIELD}, {ROUTE_FIELD}, {RESULT_FIELD}"
-            )
+        if set(fields) != set(OUTBOX_FIELDS):
+            raise ValueError(f"an outbox record holds exactly {', '.join(OUTBOX_FIELDS)}")
         receipt = Receipt.from_json(fields[RECEIPT_FIELD])
         route = fields[ROUTE_FIELD]
         if not isinstance(route, str) or not route.startswith("/"):
             raise ValueError("an outbox result's route is a path")
+        request = fields[REQUEST_FIELD]
+        if not isinstance(request, str) or not _DIGEST.fullmatch(request):
+            raise ValueError("an outbox result's request digest is 64 lowercase hex characters")
         canonical = canonical_json(fields[RESULT_FIELD])
         if result_digest(canonical) != receipt.result_sha256:
             raise ValueError("the result does not match its receipt's digest")
-        return cls(episode_id, receipt, route, canonical)
+        return cls(episode_id, receipt, route, canonical, request)
 
 
 def is_outbox_record(fields: Mapping[str, Any]) -> bool:
@@ -271,11 +278,9 @@ class ResultOutbox:
             self.offered_again += 1
         return Lookup(held, self.full)
 
-    def hold(
-        self, episode: EpisodeId, route: str, canonical: str, digest: str, lineage: Sequence[str]
-    ) -> Receipt:
-        """Hold the result `episode` just produced from `route`; its receipt."""
-        held = held_result(episode, route, canonical, digest, lineage)
+    def hold(self, produced: Produced, lineage: Sequence[str]) -> Receipt:
+        """Hold the result a run just produced; its receipt."""
+        held = held_result(produced, lineage)
         self.put(held)
         return held.receipt
 
@@ -343,8 +348,10 @@ class ResultOutbox:
             held = None if found.held is None else bridged_result(found.held)
             return {"held": held, "full": found.full}
         if op == "outbox_put":
-            receipt = self.hold(episode, body["route"], body["canonical"], body["digest"], lineage)
-            return receipt.as_json()
+            produced = Produced(
+                episode, body["route"], body["request"], body["canonical"], body["digest"]
+            )
+            return self.hold(produced, lineage).as_json()
         raise KeyError(op)
 
     def drop_held_as(self, episodes: set[EpisodeId]) -> None:
@@ -394,12 +401,33 @@ class ResultOutbox:
             self._acknowledged.popitem(last=False)
 
 
-def held_result(
-    episode: EpisodeId, route: str, canonical: str, digest: str, lineage: Sequence[str]
-) -> HeldResult:
-    """The outbox entry of a result `episode` just produced from `route`."""
-    receipt = Receipt(episode.rollout_id, episode.attempt, digest, tuple(lineage))
-    return HeldResult(episode, receipt, route, canonical)
+@dataclass(frozen=True, slots=True)
+class Produced:
+    """What a receipted run produced: its episode, route and request digest, and its
+    result's canonical JSON and digest (receipts.py computes them, off the loop when large)."""
+
+    episode: EpisodeId
+    route: str
+    request_sha256: str
+    canonical: str
+    result_sha256: str
+
+    def bridged(self) -> dict[str, Any]:
+        """As a worker's `outbox_put` carries it to the main process."""
+        return {
+            "episode": self.episode.capture_key,
+            "route": self.route,
+            "request": self.request_sha256,
+            "canonical": self.canonical,
+            "digest": self.result_sha256,
+        }
+
+
+def held_result(produced: Produced, lineage: Sequence[str]) -> HeldResult:
+    """The outbox entry of what a run just produced."""
+    episode = produced.episode
+    receipt = Receipt(episode.rollout_id, episode.attempt, produced.result_sha256, tuple(lineage))
+    return HeldResult(episode, receipt, produced.route, produced.canonical, produced.request_sha256)
 
 
 def bridged_result(held: HeldResult) -> dict[str, Any]:
@@ -409,6 +437,7 @@ def bridged_result(held: HeldResult) -> dict[str, Any]:
         "receipt": held.receipt.as_json(),
         "route": held.route,
         "canonical": held.canonical,
+        "request": held.request_sha256,
     }
 
 
@@ -418,6 +447,7 @@ def unbridged_result(body: Mapping[str, Any]) -> HeldResult:
         Receipt.from_json(body["receipt"]),
         body["route"],
         body["canonical"],
+        body["request"],
     )
 
 

@@ -33,6 +33,7 @@ from rollout_checkpoint.server.runtime.participant import Participant, RestoredR
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
 from rollout_checkpoint.server.runtime.result_outbox import (
     Lookup,
+    Produced,
     Receipt,
     unbridged_result,
 )
@@ -326,22 +327,12 @@ class BridgedOutbox:
         held = reply["held"]
         return Lookup(None if held is None else unbridged_result(held), bool(reply["full"]))
 
-    async def put(
-        self, episode: EpisodeId, route: str, canonical: str, digest: str
-    ) -> Receipt | None:
+    async def put(self, produced: Produced) -> Receipt | None:
         """None when the main process cannot be reached: the reply then carries no receipt
         (the server is going down with its main process anyway)."""
         try:
-            reply = await self._bridge.outbox_call(
-                "outbox_put",
-                {
-                    "episode": episode.capture_key,
-                    "route": route,
-                    "canonical": canonical,
-                    "digest": digest,
-                },
-            )
+            reply = await self._bridge.outbox_call("outbox_put", produced.bridged())
         except WorkerCallFailed:
-            log.warning("the result of %s could not be held: no main process", episode)
+            log.warning("the result of %s could not be held: no main process", produced.episode)
             return None
         return None if reply is None else Receipt.from_json(reply)
