@@ -201,6 +201,7 @@ async def test_a_late_run_gets_the_held_result_and_runs_nothing(tmp_path: Path) 
         assert (listed.held, listed.cap) == (1, 10_000)
         assert listed.results[0].receipt == receipt
         assert json.loads(listed.results[0].result_json) == first.json()
+        assert listed.results[0].request_sha256 == result_digest(canonical_json({"x": 21}))
         status = await s.client.get_status()
         assert status.counters["outbox_held"] == 1
         assert status.counters["outbox_offered_again"] == 2

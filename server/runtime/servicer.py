@@ -229,6 +229,7 @@ def _held_result(held: HeldResult) -> pb.HeldResult:
         capture_key=held.episode_id.capture_key,
         route=held.route,
         result_json=held.canonical.encode(),
+        request_sha256=held.request_sha256,
     )
 
 

@@ -1073,6 +1073,7 @@ class HeldResult(_message.Message):
     CAPTURE_KEY_FIELD_NUMBER: _builtins.int
     ROUTE_FIELD_NUMBER: _builtins.int
     RESULT_JSON_FIELD_NUMBER: _builtins.int
+    REQUEST_SHA256_FIELD_NUMBER: _builtins.int
     capture_key: _builtins.str
     """The capture key it is held under: the producing attempt's, or after a
     Restore the restored attempt N+1's.
@@ -1081,6 +1082,11 @@ class HeldResult(_message.Message):
     """The data-plane route that produced it (`/run`), after the rollout prefix."""
     result_json: _builtins.bytes
     """The result: its canonical JSON, UTF-8."""
+    request_sha256: _builtins.str
+    """The SHA-256 of the canonical JSON of the request that produced it (of
+    its bytes when it is no JSON): the request a late run must repeat to get
+    this result.
+    """
     @_builtins.property
     def receipt(self) -> Global___ResultReceipt:
         """The receipt issued with the result."""
@@ -1092,10 +1098,11 @@ class HeldResult(_message.Message):
         capture_key: _builtins.str = ...,
         route: _builtins.str = ...,
         result_json: _builtins.bytes = ...,
+        request_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receipt", b"receipt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capture_key", b"capture_key", "receipt", b"receipt", "result_json", b"result_json", "route", b"route"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capture_key", b"capture_key", "receipt", b"receipt", "request_sha256", b"request_sha256", "result_json", b"result_json", "route", b"route"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

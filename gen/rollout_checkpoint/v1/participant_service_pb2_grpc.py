@@ -468,7 +468,9 @@ class ParticipantServiceServicer:
         them from this list instead of running the rollouts again. A later
         request of the same rollout and route with the receipt header gets the
         held result, not a new run (reply header `x-rollout-result-source:
-        outbox`). Participants that are no episode owner (model, resources)
+        outbox`), if it is the same request (the SHA-256 of its body's canonical
+        JSON equals `request_sha256`); another one is refused HTTP 409
+        `request_mismatch`, nothing run. Participants that are no episode owner (model, resources)
         always answer an empty list. Pages are consistent per page, as in
         ListEpisodes.
 
