@@ -76,6 +76,7 @@ SCALES: dict[str, dict[str, int]] = {
         "restore_rounds": 5,
         "rollouts": 8,
         "concurrency": 4,
+        "fleet_rounds": 6,
     },
     "tiny": {
         "requests": 300,
@@ -84,6 +85,7 @@ SCALES: dict[str, dict[str, int]] = {
         "restore_rounds": 2,
         "rollouts": 4,
         "concurrency": 4,
+        "fleet_rounds": 2,
     },
 }
 
@@ -323,33 +325,57 @@ async def recover(directory: Path, round_: int) -> tuple[float, float]:
         await served.close()
 
 
-async def fleet_rollouts(work: Path, rollouts: int, concurrency: int) -> dict[str, Any]:
-    """Real rollouts of the example fleet through `/run`, `concurrency` at a time."""
+async def fleet_rollouts(
+    work: Path, rollouts: int, concurrency: int, rounds: int
+) -> dict[str, Any]:
+    """Real rollouts of the example fleet through `/run`, `concurrency` at a time, in
+    rounds alternating with and without `x-rollout-receipt: request` (each round its own
+    rollout ids; the receipted round's results acknowledged after its timed window, as a
+    trainer does in the background): /run throughput with and without receipts."""
     processes = Processes(work / "fleet", secrets.token_hex(16))
+    seconds: dict[str, list[float]] = {"with": [], "without": []}
     try:
         group = (await start_groups(processes, 1))[0]
         tasks = load_tasks()
-        queue = list(range(rollouts))
-        async with httpx.AsyncClient(base_url=group.environment.url, timeout=120) as http:
+        assert group.environment.grpc is not None
+        async with (
+            httpx.AsyncClient(base_url=group.environment.url, timeout=120) as http,
+            ParticipantClient(group.environment.grpc, processes.token) as control,
+        ):
 
-            async def one(rollout_id: str, index: int) -> None:
+            async def one(rollout_id: str, index: int, headers: dict[str, str]) -> None:
                 body = {"task": tasks[index % len(tasks)]}
-                reply = await http.post(f"/ng-rollout/{rollout_id}/run", json=body)
+                reply = await http.post(f"/ng-rollout/{rollout_id}/run", json=body, headers=headers)
                 if reply.status_code != 200:
                     raise RuntimeError(f"{rollout_id}: {reply.status_code} {reply.text[:200]}")
 
-            async def worker() -> None:
-                while queue:
-                    index = queue.pop()
-                    await one(f"bench-fleet-{index}", index)
+            async def timed_round(tag: str, receipted: bool) -> float:
+                queue = list(range(rollouts))
+                headers = {"x-rollout-receipt": "request"} if receipted else {}
 
-            await one("bench-warm-up", 0)  # connections, first-call imports
-            started = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            spent = time.perf_counter() - started
+                async def worker() -> None:
+                    while queue:
+                        index = queue.pop()
+                        await one(f"bench-{tag}-{index}", index, headers)
+
+                started = time.perf_counter()
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+                spent = time.perf_counter() - started
+                held = await control.all_results()
+                if held:
+                    await control.acknowledge_results([h.receipt for h in held], time.time() + 30)
+                return spent
+
+            await one("bench-warm-up", 0, {})  # connections, first-call imports
+            for round_ in range(rounds):
+                for receipted in (round_ % 2 == 0, round_ % 2 == 1):
+                    tag = f"{'r' if receipted else 'p'}{round_}"
+                    seconds["with" if receipted else "without"].append(
+                        await timed_round(tag, receipted)
+                    )
     finally:
         processes.close()
-    return {"rollouts": rollouts, "concurrency": concurrency, "seconds": spent}
+    return {"rollouts": rollouts, "concurrency": concurrency, "seconds": seconds}
 
 
 # -- the report -----------------------------------------------------------------------------
@@ -392,9 +418,12 @@ async def run(scale: str) -> dict[str, Any]:
         sized = await checkpoint_bytes(sizes["held"], work)
         directory = await committed_outbox(work)
         phases = [await recover(directory, r) for r in range(sizes["restore_rounds"])]
-        fleet = await fleet_rollouts(work, sizes["rollouts"], sizes["concurrency"])
+        fleet = await fleet_rollouts(
+            work, sizes["rollouts"], sizes["concurrency"], sizes["fleet_rounds"]
+        )
     recoveries = [restore + listing for restore, listing in phases]
-    per_second = fleet["rollouts"] / fleet["seconds"]
+    plain = statistics.median(fleet["seconds"]["without"])
+    per_second = fleet["rollouts"] / plain
     recompute = RECOVERED / per_second
     run_part = run_report(cpu)
     run_part["added_share_of_a_measured_fleet_rollout_note"] = (
@@ -402,8 +431,18 @@ async def run(scale: str) -> dict[str, Any]:
         "(its sample's seconds / rollouts, at its concurrency): a fast scripted model"
     )
     run_part["added_share_of_a_measured_fleet_rollout"] = (
-        run_part["added_cpu_us_per_run"]["median"] / 1e6 / (fleet["seconds"] / fleet["rollouts"])
+        run_part["added_cpu_us_per_run"]["median"] / 1e6 / (plain / fleet["rollouts"])
     )
+    run_part["fleet_run_throughput"] = {
+        "seconds_with_receipts": spread(fleet["seconds"]["with"]),
+        "seconds_without": spread(fleet["seconds"]["without"]),
+        "throughput_without_over_with": spread(
+            ratios(fleet["seconds"]["with"], fleet["seconds"]["without"])
+        ),
+        "note": f"the example fleet, {fleet['rollouts']} rollouts a round at concurrency "
+        f"{fleet['concurrency']}, rounds with and without receipts interleaved; "
+        "throughput_without_over_with above 1 is what receipts cost (goal <= 1.03)",
+    }
     return {
         "benchmark": "receipts",
         "scale": scale,
@@ -414,7 +453,12 @@ async def run(scale: str) -> dict[str, Any]:
             "restore_and_list_seconds": spread(recoveries),
             "restore_seconds": spread([restore for restore, _ in phases]),
             "list_seconds": spread([listing for _, listing in phases]),
-            "fleet_measured": {**fleet, "rollouts_per_second": per_second},
+            "fleet_measured": {
+                "rollouts": fleet["rollouts"],
+                "concurrency": fleet["concurrency"],
+                "seconds": plain,
+                "rollouts_per_second": per_second,
+            },
             "recompute_seconds_extrapolated": recompute,
             "recompute_over_recovery": [recompute / r for r in recoveries],
             "recompute_over_recovery_median": recompute / statistics.median(recoveries),
