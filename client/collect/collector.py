@@ -250,6 +250,7 @@ class Collector:
                         timeout=options.checkpoint_timeout,
                         on_change=self._notify,
                         on_fatal=self._fail,
+                        acknowledgements=acknowledgements,
                     ),
                     self._steps,
                 )
