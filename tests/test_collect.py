@@ -1174,18 +1174,25 @@ async def test_a_group_writer_writes_nothing_until_the_group_is_sealed_then_all_
     await output.open()
     try:
         writer = GroupWriter(book, output)
-        rollouts = list(book.rollouts.values())
-        for rollout in rollouts[:2]:
-            assert await writer.hold(rollout, rollout.finished_line({"reward": 0.0})) is None
+        first, second, last = book.rollouts.values()
+        assert await writer.hold(second, second.dropped_line("policy_lag")) is None
+        assert await writer.hold(last, last.failed_line()) is None
         await output.drain()
         assert path.read_bytes() == b""
-        last = rollouts[2]
-        assert await writer.hold(last, last.finished_line({"reward": 1.0})) == []
+        receipt = pb.ResultReceipt(rollout_id="t.0", attempt=0)
+        written = await writer.hold(first, first.finished_line({"reward": 1.0}, receipt), receipt)
+        assert written == [receipt], "acknowledged once the group is durable, not before"
     finally:
         await output.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [line["rollout_id"] for line in lines] == ["t.0", "t.1", "t.2"]
-    assert book.settled() and book.counts.groups_sealed == 1
+    assert [(line["rollout_id"], line["status"]) for line in lines] == [
+        ("t.0", "ok"),
+        ("t.1", "dropped"),
+        ("t.2", "failed"),
+    ]
+    counts = book.counts
+    assert (counts.done, counts.dropped, counts.failed, counts.groups_sealed) == (1, 1, 1, 1)
+    assert book.settled()
 
 
 def test_no_collect_module_reads_the_environment() -> None:

@@ -73,8 +73,8 @@ class FleetBoots:
         self.booting = [self.executor.submit(self._boot, f"fleet{n}") for n in range(FLEETS)]
         self.started: list[RealFleet] = []
 
-    def take(self, *, closed: bool) -> Future[RealFleet]:
-        assert not closed and self.booting, "this module boots open fleets only"
+    def take(self, *, closed: bool, workers: int = 1) -> Future[RealFleet]:
+        assert not closed and workers == 1 and self.booting, "this module boots open fleets only"
         return self.booting.pop(0)
 
     def _boot(self, label: str) -> RealFleet:

@@ -285,8 +285,6 @@ class RolloutBook:
         counts as dropped, not failed)."""
         rollout.status = Status.FAILED
         rollout.continued = False
-        if rollout in self.pending:
-            self.pending.remove(rollout)
         self.counts.dropped += 1
 
     def retry(self, rollout: Rollout) -> None:
@@ -318,6 +316,8 @@ class RolloutBook:
         rollout.highest_used = max(rollout.highest_used, produced_by)
         rollout.status = Status.HELD
         rollout.continued = False
+        if rollout in self.pending:  # dropped after it was queued: never sent again
+            self.pending.remove(rollout)
         rollout.line = line
         rollout.receipt = receipt
 
@@ -339,6 +339,9 @@ class RolloutBook:
             assert line is not None
             if line["status"] == "failed":
                 self.recorded_failed(rollout)
+                continue
+            if line["status"] == "dropped":
+                self.dropped(rollout)
                 continue
             self.collected(rollout)
             if line["provenance"]["source"] == "outbox":
