@@ -6,7 +6,7 @@
 1): `prepared` (the fleet is prepared), `committed` (parts written, nothing published) or a
 publication step (`after_verify`, `after_fleet_manifest`, `after_latest`); or at the n-th
 edge of the receipt protocol: `received` (a result's reply arrived, its line not written),
-`persisted` (its line durable, not acknowledged), `acknowledging`, `acknowledged` (an
+`persisted` (a sealed group's lines durable, not acknowledged), `acknowledging`, `acknowledged` (an
 acknowledgement round about to leave, come back). `--stop-at` instead
 SIGSTOPs it there (the test SIGCONTs it once it has done something to the fleet meanwhile). The
 hook reaches the collector through `run_collect(step_hook=...)`; production code has no switch

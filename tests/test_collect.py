@@ -29,14 +29,17 @@ import pytest
 
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect import CorruptFile, read_jsonl
+from rollout_checkpoint.client.collect.groups import GroupWriter
 from rollout_checkpoint.client.collect.inputs import TaskRow
+from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.outcome import Outcome, classify
-from rollout_checkpoint.client.collect.rollouts import RolloutBook
+from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
 from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .doc_pages import commands
 from .doc_steps import differences, steps
@@ -54,7 +57,7 @@ REPEATS = 3
 CONCURRENCY = 6
 LATENCY = 0.15
 """Seconds per scripted model call: a rollout takes about a second, long enough to be cut."""
-OPEN_FLEETS, CLOSED_FLEETS = 15, 6
+OPEN_FLEETS, CLOSED_FLEETS = 19, 8
 """The fleets this module takes (open, and started closed): the pool boots no more."""
 
 
@@ -780,6 +783,155 @@ def test_a_rollout_continued_past_the_policy_lag_is_handled_as_stale_says(
             assert any(5 in (by_id[r]["reply"].get("weight_versions") or []) for r in went_on)
 
 
+# -- prompt groups: the K repeats of a task reach the output whole, in one write ------------------
+
+
+def assert_whole_groups(lines: list[dict[str, Any]]) -> None:
+    """Every group in `lines` is whole (all K repeats, each once) and its rows are contiguous:
+    the output never holds part of a group."""
+    tasks = [line["task_id"] for line in lines]
+    starts = [task for i, task in enumerate(tasks) if i == 0 or tasks[i - 1] != task]
+    assert len(starts) == len(set(starts)), f"a group's rows are not contiguous: {tasks}"
+    for task in starts:
+        repeats = sorted(line["repeat"] for line in lines if line["task_id"] == task)
+        assert repeats == list(range(REPEATS)), f"group {task} is partial: {repeats}"
+
+
+def test_each_prompt_group_is_written_whole_in_one_write_even_when_the_collector_is_killed(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """The uninterrupted run's groups are whole and contiguous. Killed right after its third
+    durable write (`persisted@3`), the output holds whole groups only, at least three (a
+    write may carry groups queued together); `--resume` completes it, whole again."""
+    assert_whole_groups(baseline.lines)
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet, crash_at="persisted@3")
+    assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
+    before = output_lines(work)  # right after the kill: what a crash leaves
+    assert len(before) >= 3 * REPEATS
+    assert_whole_groups(before)
+    resumed = fleets.collect(fleet, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    assert_complete(work, baseline.rewards)
+    assert_whole_groups(output_lines(work))
+    assert held_in_entry(fleet) == 0
+
+
+def test_sibling_recovery_keeps_the_finished_siblings_taken_back_from_the_outbox(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """`--group-recovery sibling` (the default): the collector dies with finished siblings in
+    memory (their groups unsealed, their receipts unacknowledged); the resume on the fleet
+    that kept running takes each back from the entry's outbox into its group, at the attempt
+    that produced it, and writes whole groups only."""
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet, crash_at="received@5")
+    assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
+    assert_whole_groups(output_lines(work))
+    sent = dispatched(work)
+    resumed = fleets.collect(fleet, "--resume", "--json")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert_whole_groups(output_lines(work))
+    kept = [r for r, line in by_id.items() if line["provenance"]["source"] == "outbox"]
+    assert kept, "the fifth result at least waited for its group when the collector died"
+    for rollout_id in kept:
+        assert by_id[rollout_id]["provenance"]["produced_by_attempt"] == sent[rollout_id]
+    (summary,) = [json.loads(line) for line in fleets.stdout(resumed).splitlines()]
+    assert summary["groups_regenerated"] == 0
+    assert held_in_entry(fleet) == 0
+
+
+def groups_after_a_crash(
+    work: Path, tasks: Path | None, *extra: str, fleets: Fleets, baseline: Baseline
+) -> tuple[dict[str, dict[str, Any]], dict[str, int], dict[str, int], set[str]]:
+    """A collection (of `tasks`, else the test's) checkpointing every 0.3 s, killed with its
+    whole fleet at the eighth result, resumed on a fresh fleet: (the output by rollout id,
+    the attempts dispatched before the crash, the `held` of the last checkpoint's state,
+    the rollouts in the output before the crash)."""
+    first, fresh = fleets.start(), fleets.start(closed=True)
+    fleet = first.result()
+    flags = ["--checkpoint-every", "0.3", *extra, *(["--input", str(tasks)] if tasks else [])]
+    process = fleets.collect(fleet, *flags, crash_at="received@8")
+    assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
+    fleet.kill()
+    manifest = latest(work)
+    assert manifest is not None
+    before = output_lines(work)
+    assert_whole_groups(before)
+    sent = dispatched(work)
+    resumed = fleets.collect(fresh.result(), *flags, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    assert_whole_groups(output_lines(work))
+    assert held_in_entry(fresh.result()) == 0
+    return by_id, sent, manifest["state"]["held"], {line["rollout_id"] for line in before}
+
+
+def assert_regenerated_whole(
+    by_id: dict[str, dict[str, Any]], sent: dict[str, int], held: dict[str, int], before: set[str]
+) -> int:
+    """`group` recovery after the whole fleet died: a group that lost a sibling (one sent
+    that the restored outbox does not give back) has every sibling sent before the crash
+    run again as a later attempt, none taken from the outbox; one that lost none keeps its
+    siblings the outbox gave back. Returns how many groups were regenerated."""
+    regenerated = 0
+    for task in sorted({line["task_id"] for line in by_id.values()}):
+        siblings = [f"{task}.{repeat}" for repeat in range(REPEATS)]
+        if set(siblings) <= before:
+            continue
+        lost = any(r in sent and r not in held for r in siblings)
+        for rollout_id in siblings:
+            line = by_id[rollout_id]
+            if lost:
+                assert line["provenance"]["source"] == "run", (rollout_id, line["provenance"])
+                if rollout_id in sent:
+                    assert line["attempt"] > sent[rollout_id], (rollout_id, line["attempt"])
+            elif rollout_id in held:
+                assert line["provenance"]["source"] == "outbox", rollout_id
+                assert line["provenance"]["produced_by_attempt"] == held[rollout_id]
+        regenerated += lost
+    return regenerated
+
+
+@pytest.mark.parametrize("chosen_by", ["task_rows", pytest.param("flag", marks=pytest.mark.slow)])
+def test_group_recovery_regenerates_every_group_that_lost_a_sibling(
+    fleets: Fleets, baseline: Baseline, tmp_path: Path, chosen_by: str
+) -> None:
+    """`group` recovery, chosen by every task row's `group_recovery` (the run's flag says
+    nothing: sibling) or by `--group-recovery group`. The whole fleet dies mid-run and the
+    collection resumes on a fresh one from the last checkpoint, whose outbox gives back the
+    results that waited for their groups then: a group that lost a sibling discards them and
+    runs every sibling again from its input."""
+    tasks, flags = None, ["--group-recovery", "group"]
+    if chosen_by == "task_rows":
+        rows = [
+            dict(json.loads(line), group_recovery="group")
+            for line in TASKS.read_text().splitlines()
+        ]
+        tasks, flags = tmp_path / "group-tasks.jsonl", []
+        tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    by_id, sent, held, before = groups_after_a_crash(
+        fleets.work, tasks, *flags, fleets=fleets, baseline=baseline
+    )
+    assert assert_regenerated_whole(by_id, sent, held, before) >= 1
+
+
+@pytest.mark.slow
+def test_sibling_recovery_after_the_whole_fleet_died_keeps_what_the_outbox_gives_back(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    by_id, _, held, before = groups_after_a_crash(
+        fleets.work, None, fleets=fleets, baseline=baseline
+    )
+    for rollout_id, attempt in held.items():
+        if rollout_id not in before:
+            assert by_id[rollout_id]["provenance"]["source"] == "outbox", rollout_id
+            assert by_id[rollout_id]["provenance"]["produced_by_attempt"] == attempt
+
+
 def test_failed_rollouts_are_retired_retried_and_then_recorded_as_failed(
     fleets: Fleets, tmp_path: Path
 ) -> None:
@@ -945,6 +1097,102 @@ def test_the_book_names_the_checkpoint_scope_and_the_state_a_resume_needs() -> N
     assert state["failures"] == {"a.1": 1} and state["retired"] == {"a.1": 0}
     assert state["attempts"] == {"a.0": 0, "a.1": 1, "b.1": 1}
     assert not book.all_done()
+
+
+def test_a_task_row_with_an_unknown_group_recovery_is_a_usage_error_naming_it(
+    tmp_path: Path,
+) -> None:
+    output = tmp_path / "rollouts.jsonl"
+    command = no_fleet_collect(tmp_path, output)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"task_id": "t"}\n{"task_id": "u", "group_recovery": "all"}\n')
+    refused = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == ExitCode.USAGE == 2, refused.stderr
+    assert f"{tasks}:2: group_recovery must be one of sibling, group, not 'all'" in refused.stderr
+    assert not output.exists() and not (tmp_path / "checkpoints").exists()
+    flag = subprocess.run(
+        [*command, "--group-recovery", "all"], env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert flag.returncode == 2 and "--group-recovery" in flag.stderr
+
+
+def test_the_book_holds_a_group_until_sealed_and_follows_its_policy_after_a_cut() -> None:
+    tasks = [
+        TaskRow(0, "a", {"task_id": "a"}),
+        TaskRow(1, "b", {"task_id": "b", "group_recovery": "sibling"}, "sibling"),
+    ]
+    book = RolloutBook(tasks, 2, Counts(), group_recovery="group")
+    a0, a1, b0, b1 = (book.rollouts[r] for r in ("a.0", "a.1", "b.0", "b.1"))
+    assert (book.policy_of(a0), book.policy_of(b0)) == ("group", "sibling"), "the row wins"
+    book.queue_pending()
+    assert book.take(4) == [a0, a1, b0, b1]
+
+    def line(rollout: Rollout, source: str = "run") -> dict[str, Any]:
+        return rollout.finished_line({"reward": 1.0}, None, source)
+
+    def receipt(rollout: Rollout) -> pb.ResultReceipt:
+        return pb.ResultReceipt(rollout_id=rollout.rollout_id, attempt=rollout.attempt)
+
+    book.held(a0, line(a0), receipt(a0))
+    book.held(b0, line(b0, "outbox"), receipt(b0))
+    assert book.sealed(a0) == [] and book.sealed(b0) == [], "a sibling is unfinished"
+    # Finished but unsealed: not finished for a resume (the output lacks it), never continued,
+    # never retired as something that may still run.
+    state = book.controller_state(
+        run_id="r", checkpoint_id="c", input_digest="d", num_repeats=2, boot_ids={}
+    )
+    assert state["finished"] == {} and state["held"] == {"a.0": 0, "b.0": 0}
+    assert state["attempts"] == {"a.0": 0, "a.1": 0, "b.0": 0, "b.1": 0}
+    assert book.continuable([EpisodeId("a.0", 0), EpisodeId("a.1", 0)]) == [EpisodeId("a.1", 0)]
+    assert book.may_run(excluding=set()) == [EpisodeId("a.1", 0), EpisodeId("b.1", 0)]
+    # A crash cuts a.1 and b.1: group a (policy group) regenerates a.0 too; b keeps b.0.
+    assert book.cut(["a.1", "b.1"]) == [a0, a1]
+    assert (book.counts.groups_regenerated, book.counts.siblings_kept) == (1, 1)
+    book.retired(a0, 0)
+    book.regenerate(a0, 0)
+    assert (a0.status.value, a0.attempt, a0.line, a0.receipt) == ("pending", 1, None, None)
+    # b.1 comes back: group b is sealed, its two lines are written together, and only then
+    # are both receipts acknowledged.
+    book.held(b1, line(b1), receipt(b1))
+    assert book.sealed(b1) == [b0, b1]
+    assert book.written([b0, b1]) == [receipt(b0), receipt(b1)]
+    assert (book.counts.done, book.counts.groups_sealed, book.counts.reoffered) == (2, 1, 1)
+    # A failure that used up its attempts seals its group like a result.
+    book.held(a1, a1.failed_line())
+    book.held(a0, line(a0))
+    assert book.sealed(a0) == [a0, a1]
+    assert book.written([a0, a1]) == []
+    assert (book.counts.done, book.counts.failed) == (3, 1) and book.settled()
+
+
+async def test_a_group_writer_writes_nothing_until_the_group_is_sealed_then_all_at_once(
+    tmp_path: Path,
+) -> None:
+    book = RolloutBook([TaskRow(0, "t", {"task_id": "t"})], 3, Counts())
+    path = tmp_path / "rollouts.jsonl"
+    output = DurableAppender(path)
+    await output.open()
+    try:
+        writer = GroupWriter(book, output)
+        first, second, last = book.rollouts.values()
+        assert await writer.hold(second, second.dropped_line("policy_lag")) is None
+        assert await writer.hold(last, last.failed_line()) is None
+        await output.drain()
+        assert path.read_bytes() == b""
+        receipt = pb.ResultReceipt(rollout_id="t.0", attempt=0)
+        written = await writer.hold(first, first.finished_line({"reward": 1.0}, receipt), receipt)
+        assert written == [receipt], "acknowledged once the group is durable, not before"
+    finally:
+        await output.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["rollout_id"], line["status"]) for line in lines] == [
+        ("t.0", "ok"),
+        ("t.1", "dropped"),
+        ("t.2", "failed"),
+    ]
+    counts = book.counts
+    assert (counts.done, counts.dropped, counts.failed, counts.groups_sealed) == (1, 1, 1, 1)
+    assert book.settled()
 
 
 def test_no_collect_module_reads_the_environment() -> None:

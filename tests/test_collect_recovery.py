@@ -47,6 +47,7 @@ from .test_collect import (
     Baseline,
     Fleets,
     RealFleet,
+    assert_whole_groups,
     dispatched,
     latest,
     mid_episode,
@@ -56,7 +57,7 @@ from .test_collect import (
 
 RECOVERY_RESTORED = re.compile(r"\[checkpoint_id=recover-[0-9a-f]+\]: restore ok")
 """What a member logs once the in-place recovery's Restore installed the checkpoint."""
-FLEETS = 5
+FLEETS = 6
 """The fleets this module boots (the baseline's and one per test), two at a time, ahead of
 the tests that take them."""
 
@@ -72,8 +73,8 @@ class FleetBoots:
         self.booting = [self.executor.submit(self._boot, f"fleet{n}") for n in range(FLEETS)]
         self.started: list[RealFleet] = []
 
-    def take(self, *, closed: bool) -> Future[RealFleet]:
-        assert not closed and self.booting, "this module boots open fleets only"
+    def take(self, *, closed: bool, workers: int = 1) -> Future[RealFleet]:
+        assert not closed and workers == 1 and self.booting, "this module boots open fleets only"
         return self.booting.pop(0)
 
     def _boot(self, label: str) -> RealFleet:
@@ -240,6 +241,38 @@ def test_a_member_sigkilled_mid_run_is_recovered_in_place_and_the_run_finishes(
             assert line["reply"]["continued_from_step"] == steps[rollout_id], rollout_id
             went_on += 1
     assert went_on >= 1, "no rollout continued from its checkpointed boundary"
+
+
+@pytest.mark.slow
+def test_group_recovery_in_place_regenerates_every_group_the_loss_cut(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """`--group-recovery group`: the agent SIGKILLed while the collector is stopped after its
+    second checkpoint. No sibling of a group the loss cut is continued and none is kept: the
+    whole group runs again from its inputs as later attempts (or, had its last reply come
+    back while the recovery awaited the cut requests, it was written whole before)."""
+    work = fleets.work
+    fleet = fleets.start().result()
+    extra = ["--checkpoint-every", "0.5", "--keep", "1000", "--json", "--group-recovery", "group"]
+    process = fleets.collect(fleet, *extra, stop_at="after_latest@2")
+    wait_until(lambda: stopped(process), "the collector stopped after its checkpoint", process)
+    finished_before = {line["rollout_id"] for line in output_lines(work)}
+    sent_before = dispatched(work)
+    replace(fleet, "agent", "replacement", lambda: os.killpg(process.pid, signal.SIGCONT))
+    assert process.wait(timeout=60) == ExitCode.OK, fleets.log(process)
+    by_id = assert_exactly_once_as_the_baseline(work, baseline)
+    assert_whole_groups(output_lines(work))
+    cut = {r.rsplit(".", 1)[0] for r in sent_before if r not in finished_before}
+    regenerated = 0
+    for task in cut:
+        sent = {r: a for r, a in sent_before.items() if r.rsplit(".", 1)[0] == task}
+        later = {r: by_id[r]["attempt"] > a for r, a in sent.items()}
+        assert len(set(later.values())) == 1, f"group {task} mixes kept and regenerated: {later}"
+        if all(later.values()):
+            regenerated += 1
+            assert all(by_id[r]["reply"]["continued_from_step"] is None for r in sent), task
+    (summary,) = [json.loads(line) for line in fleets.stdout(process).splitlines()]
+    assert regenerated >= 1 and summary["groups_regenerated"] >= regenerated
 
 
 def test_a_member_that_keeps_dying_stops_the_run_for_a_resume_that_finishes_it(

@@ -40,6 +40,7 @@ from rollout_checkpoint.client.cli.errors import classify as classify_fleet_erro
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.collector import Collector
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
+from rollout_checkpoint.client.collect.inputs import GROUP_RECOVERIES
 from rollout_checkpoint.client.collect.options import CollectOptions
 from rollout_checkpoint.client.collect.staleness import Stale, StalenessPolicy
 from rollout_checkpoint.server.core.errors import Reason
@@ -85,6 +86,15 @@ def add_collect_verb(verbs: Any) -> None:
     )
     sub.add_argument(
         "--resume", action="store_true", help="continue the collection in --output/--checkpoint-dir"
+    )
+    sub.add_argument(
+        "--group-recovery",
+        choices=GROUP_RECOVERIES,
+        default="sibling",
+        help="after a crash cut one rollout of a prompt group (a task's K repeats): 'sibling' "
+        "keeps its finished siblings, 'group' regenerates the whole group from its input; a "
+        "task row's group_recovery overrides it (default sibling). Either way a group reaches "
+        "the output whole, in one write",
     )
     sub.add_argument(
         "--max-attempts",
@@ -187,6 +197,7 @@ def run_collect(
         concurrency=args.concurrency,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        group_recovery=args.group_recovery,
         max_attempts=args.max_attempts,
         max_recoveries=args.max_recoveries,
         checkpoint_timeout=args.checkpoint_timeout,
@@ -219,6 +230,9 @@ def summary(collector: Collector, options: CollectOptions, code: int) -> dict[st
         "retried": counts.retried,
         "checkpoints": counts.checkpoints,
         "recoveries": counts.recoveries,
+        "groups_sealed": counts.groups_sealed,
+        "siblings_kept": counts.siblings_kept,
+        "groups_regenerated": counts.groups_regenerated,
         "last_checkpoint": counts.last_checkpoint,
         "output": str(options.output),
         "checkpoint_dir": str(options.checkpoint_dir),

@@ -49,6 +49,7 @@ from rollout_checkpoint.client.collect.control import ControlCalls
 from rollout_checkpoint.client.collect.control_loop import ControlLoop, RunningParts, RunRequests
 from rollout_checkpoint.client.collect.dispatch import Dispatcher
 from rollout_checkpoint.client.collect.ending import finished_code
+from rollout_checkpoint.client.collect.groups import GroupWriter
 from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
 from rollout_checkpoint.client.collect.member_loss import InPlaceRecovery
 from rollout_checkpoint.client.collect.options import CollectOptions
@@ -176,7 +177,12 @@ class Collector:
         options, fleet, book = self.options, self.fleet, start.book
         assert fleet is not None
         self.counts.phase = "setting up the fleet"
-        stale = StaleHandling(options.staleness, book, self.view, self._dropped_into(output))
+        # Before the fleet is set up: a dropped line the setup writes may seal a group whose
+        # receipts are then acknowledged like any other.
+        acknowledgements = Acknowledgements(self._current_fleet, self._step_hook)
+        stale = StaleHandling(
+            options.staleness, book, self.view, self._dropped_into(book, output, acknowledgements)
+        )
         setup = FleetSetup(fleet, start.root, book, self.view, self.control, stale)
         held = HeldResults(fleet, book, output, self.view)
         await setup.run(
@@ -189,7 +195,6 @@ class Collector:
             max_keepalive_connections=options.concurrency,
         )
         timeout = httpx.Timeout(options.request_timeout, connect=30.0)
-        acknowledgements = Acknowledgements(self._current_fleet, self._step_hook)
         acknowledging = asyncio.create_task(acknowledgements.run())
         try:
             header = {
@@ -250,6 +255,7 @@ class Collector:
                         timeout=options.checkpoint_timeout,
                         on_change=self._notify,
                         on_fatal=self._fail,
+                        acknowledgements=acknowledgements,
                     ),
                     self._steps,
                 )
@@ -275,9 +281,14 @@ class Collector:
             await acknowledgements.settle(ACK_SETTLE_SECONDS)
 
     @staticmethod
-    def _dropped_into(output: DurableAppender) -> RecordDropped:
+    def _dropped_into(
+        book: RolloutBook, output: DurableAppender, acknowledgements: Acknowledgements
+    ) -> RecordDropped:
+        """A dropped line settles its rollout like a failure: it waits for its group."""
+
         async def record(rollout: Rollout, reason: str) -> None:
-            await output.append(json_line(rollout.dropped_line(reason)))
+            written = await GroupWriter(book, output).hold(rollout, rollout.dropped_line(reason))
+            acknowledgements.add(*(written or []))
 
         return record
 

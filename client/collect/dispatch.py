@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
+from rollout_checkpoint.client.collect.groups import GroupWriter
 from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
 from rollout_checkpoint.client.collect.outcome import classify, transport_failure
 from rollout_checkpoint.client.collect.receipts import (
@@ -29,8 +30,9 @@ class Dispatcher:
 
     Every attempt is in the dispatch log, durably, before its `/run` leaves: after a crash,
     every attempt that may run somewhere is known. A reply counts only once its output line
-    is durable. An entry point that refuses before the episode began (admission closed) is
-    backed off from (up to 1 s) and the same attempt is sent again.
+    is durable, and that line waits for its prompt group (`groups`): the group is written
+    whole, in one write, once sealed. An entry point that refuses before the episode began
+    (admission closed) is backed off from (up to 1 s) and the same attempt is sent again.
 
     `on_change` is called whenever the book changed (a reply, a refusal, a failure);
     `on_fatal` with an error that must stop the run (the output or the log cannot be
@@ -54,6 +56,7 @@ class Dispatcher:
         self.acknowledgements = acknowledgements
         self._steps = DeliverySteps(step_hook)
         self.output = output
+        self.groups = GroupWriter(book, output)
         self.dispatch_log = dispatch_log
         self.http = http
         self.entry_url = entry_url.rstrip("/")
@@ -158,13 +161,12 @@ class Dispatcher:
                 assert outcome.reply is not None
                 self._steps("received")
                 line = rollout.finished_line(outcome.reply, receipt, source)
-                await self.output.append(json_line(line))
-                self._steps("persisted")
-                book.collected(rollout)
-                if source == "outbox":
-                    book.counts.reoffered += 1
-                if receipt is not None and self.acknowledgements is not None:
-                    self.acknowledgements.add(receipt)  # durable first, acknowledged second
+                # Its group's write, once sealed, is durable first, acknowledged second.
+                written = await self.groups.hold(rollout, line, receipt)
+                if written is not None:
+                    self._steps("persisted")
+                    if self.acknowledgements is not None:
+                        self.acknowledgements.add(*written)
                 self._backoff = 0.0
             elif outcome.kind == "not_started":
                 book.not_started(rollout)

@@ -48,6 +48,18 @@ def finished_note(counts: Counts, output: Path) -> str:
         f"collect: {counts.done} rollout(s) collected{reoffered}, {counts.failed} failed, "
         f"into {output}; {counts.checkpoints} checkpoint(s) taken"
         + (f"; {', '.join(stale)}" if stale else "")
+        + groups_note(counts)
+    )
+
+
+def groups_note(counts: Counts) -> str:
+    """What a crash did to the prompt groups, when it touched one (else nothing: a run no
+    crash cut says what it always said)."""
+    if not (counts.siblings_kept or counts.groups_regenerated):
+        return ""
+    return (
+        f"; {counts.groups_sealed} group(s) sealed, {counts.siblings_kept} finished "
+        f"sibling(s) kept, {counts.groups_regenerated} group(s) regenerated"
     )
 
 

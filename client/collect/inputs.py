@@ -6,19 +6,27 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.server.core.episodes import rollout_id_problem
 
+GroupRecovery = Literal["sibling", "group"]
+"""What a prompt group (the K rollouts of one task) does after a crash cut one of its
+rollouts: `sibling` keeps its finished siblings and continues or restarts only the unfinished
+ones; `group` regenerates every sibling from its input (see `groups`)."""
+GROUP_RECOVERIES: tuple[GroupRecovery, ...] = get_args(GroupRecovery)
+
 
 @dataclass(frozen=True)
 class TaskRow:
-    """One task of the input: its position, its id and the whole JSON row sent to `/run`."""
+    """One task of the input: its position, its id and the whole JSON row sent to `/run`,
+    and the row's own `group_recovery` (None: the run's `--group-recovery`)."""
 
     index: int
     task_id: str
     row: dict[str, Any]
+    group_recovery: GroupRecovery | None = None
 
 
 def load_input(path: Path, num_repeats: int) -> tuple[list[TaskRow], str]:
@@ -28,7 +36,8 @@ def load_input(path: Path, num_repeats: int) -> tuple[list[TaskRow], str]:
     replacement attempt whose task differs from its checkpointed one is refused). A row
     without `task_id` is `row<index>`. Raises `UsageError` for an unreadable file, a line that
     is not a JSON object, a `task_id` that is not a string, appears twice or makes an invalid
-    rollout id with `num_repeats`, and for a file without tasks."""
+    rollout id with `num_repeats`, a `group_recovery` other than `sibling` or `group`, and
+    for a file without tasks: all before the fleet is touched."""
     try:
         data = path.read_bytes()
     except OSError as error:
@@ -55,10 +64,24 @@ def load_input(path: Path, num_repeats: int) -> tuple[list[TaskRow], str]:
                 f"{path}:{number}: task_id {task_id!r} makes bad rollout ids: {problem}"
             )
         seen.add(task_id)
-        rows.append(TaskRow(len(rows), task_id, row))
+        rows.append(TaskRow(len(rows), task_id, row, group_recovery_of(row, f"{path}:{number}")))
     if not rows:
         raise UsageError(f"{path}: no tasks")
     return rows, hashlib.sha256(data).hexdigest()
+
+
+def group_recovery_of(row: dict[str, Any], where: str) -> GroupRecovery | None:
+    """The row's `group_recovery` (None when it has none); `UsageError` naming the row
+    (`where`) for any other value than the two policies."""
+    value = row.get("group_recovery")
+    if value is None:
+        return None
+    for policy in GROUP_RECOVERIES:
+        if value == policy:
+            return policy
+    raise UsageError(
+        f"{where}: group_recovery must be one of {', '.join(GROUP_RECOVERIES)}, not {value!r}"
+    )
 
 
 def rollout_id_of(task_id: str, repeat: int) -> str:

@@ -33,6 +33,9 @@ collector itself. Every rule below exists for a crash or a race at the step befo
   late request that reaches the fresh member. The new attempts go through the dispatch log
   (written ahead) like every other, so a crash of the collector during a recovery leaves
   `--resume` everything it needs: the dispatch log, the output and the unchanged `LATEST`.
+* **A prompt group the loss cut follows its policy** (`groups`): `sibling` keeps its
+  finished siblings; `group` is excluded from the restore's scope, and every sibling not yet
+  written, finished ones included, is retired and restarted from its input.
 * **The requests the loss cut are awaited before anything is re-sent** (they end with
   `stale_attempt` once retired, at most `IN_FLIGHT_SECONDS`, then they are dropped): a rollout
   has one request in flight at a time, and a late reply of a cut attempt must not be taken for
@@ -262,8 +265,15 @@ class InPlaceRecovery:
         manifest = await self._this_runs_latest(deadline)
         continued: tuple[EpisodeId, ...] = ()
         restored_from: str | None = None
+        # The loss cut every rollout that may run; a `group` group of theirs is regenerated
+        # whole, so none of its siblings is continued.
+        regenerated = book.cut(e.rollout_id for e in book.may_run(excluding=set()))
         if manifest is not None:
-            scope = book.continuable(manifest.continued)
+            scope = [
+                e
+                for e in book.continuable(manifest.continued)
+                if book.rollouts[e.rollout_id] not in regenerated
+            ]
             book.installing(scope)
             book.counts.phase = f"recovering: restoring {manifest.checkpoint_id}"
             try:
@@ -294,7 +304,16 @@ class InPlaceRecovery:
                 "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
             )
             await end_cut_checkpoints(fleet, statuses, control_id, deadline)
-        restarted = book.may_run(excluding={e.rollout_id for e in continued})
+        restarted = sorted(
+            {
+                *book.may_run(excluding={e.rollout_id for e in continued}),
+                *(
+                    EpisodeId(r.rollout_id, r.highest_used)
+                    for r in regenerated
+                    if r.highest_used >= 0
+                ),
+            }
+        )
         await self._retire(fleet, restarted, deadline)
         if restored_from is None:
             await open_fresh(fleet, statuses, control_id, deadline)
@@ -305,7 +324,7 @@ class InPlaceRecovery:
         finished = [
             e
             for e in continued
-            if book.rollouts[e.rollout_id].status in (Status.DONE, Status.FAILED)
+            if book.rollouts[e.rollout_id].status in (Status.DONE, Status.FAILED, Status.HELD)
         ]
         await self._retire(fleet, finished, deadline)
         book.recovered(continued, restarted)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout_checkpoint.client.collect.inputs import GroupRecovery
 from rollout_checkpoint.client.collect.staleness import StalenessPolicy
 
 
@@ -35,6 +36,9 @@ class CollectOptions:
     """Seconds between checkpoints (None: only on SIGUSR1 and when the run stops)."""
     resume: bool = False
     """Continue the collection in `output` and `checkpoint_dir`."""
+    group_recovery: GroupRecovery = "sibling"
+    """What a prompt group does after a crash cut one of its rollouts (a task's row may
+    say otherwise)."""
     max_attempts: int = 3
     """Failures of one rollout before it is recorded as failed."""
     max_recoveries: int = 3

@@ -13,8 +13,9 @@ the collector, the entry or everything crashes:
 * **Take back before restarting anything** (`take_back_held`): a `--resume` lists the
   results the entry members hold (ListResults) right after the fleet is restored or reopened
   and before the unfinished rollouts are retired (a Retire releases the rollout's held
-  result): one the output lacks is written from the outbox, counted as re-offered, not run
-  again.
+  result): one the output lacks goes to its prompt group (`groups`), written with it once
+  the group is sealed, counted as re-offered, not run again. Its receipt is acknowledged
+  only then: until its group is durable, the outbox is the result's only durable copy.
 
 Acknowledgements go to every entry member (environment and agent): the one that issued a
 receipt releases it, the others hold nothing of it and count it `not_held`. A failed round
@@ -31,7 +32,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rollout_checkpoint.client.checkpointing import fanout
-from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
+from rollout_checkpoint.client.collect.groups import GroupWriter
+from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.errors import ControlError
@@ -63,10 +65,11 @@ def entry_members(fleet: Fleet) -> list[Member]:
 
 class DeliverySteps:
     """The delivery steps of a run, each numbered by its own count from 1 (`received`: the
-    Nth result's reply arrived, its line not written; `persisted`: the Nth line is durable,
-    its receipt not acknowledged; `acknowledging` / `acknowledged`: the Nth acknowledgement
-    round is about to leave / came back), handed to the run's step hook: fault tests kill
-    the collector at an exact edge of the receipt protocol."""
+    Nth result's reply arrived, its line not written; `persisted`: the Nth write of a sealed
+    prompt group is durable, its receipts not acknowledged; `acknowledging` /
+    `acknowledged`: the Nth acknowledgement round is about to leave / came back), handed to
+    the run's step hook: fault tests kill the collector at an exact edge of the receipt
+    protocol."""
 
     def __init__(self, hook: Callable[[str, int], None] | None) -> None:
         self._hook = hook
@@ -93,10 +96,11 @@ class Acknowledgements:
         self._wake = asyncio.Event()
         self.failed_rounds = 0
 
-    def add(self, receipt: pb.ResultReceipt) -> None:
-        """`receipt`'s result is durable in the output."""
-        self._waiting.append(receipt)
-        self._wake.set()
+    def add(self, *receipts: pb.ResultReceipt) -> None:
+        """The results of `receipts` are durable in the output."""
+        self._waiting.extend(receipts)
+        if receipts:
+            self._wake.set()
 
     async def run(self) -> None:
         """Acknowledge as receipts come, until cancelled."""
@@ -170,15 +174,19 @@ class HeldResults:
         self.book = book
         self.output = output
         self.view = view
+        self.taken = 0
+        """Held results taken back into their groups by `take_back`."""
 
     async def take_back(self) -> None:
-        """`--resume`: write every held result of an unfinished rollout (one the output
-        lacks) as its output line, then acknowledge every held result."""
-        written, held = await take_back_held(self.fleet, self._write)
+        """`--resume`: give every held result of an unfinished rollout (one the output
+        lacks) to its group, writing the groups that seals, then acknowledge every held
+        result except those still waiting for their group."""
+        self.taken = 0
+        held = await take_back_held(self.fleet, self._take)
         if held:
             self.view.note(
-                f"collect: the entry held {held} result(s) never acknowledged; {written} of "
-                "them were not in the output and are written from it, not run again"
+                f"collect: the entry held {held} result(s) never acknowledged; {self.taken} of "
+                "them were not in the output and are taken from it, not run again"
             )
 
     async def release(self) -> None:
@@ -191,34 +199,35 @@ class HeldResults:
         if held:
             self.view.note(f"collect: released {len(held)} result(s) an earlier run left held")
 
-    async def _write(self, held: pb.HeldResult) -> bool:
+    async def _take(self, held: pb.HeldResult) -> list[pb.ResultReceipt]:
         rollout = self.book.rollouts.get(held.receipt.rollout_id)
         if rollout is None or rollout.status in (Status.DONE, Status.FAILED):
-            return False
+            return [held.receipt]  # the output holds it already
         try:
             reply = json.loads(held.result_json)
         except ValueError:
-            return False
+            return [held.receipt]
         if not isinstance(reply, dict) or "error" in reply:
-            return False
-        await self.output.append(json_line(rollout.finished_line(reply, held.receipt, "outbox")))
-        self.book.collected(rollout)
-        self.book.counts.reoffered += 1
-        return True
+            return [held.receipt]
+        self.taken += 1
+        line = rollout.finished_line(reply, held.receipt, "outbox")
+        # Waiting for its group: acknowledged with the group's write, not before.
+        written = await GroupWriter(self.book, self.output).hold(rollout, line, held.receipt)
+        return written or []
 
 
-TakeBack = Callable[[pb.HeldResult], Awaitable[bool]]
-"""Writes a held result to the output if it lacks it; True when written."""
+TakeBack = Callable[[pb.HeldResult], Awaitable[list[pb.ResultReceipt]]]
+"""Takes a held result back into its group if the output lacks it; the receipts that may be
+acknowledged now (the output holds their results)."""
 
 
-async def take_back_held(fleet: Fleet, take_back: TakeBack) -> tuple[int, int]:
-    """Write every held result the output lacks (`take_back`), then acknowledge every held
-    result: (written, acknowledged)."""
+async def take_back_held(fleet: Fleet, take_back: TakeBack) -> int:
+    """Take back every held result the output lacks (`take_back`), then acknowledge every
+    one the output now holds; how many the entry held."""
     held = await held_results(fleet)
-    written = 0
+    durable: list[pb.ResultReceipt] = []
     for result in held:
-        if await take_back(result):
-            written += 1
-    for start in range(0, len(held), ACK_BATCH):
-        await acknowledge(fleet, [h.receipt for h in held[start : start + ACK_BATCH]])
-    return written, len(held)
+        durable += await take_back(result)
+    for start in range(0, len(durable), ACK_BATCH):
+        await acknowledge(fleet, durable[start : start + ACK_BATCH])
+    return len(held)

@@ -14,7 +14,10 @@ fleet with survivors a rollout is continued only if no later attempt was ever di
 continued is retired (every attempt up to the highest that may exist) and restarted from its
 input as a later attempt. A failed restore restarts its rollouts the same way. A checkpoint
 published by an earlier run than the last one that dispatched is not restored: that later
-run may have re-sent its continuations.
+run may have re-sent its continuations. A prompt group one of whose rollouts the crash cut
+(continued or restarted) follows its policy (`groups`): `sibling` keeps the finished siblings
+taken back from the outbox; `group` retires and restarts every sibling not in the output,
+continued and taken back ones included, from its input as a later attempt.
 """
 
 from __future__ import annotations
@@ -196,22 +199,32 @@ class FleetSetup:
 
     async def _restart_unfinished(self, top: dict[str, int], deadline: float) -> None:
         """Retire every dispatched, unfinished, not continued rollout up to its highest
-        attempt, so it restarts from its input as a later one."""
+        attempt, so it restarts from its input as a later one; and so every sibling of a
+        `group` group the crash cut (taken back or continued ones too)."""
+        book = self.book
+        cut = [
+            r
+            for r in book.rollouts.values()
+            if r.status is Status.PENDING and (r.continued or r.rollout_id in top)
+        ]
+        regenerated = {r.rollout_id for r in book.cut(r.rollout_id for r in cut)}
         restart: list[EpisodeId] = []
-        for rollout in self.book.rollouts.values():
-            if rollout.status is not Status.PENDING or rollout.continued:
+        for rollout in book.rollouts.values():
+            if rollout.rollout_id not in regenerated and (
+                rollout.status is not Status.PENDING or rollout.continued
+            ):
                 continue
-            highest = top.get(rollout.rollout_id)
-            if highest is None:
+            highest = max(top.get(rollout.rollout_id, -1), rollout.highest_used)
+            if highest < 0:
                 continue  # never dispatched: attempt 0 is new everywhere
             restart.append(EpisodeId(rollout.rollout_id, highest))
         for start in range(0, len(restart), BATCH):
             batch = restart[start : start + BATCH]
             await fanout.retire(self.fleet, self.control.new_id("retire"), deadline, batch)
             for episode in batch:
-                rollout = self.book.rollouts[episode.rollout_id]
-                self.book.retired(rollout, episode.attempt)
-                rollout.attempt = episode.attempt + 1
+                rollout = book.rollouts[episode.rollout_id]
+                book.retired(rollout, episode.attempt)
+                book.regenerate(rollout, episode.attempt)
         if restart:
             self.view.note(
                 f"collect: retired {len(restart)} dispatched, unfinished rollout(s); they "

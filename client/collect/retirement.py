@@ -5,9 +5,10 @@ sent again as attempt N+1: a retried attempt that was not retired could leave th
 attempt's half-built state running next to it. Retiring happens between checkpoints (it is
 refused while one is open; the collector's control loop never runs both at once). Up to
 `max_attempts` failures are retried; after that the rollout is recorded in the output as
-failed. The retire marks are forgotten (`forget`) once a later attempt replied, and at the
-end of the run for rollouts recorded as failed: from then on nothing of the retired
-attempts can still run, and the marks would only grow.
+failed (its line waits for its prompt group, `groups`, like a result). The retire marks are
+forgotten (`forget`) once a later attempt replied, and at the end of the run for rollouts
+recorded as failed: from then on nothing of the retired attempts can still run, and the
+marks would only grow.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.fanout import FleetError
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.errors import OutputFailed
-from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
+from rollout_checkpoint.client.collect.groups import GroupWriter
+from rollout_checkpoint.client.collect.journal import DurableAppender
+from rollout_checkpoint.client.collect.receipts import Acknowledgements
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.errors import ControlError
@@ -49,6 +52,8 @@ class Retirement:
     """Seconds for one retire or forget call on the whole fleet."""
     on_change: Callable[[], None]
     on_fatal: Callable[[BaseException], None]
+    acknowledgements: Acknowledgements | None = None
+    """Where the receipts of a group a failed line sealed go once its write is durable."""
 
     async def retire_failed(self, fleet: Fleet) -> None:
         """Retire a batch of failed attempts, then send each again as a later attempt, or
@@ -70,11 +75,14 @@ class Retirement:
             book.retired(rollout, rollout.attempt)
             if book.exhausted(rollout, self.max_attempts):
                 try:
-                    await self.output.append(json_line(rollout.failed_line()))
+                    written = await GroupWriter(book, self.output).hold(
+                        rollout, rollout.failed_line()
+                    )
                 except OutputFailed as error:
                     self.on_fatal(error)
                     return
-                book.recorded_failed(rollout)
+                if written is not None and self.acknowledgements is not None:
+                    self.acknowledgements.add(*written)
                 self.view.note(
                     f"collect: {rollout.rollout_id} failed {rollout.failures} time(s), "
                     f"recorded as failed: {rollout.last_error}"

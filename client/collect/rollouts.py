@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rollout_checkpoint.client.collect.inputs import TaskRow, rollout_id_of
+from rollout_checkpoint.client.collect.inputs import GroupRecovery, TaskRow, rollout_id_of
 from rollout_checkpoint.client.collect.journal import STATE_FORMAT, attempts_in
 from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
@@ -33,6 +33,11 @@ class Status(enum.Enum):
     RETIRING = "retiring"
     """Its attempt failed; it is retired in the next batch, then retried or recorded failed
     (or, cut by a lost member, restarted by the recovery)."""
+    HELD = "held"
+    """Its outcome is known (a result, or a failure that used up its attempts) and waits in
+    memory for its group to be sealed: the output lacks it, so it is not finished, and its
+    result stays in the entry's outbox (its receipt unacknowledged) until the group's write
+    is durable."""
     DONE = "done"
     FAILED = "failed"
 
@@ -65,6 +70,10 @@ class Rollout:
     sent_attempts: list[int] = field(default_factory=list)
     """Every attempt of it ever dispatched, in order (this run's and, on `--resume`, the
     dispatch log's): the attempt chain its output line names."""
+    line: dict[str, Any] | None = field(default=None, repr=False)
+    """Its output line while it is `HELD`."""
+    receipt: pb.ResultReceipt | None = field(default=None, repr=False)
+    """The receipt of its result while it is `HELD` (acknowledged once its group is written)."""
 
     @property
     def episode(self) -> EpisodeId:
@@ -131,12 +140,24 @@ class RolloutBook:
 
     Only the collector's event loop touches it (no locks); nothing here does I/O."""
 
-    def __init__(self, tasks: Iterable[TaskRow], num_repeats: int, counts: Counts) -> None:
+    def __init__(
+        self,
+        tasks: Iterable[TaskRow],
+        num_repeats: int,
+        counts: Counts,
+        group_recovery: GroupRecovery = "sibling",
+    ) -> None:
         self.rollouts: dict[str, Rollout] = {}
+        self.groups: dict[str, list[Rollout]] = {}
+        """Task id -> its prompt group: the rollouts of its K repeats, in repeat order."""
+        self.group_recovery = group_recovery
+        """The run's policy for a group whose task row names none."""
         for task in tasks:
+            group = self.groups[task.task_id] = []
             for repeat in range(num_repeats):
                 rollout = Rollout(rollout_id_of(task.task_id, repeat), task, repeat)
                 self.rollouts[rollout.rollout_id] = rollout
+                group.append(rollout)
         self.pending: collections.deque[Rollout] = collections.deque()
         self.retire_queue: list[Rollout] = []
         self.forget_queue: set[str] = set()
@@ -264,8 +285,6 @@ class RolloutBook:
         counts as dropped, not failed)."""
         rollout.status = Status.FAILED
         rollout.continued = False
-        if rollout in self.pending:
-            self.pending.remove(rollout)
         self.counts.dropped += 1
 
     def retry(self, rollout: Rollout) -> None:
@@ -280,6 +299,77 @@ class RolloutBook:
         for rollout_id in rollout_ids:
             self.forget_queue.discard(rollout_id)
             self.rollouts[rollout_id].retired_upto = None
+
+    # -- prompt groups --------------------------------------------------------------------------
+
+    def policy_of(self, rollout: Rollout) -> GroupRecovery:
+        """The recovery policy of `rollout`'s group: its task row's, else the run's."""
+        return rollout.task.group_recovery or self.group_recovery
+
+    def held(
+        self, rollout: Rollout, line: dict[str, Any], receipt: pb.ResultReceipt | None = None
+    ) -> None:
+        """Its outcome (`line`: a result, or a failure) is known; it waits for its group. The
+        attempt that produced it counts as used (one taken back on `--resume` was never sent
+        by this run): regenerating the group retires up to it."""
+        produced_by = receipt.attempt if receipt is not None else rollout.attempt
+        rollout.highest_used = max(rollout.highest_used, produced_by)
+        rollout.status = Status.HELD
+        rollout.continued = False
+        if rollout in self.pending:  # dropped after it was queued: never sent again
+            self.pending.remove(rollout)
+        rollout.line = line
+        rollout.receipt = receipt
+
+    def sealed(self, rollout: Rollout) -> list[Rollout]:
+        """The `HELD` rollouts of `rollout`'s group when the group is sealed (every sibling
+        held, written or recorded failed): those to write now, in one write. Empty while a
+        sibling is unfinished."""
+        group = self.groups[rollout.task.task_id]
+        if any(r.status not in (Status.HELD, Status.DONE, Status.FAILED) for r in group):
+            return []
+        return [r for r in group if r.status is Status.HELD]
+
+    def written(self, group: list[Rollout]) -> list[pb.ResultReceipt]:
+        """The lines of the sealed `group` are durable: each rollout is finished or recorded
+        failed. Returns the receipts to acknowledge now, not before."""
+        receipts = [r.receipt for r in group if r.receipt is not None]
+        for rollout in group:
+            line, rollout.line, rollout.receipt = rollout.line, None, None
+            assert line is not None
+            if line["status"] == "failed":
+                self.recorded_failed(rollout)
+                continue
+            if line["status"] == "dropped":
+                self.dropped(rollout)
+                continue
+            self.collected(rollout)
+            if line["provenance"]["source"] == "outbox":
+                self.counts.reoffered += 1
+        self.counts.groups_sealed += 1
+        return receipts
+
+    def regenerate(self, rollout: Rollout, retired_upto: int) -> None:
+        """Every attempt of the unwritten `rollout` up to `retired_upto` is retired: it
+        runs again from its input as the next attempt (a result it held is discarded)."""
+        rollout.attempt = retired_upto + 1
+        rollout.continued = False
+        rollout.status = Status.PENDING
+        rollout.line = rollout.receipt = None
+
+    def cut(self, cut: Iterable[str]) -> list[Rollout]:
+        """A crash cut the unfinished rollouts `cut` (they continue or restart). A `sibling`
+        group of theirs keeps its held siblings (counted); every unwritten sibling of a
+        `group` group of theirs is returned, to be retired and regenerated."""
+        regenerate: list[Rollout] = []
+        for task_id in sorted({self.rollouts[r].task.task_id for r in cut}):
+            group = self.groups[task_id]
+            if self.policy_of(group[0]) == "sibling":
+                self.counts.siblings_kept += sum(r.status is Status.HELD for r in group)
+                continue
+            self.counts.groups_regenerated += 1
+            regenerate += [r for r in group if r.status not in (Status.DONE, Status.FAILED)]
+        return regenerate
 
     # -- a lost member ----------------------------------------------------------------------------
 
@@ -303,7 +393,7 @@ class RolloutBook:
             e
             for e in continued
             if (rollout := self.rollouts.get(e.rollout_id)) is not None
-            and rollout.status not in (Status.DONE, Status.FAILED)
+            and rollout.status not in (Status.DONE, Status.FAILED, Status.HELD)
             and rollout.highest_used <= e.attempt
             and e.attempt < MAX_ATTEMPT
         )
@@ -317,30 +407,31 @@ class RolloutBook:
 
     def may_run(self, excluding: set[str]) -> list[EpisodeId]:
         """Every unfinished rollout (other than `excluding`) with an attempt that may hold
-        state somewhere and is not retired, at its highest such attempt."""
+        state somewhere and is not retired, at its highest such attempt. A `HELD` one is
+        finished: retiring it would release the result its group still waits to write."""
         return sorted(
             EpisodeId(r.rollout_id, r.highest_used)
             for r in self.rollouts.values()
             if r.rollout_id not in excluding
-            and r.status not in (Status.DONE, Status.FAILED)
+            and r.status not in (Status.DONE, Status.FAILED, Status.HELD)
             and r.highest_used > (r.retired_upto if r.retired_upto is not None else -1)
         )
 
     def recovered(self, continued: Iterable[EpisodeId], restarted: Iterable[EpisodeId]) -> None:
         """The fleet was recovered in place and every request cut by the loss has ended:
         `continued` (as N+1) go first, then `restarted` (each retired up to the attempt
-        given) from their inputs as the next attempt, then the rest. Rollouts that finished
-        meanwhile stay finished."""
+        given) from their inputs as the next attempt, then the rest. Rollouts written
+        meanwhile stay finished; one that finished meanwhile and waits for its group stays
+        so, unless its group is regenerated (`group` policy: it was restarted for that)."""
         for episode in continued:
             rollout = self.rollouts[episode.rollout_id]
-            if rollout.status not in (Status.DONE, Status.FAILED):
+            if rollout.status not in (Status.DONE, Status.FAILED, Status.HELD):
                 self.continues(rollout, episode.attempt)
         for episode in restarted:
             rollout = self.rollouts[episode.rollout_id]
-            if rollout.status not in (Status.DONE, Status.FAILED):
-                rollout.attempt = episode.attempt + 1
-                rollout.continued = False
-                rollout.status = Status.PENDING
+            kept = rollout.status is Status.HELD and self.policy_of(rollout) == "sibling"
+            if rollout.status not in (Status.DONE, Status.FAILED) and not kept:
+                self.regenerate(rollout, episode.attempt)
         self.retire_queue = [r for r in self.retire_queue if r.status is Status.RETIRING]
         self.pending.clear()
         self.queue_pending()
@@ -408,6 +499,7 @@ class RolloutBook:
             "failed": pick(lambda r: r.status is Status.FAILED),
             "in_flight": pick(lambda r: r.status is Status.IN_FLIGHT),
             "restored_pending": pick(lambda r: r.continued and r.status is Status.PENDING),
+            "held": pick(lambda r: r.status is Status.HELD),
             "attempts": pick(lambda r: r.attempt > 0 or r.status is not Status.PENDING),
             "failures": {r.rollout_id: r.failures for r in self.rollouts.values() if r.failures},
             "retired": {

@@ -111,7 +111,8 @@ async def lagging(
 
 
 RecordDropped = Callable[[Rollout, str], Awaitable[None]]
-"""Writes a rollout's dropped line (with the reason), durably."""
+"""Records a rollout's dropped line (with the reason): settled, never sent again, written
+with its prompt group once the group is sealed (`groups`)."""
 
 
 @dataclass
@@ -150,7 +151,5 @@ class StaleHandling:
     async def drop_pending(self) -> None:
         """Record every rollout `screen` dropped (retired everywhere by now), never sent."""
         for rollout_id, reason in sorted(self._to_drop.items()):
-            rollout = self.book.rollouts[rollout_id]
-            await self.record_dropped(rollout, reason)
-            self.book.dropped(rollout)
+            await self.record_dropped(self.book.rollouts[rollout_id], reason)
         self._to_drop.clear()

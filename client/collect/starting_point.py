@@ -67,7 +67,7 @@ async def read_starting_point(
     `OutputFailed`, `UsageError`, `CorruptFile`, `StorageFailed` or `PublicationError`."""
     await asyncio.to_thread(check_appendable, options.output)
     tasks, input_digest = await asyncio.to_thread(load_input, options.input, options.num_repeats)
-    book = RolloutBook(tasks, options.num_repeats, counts)
+    book = RolloutBook(tasks, options.num_repeats, counts, options.group_recovery)
     deadline = time.time() + options.checkpoint_timeout
     location = os.fspath(options.checkpoint_dir)
     root = await store_call(

@@ -33,6 +33,12 @@ class Counts:
     reoffered: int = 0
     """Results the entry offered again from its outbox (finished before a crash, never
     acknowledged) instead of running them again."""
+    groups_sealed: int = 0
+    """Prompt groups (the K rollouts of a task) written whole, in one durable write."""
+    siblings_kept: int = 0
+    """Finished siblings a `sibling` group kept when a crash cut another of its rollouts."""
+    groups_regenerated: int = 0
+    """`group` groups regenerated from their inputs because a crash cut one of their rollouts."""
     last_checkpoint: str | None = None
     last_checkpoint_at: float | None = None
     phase: str = "starting"

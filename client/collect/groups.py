@@ -1,0 +1,53 @@
+"""Prompt groups: the K rollouts of a task reach the output together, in one durable write.
+
+A trainer such as GRPO learns from whole groups (the rewards of a task's K rollouts compared
+with each other); a group the output holds in part is useless to it, and one assembled from
+two runs' siblings may be wrong for it. Every rule below exists for a crash at the step
+before it:
+
+* **Sealed before written** (`GroupWriter.seal`): a finished sibling's line waits in memory
+  (`Status.HELD`) until every sibling of its group is finished or recorded failed; then the
+  group's lines go out in ONE `DurableAppender.append`, so a crash, a power loss or a
+  checkpoint sees none or all of a group.
+* **Held results stay held until their group is durable**: a waiting sibling's receipt is
+  not acknowledged, so the entry keeps its result in its outbox and every checkpoint carries
+  it; a waiting sibling is not "finished" in the controller state (the output lacks it).
+  After a crash, `--resume` takes it back from the outbox into its group
+  (`receipts.HeldResults`), never into the output alone. Once the group's write is durable,
+  all its receipts are acknowledged.
+* **A crash that cut a sibling** (it was unfinished: it continues from a checkpoint or
+  restarts) leaves its group to its policy (`--group-recovery`, or the task row's
+  `group_recovery`): `sibling` keeps the finished siblings; `group` discards every sibling not
+  yet written and regenerates all of them from their inputs as later attempts, each retired
+  everywhere first (the Retire releases the results the entry held of them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
+from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
+
+
+class GroupWriter:
+    """Writes a prompt group once it is sealed (see the module doc)."""
+
+    def __init__(self, book: RolloutBook, output: DurableAppender) -> None:
+        self.book = book
+        self.output = output
+
+    async def hold(
+        self, rollout: Rollout, line: dict[str, Any], receipt: pb.ResultReceipt | None = None
+    ) -> list[pb.ResultReceipt] | None:
+        """Keep `rollout`'s outcome (`line`) for its group, and write the group if that
+        sealed it. Returns the receipts to acknowledge now (the group's write is durable),
+        or None: the group is not sealed, nothing is written, nothing may be acknowledged."""
+        self.book.held(rollout, line, receipt)
+        group = self.book.sealed(rollout)
+        if not group:
+            return None
+        lines = [r.line for r in group]
+        await self.output.append(*(json_line(line) for line in lines if line is not None))
+        return self.book.written(group)
