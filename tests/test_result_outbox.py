@@ -402,3 +402,27 @@ async def post_with(base_url: str, path: str, body: Any, headers: dict[str, str]
     """A request on a connection of its own, so whichever worker accepts it gets it."""
     async with httpx.AsyncClient(base_url=base_url, timeout=60, verify=False) as http:
         return await http.post(path, json=body, headers=headers)
+
+
+async def test_collect_refuses_a_run_the_entrys_outbox_cannot_hold() -> None:
+    """Prompt groups keep their finished siblings held until the group is written: a run
+    whose concurrency x repeats exceeds an entry's cap would deadlock on `outbox_full`, so
+    `collect` refuses it before dispatching anything, naming the member and the cap."""
+    from rollout_checkpoint.client.collect.errors import UsageError
+    from rollout_checkpoint.client.collect.receipts import check_outbox_room
+    from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
+
+    async with entry_server(outbox_cap=8) as s:
+        assert s.entry.runtime is not None
+        spec = FleetSpec(
+            members=(MemberSpec("entry", s.entry.runtime.address),),
+            token=TOKEN,
+            allow_agents_without_model=True,
+        )
+        fleet = await Fleet.discover(spec)
+        try:
+            await check_outbox_room(fleet, concurrency=2, num_repeats=4)  # 8 fit
+            with pytest.raises(UsageError, match="entry's result outbox holds at most 8"):
+                await check_outbox_room(fleet, concurrency=3, num_repeats=4)
+        finally:
+            await fleet.close()

@@ -57,6 +57,7 @@ from rollout_checkpoint.client.collect.receipts import (
     ACK_SETTLE_SECONDS,
     Acknowledgements,
     HeldResults,
+    check_outbox_room,
 )
 from rollout_checkpoint.client.collect.resume import FleetSetup
 from rollout_checkpoint.client.collect.retirement import Retirement
@@ -118,6 +119,7 @@ class Collector:
         spec = load_fleet_file(options.fleet)
         self.fleet = await Fleet.discover(spec)
         try:  # a recovery swaps the fleet for one discovered again: close whichever is current
+            await check_outbox_room(self.fleet, options.concurrency, options.num_repeats)
             settings = CheckpointSettings(
                 run_id=self.run_id,
                 input_digest=start.input_digest,

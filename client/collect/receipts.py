@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rollout_checkpoint.client.checkpointing import fanout
+from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.client.collect.groups import GroupWriter
 from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
@@ -231,3 +232,27 @@ async def take_back_held(fleet: Fleet, take_back: TakeBack) -> int:
     for start in range(0, len(durable), ACK_BATCH):
         await acknowledge(fleet, durable[start : start + ACK_BATCH])
     return len(held)
+
+
+async def check_outbox_room(fleet: Fleet, concurrency: int, num_repeats: int) -> None:
+    """Refuse (`UsageError`, before anything is dispatched) a run an entry's outbox cannot
+    hold: a prompt group's finished siblings stay held until the group is written, so up to
+    `concurrency` groups of `num_repeats` results may be held at once, and an outbox full of
+    them would refuse (`outbox_full`) the very runs their groups wait for, for ever."""
+    need = concurrency * num_repeats
+
+    async def cap_of(member: Member) -> int:
+        try:
+            return (await member.client.list_results(page_size=1)).cap
+        except ControlError:  # an entry of an older release holds no outbox
+            return 0
+
+    caps = await fanout.fan_out("list results", entry_members(fleet), cap_of, fleet.spec.fan_out)
+    for name, cap in sorted(caps.items()):
+        if 0 < cap < need:
+            raise UsageError(
+                f"{name}'s result outbox holds at most {cap} results, and --concurrency "
+                f"{concurrency} x --num-repeats {num_repeats} = {need} may be held at once "
+                "until their prompt groups are written: lower --concurrency, or raise "
+                f"ROLLOUT_CHECKPOINT_OUTBOX_CAP on {name}"
+            )
