@@ -52,11 +52,11 @@ restarted rollouts) or raises `RecoveryLostRace` when another controller holds t
 `RestartStrategy`) it also checkpoints periodically and recovers the fleet by itself.
 
 **Results exactly once.** A trainer that drives the fleet itself keeps a `ResultLedger`:
-`dispatched`, then `received` (a `LedgerReceipt`: `receipt_from_header` reads one off a
-reply) says whether to persist the result (`Delivery`), `persisted` once its store holds it,
-`to_acknowledge` what to send in `ParticipantClient.acknowledge_results`, and `state` /
-`load` its versioned JSON, published with the fleet's checkpoint (a state it would not
-write is a `LedgerStateError`).
+`dispatched`, then `received` (a `Receipt`, `Receipt.from_json` of a reply's
+`x-rollout-receipt` header) says whether to persist the result (`Delivery`), `persisted`
+once its store holds it, `to_acknowledge` what to send in
+`ParticipantClient.acknowledge_results`, and `state` / `load` its versioned JSON, published
+with the fleet's checkpoint (a state it would not write is a `LedgerStateError`).
 
 **collect.** `Collector` runs K rollouts of every task through a fleet (`CollectOptions`;
 its `StalenessPolicy` says what a restore does with a rollout too many weight versions
@@ -144,12 +144,7 @@ if TYPE_CHECKING:
         MemberSpec,
         load_fleet_file,
     )
-    from rollout_checkpoint.client.ledger import (
-        Delivery,
-        LedgerReceipt,
-        LedgerStateError,
-        ResultLedger,
-    )
+    from rollout_checkpoint.client.ledger import Delivery, LedgerStateError, ResultLedger
     from rollout_checkpoint.client.participant import ParticipantClient, receipt_from_header
     from rollout_checkpoint.client.recovery import (
         Recovery,
@@ -158,16 +153,13 @@ if TYPE_CHECKING:
         recovery_id,
         undo_unfinished_recovery,
     )
+    from rollout_checkpoint.server.core.receipts import Receipt
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "rollout_checkpoint.client.errors": ("ControlError",),
     "rollout_checkpoint.client.participant": ("ParticipantClient", "receipt_from_header"),
-    "rollout_checkpoint.client.ledger": (
-        "Delivery",
-        "LedgerReceipt",
-        "LedgerStateError",
-        "ResultLedger",
-    ),
+    "rollout_checkpoint.client.ledger": ("Delivery", "LedgerStateError", "ResultLedger"),
+    "rollout_checkpoint.server.core.receipts": ("Receipt",),
     "rollout_checkpoint.client.fleet.spec": (
         "FleetConfigError",
         "FleetSpec",
@@ -271,7 +263,6 @@ __all__ = [
     "FleetWatch",
     "LaunchError",
     "LaunchedMember",
-    "LedgerReceipt",
     "LedgerStateError",
     "Member",
     "MemberEvent",
@@ -289,6 +280,7 @@ __all__ = [
     "PublicationRoot",
     "PublishedCheckpoint",
     "PublishedParticipant",
+    "Receipt",
     "Recovery",
     "RecoveryLostRace",
     "RestartStrategy",

@@ -28,14 +28,14 @@ as persisted, and their receipts are acknowledged again (idempotent on the fleet
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_checkpoint.server.core.receipts import DIGEST, Receipt
+
 FORMAT = "rollout-checkpoint.ledger/1"
 """The `format` of a ledger's state; another one is refused, never guessed at."""
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class LedgerStateError(ValueError):
@@ -52,29 +52,6 @@ class Delivery(enum.Enum):
     acknowledgement (the entry may hold it)."""
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerReceipt:
-    """A result receipt as the ledger keeps it (the fields of `ResultReceipt`)."""
-
-    rollout_id: str
-    """The rollout whose result it is."""
-    attempt: int
-    """The attempt that produced the result (0 for the first)."""
-    result_sha256: str
-    """The SHA-256 of the result's canonical JSON, as the entry issued it (echo it)."""
-    lineage: tuple[str, ...] = ()
-    """The checkpoints the producing fleet state was restored from (informational)."""
-
-    def as_json(self) -> dict[str, Any]:
-        """The receipt as the `x-rollout-receipt` header and ListResults carry it."""
-        return {
-            "rollout_id": self.rollout_id,
-            "attempt": self.attempt,
-            "result_sha256": self.result_sha256,
-            "lineage": list(self.lineage),
-        }
-
-
 @dataclass
 class _RolloutEntry:
     """One rollout in the ledger."""
@@ -83,7 +60,7 @@ class _RolloutEntry:
     """Every attempt dispatched, in order."""
     persisted: str | None = None
     """The digest of the result the store holds (None: the store holds none)."""
-    receiving: LedgerReceipt | None = None
+    receiving: Receipt | None = None
     """A result received and not yet persisted (PERSIST was answered)."""
 
 
@@ -92,7 +69,7 @@ class ResultLedger:
     """What one trainer received, persisted and still has to acknowledge (module docstring)."""
 
     _rollouts: dict[str, _RolloutEntry] = field(default_factory=dict)
-    _unacknowledged: dict[tuple[str, int], LedgerReceipt] = field(default_factory=dict)
+    _unacknowledged: dict[tuple[str, int], Receipt] = field(default_factory=dict)
 
     def dispatched(self, rollout_id: str, attempt: int) -> None:
         """The attempt is about to be sent (write the ledger ahead of the request)."""
@@ -103,7 +80,7 @@ class ResultLedger:
             raise ValueError(f"{rollout_id}: attempt {attempt} after {entry.attempts[-1]}")
         entry.attempts.append(attempt)
 
-    def received(self, receipt: LedgerReceipt) -> Delivery:
+    def received(self, receipt: Receipt) -> Delivery:
         """A result of `receipt.rollout_id` arrived (a reply, or a held result listed again)."""
         entry = self._rollouts.setdefault(receipt.rollout_id, _RolloutEntry())
         if entry.persisted is not None or entry.receiving is not None:
@@ -128,11 +105,11 @@ class ResultLedger:
         if entry is not None:
             entry.receiving = None
 
-    def to_acknowledge(self) -> list[LedgerReceipt]:
+    def to_acknowledge(self) -> list[Receipt]:
         """Receipts of results the store holds (or never needs), not yet acknowledged."""
         return list(self._unacknowledged.values())
 
-    def acknowledged(self, receipts: Iterable[LedgerReceipt]) -> None:
+    def acknowledged(self, receipts: Iterable[Receipt]) -> None:
         """AcknowledgeResults returned for these receipts: they are owed no more."""
         for receipt in receipts:
             self._unacknowledged.pop((receipt.rollout_id, receipt.attempt), None)
@@ -201,7 +178,7 @@ def _parse(state: Mapping[str, Any]) -> ResultLedger:
         ):
             raise LedgerStateError(f"{where}.attempts: not increasing attempt numbers")
         digest = value["persisted"]
-        if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        if digest is not None and not (isinstance(digest, str) and DIGEST.fullmatch(digest)):
             raise LedgerStateError(f"{where}.persisted: not a SHA-256 digest or null")
         ledger._rollouts[rollout_id] = _RolloutEntry(list(attempts), digest)
     receipts = state["unacknowledged"]
@@ -218,23 +195,11 @@ def _parse(state: Mapping[str, Any]) -> ResultLedger:
     return ledger
 
 
-def _receipt(value: Any, where: str) -> LedgerReceipt:
-    if not isinstance(value, dict):
-        raise LedgerStateError(f"{where}: not an object")
-    _exactly(value, {"rollout_id", "attempt", "result_sha256", "lineage"}, where)
-    rollout_id, attempt, digest, lineage = (
-        value["rollout_id"],
-        value["attempt"],
-        value["result_sha256"],
-        value["lineage"],
-    )
-    if not isinstance(rollout_id, str) or type(attempt) is not int or attempt < 0:
-        raise LedgerStateError(f"{where}: rollout_id and attempt")
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise LedgerStateError(f"{where}.result_sha256: not a SHA-256 digest")
-    if not isinstance(lineage, list) or not all(isinstance(c, str) for c in lineage):
-        raise LedgerStateError(f"{where}.lineage: not a list of checkpoint ids")
-    return LedgerReceipt(rollout_id, attempt, digest, tuple(lineage))
+def _receipt(value: Any, where: str) -> Receipt:
+    try:
+        return Receipt.from_json(value)
+    except ValueError as exc:
+        raise LedgerStateError(f"{where}: {exc}") from None
 
 
 def _exactly(value: Mapping[str, Any], fields: set[str], where: str) -> None:

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.server.core.rpc.tracing import context_metadata
 from rollout_checkpoint.server.core.rpc.wire import episode_message, scope_message, timestamp
 from rollout_checkpoint.v1 import constants_pb2, types_pb2
@@ -423,14 +424,16 @@ class ParticipantClient:
         )
 
     async def acknowledge_results(
-        self, receipts: Iterable[pb.ResultReceipt], deadline: float
+        self, receipts: Iterable[pb.ResultReceipt | Receipt], deadline: float
     ) -> pb.AcknowledgeResultsResponse:
         """AcknowledgeResults: the caller persisted these results; the participant releases
         them. Idempotent (a receipt not held any more is counted in `not_held`).
 
         Raises `ControlError`: `RECEIPT_MISMATCH` (one names a held attempt with another
         digest; nothing released), `CHECKPOINT_DEADLINE_EXCEEDED`, `INVALID_REQUEST`."""
-        request = pb.AcknowledgeResultsRequest(deadline=timestamp(deadline), receipts=receipts)
+        request = pb.AcknowledgeResultsRequest(
+            deadline=timestamp(deadline), receipts=[_receipt_message(r) for r in receipts]
+        )
         return await self._call(
             self._stub.AcknowledgeResults(
                 request, metadata=self._call_metadata(), timeout=self._timeout_for(deadline)
@@ -465,6 +468,12 @@ async def every_page(
         token = page.next_page_token
         if not token:
             return collected
+
+
+def _receipt_message(receipt: pb.ResultReceipt | Receipt) -> pb.ResultReceipt:
+    if isinstance(receipt, pb.ResultReceipt):
+        return receipt
+    return pb.ResultReceipt(**receipt.as_json())
 
 
 def receipt_from_header(value: str) -> pb.ResultReceipt:

@@ -27,8 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from rollout_checkpoint.client.ledger import (
     FORMAT,
     Delivery,
-    LedgerReceipt,
     LedgerStateError,
+    Receipt,
     ResultLedger,
 )
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -36,7 +36,6 @@ from rollout_checkpoint.server.runtime.records_codec import EncodedJSON
 from rollout_checkpoint.server.runtime.result_outbox import (
     HeldResult,
     Produced,
-    Receipt,
     ResultOutbox,
     canonical_json,
     result_digest,
@@ -60,8 +59,9 @@ def produced(rollout: str, attempt: int) -> Produced:
     )
 
 
-def ledger_receipt(receipt: Receipt) -> LedgerReceipt:
-    return LedgerReceipt(receipt.rollout_id, receipt.attempt, receipt.result_sha256)
+def ledger_receipt(receipt: Receipt) -> Receipt:
+    """The receipt as the trainer keeps it (the header's JSON, read back)."""
+    return Receipt.from_json(json.loads(json.dumps(receipt.as_json())))
 
 
 class ReceiptProtocol(RuleBasedStateMachine):
@@ -72,7 +72,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
         self.ledger = ResultLedger()
         self.store: list[tuple[str, str]] = []
         self.inbox: list[Receipt] = []
-        self.to_persist: list[LedgerReceipt] = []
+        self.to_persist: list[Receipt] = []
         self.published: tuple[list[tuple[EpisodeId, dict[str, Any]]], dict[str, Any]] | None = None
         self.runs = 0
         self.offered_again = 0
@@ -223,7 +223,7 @@ def a_state() -> dict[str, Any]:
     ledger = ResultLedger()
     ledger.dispatched("a", 0)
     ledger.dispatched("a", 1)
-    assert ledger.received(LedgerReceipt("a", 1, "ab" * 32, ("c1",))) is Delivery.PERSIST
+    assert ledger.received(Receipt("a", 1, "ab" * 32, ("c1",))) is Delivery.PERSIST
     ledger.persisted("a")
     ledger.dispatched("b", 0)
     return ledger.state()
@@ -237,7 +237,7 @@ def test_a_state_round_trips_and_reconciles_with_the_store() -> None:
     assert loaded.is_persisted("b")  # the store wrote it after the checkpoint
     assert [r.rollout_id for r in loaded.to_acknowledge()] == ["a"]
     # A result of a persisted rollout received again is acknowledged, never persisted twice.
-    assert loaded.received(LedgerReceipt("b", 0, "cd" * 32)) is Delivery.ACKNOWLEDGE
+    assert loaded.received(Receipt("b", 0, "cd" * 32)) is Delivery.ACKNOWLEDGE
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def test_a_state_round_trips_and_reconciles_with_the_store() -> None:
         (lambda s: s["rollouts"]["a"].update(attempts=[1, 0]), "increasing"),
         (lambda s: s["rollouts"]["a"].update(attempts=[0, 0]), "increasing"),
         (lambda s: s["rollouts"]["a"].update(persisted="xyz"), "SHA-256"),
-        (lambda s: s["unacknowledged"][0].update(result_sha256="no"), "SHA-256"),
+        (lambda s: s["unacknowledged"][0].update(result_sha256="no"), "64 lowercase hex"),
         (lambda s: s["unacknowledged"][0].update(rollout_id="b"), "not persisted"),
         (lambda s: s["rollouts"]["a"].pop("persisted"), "missing fields"),
     ],

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, rejected_checkpoint
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.server.episodic.delivery import ReplyDeliveryMiddleware
 from rollout_checkpoint.server.episodic.episode_steps import (
     EpisodeRefused,
@@ -43,7 +44,6 @@ from rollout_checkpoint.server.runtime.participant import (
 from rollout_checkpoint.server.runtime.result_outbox import (
     Lookup,
     Produced,
-    Receipt,
     ResultOutbox,
     outbox_identity,
     restored_results,

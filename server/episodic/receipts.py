@@ -34,12 +34,12 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.result_outbox import (
     HeldResult,
     Lookup,
     Produced,
-    Receipt,
     canonical_json,
     result_digest,
 )

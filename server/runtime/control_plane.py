@@ -44,6 +44,7 @@ from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import invalid_request
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.server.runtime import resumption
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.call_checks import check_checkpoint_id, check_deadline
@@ -62,7 +63,7 @@ from rollout_checkpoint.server.runtime.prepare_stream import (
 )
 from rollout_checkpoint.server.runtime.restore_job import RestoreResult
 from rollout_checkpoint.server.runtime.restore_steps import RestoreSteps
-from rollout_checkpoint.server.runtime.result_outbox import Acknowledgement, Receipt
+from rollout_checkpoint.server.runtime.result_outbox import Acknowledgement
 from rollout_checkpoint.server.runtime.retirement import Retirement
 from rollout_checkpoint.server.runtime.state_machine import (
     ControlSettings,

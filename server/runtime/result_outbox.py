@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,13 +39,14 @@ from typing import Any
 
 import orjson
 
-from rollout_checkpoint.server.core.episodes import EpisodeId, rollout_id_problem
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import (
     CheckpointError,
     Reason,
     invalid_request,
     rejected_checkpoint,
 )
+from rollout_checkpoint.server.core.receipts import DIGEST, Receipt, checked_receipt
 from rollout_checkpoint.server.runtime.participant import ExportRecord, RestoredRecord
 from rollout_checkpoint.server.runtime.records_codec import EncodedJSON
 
@@ -62,7 +62,6 @@ RESULT_FIELD = "outbox_result"
 OUTBOX_FIELDS = (RECEIPT_FIELD, ROUTE_FIELD, REQUEST_FIELD, RESULT_FIELD)
 """The fields of an outbox record in a part (beside `episode_id`): names no kind's own
 record uses, so a restore tells them apart."""
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def canonical_json(value: Any) -> str:
@@ -79,61 +78,6 @@ def canonical_json(value: Any) -> str:
 def result_digest(canonical: str) -> str:
     """The SHA-256 of a canonical JSON text, as 64 lowercase hex characters."""
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class Receipt:
-    """What a trainer acknowledges: which attempt produced the result, the digest of the
-    result as issued, and the checkpoints the producing fleet state was restored from."""
-
-    rollout_id: str
-    attempt: int
-    result_sha256: str
-    lineage: tuple[str, ...] = ()
-
-    @property
-    def capture_key(self) -> str:
-        return EpisodeId(self.rollout_id, self.attempt).capture_key
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "rollout_id": self.rollout_id,
-            "attempt": self.attempt,
-            "result_sha256": self.result_sha256,
-            "lineage": list(self.lineage),
-        }
-
-    @classmethod
-    def from_json(cls, value: Any) -> Receipt:
-        """A receipt from its JSON form; ValueError for anything else."""
-        if not isinstance(value, dict) or set(value) != {
-            "rollout_id",
-            "attempt",
-            "result_sha256",
-            "lineage",
-        }:
-            raise ValueError("a receipt holds exactly rollout_id, attempt, result_sha256, lineage")
-        lineage = value["lineage"]
-        if not isinstance(lineage, list) or not all(isinstance(c, str) for c in lineage):
-            raise ValueError("a receipt's lineage is a list of checkpoint ids")
-        return checked_receipt(
-            value["rollout_id"], value["attempt"], value["result_sha256"], tuple(lineage)
-        )
-
-
-def checked_receipt(
-    rollout_id: Any, attempt: Any, digest: Any, lineage: tuple[str, ...] = ()
-) -> Receipt:
-    """A receipt from its parts, each checked (ValueError names the first bad one)."""
-    if not isinstance(rollout_id, str) or (problem := rollout_id_problem(rollout_id)):
-        raise ValueError(
-            f"rollout_id: {problem if isinstance(rollout_id, str) else 'not a string'}"
-        )
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt < 2**31:
-        raise ValueError("attempt: must be an integer from 0")
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise ValueError("result_sha256: must be 64 lowercase hex characters")
-    return Receipt(rollout_id, attempt, digest, lineage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +116,7 @@ class HeldResult:
         if not isinstance(route, str) or not route.startswith("/"):
             raise ValueError("an outbox result's route is a path")
         request = fields[REQUEST_FIELD]
-        if not isinstance(request, str) or not _DIGEST.fullmatch(request):
+        if not isinstance(request, str) or not DIGEST.fullmatch(request):
             raise ValueError("an outbox result's request digest is 64 lowercase hex characters")
         canonical = canonical_json(fields[RESULT_FIELD])
         if result_digest(canonical) != receipt.result_sha256:

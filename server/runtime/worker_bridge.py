@@ -28,15 +28,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
-from rollout_checkpoint.server.runtime.result_outbox import (
-    Lookup,
-    Produced,
-    Receipt,
-    unbridged_result,
-)
+from rollout_checkpoint.server.runtime.result_outbox import Lookup, Produced, unbridged_result
 from rollout_checkpoint.server.runtime.worker_link import Link, LinkClosed, WorkerCallFailed
 
 log = logging.getLogger(__name__)
