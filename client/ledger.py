@@ -114,6 +114,18 @@ class ResultLedger:
         for receipt in receipts:
             self._unacknowledged.pop((receipt.rollout_id, receipt.attempt), None)
 
+    def forget_settled(self) -> None:
+        """Drop what the store can tell again (`load(persisted=...)`): every rollout persisted
+        with no receipt of it owed. A trainer with a large store calls it after acknowledging,
+        so the published state stays the size of what is in flight, not of the history."""
+        owed = {rollout_id for rollout_id, _ in self._unacknowledged}
+        for rollout_id in [
+            r
+            for r, entry in self._rollouts.items()
+            if entry.persisted is not None and entry.receiving is None and r not in owed
+        ]:
+            del self._rollouts[rollout_id]
+
     def attempts(self, rollout_id: str) -> list[int]:
         """The attempts of `rollout_id` dispatched so far, in order."""
         entry = self._rollouts.get(rollout_id)

@@ -35,6 +35,7 @@ from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.outcome import Outcome, classify
 from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
 from rollout_checkpoint.client.collect.view import Counts
+from rollout_checkpoint.client.ledger import ResultLedger
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
@@ -710,7 +711,13 @@ def test_the_whole_fleet_killed_with_results_held_then_resumed_on_a_fresh_fleet(
     process = fleets.collect(fleet, "--checkpoint-every", "0.3", crash_at="received@9")
     assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
     fleet.kill()
-    assert latest(work) is not None
+    manifest = latest(work)
+    assert manifest is not None
+    # The checkpoint carries the receipt ledger: what was owed at the cut, each receipt of
+    # a rollout the output already held (acknowledged only once durable).
+    persisted = {line["rollout_id"] for line in output_lines(work)}
+    ledger = ResultLedger.load(manifest["state"]["ledger"])
+    assert {r.rollout_id for r in ledger.to_acknowledge()} <= persisted
     resumed = fleets.collect(fresh.result(), "--resume")
     assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
     assert_complete(work, baseline.rewards)

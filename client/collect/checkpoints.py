@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent, Phase, checkpoint
@@ -102,6 +103,9 @@ class CheckpointTaker:
     """Called when an asynchronous checkpoint resumed the fleet, before its parts are
     durable: the cut is taken (scope and collector state fixed at prepare), so dispatching
     may go on; what is dispatched from here is after the cut, as after a synchronous one."""
+    ledger_state: Callable[[], dict[str, Any]] | None = None
+    """The receipt ledger's state (`receipts.Acknowledgements`), published in the controller
+    state: a resumed run acknowledges what a crash left owed."""
     _deadline: float = field(default=0.0, init=False)
     _checkpoint_id: str | None = field(default=None, init=False)
     _published: bool = field(default=False, init=False)
@@ -227,4 +231,6 @@ class CheckpointTaker:
             num_repeats=self.settings.num_repeats,
             boot_ids={name: boot.boot_id for name, boot in boots.items()},
         )
+        if self.ledger_state is not None:
+            state["ledger"] = self.ledger_state()
         return self.book.scope(), json.dumps(state, separators=(",", ":"), sort_keys=True).encode()

@@ -181,7 +181,9 @@ class Collector:
         self.counts.phase = "setting up the fleet"
         # Before the fleet is set up: a dropped line the setup writes may seal a group whose
         # receipts are then acknowledged like any other.
-        acknowledgements = Acknowledgements(self._current_fleet, self._step_hook)
+        acknowledgements = Acknowledgements(
+            self._current_fleet, self._step_hook, ledger=start.previous.ledger
+        )
         stale = StaleHandling(
             options.staleness, book, self.view, self._dropped_into(book, output, acknowledgements)
         )
@@ -247,6 +249,7 @@ class Collector:
                         settings,
                         self._steps,
                         self._resumed_early,
+                        ledger_state=acknowledgements.ledger_state,
                     ),
                     Retirement(
                         book,

@@ -22,6 +22,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     PublicationRoot,
 )
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
+from rollout_checkpoint.client.ledger import LedgerStateError, ResultLedger
 from rollout_checkpoint.server.core.object_store import is_object_url
 
 DISPATCH_LOG = "dispatched.jsonl"
@@ -229,6 +230,8 @@ class Previous:
     """The controller state of `manifest`, checked to be collect's and of the same input."""
     problem: str | None = None
     """Why the latest checkpoint cannot be used (it is then not restored)."""
+    ledger: ResultLedger | None = None
+    """The receipt ledger of `state`, reconciled with the output: what a crash left owed."""
 
 
 def read_previous(output: Path, log: Path, root: PublicationRoot, input_digest: str) -> Previous:
@@ -281,8 +284,27 @@ def read_previous(output: Path, log: Path, root: PublicationRoot, input_digest: 
             f"the input changed since checkpoint {previous.manifest.checkpoint_id}: a resume "
             "must run exactly the same tasks"
         )
+    try:
+        previous.ledger = ResultLedger.load(state.get("ledger"), persisted=persisted_in(previous))
+    except LedgerStateError as error:
+        raise CorruptFile(
+            f"{root.location}: the receipt ledger of checkpoint "
+            f"{previous.manifest.checkpoint_id} cannot be read: {error}"
+        ) from None
     previous.state = state
     return previous
+
+
+def persisted_in(previous: Previous) -> dict[str, str]:
+    """Rollout id -> the receipt digest of its output line (the trainer's store), for the
+    lines that carry one."""
+    persisted: dict[str, str] = {}
+    for rollout_id, line in previous.finished.items():
+        provenance = line.get("provenance")
+        digest = provenance.get("receipt_sha256") if isinstance(provenance, dict) else None
+        if isinstance(digest, str):
+            persisted[rollout_id] = digest
+    return persisted
 
 
 def attempts_in(value: object) -> dict[str, int]:

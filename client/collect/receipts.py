@@ -29,7 +29,8 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.collect.errors import UsageError
@@ -40,6 +41,8 @@ from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.fleet.discovery import Member
+from rollout_checkpoint.client.ledger import Delivery, ResultLedger
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
@@ -83,25 +86,46 @@ class DeliverySteps:
 
 
 class Acknowledgements:
-    """Receipts of durable output lines, acknowledged in batches to the entry members of the
-    current fleet (`fleet()`: a recovery swaps it)."""
+    """What `collect` owes the entry: the receipts of durable output lines, kept in a
+    `ResultLedger` (the trainer ledger's rules, one implementation) and acknowledged in
+    batches to the entry members of the current fleet (`fleet()`: a recovery swaps it). The
+    ledger's state goes into every checkpoint's controller state (`ledger_state`), so a
+    resumed run acknowledges what a crash left owed."""
 
     def __init__(
         self,
         fleet: Callable[[], Fleet | None],
         step_hook: Callable[[str, int], None] | None = None,
+        ledger: ResultLedger | None = None,
     ) -> None:
         self._fleet = fleet
         self._steps = DeliverySteps(step_hook)
-        self._waiting: list[pb.ResultReceipt] = []
+        self.ledger = ledger or ResultLedger()
+        self.ledger.forget_settled()  # the output tells those; the state carries what is owed
         self._wake = asyncio.Event()
+        if self.ledger.to_acknowledge():
+            self._wake.set()
         self.failed_rounds = 0
 
     def add(self, *receipts: pb.ResultReceipt) -> None:
         """The results of `receipts` are durable in the output."""
-        self._waiting.extend(receipts)
+        for message in receipts:
+            receipt = Receipt.from_json(
+                {
+                    "rollout_id": message.rollout_id,
+                    "attempt": message.attempt,
+                    "result_sha256": message.result_sha256,
+                    "lineage": list(message.lineage),
+                }
+            )
+            if self.ledger.received(receipt) is Delivery.PERSIST:
+                self.ledger.persisted(receipt.rollout_id)
         if receipts:
             self._wake.set()
+
+    def ledger_state(self) -> dict[str, Any]:
+        """The ledger's state, for the controller state of a checkpoint."""
+        return self.ledger.state()
 
     async def run(self) -> None:
         """Acknowledge as receipts come, until cancelled."""
@@ -113,35 +137,37 @@ class Acknowledgements:
                 await asyncio.sleep(min(0.5 * 2**self.failed_rounds, 10.0))
 
     async def flush(self) -> bool:
-        """Acknowledge every waiting receipt now; False (the receipts kept) on a failure."""
+        """Acknowledge every owed receipt now; False (the receipts still owed) on a failure."""
         fleet = self._fleet()
-        if fleet is None or not self._waiting:
+        owed = self.ledger.to_acknowledge()
+        if fleet is None or not owed:
             return True
-        batch, self._waiting = self._waiting[:ACK_BATCH], self._waiting[ACK_BATCH:]
+        batch = owed[:ACK_BATCH]
         self._steps("acknowledging")
         try:
             await acknowledge(fleet, batch)
         except (ControlError, fanout.FleetError, OSError):
-            self._waiting[:0] = batch
             self.failed_rounds += 1
             return False
         self._steps("acknowledged")
+        self.ledger.acknowledged(batch)
+        self.ledger.forget_settled()  # the output tells them again on --resume
         self.failed_rounds = 0
-        if self._waiting:
+        if self.ledger.to_acknowledge():
             self._wake.set()
         return True
 
     async def settle(self, within: float) -> None:
         """At the end of the run: acknowledge what waits, for at most `within` seconds."""
         end = time.monotonic() + within
-        while self._waiting and time.monotonic() < end:
+        while self.ledger.to_acknowledge() and time.monotonic() < end:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, end - time.monotonic())):
                     if not await self.flush():
                         await asyncio.sleep(0.2)
 
 
-async def acknowledge(fleet: Fleet, receipts: list[pb.ResultReceipt]) -> None:
+async def acknowledge(fleet: Fleet, receipts: Sequence[pb.ResultReceipt | Receipt]) -> None:
     deadline = time.time() + ACK_SECONDS
     await fanout.fan_out(
         "acknowledge",
