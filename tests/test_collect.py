@@ -1077,6 +1077,34 @@ def test_a_run_reply_is_classified_as_collected_not_started_or_failed() -> None:
     assert reply(200, {"reward": 1.0, "error": None}).kind == "ok"
     garbage = classify(httpx.Response(200, content=b"<html>"))
     assert garbage == Outcome("failed", error="HTTP 200: <html>")
+    # A full outbox refused before anything ran: the same attempt goes again, after a pause.
+    assert reply(429, {"error": {"code": "outbox_full"}}).kind == "not_started"
+
+
+def test_a_reply_without_a_valid_receipt_is_collected_without_one() -> None:
+    """A receipt header that is no valid receipt (a buggy or hostile entry) never stops the
+    run: the line is written without a receipt, nothing is acknowledged for it."""
+    from rollout_checkpoint.client.collect.dispatch import receipt_of
+
+    def headers(receipt: object, source: str = "run") -> httpx.Response:
+        return httpx.Response(
+            200,
+            json={"reward": 1.0},
+            headers={"x-rollout-receipt": json.dumps(receipt), "x-rollout-result-source": source},
+        )
+
+    good = {"rollout_id": "t.0", "attempt": 1, "result_sha256": "ab" * 32, "lineage": ["c1"]}
+    receipt, source = receipt_of(headers(good, "outbox"))
+    assert receipt is not None and receipt.result_sha256 == "ab" * 32 and source == "outbox"
+    for bad in (
+        dict(good, result_sha256="zz"),
+        dict(good, rollout_id="-bad id"),
+        dict(good, attempt=-1),
+        {"rollout_id": "t.0"},
+        "not an object",
+    ):
+        assert receipt_of(headers(bad))[0] is None, bad
+    assert receipt_of(httpx.Response(200, json={}))[0] is None
 
 
 def test_the_book_names_the_checkpoint_scope_and_the_state_a_resume_needs() -> None:

@@ -4,6 +4,7 @@ ahead to the dispatch log, each reply classified and recorded."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from rollout_checkpoint.client.collect.receipts import (
 )
 from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
 from rollout_checkpoint.client.participant import receipt_from_header
+from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 
@@ -182,13 +184,17 @@ class Dispatcher:
 
 
 def receipt_of(response: httpx.Response) -> tuple[pb.ResultReceipt | None, str]:
-    """The receipt a reply carries (None: an entry that issues none, or a reply that is no
-    result) and where the result came from (`run`, or `outbox`: held, offered again)."""
+    """The receipt a reply carries (None: an entry that issues none, a reply that is no
+    result, or a header that is no valid receipt: the line is written without one, and the
+    entry keeps what it holds until a `--resume` or a new run takes or releases it) and where
+    the result came from (`run`, or `outbox`: held, offered again)."""
     source = response.headers.get(SOURCE_HEADER, "run")
     header = response.headers.get(RECEIPT_HEADER)
     if header is None:
         return None, source
     try:
-        return receipt_from_header(header), source
+        receipt = receipt_from_header(header)
+        Receipt.from_json(json.loads(header))  # every field checked, as the ledger keeps it
     except ValueError:
         return None, source
+    return receipt, source
