@@ -32,7 +32,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
 )
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.inputs import load_input, rollout_id_of
-from rollout_checkpoint.client.collect.receipts import ENTRY_KINDS
+from rollout_checkpoint.client.collect.receipts import ENTRY_KINDS, serves_no_outbox
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -180,8 +180,10 @@ async def held_after(spec: FleetSpec) -> dict[str, int]:
                 continue
             try:
                 count = (await member.client.list_results()).held
-            except ControlError:
-                continue
+            except ControlError as error:
+                if serves_no_outbox(error):
+                    continue
+                raise
             if count:
                 held[member.name] = count
         return held

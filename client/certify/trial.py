@@ -308,7 +308,10 @@ class TrialRun:
             )
         except (RunFailed, FleetError, ControlError, DiscoveryError, PublicationError) as error:
             observation.notes.append(f"certify: the sessions could not be exported ({error})")
-        observation.held_after = await held_after(self.spec)
+        try:
+            observation.held_after = await held_after(self.spec)
+        except (FleetError, ControlError, DiscoveryError) as error:
+            observation.notes.append(f"certify: the held results could not be listed ({error})")
         observation.model_misses = await model_misses(setup, self.processes)
         observation.untyped = await untyped_failures(
             self.processes, [c.log for c in self.controllers], codes

@@ -32,6 +32,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import grpc
+
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.client.collect.groups import GroupWriter
@@ -167,21 +169,42 @@ class Acknowledgements:
                         await asyncio.sleep(0.2)
 
 
+def serves_no_outbox(error: ControlError) -> bool:
+    """Whether a failed outbox call says the member has no outbox at all: a participant of
+    an earlier release (UNIMPLEMENTED) or another implementation of the contract that does
+    not serve these RPCs (UNKNOWN, no reason). Such an entry issues no receipts, so it holds
+    nothing to take back and owes nothing to acknowledge; any other failure is a failure."""
+    return not error.reason and error.code in (
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNKNOWN,
+    )
+
+
 async def acknowledge(fleet: Fleet, receipts: Sequence[pb.ResultReceipt | Receipt]) -> None:
     deadline = time.time() + ACK_SECONDS
-    await fanout.fan_out(
-        "acknowledge",
-        entry_members(fleet),
-        lambda m: m.client.acknowledge_results(receipts, deadline),
-        fleet.spec.fan_out,
-    )
+
+    async def on(member: Member) -> None:
+        try:
+            await member.client.acknowledge_results(receipts, deadline)
+        except ControlError as error:
+            if not serves_no_outbox(error):
+                raise
+
+    await fanout.fan_out("acknowledge", entry_members(fleet), on, fleet.spec.fan_out)
 
 
 async def held_results(fleet: Fleet) -> list[pb.HeldResult]:
     """Every result the entry members hold, one per rollout (the newest attempt's)."""
-    pages = await fanout.fan_out(
-        "list results", entry_members(fleet), lambda m: m.client.all_results(), fleet.spec.fan_out
-    )
+
+    async def of(member: Member) -> list[pb.HeldResult]:
+        try:
+            return await member.client.all_results()
+        except ControlError as error:
+            if serves_no_outbox(error):
+                return []
+            raise
+
+    pages = await fanout.fan_out("list results", entry_members(fleet), of, fleet.spec.fan_out)
     newest: dict[str, pb.HeldResult] = {}
     for results in pages.values():
         for held in results:
@@ -270,8 +293,10 @@ async def check_outbox_room(fleet: Fleet, concurrency: int, num_repeats: int) ->
     async def cap_of(member: Member) -> int:
         try:
             return (await member.client.list_results(page_size=1)).cap
-        except ControlError:  # an entry of an older release holds no outbox
-            return 0
+        except ControlError as error:
+            if serves_no_outbox(error):
+                return 0
+            raise
 
     caps = await fanout.fan_out("list results", entry_members(fleet), cap_of, fleet.spec.fan_out)
     for name, cap in sorted(caps.items()):
