@@ -208,7 +208,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
 
 
 ReceiptProtocol.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=40,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
