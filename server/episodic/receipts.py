@@ -93,7 +93,11 @@ class ResultReceiptMiddleware:
             return
         route: str = scope["path"]
         body, more = await _request_body(receive)
-        request = request_digest(body)
+        request = (
+            await asyncio.to_thread(request_digest, body)
+            if len(body) > LARGE_BODY
+            else request_digest(body)
+        )
         found = await self.outbox.lookup(episode, route)
         if found.held is not None:
             if found.held.request_sha256 != request:
