@@ -53,15 +53,19 @@ restarted rollouts) or raises `RecoveryLostRace` when another controller holds t
 
 **Results exactly once.** A trainer that drives the fleet itself keeps a `ResultLedger`:
 `dispatched`, then `received` (a `Receipt`, `Receipt.from_json` of a reply's
-`x-rollout-receipt` header) says whether to persist the result (`Delivery`), `persisted`
-once its store holds it, `to_acknowledge` what to send in
-`ParticipantClient.acknowledge_results`, and `state` / `load` its versioned JSON, published
-with the fleet's checkpoint (a state it would not write is a `LedgerStateError`).
+`x-rollout-receipt` header; `receipt_of_message` of a listed held result's) says whether
+to persist the result (`Delivery`): its prompt
+group (`group`) is persisted whole, the `HeldOutcome`s `sealed` returns in one write;
+`persisted` once its store holds them, `to_acknowledge` what to send in
+`ParticipantClient.acknowledge_results`, `cut` what a crash does to a group (`GroupCut`),
+and `state` / `load` its versioned JSON, published with the fleet's checkpoint (a state it
+would not write is a `LedgerStateError`). After a restore, `lagging` names the continued
+rollouts too many policy weight versions behind (`Lagging`) for a `StalenessPolicy`, whose
+`Stale` says what to do with them.
 
-**collect.** `Collector` runs K rollouts of every task through a fleet (`CollectOptions`;
-its `StalenessPolicy` says what a restore does with a rollout too many weight versions
-behind, `Stale`), checkpointing as it goes and losing nothing to a crash;
-`rollout-checkpoint collect` is its command line.
+**collect.** `Collector` runs K rollouts of every task through a fleet (`CollectOptions`),
+checkpointing as it goes and losing nothing to a crash, on that same ledger and staleness
+rule; `rollout-checkpoint collect` is its command line.
 
 This package imports nothing of `rollout_checkpoint.server` but its core (an import-linter
 contract in pyproject.toml enforces it).
@@ -121,7 +125,6 @@ if TYPE_CHECKING:
         ObjectCheckpointRoot,
     )
     from rollout_checkpoint.client.collect import CollectOptions, Collector
-    from rollout_checkpoint.client.collect.staleness import Stale, StalenessPolicy
     from rollout_checkpoint.client.coordinator.service import Coordinator
     from rollout_checkpoint.client.coordinator.supervisor import (
         RestartStrategy,
@@ -144,8 +147,18 @@ if TYPE_CHECKING:
         MemberSpec,
         load_fleet_file,
     )
-    from rollout_checkpoint.client.ledger import Delivery, LedgerStateError, ResultLedger
-    from rollout_checkpoint.client.participant import ParticipantClient, receipt_from_header
+    from rollout_checkpoint.client.ledger import (
+        Delivery,
+        GroupCut,
+        HeldOutcome,
+        LedgerStateError,
+        ResultLedger,
+    )
+    from rollout_checkpoint.client.participant import (
+        ParticipantClient,
+        receipt_from_header,
+        receipt_of_message,
+    )
     from rollout_checkpoint.client.recovery import (
         Recovery,
         RecoveryLostRace,
@@ -153,12 +166,24 @@ if TYPE_CHECKING:
         recovery_id,
         undo_unfinished_recovery,
     )
+    from rollout_checkpoint.client.staleness import Lagging, Stale, StalenessPolicy, lagging
     from rollout_checkpoint.server.core.receipts import Receipt
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "rollout_checkpoint.client.errors": ("ControlError",),
-    "rollout_checkpoint.client.participant": ("ParticipantClient", "receipt_from_header"),
-    "rollout_checkpoint.client.ledger": ("Delivery", "LedgerStateError", "ResultLedger"),
+    "rollout_checkpoint.client.participant": (
+        "ParticipantClient",
+        "receipt_from_header",
+        "receipt_of_message",
+        "receipt_of_message",
+    ),
+    "rollout_checkpoint.client.ledger": (
+        "Delivery",
+        "GroupCut",
+        "HeldOutcome",
+        "LedgerStateError",
+        "ResultLedger",
+    ),
     "rollout_checkpoint.server.core.receipts": ("Receipt",),
     "rollout_checkpoint.client.fleet.spec": (
         "FleetConfigError",
@@ -231,7 +256,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "rollout_checkpoint.client.coordinator.service": ("Coordinator",),
     "rollout_checkpoint.client.coordinator.supervisor": ("RestartStrategy", "SupervisorSettings"),
     "rollout_checkpoint.client.collect": ("CollectOptions", "Collector"),
-    "rollout_checkpoint.client.collect.staleness": ("Stale", "StalenessPolicy"),
+    "rollout_checkpoint.client.staleness": ("Lagging", "Stale", "StalenessPolicy", "lagging"),
 }
 """Where each public name lives: the module imported on the name's first use."""
 
@@ -261,6 +286,9 @@ __all__ = [
     "FleetProgress",
     "FleetSpec",
     "FleetWatch",
+    "GroupCut",
+    "HeldOutcome",
+    "Lagging",
     "LaunchError",
     "LaunchedMember",
     "LedgerStateError",
@@ -297,11 +325,13 @@ __all__ = [
     "derive_scope",
     "forget",
     "inspect",
+    "lagging",
     "load_fleet_file",
     "open_checkpoint_root",
     "prepare",
     "prepare_until_done",
     "receipt_from_header",
+    "receipt_of_message",
     "recover",
     "recovery_id",
     "renew",

@@ -491,6 +491,19 @@ def receipt_from_header(value: str) -> pb.ResultReceipt:
         raise ValueError(f"not a result receipt: {value[:200]!r}") from exc
 
 
+def receipt_of_message(message: pb.ResultReceipt) -> Receipt:
+    """The `Receipt` (what a `ResultLedger` keeps) of a `ResultReceipt` message, every field
+    checked; ValueError for one no entry would issue."""
+    return Receipt.from_json(
+        {
+            "rollout_id": message.rollout_id,
+            "attempt": message.attempt,
+            "result_sha256": message.result_sha256,
+            "lineage": list(message.lineage),
+        }
+    )
+
+
 def unparsable_reply() -> ControlError:
     """A reply whose bytes do not parse as its message. grpc.aio logs the decoding error and
     hands the caller None instead of raising, which a controller would take for an answer (a

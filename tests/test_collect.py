@@ -284,29 +284,32 @@ def wait_until(
         time.sleep(0.02)
 
 
-def mid_run_with_a_checkpoint(work: Path) -> bool:
+def mid_run_with_a_checkpoint(work: Path, min_step: int = 0) -> bool:
     """A few rollouts in the output, and a published checkpoint that cut some mid-episode
-    that the output does not hold yet (they will have to go on after a crash)."""
+    (at agent step `min_step` or later: step 1 has a model call recorded) that the output
+    does not hold yet (they will have to go on after a crash)."""
     try:
         manifest = latest(work)
         if manifest is None:
             return False
-        cut = set(mid_episode(work, manifest))
+        cut = {r for r, step in mid_episode(work, manifest).items() if step >= min_step}
     except FileNotFoundError:  # retention removed it while we read: a newer one is out
         return False
     finished = {line["rollout_id"] for line in output_lines(work)}
     return len(finished) >= 3 and bool(cut - finished)
 
 
-def stop_mid_run(work: Path, process: subprocess.Popen[bytes]) -> None:
+def stop_mid_run(work: Path, process: subprocess.Popen[bytes], min_step: int = 0) -> None:
     """Freeze the collector (SIGSTOP, its whole group) at a moment that is mid-run with a
     checkpoint, checked again once it is frozen: between a check and a SIGKILL, a collector
     still running can publish a newer checkpoint or finish the rollouts the check saw cut,
     so the test would crash it at another moment than the one it checked."""
     while True:
-        wait_until(lambda: mid_run_with_a_checkpoint(work), "a checkpoint mid-run", process)
+        wait_until(
+            lambda: mid_run_with_a_checkpoint(work, min_step), "a checkpoint mid-run", process
+        )
         os.killpg(process.pid, signal.SIGSTOP)
-        if mid_run_with_a_checkpoint(work):
+        if mid_run_with_a_checkpoint(work, min_step):
             return
         os.killpg(process.pid, signal.SIGCONT)
 
@@ -757,14 +760,19 @@ def test_a_rollout_continued_past_the_policy_lag_is_handled_as_stale_says(
     first, fresh = fleets.start(), fleets.start(closed=True)
     fleet = first.result()
     process = fleets.collect(fleet, "--checkpoint-every", "0.5")
-    stop_mid_run(work, process)
+    # Cut after a model call (agent step 1 or later): that rollout has a version to lag.
+    stop_mid_run(work, process, min_step=1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
     fleet.kill()
     manifest = latest(work)
     assert manifest is not None
-    cut = set(mid_episode(work, manifest)) - {line["rollout_id"] for line in output_lines(work)}
-    assert cut, "the checkpoint cut rollouts mid-episode"
+    steps = mid_episode(work, manifest)
+    cut = set(steps) - {line["rollout_id"] for line in output_lines(work)}
+    # Cut at step 0 a rollout has no model call recorded: no lag, it continues whatever
+    # --stale says. Cut later it lags 5 versions.
+    lagging = {r for r in cut if steps[r] >= 1}
+    assert lagging, "the checkpoint cut rollouts after a model call"
     set_weight_version(fresh.result(), 5)
     resumed = fleets.collect(fresh.result(), "--resume", "--max-policy-lag", "2", "--stale", stale)
     assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
@@ -775,13 +783,13 @@ def test_a_rollout_continued_past_the_policy_lag_is_handled_as_stale_says(
     by_id = {line["rollout_id"]: line for line in lines}
     if stale == "drop":
         dropped = {r for r, line in by_id.items() if line["status"] == "dropped"}
-        assert dropped and dropped <= cut
+        assert dropped == lagging
         assert all(by_id[r]["reason"].startswith("policy_lag") for r in dropped)
         assert f"{len(dropped)} dropped for --max-policy-lag" in log
     else:
         assert all(line["status"] == "ok" for line in lines)
         assert {r: line["reward"] for r, line in by_id.items()} == baseline.rewards
-        went_on = [r for r in cut if by_id[r]["reply"]["continued_from_step"] is not None]
+        went_on = [r for r in lagging if by_id[r]["reply"]["continued_from_step"] is not None]
         if stale == "regenerate":
             assert went_on == []  # restarted from their inputs under the current weights
             assert "regenerated for --max-policy-lag" in log
@@ -1166,11 +1174,15 @@ def test_the_book_holds_a_group_until_sealed_and_follows_its_policy_after_a_cut(
         return rollout.finished_line({"reward": 1.0}, None, source)
 
     def receipt(rollout: Rollout) -> pb.ResultReceipt:
-        return pb.ResultReceipt(rollout_id=rollout.rollout_id, attempt=rollout.attempt)
+        return pb.ResultReceipt(
+            rollout_id=rollout.rollout_id, attempt=rollout.attempt, result_sha256="ab" * 32
+        )
 
-    book.held(a0, line(a0), receipt(a0))
-    book.held(b0, line(b0, "outbox"), receipt(b0))
-    assert book.sealed(a0) == [] and book.sealed(b0) == [], "a sibling is unfinished"
+    def owed() -> list[tuple[str, int]]:
+        return sorted((r.rollout_id, r.attempt) for r in book.ledger.to_acknowledge())
+
+    assert book.held(a0, line(a0), receipt(a0)) == []
+    assert book.held(b0, line(b0, "outbox"), receipt(b0)) == [], "a sibling is unfinished"
     # Finished but unsealed: not finished for a resume (the output lacks it), never continued,
     # never retired as something that may still run.
     state = book.controller_state(
@@ -1183,20 +1195,31 @@ def test_the_book_holds_a_group_until_sealed_and_follows_its_policy_after_a_cut(
     # A crash cuts a.1 and b.1: group a (policy group) regenerates a.0 too; b keeps b.0.
     assert book.cut(["a.1", "b.1"]) == [a0, a1]
     assert (book.counts.groups_regenerated, book.counts.siblings_kept) == (1, 1)
+    # A recovery tried again after a failure decides the same cut: counted once.
+    assert book.cut(["a.1", "b.1"]) == [a0, a1]
+    assert (book.counts.groups_regenerated, book.counts.siblings_kept) == (1, 1)
     book.retired(a0, 0)
     book.regenerate(a0, 0)
-    assert (a0.status.value, a0.attempt, a0.line, a0.receipt) == ("pending", 1, None, None)
+    assert (a0.status.value, a0.attempt) == ("pending", 1)
+    assert book.ledger.holds("a.0") is None, "the ledger forgot what it held of a.0"
     # b.1 comes back: group b is sealed, its two lines are written together, and only then
-    # are both receipts acknowledged.
-    book.held(b1, line(b1), receipt(b1))
-    assert book.sealed(b1) == [b0, b1]
-    assert book.written([b0, b1]) == [receipt(b0), receipt(b1)]
+    # are both receipts owed.
+    group = book.held(b1, line(b1), receipt(b1))
+    assert [o.rollout_id for o in group] == ["b.0", "b.1"] and owed() == []
+    book.written(group)
+    assert owed() == [("b.0", 0), ("b.1", 0)]
     assert (book.counts.done, book.counts.groups_sealed, book.counts.reoffered) == (2, 1, 1)
+    # A late second reply of b.1 is never written again; its receipt is owed.
+    assert book.held(b1, line(b1), receipt(b1)) == [] and b1.status.value == "done"
     # A failure that used up its attempts seals its group like a result.
-    book.held(a1, a1.failed_line())
-    book.held(a0, line(a0))
-    assert book.sealed(a0) == [a0, a1]
-    assert book.written([a0, a1]) == []
+    assert book.held(a1, a1.failed_line()) == []
+    group = book.held(a0, line(a0))
+    assert [(o.rollout_id, o.payload["status"]) for o in group] == [
+        ("a.0", "ok"),
+        ("a.1", "failed"),
+    ]
+    book.written(group)
+    assert owed() == [("b.0", 0), ("b.1", 0)], "no receipt covered a.0 or a.1"
     assert (book.counts.done, book.counts.failed) == (3, 1) and book.settled()
 
 
@@ -1210,13 +1233,16 @@ async def test_a_group_writer_writes_nothing_until_the_group_is_sealed_then_all_
     try:
         writer = GroupWriter(book, output)
         first, second, last = book.rollouts.values()
-        assert await writer.hold(second, second.dropped_line("policy_lag")) is None
-        assert await writer.hold(last, last.failed_line()) is None
+        assert await writer.hold(second, second.dropped_line("policy_lag")) is False
+        assert await writer.hold(last, last.failed_line()) is False
         await output.drain()
         assert path.read_bytes() == b""
-        receipt = pb.ResultReceipt(rollout_id="t.0", attempt=0)
+        receipt = pb.ResultReceipt(rollout_id="t.0", attempt=0, result_sha256="cd" * 32)
+        assert book.ledger.to_acknowledge() == []
         written = await writer.hold(first, first.finished_line({"reward": 1.0}, receipt), receipt)
-        assert written == [receipt], "acknowledged once the group is durable, not before"
+        assert written is True
+        (owed,) = book.ledger.to_acknowledge()
+        assert (owed.rollout_id, owed.result_sha256) == ("t.0", "cd" * 32), "owed once durable"
     finally:
         await output.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]

@@ -8,7 +8,9 @@ last checkpoint, every held result under its attempt N+1) and the recovery the d
 (list what the entry holds, persist what the store lacks, acknowledge). After every step
 no rollout is in the store twice; at the end, once everything drains, every rollout is in
 the store exactly once and the entry holds nothing. A held result is never run again: a
-dispatch of a rollout the entry holds is answered from the outbox.
+dispatch of a rollout the entry holds is answered from the outbox. The rollouts form prompt
+groups of two: the ledger asks to persist a group only whole, in one write, so the store
+never holds part of a group.
 
 The ledger's state must load strictly, too: tests below refuse what it would not write.
 """
@@ -43,6 +45,7 @@ from rollout_checkpoint.server.runtime.result_outbox import (
 
 ROUTE = "/run"
 ROLLOUTS = [f"r{i}" for i in range(4)]
+GROUPS = {"g0": ["r0", "r1"], "g1": ["r2", "r3"]}
 
 
 def stored(fields: dict[str, Any]) -> dict[str, Any]:
@@ -69,10 +72,11 @@ class ReceiptProtocol(RuleBasedStateMachine):
         super().__init__()
         self.outbox = ResultOutbox(cap=100)
         self.running: dict[str, int] = {}
-        self.ledger = ResultLedger()
+        self.ledger = self._grouped(ResultLedger())
         self.store: list[tuple[str, str]] = []
         self.inbox: list[Receipt] = []
-        self.to_persist: list[Receipt] = []
+        self.to_persist: list[list[Receipt]] = []
+        """Sealed groups the ledger asked to persist, each one write."""
         self.published: tuple[list[tuple[EpisodeId, dict[str, Any]]], dict[str, Any]] | None = None
         self.runs = 0
         self.offered_again = 0
@@ -83,13 +87,32 @@ class ReceiptProtocol(RuleBasedStateMachine):
         attempts = self.ledger.attempts(rollout)
         return attempts[-1] + 1 if attempts else 0
 
+    @staticmethod
+    def _grouped(ledger: ResultLedger) -> ResultLedger:
+        for group_id, rollouts in GROUPS.items():
+            ledger.group(group_id, rollouts)
+        return ledger
+
     def _waiting(self, rollout: str) -> bool:
         return (
             self.ledger.is_persisted(rollout)
+            or self.ledger.holds(rollout) is not None
             or rollout in self.running
             or any(r.rollout_id == rollout for r in self.inbox)
-            or any(r.rollout_id == rollout for r in self.to_persist)
+            or any(r.rollout_id == rollout for group in self.to_persist for r in group)
         )
+
+    def _received(self, receipt: Receipt) -> list[Receipt] | None:
+        """The group to persist if `receipt` sealed it (None: nothing to write)."""
+        kept = ledger_receipt(receipt)
+        if self.ledger.received(kept, payload=kept) is not Delivery.PERSIST:
+            return None
+        return [outcome.payload for outcome in self.ledger.sealed(kept.rollout_id)]
+
+    def _write(self, group: list[Receipt]) -> None:
+        """One append of a whole group, then the ledger is told."""
+        self.store.extend((r.rollout_id, r.result_sha256) for r in group)
+        self.ledger.persisted(*(r.rollout_id for r in group))
 
     @rule(index=st.integers(0, len(ROLLOUTS) - 1))
     def dispatch(self, index: int) -> None:
@@ -109,8 +132,9 @@ class ReceiptProtocol(RuleBasedStateMachine):
     @rule(data=st.data())
     def deliver(self, data: st.DataObject) -> None:
         receipt = self.inbox.pop(data.draw(st.integers(0, len(self.inbox) - 1)))
-        if self.ledger.received(ledger_receipt(receipt)) is Delivery.PERSIST:
-            self.to_persist.append(ledger_receipt(receipt))
+        group = self._received(receipt)
+        if group is not None:
+            self.to_persist.append(group)
 
     @precondition(lambda self: bool(self.inbox))
     @rule(data=st.data())
@@ -120,9 +144,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.to_persist))
     @rule(data=st.data())
     def persist(self, data: st.DataObject) -> None:
-        receipt = self.to_persist.pop(data.draw(st.integers(0, len(self.to_persist) - 1)))
-        self.store.append((receipt.rollout_id, receipt.result_sha256))
-        self.ledger.persisted(receipt.rollout_id)
+        self._write(self.to_persist.pop(data.draw(st.integers(0, len(self.to_persist) - 1))))
 
     @rule()
     def acknowledge(self) -> None:
@@ -143,7 +165,7 @@ class ReceiptProtocol(RuleBasedStateMachine):
         self.inbox.clear()
         self.to_persist.clear()
         state = self.published[1] if self.published is not None else None
-        self.ledger = ResultLedger.load(state, persisted=dict(self.store))
+        self.ledger = self._grouped(ResultLedger.load(state, persisted=dict(self.store)))
         self._take_back()
 
     # -- the entry -----------------------------------------------------------------------
@@ -171,10 +193,9 @@ class ReceiptProtocol(RuleBasedStateMachine):
         """The documented recovery: what the entry holds, persisted if the store lacks it,
         then every receipt the store covers acknowledged."""
         for held in self.outbox.results():
-            receipt = ledger_receipt(held.receipt)
-            if self.ledger.received(receipt) is Delivery.PERSIST:
-                self.store.append((receipt.rollout_id, receipt.result_sha256))
-                self.ledger.persisted(receipt.rollout_id)
+            group = self._received(held.receipt)
+            if group is not None:
+                self._write(group)
         self.acknowledge()
 
     # -- the properties ------------------------------------------------------------------
@@ -183,19 +204,19 @@ class ReceiptProtocol(RuleBasedStateMachine):
     def no_row_twice(self) -> None:
         rollouts = [rollout for rollout, _ in self.store]
         assert len(rollouts) == len(set(rollouts)), self.store
+        for group_id, members in GROUPS.items():
+            assert sum(r in rollouts for r in members) in (0, len(members)), (group_id, rollouts)
 
     def teardown(self) -> None:
         for _ in range(4 * len(ROLLOUTS) + 4):
             for rollout in sorted(self.running):
                 self.finish_now(rollout)
             while self.inbox:
-                receipt = self.inbox.pop(0)
-                if self.ledger.received(ledger_receipt(receipt)) is Delivery.PERSIST:
-                    self.to_persist.append(ledger_receipt(receipt))
+                group = self._received(self.inbox.pop(0))
+                if group is not None:
+                    self.to_persist.append(group)
             while self.to_persist:
-                receipt = self.to_persist.pop(0)
-                self.store.append((receipt.rollout_id, receipt.result_sha256))
-                self.ledger.persisted(receipt.rollout_id)
+                self._write(self.to_persist.pop(0))
             self.acknowledge()
             for index in range(len(ROLLOUTS)):
                 self.dispatch(index)

@@ -40,9 +40,9 @@ from rollout_checkpoint.client.cli.errors import classify as classify_fleet_erro
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.collector import Collector
 from rollout_checkpoint.client.collect.errors import CorruptFile, OutputFailed, UsageError
-from rollout_checkpoint.client.collect.inputs import GROUP_RECOVERIES
 from rollout_checkpoint.client.collect.options import CollectOptions
-from rollout_checkpoint.client.collect.staleness import Stale, StalenessPolicy
+from rollout_checkpoint.client.ledger import GROUP_RECOVERIES
+from rollout_checkpoint.client.staleness import Stale, StalenessPolicy
 from rollout_checkpoint.server.core.errors import Reason
 from rollout_checkpoint.server.core.object_store import is_object_url
 

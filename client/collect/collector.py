@@ -181,14 +181,12 @@ class Collector:
         self.counts.phase = "setting up the fleet"
         # Before the fleet is set up: a dropped line the setup writes may seal a group whose
         # receipts are then acknowledged like any other.
-        acknowledgements = Acknowledgements(
-            self._current_fleet, self._step_hook, ledger=start.previous.ledger
-        )
+        acknowledgements = Acknowledgements(self._current_fleet, book.ledger, self._step_hook)
         stale = StaleHandling(
             options.staleness, book, self.view, self._dropped_into(book, output, acknowledgements)
         )
         setup = FleetSetup(fleet, start.root, book, self.view, self.control, stale)
-        held = HeldResults(fleet, book, output, self.view)
+        held = HeldResults(fleet, book, output, self.view, acknowledgements)
         await setup.run(
             start.previous,
             time.time() + options.checkpoint_timeout,
@@ -292,8 +290,8 @@ class Collector:
         """A dropped line settles its rollout like a failure: it waits for its group."""
 
         async def record(rollout: Rollout, reason: str) -> None:
-            written = await GroupWriter(book, output).hold(rollout, rollout.dropped_line(reason))
-            acknowledgements.add(*(written or []))
+            if await GroupWriter(book, output).hold(rollout, rollout.dropped_line(reason)):
+                acknowledgements.owed()
 
         return record
 

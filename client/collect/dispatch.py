@@ -164,11 +164,10 @@ class Dispatcher:
                 self._steps("received")
                 line = rollout.finished_line(outcome.reply, receipt, source)
                 # Its group's write, once sealed, is durable first, acknowledged second.
-                written = await self.groups.hold(rollout, line, receipt)
-                if written is not None:
+                if await self.groups.hold(rollout, line, receipt):
                     self._steps("persisted")
                     if self.acknowledgements is not None:
-                        self.acknowledgements.add(*written)
+                        self.acknowledgements.owed()
                 self._backoff = 0.0
             elif outcome.kind == "not_started":
                 book.not_started(rollout)

@@ -5,8 +5,9 @@ with each other); a group the output holds in part is useless to it, and one ass
 two runs' siblings may be wrong for it. Every rule below exists for a crash at the step
 before it:
 
-* **Sealed before written** (`GroupWriter.seal`): a finished sibling's line waits in memory
-  (`Status.HELD`) until every sibling of its group is finished or recorded failed; then the
+* **Sealed before written** (`GroupWriter.hold`): a finished sibling's line waits in the
+  trainer ledger (`ResultLedger`, groups declared by `RolloutBook`; the rollout is
+  `Status.HELD`) until every sibling of its group is finished or recorded failed; then the
   group's lines go out in ONE `DurableAppender.append`, so a crash, a power loss or a
   checkpoint sees none or all of a group.
 * **Held results stay held until their group is durable**: a waiting sibling's receipt is
@@ -17,9 +18,10 @@ before it:
   all its receipts are acknowledged.
 * **A crash that cut a sibling** (it was unfinished: it continues from a checkpoint or
   restarts) leaves its group to its policy (`--group-recovery`, or the task row's
-  `group_recovery`): `sibling` keeps the finished siblings; `group` discards every sibling not
-  yet written and regenerates all of them from their inputs as later attempts, each retired
-  everywhere first (the Retire releases the results the entry held of them).
+  `group_recovery`), as the ledger decides it (`ResultLedger.cut`): `sibling` keeps the
+  finished siblings; `group` discards every sibling not yet written and regenerates all of
+  them from their inputs as later attempts, each retired everywhere first (the Retire
+  releases the results the entry held of them).
 """
 
 from __future__ import annotations
@@ -40,14 +42,13 @@ class GroupWriter:
 
     async def hold(
         self, rollout: Rollout, line: dict[str, Any], receipt: pb.ResultReceipt | None = None
-    ) -> list[pb.ResultReceipt] | None:
-        """Keep `rollout`'s outcome (`line`) for its group, and write the group if that
-        sealed it. Returns the receipts to acknowledge now (the group's write is durable),
-        or None: the group is not sealed, nothing is written, nothing may be acknowledged."""
-        self.book.held(rollout, line, receipt)
-        group = self.book.sealed(rollout)
+    ) -> bool:
+        """Hand `rollout`'s outcome (`line`) to the ledger, and write its group if that
+        sealed it. True once the group's write is durable (its receipts are owed now);
+        False: nothing is written, nothing may be acknowledged."""
+        group = self.book.held(rollout, line, receipt)
         if not group:
-            return None
-        lines = [r.line for r in group]
-        await self.output.append(*(json_line(line) for line in lines if line is not None))
-        return self.book.written(group)
+            return False
+        await self.output.append(*(json_line(outcome.payload) for outcome in group))
+        self.book.written(group)
+        return True

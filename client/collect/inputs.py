@@ -6,16 +6,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 from rollout_checkpoint.client.collect.errors import UsageError
+from rollout_checkpoint.client.ledger import GROUP_RECOVERIES, GroupRecovery
 from rollout_checkpoint.server.core.episodes import rollout_id_problem
-
-GroupRecovery = Literal["sibling", "group"]
-"""What a prompt group (the K rollouts of one task) does after a crash cut one of its
-rollouts: `sibling` keeps its finished siblings and continues or restarts only the unfinished
-ones; `group` regenerates every sibling from its input (see `groups`)."""
-GROUP_RECOVERIES: tuple[GroupRecovery, ...] = get_args(GroupRecovery)
 
 
 @dataclass(frozen=True)

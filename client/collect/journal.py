@@ -295,15 +295,14 @@ def read_previous(output: Path, log: Path, root: PublicationRoot, input_digest: 
     return previous
 
 
-def persisted_in(previous: Previous) -> dict[str, str]:
-    """Rollout id -> the receipt digest of its output line (the trainer's store), for the
-    lines that carry one."""
-    persisted: dict[str, str] = {}
+def persisted_in(previous: Previous) -> dict[str, str | None]:
+    """Rollout id -> the receipt digest of its output line (the trainer's store), None for
+    a line that carries none (a failure, a result no receipt covered)."""
+    persisted: dict[str, str | None] = {}
     for rollout_id, line in previous.finished.items():
         provenance = line.get("provenance")
         digest = provenance.get("receipt_sha256") if isinstance(provenance, dict) else None
-        if isinstance(digest, str):
-            persisted[rollout_id] = digest
+        persisted[rollout_id] = digest if isinstance(digest, str) else None
     return persisted
 
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout_checkpoint.client.collect.inputs import GroupRecovery
-from rollout_checkpoint.client.collect.staleness import StalenessPolicy
+from rollout_checkpoint.client.ledger import GroupRecovery
+from rollout_checkpoint.client.staleness import StalenessPolicy
 
 
 @dataclass

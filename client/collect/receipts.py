@@ -6,11 +6,12 @@ outbox. The two rules below make each (task, repeat) reach the output exactly on
 the collector, the entry or everything crashes:
 
 * **Acknowledge only what is durable** (`Acknowledgements`): a receipt is acknowledged after
-  its output line is durable, never before. A collector killed between the reply and its
+  its output line is durable, never before: the book's `ResultLedger` owes it from then on
+  (`persisted`), and `Acknowledgements` sends what the ledger owes. A collector killed between the reply and its
   line leaves the result held by the entry; one killed after the line and before the
   acknowledgement leaves it held too, and the next run acknowledges it without writing it
   again (the output already names the rollout).
-* **Take back before restarting anything** (`take_back_held`): a `--resume` lists the
+* **Take back before restarting anything** (`HeldResults.take_back`): a `--resume` lists the
   results the entry members hold (ListResults) right after the fleet is restored or reopened
   and before the unfinished rollouts are retired (a Retire releases the rollout's held
   result): one the output lacks goes to its prompt group (`groups`), written with it once
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -43,7 +44,8 @@ from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.fleet.discovery import Member
-from rollout_checkpoint.client.ledger import Delivery, ResultLedger
+from rollout_checkpoint.client.ledger import ResultLedger
+from rollout_checkpoint.client.participant import receipt_of_message
 from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
@@ -88,8 +90,7 @@ class DeliverySteps:
 
 
 class Acknowledgements:
-    """What `collect` owes the entry: the receipts of durable output lines, kept in a
-    `ResultLedger` (the trainer ledger's rules, one implementation) and acknowledged in
+    """Sends what the run's `ResultLedger` owes (the receipts of durable output lines) in
     batches to the entry members of the current fleet (`fleet()`: a recovery swaps it). The
     ledger's state goes into every checkpoint's controller state (`ledger_state`), so a
     resumed run acknowledges what a crash left owed."""
@@ -97,32 +98,20 @@ class Acknowledgements:
     def __init__(
         self,
         fleet: Callable[[], Fleet | None],
+        ledger: ResultLedger,
         step_hook: Callable[[str, int], None] | None = None,
-        ledger: ResultLedger | None = None,
     ) -> None:
         self._fleet = fleet
         self._steps = DeliverySteps(step_hook)
-        self.ledger = ledger or ResultLedger()
+        self.ledger = ledger
         self.ledger.forget_settled()  # the output tells those; the state carries what is owed
         self._wake = asyncio.Event()
-        if self.ledger.to_acknowledge():
-            self._wake.set()
+        self.owed()
         self.failed_rounds = 0
 
-    def add(self, *receipts: pb.ResultReceipt) -> None:
-        """The results of `receipts` are durable in the output."""
-        for message in receipts:
-            receipt = Receipt.from_json(
-                {
-                    "rollout_id": message.rollout_id,
-                    "attempt": message.attempt,
-                    "result_sha256": message.result_sha256,
-                    "lineage": list(message.lineage),
-                }
-            )
-            if self.ledger.received(receipt) is Delivery.PERSIST:
-                self.ledger.persisted(receipt.rollout_id)
-        if receipts:
+    def owed(self) -> None:
+        """The ledger may owe receipts now (a group's write is durable): send them soon."""
+        if self.ledger.to_acknowledge():
             self._wake.set()
 
     def ledger_state(self) -> dict[str, Any]:
@@ -159,6 +148,14 @@ class Acknowledgements:
             self._wake.set()
         return True
 
+    async def flush_now(self) -> None:
+        """Acknowledge everything owed now, batch after batch, until a round fails (what is
+        left waits for `run`)."""
+        while self.ledger.to_acknowledge():
+            if not await self.flush():
+                self._wake.set()
+                return
+
     async def settle(self, within: float) -> None:
         """At the end of the run: acknowledge what waits, for at most `within` seconds."""
         end = time.monotonic() + within
@@ -178,6 +175,12 @@ def serves_no_outbox(error: ControlError) -> bool:
         grpc.StatusCode.UNIMPLEMENTED,
         grpc.StatusCode.UNKNOWN,
     )
+
+
+async def acknowledge_all(fleet: Fleet, receipts: Sequence[pb.ResultReceipt | Receipt]) -> None:
+    """Acknowledge `receipts` on every entry member, `ACK_BATCH` at a time."""
+    for start in range(0, len(receipts), ACK_BATCH):
+        await acknowledge(fleet, receipts[start : start + ACK_BATCH])
 
 
 async def acknowledge(fleet: Fleet, receipts: Sequence[pb.ResultReceipt | Receipt]) -> None:
@@ -218,25 +221,40 @@ class HeldResults:
     """What `collect` does with the results the entry members hold before it dispatches."""
 
     def __init__(
-        self, fleet: Fleet, book: RolloutBook, output: DurableAppender, view: CollectView
+        self,
+        fleet: Fleet,
+        book: RolloutBook,
+        output: DurableAppender,
+        view: CollectView,
+        acknowledgements: Acknowledgements,
     ) -> None:
         self.fleet = fleet
         self.book = book
         self.output = output
         self.view = view
+        self.acknowledgements = acknowledgements
         self.taken = 0
         """Held results taken back into their groups by `take_back`."""
 
     async def take_back(self) -> None:
-        """`--resume`: give every held result of an unfinished rollout (one the output
-        lacks) to its group, writing the groups that seals, then acknowledge every held
-        result except those still waiting for their group."""
+        """`--resume`: hand every held result to the ledger (`received`): one the output
+        lacks joins its group, written once the group is sealed (until then its receipt is
+        not owed); one the output holds is owed its acknowledgement. A held result no row
+        can come from (not JSON, an error reply, a rollout of no task) is released. Then
+        acknowledge what the ledger owes."""
+        held = await held_results(self.fleet)
+        release: list[pb.ResultReceipt] = []
         self.taken = 0
-        held = await take_back_held(self.fleet, self._take)
+        for result in held:
+            if not await self._take(result):
+                release.append(result.receipt)
+        await acknowledge_all(self.fleet, release)
+        await self.acknowledgements.flush_now()
         if held:
             self.view.note(
-                f"collect: the entry held {held} result(s) never acknowledged; {self.taken} of "
-                "them were not in the output and are taken from it, not run again"
+                f"collect: the entry held {len(held)} result(s) never acknowledged; "
+                f"{self.taken} of them were not in the output and are taken from it, not run "
+                "again"
             )
 
     async def release(self) -> None:
@@ -244,43 +262,33 @@ class HeldResults:
         these ids (an earlier collection's, never acknowledged), so no run of this one is
         answered with another collection's result."""
         held = await held_results(self.fleet)
-        for start in range(0, len(held), ACK_BATCH):
-            await acknowledge(self.fleet, [h.receipt for h in held[start : start + ACK_BATCH]])
+        await acknowledge_all(self.fleet, [h.receipt for h in held])
         if held:
             self.view.note(f"collect: released {len(held)} result(s) an earlier run left held")
 
-    async def _take(self, held: pb.HeldResult) -> list[pb.ResultReceipt]:
+    async def _take(self, held: pb.HeldResult) -> bool:
+        """Hand `held` to the ledger (False: it is released instead)."""
         rollout = self.book.rollouts.get(held.receipt.rollout_id)
-        if rollout is None or rollout.status in (Status.DONE, Status.FAILED):
-            return [held.receipt]  # the output holds it already
+        try:
+            receipt_of_message(held.receipt)
+        except ValueError:
+            return False
+        if rollout is None:
+            return False
+        if rollout.status in (Status.DONE, Status.FAILED):
+            # The output holds it already: the ledger answers ACKNOWLEDGE and owes it.
+            await GroupWriter(self.book, self.output).hold(rollout, {}, held.receipt)
+            return True
         try:
             reply = json.loads(held.result_json)
         except ValueError:
-            return [held.receipt]
+            return False
         if not isinstance(reply, dict) or "error" in reply:
-            return [held.receipt]
+            return False
         self.taken += 1
         line = rollout.finished_line(reply, held.receipt, "outbox")
-        # Waiting for its group: acknowledged with the group's write, not before.
-        written = await GroupWriter(self.book, self.output).hold(rollout, line, held.receipt)
-        return written or []
-
-
-TakeBack = Callable[[pb.HeldResult], Awaitable[list[pb.ResultReceipt]]]
-"""Takes a held result back into its group if the output lacks it; the receipts that may be
-acknowledged now (the output holds their results)."""
-
-
-async def take_back_held(fleet: Fleet, take_back: TakeBack) -> int:
-    """Take back every held result the output lacks (`take_back`), then acknowledge every
-    one the output now holds; how many the entry held."""
-    held = await held_results(fleet)
-    durable: list[pb.ResultReceipt] = []
-    for result in held:
-        durable += await take_back(result)
-    for start in range(0, len(durable), ACK_BATCH):
-        await acknowledge(fleet, durable[start : start + ACK_BATCH])
-    return len(held)
+        await GroupWriter(self.book, self.output).hold(rollout, line, held.receipt)
+        return True
 
 
 async def check_outbox_room(fleet: Fleet, concurrency: int, num_repeats: int) -> None:

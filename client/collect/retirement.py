@@ -81,8 +81,8 @@ class Retirement:
                 except OutputFailed as error:
                     self.on_fatal(error)
                     return
-                if written is not None and self.acknowledgements is not None:
-                    self.acknowledgements.add(*written)
+                if written and self.acknowledgements is not None:
+                    self.acknowledgements.owed()
                 self.view.note(
                     f"collect: {rollout.rollout_id} failed {rollout.failures} time(s), "
                     f"recorded as failed: {rollout.last_error}"

@@ -4,6 +4,12 @@
 to be retired, are done or failed; the checkpoint scope and the controller-state blob are
 read off it. Keeping it free of I/O keeps each transition one place that says what a
 crash at that point leaves behind.
+
+What is delivered, held for a prompt group, persisted and owed is not decided here but by
+the trainer ledger (`client.ledger.ResultLedger`, `book.ledger`), the same one any Python
+trainer uses: collect is a trainer whose store is its output file. The book schedules; the
+ledger decides whether an outcome is written, when its group is sealed, and which receipts
+are owed.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rollout_checkpoint.client.collect.inputs import GroupRecovery, TaskRow, rollout_id_of
+from rollout_checkpoint.client.collect.inputs import TaskRow, rollout_id_of
 from rollout_checkpoint.client.collect.journal import STATE_FORMAT, attempts_in
 from rollout_checkpoint.client.collect.view import Counts
+from rollout_checkpoint.client.ledger import Delivery, GroupRecovery, HeldOutcome, ResultLedger
+from rollout_checkpoint.client.participant import receipt_of_message
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
@@ -34,10 +42,10 @@ class Status(enum.Enum):
     """Its attempt failed; it is retired in the next batch, then retried or recorded failed
     (or, cut by a lost member, restarted by the recovery)."""
     HELD = "held"
-    """Its outcome is known (a result, or a failure that used up its attempts) and waits in
-    memory for its group to be sealed: the output lacks it, so it is not finished, and its
-    result stays in the entry's outbox (its receipt unacknowledged) until the group's write
-    is durable."""
+    """Its outcome is known (a result, or a failure that used up its attempts) and the
+    ledger holds it for its group to be sealed: the output lacks it, so it is not finished,
+    and its result stays in the entry's outbox (its receipt unacknowledged) until the
+    group's write is durable."""
     DONE = "done"
     FAILED = "failed"
 
@@ -70,10 +78,6 @@ class Rollout:
     sent_attempts: list[int] = field(default_factory=list)
     """Every attempt of it ever dispatched, in order (this run's and, on `--resume`, the
     dispatch log's): the attempt chain its output line names."""
-    line: dict[str, Any] | None = field(default=None, repr=False)
-    """Its output line while it is `HELD`."""
-    receipt: pb.ResultReceipt | None = field(default=None, repr=False)
-    """The receipt of its result while it is `HELD` (acknowledged once its group is written)."""
 
     @property
     def episode(self) -> EpisodeId:
@@ -146,18 +150,23 @@ class RolloutBook:
         num_repeats: int,
         counts: Counts,
         group_recovery: GroupRecovery = "sibling",
+        ledger: ResultLedger | None = None,
     ) -> None:
         self.rollouts: dict[str, Rollout] = {}
         self.groups: dict[str, list[Rollout]] = {}
         """Task id -> its prompt group: the rollouts of its K repeats, in repeat order."""
         self.group_recovery = group_recovery
         """The run's policy for a group whose task row names none."""
+        self.ledger = ledger if ledger is not None else ResultLedger()
+        """What is held, persisted and owed (a `--resume` passes the checkpoint's, loaded
+        and reconciled with the output)."""
         for task in tasks:
             group = self.groups[task.task_id] = []
             for repeat in range(num_repeats):
                 rollout = Rollout(rollout_id_of(task.task_id, repeat), task, repeat)
                 self.rollouts[rollout.rollout_id] = rollout
                 group.append(rollout)
+            self.ledger.group(task.task_id, [r.rollout_id for r in group], self.policy_of(group[0]))
         self.pending: collections.deque[Rollout] = collections.deque()
         self.retire_queue: list[Rollout] = []
         self.forget_queue: set[str] = set()
@@ -165,6 +174,8 @@ class RolloutBook:
         self.generation = 0
         """Raised each time a member is seen lost: an attempt sent in an earlier generation
         that fails was cut by the loss, not failed by its rollout."""
+        self._counted: set[tuple[str, str, int]] = set()
+        """What `cut` counted, per generation (`_first_time`)."""
         self.counts = counts
         counts.total = len(self.rollouts)
 
@@ -235,6 +246,7 @@ class RolloutBook:
         """Move up to `count` pending rollouts in flight."""
         batch = [self.pending.popleft() for _ in range(min(count, len(self.pending)))]
         for rollout in batch:
+            self.ledger.dispatched(rollout.rollout_id, rollout.attempt)
             if rollout.attempt not in rollout.sent_attempts:
                 rollout.sent_attempts.append(rollout.attempt)
             rollout.status = Status.IN_FLIGHT
@@ -308,35 +320,34 @@ class RolloutBook:
 
     def held(
         self, rollout: Rollout, line: dict[str, Any], receipt: pb.ResultReceipt | None = None
-    ) -> None:
-        """Its outcome (`line`: a result, or a failure) is known; it waits for its group. The
-        attempt that produced it counts as used (one taken back on `--resume` was never sent
-        by this run): regenerating the group retires up to it."""
+    ) -> list[HeldOutcome]:
+        """Its outcome (`line`: a result, or a failure) is known: the ledger holds it for its
+        group. Returns the group's outcomes to write now, in one write, if that sealed the
+        group (empty otherwise: a sibling is unfinished, or the output has the rollout
+        already, whose receipt the ledger then owes). The attempt that produced it counts as
+        used (one taken back on `--resume` was never sent by this run): regenerating the
+        group retires up to it."""
+        if receipt is None:
+            delivery = self.ledger.finished_without_receipt(rollout.rollout_id, line)
+        else:
+            delivery = self.ledger.received(receipt_of_message(receipt), line)
+        if delivery is Delivery.ACKNOWLEDGE:
+            return []
         produced_by = receipt.attempt if receipt is not None else rollout.attempt
         rollout.highest_used = max(rollout.highest_used, produced_by)
         rollout.status = Status.HELD
         rollout.continued = False
         if rollout in self.pending:  # dropped after it was queued: never sent again
             self.pending.remove(rollout)
-        rollout.line = line
-        rollout.receipt = receipt
+        return self.ledger.sealed(rollout.rollout_id) if delivery is Delivery.PERSIST else []
 
-    def sealed(self, rollout: Rollout) -> list[Rollout]:
-        """The `HELD` rollouts of `rollout`'s group when the group is sealed (every sibling
-        held, written or recorded failed): those to write now, in one write. Empty while a
-        sibling is unfinished."""
-        group = self.groups[rollout.task.task_id]
-        if any(r.status not in (Status.HELD, Status.DONE, Status.FAILED) for r in group):
-            return []
-        return [r for r in group if r.status is Status.HELD]
-
-    def written(self, group: list[Rollout]) -> list[pb.ResultReceipt]:
-        """The lines of the sealed `group` are durable: each rollout is finished or recorded
-        failed. Returns the receipts to acknowledge now, not before."""
-        receipts = [r.receipt for r in group if r.receipt is not None]
-        for rollout in group:
-            line, rollout.line, rollout.receipt = rollout.line, None, None
-            assert line is not None
+    def written(self, outcomes: list[HeldOutcome]) -> None:
+        """The lines of a sealed group (`held` returned them) are durable: each rollout is
+        finished or recorded failed, and the ledger owes their receipts from now on, not
+        before."""
+        self.ledger.persisted(*(o.rollout_id for o in outcomes))
+        for outcome in outcomes:
+            rollout, line = self.rollouts[outcome.rollout_id], outcome.payload
             if line["status"] == "failed":
                 self.recorded_failed(rollout)
                 continue
@@ -347,7 +358,6 @@ class RolloutBook:
             if line["provenance"]["source"] == "outbox":
                 self.counts.reoffered += 1
         self.counts.groups_sealed += 1
-        return receipts
 
     def regenerate(self, rollout: Rollout, retired_upto: int) -> None:
         """Every attempt of the unwritten `rollout` up to `retired_upto` is retired: it
@@ -355,21 +365,29 @@ class RolloutBook:
         rollout.attempt = retired_upto + 1
         rollout.continued = False
         rollout.status = Status.PENDING
-        rollout.line = rollout.receipt = None
+        self.ledger.discard(rollout.rollout_id)
 
     def cut(self, cut: Iterable[str]) -> list[Rollout]:
-        """A crash cut the unfinished rollouts `cut` (they continue or restart). A `sibling`
-        group of theirs keeps its held siblings (counted); every unwritten sibling of a
-        `group` group of theirs is returned, to be retired and regenerated."""
-        regenerate: list[Rollout] = []
-        for task_id in sorted({self.rollouts[r].task.task_id for r in cut}):
-            group = self.groups[task_id]
-            if self.policy_of(group[0]) == "sibling":
-                self.counts.siblings_kept += sum(r.status is Status.HELD for r in group)
-                continue
-            self.counts.groups_regenerated += 1
-            regenerate += [r for r in group if r.status not in (Status.DONE, Status.FAILED)]
-        return regenerate
+        """A crash cut the unfinished rollouts `cut` (they continue or restart): their
+        groups' recovery is the ledger's (`ResultLedger.cut`). A `sibling` group keeps its
+        held siblings (counted); every unwritten sibling of a `group` group is returned, to
+        be retired and regenerated (the ledger forgot what it held of them)."""
+        decided = self.ledger.cut(cut)
+        self.counts.siblings_kept += sum(self._first_time("kept", r) for r in decided.kept)
+        self.counts.groups_regenerated += sum(
+            self._first_time("regenerated", g) for g in decided.groups_regenerated
+        )
+        return [self.rollouts[r] for r in decided.regenerate]
+
+    def _first_time(self, what: str, name: str) -> bool:
+        """Whether `what` happens to `name` for the first time since the last loss: a
+        recovery that fails half way and is tried again decides the same cut again, and
+        must not count it twice."""
+        key = (what, name, self.generation)
+        if key in self._counted:
+            return False
+        self._counted.add(key)
+        return True
 
     # -- a lost member ----------------------------------------------------------------------------
 

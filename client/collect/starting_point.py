@@ -36,11 +36,13 @@ from rollout_checkpoint.client.collect.journal import (
     Previous,
     check_appendable,
     dispatch_log_path,
+    persisted_in,
     read_previous,
 )
 from rollout_checkpoint.client.collect.options import CollectOptions
 from rollout_checkpoint.client.collect.rollouts import RolloutBook
 from rollout_checkpoint.client.collect.view import CollectView, Counts
+from rollout_checkpoint.client.ledger import ResultLedger
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,6 @@ async def read_starting_point(
     `OutputFailed`, `UsageError`, `CorruptFile`, `StorageFailed` or `PublicationError`."""
     await asyncio.to_thread(check_appendable, options.output)
     tasks, input_digest = await asyncio.to_thread(load_input, options.input, options.num_repeats)
-    book = RolloutBook(tasks, options.num_repeats, counts, options.group_recovery)
     deadline = time.time() + options.checkpoint_timeout
     location = os.fspath(options.checkpoint_dir)
     root = await store_call(
@@ -81,6 +82,10 @@ async def read_starting_point(
     else:
         await store_call(deadline, location, _refuse_existing, options.output, root, log_path)
         previous = Previous()
+    # What the output holds is persisted: a checkpoint's ledger is reconciled with it
+    # (`read_previous`), and a run with no checkpoint starts from the output alone.
+    ledger = previous.ledger or ResultLedger.load(None, persisted=persisted_in(previous))
+    book = RolloutBook(tasks, options.num_repeats, counts, options.group_recovery, ledger)
     book.apply_output(previous.finished)
     book.apply_sent(previous.sent)
     if previous.output_cut:

@@ -239,7 +239,7 @@ class Recording:
         self.stats.not_in_recording += 1
         self.stats.misses.setdefault((rollout_id, digest), path)
         log.warning(
-            "%s rollout_id=%s digest=%s path=%s", NOT_IN_RECORDING, rollout_id, digest, path
+            "%s rollout_id=%r digest=%s path=%s", NOT_IN_RECORDING, rollout_id, digest, path
         )
         detail = (
             f"the recording {self.path.name} holds no reply to this call of rollout "
