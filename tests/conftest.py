@@ -97,6 +97,31 @@ def _cancel_interrupted_test(failure: BaseException) -> None:
         tb = tb.tb_next
 
 
+# -- a report that UTF-8 cannot carry does not end the run ----------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """scripts/test runs two pytest workers (pytest-xdist), whose reports travel to the main
+    process as UTF-8. Tests feed lone surrogates to the servers on purpose (hostile ids and
+    payloads), and a captured log line or failure message holding one would end the whole
+    run with an INTERNALERROR instead of reporting that test. Escape them in the report."""
+    report = yield
+    report.sections = [(title, _utf8(text)) for title, text in report.sections]
+    if isinstance(report.longrepr, tuple):  # a skip: (path, line, reason)
+        path, line, message = report.longrepr
+        report.longrepr = (path, line, _utf8(message))
+    elif report.longrepr is not None:  # a failure: kept as it is unless UTF-8 cannot carry it
+        text = str(report.longrepr)
+        if _utf8(text) != text:
+            report.longrepr = _utf8(text)
+    return report
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass
 class Harness:
     """One running double: its participant, runtime, clock and clients."""

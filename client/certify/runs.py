@@ -9,6 +9,7 @@ root (the sessions' exported state, written by the user's own export hooks).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import json
@@ -47,9 +48,11 @@ STATS_SECONDS = 10.0
 DISPATCH_LOG = "dispatched.jsonl"
 """The collector's dispatch log, in its checkpoint directory."""
 MISS_LOGGED = re.compile(
-    r"not_in_recording rollout_id=(?P<rollout>\S+) digest=(?P<digest>\S+) path=(?P<path>\S+)"
+    r"not_in_recording rollout_id=(?P<rollout>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") "
+    r"digest=(?P<digest>\S+) path=(?P<path>\S+)"
 )
-"""The policy model's warning for a call its recording does not hold (recording.py)."""
+"""The policy model's warning for a call its recording does not hold (recording.py): the
+rollout id is logged as a Python string literal (`%r`), so any id reads back exactly."""
 
 
 class RunFailed(Exception):
@@ -240,7 +243,8 @@ async def model_misses(setup: CertifySetup, processes: FleetProcesses) -> list[t
         for path in processes.logs_of(model):
             if path.exists():
                 for found in MISS_LOGGED.finditer(path.read_text(errors="replace")):
-                    misses.setdefault((found["rollout"], found["digest"]), found["path"])
+                    rollout_id = ast.literal_eval(found["rollout"])
+                    misses.setdefault((rollout_id, found["digest"]), found["path"])
 
     await asyncio.to_thread(logged)
     return [(rollout_id, path) for (rollout_id, _), path in misses.items()]
