@@ -723,8 +723,12 @@ def test_the_whole_fleet_killed_with_results_held_then_resumed_on_a_fresh_fleet(
     assert {r.rollout_id for r in ledger.to_acknowledge()} <= persisted
     resumed = fleets.collect(fresh.result(), "--resume")
     assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
-    assert_complete(work, baseline.rewards)
+    by_id = assert_complete(work, baseline.rewards)
     assert held_in_entry(fresh.result()) == 0
+    # A rollout the restore continued names that checkpoint in its provenance.
+    continued = [r for r, line in by_id.items() if line["reply"]["continued_from_step"] is not None]
+    for rollout_id in continued:
+        assert manifest["checkpoint_id"] in by_id[rollout_id]["provenance"]["restored_from"]
 
 
 def set_weight_version(fleet: RealFleet, version: int) -> None:

@@ -40,6 +40,7 @@ from rollout_checkpoint.examples.demo import (
 )
 from rollout_checkpoint.examples.demo.comparison import trajectory_of
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .test_collect import (
     LATENCY,
@@ -364,12 +365,13 @@ def test_the_book_uncounts_what_a_lost_member_cut_and_continues_only_unused_atte
     restart = book.may_run(excluding={"a.0", "a.1"})
     assert restart == [EpisodeId("b.1", 1)], "everything unretired that may still run"
     book.retired(b1, 1)
-    book.recovered([e.next_attempt() for e in scope], restart)
+    book.recovered([e.next_attempt() for e in scope], restart, "ckpt-1")
     assert [(r.rollout_id, r.attempt, r.continued) for r in book.pending] == [
         ("a.0", 1, True),
         ("a.1", 1, True),
         ("b.1", 2, False),
     ]
+    assert (a0.restored_from, b1.restored_from) == (["ckpt-1"], [])
     assert book.retire_queue == [] and (a0.failures, a1.failures, b1.failures) == (0, 0, 1)
     # A later checkpoint may name a restored N+1 not sent yet; the older one may not.
     assert book.continuable([EpisodeId("a.0", 1)]) == [EpisodeId("a.0", 1)]
@@ -378,3 +380,28 @@ def test_the_book_uncounts_what_a_lost_member_cut_and_continues_only_unused_atte
     (sent,) = book.take(1)
     book.attempt_failed(sent, "HTTP 500: boom")
     assert sent.failures == 1
+
+
+def test_a_rollout_continued_by_two_restores_names_both_checkpoints_across_a_resume() -> None:
+    """Provenance `restored_from` is the rollout's own chain: every checkpoint a restore
+    continued it from, in order, kept in the controller state across a `--resume`; a rollout
+    that restarts from its input starts a new chain."""
+    tasks = [TaskRow(0, "a", {"task_id": "a"})]
+    book = RolloutBook(tasks, 2, Counts())
+    book.queue_pending()
+    a0, a1 = book.take(2)
+    book.continues(a0, 1, "ckpt-1")
+    book.continues(a1, 1, "ckpt-1")
+    state = book.controller_state(
+        run_id="r", checkpoint_id="ckpt-2", input_digest="d", num_repeats=2, boot_ids={}
+    )
+    assert state["restored_from"] == {"a.0": ["ckpt-1"], "a.1": ["ckpt-1"]}
+    resumed = RolloutBook(tasks, 2, Counts())
+    resumed.apply_marks(json.loads(json.dumps(state)))
+    r0, r1 = resumed.rollouts["a.0"], resumed.rollouts["a.1"]
+    resumed.continues(r0, 2, "ckpt-2")
+    resumed.regenerate(r1, 1)  # restarted from its input: a new chain
+    receipt = pb.ResultReceipt(rollout_id="a.0", attempt=2, lineage=["ckpt-2", "ckpt-0"])
+    line = r0.finished_line({"reward": 1.0}, receipt)
+    assert line["provenance"]["restored_from"] == ["ckpt-1", "ckpt-2", "ckpt-0"]
+    assert r1.finished_line({"reward": 1.0})["provenance"]["restored_from"] == []

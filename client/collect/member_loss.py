@@ -327,7 +327,7 @@ class InPlaceRecovery:
             if book.rollouts[e.rollout_id].status in (Status.DONE, Status.FAILED, Status.HELD)
         ]
         await self._retire(fleet, finished, deadline)
-        book.recovered(continued, restarted)
+        book.recovered(continued, restarted, restored_from)
         if self.stale is not None:
             await self.stale.drop_pending()
         await self._step("recovered")

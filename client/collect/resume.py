@@ -174,7 +174,9 @@ class FleetSetup:
         )
         for episode in scope:
             if episode.rollout_id not in not_continued:  # the others restart (or are dropped)
-                self.book.continues(self.book.rollouts[episode.rollout_id], episode.attempt + 1)
+                self.book.continues(
+                    self.book.rollouts[episode.rollout_id], episode.attempt + 1, name
+                )
         into = "the fleet, its survivors rejoining" if survivors is not None else "a fresh fleet"
         self.view.note(
             f"collect: restored {name} into {into}: {len(scope)} rollout(s) continue as attempt N+1"

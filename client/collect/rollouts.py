@@ -78,6 +78,9 @@ class Rollout:
     sent_attempts: list[int] = field(default_factory=list)
     """Every attempt of it ever dispatched, in order (this run's and, on `--resume`, the
     dispatch log's): the attempt chain its output line names."""
+    restored_from: list[str] = field(default_factory=list)
+    """The checkpoints restores continued it from, in order (kept across `--resume` in the
+    controller state; emptied when it restarts from its input)."""
 
     @property
     def episode(self) -> EpisodeId:
@@ -95,6 +98,7 @@ class Rollout:
         fleet state that produced it was restored from, its receipt's digest, whether a run
         or the entry's outbox delivered it, and the policy weight versions of its turns."""
         produced_by = receipt.attempt if receipt is not None else self.attempt
+        lineage = list(receipt.lineage) if receipt is not None else []
         return {
             "rollout_id": self.rollout_id,
             "task_id": self.task.task_id,
@@ -106,7 +110,10 @@ class Rollout:
             "provenance": {
                 "attempts": sorted({*self.sent_attempts, self.attempt, produced_by}),
                 "produced_by_attempt": produced_by,
-                "restored_from": list(receipt.lineage) if receipt is not None else [],
+                "restored_from": [
+                    *self.restored_from,
+                    *(c for c in lineage if c not in self.restored_from),
+                ],
                 "receipt_sha256": receipt.result_sha256 if receipt is not None else None,
                 "source": source,
                 "weight_versions": reply.get("weight_versions"),
@@ -203,6 +210,10 @@ class RolloutBook:
         for rollout_id, count in attempts_in(state.get("failures")).items():
             if rollout_id in self.rollouts:
                 self.rollouts[rollout_id].failures = count
+        chains = state.get("restored_from")
+        for rollout_id, chain in (chains if isinstance(chains, dict) else {}).items():
+            if rollout_id in self.rollouts and isinstance(chain, list):
+                self.rollouts[rollout_id].restored_from = [c for c in chain if isinstance(c, str)]
         for rollout_id, attempt in attempts_in(state.get("retired")).items():
             if rollout_id in self.rollouts:
                 rollout = self.rollouts[rollout_id]
@@ -217,11 +228,13 @@ class RolloutBook:
         if rollout.status is Status.DONE:
             self.forget_queue.add(rollout.rollout_id)
 
-    def continues(self, rollout: Rollout, attempt: int) -> None:
-        """A restore installed `rollout` as `attempt` (N+1): it is re-sent as that attempt,
-        which continues from its checkpointed boundary."""
+    def continues(self, rollout: Rollout, attempt: int, source: str) -> None:
+        """A restore of checkpoint `source` installed `rollout` as `attempt` (N+1): it is
+        re-sent as that attempt, which continues from its checkpointed boundary."""
         rollout.attempt = attempt
         rollout.continued = True
+        if source not in rollout.restored_from:
+            rollout.restored_from.append(source)
         rollout.status = Status.PENDING
         rollout.highest_used = max(rollout.highest_used, attempt)
 
@@ -303,6 +316,7 @@ class RolloutBook:
         """Its failed attempt is retired: send it again as the next attempt."""
         rollout.attempt += 1
         rollout.status = Status.PENDING
+        rollout.restored_from = []  # it starts from its input again
         self.pending.append(rollout)
         self.counts.retried += 1
 
@@ -365,6 +379,7 @@ class RolloutBook:
         rollout.attempt = retired_upto + 1
         rollout.continued = False
         rollout.status = Status.PENDING
+        rollout.restored_from = []
         self.ledger.discard(rollout.rollout_id)
 
     def cut(self, cut: Iterable[str]) -> list[Rollout]:
@@ -435,7 +450,12 @@ class RolloutBook:
             and r.highest_used > (r.retired_upto if r.retired_upto is not None else -1)
         )
 
-    def recovered(self, continued: Iterable[EpisodeId], restarted: Iterable[EpisodeId]) -> None:
+    def recovered(
+        self,
+        continued: Iterable[EpisodeId],
+        restarted: Iterable[EpisodeId],
+        source: str | None = None,
+    ) -> None:
         """The fleet was recovered in place and every request cut by the loss has ended:
         `continued` (as N+1) go first, then `restarted` (each retired up to the attempt
         given) from their inputs as the next attempt, then the rest. Rollouts written
@@ -444,7 +464,8 @@ class RolloutBook:
         for episode in continued:
             rollout = self.rollouts[episode.rollout_id]
             if rollout.status not in (Status.DONE, Status.FAILED, Status.HELD):
-                self.continues(rollout, episode.attempt)
+                assert source is not None, "a rollout continues from a checkpoint"
+                self.continues(rollout, episode.attempt, source)
         for episode in restarted:
             rollout = self.rollouts[episode.rollout_id]
             kept = rollout.status is Status.HELD and self.policy_of(rollout) == "sibling"
@@ -524,6 +545,11 @@ class RolloutBook:
                 r.rollout_id: r.retired_upto
                 for r in self.rollouts.values()
                 if r.retired_upto is not None
+            },
+            "restored_from": {
+                r.rollout_id: list(r.restored_from)
+                for r in self.rollouts.values()
+                if r.restored_from and r.status not in (Status.DONE, Status.FAILED)
             },
         }
 
