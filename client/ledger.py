@@ -12,10 +12,11 @@ protocol, and the crash each rule prevents:
    no receipt covers (a failure recorded as such, an entry that issues no receipts). The
    answer (`Delivery`) says what to do: `PERSIST` the group `sealed(rollout)` returns, in one
    write; `HOLD`: nothing yet, a sibling is unfinished (the result stays in the entry's
-   outbox, unacknowledged, so every checkpoint carries it); `ACKNOWLEDGE`: the store holds
-   this rollout already (a late reply, a re-offered result persisted before the crash:
-   writing it again would duplicate the row). The ledger never asks to persist a rollout
-   twice.
+   outbox, unacknowledged, so every checkpoint carries it; a newer attempt's result of a
+   held rollout replaces the held one, nothing is owed for it); `ACKNOWLEDGE`: the store
+   holds this rollout already (a late reply, a re-offered result persisted before the
+   crash: writing it again would duplicate the row). The ledger never asks to persist a
+   rollout twice.
 3. `persisted(*rollouts)` once the store holds them durably; only then do their receipts
    join `to_acknowledge()`. Acknowledged earlier, a crash between the acknowledgement and the
    write would lose the result on both sides.
@@ -34,9 +35,10 @@ declares them again from its input when it starts.
 `state()` is the ledger as versioned JSON (`FORMAT`), to publish atomically with the fleet's
 checkpoint in its controller state (`checkpoint(..., controller_state=...)`); `load(state,
 persisted=...)` reads it back strictly (an unknown field, a foreign format, an attempt list
-out of order, a persisted rollout without its digest are refused with `LedgerStateError`)
-and reconciles it with what the store holds now: rows persisted after the checkpoint count
-as persisted, and their receipts are acknowledged again (idempotent on the fleet's side).
+out of order, a receipt owed for a rollout it does not list are refused with
+`LedgerStateError`) and reconciles it with what the store holds now, the store being the
+truth: rows persisted after the checkpoint count as persisted, and their receipts are
+acknowledged again (idempotent on the fleet's side).
 An outcome held for its group is not in the state: after a crash the entry offers the
 result again (ListResults), and `received` holds it for its group again.
 """
@@ -72,8 +74,8 @@ class Delivery(enum.Enum):
     """Its group waits for a sibling: write nothing yet (the ledger keeps the payload; the
     entry keeps the result, unacknowledged)."""
     ACKNOWLEDGE = "acknowledge"
-    """The store has this rollout already, or the ledger holds an outcome of it: do not
-    write it; its receipt is queued for acknowledgement (the entry may hold it)."""
+    """The store has this rollout already: do not write it; its receipt is queued for
+    acknowledgement (the entry may hold it)."""
 
 
 @dataclass(frozen=True)
@@ -163,11 +165,18 @@ class ResultLedger:
         """A result of `receipt.rollout_id` arrived (a reply, or a held result listed
         again); `payload` is what the trainer will persist for it."""
         entry = self._rollouts.setdefault(receipt.rollout_id, _RolloutEntry())
-        if entry.outcome is not None and entry.outcome.receipt == receipt:
-            return Delivery.HOLD  # the same result again: it is held (or being written)
-        if entry.stored or entry.outcome is not None:
+        if entry.stored:
             self._unacknowledged[(receipt.rollout_id, receipt.attempt)] = receipt
             return Delivery.ACKNOWLEDGE
+        held = entry.outcome
+        if held is not None:
+            # Nothing is owed for a rollout held for its group: the entry keeps one result
+            # per rollout (the newest attempt's), and acknowledging any receipt of it would
+            # release the only durable copy of what this ledger holds in memory. A newer
+            # attempt's result replaces the held one, as it did in the entry.
+            if held.receipt is not None and receipt.attempt > held.receipt.attempt:
+                entry.outcome = HeldOutcome(receipt.rollout_id, payload, receipt)
+            return Delivery.HOLD
         entry.outcome = HeldOutcome(receipt.rollout_id, payload, receipt)
         return Delivery.PERSIST if self.sealed(receipt.rollout_id) else Delivery.HOLD
 
@@ -206,10 +215,11 @@ class ResultLedger:
                 entry.persisted = receipt.result_sha256
                 self._unacknowledged[(receipt.rollout_id, receipt.attempt)] = receipt
 
-    def lost_before_persisting(self, rollout_id: str) -> None:
-        """The write of a received result failed: the result is still the entry's (never
-        acknowledged), and a later `received` of it holds it again."""
-        self.discard(rollout_id)
+    def lost_before_persisting(self, *rollout_ids: str) -> None:
+        """The write of a sealed group failed (name all of it): its results are still the
+        entry's (never acknowledged), and once `received` again the group is sealed again."""
+        for rollout_id in rollout_ids:
+            self.discard(rollout_id)
 
     def discard(self, rollout_id: str) -> None:
         """Forget the outcome held of `rollout_id` without acknowledging it (it is
@@ -290,12 +300,13 @@ class ResultLedger:
     def state(self) -> dict[str, Any]:
         """The ledger as JSON (`FORMAT`): publish it with the fleet's checkpoint. A result
         received and not persisted is left out: after a crash the entry offers it again."""
+        owed = {rollout_id for rollout_id, _ in self._unacknowledged}
         return {
             "format": FORMAT,
             "rollouts": {
                 rollout_id: {"attempts": list(entry.attempts), "persisted": entry.persisted}
                 for rollout_id, entry in sorted(self._rollouts.items())
-                if entry.attempts or entry.persisted is not None
+                if entry.attempts or entry.persisted is not None or rollout_id in owed
             },
             "unacknowledged": [
                 receipt.as_json()
@@ -310,18 +321,34 @@ class ResultLedger:
         cls, state: Mapping[str, Any] | None, persisted: Mapping[str, str | None] | None = None
     ) -> ResultLedger:
         """The ledger a `state()` held (None: a trainer that never published one), made to
-        agree with the store: `persisted` maps each rollout the store holds an outcome of to
-        its result's digest (None: an outcome no receipt covered, such as a failure).
-        Raises `LedgerStateError` for anything `state()` would not have written."""
+        agree with the store: `persisted` maps every rollout the store holds an outcome of to
+        its result's digest (None: an outcome no receipt covered, such as a failure). The
+        store is the truth: a rollout it holds counts as persisted (written after the
+        checkpoint), and one the state calls persisted that the store lacks (a store lost or
+        replaced since) does not, and nothing of it is owed: the entry still holds its result,
+        which is then taken again. Raises `LedgerStateError` for anything `state()` would not
+        have written."""
         ledger = cls() if state is None else _parse(state)
-        for rollout_id, digest in (persisted or {}).items():
+        if persisted is None:
+            return ledger
+        for rollout_id, entry in ledger._rollouts.items():
+            if entry.stored and rollout_id not in persisted:
+                entry.stored, entry.persisted = False, None
+        for rollout_id, digest in persisted.items():
             entry = ledger._rollouts.setdefault(rollout_id, _RolloutEntry())
             entry.stored = True
             entry.persisted = digest if digest is not None else entry.persisted
+        ledger._unacknowledged = {
+            key: receipt
+            for key, receipt in ledger._unacknowledged.items()
+            if ledger._rollouts[key[0]].stored
+        }
         return ledger
 
 
 def _parse(state: Mapping[str, Any]) -> ResultLedger:
+    if not isinstance(state, Mapping):
+        raise LedgerStateError("the ledger state: not an object")
     _exactly(state, {"format", "rollouts", "unacknowledged"}, "the ledger state")
     if state["format"] != FORMAT:
         raise LedgerStateError(f"format: {state['format']!r} is not {FORMAT!r}")
@@ -353,10 +380,11 @@ def _parse(state: Mapping[str, Any]) -> ResultLedger:
     for index, value in enumerate(receipts):
         receipt = _receipt(value, f"unacknowledged[{index}]")
         entry = ledger._rollouts.get(receipt.rollout_id)
-        if entry is None or entry.persisted is None:
+        if entry is None:
             raise LedgerStateError(
-                f"unacknowledged[{index}]: {receipt.rollout_id} is not persisted"
+                f"unacknowledged[{index}]: {receipt.rollout_id} is not in rollouts"
             )
+        entry.stored = True  # a receipt is owed only for what the store holds
         ledger._unacknowledged[(receipt.rollout_id, receipt.attempt)] = receipt
     return ledger
 

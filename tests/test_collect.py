@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+from rich.console import Console
 
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect import CorruptFile, read_jsonl
@@ -34,8 +36,10 @@ from rollout_checkpoint.client.collect.inputs import TaskRow
 from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.outcome import Outcome, classify
 from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
-from rollout_checkpoint.client.collect.view import Counts
+from rollout_checkpoint.client.collect.staleness import StaleHandling
+from rollout_checkpoint.client.collect.view import CollectView, Counts
 from rollout_checkpoint.client.ledger import ResultLedger
+from rollout_checkpoint.client.staleness import Stale, StalenessPolicy
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
@@ -1225,6 +1229,25 @@ def test_the_book_holds_a_group_until_sealed_and_follows_its_policy_after_a_cut(
     book.written(group)
     assert owed() == [("b.0", 0), ("b.1", 0)], "no receipt covered a.0 or a.1"
     assert (book.counts.done, book.counts.failed) == (3, 1) and book.settled()
+
+
+async def test_a_rollout_screened_stale_that_finished_on_its_own_is_not_dropped() -> None:
+    """`--stale drop` screens a continued rollout, but its reply was already on the wire and
+    arrives before the drop is recorded (an in-place recovery awaits the cut requests): its
+    result stands (held for its group, or written), and no dropped row is added."""
+    book = RolloutBook([TaskRow(0, "t", {"task_id": "t"})], 2, Counts())
+    first = book.rollouts["t.0"]
+    recorded: list[str] = []
+
+    async def record(rollout: Rollout, reason: str) -> None:
+        recorded.append(rollout.rollout_id)
+
+    view = CollectView(Console(file=io.StringIO()), book.counts, lambda: 0)
+    handling = StaleHandling(StalenessPolicy(0, Stale.DROP), book, view, record)
+    handling._to_drop.update({"t.0": "policy_lag: ...", "t.1": "policy_lag: ..."})
+    assert book.held(first, first.finished_line({"reward": 1.0})) == []  # on the wire
+    await handling.drop_pending()
+    assert recorded == ["t.1"], "only the rollout that did not finish is dropped"
 
 
 async def test_a_group_writer_writes_nothing_until_the_group_is_sealed_then_all_at_once(

@@ -371,7 +371,7 @@ def test_the_book_uncounts_what_a_lost_member_cut_and_continues_only_unused_atte
         ("a.1", 1, True),
         ("b.1", 2, False),
     ]
-    assert (a0.restored_from, b1.restored_from) == (["ckpt-1"], [])
+    assert (a0.restored_from, b1.restored_from) == ([("ckpt-1", 1)], [])
     assert book.retire_queue == [] and (a0.failures, a1.failures, b1.failures) == (0, 0, 1)
     # A later checkpoint may name a restored N+1 not sent yet; the older one may not.
     assert book.continuable([EpisodeId("a.0", 1)]) == [EpisodeId("a.0", 1)]
@@ -395,7 +395,7 @@ def test_a_rollout_continued_by_two_restores_names_both_checkpoints_across_a_res
     state = book.controller_state(
         run_id="r", checkpoint_id="ckpt-2", input_digest="d", num_repeats=2, boot_ids={}
     )
-    assert state["restored_from"] == {"a.0": ["ckpt-1"], "a.1": ["ckpt-1"]}
+    assert state["restored_from"] == {"a.0": [["ckpt-1", 1]], "a.1": [["ckpt-1", 1]]}
     resumed = RolloutBook(tasks, 2, Counts())
     resumed.apply_marks(json.loads(json.dumps(state)))
     r0, r1 = resumed.rollouts["a.0"], resumed.rollouts["a.1"]
@@ -405,3 +405,8 @@ def test_a_rollout_continued_by_two_restores_names_both_checkpoints_across_a_res
     line = r0.finished_line({"reward": 1.0}, receipt)
     assert line["provenance"]["restored_from"] == ["ckpt-1", "ckpt-2", "ckpt-0"]
     assert r1.finished_line({"reward": 1.0})["provenance"]["restored_from"] == []
+    # Restored as attempt 3 from ckpt-3, but the result came from attempt 2 (it finished
+    # after ckpt-3 was taken and was taken back from the entry): ckpt-3 had no part in it.
+    resumed.continues(r0, 3, "ckpt-3")
+    line = r0.finished_line({"reward": 1.0}, receipt)
+    assert line["provenance"]["restored_from"] == ["ckpt-1", "ckpt-2", "ckpt-0"]

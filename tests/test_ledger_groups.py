@@ -8,10 +8,13 @@ the staleness verdict is the documented rule.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rollout_checkpoint.client import (
     Delivery,
+    LedgerStateError,
     Receipt,
     ResultLedger,
     Stale,
@@ -63,9 +66,12 @@ def test_the_same_held_result_offered_again_stays_held_and_is_not_acknowledged()
     assert owed(ledger) == []
     held = ledger.holds("t.0")
     assert held is not None and held.payload == "first"
-    # Another attempt's result of the same rollout is a duplicate: owed, not held.
-    assert ledger.received(receipt("t.0", 1, "cd")) is Delivery.ACKNOWLEDGE
-    assert owed(ledger) == [("t.0", 1)]
+    # A newer attempt's result replaces the held one (the entry keeps only the newest), and
+    # nothing is owed: acknowledging it would release the only durable copy.
+    assert ledger.received(receipt("t.0", 1, "cd"), "newer") is Delivery.HOLD
+    assert ledger.received(receipt("t.0", 0), "older again") is Delivery.HOLD
+    held = ledger.holds("t.0")
+    assert held is not None and held.payload == "newer" and owed(ledger) == []
 
 
 @pytest.mark.parametrize("recovery", ["sibling", "group"])
@@ -149,3 +155,44 @@ def test_the_staleness_verdict(
     policy: StalenessPolicy, oldest: int | None, current: int, verdict: Stale | None
 ) -> None:
     assert policy.verdict(oldest, current) is verdict
+
+
+def test_every_state_the_ledger_writes_loads_back() -> None:
+    """Receipts owed for rollouts the state would otherwise not list (forgotten as settled,
+    or stored without a digest) are written with their rollout, and load back owed."""
+    ledger = grouped()
+    for index in range(3):
+        ledger.received(receipt(f"t.{index}"), index)
+    ledger.persisted("t.0", "t.1", "t.2")
+    ledger.acknowledged(ledger.to_acknowledge())
+    ledger.forget_settled()
+    assert ledger.received(receipt("t.1", 1, "cd")) is Delivery.ACKNOWLEDGE  # re-offered late
+    failed = ResultLedger()
+    failed.finished_without_receipt("f", {"status": "failed"})
+    failed.persisted("f")
+    assert failed.received(receipt("f", 1, "cd")) is Delivery.ACKNOWLEDGE
+    for written in (ledger, failed):
+        state = json.loads(json.dumps(written.state()))
+        again = ResultLedger.load(state)
+        assert owed(again) == owed(written)
+        (rollout_id, _), *_ = owed(written)
+        assert again.is_persisted(rollout_id)
+
+
+def test_the_store_is_the_truth_when_a_ledger_is_loaded() -> None:
+    """The state says t.0 is persisted and owes its receipt; the store (replaced since)
+    lacks it: it is not persisted, nothing of it is owed, and its re-offered result is to
+    be persisted again."""
+    before = ResultLedger()
+    before.received(receipt("t.0"), "row")
+    before.persisted("t.0")
+    state = before.state()
+    after = ResultLedger.load(state, persisted={})
+    assert not after.is_persisted("t.0") and owed(after) == []
+    assert after.received(receipt("t.0"), "row") is Delivery.PERSIST
+
+
+@pytest.mark.parametrize("state", [5, ["format"], "rollout-checkpoint.ledger/1"])
+def test_a_state_that_is_no_object_is_refused_typed(state: object) -> None:
+    with pytest.raises(LedgerStateError, match="not an object"):
+        ResultLedger.load(state)  # type: ignore[arg-type]

@@ -253,7 +253,8 @@ def a_state() -> dict[str, Any]:
 def test_a_state_round_trips_and_reconciles_with_the_store() -> None:
     state = a_state()
     assert state["format"] == FORMAT
-    loaded = ResultLedger.load(json.loads(json.dumps(state)), persisted={"b": "cd" * 32})
+    store = {"a": "ab" * 32, "b": "cd" * 32}
+    loaded = ResultLedger.load(json.loads(json.dumps(state)), persisted=store)
     assert loaded.state()["rollouts"]["a"] == {"attempts": [0, 1], "persisted": "ab" * 32}
     assert loaded.is_persisted("b")  # the store wrote it after the checkpoint
     assert [r.rollout_id for r in loaded.to_acknowledge()] == ["a"]
@@ -270,7 +271,7 @@ def test_a_state_round_trips_and_reconciles_with_the_store() -> None:
         (lambda s: s["rollouts"]["a"].update(attempts=[0, 0]), "increasing"),
         (lambda s: s["rollouts"]["a"].update(persisted="xyz"), "SHA-256"),
         (lambda s: s["unacknowledged"][0].update(result_sha256="no"), "64 lowercase hex"),
-        (lambda s: s["unacknowledged"][0].update(rollout_id="b"), "not persisted"),
+        (lambda s: s["unacknowledged"][0].update(rollout_id="c"), "not in rollouts"),
         (lambda s: s["rollouts"]["a"].pop("persisted"), "missing fields"),
     ],
 )

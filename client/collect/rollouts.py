@@ -78,9 +78,10 @@ class Rollout:
     sent_attempts: list[int] = field(default_factory=list)
     """Every attempt of it ever dispatched, in order (this run's and, on `--resume`, the
     dispatch log's): the attempt chain its output line names."""
-    restored_from: list[str] = field(default_factory=list)
-    """The checkpoints restores continued it from, in order (kept across `--resume` in the
-    controller state; emptied when it restarts from its input)."""
+    restored_from: list[tuple[str, int]] = field(default_factory=list)
+    """The checkpoints restores continued it from, each with the attempt (N+1) it was
+    installed as, in order (kept across `--resume` in the controller state; emptied when it
+    restarts from its input)."""
 
     @property
     def episode(self) -> EpisodeId:
@@ -110,10 +111,7 @@ class Rollout:
             "provenance": {
                 "attempts": sorted({*self.sent_attempts, self.attempt, produced_by}),
                 "produced_by_attempt": produced_by,
-                "restored_from": [
-                    *self.restored_from,
-                    *(c for c in lineage if c not in self.restored_from),
-                ],
+                "restored_from": restored_chain(self.restored_from, produced_by, lineage),
                 "receipt_sha256": receipt.result_sha256 if receipt is not None else None,
                 "source": source,
                 "weight_versions": reply.get("weight_versions"),
@@ -213,7 +211,14 @@ class RolloutBook:
         chains = state.get("restored_from")
         for rollout_id, chain in (chains if isinstance(chains, dict) else {}).items():
             if rollout_id in self.rollouts and isinstance(chain, list):
-                self.rollouts[rollout_id].restored_from = [c for c in chain if isinstance(c, str)]
+                self.rollouts[rollout_id].restored_from = [
+                    (link[0], link[1])
+                    for link in chain
+                    if isinstance(link, list)
+                    and len(link) == 2
+                    and isinstance(link[0], str)
+                    and type(link[1]) is int
+                ]
         for rollout_id, attempt in attempts_in(state.get("retired")).items():
             if rollout_id in self.rollouts:
                 rollout = self.rollouts[rollout_id]
@@ -233,8 +238,8 @@ class RolloutBook:
         re-sent as that attempt, which continues from its checkpointed boundary."""
         rollout.attempt = attempt
         rollout.continued = True
-        if source not in rollout.restored_from:
-            rollout.restored_from.append(source)
+        if (source, attempt) not in rollout.restored_from:
+            rollout.restored_from.append((source, attempt))
         rollout.status = Status.PENDING
         rollout.highest_used = max(rollout.highest_used, attempt)
 
@@ -346,6 +351,13 @@ class RolloutBook:
         else:
             delivery = self.ledger.received(receipt_of_message(receipt), line)
         if delivery is Delivery.ACKNOWLEDGE:
+            # The ledger answers so only for what the output holds (it is reconciled with
+            # it): a rollout the book does not have finished would wait here for ever.
+            if rollout.status not in (Status.DONE, Status.FAILED):
+                raise RuntimeError(
+                    f"{rollout.rollout_id}: the ledger has it in the output, the book has it "
+                    f"{rollout.status.value}"
+                )
             return []
         produced_by = receipt.attempt if receipt is not None else rollout.attempt
         rollout.highest_used = max(rollout.highest_used, produced_by)
@@ -547,11 +559,19 @@ class RolloutBook:
                 if r.retired_upto is not None
             },
             "restored_from": {
-                r.rollout_id: list(r.restored_from)
+                r.rollout_id: [list(link) for link in r.restored_from]
                 for r in self.rollouts.values()
                 if r.restored_from and r.status not in (Status.DONE, Status.FAILED)
             },
         }
+
+
+def restored_chain(links: list[tuple[str, int]], produced_by: int, lineage: list[str]) -> list[str]:
+    """The checkpoints a result descends from: those restores continued its rollout from up
+    to the attempt that produced it (a restore that installed a later attempt, whose result
+    came from an earlier one, had no part in it), then the further ones its receipt names."""
+    chain = [checkpoint for checkpoint, attempt in links if attempt <= produced_by]
+    return [*chain, *(c for c in lineage if c not in chain)]
 
 
 def now_text() -> str:

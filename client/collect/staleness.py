@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
+from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook, Status
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.client.staleness import Stale, StalenessPolicy, lagging
@@ -57,7 +57,11 @@ class StaleHandling:
         return {lag.episode.rollout_id for lag in stale}
 
     async def drop_pending(self) -> None:
-        """Record every rollout `screen` dropped (retired everywhere by now), never sent."""
+        """Record every rollout `screen` dropped (retired everywhere by now), never sent.
+        One whose reply was already on the wire when it was screened finished on its own
+        meanwhile (held for its group, or written): its result stands, nothing is dropped."""
         for rollout_id, reason in sorted(self._to_drop.items()):
-            await self.record_dropped(self.book.rollouts[rollout_id], reason)
+            rollout = self.book.rollouts[rollout_id]
+            if rollout.status not in (Status.HELD, Status.DONE, Status.FAILED):
+                await self.record_dropped(rollout, reason)
         self._to_drop.clear()
