@@ -1250,6 +1250,45 @@ async def test_a_rollout_screened_stale_that_finished_on_its_own_is_not_dropped(
     assert recorded == ["t.1"], "only the rollout that did not finish is dropped"
 
 
+class HeldAppender:
+    """An output whose append waits until released (a slow disk); like `DurableAppender`, a
+    cancelled caller does not take the write with it."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.lines: list[bytes] = []
+
+    async def append(self, *lines: bytes) -> None:
+        await asyncio.shield(asyncio.ensure_future(self._write(lines)))
+
+    async def _write(self, lines: tuple[bytes, ...]) -> None:
+        self.entered.set()
+        await self.release.wait()
+        self.lines += lines
+
+
+async def test_a_group_write_cancelled_half_way_still_ends_with_the_book_saying_so() -> None:
+    """A recovery cancels the `/run` whose reply is being written with its group: the lines
+    go out, and the book says the group is written before the cancelled call ends (else the
+    group would never seal again, or be regenerated and written twice)."""
+    book = RolloutBook([TaskRow(0, "t", {"task_id": "t"})], 2, Counts())
+    output = HeldAppender()
+    writer = GroupWriter(book, output)  # type: ignore[arg-type]
+    first, last = book.rollouts["t.0"], book.rollouts["t.1"]
+    assert await writer.hold(first, first.finished_line({"reward": 1.0})) is False
+    call = asyncio.create_task(writer.hold(last, last.finished_line({"reward": 0.0})))
+    await asyncio.wait_for(output.entered.wait(), 10)
+    call.cancel()
+    await asyncio.sleep(0)  # the cancellation is delivered while the append waits
+    output.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert len(output.lines) == 2
+    assert (first.status.value, last.status.value) == ("done", "done") and book.settled()
+    assert book.ledger.is_persisted("t.0") and book.ledger.is_persisted("t.1")
+
+
 async def test_a_group_writer_writes_nothing_until_the_group_is_sealed_then_all_at_once(
     tmp_path: Path,
 ) -> None:

@@ -26,10 +26,12 @@ before it:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rollout_checkpoint.client.collect.journal import DurableAppender, json_line
 from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
+from rollout_checkpoint.client.ledger import HeldOutcome
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 
@@ -49,6 +51,17 @@ class GroupWriter:
         group = self.book.held(rollout, line, receipt)
         if not group:
             return False
+        write = asyncio.ensure_future(self._write(group))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # A recovery cancels the `/run`s it waits no longer for. Once the lines are
+            # appended the book must say so before the caller ends: lines on disk with the
+            # group still held would seal it never (a hang) or regenerate it (rows twice).
+            await write
+            raise
+        return True
+
+    async def _write(self, group: list[HeldOutcome]) -> None:
         await self.output.append(*(json_line(outcome.payload) for outcome in group))
         self.book.written(group)
-        return True
