@@ -1,0 +1,520 @@
+"""The checkpoint history of a root: one compact record per checkpoint or restore attempted.
+
+    <root>/.history.json                      {"format": 1, "entries": [...]}, oldest first
+    <root>/.history-<entry id>.<8 hex>.json   one attempt's per-member details
+
+It lives in the checkpoint root itself (a directory or an object-store URL), so it survives a
+coordinator restart and any coordinator of that root, or `rollout-checkpoint history`, reads
+it without the coordinator that wrote it. Its names start with a dot, which no checkpoint id
+may (`episodes.ID_PATTERN`), and retention only ever looks at names that are ids; they are
+files, not directories, so nothing that looks for checkpoint directories in a root sees them.
+
+Why two levels: the index is what a list reads (10,000 entries must page in milliseconds), so
+it never carries per-member details, which for a 1,000-member fleet are a hundred times an
+entry's size; those go into one details object per attempt, read only for that attempt, and
+only the newest `DETAILS_KEPT` attempts keep theirs (older entries stay, without details).
+
+The rules, each for a failure:
+
+* **Bounded**: the index is kept under `max_bytes` (`DEFAULT_HISTORY_BYTES`) by dropping the
+  oldest entries, so a coordinator that checkpoints every minute for a year neither fills
+  the root nor slows its own writes.
+* **Atomic**: locally the details, then the index, are each a temp file, fsynced, renamed
+  over the name, then the root fsynced (like `LATEST`): a crash leaves the old index or the
+  new one, never a torn one. On an object store each is a single PUT.
+* **Two writers do not lose each other's entries**: locally the read-modify-write holds an
+  exclusive `flock` on the root directory; on an object store the index is replaced by
+  compare-and-swap on its ETag and a writer that lost re-reads and appends again
+  (`_INDEX_SWAPS` times, then `StorageFailed`: that record is lost, logged, and counted).
+* **A corrupt index never stops a checkpoint**: a reader gets the problem (`HistoryRead`)
+  and no entries; the next write keeps the bad bytes aside (`.history.corrupt.json`) and
+  starts a fresh index. An index of a newer `format` is never overwritten (that would
+  destroy what a newer coordinator wrote): this version reports it and does not record.
+
+Everything here blocks: run it through `store_call` from asyncio code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from rollout_checkpoint.client.checkpointing.publication.errors import (
+    PublicationError,
+    StorageFailed,
+)
+from rollout_checkpoint.client.checkpointing.publication.files import replace_atomically
+from rollout_checkpoint.server.core import safe_files
+from rollout_checkpoint.server.core.object_store import (
+    ObjectLocation,
+    ObjectStoreClient,
+    ObjectStoreFailure,
+    client_for,
+    is_object_url,
+    parse_object_url,
+)
+
+INDEX_NAME = ".history.json"
+CORRUPT_INDEX_NAME = ".history.corrupt.json"
+DETAILS_KEPT = 100
+"""How many of the newest attempts keep their per-member details (a root holds at most this
+many details objects)."""
+FORMAT = 1
+"""The version of the index and details encoding. Fields added later do not change it (a
+reader ignores fields it does not know); a change an older reader would misread does."""
+DEFAULT_HISTORY_BYTES = 4 << 20
+"""The index's cap: about 10,000 checkpoint entries."""
+READ_LIMIT = 64 << 20
+"""The largest index or details object read: anything larger is reported as corrupt."""
+_INDEX_SWAPS = 16
+DETAILS_NAME = re.compile(r"\.history-[A-Za-z0-9][A-Za-z0-9._-]*\.[0-9a-f]{8}\.json")
+"""A details object's name: one name below the root (no `/`), never a checkpoint id."""
+
+
+class Trigger(enum.StrEnum):
+    """What started an attempt."""
+
+    MANUAL = "manual"
+    """An operator or a controller asked (CLI, the Checkpoint and Restore RPCs, collect's
+    resume)."""
+    PERIODIC = "periodic"
+    """A schedule: the supervisor's period, `collect --checkpoint-every`."""
+    SIGNAL = "signal"
+    """A stop: `collect` checkpointing on SIGTERM or SIGINT."""
+    SUPERVISOR = "supervisor"
+    """An automatic recovery (the supervisor's, `collect`'s after a member loss)."""
+
+
+class Status(enum.StrEnum):
+    """How an attempt ended."""
+
+    COMPLETED = "completed"
+    """Published (a checkpoint) or restored and resumed (a restore)."""
+    FAILED = "failed"
+    """An error ended it (`reason`, `failed_members`); nothing was published."""
+    ABORTED = "aborted"
+    """It stopped without an error of its own: not prepared by the deadline, or interrupted;
+    the fleet was resumed."""
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """One step of an attempt: when it started (RFC 3339, UTC) and how long it took."""
+
+    stage: str
+    started_at: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One attempt, as a list shows it (never per-member details: `details` names them)."""
+
+    id: str
+    """The checkpoint's id, or the restore's control id."""
+    operation: str
+    """`checkpoint` or `restore`."""
+    trigger: str
+    """`Trigger`."""
+    mode: str
+    """`sync` or `async` (checkpoints); `rejoin` or `fresh` (restores)."""
+    status: str
+    """`Status`."""
+    started_at: str
+    ended_at: str
+    duration_seconds: float
+    reason: str = ""
+    """The typed reason of a failure (`Reason`, or NOT_PREPARED, ENDED, INTERRUPTED)."""
+    message: str = ""
+    """The failure's one line (at most `MESSAGE_LIMIT` characters)."""
+    failed_members: tuple[str, ...] = ()
+    """The members that caused the failure."""
+    stages: tuple[StageTiming, ...] = ()
+    members: int = 0
+    records: int = 0
+    bytes: int = 0
+    source: str = ""
+    """Restores: the published checkpoint restored."""
+    continued: int = 0
+    """Episodes continued (checkpoints: published as continued; restores: restored)."""
+    restarted: int = 0
+    """Restores by recovery: rollouts in flight that restart from their inputs."""
+    details: str = ""
+    """The name of its details object in the root ("" when it has none, or no longer)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: object) -> HistoryEntry:
+        """Strict on the fields this version knows (ValueError), ignoring newer ones."""
+        known = _known_fields(cls, value)
+        known["failed_members"] = _strings(known.get("failed_members", []), "failed_members")
+        stages = known.get("stages", [])
+        if not isinstance(stages, list):
+            raise ValueError("stages is not a list")
+        known["stages"] = tuple(_decoded(StageTiming, s) for s in stages)
+        entry = _checked(cls(**known))
+        if entry.details and not DETAILS_NAME.fullmatch(entry.details):
+            # Never a path: a hand-edited index must not make a write unlink, or a read
+            # open, anything but a details file of this root.
+            raise ValueError(f"details {entry.details[:80]!r} is not a details object's name")
+        return entry
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """One member's part in one attempt (the details object)."""
+
+    name: str
+    kind: str
+    instance: str
+    part: str = ""
+    """Where its part is (checkpoints)."""
+    records: int = 0
+    bytes: int = 0
+    prepared_seconds: float | None = None
+    """From the prepare's start until it reported PREPARED (None: it never did)."""
+    blockers_max: int = 0
+    """The most blockers it reported at once while preparing."""
+    blocked_seconds: float = 0.0
+    """How long it reported blockers: from the first report until it prepared."""
+    error: str = ""
+    """Its typed reason when it caused the failure."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: object) -> MemberRecord:
+        return _decoded(cls, value)
+
+
+MESSAGE_LIMIT = 500
+
+
+@dataclass(frozen=True)
+class HistoryRead:
+    """What a read found: the entries, oldest first, or the problem that made it skip them."""
+
+    entries: tuple[HistoryEntry, ...]
+    problem: str | None = None
+
+
+class HistoryNewer(PublicationError):
+    """The index is of a format this version does not know: it is neither read nor replaced."""
+
+
+class History(Protocol):
+    """A root's history (`open_history`)."""
+
+    location: str
+
+    def append(
+        self,
+        entry: HistoryEntry,
+        members: Sequence[MemberRecord],
+        *,
+        max_bytes: int = DEFAULT_HISTORY_BYTES,
+    ) -> None:
+        """Add `entry` (and its members' details) and drop the oldest entries beyond
+        `max_bytes`. Raises `StorageFailed` (or OSError) when the store fails."""
+        ...
+
+    def read(self) -> HistoryRead:
+        """Every entry, oldest first; a corrupt or newer index is a `problem`, never raised.
+        Raises `StorageFailed` (or OSError) when the store fails."""
+        ...
+
+    def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
+        """The per-member details of `entry` (empty when it has none); ValueError when they
+        do not decode."""
+        ...
+
+
+def open_history(location: str | os.PathLike[str]) -> History:
+    """The history of the checkpoint root at `location` (a path or an object-store URL).
+    Nothing is created until the first `append`."""
+    text = os.fspath(location)
+    if is_object_url(text):
+        return ObjectHistory(parse_object_url(text))
+    return LocalHistory(Path(text))
+
+
+# -- encoding ------------------------------------------------------------------------------
+
+
+def decode_index(raw: bytes) -> tuple[HistoryEntry, ...]:
+    """The entries of an index (ValueError when it is not one; `HistoryNewer` when it is of
+    a newer format)."""
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    entries = _checked_document(document, "entries")
+    return tuple(HistoryEntry.from_json(e) for e in entries)
+
+
+def encode_index(lines: Sequence[bytes]) -> bytes:
+    """One entry per line, so an entry's share of the cap is its line's length."""
+    return b'{"format": %d, "entries": [\n' % FORMAT + b",\n".join(lines) + b"\n]}\n"
+
+
+def encode_entry(entry: HistoryEntry) -> bytes:
+    return json.dumps(entry.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+
+def appended(
+    raw: bytes | None, entry: HistoryEntry, max_bytes: int
+) -> tuple[bytes, tuple[str, ...], bool]:
+    """The index `raw` (None: none yet) with `entry` added and the oldest entries dropped
+    beyond `max_bytes`: (the new index, the details of the dropped entries, whether `raw`
+    was corrupt and is replaced). `HistoryNewer` for an index of a newer format."""
+    corrupt = False
+    existing: tuple[HistoryEntry, ...] = ()
+    if raw is not None:
+        try:
+            existing = decode_index(raw)
+        except HistoryNewer:
+            raise
+        except (ValueError, TypeError):
+            corrupt = True
+    kept = [*existing, entry]
+    dropped = []
+    for index in range(max(0, len(kept) - DETAILS_KEPT)):
+        if kept[index].details:
+            dropped.append(kept[index].details)
+            kept[index] = replace(kept[index], details="")
+    lines = [encode_entry(e) for e in kept]
+    size = len(encode_index([])) + sum(len(line) + 2 for line in lines)
+    start = 0
+    while size > max_bytes and start < len(kept) - 1:
+        size -= len(lines[start]) + 2
+        if kept[start].details:
+            dropped.append(kept[start].details)
+        start += 1
+    return encode_index(lines[start:]), tuple(dropped), corrupt
+
+
+def encode_details(entry: HistoryEntry, members: Sequence[MemberRecord]) -> bytes:
+    document = {"format": FORMAT, "id": entry.id, "members": [m.to_json() for m in members]}
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_details(raw: bytes) -> tuple[MemberRecord, ...]:
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    return tuple(MemberRecord.from_json(m) for m in _checked_document(document, "members"))
+
+
+def details_name(entry_id: str) -> str:
+    """A details object's name: the entry's id (a retried id gets a fresh token).
+    ValueError for an id that is not a checkpoint id (it could name a path)."""
+    name = f".history-{entry_id}.{secrets.token_hex(4)}.json"
+    if not DETAILS_NAME.fullmatch(name):
+        raise ValueError(f"not a checkpoint id: {entry_id!r}")
+    return name
+
+
+def _checked_document(document: object, key: str) -> list[Any]:
+    if not isinstance(document, dict):
+        raise ValueError("not a JSON object")
+    version = document.get("format")
+    if type(version) is not int:
+        raise ValueError("no format version")
+    if version != FORMAT:
+        raise HistoryNewer(
+            f"history format {version} is not the one this version reads ({FORMAT}): "
+            "upgrade rollout-checkpoint to read it"
+        )
+    items = document.get(key)
+    if not isinstance(items, list):
+        raise ValueError(f"{key} is not a list")
+    return items
+
+
+def _known_fields(cls: type, value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"a {cls.__name__} is not a JSON object")
+    return {f.name: value[f.name] for f in fields(cls) if f.name in value}
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "float | None": (int, float, type(None)),
+}
+
+
+_R = TypeVar("_R")
+
+
+def _decoded(cls: type[_R], value: object) -> _R:
+    """A record of scalar fields from its JSON object (ValueError when it is not one)."""
+    return _checked(cls(**_known_fields(cls, value)))
+
+
+def _checked(value: _R) -> _R:
+    """`value`, once each scalar field has its declared type (a hand-edited index must not
+    crash a list)."""
+    for f in fields(value):  # type: ignore[arg-type]
+        expected = _TYPES.get(str(f.type))
+        actual = getattr(value, f.name)
+        if expected is not None and (not isinstance(actual, expected) or isinstance(actual, bool)):
+            raise ValueError(f"{f.name} is not a {f.type}")
+    return value
+
+
+def _strings(value: object, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} is not a list of strings")
+    return tuple(value)
+
+
+def _read_result(raw: bytes | None, where: str) -> HistoryRead:
+    if raw is None:
+        return HistoryRead(())
+    try:
+        return HistoryRead(decode_index(raw))
+    except (ValueError, TypeError, HistoryNewer) as exc:
+        return HistoryRead((), f"{where}: history skipped: {exc}")
+
+
+# -- local ---------------------------------------------------------------------------------
+
+
+class LocalHistory:
+    """The history in a local checkpoint root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.absolute()
+        self.location = str(self.root / INDEX_NAME)
+
+    def append(
+        self,
+        entry: HistoryEntry,
+        members: Sequence[MemberRecord],
+        *,
+        max_bytes: int = DEFAULT_HISTORY_BYTES,
+    ) -> None:
+        with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
+            if members:
+                _replace_file(root_fd, entry.details, encode_details(entry, members))
+            fcntl.flock(root_fd, fcntl.LOCK_EX)  # released when root_fd closes
+            raw = _read_optional(root_fd, INDEX_NAME)
+            index, dropped, corrupt = appended(raw, entry, max_bytes)
+            if corrupt and raw is not None:
+                _replace_file(root_fd, CORRUPT_INDEX_NAME, raw)
+            _replace_file(root_fd, INDEX_NAME, index)
+            for name in dropped:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=root_fd)
+
+    def read(self) -> HistoryRead:
+        try:
+            with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
+                raw = _read_optional(root_fd, INDEX_NAME)
+        except FileNotFoundError:
+            return HistoryRead(())
+        except StorageFailed as exc:
+            return HistoryRead((), f"{self.location}: history skipped: {exc}")
+        return _read_result(raw, self.location)
+
+    def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
+        if not entry.details:
+            return ()
+        with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
+            return decode_details(safe_files.read_regular(root_fd, entry.details, READ_LIMIT))
+
+
+def _read_optional(dir_fd: int, name: str) -> bytes | None:
+    """The file's bytes, None when it is not there; `StorageFailed` when it is something
+    else than a regular file or larger than `READ_LIMIT` (nothing this module wrote)."""
+    try:
+        return safe_files.read_regular(dir_fd, name, READ_LIMIT)
+    except FileNotFoundError:
+        return None
+    except safe_files.NotRegular:
+        raise StorageFailed(f"{name} is not a regular file") from None
+    except safe_files.TooLarge as exc:
+        raise StorageFailed(str(exc)) from None
+
+
+def _replace_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Replace `name` atomically (like LATEST: `files.replace_atomically`)."""
+    replace_atomically(dir_fd, name, f".{name}.{secrets.token_hex(8)}.tmp", data)
+
+
+# -- object store --------------------------------------------------------------------------
+
+
+class ObjectHistory:
+    """The history below an object-store checkpoint root."""
+
+    def __init__(self, root: ObjectLocation) -> None:
+        self.directory = root
+        self.location = root.child(INDEX_NAME).url
+
+    def append(
+        self,
+        entry: HistoryEntry,
+        members: Sequence[MemberRecord],
+        *,
+        max_bytes: int = DEFAULT_HISTORY_BYTES,
+    ) -> None:
+        client = self._client()
+        with _store_failures():
+            if members:
+                data = encode_details(entry, members)
+                client.put(self.directory.key(entry.details), data, size=len(data))
+            key = self.directory.key(INDEX_NAME)
+            for _ in range(_INDEX_SWAPS):
+                current = client.get(key, limit=READ_LIMIT)
+                raw = None if current is None else current.data
+                index, dropped, corrupt = appended(raw, entry, max_bytes)
+                if corrupt and raw is not None:
+                    aside = self.directory.key(CORRUPT_INDEX_NAME)
+                    client.put(aside, raw, size=len(raw))
+                if client.swap(key, index, current):
+                    if dropped:
+                        client.delete([self.directory.key(name) for name in dropped])
+                    return
+        raise StorageFailed(f"{self.location}: the index kept changing under {_INDEX_SWAPS} swaps")
+
+    def read(self) -> HistoryRead:
+        with _store_failures():
+            stored = self._client().get(self.directory.key(INDEX_NAME), limit=READ_LIMIT)
+        return _read_result(None if stored is None else stored.data, self.location)
+
+    def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
+        if not entry.details:
+            return ()
+        with _store_failures():
+            stored = self._client().get(self.directory.key(entry.details), limit=READ_LIMIT)
+        if stored is None:
+            raise ValueError(f"{self.directory.url}/{entry.details}: missing")
+        return decode_details(stored.data)
+
+    def _client(self) -> ObjectStoreClient:
+        with _store_failures():
+            return client_for(self.directory)
+
+
+@contextlib.contextmanager
+def _store_failures() -> Iterator[None]:
+    try:
+        yield
+    except ObjectStoreFailure as exc:
+        raise StorageFailed(str(exc)) from None
