@@ -123,7 +123,7 @@ class CheckpointRecorder:
     started: float = field(default_factory=time.time)
     _stages: list[tuple[str, float]] = field(default_factory=list)
     _watch: dict[str, _MemberWatch] = field(default_factory=dict)
-    _seen: list[MemberProgress] = field(default_factory=list)
+    _seen: list[MemberProgress | None] = field(default_factory=list)
     _progress: FleetProgress | None = None
     _recorded: bool = False
 
@@ -146,7 +146,7 @@ class CheckpointRecorder:
 
     def _watch_members(self, progress: FleetProgress) -> None:
         if len(self._seen) != len(progress.members):
-            self._seen = [None] * len(progress.members)  # type: ignore[list-item]
+            self._seen = [None] * len(progress.members)
         for index, member in enumerate(progress.members):
             if member is self._seen[index]:
                 continue
@@ -167,11 +167,9 @@ class CheckpointRecorder:
         if outcome.prepare_outcome != Outcome.PREPARED:
             status, reason = Status.ABORTED, outcome.prepare_outcome
             culprits = {name: reason for name in self._unprepared()}
-            message = f"the fleet was not prepared by the deadline ({reason})"
-        else:
-            published = outcome.published is not None
-            status = Status.COMPLETED if published else Status.ABORTED
-            reason, culprits, message = "", {}, ""
+            message = f"the fleet was not prepared ({reason}); it was resumed"
+        else:  # the last event after a prepare is the published checkpoint's
+            status, reason, culprits, message = Status.COMPLETED, "", {}, ""
         ended = time.time()
         retention_started = ended - outcome.retention_seconds
         if outcome.published is not None:
@@ -449,10 +447,11 @@ def _time(epoch: float) -> str:
 
 
 def _timings(stages: Sequence[tuple[str, float]], ended: float) -> tuple[StageTiming, ...]:
-    """Each stage from its start until the next one's (the last until `ended`)."""
+    """Each stage from its start until the next one's (the last until `ended`): contiguous,
+    so their sum is the attempt's duration."""
     marks = list(stages)
     ends = [at for _, at in marks[1:]] + [ended]
     return tuple(
-        StageTiming(name, _time(at), round(max(0.0, end - at), 6))
+        StageTiming(name, round(max(0.0, end - at), 6))
         for (name, at), end in zip(marks, ends, strict=True)
     )
