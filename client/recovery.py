@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from rollout_checkpoint.client.checkpointing import fanout
-from rollout_checkpoint.client.checkpointing.checkpoint import verified_source
+from rollout_checkpoint.client.checkpointing.checkpoint import RestoreSource, verified_source
 from rollout_checkpoint.client.checkpointing.fanout import FleetError, awaiting_restore, fan_out
 from rollout_checkpoint.client.checkpointing.publication import (
     NoPublishedCheckpoint,
@@ -49,6 +49,8 @@ from rollout_checkpoint.client.checkpointing.publication import (
     PublicationRoot,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
+from rollout_checkpoint.client.checkpointing.recording import RestoreRecorder
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
 from rollout_checkpoint.server.core.episodes import MAX_ATTEMPT, EpisodeId
@@ -132,6 +134,7 @@ async def recover(
     scope: Iterable[EpisodeId] | None = None,
     abandon_on_failure: bool = False,
     step: StepHook = no_pause,
+    trigger: str = Trigger.SUPERVISOR,
 ) -> Recovery:
     """Restore `source` (None: `LATEST`) into the whole fleet, survivors included, and resume
     it; with no checkpoint published yet, open the members started closed.
@@ -139,16 +142,56 @@ async def recover(
     `scope` (default: the checkpoint's continued episodes) is what is continued. Raises
     `FleetError` (members refused or unreachable; undone all or nothing first when
     `abandon_on_failure`), `RecoveryLostRace`, `PublicationError` (a corrupt checkpoint:
-    nothing was installed anywhere). `step` is awaited between the steps (`Step`)."""
+    nothing was installed anywhere). `step` is awaited between the steps (`Step`).
+
+    A recovery that restores (or tries to) is recorded in the root's history (`trigger`:
+    what started it); one that only opened a fresh fleet restored nothing and is not."""
     statuses = await fan_out(
         "status", fleet.members, lambda m: m.client.get_status(), fleet.spec.fan_out
     )
     boot_ids = {m.name: m.boot_id for m in fleet.members}
+    recorder = RestoreRecorder(
+        fleet,
+        root,
+        recovery_id(source, boot_ids),
+        deadline,
+        str(trigger),
+        "rejoin",
+        source=source or "LATEST",
+    )
     try:
         verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
     except NoPublishedCheckpoint:
         return await open_fresh(fleet, statuses, recovery_id(None, boot_ids), deadline)
-    control_id = recovery_id(verified.checkpoint_id, boot_ids)
+    except Exception as error:
+        await recorder.failed(error)
+        raise
+    recorder.source = verified.checkpoint_id
+    recorder.restore_id = recovery_id(verified.checkpoint_id, boot_ids)
+    try:
+        recovery = await _restore_and_resume(
+            fleet, verified, recorder.restore_id, statuses, deadline, abandon_on_failure, step
+        )
+    except RecoveryLostRace as lost:
+        await recorder.failed(lost.error)  # the members' refusal names who holds the fleet
+        raise
+    except Exception as error:
+        await recorder.failed(error)
+        raise
+    await recorder.completed(len(recovery.continued), len(recovery.restarted))
+    return recovery
+
+
+async def _restore_and_resume(
+    fleet: Fleet,
+    verified: RestoreSource,
+    control_id: str,
+    statuses: Mapping[str, pb.GetStatusResponse],
+    deadline: float,
+    abandon_on_failure: bool,
+    step: StepHook,
+) -> Recovery:
+    """`recover`'s restore of a verified checkpoint, all or nothing, then its resume."""
     await end_cut_checkpoints(fleet, statuses, control_id, deadline)
     await step(Step.CUT_ENDED)
     in_flight = await _live_episodes(fleet)

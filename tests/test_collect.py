@@ -29,6 +29,7 @@ import httpx
 import pytest
 from rich.console import Console
 
+from rollout_checkpoint.client.checkpointing.publication.history import open_history
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect import CorruptFile, read_jsonl
 from rollout_checkpoint.client.collect.groups import GroupWriter
@@ -494,6 +495,21 @@ def test_sigterm_stops_after_a_published_checkpoint_and_resume_completes_the_run
     assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
     by_id = assert_complete(work, baseline.rewards)
     assert assert_continued(work, by_id, manifest, finished_before) >= 1
+
+
+def test_the_history_names_periodic_checkpoints_and_the_one_a_sigterm_took(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    work = fleets.work
+    process = fleets.collect(fleets.start().result(), "--checkpoint-every", "0.3")
+    wait_until(lambda: latest(work) is not None, "a periodic checkpoint", process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == ExitCode.TERMINATED, fleets.log(process)
+    read = open_history(work / "checkpoints").read()
+    assert read.problem is None
+    triggers = [(e.trigger, e.status) for e in read.entries if e.operation == "checkpoint"]
+    assert ("periodic", "completed") in triggers and triggers[-1] == ("signal", "completed")
+    assert read.entries[-1].id == (latest(work) or {}).get("checkpoint_id")
 
 
 def test_a_crash_before_the_first_checkpoint_restarts_from_inputs_on_the_fleet_that_kept_running(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from rollout_checkpoint.client.checkpointing import fanout
@@ -46,6 +46,11 @@ from rollout_checkpoint.client.checkpointing.publication import (
     PublishedParticipant,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import (
+    DEFAULT_HISTORY_BYTES,
+    Trigger,
+)
+from rollout_checkpoint.client.checkpointing.recording import CheckpointRecorder, RestoreRecorder
 from rollout_checkpoint.client.fleet import Fleet
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
@@ -158,8 +163,15 @@ async def checkpoint(
     keep_closed: bool = False,
     fix_scope: ScopeFixer | None = None,
     asynchronous: bool = False,
+    trigger: str = Trigger.MANUAL,
+    history_bytes: int = DEFAULT_HISTORY_BYTES,
 ) -> AsyncIterator[CheckpointEvent]:
     """Take and publish one checkpoint, yielding progress; the last event has the outcome.
+
+    Every attempt leaves a record in the root's history (`recording`): `trigger` says what
+    started it (`Trigger`), `history_bytes` caps the history. The record is written after
+    the fleet runs again (after the resume, or the abort's), before the last event; a history
+    that cannot be written never fails the checkpoint.
 
     With `fix_scope`, the scope and the controller state are decided after prepare succeeded
     (they replace `scope` and `controller_state`); a failure there aborts like any other.
@@ -176,6 +188,50 @@ async def checkpoint(
     so `LATEST` keeps naming the previous complete checkpoint."""
     if checkpoint_id is None:
         checkpoint_id = await store_call(deadline, root.location, root.new_checkpoint_id)
+    recorder = CheckpointRecorder(
+        fleet, root, checkpoint_id, deadline, str(trigger), asynchronous, history_bytes
+    )
+    steps = _checkpoint(
+        fleet,
+        root,
+        deadline,
+        checkpoint_id,
+        scope,
+        controller_state,
+        keep,
+        keep_closed,
+        fix_scope,
+        asynchronous,
+    )
+    try:
+        # aclosing: a caller that stops iterating closes the steps too, so their abort runs.
+        async with contextlib.aclosing(steps):
+            async for event in steps:
+                recorder.observe(event.phase, event.progress)
+                if event.outcome is not None:
+                    await recorder.finished(event.outcome)
+                yield event
+    except Exception as error:
+        await recorder.failed(error)
+        raise
+    except BaseException:
+        recorder.interrupted()
+        raise
+
+
+async def _checkpoint(
+    fleet: Fleet,
+    root: PublicationRoot,
+    deadline: float,
+    checkpoint_id: str,
+    scope: Iterable[EpisodeId] | str | None,
+    controller_state: bytes,
+    keep: int,
+    keep_closed: bool,
+    fix_scope: ScopeFixer | None,
+    asynchronous: bool,
+) -> AsyncGenerator[CheckpointEvent]:
+    """`checkpoint`'s steps, unrecorded."""
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
     prepared: list[CheckpointOutcome] = []
@@ -469,17 +525,29 @@ async def restore_published(
     source: str | None = None,
     scope: Iterable[EpisodeId] | None = None,
     rejoin: bool = False,
+    trigger: str = Trigger.MANUAL,
 ) -> RestoredCheckpoint:
     """Verify a published checkpoint whole, then restore it into the fleet, all or nothing.
 
     `checkpoint_id` is the fresh control id of this restore; `source` names the published
     checkpoint (None or "LATEST": the latest). Every member must have a part in it.
     `rejoin`: restore a fleet whose members may have served, such as the survivors of a
-    crash whose crashed member was replaced (`fanout.restore`)."""
-    verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
-    replies = await fanout.restore(
-        fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
+    crash whose crashed member was replaced (`fanout.restore`). The attempt is recorded in
+    the root's history (`trigger`: what started it), completed or failed."""
+    mode = "rejoin" if rejoin else "fresh"
+    recorder = RestoreRecorder(
+        fleet, root, checkpoint_id, deadline, str(trigger), mode, source=source or "LATEST"
     )
+    try:
+        verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
+        recorder.source = verified.checkpoint_id
+        replies = await fanout.restore(
+            fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
+        )
+    except Exception as error:
+        await recorder.failed(error)
+        raise
+    await recorder.completed(len(verified.continued))
     return RestoredCheckpoint(
         verified.checkpoint_id, dict(replies), verified.continued, verified.controller_state
     )

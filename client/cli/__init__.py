@@ -14,6 +14,7 @@
 * `status`: `status` and `health`;
 * `progress`: a prepare's live progress;
 * `inspection`: `inspect`;
+* `history_verb`: `history` (a root's checkpoint history);
 * `coordinator_verb`: `coordinator`;
 * `participant`: `participant RPC`.
 

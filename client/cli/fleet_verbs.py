@@ -32,6 +32,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     open_checkpoint_root,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.cli.console import (
     PROG,
     ExitCode,
@@ -262,6 +263,7 @@ async def _checkpoint(run: VerbRun) -> int:
             keep=args.keep or spec.keep,
             keep_closed=args.keep_closed,
             asynchronous=spec.async_commit,
+            trigger=Trigger.MANUAL,
         ):
             view.event(event)
             outcome = event.outcome
@@ -332,6 +334,7 @@ async def _restore(run: VerbRun) -> int:
         source=args.source,
         scope=args.episode,
         rejoin=args.rejoin,
+        trigger=Trigger.MANUAL,
     )
     opened.checkpoint_id = None  # restored: the fleet stays closed until the operator resumes
     replies = {n: list(r.restored) for n, r in restored.replies.items()}  # type: ignore[attr-defined]

@@ -216,6 +216,7 @@ def add_fleet_verbs(verbs: Any) -> None:
         help="seconds from now until a store that has not answered is STORAGE_FAILED "
         "(exit 4): a frozen filesystem or a hung object store",
     )
+    _add_history_verb(verbs)
     sub = verbs.add_parser(
         "coordinator",
         help="serve CoordinatorService for a fleet",
@@ -343,6 +344,36 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError("must be a positive integer")
     return value
+
+
+def _add_history_verb(verbs: Any) -> None:
+    sub = verbs.add_parser(
+        "history",
+        help="every checkpoint and restore attempted in a checkpoint root, newest first",
+        description="Read the checkpoint history kept in a checkpoint root (no coordinator "
+        "needed): one row per checkpoint or restore any coordinator, supervisor, `checkpoint` "
+        "or `collect` of that root attempted, newest first, with its trigger, mode, status, "
+        "duration, bytes and, for one that failed, the typed reason and the members that "
+        "caused it. A corrupt history is reported in one line (exit 6).",
+        epilog=epilog("rollout-checkpoint history --root /checkpoints/run-7 --failed"),
+        formatter_class=HelpFormatter,
+    )
+    sub.add_argument(
+        "--root", required=True, help="the checkpoint root (a path, or s3://bucket/prefix)"
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable output, one JSON object")
+    sub.add_argument(
+        "--failed", action="store_true", help="only the attempts that did not complete"
+    )
+    sub.add_argument(
+        "--limit", type=positive_int, default=None, metavar="N", help="at most N entries"
+    )
+    sub.add_argument(
+        "--timeout",
+        type=float,
+        default=INSPECT_TIMEOUT_SECONDS,
+        help="seconds from now until a store that has not answered is STORAGE_FAILED (exit 4)",
+    )
 
 
 def _add_health_verb(verbs: Any) -> None:

@@ -111,7 +111,7 @@ class CheckpointTaker:
     _published: bool = field(default=False, init=False)
     _last_phase: str | None = field(default=None, init=False)
 
-    async def take(self, *, stop: bool) -> str | None:
+    async def take(self, *, stop: bool, trigger: str) -> str | None:
         """Take and publish one checkpoint: its id, or None when none could be taken (the
         previous one stays the restore point; the failure is noted, never raised). With
         `stop` the fleet stays closed afterwards."""
@@ -129,6 +129,7 @@ class CheckpointTaker:
                     keep_closed=stop,
                     fix_scope=self._fix_scope,
                     asynchronous=self.fleet.spec.async_commit,
+                    trigger=trigger,
                 ):
                     self._on_event(event)
                     if event.final:

@@ -39,6 +39,7 @@ from datetime import UTC, datetime
 import httpx
 from rich.console import Console
 
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.collect.checkpoints import (
     CheckpointSettings,
     CheckpointStepHook,
@@ -146,6 +147,7 @@ class Collector:
     def request_checkpoint(self) -> None:
         """Take a checkpoint as soon as possible and continue (SIGUSR1)."""
         self.requests.checkpoint = True
+        self.requests.checkpoint_trigger = Trigger.SIGNAL
         self._notify()
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:

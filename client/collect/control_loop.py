@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.checkpoints import CheckpointTaker, NumberedSteps
 from rollout_checkpoint.client.collect.control import ControlCalls
@@ -63,6 +64,9 @@ class RunRequests:
     stop_signal: signal.Signals = signal.SIGTERM
     """The signal that asked for the stop: it chooses the exit code."""
     checkpoint: bool = False
+    checkpoint_trigger: str = Trigger.SIGNAL
+    """What asked for the `checkpoint` (its history record's trigger): SIGUSR1, or the
+    recovery that needs its restored attempts named by a checkpoint."""
     fatal: BaseException | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -125,8 +129,9 @@ class ControlLoop:
                 next_at = time.monotonic() + every if every else None
                 continue
             if requests.checkpoint or (next_at is not None and now >= next_at):
+                trigger = requests.checkpoint_trigger if requests.checkpoint else Trigger.PERIODIC
                 requests.checkpoint = False
-                await self._checkpoint(stop=False)
+                await self._checkpoint(stop=False, trigger=trigger)
                 next_at = time.monotonic() + every if every else None
                 continue
             if now >= control.retry_at:
@@ -149,7 +154,7 @@ class ControlLoop:
         self.parts.view.note(finished_note(self.counts, self.options.output))
         return finished_code(self.counts)
 
-    async def _checkpoint(self, *, stop: bool) -> str | None:
+    async def _checkpoint(self, *, stop: bool, trigger: str) -> str | None:
         """Pause dispatching, take and publish one checkpoint, reopen; None when none could
         be taken (the previous one stays the restore point). With `stop` the fleet stays
         closed afterwards and dispatching stays paused."""
@@ -157,7 +162,7 @@ class ControlLoop:
         await dispatcher.pause()
         self.parts.steps.number += 1
         try:
-            published = await self.parts.checkpoints.take(stop=stop)
+            published = await self.parts.checkpoints.take(stop=stop, trigger=trigger)
         finally:
             if not stop and not self.parts.recovery.lost:
                 dispatcher.reopen()
@@ -191,6 +196,7 @@ class ControlLoop:
             # Checkpoint at once: until a checkpoint names the restored attempts N+1, a
             # second loss could continue none of them (they were used since).
             self.requests.checkpoint = True
+            self.requests.checkpoint_trigger = Trigger.SUPERVISOR
         if recovery.lost:
             return None  # lost again meanwhile: the loop recovers again before anything else
         self.counts.phase = "collecting"
@@ -212,7 +218,7 @@ class ControlLoop:
     async def _stop(self) -> int:
         """Take a checkpoint, leave the fleet closed, and say how to resume."""
         self.counts.phase = "stopping: checkpoint"
-        published = await self._checkpoint(stop=True)
+        published = await self._checkpoint(stop=True, trigger=Trigger.SIGNAL)
         await self.parts.dispatcher.cancel_in_flight()
         self.stopped = True
         options = self.options

@@ -66,6 +66,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     PublicationRoot,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import collect_state, read_latest_manifest
@@ -285,6 +286,7 @@ class InPlaceRecovery:
                     scope=scope,
                     abandon_on_failure=True,
                     step=self._step,
+                    trigger=Trigger.SUPERVISOR,
                 )
             except PublicationError as error:
                 self.view.note(

@@ -28,6 +28,7 @@ from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.checkpoint import restore_published
 from rollout_checkpoint.client.checkpointing.fanout import FleetError, awaiting_restore
 from rollout_checkpoint.client.checkpointing.publication import PublicationError, PublicationRoot
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import Previous, attempts_in
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
@@ -155,6 +156,7 @@ class FleetSetup:
                 source=name,
                 scope=scope,
                 rejoin=survivors is not None,
+                trigger=Trigger.MANUAL,
             )
         except FleetError as error:
             # All or nothing: the library retired every N+1 and resumed the fleet.

@@ -24,6 +24,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     PublicationRoot,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.coordinator.calls import (
     encodable,
     listed_blockers,
@@ -102,6 +103,7 @@ class PeriodicCheckpoints:
                     scope=DERIVE,
                     keep=self.spec.keep,
                     asynchronous=self.spec.async_commit,
+                    trigger=Trigger.PERIODIC,
                 ):
                     if event.phase in CHECKPOINT_STEPS:
                         await self.step(CHECKPOINT_STEPS[event.phase])

@@ -34,6 +34,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     open_checkpoint_root,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.coordinator.calls import (
     PREPARE_OUTCOMES,
     SERVICE,
@@ -218,6 +219,7 @@ class CoordinatorServicer:
                     source=source,
                     scope=scope,
                     rejoin=request.rejoin,
+                    trigger=Trigger.MANUAL,
                 )
             )
         except PublicationError as error:
@@ -300,6 +302,7 @@ class CoordinatorServicer:
             keep=self.spec.keep,
             keep_closed=request.keep_closed,
             asynchronous=request.asynchronous or self.spec.async_commit,
+            trigger=Trigger.MANUAL,
         )
         try:
             async for event in events:

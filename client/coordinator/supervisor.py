@@ -42,6 +42,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     open_checkpoint_root,
     store_call,
 )
+from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.coordinator.calls import encodable, status_of
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog
 from rollout_checkpoint.client.coordinator.mending import mend
@@ -304,7 +305,9 @@ class Supervisor:
                 now, self._replaced, latest, recovery_id(latest, boot_ids)
             )
             try:
-                recovery = await recover(fleet, self.root, deadline, step=self.settings.step)
+                recovery = await recover(
+                    fleet, self.root, deadline, step=self.settings.step, trigger=Trigger.SUPERVISOR
+                )
             except (FleetError, PublicationError, RecoveryLostRace) as error:
                 await self._tries.failed(try_number, error)
                 return

@@ -1,6 +1,7 @@
 """Controller-side publication of fleet checkpoints, and an independent verifier of them.
 
     <root>/LATEST                                                 id of the latest publication
+    <root>/.history.json, <root>/.history-<id>.<hex>.json         the checkpoint history (`history`)
     <root>/<checkpoint_id>/checkpoint.json                        the fleet manifest (last)
     <root>/<checkpoint_id>/participants/<kind>/<instance>/manifest.json
     <root>/<checkpoint_id>/participants/<kind>/<instance>/records-<sha256>.jsonl
@@ -59,7 +60,8 @@ Modules, one concept each (every public name is importable from this package):
 `files` (opening below the root without following links); `root` (`CheckpointRoot`:
 publish, load); `object_root` (`ObjectCheckpointRoot`: the same on an object store);
 `roots` (`PublicationRoot`, `open_checkpoint_root`: either, by the location's form); `latest` (`LATEST`); `retention`; `verify` (`verify_checkpoint`, `inspect`
-and their summaries); `bounded` (`store_call`: a root's method bounded by a deadline).
+and their summaries); `bounded` (`store_call`: a root's method bounded by a deadline);
+`history` (the root's record of every checkpoint and restore attempted).
 """
 
 from __future__ import annotations

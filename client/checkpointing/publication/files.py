@@ -66,3 +66,17 @@ def io_errors(path: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise StorageFailed(f"{path}: {exc.strerror or exc}") from exc
+
+
+def replace_atomically(dir_fd: int, name: str, temporary: str, data: bytes) -> None:
+    """Replace `name` below `dir_fd` so that readers see the old bytes or the new, never a
+    torn file, even across a power loss: `temporary` written and fsynced, renamed over
+    `name`, the directory fsynced."""
+    try:
+        safe_files.write_new_file(dir_fd, temporary, data)
+        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary, dir_fd=dir_fd)
+        raise
+    os.fsync(dir_fd)

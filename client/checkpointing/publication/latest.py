@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -11,9 +10,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rollout_checkpoint.client.checkpointing.publication.errors import CheckpointCorrupt
-from rollout_checkpoint.client.checkpointing.publication.files import DIR_FLAGS, read_regular
+from rollout_checkpoint.client.checkpointing.publication.files import (
+    DIR_FLAGS,
+    read_regular,
+    replace_atomically,
+)
 from rollout_checkpoint.client.checkpointing.publication.manifest import parse_time
-from rollout_checkpoint.server.core import layout, safe_files
+from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
@@ -30,14 +33,7 @@ _OLDEST = datetime.min.replace(tzinfo=UTC)
 def write_latest(root_fd: int, checkpoint_id: str) -> None:
     """Point LATEST at `checkpoint_id` atomically: readers see the old or the new id."""
     tmp = layout.latest_temporary_name(secrets.token_hex(8))
-    try:
-        safe_files.write_new_file(root_fd, tmp, f"{checkpoint_id}\n".encode())
-        os.replace(tmp, LATEST_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=root_fd)
-        raise
-    os.fsync(root_fd)
+    replace_atomically(root_fd, LATEST_NAME, tmp, f"{checkpoint_id}\n".encode())
 
 
 def latest_is_newer(root_fd: int, root: Path, checkpoint_id: str, created_at: datetime) -> bool:
