@@ -22,7 +22,7 @@ SETTLE_SECONDS = 30.0
 class ObservedClock(ManualClock):
     """A ManualClock that counts its sleepers by the time they sleep until."""
 
-    def __init__(self, start: float = 1_800_000_000.0) -> None:
+    def __init__(self, start: float | None = None) -> None:
         super().__init__(start)
         self._asleep: Counter[float] = Counter()
         self._changed = asyncio.Event()

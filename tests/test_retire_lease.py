@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -200,3 +201,11 @@ async def test_cancel_and_wait_swallows_only_the_cancellation_it_asked_for() -> 
         await asyncio.wait_for(waiting, 10)
     assert task.cancelled()
     await asyncio.wait_for(cancel_and_wait(task), 10)  # the worker's cancellation is swallowed
+
+
+def test_a_manual_clock_starts_at_the_real_time() -> None:
+    """Code under test also reads the wall clock (storage calls bounded by `time.time()`): a
+    deadline taken from a test's manual clock must mean the same moment to it on whatever
+    day the suite runs, not only before a fixed date the clock used to start at."""
+    assert abs(ManualClock().now() - time.time()) < 60
+    assert ManualClock(5.0).now() == 5.0

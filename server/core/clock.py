@@ -37,10 +37,16 @@ class SystemClock:
 
 
 class ManualClock:
-    """A clock that moves only when told to; sleepers wake as `advance` passes their time."""
+    """A clock that moves only when told to; sleepers wake as `advance` passes their time.
 
-    def __init__(self, start: float = 1_800_000_000.0) -> None:
-        self._now = start
+    It starts at the real time, to the next whole second (unless told otherwise): code under
+    test that reads the wall clock as well (a storage call bounded by `time.time()`) sees a
+    deadline taken from this clock as the same moment, on any day the tests run, not only
+    before a fixed date."""
+
+    def __init__(self, start: float | None = None) -> None:
+        # A whole second: protobuf timestamps a test compares with it keep no fraction.
+        self._now = float(int(time.time()) + 1) if start is None else start
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
 
