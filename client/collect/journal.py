@@ -306,6 +306,25 @@ def persisted_in(previous: Previous) -> dict[str, str | None]:
     return persisted
 
 
+def chains_in(value: object) -> dict[str, list[tuple[str, int]]]:
+    """The `restored_from` map of the controller state (rollout id -> [checkpoint id,
+    attempt] links); anything malformed is dropped."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        rollout_id: [
+            (link[0], link[1])
+            for link in chain
+            if isinstance(link, list)
+            and len(link) == 2
+            and isinstance(link[0], str)
+            and type(link[1]) is int
+        ]
+        for rollout_id, chain in value.items()
+        if isinstance(rollout_id, str) and isinstance(chain, list)
+    }
+
+
 def attempts_in(value: object) -> dict[str, int]:
     """A rollout id -> integer map of the controller state; anything malformed is dropped."""
     if not isinstance(value, dict):

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rollout_checkpoint.client.collect.inputs import TaskRow, rollout_id_of
-from rollout_checkpoint.client.collect.journal import STATE_FORMAT, attempts_in
+from rollout_checkpoint.client.collect.journal import STATE_FORMAT, attempts_in, chains_in
 from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.client.ledger import Delivery, GroupRecovery, HeldOutcome, ResultLedger
 from rollout_checkpoint.client.participant import receipt_of_message
@@ -179,8 +179,7 @@ class RolloutBook:
         self.generation = 0
         """Raised each time a member is seen lost: an attempt sent in an earlier generation
         that fails was cut by the loss, not failed by its rollout."""
-        self._counted: set[tuple[str, str, int]] = set()
-        """What `cut` counted, per generation (`_first_time`)."""
+        self._counted = CountedOnce()
         self.counts = counts
         counts.total = len(self.rollouts)
 
@@ -208,17 +207,9 @@ class RolloutBook:
         for rollout_id, count in attempts_in(state.get("failures")).items():
             if rollout_id in self.rollouts:
                 self.rollouts[rollout_id].failures = count
-        chains = state.get("restored_from")
-        for rollout_id, chain in (chains if isinstance(chains, dict) else {}).items():
-            if rollout_id in self.rollouts and isinstance(chain, list):
-                self.rollouts[rollout_id].restored_from = [
-                    (link[0], link[1])
-                    for link in chain
-                    if isinstance(link, list)
-                    and len(link) == 2
-                    and isinstance(link[0], str)
-                    and type(link[1]) is int
-                ]
+        for rollout_id, chain in chains_in(state.get("restored_from")).items():
+            if rollout_id in self.rollouts:
+                self.rollouts[rollout_id].restored_from = chain
         for rollout_id, attempt in attempts_in(state.get("retired")).items():
             if rollout_id in self.rollouts:
                 rollout = self.rollouts[rollout_id]
@@ -351,13 +342,9 @@ class RolloutBook:
         else:
             delivery = self.ledger.received(receipt_of_message(receipt), line)
         if delivery is Delivery.ACKNOWLEDGE:
-            # The ledger answers so only for what the output holds (it is reconciled with
-            # it): a rollout the book does not have finished would wait here for ever.
+            # The output has it; a rollout not finished here would wait for it for ever.
             if rollout.status not in (Status.DONE, Status.FAILED):
-                raise RuntimeError(
-                    f"{rollout.rollout_id}: the ledger has it in the output, the book has it "
-                    f"{rollout.status.value}"
-                )
+                raise RuntimeError(f"{rollout.rollout_id}: in the output, yet {rollout.status}")
             return []
         produced_by = receipt.attempt if receipt is not None else rollout.attempt
         rollout.highest_used = max(rollout.highest_used, produced_by)
@@ -399,22 +386,12 @@ class RolloutBook:
         groups' recovery is the ledger's (`ResultLedger.cut`). A `sibling` group keeps its
         held siblings (counted); every unwritten sibling of a `group` group is returned, to
         be retired and regenerated (the ledger forgot what it held of them)."""
-        decided = self.ledger.cut(cut)
-        self.counts.siblings_kept += sum(self._first_time("kept", r) for r in decided.kept)
+        decided, first = self.ledger.cut(cut), self._counted.first
+        self.counts.siblings_kept += sum(first("kept", r, self.generation) for r in decided.kept)
         self.counts.groups_regenerated += sum(
-            self._first_time("regenerated", g) for g in decided.groups_regenerated
+            first("regenerated", g, self.generation) for g in decided.groups_regenerated
         )
         return [self.rollouts[r] for r in decided.regenerate]
-
-    def _first_time(self, what: str, name: str) -> bool:
-        """Whether `what` happens to `name` for the first time since the last loss: a
-        recovery that fails half way and is tried again decides the same cut again, and
-        must not count it twice."""
-        key = (what, name, self.generation)
-        if key in self._counted:
-            return False
-        self._counted.add(key)
-        return True
 
     # -- a lost member ----------------------------------------------------------------------------
 
@@ -564,6 +541,22 @@ class RolloutBook:
                 if r.restored_from and r.status not in (Status.DONE, Status.FAILED)
             },
         }
+
+
+class CountedOnce:
+    """What a cut counted, per loss generation: a recovery that fails half way and is tried
+    again decides the same cut again, and must not count it twice."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str, int]] = set()
+
+    def first(self, what: str, name: str, generation: int) -> bool:
+        """Whether `what` happens to `name` for the first time in `generation`."""
+        key = (what, name, generation)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
 
 def restored_chain(links: list[tuple[str, int]], produced_by: int, lineage: list[str]) -> list[str]:
