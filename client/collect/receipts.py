@@ -270,14 +270,14 @@ class HeldResults:
         """Hand `held` to the ledger (False: it is released instead)."""
         rollout = self.book.rollouts.get(held.receipt.rollout_id)
         try:
-            receipt_of_message(held.receipt)
+            receipt = receipt_of_message(held.receipt)
         except ValueError:
             return False
         if rollout is None:
             return False
         if rollout.status in (Status.DONE, Status.FAILED):
             # The output holds it already: the ledger owes its acknowledgement.
-            self.book.ledger.received(receipt_of_message(held.receipt))
+            self.book.ledger.received(receipt)
             return True
         try:
             reply = json.loads(held.result_json)
