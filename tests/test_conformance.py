@@ -11,8 +11,11 @@ The Go controller then drives a `rollout-checkpoint coordinator` whose fleet is 
 (CONFORMANCE_COORDINATOR_ADDRESS): ListParticipants, a published Checkpoint, and a refusal
 with PARTICIPANT_FAILED.
 
-scripts/test installs what they need (`npm ci`, `go install tool`, `go mod download`). A
-test skips only when node or go is not installed at all; a missing install step fails.
+Both use only this repository's packages for the contract: the Go module gen/go (a `replace`
+directive) and the npm package gen/ts (a `file:` dependency, built by `npm ci` there), with
+no codegen and no helpers of their own. scripts/test installs what they need (`npm ci`,
+`go mod download`). A test skips only when node or go is not installed at all; a missing
+install step fails.
 """
 
 from __future__ import annotations
@@ -104,8 +107,12 @@ def test_node_controller(counter: Counter) -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed: the Node.js conformance controller needs Node 20+")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.fail(f"{NODE_DIR}/node_modules is missing: run scripts/test (it runs `npm ci`)")
+    package = NODE_DIR / "node_modules" / "@rollout-checkpoint" / "client"
+    if not (package / "dist" / "index.js").is_file():
+        pytest.fail(
+            f"{package} is not installed and built: run scripts/test (`npm ci` in gen/ts, "
+            "which builds the package, then in tests/conformance/node)"
+        )
     proc = run(node, "controller.js", cwd=NODE_DIR, env=counter.env())
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
     assert proc.returncode == 0, explain(proc, counter.log)
@@ -116,23 +123,13 @@ def test_go_controller(counter: Counter, coordinator: str, tmp_path: Path) -> No
     go = shutil.which("go")
     if go is None:
         pytest.skip("go is not installed: the Go conformance controller needs Go 1.26+")
-    for plugin in ("protoc-gen-go", "protoc-gen-go-grpc"):
-        if not (GO_DIR / ".bin" / plugin).is_file():
-            pytest.fail(f"{GO_DIR}/.bin/{plugin} is missing: run scripts/test (`go install tool`)")
-    # Build a copy of the module, with freshly generated code, in a temporary directory:
-    # always the current protos, and never a write into the checkout during the tests.
-    module = tmp_path / "module"
-    module.mkdir()
-    for name in ("go.mod", "go.sum", "main.go"):
-        shutil.copy2(GO_DIR / name, module / name)
-    generated = run(
-        "bash", GO_DIR / "generate.sh", module, env=dict(os.environ, PYTHON=sys.executable)
-    )
-    assert generated.returncode == 0, explain(generated)
-    built = run(go, "build", "-buildvcs=false", "-o", "conformance", ".", cwd=module)
+    # Built in place (its go.mod replaces the gen/go module with ../../../gen/go, the package
+    # as committed), into the temporary directory: never a write into the checkout.
+    binary = tmp_path / "conformance"
+    built = run(go, "build", "-buildvcs=false", "-o", binary, ".", cwd=GO_DIR)
     assert built.returncode == 0, explain(built)
     env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator)
-    proc = run(module / "conformance", cwd=module, env=env)
+    proc = run(binary, cwd=tmp_path, env=env)
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
     logs = (counter.log, tmp_path / "coordinator.log")
     assert proc.returncode == 0, explain(proc, *logs)

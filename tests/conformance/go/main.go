@@ -1,7 +1,7 @@
 // Command conformance is a Go controller that drives one real rollout-checkpoint
 // participant (the counter example) through the contract: GetParticipant, a seeded
-// session, Prepare (reading the stream to its final message), Commit, Resume, typed
-// refusals read with status.FromError + errdetails.ErrorInfo, and grpc.health.v1
+// session, Prepare (reading the stream to its final message), Commit, Resume,
+// refusals decoded to typed reasons with checkpointv1.ReasonOf, and grpc.health.v1
 // without a token.
 //
 //	CONFORMANCE_GRPC_ADDRESS=127.0.0.1:9001 CONFORMANCE_HTTP_ADDRESS=127.0.0.1:8001 \
@@ -12,11 +12,11 @@
 // ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED.
 //
 // It prints one line per step and exits 1 at the first failed one.
-// tests/test_conformance.py starts the participant and runs it; docs/controllers.md says how
-// to generate the code it imports.
+// tests/test_conformance.py starts the participant and runs it. Everything it imports of the
+// contract comes from the Go module gen/go (package checkpointv1): the generated messages and
+// clients and the helper layer (BearerToken, ReasonOf, the constants' WireValue); it writes no
+// codegen and no helper of its own.
 package main
-
-//go:generate bash generate.sh
 
 import (
 	"context"
@@ -34,54 +34,29 @@ import (
 	"strings"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	pb "github.com/rollout-checkpoint/rollout-checkpoint/tests/conformance/go/gen/rollout_checkpoint/v1"
+	pb "github.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1"
 )
-
-// wireValue is the string a constants enum value of the contract stands for: its
-// `wire_value` option (constants.proto), read from the generated descriptor.
-func wireValue(value protoreflect.Enum) string {
-	options := value.Descriptor().Values().ByNumber(value.Number()).Options()
-	return proto.GetExtension(options, pb.E_WireValue).(string)
-}
-
-// ErrorDomain is the ErrorInfo.domain of every refusal of the rollout_checkpoint.v1 API
-// ("rollout-checkpoint.dev").
-var ErrorDomain = wireValue(pb.ErrorDomain_ERROR_DOMAIN_ROLLOUT_CHECKPOINT)
 
 // participantHealth are the grpc.health.v1 names a participant answers (constants.proto).
 var participantHealth = []string{
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_SERVER),
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE),
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS),
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_SERVER.WireValue(),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE.WireValue(),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS.WireValue(),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS.WireValue(),
 }
-
-// bearer sends `authorization: Bearer <token>` with every call. The sidecar may serve
-// plaintext (a loopback sidecar next to its app), so it does not require transport
-// security; on such a channel the token travels as ordinary metadata.
-type bearer string
-
-func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(b)}, nil
-}
-
-func (bearer) RequireTransportSecurity() bool { return false }
 
 // dial opens a client connection; an empty token sends no authorization (health).
 func dial(address, token string) (*grpc.ClientConn, error) {
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
 	if token != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(bearer(token)))
+		opts = append(opts, grpc.WithPerRPCCredentials(pb.BearerToken(token)))
 	}
 	return grpc.NewClient(address, opts...)
 }
@@ -94,35 +69,18 @@ func withDeadline(d time.Duration) (context.Context, context.CancelFunc, *timest
 	return ctx, cancel, timestamppb.New(deadline)
 }
 
-// errorInfo returns the gRPC code and the one ErrorInfo of a refusal. A status without
-// an ErrorInfo came from the transport, not from the participant.
-func errorInfo(err error) (codes.Code, *errdetails.ErrorInfo, error) {
-	st, ok := status.FromError(err)
-	if !ok {
-		return codes.Unknown, nil, fmt.Errorf("not a gRPC status: %w", err)
-	}
-	for _, detail := range st.Details() {
-		if info, ok := detail.(*errdetails.ErrorInfo); ok {
-			return st.Code(), info, nil
-		}
-	}
-	return st.Code(), nil, fmt.Errorf("%s %q carries no ErrorInfo", st.Code(), st.Message())
-}
-
-// refused checks that a call failed with this code and ErrorInfo reason.
-func refused(err error, code codes.Code, reason string) (*errdetails.ErrorInfo, error) {
+// refused checks that a call failed with this code and typed ErrorInfo reason; it returns
+// the ErrorInfo metadata. A status without an ErrorInfo came from the transport, not from
+// the participant.
+func refused(err error, code codes.Code, reason pb.ErrorReason) (map[string]string, error) {
 	if err == nil {
-		return nil, fmt.Errorf("expected %s, the call succeeded", reason)
+		return nil, fmt.Errorf("expected %s, the call succeeded", reason.Reason())
 	}
-	got, info, err := errorInfo(err)
-	if err != nil {
-		return nil, err
+	got, metadata, ok := pb.ReasonOf(err)
+	if !ok {
+		return nil, fmt.Errorf("%s %q carries no ErrorInfo of %s", status.Code(err), err, pb.Domain())
 	}
-	return info, errors.Join(
-		expect("code", got, code),
-		expect("reason", info.GetReason(), reason),
-		expect("domain", info.GetDomain(), ErrorDomain),
-	)
+	return metadata, errors.Join(expect("code", status.Code(err), code), expect("reason", got, reason))
 }
 
 func expect[T any](what string, got, want T) error {
@@ -184,7 +142,7 @@ func (c *controller) getParticipant() error {
 	return errors.Join(
 		expect("kind", reply.GetKind(), pb.ParticipantKind_PARTICIPANT_KIND_RESOURCES),
 		expect("instance", reply.GetInstance(), "counter"),
-		expect("api_version", reply.GetApiVersion(), "rollout_checkpoint.v1"),
+		expect("api_version", reply.GetApiVersion(), pb.APIPackage()),
 		expect("facts.mode", reply.GetFacts()["mode"], "exported"),
 	)
 }
@@ -312,11 +270,12 @@ func (c *controller) staleCommit() error {
 	_, err := c.client.Commit(ctx, &pb.CommitRequest{
 		CheckpointId: c.checkpointID, Deadline: deadline, CheckpointDir: c.checkpointDir,
 	})
-	info, err := refused(err, codes.Aborted, "STALE_CHECKPOINT")
+	metadata, err := refused(err, codes.Aborted, pb.ErrorReason_ERROR_REASON_STALE_CHECKPOINT)
 	if err != nil {
 		return err
 	}
-	return expect("metadata checkpointId", info.GetMetadata()["checkpointId"], c.checkpointID)
+	key := pb.MetadataKey_METADATA_KEY_CHECKPOINT_ID.WireValue()
+	return expect("metadata "+key, metadata[key], c.checkpointID)
 }
 
 func (c *controller) wrongToken() error {
@@ -328,7 +287,7 @@ func (c *controller) wrongToken() error {
 	ctx, cancel, _ := withDeadline(10 * time.Second)
 	defer cancel()
 	_, err = pb.NewParticipantServiceClient(conn).GetParticipant(ctx, &pb.GetParticipantRequest{})
-	_, err = refused(err, codes.Unauthenticated, "TOKEN_INVALID")
+	_, err = refused(err, codes.Unauthenticated, pb.ErrorReason_ERROR_REASON_TOKEN_INVALID)
 	return err
 }
 
@@ -439,11 +398,13 @@ func (c *controller) fleetRefusal() error {
 			err = nil
 		}
 	}
-	info, err := refused(err, codes.Aborted, "PARTICIPANT_FAILED")
+	metadata, err := refused(err, codes.Aborted, pb.ErrorReason_ERROR_REASON_PARTICIPANT_FAILED)
 	if err != nil {
 		return err
 	}
-	return expect("failedMembers", info.GetMetadata()["failedMembers"], "counter=STALE_CHECKPOINT")
+	key := pb.MetadataKey_METADATA_KEY_FAILED_MEMBERS.WireValue()
+	want := "counter=" + pb.ErrorReason_ERROR_REASON_STALE_CHECKPOINT.Reason()
+	return expect("metadata "+key, metadata[key], want)
 }
 
 func env(name string) string {

@@ -1,11 +1,14 @@
 // A Node.js controller that drives one real rollout-checkpoint participant (the counter
 // example) through the contract: GetParticipant, a seeded session, Prepare (reading the
-// stream to its final message), Commit, Resume, typed refusals read from the
-// `grpc-status-details-bin` trailer, and grpc.health.v1 without a token.
+// stream to its final message), Commit, Resume, refusals decoded to typed reasons, and
+// grpc.health.v1 without a token.
 //
 //   CONFORMANCE_GRPC_ADDRESS=127.0.0.1:9001 CONFORMANCE_HTTP_ADDRESS=127.0.0.1:8001 \
 //   CONFORMANCE_TOKEN=change-me node controller.js
 //
+// Everything it knows of the contract comes from the npm package @rollout-checkpoint/client
+// (gen/ts, a file: dependency): the generated messages and clients and the helper layer
+// (bearerToken, reasonOf, healthServiceName, metadataKey); no codegen, no helper of its own.
 // Prints one line per step and exits non-zero at the first failed check.
 // tests/test_conformance.py starts the participant and runs this script.
 'use strict';
@@ -16,11 +19,24 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 
-const grpc = require('@grpc/grpc-js');
-const protoLoader = require('@grpc/proto-loader');
-
-const REPO = path.resolve(__dirname, '..', '..', '..');
-const DOMAIN = 'rollout-checkpoint.dev';
+const {
+  API_PACKAGE,
+  ErrorReason,
+  HealthServiceName,
+  MetadataKey,
+  ParticipantKind,
+  ParticipantServiceClient,
+  ParticipantState,
+  PrepareUpdateKind,
+  bearerToken,
+  deadlineIn,
+  grpc,
+  health,
+  healthServiceName,
+  metadataKey,
+  reasonOf,
+  reasonString,
+} = require('@rollout-checkpoint/client');
 
 function env(name) {
   const value = process.env[name];
@@ -31,65 +47,20 @@ const GRPC_ADDRESS = env('CONFORMANCE_GRPC_ADDRESS');
 const HTTP_ADDRESS = env('CONFORMANCE_HTTP_ADDRESS');
 const TOKEN = env('CONFORMANCE_TOKEN');
 
-// One loader call for everything: our contract, google.rpc (for the error details) and
-// grpc.health.v1. proto-loader resolves google/protobuf/*.proto itself.
-const definitions = protoLoader.loadSync(
-  [
-    'rollout_checkpoint/v1/participant_service.proto',
-    'google/rpc/status.proto',
-    'google/rpc/error_details.proto',
-    'grpc/health/v1/health.proto',
-  ],
-  {
-    keepCase: true, // checkpoint_id, not checkpointId
-    longs: String, // int64/uint64 arrive as decimal strings
-    enums: String, // 'PARTICIPANT_STATE_PREPARED', not 3
-    defaults: true,
-    oneofs: true,
-    includeDirs: [
-      path.join(REPO, 'protos'),
-      path.join(REPO, 'third_party', 'googleapis'),
-      path.join(__dirname, 'protos'),
-    ],
-  },
-);
-const proto = grpc.loadPackageDefinition(definitions);
-const Status = definitions['google.rpc.Status'];
-const ErrorInfo = definitions['google.rpc.ErrorInfo'];
-
-// Every ParticipantService call needs `authorization: Bearer <token>`. grpc-js will not
-// compose call credentials with insecure channel credentials, so an interceptor adds the
-// header (on a plaintext channel it travels as ordinary metadata).
-function bearer(token) {
-  return (options, nextCall) =>
-    new grpc.InterceptingCall(nextCall(options), {
-      start(metadata, listener, next) {
-        metadata.set('authorization', `Bearer ${token}`);
-        next(metadata, listener);
-      },
-    });
-}
-
 function participantClient(token) {
-  return new proto.rollout_checkpoint.v1.ParticipantService(
-    GRPC_ADDRESS,
-    grpc.credentials.createInsecure(),
-    { interceptors: [bearer(token)] },
-  );
-}
-
-// An absolute request deadline as a google.protobuf.Timestamp, `seconds` from now.
-function timestamp(seconds) {
-  const ms = Date.now() + seconds * 1000;
-  return { seconds: Math.floor(ms / 1000), nanos: (ms % 1000) * 1e6 };
+  return new ParticipantServiceClient(GRPC_ADDRESS, grpc.credentials.createInsecure(), {
+    interceptors: [bearerToken(token)],
+  });
 }
 
 // The gRPC call deadline sits a little after the request's own deadline, so the
 // participant (not the transport) reports a missed deadline.
-const CALL_SLACK_S = 5;
+const CALL_SLACK_MS = 5000;
 function callOptions(requestDeadline) {
-  const seconds = requestDeadline ? Number(requestDeadline.seconds) : Date.now() / 1000 + 30;
-  return { deadline: new Date((seconds + CALL_SLACK_S) * 1000) };
+  const ms = requestDeadline
+    ? Number(requestDeadline.seconds) * 1000 + requestDeadline.nanos / 1e6
+    : Date.now() + 30000;
+  return { deadline: new Date(ms + CALL_SLACK_MS) };
 }
 
 function unary(client, method, request) {
@@ -100,17 +71,6 @@ function unary(client, method, request) {
   });
 }
 
-// The one google.rpc.ErrorInfo of a refusal, from the `grpc-status-details-bin` trailer.
-function errorInfo(err) {
-  const [bytes] = err.metadata ? err.metadata.get('grpc-status-details-bin') : [];
-  assert.ok(bytes, `no grpc-status-details-bin on ${err.code} ${err.details}`);
-  const status = Status.deserialize(bytes);
-  assert.equal(status.code, err.code, 'Status.code matches the gRPC status');
-  const infos = status.details.filter((any) => any.type_url.endsWith('/google.rpc.ErrorInfo'));
-  assert.equal(infos.length, 1, 'exactly one ErrorInfo');
-  return ErrorInfo.deserialize(infos[0].value);
-}
-
 async function refused(promise, code, reason) {
   let err;
   try {
@@ -118,12 +78,12 @@ async function refused(promise, code, reason) {
   } catch (caught) {
     err = caught;
   }
-  assert.ok(err, `expected ${reason}, the call succeeded`);
-  assert.equal(err.code, code, `status code (${err.code} ${err.details})`);
-  const info = errorInfo(err);
-  assert.equal(info.reason, reason);
-  assert.equal(info.domain, DOMAIN);
-  return info;
+  assert.ok(err, `expected ${reasonString(reason)}, the call succeeded`);
+  const refusal = reasonOf(err);
+  assert.ok(refusal, `no ErrorInfo on ${err.code} ${err.details}`);
+  assert.equal(refusal.code, code, `status code (${err.code} ${err.details})`);
+  assert.equal(reasonString(refusal.reason), reasonString(reason));
+  return refusal;
 }
 
 // The data plane: a session of rollout `r1` (capture key `r1`) behind a cookie.
@@ -149,11 +109,11 @@ const checkpointId = `node-${process.pid}`;
 let checkpointDir;
 
 step('GetParticipant: kind RESOURCES, instance counter', async () => {
-  const reply = await unary(client, 'GetParticipant', {});
-  assert.equal(reply.kind, 'PARTICIPANT_KIND_RESOURCES');
+  const reply = await unary(client, 'getParticipant', {});
+  assert.equal(reply.kind, ParticipantKind.PARTICIPANT_KIND_RESOURCES);
   assert.equal(reply.instance, 'counter');
-  assert.equal(reply.api_version, 'rollout_checkpoint.v1');
-  assert.ok(reply.boot_id);
+  assert.equal(reply.apiVersion, API_PACKAGE);
+  assert.ok(reply.bootId);
   assert.equal(reply.facts.mode, 'exported');
 });
 
@@ -166,14 +126,12 @@ step('seed a session over HTTP (count 3) and increment it (+2)', async () => {
 });
 
 step('Prepare: read the stream to its final message, PREPARED', async () => {
-  const call = client.Prepare(
-    { checkpoint_id: checkpointId, deadline: timestamp(30) },
-    callOptions(timestamp(30)),
-  );
+  const deadline = deadlineIn(30000);
+  const call = client.prepare({ checkpointId, deadline }, callOptions(deadline));
   const messages = [];
   for await (const message of call) messages.push(message);
   assert.ok(messages.length >= 1);
-  assert.equal(messages[0].update_kind, 'PREPARE_UPDATE_KIND_INITIAL');
+  assert.equal(messages[0].updateKind, PrepareUpdateKind.PREPARE_UPDATE_KIND_INITIAL);
   assert.deepEqual(
     messages.map((m) => m.sequence),
     messages.map((_, i) => String(i + 1)),
@@ -181,35 +139,35 @@ step('Prepare: read the stream to its final message, PREPARED', async () => {
   );
   const final = messages[messages.length - 1];
   assert.equal(final.final, true);
-  assert.equal(final.update_kind, 'PREPARE_UPDATE_KIND_FINAL');
-  assert.equal(final.state, 'PARTICIPANT_STATE_PREPARED');
-  assert.equal(final.checkpoint_id, checkpointId);
+  assert.equal(final.updateKind, PrepareUpdateKind.PREPARE_UPDATE_KIND_FINAL);
+  assert.equal(final.state, ParticipantState.PARTICIPANT_STATE_PREPARED);
+  assert.equal(final.checkpointId, checkpointId);
   assert.equal(final.readiness.ready, true);
-  assert.equal(final.admission_open, false);
+  assert.equal(final.admissionOpen, false);
   const ms = Number(final.elapsed.seconds) * 1000 + final.elapsed.nanos / 1e6;
   console.log(`   ${messages.length} message(s), PREPARED after ${ms.toFixed(1)} ms`);
 });
 
 step('Commit into a temporary directory: manifest, exported r1, records on disk', async () => {
   checkpointDir = fs.realpathSync(fs.mkdtempSync(path.join(os.tmpdir(), 'conformance-node-')));
-  const reply = await unary(client, 'Commit', {
-    checkpoint_id: checkpointId,
-    deadline: timestamp(30),
-    checkpoint_dir: checkpointDir,
+  const reply = await unary(client, 'commit', {
+    checkpointId,
+    deadline: deadlineIn(30000),
+    checkpointDir,
   });
-  assert.equal(reply.state, 'PARTICIPANT_STATE_COMMITTED');
+  assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_COMMITTED);
   assert.deepEqual(reply.exported, ['r1']);
   const manifest = reply.manifest;
-  assert.equal(manifest.kind, 'PARTICIPANT_KIND_RESOURCES');
+  assert.equal(manifest.kind, ParticipantKind.PARTICIPANT_KIND_RESOURCES);
   assert.equal(manifest.instance, 'counter');
-  assert.equal(manifest.checkpoint_id, checkpointId);
-  assert.equal(manifest.schema_version, 1);
-  assert.equal(manifest.record_count, '1');
+  assert.equal(manifest.checkpointId, checkpointId);
+  assert.equal(manifest.schemaVersion, 1);
+  assert.equal(manifest.recordCount, '1');
   const part = path.join(checkpointDir, 'participants', 'resources', 'counter');
-  assert.equal(sha256(fs.readFileSync(path.join(part, 'manifest.json'))), reply.manifest_sha256);
-  const records = fs.readFileSync(path.join(part, manifest.records_file));
-  assert.equal(manifest.records_file, `records-${manifest.records_sha256}.jsonl`);
-  assert.equal(sha256(records), manifest.records_sha256);
+  assert.equal(sha256(fs.readFileSync(path.join(part, 'manifest.json'))), reply.manifestSha256);
+  const records = fs.readFileSync(path.join(part, manifest.recordsFile));
+  assert.equal(manifest.recordsFile, `records-${manifest.recordsSha256}.jsonl`);
+  assert.equal(sha256(records), manifest.recordsSha256);
   assert.equal(String(records.length), manifest.bytes);
   const lines = records.toString('utf8').trim().split('\n').map(JSON.parse);
   assert.equal(lines.length, 1);
@@ -218,34 +176,27 @@ step('Commit into a temporary directory: manifest, exported r1, records on disk'
 });
 
 step('Resume: IDLE, not idempotent the first time', async () => {
-  const reply = await unary(client, 'Resume', {
-    checkpoint_id: checkpointId,
-    deadline: timestamp(30),
-  });
-  assert.equal(reply.state, 'PARTICIPANT_STATE_IDLE');
+  const reply = await unary(client, 'resume', { checkpointId, deadline: deadlineIn(30000) });
+  assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_IDLE);
   assert.equal(reply.idempotent, false);
 });
 
 step('Commit after Resume: ABORTED, ErrorInfo STALE_CHECKPOINT', async () => {
-  const info = await refused(
-    unary(client, 'Commit', {
-      checkpoint_id: checkpointId,
-      deadline: timestamp(30),
-      checkpoint_dir: checkpointDir,
-    }),
+  const refusal = await refused(
+    unary(client, 'commit', { checkpointId, deadline: deadlineIn(30000), checkpointDir }),
     grpc.status.ABORTED,
-    'STALE_CHECKPOINT',
+    ErrorReason.ERROR_REASON_STALE_CHECKPOINT,
   );
-  assert.equal(info.metadata.checkpointId, checkpointId);
+  assert.equal(refusal.metadata[metadataKey(MetadataKey.METADATA_KEY_CHECKPOINT_ID)], checkpointId);
 });
 
 step('a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID', async () => {
   const intruder = participantClient(`${TOKEN}-wrong`);
   try {
     await refused(
-      unary(intruder, 'GetParticipant', {}),
+      unary(intruder, 'getParticipant', {}),
       grpc.status.UNAUTHENTICATED,
-      'TOKEN_INVALID',
+      ErrorReason.ERROR_REASON_TOKEN_INVALID,
     );
   } finally {
     intruder.close();
@@ -253,14 +204,24 @@ step('a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID', async () => {
 });
 
 step('grpc.health.v1.Health/Check without a token: SERVING', async () => {
-  const health = new proto.grpc.health.v1.Health(GRPC_ADDRESS, grpc.credentials.createInsecure());
+  const checker = new health.HealthClient(GRPC_ADDRESS, grpc.credentials.createInsecure());
+  const names = [
+    HealthServiceName.HEALTH_SERVICE_NAME_SERVER,
+    HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE,
+    HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS,
+    HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS,
+  ];
   try {
-    for (const service of ['', 'participant-liveness', 'participant-readiness']) {
-      const reply = await unary(health, 'Check', { service });
-      assert.equal(reply.status, 'SERVING', `health of "${service}"`);
+    for (const service of names.map(healthServiceName)) {
+      const reply = await unary(checker, 'check', { service });
+      assert.equal(
+        reply.status,
+        health.HealthCheckResponse_ServingStatus.SERVING,
+        `health of "${service}"`,
+      );
     }
   } finally {
-    health.close();
+    checker.close();
   }
 });
 
