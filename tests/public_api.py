@@ -88,7 +88,7 @@ def go_names() -> list[str]:
 
 def go_version() -> str:
     match = GO_VERSION.search((GO_PACKAGE / "checkpoint.go").read_text())
-    assert match, "gen/go/rollout_checkpoint/v1/checkpoint.go has no `const Version = \"X.Y.Z\"`"
+    assert match, 'gen/go/rollout_checkpoint/v1/checkpoint.go has no `const Version = "X.Y.Z"`'
     return match.group(1)
 
 

@@ -8,7 +8,9 @@ Python wheel stays Python.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import shutil
 import sys
 import zipfile
@@ -20,10 +22,13 @@ from . import public_api
 from .processes import run
 
 PACKAGES = ("go", "ts")
+GO_MODULE = public_api.REPO / "gen" / "go"
 
 
 def releases() -> dict[str, list[dict[str, object]]]:
-    assert public_api.RECORD.is_file(), "gen/public-api.json is missing: python -m tests.public_api record"
+    assert public_api.RECORD.is_file(), (
+        "gen/public-api.json is missing: python -m tests.public_api record"
+    )
     recorded: dict[str, list[dict[str, object]]] = json.loads(public_api.RECORD.read_text())
     return recorded
 
@@ -60,7 +65,7 @@ def test_public_names_change_only_with_a_version_bump(
 def test_each_recorded_release_follows_the_one_before(package: str) -> None:
     history = releases()[package]
     assert history, f"no release of gen/{package} recorded"
-    for before, after in zip(history, history[1:], strict=False):
+    for before, after in itertools.pairwise(history):
         assert public_api.bump_problem(before, after) is None
 
 
@@ -127,3 +132,44 @@ def test_the_python_wheel_holds_neither_package(tmp_path: Path) -> None:
     assert any(name.startswith("rollout_checkpoint/v1/") for name in names)
     leaked = [n for n in names if n.endswith((".go", ".ts", "go.mod", "package.json"))]
     assert not leaked, leaked
+
+
+def readme_example(package: str, language: str) -> str:
+    """The one fenced `language` block of gen/<package>/README.md: what a user copies."""
+    readme = (public_api.REPO / "gen" / package / "README.md").read_text()
+    (example,) = re.findall(rf"^```{language}\n(.*?)^```$", readme, re.M | re.S)
+    return example
+
+
+def test_the_go_readme_example_compiles(tmp_path: Path) -> None:
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("go is not installed")
+    (tmp_path / "main.go").write_text(readme_example("go", "go"))
+    # The conformance controller's module pins the same dependencies; only the path differs.
+    conformance = public_api.REPO / "tests" / "conformance" / "go"
+    module = (conformance / "go.mod").read_text().replace("../../../gen/go", str(GO_MODULE))
+    (tmp_path / "go.mod").write_text(module)
+    shutil.copy2(conformance / "go.sum", tmp_path / "go.sum")
+    # vet type-checks it (and more) without linking a binary nobody runs.
+    vetted = run(go, "vet", ".", cwd=tmp_path)
+    assert vetted.returncode == 0, vetted.stderr
+
+
+def test_the_typescript_readme_example_type_checks(
+    tmp_path: Path, now: dict[str, dict[str, object]]
+) -> None:
+    package = public_api.TS_PACKAGE
+    if not (package / "dist" / "index.d.ts").is_file():
+        pytest.fail("gen/ts/dist is missing: run scripts/test (`npm ci` in gen/ts builds it)")
+    (tmp_path / "example.ts").write_text(readme_example("ts", "ts"))
+    scope = tmp_path / "node_modules" / "@rollout-checkpoint"
+    scope.mkdir(parents=True)
+    (scope / "client").symlink_to(package)  # what `npm install file:<repo>/gen/ts` makes
+    tsc = package / "node_modules" / ".bin" / "tsc"
+    checked = run(
+        tsc, "--noEmit", "--strict", "--target", "ES2022", "--module", "commonjs",
+        "--moduleResolution", "node", "--types", "node", "--typeRoots",
+        package / "node_modules" / "@types", "example.ts", cwd=tmp_path,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
