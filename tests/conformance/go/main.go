@@ -9,7 +9,11 @@
 //
 // With CONFORMANCE_COORDINATOR_ADDRESS set (a `rollout-checkpoint coordinator` whose fleet
 // is that one participant, with a checkpoint_root) it then drives CoordinatorService too:
-// ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED.
+// ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED. With
+// CONFORMANCE_REPLACEMENT_GRPC_ADDRESS and _HTTP_ADDRESS set (a counter started with
+// --start-closed) it restores the commit there: FRESH_PROCESS_REQUIRED from the participant
+// that served, a health Watch of the replacement's readiness, Restore, Resume, and the
+// restored session over HTTP.
 //
 // It prints one line per step and exits 1 at the first failed one.
 // tests/test_conformance.py starts the participant and runs it. Everything it imports of the
@@ -80,7 +84,10 @@ func refused(err error, code codes.Code, reason pb.ErrorReason) (map[string]stri
 	if !ok {
 		return nil, fmt.Errorf("%s %q carries no ErrorInfo of %s", status.Code(err), err, pb.Domain())
 	}
-	return metadata, errors.Join(expect("code", status.Code(err), code), expect("reason", got, reason))
+	if mismatch := errors.Join(expect("code", status.Code(err), code), expect("reason", got, reason)); mismatch != nil {
+		return metadata, fmt.Errorf("%w\n%s %v", mismatch, status.Convert(err).Message(), metadata)
+	}
+	return metadata, nil
 }
 
 func expect[T any](what string, got, want T) error {
@@ -103,15 +110,27 @@ type controller struct {
 	checkpointID, checkpointDir     string
 	bootID                          string
 	coordinator                     pb.CoordinatorServiceClient // nil without a coordinator
+	// A start-closed replacement of the counter (nil without one): the restore target.
+	replacement     pb.ParticipantServiceClient
+	replacementHTTP string
+	readinessWatch  healthpb.Health_WatchClient
+	cancelWatch     context.CancelFunc
 }
 
-// post calls a data-plane route of rollout `r1` (capture key `r1`).
+// post calls a data-plane route of rollout `r1` (capture key `r1`) on the participant.
 func (c *controller) post(route string, body any) (map[string]any, error) {
+	return c.postTo(c.httpAddress, "r1", route, body)
+}
+
+// postTo calls a data-plane route of the episode with that capture key on the HTTP server at
+// address, with the session cookie (one jar for both servers: cookies are per host, not per
+// port).
+func (c *controller) postTo(address, captureKey, route string, body any) (map[string]any, error) {
 	payload, err := json.Marshal(body)
 	if err != nil {
 		return nil, err
 	}
-	url := fmt.Sprintf("http://%s/ng-rollout/r1/%s", c.httpAddress, route)
+	url := fmt.Sprintf("http://%s/ng-rollout/%s/%s", address, captureKey, route)
 	resp, err := c.http.Post(url, "application/json", strings.NewReader(string(payload)))
 	if err != nil {
 		return nil, err
@@ -407,6 +426,96 @@ func (c *controller) fleetRefusal() error {
 	return expect("metadata "+key, metadata[key], want)
 }
 
+// -- Restore into a start-closed replacement ------------------------------------------------
+
+// restoreRequest continues episode r1 (attempt 0, as committed) from the participant's commit.
+func (c *controller) restoreRequest(deadline *timestamppb.Timestamp) *pb.RestoreRequest {
+	return &pb.RestoreRequest{
+		CheckpointId:  c.checkpointID + "-restore",
+		Deadline:      deadline,
+		CheckpointDir: c.checkpointDir,
+		Scope:         &pb.EpisodeScope{Episodes: []*pb.EpisodeId{{RolloutId: "r1", Attempt: 0}}},
+	}
+}
+
+// freshProcessRequired restores the commit into the participant that took it: it has served
+// a session, so it refuses (FAILED_PRECONDITION, FRESH_PROCESS_REQUIRED) and keeps its state.
+func (c *controller) freshProcessRequired() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	_, err := c.client.Restore(ctx, c.restoreRequest(deadline))
+	_, err = refused(err, codes.FailedPrecondition, pb.ErrorReason_ERROR_REASON_FRESH_PROCESS_REQUIRED)
+	return err
+}
+
+// watchReadiness opens a grpc.health.v1 Watch of the replacement's readiness (no token) and
+// reads its first message: a start-closed process is not ready until it is resumed.
+func (c *controller) watchReadiness(address string) error {
+	conn, err := dial(address, "")
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	c.cancelWatch = func() { cancel(); conn.Close() }
+	name := pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS.WireValue()
+	c.readinessWatch, err = healthpb.NewHealthClient(conn).Watch(ctx, &healthpb.HealthCheckRequest{Service: name})
+	if err != nil {
+		return err
+	}
+	first, err := c.readinessWatch.Recv()
+	if err != nil {
+		return err
+	}
+	return expect("first readiness", first.GetStatus(), healthpb.HealthCheckResponse_NOT_SERVING)
+}
+
+func (c *controller) restoreReplacement() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	reply, err := c.replacement.Restore(ctx, c.restoreRequest(deadline))
+	if err != nil {
+		return err
+	}
+	return errors.Join(
+		expect("state", reply.GetState(), pb.ParticipantState_PARTICIPANT_STATE_RESTORED),
+		expect("source_checkpoint_id", reply.GetSourceCheckpointId(), c.checkpointID),
+		expect("restored", reply.GetRestored(), []string{"r1-a1"}),
+	)
+}
+
+// resumeReplacement reopens the replacement; the readiness Watch then streams SERVING (Watch
+// promises the eventual status, so intermediate NOT_SERVINGs are skipped).
+func (c *controller) resumeReplacement() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	reply, err := c.replacement.Resume(ctx, &pb.ResumeRequest{CheckpointId: c.checkpointID + "-restore", Deadline: deadline})
+	if err != nil {
+		return err
+	}
+	if err := expect("state", reply.GetState(), pb.ParticipantState_PARTICIPANT_STATE_IDLE); err != nil {
+		return err
+	}
+	for {
+		update, err := c.readinessWatch.Recv()
+		if err != nil {
+			return fmt.Errorf("readiness Watch: %w", err)
+		}
+		if update.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return nil
+		}
+	}
+}
+
+// restoredSession reads the session on the replacement, as attempt 1 (capture key `r1-a1`)
+// with the old cookie: the count the commit captured.
+func (c *controller) restoredSession() error {
+	reply, err := c.postTo(c.replacementHTTP, "r1-a1", "get_counter_value", map[string]any{})
+	if err != nil {
+		return err
+	}
+	return expect("count", reply["count"], any(float64(5)))
+}
+
 func env(name string) string {
 	value := os.Getenv(name)
 	if value == "" {
@@ -462,6 +571,23 @@ func main() {
 			{"CoordinatorService/Prepare of a resumed id: PARTICIPANT_FAILED (counter=STALE_CHECKPOINT)", c.fleetRefusal},
 		}...)
 	}
+	if address := os.Getenv("CONFORMANCE_REPLACEMENT_GRPC_ADDRESS"); address != "" {
+		conn, err := dial(address, c.token)
+		if err != nil {
+			fmt.Println(err)
+			os.Exit(1)
+		}
+		defer conn.Close()
+		c.replacement = pb.NewParticipantServiceClient(conn)
+		c.replacementHTTP = env("CONFORMANCE_REPLACEMENT_HTTP_ADDRESS")
+		steps = append(steps, []step{
+			{"Restore into the participant that served: FAILED_PRECONDITION, FRESH_PROCESS_REQUIRED", c.freshProcessRequired},
+			{"grpc.health.v1.Health/Watch of the start-closed replacement's readiness: NOT_SERVING", func() error { return c.watchReadiness(address) }},
+			{"Restore into the start-closed replacement: RESTORED, r1 as attempt 1 (r1-a1)", c.restoreReplacement},
+			{"Resume the replacement: IDLE, and the readiness Watch streams SERVING", c.resumeReplacement},
+			{"the restored session on the replacement over HTTP: count 5", c.restoredSession},
+		}...)
+	}
 	failed := false
 	for i, s := range steps {
 		if failed {
@@ -474,6 +600,9 @@ func main() {
 			continue
 		}
 		fmt.Printf("ok %d - %s\n", i+1, s.name)
+	}
+	if c.cancelWatch != nil {
+		c.cancelWatch()
 	}
 	if c.checkpointDir != "" {
 		os.RemoveAll(c.checkpointDir)

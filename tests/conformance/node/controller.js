@@ -1,7 +1,11 @@
 // A Node.js controller that drives one real rollout-checkpoint participant (the counter
 // example) through the contract: GetParticipant, a seeded session, Prepare (reading the
 // stream to its final message), Commit, Resume, refusals decoded to typed reasons, and
-// grpc.health.v1 without a token.
+// grpc.health.v1 without a token. With CONFORMANCE_COORDINATOR_ADDRESS (a coordinator over
+// that counter): CoordinatorService Checkpoint and a PARTICIPANT_FAILED refusal. With
+// CONFORMANCE_REPLACEMENT_GRPC_ADDRESS and _HTTP_ADDRESS (a counter started with
+// --start-closed): FRESH_PROCESS_REQUIRED from the counter that served, a health Watch of the
+// replacement's readiness, Restore there, Resume, and the restored session over HTTP.
 //
 //   CONFORMANCE_GRPC_ADDRESS=127.0.0.1:9001 CONFORMANCE_HTTP_ADDRESS=127.0.0.1:8001 \
 //   CONFORMANCE_TOKEN=change-me node controller.js
@@ -21,6 +25,8 @@ const path = require('node:path');
 
 const {
   API_PACKAGE,
+  CheckpointPhase,
+  CoordinatorServiceClient,
   ErrorReason,
   HealthServiceName,
   MetadataKey,
@@ -46,11 +52,23 @@ function env(name) {
 const GRPC_ADDRESS = env('CONFORMANCE_GRPC_ADDRESS');
 const HTTP_ADDRESS = env('CONFORMANCE_HTTP_ADDRESS');
 const TOKEN = env('CONFORMANCE_TOKEN');
+// Optional: a `rollout-checkpoint coordinator` over that one counter, and a start-closed
+// replacement of the counter to restore the commit into.
+const COORDINATOR_ADDRESS = process.env.CONFORMANCE_COORDINATOR_ADDRESS;
+const REPLACEMENT_GRPC_ADDRESS = process.env.CONFORMANCE_REPLACEMENT_GRPC_ADDRESS;
+const REPLACEMENT_HTTP_ADDRESS = process.env.CONFORMANCE_REPLACEMENT_HTTP_ADDRESS;
 
-function participantClient(token) {
-  return new ParticipantServiceClient(GRPC_ADDRESS, grpc.credentials.createInsecure(), {
+function participantClient(token, address = GRPC_ADDRESS) {
+  return new ParticipantServiceClient(address, grpc.credentials.createInsecure(), {
     interceptors: [bearerToken(token)],
   });
+}
+
+// Every message of a server stream, in order (the last is the final one).
+async function drain(call) {
+  const messages = [];
+  for await (const message of call) messages.push(message);
+  return messages;
 }
 
 // The gRPC call deadline sits a little after the request's own deadline, so the
@@ -86,9 +104,10 @@ async function refused(promise, code, reason) {
   return refusal;
 }
 
-// The data plane: a session of rollout `r1` (capture key `r1`) behind a cookie.
-async function post(route, body, cookie) {
-  const response = await fetch(`http://${HTTP_ADDRESS}/ng-rollout/r1/${route}`, {
+// The data plane: a session of rollout `r1` (capture key `r1`; `r1-a1` once restored as
+// attempt 1) behind a cookie.
+async function post(route, body, cookie, address = HTTP_ADDRESS, captureKey = 'r1') {
+  const response = await fetch(`http://${address}/ng-rollout/${captureKey}/${route}`, {
     method: 'POST',
     headers: { 'content-type': 'application/json', ...(cookie ? { cookie } : {}) },
     body: JSON.stringify(body),
@@ -105,8 +124,10 @@ const steps = [];
 const step = (name, fn) => steps.push({ name, fn });
 
 const client = participantClient(TOKEN);
+const closers = [() => client.close()];
 const checkpointId = `node-${process.pid}`;
 let checkpointDir;
+let sessionCookie;
 
 step('GetParticipant: kind RESOURCES, instance counter', async () => {
   const reply = await unary(client, 'getParticipant', {});
@@ -123,13 +144,13 @@ step('seed a session over HTTP (count 3) and increment it (+2)', async () => {
   await post('increment_counter', { count: 2 }, seeded.cookie);
   const { json } = await post('get_counter_value', {}, seeded.cookie);
   assert.deepEqual(json, { count: 5 });
+  sessionCookie = seeded.cookie;
 });
 
 step('Prepare: read the stream to its final message, PREPARED', async () => {
   const deadline = deadlineIn(30000);
   const call = client.prepare({ checkpointId, deadline }, callOptions(deadline));
-  const messages = [];
-  for await (const message of call) messages.push(message);
+  const messages = await drain(call);
   assert.ok(messages.length >= 1);
   assert.equal(messages[0].updateKind, PrepareUpdateKind.PREPARE_UPDATE_KIND_INITIAL);
   assert.deepEqual(
@@ -225,6 +246,101 @@ step('grpc.health.v1.Health/Check without a token: SERVING', async () => {
   }
 });
 
+if (COORDINATOR_ADDRESS) {
+  const coordinator = new CoordinatorServiceClient(
+    COORDINATOR_ADDRESS,
+    grpc.credentials.createInsecure(),
+    { interceptors: [bearerToken(TOKEN)] },
+  );
+  closers.push(() => coordinator.close());
+
+  step('CoordinatorService/Checkpoint: stream to DONE, published, continued r1', async () => {
+    const deadline = deadlineIn(60000);
+    const messages = await drain(
+      coordinator.checkpoint(
+        { checkpointId: `${checkpointId}-fleet`, deadline, deriveScope: true },
+        callOptions(deadline),
+      ),
+    );
+    const phases = messages.map((m) => m.phase);
+    assert.equal(phases[0], CheckpointPhase.CHECKPOINT_PHASE_PREPARE);
+    assert.equal(phases[phases.length - 1], CheckpointPhase.CHECKPOINT_PHASE_DONE);
+    const { result } = messages.find((m) => m.final);
+    assert.equal(result.published, true);
+    assert.deepEqual(result.continued, [{ rolloutId: 'r1', attempt: 0 }]);
+    const manifest = fs.readFileSync(path.join(result.directory, 'checkpoint.json'));
+    assert.equal(sha256(manifest), result.fleetManifestSha256);
+    console.log(`   ${messages.length} message(s), published ${result.directory}`);
+  });
+
+  step('CoordinatorService/Prepare of a resumed id: PARTICIPANT_FAILED (counter=STALE_CHECKPOINT)', async () => {
+    const deadline = deadlineIn(10000);
+    const refusal = await refused(
+      drain(coordinator.prepare({ checkpointId, deadline }, callOptions(deadline))),
+      grpc.status.ABORTED,
+      ErrorReason.ERROR_REASON_PARTICIPANT_FAILED,
+    );
+    const key = metadataKey(MetadataKey.METADATA_KEY_FAILED_MEMBERS);
+    const stale = reasonString(ErrorReason.ERROR_REASON_STALE_CHECKPOINT);
+    assert.equal(refusal.metadata[key], `counter=${stale}`);
+  });
+}
+
+if (REPLACEMENT_GRPC_ADDRESS) {
+  const replacement = participantClient(TOKEN, REPLACEMENT_GRPC_ADDRESS);
+  const watcher = new health.HealthClient(REPLACEMENT_GRPC_ADDRESS, grpc.credentials.createInsecure());
+  closers.push(() => replacement.close(), () => watcher.close());
+  const restoreId = `${checkpointId}-restore`;
+  const restoreRequest = () => ({
+    checkpointId: restoreId,
+    deadline: deadlineIn(30000),
+    checkpointDir,
+    scope: { episodes: [{ rolloutId: 'r1', attempt: 0 }] },
+  });
+  let readiness; // the Watch stream's messages, read one at a time
+  let watch;
+
+  step('Restore into the participant that served: FAILED_PRECONDITION, FRESH_PROCESS_REQUIRED', async () => {
+    await refused(
+      unary(client, 'restore', restoreRequest()),
+      grpc.status.FAILED_PRECONDITION,
+      ErrorReason.ERROR_REASON_FRESH_PROCESS_REQUIRED,
+    );
+  });
+
+  step("grpc.health.v1.Health/Watch of the start-closed replacement's readiness: NOT_SERVING", async () => {
+    const service = healthServiceName(HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS);
+    watch = watcher.watch({ service }, { deadline: new Date(Date.now() + 120000) });
+    readiness = watch[Symbol.asyncIterator]();
+    const first = await readiness.next();
+    assert.equal(first.value.status, health.HealthCheckResponse_ServingStatus.NOT_SERVING);
+  });
+
+  step('Restore into the start-closed replacement: RESTORED, r1 as attempt 1 (r1-a1)', async () => {
+    const reply = await unary(replacement, 'restore', restoreRequest());
+    assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_RESTORED);
+    assert.equal(reply.sourceCheckpointId, checkpointId);
+    assert.deepEqual(reply.restored, ['r1-a1']);
+  });
+
+  step('Resume the replacement: IDLE, and the readiness Watch streams SERVING', async () => {
+    const reply = await unary(replacement, 'resume', { checkpointId: restoreId, deadline: deadlineIn(30000) });
+    assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_IDLE);
+    // Watch promises the eventual status: intermediate NOT_SERVINGs may come first.
+    for (;;) {
+      const update = await readiness.next();
+      assert.ok(!update.done, 'the Watch ended before SERVING');
+      if (update.value.status === health.HealthCheckResponse_ServingStatus.SERVING) break;
+    }
+    watch.cancel();
+  });
+
+  step('the restored session on the replacement over HTTP: count 5', async () => {
+    const { json } = await post('get_counter_value', {}, sessionCookie, REPLACEMENT_HTTP_ADDRESS, 'r1-a1');
+    assert.deepEqual(json, { count: 5 });
+  });
+}
+
 async function main() {
   let failed = false;
   for (const [index, { name, fn }] of steps.entries()) {
@@ -241,7 +357,7 @@ async function main() {
       console.log(err && err.stack ? err.stack : err);
     }
   }
-  client.close();
+  for (const close of closers) close();
   if (checkpointDir) fs.rmSync(checkpointDir, { recursive: true, force: true });
   console.log(failed ? 'node controller: FAILED' : `node controller: all ${steps.length} steps passed`);
   process.exitCode = failed ? 1 : 0;
