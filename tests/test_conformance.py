@@ -118,7 +118,14 @@ def coordinator(counter: Counter, tmp_path: Path) -> Iterator[str]:
         kill_group(process)
 
 
-def test_node_controller(counter: Counter, coordinator: str, replacement: dict[str, str]) -> None:
+def server_logs(tmp_path: Path) -> tuple[Path, ...]:
+    """The stderr of the counter, the coordinator and the replacement, for a failure."""
+    return tuple(tmp_path / f"{name}.log" for name in ("participant", "coordinator", "replacement"))
+
+
+def test_node_controller(
+    counter: Counter, coordinator: str, replacement: dict[str, str], tmp_path: Path
+) -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed: the Node.js conformance controller needs Node 20+")
@@ -131,7 +138,7 @@ def test_node_controller(counter: Counter, coordinator: str, replacement: dict[s
     env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
     proc = run(node, "controller.js", cwd=NODE_DIR, env=env)
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
-    logs = (counter.log, counter.log.with_name("coordinator.log"), counter.log.with_name("replacement.log"))
+    logs = server_logs(tmp_path)
     assert proc.returncode == 0, explain(proc, *logs)
     assert "node controller: all" in proc.stdout, explain(proc, *logs)
 
@@ -150,6 +157,6 @@ def test_go_controller(
     env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
     proc = run(binary, cwd=tmp_path, env=env)
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
-    logs = (counter.log, tmp_path / "coordinator.log", tmp_path / "replacement.log")
+    logs = server_logs(tmp_path)
     assert proc.returncode == 0, explain(proc, *logs)
     assert "go controller: all" in proc.stdout, explain(proc, *logs)
