@@ -525,6 +525,16 @@ func env(name string) string {
 	return value
 }
 
+// mustDial is dial for main: a client that cannot even be created ends the run.
+func mustDial(address, token string) *grpc.ClientConn {
+	conn, err := dial(address, token)
+	if err != nil {
+		fmt.Println(err)
+		os.Exit(1)
+	}
+	return conn
+}
+
 type step struct {
 	name string
 	run  func() error
@@ -539,11 +549,7 @@ func main() {
 		http:         &http.Client{Jar: jar, Timeout: 10 * time.Second},
 		checkpointID: fmt.Sprintf("go-%d", os.Getpid()),
 	}
-	conn, err := dial(c.grpcAddress, c.token)
-	if err != nil {
-		fmt.Println(err)
-		os.Exit(1)
-	}
+	conn := mustDial(c.grpcAddress, c.token)
 	defer conn.Close()
 	c.client = pb.NewParticipantServiceClient(conn)
 
@@ -558,11 +564,7 @@ func main() {
 		{"grpc.health.v1.Health/Check without a token: SERVING", c.health},
 	}
 	if address := os.Getenv("CONFORMANCE_COORDINATOR_ADDRESS"); address != "" {
-		conn, err := dial(address, c.token)
-		if err != nil {
-			fmt.Println(err)
-			os.Exit(1)
-		}
+		conn := mustDial(address, c.token)
 		defer conn.Close()
 		c.coordinator = pb.NewCoordinatorServiceClient(conn)
 		steps = append(steps, []step{
@@ -572,11 +574,7 @@ func main() {
 		}...)
 	}
 	if address := os.Getenv("CONFORMANCE_REPLACEMENT_GRPC_ADDRESS"); address != "" {
-		conn, err := dial(address, c.token)
-		if err != nil {
-			fmt.Println(err)
-			os.Exit(1)
-		}
+		conn := mustDial(address, c.token)
 		defer conn.Close()
 		c.replacement = pb.NewParticipantServiceClient(conn)
 		c.replacementHTTP = env("CONFORMANCE_REPLACEMENT_HTTP_ADDRESS")
