@@ -8,8 +8,9 @@ CONFORMANCE_HTTP_ADDRESS, CONFORMANCE_TOKEN, CONFORMANCE_COORDINATOR_ADDRESS,
 CONFORMANCE_REPLACEMENT_GRPC_ADDRESS, CONFORMANCE_REPLACEMENT_HTTP_ADDRESS). The controllers
 (tests/conformance/node/controller.js, tests/conformance/go/main.go) check GetParticipant, a
 seeded session, the Prepare stream, Commit (manifest and records on disk), Resume, refusals
-decoded to typed reasons (STALE_CHECKPOINT, TOKEN_INVALID, PARTICIPANT_FAILED with
-`failedMembers`, FRESH_PROCESS_REQUIRED), health Check without a token, CoordinatorService
+decoded to typed reasons (STALE_CHECKPOINT, CHECKPOINT_DEADLINE_EXCEEDED with its `deadline`
+metadata parsed, TOKEN_INVALID, PARTICIPANT_FAILED with `failedMembers`,
+FRESH_PROCESS_REQUIRED), health Check without a token, CoordinatorService
 Checkpoint (the Go one also ListParticipants), and a Restore into the start-closed replacement
 watched through health Watch (readiness NOT_SERVING, then SERVING once resumed), ending with
 the restored session read over HTTP as attempt 1.

@@ -297,6 +297,29 @@ func (c *controller) staleCommit() error {
 	return expect("metadata "+key, metadata[key], c.checkpointID)
 }
 
+// lateRenew renews with a deadline already past: DEADLINE_EXCEEDED, CHECKPOINT_DEADLINE_EXCEEDED,
+// and the `deadline` metadata reads back (ParseDeadline) as the deadline sent, to the
+// microsecond (a quarter second past a whole one is exact in the format's binary double).
+func (c *controller) lateRenew() error {
+	late := time.Unix(time.Now().Add(-10*time.Second).Unix(), 250*int64(time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := c.client.Renew(ctx, &pb.RenewRequest{CheckpointId: c.checkpointID, Deadline: timestamppb.New(late)})
+	metadata, err := refused(err, codes.DeadlineExceeded, pb.ErrorReason_ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED)
+	if err != nil {
+		return err
+	}
+	text := metadata[pb.MetadataKey_METADATA_KEY_DEADLINE.WireValue()]
+	deadline, err := pb.ParseDeadline(text)
+	if err != nil {
+		return err
+	}
+	return errors.Join(
+		expect("deadline", deadline, late.UTC()),
+		expect("FormatDeadline", pb.FormatDeadline(late), text),
+	)
+}
+
 func (c *controller) wrongToken() error {
 	conn, err := dial(c.grpcAddress, c.token+"-wrong")
 	if err != nil {
@@ -560,6 +583,7 @@ func main() {
 		{"Commit into a temporary directory: manifest, exported r1, records on disk", c.commit},
 		{"Resume: IDLE, not idempotent the first time", c.resume},
 		{"Commit after Resume: ABORTED, ErrorInfo STALE_CHECKPOINT", c.staleCommit},
+		{"Renew with a deadline already past: CHECKPOINT_DEADLINE_EXCEEDED, its deadline metadata", c.lateRenew},
 		{"a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID", c.wrongToken},
 		{"grpc.health.v1.Health/Check without a token: SERVING", c.health},
 	}

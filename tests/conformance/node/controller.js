@@ -36,10 +36,12 @@ const {
   PrepareUpdateKind,
   bearerToken,
   deadlineIn,
+  formatDeadline,
   grpc,
   health,
   healthServiceName,
   metadataKey,
+  parseDeadline,
   reasonOf,
   reasonString,
 } = require('@rollout-checkpoint/client');
@@ -209,6 +211,25 @@ step('Commit after Resume: ABORTED, ErrorInfo STALE_CHECKPOINT', async () => {
     ErrorReason.ERROR_REASON_STALE_CHECKPOINT,
   );
   assert.equal(refusal.metadata[metadataKey(MetadataKey.METADATA_KEY_CHECKPOINT_ID)], checkpointId);
+});
+
+// The `deadline` metadata reads back (parseDeadline) as the deadline sent, to the microsecond
+// (a quarter second past a whole one is exact in the format's binary double).
+step('Renew with a deadline already past: CHECKPOINT_DEADLINE_EXCEEDED, its deadline metadata', async () => {
+  const late = { seconds: String(Math.floor(Date.now() / 1000) - 10), nanos: 250_000_000 };
+  const refusal = await refused(
+    new Promise((resolve, reject) => {
+      const options = { deadline: new Date(Date.now() + 10000) };
+      client.renew({ checkpointId, deadline: late }, options, (err, reply) =>
+        err ? reject(err) : resolve(reply),
+      );
+    }),
+    grpc.status.DEADLINE_EXCEEDED,
+    ErrorReason.ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED,
+  );
+  const text = refusal.metadata[metadataKey(MetadataKey.METADATA_KEY_DEADLINE)];
+  assert.deepEqual(parseDeadline(text), late);
+  assert.equal(formatDeadline(late), text);
 });
 
 step('a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID', async () => {
