@@ -134,6 +134,22 @@ def test_the_python_wheel_holds_neither_package(tmp_path: Path) -> None:
     assert not leaked, leaked
 
 
+def test_the_go_helpers_pass_their_unit_tests() -> None:
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("go is not installed")
+    tested = run(go, "test", "./...", cwd=GO_MODULE)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_the_typescript_helpers_pass_their_unit_tests(now: dict[str, dict[str, object]]) -> None:
+    package = public_api.TS_PACKAGE
+    if not (package / "dist" / "index.js").is_file():
+        pytest.fail("gen/ts/dist is missing: run scripts/test (`npm ci` in gen/ts builds it)")
+    tested = run("node", "--test", "test/", cwd=package)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
 def readme_example(package: str, language: str) -> str:
     """The one fenced `language` block of gen/<package>/README.md: what a user copies."""
     readme = (public_api.REPO / "gen" / package / "README.md").read_text()
