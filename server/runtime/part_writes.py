@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import PartChain
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     PublishedPart,
@@ -55,9 +56,15 @@ class PartWriteState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PartSnapshot:
-    """An asynchronous commit's export, serialized: what the background write stores."""
+    """An asynchronous commit's export, serialized: what the background write stores.
+
+    `chain`: the lines reference earlier parts (an incremental part); `published` is told
+    once the part is durable (it becomes the base of the next incremental part then, never
+    before: a write that fails must leave its records changed)."""
 
     lines: tuple[bytes, ...]
+    chain: PartChain | None = None
+    published: Callable[[PublishedPart], None] | None = None
 
     @property
     def record_count(self) -> int:
@@ -140,20 +147,22 @@ class PartWrites:
     async def _write(
         self, write: PartWrite, kind: str, instance: str, snapshot: PartSnapshot
     ) -> PublishedPart:
+        call = functools.partial(
+            self._storage.write_part,
+            write.checkpoint_dir,
+            kind,
+            instance,
+            write.checkpoint_id,
+            iter(snapshot.lines),
+            write.fence,
+        )
+        if snapshot.chain is not None:
+            call = functools.partial(call, snapshot.chain)
         try:
-            published = await run_in_daemon_thread(
-                functools.partial(
-                    self._storage.write_part,
-                    write.checkpoint_dir,
-                    kind,
-                    instance,
-                    write.checkpoint_id,
-                    iter(snapshot.lines),
-                    write.fence,
-                ),
-                f"part write {write.checkpoint_id}",
-            )
+            published = await run_in_daemon_thread(call, f"part write {write.checkpoint_id}")
             write.published = published
+            if snapshot.published is not None:
+                snapshot.published(published)
             if self._durable is not None:
                 self._durable(published)
         except StopRequested:
