@@ -108,6 +108,12 @@ class ReferenceReader:
             os.close(fd)
         self._open.clear()
 
+    def check_files(self) -> None:
+        """Check every referenced file's part and size without reading a record (what a
+        size-only verification checks of the part's own records file)."""
+        for index, reference in enumerate(self._references):
+            self._records_fd(index, reference)
+
     def resolve(self, line: dict[str, Any]) -> dict[str, Any]:
         """The record a reference line stands for, read and verified."""
         if set(line) != {"episode_id", REFERENCE_FIELD}:

@@ -7,7 +7,7 @@ import base64
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -33,8 +33,11 @@ from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
     MANIFEST_NAME,
     PARTICIPANTS_DIR,
+    REFERENCE_FIELD,
+    StoredManifest,
 )
 from rollout_checkpoint.server.core.part_reader import RecordsCheck
+from rollout_checkpoint.server.core.part_references import ReferenceReader, check_resolved
 from rollout_checkpoint.server.core.safe_files import closing
 
 
@@ -282,7 +285,10 @@ def verify_part(
             )
         manifest = part_reader.decode_manifest(raw, shown)
         part_reader.check_owner(manifest, shown, entry.kind, entry.instance, checkpoint_id)
-        part_reader.scan_records(part_fd, shown, manifest, episode, check)
+        if manifest.chain is None:
+            part_reader.scan_records(part_fd, shown, manifest, episode, check)
+        else:
+            _scan_chained(ckpt_fd, ckpt_path, part_fd, manifest, episode, check)
     unique = tuple(sorted(set(keys)))
     summary = ParticipantSummary(
         name=entry.name,
@@ -296,6 +302,36 @@ def verify_part(
         episodes=unique,
     )
     return summary, len(keys) - len(unique)
+
+
+def _scan_chained(
+    ckpt_fd: int,
+    ckpt_path: Path,
+    part_fd: int,
+    manifest: StoredManifest,
+    on_record: Callable[[dict[str, Any], int], None],
+    check: RecordsCheck,
+) -> None:
+    """A chained part's own records file, and every record it references in earlier parts
+    (sibling directories of the same root), verified as a restore reads them; `size` checks
+    only the referenced files' parts and sizes."""
+    shown = layout.part_path(str(ckpt_path), manifest.kind, manifest.instance)
+    root_fd = os.open("..", DIR_FLAGS, dir_fd=ckpt_fd)
+    reader = ReferenceReader(root_fd, str(ckpt_path.parent), ckpt_path.name, manifest)
+    try:
+        if check == "size":
+            part_reader.scan_records(part_fd, shown, manifest, on_record, check)
+            reader.check_files()
+            return
+
+        def resolved(record: dict[str, Any], number: int) -> None:
+            on_record(reader.resolve(record) if REFERENCE_FIELD in record else record, number)
+
+        part_reader.scan_records(part_fd, shown, manifest, resolved, check)
+        check_resolved(reader, manifest, shown)
+    finally:
+        reader.close()
+        os.close(root_fd)
 
 
 @contextlib.contextmanager
