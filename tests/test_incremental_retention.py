@@ -53,7 +53,11 @@ def own_line(checkpoint: str, index: int) -> tuple[bytes, bytes]:
 
 
 def write(
-    root: Path, checkpoint: str, own: int, referenced: list[Line]
+    root: Path,
+    checkpoint: str,
+    own: int,
+    referenced: list[Line],
+    storage: LocalStorage | None = None,
 ) -> tuple[PublishedPart, list[Line]]:
     """Write the part of `checkpoint`: `own` records of its own, then `referenced`."""
     files = sorted({(r.checkpoint, r.records_file, r.file_bytes) for r in referenced})
@@ -79,7 +83,7 @@ def write(
         if referenced
         else None
     )
-    part = LocalStorage().write_part(
+    part = (storage or LocalStorage()).write_part(
         str(root / checkpoint), KIND, INSTANCE, checkpoint, data, WriteFence(), chain
     )
     manifest = part.manifest
