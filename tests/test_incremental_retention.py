@@ -25,6 +25,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointRoot,
     PublishedParticipant,
 )
+from rollout_checkpoint.client.checkpointing.publication.verify import inspect
 from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.layout import PartChain, PartReference
 from rollout_checkpoint.server.core.part_references import RecordPointer, reference_line
@@ -136,3 +137,21 @@ def test_retention_keeps_every_directory_a_kept_checkpoint_references(
         for kept in root.published():
             assert restorable(root_dir, kept)
         assert layout.FLEET_MANIFEST_NAME in {p.name for p in (root_dir / checkpoint).iterdir()}
+
+
+def test_inspect_shows_own_and_referenced_records_and_the_chain_length(tmp_path: Path) -> None:
+    root_dir = tmp_path / "root"
+    root = CheckpointRoot(root_dir)
+    base, lines = write(root_dir, "c0", 3, [])
+    chained, _ = write(root_dir, "c1", 1, lines[:2])
+    for number, part in enumerate((base, chained)):
+        entry = PublishedParticipant("counter", KIND, INSTANCE, part.manifest_sha256)
+        root.publish(f"c{number}", [entry], [], b"", created_at=T0 + timedelta(hours=number))
+    summary = inspect(root_dir / "c1")
+    (participant,) = summary.participants
+    assert (participant.own_records, participant.referenced_records) == (1, 2)
+    assert participant.chain_length == 2
+    assert participant.to_json()["chain_length"] == 2
+    assert "counter: 1 own record(s), 2 referenced, chain length 2" in summary.format_text()
+    (full,) = inspect(root_dir / "c0").participants
+    assert "chain_length" not in full.to_json()  # a full part's entry is as it always was

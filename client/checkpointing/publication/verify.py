@@ -63,10 +63,30 @@ class ParticipantSummary:
     """The records file's size."""
     episodes: tuple[str, ...]
     """The capture keys of its records, sorted (unique)."""
+    referenced_records: int = 0
+    """How many of its records are references to earlier parts (an incremental part)."""
+    chain_length: int = 1
+    """How many parts a restore of it reads at most (1: a full part)."""
+
+    @property
+    def own_records(self) -> int:
+        """The records its own records file holds (not references)."""
+        return self.record_count - self.referenced_records
+
+    def chain_json(self) -> dict[str, Any]:
+        """An incremental part's own and referenced records and chain length (else empty:
+        a full part's entry stays as it always was)."""
+        if self.chain_length == 1:
+            return {}
+        return {
+            "own_records": self.own_records,
+            "referenced_records": self.referenced_records,
+            "chain_length": self.chain_length,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready object (one entry of `inspect --json`'s participants)."""
-        return {
+        return self.chain_json() | {
             "name": self.name,
             "kind": self.kind,
             "instance": self.instance,
@@ -170,6 +190,15 @@ class CheckpointSummary:
         for row in (header, *rows):
             cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
             lines.append("  " + "  ".join([*cells, row[-1]]))
+        chained = [p for p in self.participants if p.chain_length > 1]
+        if chained:
+            lines.append("")
+            lines.append("incremental parts:")
+            lines.extend(
+                f"  {p.name}: {p.own_records} own record(s), {p.referenced_records} referenced, "
+                f"chain length {p.chain_length}"
+                for p in chained
+            )
         if self.warnings:
             lines.append("")
             lines.append("warnings:")
@@ -300,6 +329,8 @@ def verify_part(
         record_count=manifest.record_count,
         bytes=manifest.bytes,
         episodes=unique,
+        referenced_records=manifest.referenced_records,
+        chain_length=manifest.chain_length,
     )
     return summary, len(keys) - len(unique)
 
