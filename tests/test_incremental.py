@@ -66,6 +66,8 @@ class Fleet:
         self.root = root
         self.browsers: list[tuple[httpx.AsyncClient, str]] = []
         self.taken = 0
+        self.reply: Any = None
+        """The manifest the last Commit (or AwaitPart) replied with."""
 
     async def seed(self, count: int) -> None:
         for _ in range(count):
@@ -96,12 +98,14 @@ class Fleet:
         participant = self.r.participant
         participant.incremental = not full
         try:
-            await self.r.client.commit(
+            committed = await self.r.client.commit(
                 checkpoint_id, self.r.deadline(), str(directory), asynchronous=asynchronous
             )
+            self.reply = committed.manifest
             if asynchronous:
                 part = await self.r.client.await_part(checkpoint_id, self.r.deadline())
                 assert part.state == pb.PART_WRITE_STATE_DURABLE
+                self.reply = part.manifest
         finally:
             participant.incremental = True
         await self.r.client.resume(checkpoint_id, self.r.deadline())
@@ -196,6 +200,9 @@ async def test_only_touched_sessions_are_exported_and_the_chain_is_bounded(
             2,
         )
         assert [ref["checkpoint"] for ref in chain["references"]] == ["c1"]
+        reply = fleet.reply  # the Commit reply says the same
+        assert (reply.own_records, reply.referenced_records, reply.chain_length) == (1, 9, 2)
+        assert reply.schema_version == 2
         third = await fleet.checkpoint()  # nothing changed: everything referenced
         assert (manifest_of(third)["own_records"], manifest_of(third)["chain_length"]) == (0, 3)
         # References are flattened: the third part points at the lines holding the states.

@@ -294,6 +294,9 @@ def _manifest(manifest: StoredManifest, kind: Kind) -> types_pb2.Manifest:
         records_sha256=manifest.records_sha256,
         record_count=manifest.record_count,
         bytes=manifest.bytes,
+        own_records=manifest.own_records,
+        referenced_records=manifest.referenced_records,
+        chain_length=manifest.chain_length,
     )
 
 
