@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,29 @@ def test_a_version_1_reader_refuses_a_version_2_manifest() -> None:
         1, "resources", "counter", "c1", layout.records_name("b" * 64), "b" * 64, 1, 9
     )
     assert set(json.loads(v1.encode())) == set(layout._V1_ORDER)
+
+
+async def test_a_deleted_base_fails_the_commit_once_and_the_next_part_is_full(
+    tmp_path: Path,
+) -> None:
+    async with running(IncrementalCounter) as r:
+        fleet = Fleet(r, tmp_path)
+        await fleet.seed(4)
+        base = await fleet.checkpoint()
+        await fleet.increment(0)
+        shutil.rmtree(base)  # an operator (or a retention that knew no references) took it
+        assert (await prepared(r, "c2")).state == types_pb2.PARTICIPANT_STATE_PREPARED
+        with pytest.raises(ControlError) as refused:
+            await r.client.commit("c2", r.deadline(), str(tmp_path / "c2"))
+        assert refused.value.reason == "INVALID_CHECKPOINT_STATE"
+        assert str(base) in refused.value.metadata["path"]
+        assert not (
+            tmp_path / "c2" / "participants" / "resources" / "counter" / "manifest.json"
+        ).exists()
+        await r.client.resume("c2", r.deadline())
+        fleet.taken = 2
+        after = await fleet.checkpoint()
+        assert manifest_of(after)["schema_version"] == 1  # full: nothing references c1 again
+        assert (await restored_states(after)) == dict(
+            await r.server.export_session_states(sorted(r.participant.sessions))
+        )

@@ -86,19 +86,34 @@ def reference_line(episode_json: bytes, pointer: RecordPointer) -> bytes:
     )
 
 
+def reader_for(root_fd: int, root_path: str, own: str, manifest: StoredManifest) -> ReferenceReader:
+    """The reader of a chained part's references."""
+    assert manifest.chain is not None
+    return ReferenceReader(
+        root_fd, root_path, own, manifest.kind, manifest.instance, manifest.chain.references
+    )
+
+
 class ReferenceReader:
     """Resolves the reference lines of one chained part, opening each referenced records
     file once (`close` releases them). `root_fd` is the open root the part's checkpoint
     directory lies in, `own` that directory's name (a part never references itself)."""
 
-    def __init__(self, root_fd: int, root_path: str, own: str, manifest: StoredManifest) -> None:
-        assert manifest.chain is not None
+    def __init__(
+        self,
+        root_fd: int,
+        root_path: str,
+        own: str,
+        kind: str,
+        instance: str,
+        references: tuple[PartReference, ...],
+    ) -> None:
         self._root_fd = root_fd
         self._root_path = root_path.rstrip("/")
         self._own = own
-        self._kind = manifest.kind
-        self._instance = manifest.instance
-        self._references = manifest.chain.references
+        self._kind = kind
+        self._instance = instance
+        self._references = references
         self._open: dict[int, int] = {}
         self.resolved = 0
         self.resolved_bytes = 0

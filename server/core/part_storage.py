@@ -89,7 +89,11 @@ from rollout_checkpoint.server.core.layout import (
     load_json,
 )
 from rollout_checkpoint.server.core.part_reader import read_manifest, scan_records
-from rollout_checkpoint.server.core.part_references import ReferenceReader, check_resolved
+from rollout_checkpoint.server.core.part_references import (
+    ReferenceReader,
+    check_resolved,
+    reader_for,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +261,8 @@ class LocalStorage:
         """
         part_path = layout.part_path(checkpoint_dir, kind, instance)
         check_chain(chain, checkpoint_dir, part_path)
+        if chain is not None:
+            _check_referenced(checkpoint_dir, kind, instance, chain)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
         except OSError as exc:
@@ -466,6 +472,26 @@ def check_chain(chain: PartChain | None, checkpoint_dir: str, part_path: str) ->
             )
 
 
+def _check_referenced(checkpoint_dir: str, kind: str, instance: str, chain: PartChain) -> None:
+    """Every file a chained part references is there: a published part of this kind and
+    instance names it, with its size. Checked before a byte is written, so a part whose
+    references were deleted meanwhile (an operator, a retention that did not know them) is
+    refused (DATA_LOSS naming the file) instead of published and found unrestorable later."""
+    root, own = os.path.split(checkpoint_dir.rstrip("/"))
+    try:
+        root_fd = _open_checkpoint_dir(root or "/", create=False)
+    except OSError as exc:
+        raise _storage_error(exc, root) from exc
+    reader = ReferenceReader(root_fd, root, own, kind, instance, chain.references)
+    try:
+        reader.check_files()
+    except OSError as exc:
+        raise _storage_error(exc, root) from exc
+    finally:
+        reader.close()
+        os.close(root_fd)
+
+
 def _read_chained(
     checkpoint_dir: str,
     part_fd: int,
@@ -477,7 +503,7 @@ def _read_chained(
     points at in an earlier part (`part_references`), read below the same root."""
     root, own = os.path.split(checkpoint_dir.rstrip("/"))
     root_fd = _open_checkpoint_dir(root or "/", create=False)
-    reader = ReferenceReader(root_fd, root, own, manifest)
+    reader = reader_for(root_fd, root, own, manifest)
     kept: list[dict[str, Any]] = []
 
     def keep(record: dict[str, Any], number: int) -> None:

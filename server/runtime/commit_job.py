@@ -238,9 +238,14 @@ class CommitJob:
         chain = None if plan is None else plan.chain()
         if chain is not None:
             write = functools.partial(write, chain)
-        published = await run_in_daemon_thread(write, f"part write {self.checkpoint_id}")
-        if plan is not None:
-            host.part_chains.published(plan, published)
+        if plan is None:
+            return await run_in_daemon_thread(write, f"part write {self.checkpoint_id}")
+        try:
+            published = await run_in_daemon_thread(write, f"part write {self.checkpoint_id}")
+        except BaseException:
+            host.part_chains.settled(plan, None)
+            raise
+        host.part_chains.settled(plan, published)
         return published
 
     async def _snapshot_phases(
@@ -328,7 +333,7 @@ async def _snapshot(
         lines = await asyncio.to_thread(lambda: tuple(plan.lines()))
         chains = host.part_chains
         return PartSnapshot(
-            lines, chain=plan.chain(), published=functools.partial(chains.published, plan)
+            lines, chain=plan.chain(), settled=functools.partial(chains.settled, plan)
         )
 
 

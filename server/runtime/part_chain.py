@@ -137,10 +137,18 @@ class PartChains:
             return None
         return base
 
-    def published(self, plan: PartPlan, part: PublishedPart) -> None:
-        """The plan's part is durable: it becomes the base, unless a restore came since."""
-        if plan.generation == self._generation and not is_object_url(plan.checkpoint_dir):
+    def settled(self, plan: PartPlan, part: PublishedPart | None) -> None:
+        """The plan's write ended. Published (`part`): it becomes the base, unless a restore
+        came since. Failed with references: its base is dropped, so the next part is full
+        rather than referencing, again, files that may be what made it fail (deleted by an
+        operator, refused by `write_part`'s check); a failure costs one full part, never a
+        chain that can no longer publish."""
+        if plan.generation != self._generation or is_object_url(plan.checkpoint_dir):
+            return
+        if part is not None:
             self._latest = plan.published_chain(part)
+        elif plan.references and self._latest is plan.base:
+            self._latest = None
 
 
 @dataclass(eq=False)

@@ -58,13 +58,13 @@ class PartWriteState(enum.StrEnum):
 class PartSnapshot:
     """An asynchronous commit's export, serialized: what the background write stores.
 
-    `chain`: the lines reference earlier parts (an incremental part); `published` is told
-    once the part is durable (it becomes the base of the next incremental part then, never
-    before: a write that fails must leave its records changed)."""
+    `chain`: the lines reference earlier parts (an incremental part); `settled` is told
+    how the write ended: the part once durable (it becomes the base of the next incremental
+    part then, never before: a write that fails must leave its records changed), or None."""
 
     lines: tuple[bytes, ...]
     chain: PartChain | None = None
-    published: Callable[[PublishedPart], None] | None = None
+    settled: Callable[[PublishedPart | None], None] | None = None
 
     @property
     def record_count(self) -> int:
@@ -161,8 +161,8 @@ class PartWrites:
         try:
             published = await run_in_daemon_thread(call, f"part write {write.checkpoint_id}")
             write.published = published
-            if snapshot.published is not None:
-                snapshot.published(published)
+            if snapshot.settled is not None:
+                snapshot.settled(published)
             if self._durable is not None:
                 self._durable(published)
         except StopRequested:
@@ -182,6 +182,8 @@ class PartWrites:
             )
             raise write.error from exc
         finally:
+            if write.published is None and snapshot.settled is not None:
+                snapshot.settled(None)
             if self._running is write:
                 self._running = None
             self._changed()

@@ -37,7 +37,7 @@ from rollout_checkpoint.server.core.layout import (
     StoredManifest,
 )
 from rollout_checkpoint.server.core.part_reader import RecordsCheck
-from rollout_checkpoint.server.core.part_references import ReferenceReader, check_resolved
+from rollout_checkpoint.server.core.part_references import check_resolved, reader_for
 from rollout_checkpoint.server.core.safe_files import closing
 
 
@@ -348,7 +348,7 @@ def _scan_chained(
     only the referenced files' parts and sizes."""
     shown = layout.part_path(str(ckpt_path), manifest.kind, manifest.instance)
     root_fd = os.open("..", DIR_FLAGS, dir_fd=ckpt_fd)
-    reader = ReferenceReader(root_fd, str(ckpt_path.parent), ckpt_path.name, manifest)
+    reader = reader_for(root_fd, str(ckpt_path.parent), ckpt_path.name, manifest)
     try:
         if check == "size":
             part_reader.scan_records(part_fd, shown, manifest, on_record, check)
