@@ -330,10 +330,13 @@ async def _snapshot(
     with host.observer.phase("snapshot"):
         if plan is None:
             return PartSnapshot(await asyncio.to_thread(_serialized, records))
-        lines = await asyncio.to_thread(lambda: tuple(plan.lines()))
+        lines = await asyncio.to_thread(lambda: tuple(plan.lines(hashed=False)))
         chains = host.part_chains
         return PartSnapshot(
-            lines, chain=plan.chain(), settled=functools.partial(chains.settled, plan)
+            lines,
+            chain=plan.chain(),
+            before_write=plan.hash_own,
+            settled=functools.partial(chains.settled, plan),
         )
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
 from rollout_checkpoint.server.core.layout import REFERENCE_FIELD, PartChain, PartReference
@@ -59,24 +59,22 @@ class ChainSettings:
 
 @dataclass(frozen=True, slots=True)
 class RecordLocation:
-    """Where a published record's line lies: the records file (in the sibling checkpoint
-    directory `checkpoint`), and the line's offset, length (newline excluded) and sha256."""
+    """Where a published record's line lies: the records file (`file`, one object shared by
+    every line of that file, so grouping lines by file costs no hashing of its fields), and
+    the line's offset, length (newline excluded) and sha256."""
 
-    checkpoint: str
-    records_file: str
-    file_bytes: int
+    file: PartReference
     offset: int
     length: int
     sha256: str
 
-    @property
-    def file(self) -> PartReference:
-        return PartReference(self.checkpoint, self.records_file, self.file_bytes)
-
 
 @dataclass(frozen=True, slots=True)
 class PublishedChain:
-    """The last part this participant published, as the next part may reference it."""
+    """The last part this participant published, as the next part may reference it.
+
+    `stale_share`: of the bytes of the files its records lie in, the share that none of its
+    records is (superseded records, reference lines); computed once, when it is published."""
 
     root: str
     checkpoint: str
@@ -84,16 +82,17 @@ class PublishedChain:
     cut: int
     locations: Mapping[Hashable, RecordLocation]
     generation: int
+    stale_share: float
 
     def published_at(self, identity: Hashable) -> int | None:
         return self.cut if identity in self.locations else None
 
-    def stale_share(self) -> float:
-        """The share of the bytes of the files this part references that it no longer does."""
-        files = {loc.file for loc in self.locations.values()}
-        total = sum(f.bytes for f in files)
-        live = sum(loc.length + 1 for loc in self.locations.values())
-        return 1.0 - live / total if total else 0.0
+
+def _stale_share(locations: Mapping[Hashable, RecordLocation]) -> float:
+    files = {id(loc.file): loc.file for loc in locations.values()}
+    total = sum(f.bytes for f in files.values())
+    live = sum(loc.length + 1 for loc in locations.values())
+    return 1.0 - live / total if total else 0.0
 
 
 class PartChains:
@@ -133,7 +132,7 @@ class PartChains:
             return None
         if base.chain_length >= min(self.settings.full_every, MAX_FULL_EVERY):
             return None
-        if base.stale_share() > self.settings.max_stale_share:
+        if base.stale_share > self.settings.max_stale_share:
             return None
         return base
 
@@ -155,8 +154,10 @@ class PartChains:
 class PartPlan:
     """One commit's lines: its own records and its references, in the export's order.
 
-    `lines()` is iterated once, in the writer's thread; it notes where each own record lands,
-    so that once the part is published (`published_chain`) the next part can reference it."""
+    `lines()` is iterated once, in a thread (the writer's, or the snapshot's); it notes where
+    each own record lands and, unless told not to, hashes it, so that once the part is
+    published (`published_chain`) the next part can reference it. An asynchronous snapshot
+    leaves the hashing to the background write (`hash_own`): it is not the pause's work."""
 
     checkpoint_dir: str
     cut: int
@@ -164,15 +165,24 @@ class PartPlan:
     base: PublishedChain | None
     identity: Identity
     generation: int
-    _own: list[tuple[Hashable, int, int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        references = sorted(
-            {self._location(item).file for item in self._unchanged()},
-            key=lambda f: (f.checkpoint, f.records_file),
+        self._own: list[tuple[Hashable, int, int, bytes | str]] = []
+        base = self.base
+        self._located = (
+            {
+                id(item): base.locations[item.identity]
+                for item in self.items
+                if isinstance(item, UnchangedRecord)
+            }
+            if base is not None
+            else {}
         )
-        self.references = tuple(references)
-        self._index = {f: i for i, f in enumerate(references)}
+        files = {id(loc.file): loc.file for loc in self._located.values()}
+        self.references = tuple(
+            sorted(files.values(), key=lambda f: (f.checkpoint, f.records_file))
+        )
+        self._index = {id(f): i for i, f in enumerate(self.references)}
 
     def moved_to(self, checkpoint_dir: str) -> PartPlan:
         """This plan for a commit retried into another directory (the first one failed: a
@@ -195,45 +205,50 @@ class PartPlan:
             checkpoint_dir, self.cut, self.items, self.base, self.identity, self.generation
         )
 
-    def _unchanged(self) -> Iterator[UnchangedRecord]:
-        return (item for item in self.items if isinstance(item, UnchangedRecord))
-
-    def _location(self, item: UnchangedRecord) -> RecordLocation:
-        assert self.base is not None, "an unchanged record needs a base part"
-        return self.base.locations[item.identity]
-
     def chain(self) -> PartChain | None:
         """What the manifest says of the chain (None: a full part, manifest version 1)."""
         if not self.references:
             return None
         assert self.base is not None
-        locations = [self._location(item) for item in self._unchanged()]
+        located = self._located.values()
         return PartChain(
-            own_records=len(self.items) - len(locations),
-            referenced_records=len(locations),
-            referenced_bytes=sum(loc.length + 1 for loc in locations),
+            own_records=len(self.items) - len(located),
+            referenced_records=len(located),
+            referenced_bytes=sum(loc.length + 1 for loc in located),
             chain_length=self.base.chain_length + 1,
             references=self.references,
         )
 
-    def lines(self) -> Iterator[bytes]:
-        """Every line of the part, each own record's place noted as it goes."""
+    def lines(self, *, hashed: bool = True) -> Iterator[bytes]:
+        """Every line of the part, each own record's place noted as it goes (and its sha256,
+        unless `hashed` is False: then `hash_own` must run before the part is published)."""
         self._own.clear()
         offset = 0
         for item in self.items:
             if isinstance(item, UnchangedRecord):
-                location = self._location(item)
+                location = self._located[id(item)]
                 pointer = RecordPointer(
-                    self._index[location.file], location.offset, location.length, location.sha256
+                    self._index[id(location.file)],
+                    location.offset,
+                    location.length,
+                    location.sha256,
                 )
                 line = reference_line(encode_json(item.episode_id.to_json()), pointer)
             else:
                 line = self._own_line(item)
-                self._own.append(
-                    (self.identity(item), offset, len(line), hashlib.sha256(line).hexdigest())
-                )
+                noted = hashlib.sha256(line).hexdigest() if hashed else line
+                self._own.append((self.identity(item), offset, len(line), noted))
             yield line
             offset += len(line) + 1
+
+    def hash_own(self) -> None:
+        """Hash the own lines `lines(hashed=False)` noted; blocks (run it in a thread)."""
+        self._own = [
+            (identity, offset, length, hashlib.sha256(line).hexdigest())
+            if isinstance(line, bytes)
+            else (identity, offset, length, line)
+            for identity, offset, length, line in self._own
+        ]
 
     def _own_line(self, record: ExportRecord) -> bytes:
         if REFERENCE_FIELD in record.fields:
@@ -248,13 +263,21 @@ class PartPlan:
     def published_chain(self, part: PublishedPart) -> PublishedChain:
         root, name = os.path.split(self.checkpoint_dir.rstrip("/"))
         manifest = part.manifest
+        own_file = PartReference(name, manifest.records_file, manifest.bytes)
         locations: dict[Hashable, RecordLocation] = {
-            item.identity: self._location(item) for item in self._unchanged()
+            item.identity: self._located[id(item)]
+            for item in self.items
+            if isinstance(item, UnchangedRecord)
         }
         for identity, offset, length, digest in self._own:
-            locations[identity] = RecordLocation(
-                name, manifest.records_file, manifest.bytes, offset, length, digest
-            )
+            assert isinstance(digest, str), "hash_own did not run"
+            locations[identity] = RecordLocation(own_file, offset, length, digest)
         return PublishedChain(
-            root, name, manifest.chain_length, self.cut, locations, self.generation
+            root,
+            name,
+            manifest.chain_length,
+            self.cut,
+            locations,
+            self.generation,
+            _stale_share(locations),
         )

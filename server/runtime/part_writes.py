@@ -64,6 +64,9 @@ class PartSnapshot:
 
     lines: tuple[bytes, ...]
     chain: PartChain | None = None
+    before_write: Callable[[], None] | None = None
+    """Work of the snapshot that need not be the pause's (an incremental part hashes its own
+    lines here): run in the write's thread before the part is written."""
     settled: Callable[[PublishedPart | None], None] | None = None
 
     @property
@@ -158,6 +161,8 @@ class PartWrites:
         )
         if snapshot.chain is not None:
             call = functools.partial(call, snapshot.chain)
+        if snapshot.before_write is not None:
+            call = functools.partial(_after, snapshot.before_write, call)
         try:
             published = await run_in_daemon_thread(call, f"part write {write.checkpoint_id}")
             write.published = published
@@ -193,6 +198,11 @@ class PartWrites:
         """Abandon a write that has not begun publishing (the process is closing)."""
         if self._running is not None:
             self._running.fence.stop()
+
+
+def _after(first: Callable[[], None], then: Callable[[], PublishedPart]) -> PublishedPart:
+    first()
+    return then()
 
 
 async def _ended(task: asyncio.Task[PublishedPart]) -> None:
