@@ -360,3 +360,41 @@ async def test_a_deleted_base_fails_the_commit_once_and_the_next_part_is_full(
         assert (await restored_states(after)) == dict(
             await r.server.export_session_states(sorted(r.participant.sessions))
         )
+
+
+async def test_a_change_after_the_cut_of_an_async_write_stays_changed(tmp_path: Path) -> None:
+    """The snapshot is taken, admission reopens and a request changes a session while (or
+    after) the part is written: publishing that part does not mark the session unchanged,
+    since its last change is later than the part's cut."""
+    async with running(IncrementalCounter) as r:
+        fleet = Fleet(r, tmp_path)
+        await fleet.seed(4)
+        await fleet.checkpoint(asynchronous=True)
+        assert (await prepared(r, "c2")).state == types_pb2.PARTICIPANT_STATE_PREPARED
+        await r.client.commit("c2", r.deadline(), str(tmp_path / "c2"), asynchronous=True)
+        await r.client.resume("c2", r.deadline())
+        await fleet.increment(2)  # after the cut; the write may still be running
+        durable = await r.client.await_part("c2", r.deadline())
+        assert durable.state == pb.PART_WRITE_STATE_DURABLE
+        assert durable.manifest.own_records == 0  # c2 exported nothing: nothing had changed
+        fleet.taken = 2
+        after = await fleet.checkpoint(asynchronous=True)
+        assert manifest_of(after)["own_records"] == 1  # session 2, changed after c2's cut
+        assert (await restored_states(after)) == dict(
+            await r.server.export_session_states(sorted(r.participant.sessions))
+        )
+
+
+async def test_checkpoint_session_changed_exports_a_session_changed_outside_requests(
+    tmp_path: Path,
+) -> None:
+    async with running(IncrementalCounter) as r:
+        fleet = Fleet(r, tmp_path)
+        await fleet.seed(3)
+        await fleet.checkpoint()
+        session_id = sorted(r.participant.sessions)[1]
+        r.server.counters[session_id] += 10  # a background task, not a request
+        r.server.checkpoint_session_changed(session_id)
+        after = await fleet.checkpoint()
+        assert manifest_of(after)["own_records"] == 1
+        assert (await restored_states(after))[session_id] == {"count": 11}

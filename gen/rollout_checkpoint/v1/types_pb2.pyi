@@ -415,19 +415,20 @@ class Manifest(_message.Message):
     bytes: _builtins.int
     """The size of the records file in bytes."""
     own_records: _builtins.int
-    """The records this part wrote itself (the changed and new ones); for a full
-    part `record_count`. Set by participants that write incremental parts;
-    unset (0) from older participants, whose parts are all full.
+    """Set only for an incremental part (`schema_version` 2): the records it
+    wrote itself (the changed and new ones). Unset (0) for a full part, whose
+    records are all its own (`record_count`), so a full part's reply is
+    exactly what it was before incremental parts existed.
     """
     referenced_records: _builtins.int
-    """The records this part references in earlier published parts of the same
-    participant (sessions unchanged since); 0 for a full part. `own_records`
-    plus `referenced_records` is `record_count`.
+    """Set only for an incremental part: the records it references in earlier
+    published parts of the same participant (unchanged since).
+    `own_records` plus `referenced_records` is `record_count`.
     """
     chain_length: _builtins.int
-    """How many parts a restore of this part reads at most: 1 for a full part,
-    one more for each incremental part since the last full one. Unset (0) from
-    older participants.
+    """Set only for an incremental part: how many parts a restore of it reads at
+    most (2 for the first incremental part after a full one, one more for
+    each next). Unset (0) for a full part, which is read alone.
     """
     def __init__(
         self,
