@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rollout_checkpoint.server.core.errors import invalid_request
-from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.layout import PartChain, StoredManifest
 from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
 from rollout_checkpoint.server.core.object_store import (
     allowed_url,
@@ -71,9 +71,13 @@ class PartStorage:
         checkpoint_id: str,
         lines: Iterable[bytes],
         fence: WriteFence,
+        chain: PartChain | None = None,
     ) -> PublishedPart:
-        return self._backend(checkpoint_dir).write_part(
-            checkpoint_dir, kind, instance, checkpoint_id, lines, fence
+        backend = self._backend(checkpoint_dir)
+        if chain is None:  # a full part: every backend (and every test double) writes it
+            return backend.write_part(checkpoint_dir, kind, instance, checkpoint_id, lines, fence)
+        return backend.write_part(
+            checkpoint_dir, kind, instance, checkpoint_id, lines, fence, chain
         )
 
     def read_part(

@@ -17,12 +17,20 @@ from __future__ import annotations
 import builtins
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 SCHEMA_VERSION = 1
+CHAIN_SCHEMA_VERSION = 2
+"""A part that references records of earlier parts (`PartChain`). A full part keeps version 1,
+byte for byte: only a part with references needs a reader that knows them, and a reader of
+version 1 refuses a version 2 manifest (typed, DATA_LOSS) instead of taking its reference
+lines for records."""
+REFERENCE_FIELD = "$ref"
+"""The field of a reference line in a version 2 records file: `{"episode_id": ..., "$ref":
+[reference index, offset, length, sha256 of the line]}` (`part_references`)."""
 
 PARTICIPANTS_DIR = "participants"
 MANIFEST_NAME = "manifest.json"
@@ -85,6 +93,96 @@ def part_manifest_path(kind: str, instance: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class PartReference:
+    """A records file of an earlier part that this part's reference lines point into.
+
+    `checkpoint` is the earlier checkpoint's directory name, a sibling of this part's
+    checkpoint directory under the same root: one plain name (an id), never a path, so a
+    reference cannot leave the root whatever a manifest says. `bytes` is the file's size, and
+    `records_file` carries its digest in its name."""
+
+    checkpoint: str
+    records_file: str
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "checkpoint": self.checkpoint,
+            "records_file": self.records_file,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> PartReference:
+        if not isinstance(raw, dict) or set(raw) != {"bytes", "checkpoint", "records_file"}:
+            raise ValueError("a reference holds exactly bytes, checkpoint and records_file")
+        checkpoint, records_file, size = raw["checkpoint"], raw["records_file"], raw["bytes"]
+        if not isinstance(checkpoint, str) or not is_reference_name(checkpoint):
+            raise ValueError(f"a reference names an invalid checkpoint directory {checkpoint!r}")
+        if not isinstance(records_file, str) or not RECORDS_NAME.fullmatch(records_file):
+            raise ValueError("a reference names an invalid records file")
+        if type(size) is not int or size < 0:
+            raise ValueError("a reference's bytes must be a non-negative integer")
+        return cls(checkpoint, records_file, size)
+
+
+_REFERENCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_reference_name(name: str) -> bool:
+    """A sibling checkpoint directory's name as a reference may hold it: one component that
+    starts with a letter or digit (so never `.`, `..`, empty, absolute or with a slash)."""
+    return _REFERENCE_NAME.fullmatch(name) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PartChain:
+    """What a version 2 manifest adds: how many of the part's lines are its own records and
+    how many reference earlier parts (`references`, sorted), the bytes those references
+    stand for, and the part's position in its chain (the first part after a full one is 2)."""
+
+    own_records: int
+    referenced_records: int
+    referenced_bytes: int
+    chain_length: int
+    references: tuple[PartReference, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chain_length": self.chain_length,
+            "own_records": self.own_records,
+            "referenced_bytes": self.referenced_bytes,
+            "referenced_records": self.referenced_records,
+            "references": [r.to_json() for r in self.references],
+        }
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> PartChain:
+        for name in ("own_records", "referenced_records", "referenced_bytes", "chain_length"):
+            value = fields[name]
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer")
+        raw_references = fields["references"]
+        if not isinstance(raw_references, list) or not raw_references:
+            raise ValueError("references must be a non-empty list")
+        references = tuple(PartReference.from_json(r) for r in raw_references)
+        if fields["chain_length"] < 2 or fields["referenced_records"] < 1:
+            raise ValueError("a chained part references at least one record of an earlier part")
+        return cls(
+            fields["own_records"],
+            fields["referenced_records"],
+            fields["referenced_bytes"],
+            fields["chain_length"],
+            references,
+        )
+
+
+_CHAIN_FIELDS = frozenset(
+    {"own_records", "referenced_records", "referenced_bytes", "chain_length", "references"}
+)
+
+
+@dataclass(frozen=True, slots=True)
 class StoredManifest:
     """A part's `manifest.json`: which records file is the part, and its digest, count, size."""
 
@@ -96,10 +194,38 @@ class StoredManifest:
     records_sha256: str
     record_count: int
     bytes: int  # the records file's size; the name is the manifest's field name
+    chain: PartChain | None = None
+    """Set only in a version 2 manifest: the part references records of earlier parts."""
+
+    @property
+    def own_records(self) -> int:
+        return self.record_count if self.chain is None else self.chain.own_records
+
+    @property
+    def referenced_records(self) -> int:
+        return 0 if self.chain is None else self.chain.referenced_records
+
+    @property
+    def chain_length(self) -> int:
+        """How many parts a restore of this one reads at most (1: a full part)."""
+        return 1 if self.chain is None else self.chain.chain_length
 
     def encode(self) -> builtins.bytes:
-        """The canonical bytes (sorted keys): the same manifest is always the same file."""
-        return (json.dumps(asdict(self), sort_keys=True, indent=2) + "\n").encode()
+        """The canonical bytes (sorted keys): the same manifest is always the same file. A
+        part without references is version 1 exactly as before the chain existed."""
+        fields = {
+            "schema_version": self.schema_version,
+            "kind": self.kind,
+            "instance": self.instance,
+            "checkpoint_id": self.checkpoint_id,
+            "records_file": self.records_file,
+            "records_sha256": self.records_sha256,
+            "record_count": self.record_count,
+            "bytes": self.bytes,
+        }
+        if self.chain is not None:
+            fields.update(self.chain.to_json())
+        return (json.dumps(fields, sort_keys=True, indent=2) + "\n").encode()
 
     @classmethod
     def decode(cls, raw: builtins.bytes) -> StoredManifest:
@@ -107,13 +233,22 @@ class StoredManifest:
         fields = load_json(raw)
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
-        exact_fields(fields, _MANIFEST_FIELDS, "participant manifest")
+        version = fields.get("schema_version")
+        chained = version == CHAIN_SCHEMA_VERSION
+        expected = _MANIFEST_FIELDS | _CHAIN_FIELDS if chained else _MANIFEST_FIELDS
+        exact_fields(fields, expected, "participant manifest")
         for name in ("schema_version", "record_count", "bytes"):
             value = fields[name]
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer")
-        if fields["schema_version"] != SCHEMA_VERSION:
-            raise ValueError(f"unsupported schema_version {fields['schema_version']}")
+        if version not in (SCHEMA_VERSION, CHAIN_SCHEMA_VERSION):
+            raise ValueError(f"unsupported schema_version {version}")
+        chain = PartChain.from_json(fields) if chained else None
+        if (
+            chain is not None
+            and chain.own_records + chain.referenced_records != fields["record_count"]
+        ):
+            raise ValueError("own_records and referenced_records must add up to record_count")
         for name in ("kind", "instance", "checkpoint_id", "records_file", "records_sha256"):
             if not isinstance(fields[name], str):
                 raise ValueError(f"{name} must be a string")
@@ -122,10 +257,30 @@ class StoredManifest:
         match = RECORDS_NAME.fullmatch(fields["records_file"])
         if match is None or match.group(1) != fields["records_sha256"]:
             raise ValueError("records_file must be exactly records-<records_sha256>.jsonl")
-        return cls(**fields)
+        return cls(
+            schema_version=fields["schema_version"],
+            kind=fields["kind"],
+            instance=fields["instance"],
+            checkpoint_id=fields["checkpoint_id"],
+            records_file=fields["records_file"],
+            records_sha256=fields["records_sha256"],
+            record_count=fields["record_count"],
+            bytes=fields["bytes"],
+            chain=chain,
+        )
 
 
-_MANIFEST_FIELDS = frozenset(StoredManifest.__dataclass_fields__)
+_V1_ORDER = (
+    "schema_version",
+    "kind",
+    "instance",
+    "checkpoint_id",
+    "records_file",
+    "records_sha256",
+    "record_count",
+    "bytes",
+)
+_MANIFEST_FIELDS = frozenset(_V1_ORDER)
 
 
 _decode = msgspec.json.Decoder().decode

@@ -51,6 +51,7 @@ from rollout_checkpoint.server.core.layout import (
     MANIFEST_LIMIT,
     MANIFEST_NAME,
     SCHEMA_VERSION,
+    PartChain,
     StoredManifest,
 )
 from rollout_checkpoint.server.core.object_store import (
@@ -114,8 +115,17 @@ class ObjectPartStorage:
         checkpoint_id: str,
         lines: Iterable[bytes],
         fence: WriteFence,
+        chain: PartChain | None = None,
     ) -> PublishedPart:
-        """Write and publish this participant's part below the URL `checkpoint_dir`."""
+        """Write and publish this participant's part below the URL `checkpoint_dir`.
+
+        A `chain` (a part referencing earlier parts) is refused: the runtime writes only full
+        parts to an object store, and refusing here keeps a manifest that no object-store
+        reader resolves from ever being published."""
+        if chain is not None:
+            raise invalid_request(
+                "checkpoint_dir", "parts referencing earlier parts are not stored on object stores"
+            )
         part = _part_location(checkpoint_dir, kind, instance)
         try:
             client = self._client(part)
@@ -195,6 +205,11 @@ class ObjectPartStorage:
             client = self._client(part)
             manifest = read_object_manifest(client, part)
             check_owner(manifest, part.url, kind, instance)
+            if manifest.chain is not None:
+                raise corrupt_checkpoint(
+                    "a part referencing earlier parts cannot be read from an object store",
+                    part.url,
+                )
             kept: list[dict[str, Any]] = []
 
             def keep(record: dict[str, Any], number: int) -> None:

@@ -79,13 +79,21 @@ from rollout_checkpoint.server.core.errors import (
     rejected_checkpoint,
 )
 from rollout_checkpoint.server.core.layout import (
+    CHAIN_SCHEMA_VERSION,
     MANIFEST_LIMIT,
     MANIFEST_NAME,
+    REFERENCE_FIELD,
     SCHEMA_VERSION,
+    PartChain,
     StoredManifest,
     load_json,
 )
 from rollout_checkpoint.server.core.part_reader import read_manifest, scan_records
+from rollout_checkpoint.server.core.part_references import (
+    ReferenceReader,
+    check_resolved,
+    reader_for,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +170,7 @@ class CheckpointStorage(Protocol):
         checkpoint_id: str,
         lines: Iterable[bytes],
         fence: WriteFence,
+        chain: PartChain | None = None,
     ) -> PublishedPart: ...
 
     def read_part(
@@ -240,34 +249,35 @@ class LocalStorage:
         checkpoint_id: str,
         lines: Iterable[bytes],
         fence: WriteFence,
+        chain: PartChain | None = None,
     ) -> PublishedPart:
         """Write and publish this participant's part; blocks (run it in a thread).
 
         `checkpoint_dir` is the real path `validate_checkpoint_dir` returned. `fence` is
         checked between records and while waiting for the part lock; StopRequested means
-        nothing was published and nothing of this write is left behind.
+        nothing was published and nothing of this write is left behind. `chain`: the part's
+        lines include references to earlier parts (a version 2 manifest); each reference must
+        name a sibling of `checkpoint_dir` (`check_chain`), checked before a byte is written.
         """
         part_path = layout.part_path(checkpoint_dir, kind, instance)
+        check_chain(chain, checkpoint_dir, part_path)
+        if chain is not None:
+            _check_referenced(checkpoint_dir, kind, instance, chain)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         try:
             part = _Part(part_fd, part_path)
-            return self._write_in(part, kind, instance, checkpoint_id, lines, fence)
+            header = _Header(kind, instance, checkpoint_id, chain)
+            return self._write_in(part, header, lines, fence)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
         finally:
             os.close(part_fd)
 
     def _write_in(
-        self,
-        part: _Part,
-        kind: str,
-        instance: str,
-        checkpoint_id: str,
-        lines: Iterable[bytes],
-        fence: WriteFence,
+        self, part: _Part, header: _Header, lines: Iterable[bytes], fence: WriteFence
     ) -> PublishedPart:
         self._step("before_sweep")
         with self._locked(part, fence):
@@ -275,16 +285,7 @@ class LocalStorage:
             records_tmp, tmp_fd = _create_temporary(part.fd, "records")
         try:
             digest, count, size = self._write_records(tmp_fd, lines, fence)
-            manifest = StoredManifest(
-                SCHEMA_VERSION,
-                kind,
-                instance,
-                checkpoint_id,
-                layout.records_name(digest),
-                digest,
-                count,
-                size,
-            )
+            manifest = header.manifest(digest, count, size)
             self._step("before_part_lock")
             with self._locked(part, fence):
                 return self._publish(part, records_tmp, manifest, fence)
@@ -439,6 +440,8 @@ class LocalStorage:
             raise _storage_error(exc, part_path) from exc
         try:
             manifest = read_manifest(part_fd, part_path, kind, instance)
+            if manifest.chain is not None:
+                return manifest, _read_chained(checkpoint_dir, part_fd, part_path, manifest, select)
             kept: list[dict[str, Any]] = []
 
             def keep(record: dict[str, Any], number: int) -> None:
@@ -451,6 +454,102 @@ class LocalStorage:
             raise _storage_error(exc, part_path) from exc
         finally:
             os.close(part_fd)
+
+
+def check_chain(chain: PartChain | None, checkpoint_dir: str, part_path: str) -> None:
+    """A chained part's references name siblings of its own checkpoint directory: one plain
+    name each, never its own, never a path. Refused before anything is written, so a
+    manifest that a reader would refuse is never published."""
+    if chain is None:
+        return
+    own = os.path.basename(checkpoint_dir.rstrip("/"))
+    for reference in chain.references:
+        if not layout.is_reference_name(reference.checkpoint) or reference.checkpoint == own:
+            raise invalid_request(
+                "checkpoint_dir",
+                f"{part_path}: a reference may name only a sibling checkpoint directory, "
+                f"not {reference.checkpoint!r}",
+            )
+
+
+def _check_referenced(checkpoint_dir: str, kind: str, instance: str, chain: PartChain) -> None:
+    """Every file a chained part references is there: a published part of this kind and
+    instance names it, with its size. Checked before a byte is written, so a part whose
+    references were deleted meanwhile (an operator, a retention that did not know them) is
+    refused (DATA_LOSS naming the file) instead of published and found unrestorable later."""
+    root, own = os.path.split(checkpoint_dir.rstrip("/"))
+    try:
+        root_fd = _open_checkpoint_dir(root or "/", create=False)
+    except OSError as exc:
+        raise _storage_error(exc, root) from exc
+    reader = ReferenceReader(root_fd, root, own, kind, instance, chain.references)
+    try:
+        reader.check_files()
+    except OSError as exc:
+        raise _storage_error(exc, root) from exc
+    finally:
+        reader.close()
+        os.close(root_fd)
+
+
+def _read_chained(
+    checkpoint_dir: str,
+    part_fd: int,
+    part_path: str,
+    manifest: StoredManifest,
+    select: Callable[[dict[str, Any]], bool],
+) -> list[dict[str, Any]]:
+    """The selected records of a chained part: each reference line replaced by the record it
+    points at in an earlier part (`part_references`), read below the same root."""
+    root, own = os.path.split(checkpoint_dir.rstrip("/"))
+    root_fd = _open_checkpoint_dir(root or "/", create=False)
+    reader = reader_for(root_fd, root, own, manifest)
+    kept: list[dict[str, Any]] = []
+
+    def keep(record: dict[str, Any], number: int) -> None:
+        if REFERENCE_FIELD in record:
+            record = reader.resolve(record)
+        if select(record):
+            kept.append(record)
+
+    try:
+        scan_records(part_fd, part_path, manifest, keep)
+        check_resolved(reader, manifest, part_path)
+    finally:
+        reader.close()
+        os.close(root_fd)
+    return kept
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    """What a part's manifest says besides its records file's digest, count and size."""
+
+    kind: str
+    instance: str
+    checkpoint_id: str
+    chain: PartChain | None
+
+    def manifest(self, digest: str, count: int, size: int) -> StoredManifest:
+        """The manifest of the records just written; a chain whose counts do not add up to
+        what was written is a bug of the caller and publishes nothing."""
+        chain = self.chain
+        if chain is not None and chain.own_records + chain.referenced_records != count:
+            raise ValueError(
+                f"the chain counts {chain.own_records} + {chain.referenced_records} records, "
+                f"{count} were written"
+            )
+        return StoredManifest(
+            SCHEMA_VERSION if chain is None else CHAIN_SCHEMA_VERSION,
+            self.kind,
+            self.instance,
+            self.checkpoint_id,
+            layout.records_name(digest),
+            digest,
+            count,
+            size,
+            chain,
+        )
 
 
 def _foreign_manifest(part_path: str, what: str) -> CheckpointError:

@@ -54,6 +54,8 @@ class SessionDataPlane:
         self._shutting_down = False
         self._served = False
         """The data plane tracked or used a session (sticky): see `has_served`."""
+        self._change_clock = 0
+        """Raised by every `touch`: a session's `last_change` is the clock at its last one."""
         self._changed: asyncio.Event | None = None
 
     @property
@@ -80,6 +82,20 @@ class SessionDataPlane:
         if self._changed is None:
             self._changed = asyncio.Event()
         await self._changed.wait()
+
+    # -- changes ------------------------------------------------------------------------
+
+    def touch(self, session_id: str | None) -> None:
+        """Something may have changed this session's state (a request began or ended on it,
+        a seed, a close, a verify, or the server said so): an incremental part must export
+        it again. Called at a request's start *and* end, so a request that overlaps a cut
+        (a replay-safe seed or verify runs during an export) leaves its session changed."""
+        self._touch(self._table.get(session_id))
+
+    def _touch(self, session: TrackedSession | None) -> None:
+        self._change_clock += 1
+        if session is not None:
+            session.last_change = self._change_clock
 
     # -- data plane: called by the middleware, all synchronous except the waits ---------
 
@@ -175,6 +191,7 @@ class SessionDataPlane:
         Also for the requests that are not counted in flight (a seed retry, a replay verify):
         whatever ran on restored state continues it, so a commit must not free it as unused."""
         session = self._table.get(session_id)
+        self._touch(session)
         if session is not None:
             session.restored_pending = False
             self._served = True
@@ -193,6 +210,7 @@ class SessionDataPlane:
             self._table.request_started(session)
             session.restored_pending = False  # claimed, as `claim` does
             self._served = True
+        self._touch(session)
         self._notify()
         return session
 
@@ -203,6 +221,7 @@ class SessionDataPlane:
             self._inflight_without_session -= 1
         else:
             self._table.request_finished(counted)
+        self._touch(counted)
         self._notify()
 
     def seed_started(self, episode: EpisodeId | None, session_id: str | None) -> None:
@@ -235,11 +254,14 @@ class SessionDataPlane:
             self._track(
                 session_id, episode, seeded_while_closed=closed_at_start or not self._admission_open
             )
+        self.touch(session_id_before)
+        self.touch(session_id)
         self._notify()
 
     def session_started(self, session_id: str, episode: EpisodeId) -> None:
         """For servers whose sessions begin outside `/seed_session` (a Gymnasium `/reset`)."""
         self._track(session_id, episode, seeded_while_closed=not self._admission_open)
+        self.touch(session_id)
         self._notify()
 
     def session_ended(self, session_id: str | None, *, deferred: bool = False) -> None:
@@ -249,6 +271,7 @@ class SessionDataPlane:
         session = self._table.get(session_id)
         if session is None:
             return
+        self._touch(session)
         if deferred:
             session.end_deferred = True
             return

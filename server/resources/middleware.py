@@ -218,6 +218,8 @@ class ResourcesAdmissionMiddleware:
             else:
                 if counted:
                     participant.request_finished(in_flight)
+                else:  # a replay verify ran uncounted: its end is a change all the same
+                    participant.touch(session_id)
                 if succeeded:  # a close, or a verify
                     deferred = replay_safe and not participant.admission_open
                     participant.session_ended(session_id, deferred=deferred)

@@ -19,6 +19,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.resources.data_plane import SessionDataPlane
 from rollout_checkpoint.server.resources.ended_sessions import ENDED_SESSIONS_KEPT
+from rollout_checkpoint.server.resources.session_table import TrackedSession
 from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
@@ -26,8 +27,10 @@ from rollout_checkpoint.server.runtime.participant import (
     ExportRecord,
     Kind,
     Participant,
+    PublishedAt,
     ReadinessReport,
     RestoredRecord,
+    UnchangedRecord,
 )
 
 
@@ -190,6 +193,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         hooks: SessionHooks,
         *,
         keep_ended: bool = False,
+        incremental: bool = False,
     ) -> None:
         keeps_ended = keep_ended and mode is CheckpointMode.EXPORTED
         super().__init__(
@@ -201,6 +205,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         self.mode = mode
         self.verify = verify
         self._hooks = hooks
+        self.incremental = incremental and mode is CheckpointMode.EXPORTED
 
     # -- Participant --------------------------------------------------------------------
 
@@ -235,26 +240,50 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         )
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        records = await self.export_changes(scope, _nothing_published)
+        return [r for r in records if isinstance(r, ExportRecord)]
+
+    def change_clock(self) -> int:
+        return self._change_clock
+
+    async def export_changes(
+        self, scope: frozenset[EpisodeId] | None, published_at: PublishedAt
+    ) -> Sequence[ExportRecord | UnchangedRecord]:
+        """Every covered session, its state asked of the server only when it may have changed
+        since the published part that holds it (`published_at`): nothing touched it after
+        that part's cut. Ended sessions are always asked (a close after the verify that ended
+        one may free its state without the session being live to be touched)."""
         if self.mode is not CheckpointMode.EXPORTED:
             return []
         candidates = self._table.exportable(scope, self.context.retired)
         if not candidates:
             return []
-        states = await self._hooks.export_session_states([s.session_id for s in candidates])
-        records = []
+        unchanged = {s.session_id for s in candidates if self._unchanged(s, published_at)}
+        changed = [s.session_id for s in candidates if s.session_id not in unchanged]
+        states = await self._hooks.export_session_states(changed) if changed else {}
+        records: list[ExportRecord | UnchangedRecord] = []
         for session in candidates:
-            if session.session_id not in states:
+            identity = (session.episode, session.session_id)
+            if session.session_id in unchanged:
+                records.append(UnchangedRecord(session.episode, identity))
+            elif session.session_id not in states:
                 # The server no longer holds it (e.g. a verification failed after dropping it).
                 self._table.untrack(session.session_id)
-                continue
-            records.append(
-                ExportRecord(
-                    session.episode,
-                    {"session_id": session.session_id, "state": states[session.session_id]},
+            else:
+                records.append(
+                    ExportRecord(
+                        session.episode,
+                        {"session_id": session.session_id, "state": states[session.session_id]},
+                    )
                 )
-            )
         self._notify()
         return records
+
+    def _unchanged(self, session: TrackedSession, published_at: PublishedAt) -> bool:
+        if self._table.sessions.get(session.session_id) is not session:
+            return False  # an ended session (see export_changes)
+        cut = published_at((session.episode, session.session_id))
+        return cut is not None and session.last_change <= cut
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         if not records:
@@ -297,6 +326,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
             self._table.track(
                 session_id, record.restored_as, seeded_while_closed=False, restored=True
             )
+            self.touch(session_id)  # installed after every part the chain could reference
         self._notify()
 
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
@@ -408,3 +438,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
 
     def counters(self) -> Mapping[str, int]:
         return {"retired_sessions": len(self._table.retired_sessions)}
+
+
+def _nothing_published(identity: Hashable) -> int | None:
+    return None

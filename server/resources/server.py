@@ -153,6 +153,14 @@ class ResourcesServer:
     """How session state survives a checkpoint (see `CheckpointMode`)."""
     checkpoint_verify: ClassVar[VerifyMode | str] = VerifyMode.WAIT
     """Whether a crash may run `/verify` again (see `VerifyMode`)."""
+    checkpoint_incremental: ClassVar[bool] = False
+    """An `exported` server may declare that its session state changes only through
+    requests on the session (tool calls, HTTP or MCP), `/seed_session`, `/close_session`,
+    `/verify`, or a call of `checkpoint_session_changed`. Its checkpoints then store only the
+    sessions touched since the last published part and reference the others' records in
+    earlier parts (a full part every `incremental_full_every`). A state that changes any
+    other way (a timer, a sandbox running on its own) without that call would be restored
+    as it was when last exported: leave this off for such a server."""
     expose_tools_over_mcp: ClassVar[bool] = False
     """Also serve the tools over MCP (the config may override it per process)."""
     passthrough_paths: ClassVar[frozenset[str]] = frozenset()
@@ -241,6 +249,14 @@ class ResourcesServer:
         if self.participant is not None and session_id is not None and episode is not None:
             self.participant.session_started(session_id, episode)
 
+    def checkpoint_session_changed(self, session_id: str) -> None:
+        """Say that a session's state changed outside a request on it (a background task
+        finished, a sandbox wrote a file): the next checkpoint of a `checkpoint_incremental`
+        server exports it again. No-op when checkpointing is off or the session is not
+        tracked; never raises."""
+        if self.participant is not None:
+            self.participant.touch(session_id)
+
     def checkpoint_session_ended(self, request: Request) -> None:
         """Call from a route that ends a session (a terminal `/step`); no-op when off.
 
@@ -300,6 +316,7 @@ class ResourcesServer:
                 self.verify_mode,
                 self,
                 keep_ended=self.config.checkpoint.export_ended_sessions,
+                incremental=self.checkpoint_incremental,
             )
             app.add_middleware(
                 ResourcesAdmissionMiddleware,

@@ -22,6 +22,9 @@ from rollout_checkpoint.server.resources.ended_sessions import EndedSessions
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import Blocker, BlockerReason, EpisodeInfo
 
+NEVER_CHECKPOINTED = 2**63
+"""A `last_change` above every clock: such a session is exported whatever a part holds."""
+
 
 @dataclass(eq=False)
 class TrackedSession:
@@ -33,6 +36,9 @@ class TrackedSession:
     seeded_while_closed: bool = False
     inflight: int = 0
     end_deferred: bool = False
+    last_change: int = NEVER_CHECKPOINTED
+    """The participant's change clock at the last request, seed, close, verify or explicit
+    change on this session (`SessionDataPlane.touch`); until the first, never unchanged."""
 
 
 class SessionTable:

@@ -36,9 +36,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -51,8 +51,13 @@ from rollout_checkpoint.server.core.part_storage import (
 )
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.collector import collection_paused
+from rollout_checkpoint.server.runtime.part_chain import Identity, PartChains, PartPlan
 from rollout_checkpoint.server.runtime.part_writes import PartSnapshot, PartWrites
-from rollout_checkpoint.server.runtime.participant import ExportRecord
+from rollout_checkpoint.server.runtime.participant import (
+    ExportRecord,
+    Participant,
+    UnchangedRecord,
+)
 from rollout_checkpoint.server.runtime.parts import ControlParts
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
 from rollout_checkpoint.server.runtime.refusals import call_hook, conflict, stale
@@ -91,6 +96,9 @@ class CommitHost(ControlParts, Protocol):
     def part_writes(self) -> PartWrites: ...
 
     @property
+    def part_chains(self) -> PartChains: ...
+
+    @property
     def retired_attempts(self) -> RetiredAttempts: ...
 
     def changed(self) -> None: ...
@@ -107,7 +115,9 @@ class CommitJob:
     checkpoint_dir: str
     scope: frozenset[EpisodeId] | None
     asynchronous: bool = False
-    records: Sequence[ExportRecord] | None = None
+    records: Sequence[ExportRecord | UnchangedRecord] | None = None
+    plan: PartPlan | None = None
+    """An incremental participant's part: its own records and references (None: full)."""
     snapshot: PartSnapshot | None = None
     phase: str = "export"
     published: PublishedPart | None = None
@@ -181,29 +191,20 @@ class CommitJob:
         return result
 
     async def _phases(self, host: CommitHost) -> CommitResult:
-        participant = host.participant
         if self.records is None:
             self.phase = "export"
-            self.records = await self._export_step(lambda: _export(host, self.scope))
+            exported, self.plan = await self._export_step(
+                lambda: _export(host, self.scope, self.checkpoint_dir)
+            )
+            self.records = exported
+        records = self.records
         if self.asynchronous:
-            return await self._snapshot_phases(host, self.records)
+            return await self._snapshot_phases(host, records)
         if self.published is None:
             self.phase = "write"
             self.fence.check()
-            lines = serialize_records(self.records)
             with host.observer.phase("write"):
-                self.published = await run_in_daemon_thread(
-                    functools.partial(
-                        host.storage.write_part,
-                        self.checkpoint_dir,
-                        participant.kind.value,
-                        participant.instance,
-                        self.checkpoint_id,
-                        lines,
-                        self.fence,
-                    ),
-                    f"part write {self.checkpoint_id}",
-                )
+                self.published = await self._write(host, records)
         if self.retired is None:
             self.phase = "cleanup"
             retired = await _retire_unscoped_pending(host, self.scope)
@@ -213,12 +214,42 @@ class CommitJob:
         return CommitResult(
             manifest=self.published.manifest,
             manifest_sha256=self.published.manifest_sha256,
-            exported=tuple(sorted({r.episode_id.capture_key for r in self.records})),
+            exported=tuple(sorted({r.episode_id.capture_key for r in records})),
             retired=self.retired,
         )
 
+    async def _write(
+        self, host: CommitHost, records: Sequence[ExportRecord | UnchangedRecord]
+    ) -> PublishedPart:
+        """Write the part in a thread; an incremental part becomes the base of the next one
+        once published (never before: a failed write leaves its records changed)."""
+        participant = host.participant
+        plan = self.plan
+        lines = _serialized_lines(records) if plan is None else plan.lines()
+        write = functools.partial(
+            host.storage.write_part,
+            self.checkpoint_dir,
+            participant.kind.value,
+            participant.instance,
+            self.checkpoint_id,
+            lines,
+            self.fence,
+        )
+        chain = None if plan is None else plan.chain()
+        if chain is not None:
+            write = functools.partial(write, chain)
+        if plan is None:
+            return await run_in_daemon_thread(write, f"part write {self.checkpoint_id}")
+        try:
+            published = await run_in_daemon_thread(write, f"part write {self.checkpoint_id}")
+        except BaseException:
+            host.part_chains.settled(plan, None)
+            raise
+        host.part_chains.settled(plan, published)
+        return published
+
     async def _snapshot_phases(
-        self, host: CommitHost, records: Sequence[ExportRecord]
+        self, host: CommitHost, records: Sequence[ExportRecord | UnchangedRecord]
     ) -> CommitResult:
         """The asynchronous job: snapshot, cleanup and release, then the write handed off.
 
@@ -228,7 +259,7 @@ class CommitJob:
         participant = host.participant
         if self.snapshot is None:
             self.phase = "export"
-            self.snapshot = await self._export_step(lambda: _snapshot(host, records))
+            self.snapshot = await self._export_step(lambda: _snapshot(host, records, self.plan))
         if self.retired is None:
             self.phase = "cleanup"
             retired = await _retire_unscoped_pending(host, self.scope)
@@ -252,26 +283,70 @@ class CommitJob:
         )
 
 
-async def _export(host: CommitHost, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+async def _export(
+    host: CommitHost, scope: frozenset[EpisodeId] | None, checkpoint_dir: str
+) -> tuple[Sequence[ExportRecord | UnchangedRecord], PartPlan | None]:
     """The participant's export, once the background write still running ended
-    (`PartWrites.idle`: at most one snapshot held)."""
+    (`PartWrites.idle`: at most one snapshot held, and the part it wrote is the base).
+
+    An incremental participant exports what changed since the base part (`part_chain`);
+    the change clock is read before its export starts, so a change during the export
+    leaves its record changed for the next commit."""
     previous_write = host.part_writes.idle()
     if previous_write is not None:
         await previous_write
+    participant = host.participant
     # The export allocates a record per episode beside the participant's whole live state,
     # which a full collection would rescan for nothing (collector.py).
     with host.observer.phase("export"), collection_paused():
-        return await call_hook("export", host.participant.export(scope))
+        if not participant.incremental:
+            return await call_hook("export", participant.export(scope)), None
+        chains = host.part_chains
+        base = chains.base_for(checkpoint_dir)
+        cut = participant.change_clock()
+        published_at = base.published_at if base is not None else _nothing_published
+        items = await call_hook("export", participant.export_changes(scope, published_at))
+    return items, chains.plan(checkpoint_dir, cut, items, base, _identity_of(participant))
 
 
-async def _snapshot(host: CommitHost, records: Sequence[ExportRecord]) -> PartSnapshot:
-    """The export serialized to bytes, in a thread (a large export must not stall the loop)."""
+def _nothing_published(identity: Hashable) -> int | None:
+    return None
+
+
+def _identity_of(participant: Participant) -> Identity:
+    def identity(record: ExportRecord) -> Hashable:
+        return participant.record_identity(record.episode_id, record.fields)
+
+    return identity
+
+
+async def _snapshot(
+    host: CommitHost,
+    records: Sequence[ExportRecord | UnchangedRecord],
+    plan: PartPlan | None,
+) -> PartSnapshot:
+    """The export serialized to bytes, in a thread (a large export must not stall the loop).
+    An incremental part becomes the base once durable (`PartSnapshot.published`)."""
     with host.observer.phase("snapshot"):
-        return PartSnapshot(await asyncio.to_thread(_serialized, records))
+        if plan is None:
+            return PartSnapshot(await asyncio.to_thread(_serialized, records))
+        lines = await asyncio.to_thread(lambda: tuple(plan.lines(hashed=False)))
+        chains = host.part_chains
+        return PartSnapshot(
+            lines,
+            chain=plan.chain(),
+            before_write=plan.hash_own,
+            settled=functools.partial(chains.settled, plan),
+        )
 
 
-def _serialized(records: Sequence[ExportRecord]) -> tuple[bytes, ...]:
-    return tuple(serialize_records(records))
+def _serialized(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[bytes, ...]:
+    return tuple(_serialized_lines(records))
+
+
+def _serialized_lines(records: Sequence[ExportRecord | UnchangedRecord]) -> Iterator[bytes]:
+    """A full export's lines: without a plan every record is an `ExportRecord`."""
+    return serialize_records(cast(Sequence[ExportRecord], records))
 
 
 def commit_job_for(
@@ -299,8 +374,12 @@ def commit_job_for(
             None,
             "a commit of this id with another directory or scope is under way",
         )
-    inherited = current.records if current.scope == scope else None
-    return CommitJob(checkpoint_id, real_dir, scope, asynchronous, records=inherited)
+    if current.scope != scope or current.records is None:
+        return CommitJob(checkpoint_id, real_dir, scope, asynchronous)
+    plan = current.plan.moved_to(real_dir) if current.plan is not None else None
+    return CommitJob(
+        checkpoint_id, real_dir, scope, asynchronous, records=current.records, plan=plan
+    )
 
 
 def _release_committed(

@@ -54,6 +54,7 @@ from rollout_checkpoint.server.runtime.control_views import ControlViews, Status
 from rollout_checkpoint.server.runtime.duties import Duties
 from rollout_checkpoint.server.runtime.lease import Lease, open_after_start_closed
 from rollout_checkpoint.server.runtime.observe import ControlObserver
+from rollout_checkpoint.server.runtime.part_chain import ChainSettings, PartChains
 from rollout_checkpoint.server.runtime.part_writes import PartWrite, PartWrites
 from rollout_checkpoint.server.runtime.participant import MAX_WEIGHT_VERSION, Participant
 from rollout_checkpoint.server.runtime.prepare_stream import (
@@ -123,6 +124,12 @@ class ControlPlane(ControlViews, ChangeSignals):
             # An asynchronous commit counts (records, bytes) once its part is durable.
             lambda part: self.observer.committed(part.manifest.record_count, part.manifest.bytes),
         )
+        self.part_chains = PartChains(
+            ChainSettings(
+                full_every=self.settings.incremental_full_every,
+                max_stale_share=self.settings.incremental_max_stale_share,
+            )
+        )
         self._duties = Duties()
         lease = Lease(
             self,
@@ -141,7 +148,9 @@ class ControlPlane(ControlViews, ChangeSignals):
             changed=self.state_changed,
         )
         self._retirement = Retirement(self._machine)
-        self._restores = RestoreSteps(self._machine, self.storage, self._retirement)
+        self._restores = RestoreSteps(
+            self._machine, self.storage, self._retirement, self.part_chains
+        )
         participant.attach(self)
         self.observer.attach(self)
 

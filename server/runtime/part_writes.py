@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import PartChain
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     PublishedPart,
@@ -55,9 +56,18 @@ class PartWriteState(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PartSnapshot:
-    """An asynchronous commit's export, serialized: what the background write stores."""
+    """An asynchronous commit's export, serialized: what the background write stores.
+
+    `chain`: the lines reference earlier parts (an incremental part); `settled` is told
+    how the write ended: the part once durable (it becomes the base of the next incremental
+    part then, never before: a write that fails must leave its records changed), or None."""
 
     lines: tuple[bytes, ...]
+    chain: PartChain | None = None
+    before_write: Callable[[], None] | None = None
+    """Work of the snapshot that need not be the pause's (an incremental part hashes its own
+    lines here): run in the write's thread before the part is written."""
+    settled: Callable[[PublishedPart | None], None] | None = None
 
     @property
     def record_count(self) -> int:
@@ -140,20 +150,24 @@ class PartWrites:
     async def _write(
         self, write: PartWrite, kind: str, instance: str, snapshot: PartSnapshot
     ) -> PublishedPart:
+        call = functools.partial(
+            self._storage.write_part,
+            write.checkpoint_dir,
+            kind,
+            instance,
+            write.checkpoint_id,
+            iter(snapshot.lines),
+            write.fence,
+        )
+        if snapshot.chain is not None:
+            call = functools.partial(call, snapshot.chain)
+        if snapshot.before_write is not None:
+            call = functools.partial(_after, snapshot.before_write, call)
         try:
-            published = await run_in_daemon_thread(
-                functools.partial(
-                    self._storage.write_part,
-                    write.checkpoint_dir,
-                    kind,
-                    instance,
-                    write.checkpoint_id,
-                    iter(snapshot.lines),
-                    write.fence,
-                ),
-                f"part write {write.checkpoint_id}",
-            )
+            published = await run_in_daemon_thread(call, f"part write {write.checkpoint_id}")
             write.published = published
+            if snapshot.settled is not None:
+                snapshot.settled(published)
             if self._durable is not None:
                 self._durable(published)
         except StopRequested:
@@ -173,6 +187,8 @@ class PartWrites:
             )
             raise write.error from exc
         finally:
+            if write.published is None and snapshot.settled is not None:
+                snapshot.settled(None)
             if self._running is write:
                 self._running = None
             self._changed()
@@ -182,6 +198,11 @@ class PartWrites:
         """Abandon a write that has not begun publishing (the process is closing)."""
         if self._running is not None:
             self._running.fence.stop()
+
+
+def _after(first: Callable[[], None], then: Callable[[], PublishedPart]) -> PublishedPart:
+    first()
+    return then()
 
 
 async def _ended(task: asyncio.Task[PublishedPart]) -> None:

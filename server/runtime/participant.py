@@ -127,6 +127,21 @@ class ExportRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class UnchangedRecord:
+    """A record an incremental export did not take again: nothing changed it since the
+    published part that holds `identity` (`Participant.export_changes`), so the new part
+    references that part's line instead of storing the state a second time."""
+
+    episode_id: EpisodeId
+    identity: Hashable
+
+
+PublishedAt = Callable[[Hashable], int | None]
+"""For a record identity: the change clock (`Participant.change_clock`) at the cut of the
+published part that holds its record, None when no part this chain may reference holds it."""
+
+
+@dataclass(frozen=True, slots=True)
 class RestoredRecord:
     """One stored record to install: checkpointed as attempt N, installed as attempt N+1."""
 
@@ -208,6 +223,25 @@ class Participant(abc.ABC):
     """True for a participant that keeps state for episodes it cannot tell finished (the
     policy model, until a commit leaves them out: see `committed`): an unscoped commit would
     export all of it, so it is refused (`SCOPE_REQUIRED`)."""
+
+    incremental: bool = False
+    """True for a participant whose `export_changes` leaves out what did not change (a
+    resources server that declares `checkpoint_incremental`): its checkpoints may reference
+    records of earlier parts instead of storing them again."""
+
+    def change_clock(self) -> int:
+        """A counter that every change of checkpointed state raises (only an `incremental`
+        participant keeps one). Read at the cut, before the export: a record whose last
+        change is at most the clock of the part that holds it is unchanged since."""
+        return 0
+
+    async def export_changes(
+        self, scope: frozenset[EpisodeId] | None, published_at: PublishedAt
+    ) -> Sequence[ExportRecord | UnchangedRecord]:
+        """`export`, but a record unchanged since the published part that holds it may come
+        back as an `UnchangedRecord` (`published_at` says which parts hold which records).
+        The default exports everything, which is always correct."""
+        return await self.export(scope)
 
     def attach(self, context: ParticipantContext) -> None:
         """Called once by the control plane before anything else.

@@ -142,19 +142,23 @@ def serialize_records(records: Sequence[ExportRecord]) -> Iterator[bytes]:
     represent.
     """
     for record in records:
-        reserved = RESERVED_FIELDS.intersection(record.fields)
-        if reserved:
-            raise CheckpointError(
-                Reason.UNSERIALIZABLE_STATE,
-                f"the record of {record.episode_id.capture_key} uses the reserved field "
-                f"{min(reserved)}",
-                metadata={"captureKey": record.episode_id.capture_key},
-            )
-        try:
-            encoded = _encode_line(record)
-        except (ValueError, TypeError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
-            raise _unserializable(record, str(exc)) from None
-        yield encoded
+        yield encode_record(record)
+
+
+def encode_record(record: ExportRecord) -> bytes:
+    """One record's line (`serialize_records`), with the same refusals."""
+    reserved = RESERVED_FIELDS.intersection(record.fields)
+    if reserved:
+        raise CheckpointError(
+            Reason.UNSERIALIZABLE_STATE,
+            f"the record of {record.episode_id.capture_key} uses the reserved field "
+            f"{min(reserved)}",
+            metadata={"captureKey": record.episode_id.capture_key},
+        )
+    try:
+        return _encode_line(record)
+    except (ValueError, TypeError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise _unserializable(record, str(exc)) from None
 
 
 def restored_record(raw: dict[str, Any], episode: EpisodeId | None = None) -> RestoredRecord:

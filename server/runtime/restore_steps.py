@@ -28,6 +28,7 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, deadline_exceeded
 from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.runtime.part_chain import PartChains
 from rollout_checkpoint.server.runtime.participant import RestoredRecord
 from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
 from rollout_checkpoint.server.runtime.restore_job import Discard, RestoreJob, RestoreResult
@@ -40,7 +41,14 @@ class RestoreSteps:
     join, the discard of a rejoin, the install and its undo. Every method runs with the
     machine's `lock` held."""
 
-    def __init__(self, machine: StateMachine, storage: CheckpointStorage, discard: Discard) -> None:
+    def __init__(
+        self,
+        machine: StateMachine,
+        storage: CheckpointStorage,
+        discard: Discard,
+        chains: PartChains,
+    ) -> None:
+        self._chains = chains
         self._machine = machine
         self._storage = storage
         self._discard = discard
@@ -86,6 +94,9 @@ class RestoreSteps:
             machine.rejoin_sealed = True
             machine.changed()
         machine.restore_job = job
+        # A restore boundary: the parts published before it hold another history than the
+        # state installed now, so the next part is full (part_chain.py).
+        self._chains.reset()
         return job.start(self, self._storage, self._discard)
 
     def _check_alive(self, job: RestoreJob, step: str) -> None:

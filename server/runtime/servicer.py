@@ -285,7 +285,7 @@ def _prepare_response(update: PrepareUpdate) -> pb.PrepareResponse:
 
 
 def _manifest(manifest: StoredManifest, kind: Kind) -> types_pb2.Manifest:
-    return types_pb2.Manifest(
+    message = types_pb2.Manifest(
         schema_version=manifest.schema_version,
         kind=_KINDS[kind],
         instance=manifest.instance,
@@ -295,6 +295,11 @@ def _manifest(manifest: StoredManifest, kind: Kind) -> types_pb2.Manifest:
         record_count=manifest.record_count,
         bytes=manifest.bytes,
     )
+    if manifest.chain is not None:  # a full part's reply stays as it always was
+        message.own_records = manifest.own_records
+        message.referenced_records = manifest.referenced_records
+        message.chain_length = manifest.chain_length
+    return message
 
 
 def _commit_response(result: CommitResult, kind: Kind) -> pb.CommitResponse:

@@ -11,6 +11,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.object_store import is_object_url, parse_object_url
 from rollout_checkpoint.server.runtime.control_plane import ControlSettings
+from rollout_checkpoint.server.runtime.part_chain import (
+    DEFAULT_FULL_EVERY,
+    DEFAULT_MAX_STALE_SHARE,
+    MAX_FULL_EVERY,
+)
 from rollout_checkpoint.server.runtime.result_outbox import DEFAULT_OUTBOX_CAP
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}$")
@@ -78,6 +83,12 @@ class CheckpointSettings(BaseSettings):
     """How long a checkpoint may keep admission closed before the `participant-readiness`
     health turns NOT_SERVING; a shorter pause keeps the pod in its Service, so clients see no
     churn. Liveness never depends on a checkpoint."""
+    incremental_full_every: int = Field(DEFAULT_FULL_EVERY, ge=1, le=MAX_FULL_EVERY)
+    """For a server that declares `checkpoint_incremental`: a full part at least every this
+    many parts, so a restore reads at most this many parts (1: every part is full)."""
+    incremental_max_stale_share: float = Field(DEFAULT_MAX_STALE_SHARE, ge=0.0, le=1.0)
+    """A full part as soon as more than this share of the bytes the last part references
+    are records no longer referenced, which retention must keep all the same."""
     reflection: bool = False
     """Also serve gRPC server reflection (for grpcurl without the protos)."""
     tls_cert_file: str | None = None
@@ -155,4 +166,6 @@ class CheckpointSettings(BaseSettings):
             start_closed_timeout_seconds=self.start_closed_timeout_seconds,
             readiness_pause_threshold_seconds=self.readiness_pause_threshold_seconds,
             outbox_cap=self.outbox_cap,
+            incremental_full_every=self.incremental_full_every,
+            incremental_max_stale_share=self.incremental_max_stale_share,
         )

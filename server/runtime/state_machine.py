@@ -53,6 +53,10 @@ from rollout_checkpoint.server.runtime.commit_job import (
 )
 from rollout_checkpoint.server.runtime.lease import Lease
 from rollout_checkpoint.server.runtime.observe import ControlObserver
+from rollout_checkpoint.server.runtime.part_chain import (
+    DEFAULT_FULL_EVERY,
+    DEFAULT_MAX_STALE_SHARE,
+)
 from rollout_checkpoint.server.runtime.participant import Participant
 from rollout_checkpoint.server.runtime.refusals import conflict, hook_failed, stale
 from rollout_checkpoint.server.runtime.restore_job import RestoreJob
@@ -84,6 +88,8 @@ class ControlSettings:
     start_closed_timeout_seconds: float | None = None
     readiness_pause_threshold_seconds: float = 30.0
     outbox_cap: int = DEFAULT_OUTBOX_CAP
+    incremental_full_every: int = DEFAULT_FULL_EVERY
+    incremental_max_stale_share: float = DEFAULT_MAX_STALE_SHARE
 
 
 class Recorded(NamedTuple):

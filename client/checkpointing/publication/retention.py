@@ -4,6 +4,7 @@ deleting them so that a crash never leaves a directory that looks published but 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -19,12 +20,15 @@ from rollout_checkpoint.client.checkpointing.publication.latest import (
     created_at_for_ordering,
     read_latest,
 )
-from rollout_checkpoint.server.core import daemon_threads, layout
+from rollout_checkpoint.server.core import daemon_threads, layout, safe_files
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
     LATEST_NAME,
+    MANIFEST_LIMIT,
+    MANIFEST_NAME,
     PARTICIPANTS_DIR,
+    StoredManifest,
 )
 from rollout_checkpoint.server.core.safe_files import closing
 
@@ -112,6 +116,14 @@ def apply_retention(
         for name, mtime_ns in scan.unpublished
         if mtime_ns < reference_mtime_ns and name not in protected
     ]
+    kept = {name for _, name in scan.published} | {name for name, _ in scan.unpublished}
+    try:
+        referenced = referenced_closure(root_fd, kept - set(doomed))
+    except OSError as exc:
+        log.warning("retention skipped: cannot read the references in %s: %s", root, exc)
+        return ()
+    survivors |= referenced & kept
+    doomed = [name for name in doomed if name not in referenced]
     for name in doomed:
         if daemon_threads.abandoned():
             break  # the caller gave up at its deadline: the next publication deletes the rest
@@ -132,6 +144,81 @@ def apply_retention(
     with contextlib.suppress(OSError):
         os.fsync(root_fd)
     return tuple(sorted(deleted))
+
+
+def referenced_closure(root_fd: int, kept: set[str]) -> set[str]:
+    """Every checkpoint directory whose records a part in `kept` references, and the ones
+    those reference in turn (a kept checkpoint restores only with them, and so does each
+    directory retention keeps for it, so none of them looks published yet cannot restore).
+
+    Raises OSError when a manifest cannot be read: retention then deletes nothing rather
+    than a file a kept checkpoint may need. A manifest that does not parse references
+    nothing (its part cannot be restored anyway)."""
+    found: set[str] = set()
+    pending = sorted(kept)
+    while pending:
+        name = pending.pop()
+        for referenced in _references_of(root_fd, name):
+            if referenced not in found:
+                found.add(referenced)
+                pending.append(referenced)
+    return found
+
+
+def _references_of(root_fd: int, name: str) -> set[str]:
+    """The sibling directories the parts of checkpoint `name` reference."""
+    try:
+        ckpt_fd = os.open(name, DIR_FLAGS, dir_fd=root_fd)
+    except FileNotFoundError:
+        return set()
+    references: set[str] = set()
+    with closing(ckpt_fd):
+        for kind, instance in _parts_of(ckpt_fd):
+            try:
+                part_fd = safe_files.walk(ckpt_fd, layout.part_components(kind, instance))
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    continue  # not a part directory of ours: nothing it references
+                raise
+            with closing(part_fd):
+                references |= _manifest_references(part_fd)
+    return references
+
+
+def _parts_of(ckpt_fd: int) -> list[tuple[str, str]]:
+    """(kind, instance) of every part directory below `participants/`."""
+    try:
+        participants_fd = os.open(PARTICIPANTS_DIR, DIR_FLAGS, dir_fd=ckpt_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            return []
+        raise
+    with closing(participants_fd):
+        parts = []
+        for kind in os.listdir(participants_fd):
+            if not is_valid_id(kind):
+                continue
+            try:
+                kind_fd = os.open(kind, DIR_FLAGS, dir_fd=participants_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    continue
+                raise
+            with closing(kind_fd):
+                parts += [(kind, i) for i in os.listdir(kind_fd) if is_valid_id(i)]
+    return parts
+
+
+def _manifest_references(part_fd: int) -> set[str]:
+    try:
+        raw = safe_files.read_regular(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
+    except (FileNotFoundError, safe_files.NotRegular, safe_files.TooLarge):
+        return set()
+    try:
+        chain = StoredManifest.decode(raw).chain
+    except ValueError:
+        return set()
+    return set() if chain is None else {r.checkpoint for r in chain.references}
 
 
 def _delete_tree(root_fd: int, name: str) -> None:

@@ -7,7 +7,7 @@ import base64
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -33,8 +33,11 @@ from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
     MANIFEST_NAME,
     PARTICIPANTS_DIR,
+    REFERENCE_FIELD,
+    StoredManifest,
 )
 from rollout_checkpoint.server.core.part_reader import RecordsCheck
+from rollout_checkpoint.server.core.part_references import check_resolved, reader_for
 from rollout_checkpoint.server.core.safe_files import closing
 
 
@@ -60,10 +63,30 @@ class ParticipantSummary:
     """The records file's size."""
     episodes: tuple[str, ...]
     """The capture keys of its records, sorted (unique)."""
+    referenced_records: int = 0
+    """How many of its records are references to earlier parts (an incremental part)."""
+    chain_length: int = 1
+    """How many parts a restore of it reads at most (1: a full part)."""
+
+    @property
+    def own_records(self) -> int:
+        """The records its own records file holds (not references)."""
+        return self.record_count - self.referenced_records
+
+    def chain_json(self) -> dict[str, Any]:
+        """An incremental part's own and referenced records and chain length (else empty:
+        a full part's entry stays as it always was)."""
+        if self.chain_length == 1:
+            return {}
+        return {
+            "own_records": self.own_records,
+            "referenced_records": self.referenced_records,
+            "chain_length": self.chain_length,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready object (one entry of `inspect --json`'s participants)."""
-        return {
+        return self.chain_json() | {
             "name": self.name,
             "kind": self.kind,
             "instance": self.instance,
@@ -167,6 +190,15 @@ class CheckpointSummary:
         for row in (header, *rows):
             cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
             lines.append("  " + "  ".join([*cells, row[-1]]))
+        chained = [p for p in self.participants if p.chain_length > 1]
+        if chained:
+            lines.append("")
+            lines.append("incremental parts:")
+            lines.extend(
+                f"  {p.name}: {p.own_records} own record(s), {p.referenced_records} referenced, "
+                f"chain length {p.chain_length}"
+                for p in chained
+            )
         if self.warnings:
             lines.append("")
             lines.append("warnings:")
@@ -282,7 +314,10 @@ def verify_part(
             )
         manifest = part_reader.decode_manifest(raw, shown)
         part_reader.check_owner(manifest, shown, entry.kind, entry.instance, checkpoint_id)
-        part_reader.scan_records(part_fd, shown, manifest, episode, check)
+        if manifest.chain is None:
+            part_reader.scan_records(part_fd, shown, manifest, episode, check)
+        else:
+            _scan_chained(ckpt_fd, ckpt_path, part_fd, manifest, episode, check)
     unique = tuple(sorted(set(keys)))
     summary = ParticipantSummary(
         name=entry.name,
@@ -294,8 +329,40 @@ def verify_part(
         record_count=manifest.record_count,
         bytes=manifest.bytes,
         episodes=unique,
+        referenced_records=manifest.referenced_records,
+        chain_length=manifest.chain_length,
     )
     return summary, len(keys) - len(unique)
+
+
+def _scan_chained(
+    ckpt_fd: int,
+    ckpt_path: Path,
+    part_fd: int,
+    manifest: StoredManifest,
+    on_record: Callable[[dict[str, Any], int], None],
+    check: RecordsCheck,
+) -> None:
+    """A chained part's own records file, and every record it references in earlier parts
+    (sibling directories of the same root), verified as a restore reads them; `size` checks
+    only the referenced files' parts and sizes."""
+    shown = layout.part_path(str(ckpt_path), manifest.kind, manifest.instance)
+    root_fd = os.open("..", DIR_FLAGS, dir_fd=ckpt_fd)
+    reader = reader_for(root_fd, str(ckpt_path.parent), ckpt_path.name, manifest)
+    try:
+        if check == "size":
+            part_reader.scan_records(part_fd, shown, manifest, on_record, check)
+            reader.check_files()
+            return
+
+        def resolved(record: dict[str, Any], number: int) -> None:
+            on_record(reader.resolve(record) if REFERENCE_FIELD in record else record, number)
+
+        part_reader.scan_records(part_fd, shown, manifest, resolved, check)
+        check_resolved(reader, manifest, shown)
+    finally:
+        reader.close()
+        os.close(root_fd)
 
 
 @contextlib.contextmanager

@@ -391,8 +391,13 @@ class Manifest(_message.Message):
     RECORDS_SHA256_FIELD_NUMBER: _builtins.int
     RECORD_COUNT_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    OWN_RECORDS_FIELD_NUMBER: _builtins.int
+    REFERENCED_RECORDS_FIELD_NUMBER: _builtins.int
+    CHAIN_LENGTH_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
-    """The storage schema version; currently 1."""
+    """The storage schema version: 1 for a full part, 2 for an incremental part
+    (one that references records of earlier parts; see `referenced_records`).
+    """
     kind: Global___ParticipantKind.ValueType
     """The participant kind that wrote the part."""
     instance: _builtins.str
@@ -409,6 +414,22 @@ class Manifest(_message.Message):
     """The number of records (lines) in the records file."""
     bytes: _builtins.int
     """The size of the records file in bytes."""
+    own_records: _builtins.int
+    """Set only for an incremental part (`schema_version` 2): the records it
+    wrote itself (the changed and new ones). Unset (0) for a full part, whose
+    records are all its own (`record_count`), so a full part's reply is
+    exactly what it was before incremental parts existed.
+    """
+    referenced_records: _builtins.int
+    """Set only for an incremental part: the records it references in earlier
+    published parts of the same participant (unchanged since).
+    `own_records` plus `referenced_records` is `record_count`.
+    """
+    chain_length: _builtins.int
+    """Set only for an incremental part: how many parts a restore of it reads at
+    most (2 for the first incremental part after a full one, one more for
+    each next). Unset (0) for a full part, which is read alone.
+    """
     def __init__(
         self,
         *,
@@ -420,10 +441,13 @@ class Manifest(_message.Message):
         records_sha256: _builtins.str = ...,
         record_count: _builtins.int = ...,
         bytes: _builtins.int = ...,
+        own_records: _builtins.int = ...,
+        referenced_records: _builtins.int = ...,
+        chain_length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checkpoint_id", b"checkpoint_id", "instance", b"instance", "kind", b"kind", "record_count", b"record_count", "records_file", b"records_file", "records_sha256", b"records_sha256", "schema_version", b"schema_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chain_length", b"chain_length", "checkpoint_id", b"checkpoint_id", "instance", b"instance", "kind", b"kind", "own_records", b"own_records", "record_count", b"record_count", "records_file", b"records_file", "records_sha256", b"records_sha256", "referenced_records", b"referenced_records", "schema_version", b"schema_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,241 @@
+"""Reading the records a chained part (manifest version 2) references in earlier parts.
+
+A reference line `{"episode_id": ..., "$ref": [index, offset, length, sha256]}` stands for
+the record at `offset` (`length` bytes, its newline excluded) of the records file
+`references[index]` of the manifest names: a published part of the same kind and instance
+in a sibling checkpoint directory of the same root. The rules each keep a restore from
+installing anything but what was exported:
+
+* The sibling is one plain name (`layout.is_reference_name`), walked below the root's
+  descriptor with O_NOFOLLOW like every part directory: a manifest cannot send a reader to
+  `..`, an absolute path or through a symlink, whatever it says.
+* The referenced part must be published (its manifest exists), of the same kind and
+  instance, and name exactly that records file with that size: a reference to a file no
+  manifest names (a dead writer's leftover) or of another participant is refused.
+* Each referenced line is read alone (a `pread`) and checked against the sha256 the reference
+  carries before it is parsed: a restore from the end of a chain reads the records it
+  needs, not every file of the chain whole, and still verifies every byte it installs.
+* The line must hold the same `episode_id` as the reference and be a record, not another
+  reference: chains are flattened when written, so a reference always points at the line
+  that holds the state.
+
+Any failure is DATA_LOSS naming the referenced file. Everything here blocks: callers run it
+in a thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_checkpoint.server.core import layout, safe_files
+from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
+from rollout_checkpoint.server.core.layout import (
+    REFERENCE_FIELD,
+    SHA256,
+    PartReference,
+    StoredManifest,
+    load_json,
+)
+from rollout_checkpoint.server.core.part_reader import read_manifest
+
+
+@dataclass(frozen=True, slots=True)
+class RecordPointer:
+    """Where one referenced record lies: which reference of the manifest, and the line's
+    offset, length (without its newline) and sha256."""
+
+    reference: int
+    offset: int
+    length: int
+    sha256: str
+
+    def to_json(self) -> list[Any]:
+        return [self.reference, self.offset, self.length, self.sha256]
+
+    @classmethod
+    def from_json(cls, raw: object, references: int) -> RecordPointer:
+        if not isinstance(raw, list) or len(raw) != 4:
+            raise ValueError("a reference is [index, offset, length, sha256]")
+        index, offset, length, digest = raw
+        for name, value in (("index", index), ("offset", offset), ("length", length)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"a reference's {name} must be a non-negative integer")
+        if index >= references:
+            raise ValueError(f"a reference names reference {index} of {references}")
+        if not isinstance(digest, str) or not SHA256.fullmatch(digest):
+            raise ValueError("a reference's sha256 must be 64 lowercase hex digits")
+        return cls(index, offset, length, digest)
+
+
+def reference_line(episode_json: bytes, pointer: RecordPointer) -> bytes:
+    """The line that stands for a record of an earlier part (`episode_json`: the record's
+    `episode_id` as encoded JSON)."""
+    index, offset, length, digest = pointer.to_json()
+    return (
+        b'{"episode_id":'
+        + episode_json
+        + b',"'
+        + REFERENCE_FIELD.encode()
+        + b'":['
+        + f'{index},{offset},{length},"{digest}"'.encode()
+        + b"]}"
+    )
+
+
+def reader_for(root_fd: int, root_path: str, own: str, manifest: StoredManifest) -> ReferenceReader:
+    """The reader of a chained part's references."""
+    assert manifest.chain is not None
+    return ReferenceReader(
+        root_fd, root_path, own, manifest.kind, manifest.instance, manifest.chain.references
+    )
+
+
+class ReferenceReader:
+    """Resolves the reference lines of one chained part, opening each referenced records
+    file once (`close` releases them). `root_fd` is the open root the part's checkpoint
+    directory lies in, `own` that directory's name (a part never references itself)."""
+
+    def __init__(
+        self,
+        root_fd: int,
+        root_path: str,
+        own: str,
+        kind: str,
+        instance: str,
+        references: tuple[PartReference, ...],
+    ) -> None:
+        self._root_fd = root_fd
+        self._root_path = root_path.rstrip("/")
+        self._own = own
+        self._kind = kind
+        self._instance = instance
+        self._references = references
+        self._open: dict[int, int] = {}
+        self.resolved = 0
+        self.resolved_bytes = 0
+
+    def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+    def check_files(self) -> None:
+        """Check every referenced file's part and size without reading a record (what a
+        size-only verification checks of the part's own records file)."""
+        for index, reference in enumerate(self._references):
+            self._records_fd(index, reference)
+
+    def resolve(self, line: dict[str, Any]) -> dict[str, Any]:
+        """The record a reference line stands for, read and verified."""
+        if set(line) != {"episode_id", REFERENCE_FIELD}:
+            raise corrupt_checkpoint(
+                "a reference line holds exactly episode_id and $ref", self._root_path
+            )
+        try:
+            pointer = RecordPointer.from_json(line[REFERENCE_FIELD], len(self._references))
+        except ValueError as exc:
+            raise corrupt_checkpoint(f"invalid reference: {exc}", self._root_path) from exc
+        reference = self._references[pointer.reference]
+        shown = self._shown(reference)
+        fd = self._records_fd(pointer.reference, reference)
+        if pointer.offset + pointer.length + 1 > reference.bytes:
+            raise corrupt_checkpoint("a reference points past the end of its records file", shown)
+        data = os.pread(fd, pointer.length + 1, pointer.offset)
+        if len(data) != pointer.length + 1 or data[-1:] != b"\n":
+            raise corrupt_checkpoint("a reference does not point at one whole line", shown)
+        if hashlib.sha256(data[:-1]).hexdigest() != pointer.sha256:
+            raise corrupt_checkpoint(
+                f"referenced record digest mismatch at offset {pointer.offset}", shown
+            )
+        try:
+            record = load_json(data[:-1])
+        except ValueError as exc:
+            raise corrupt_checkpoint("a referenced line is not valid JSON", shown) from exc
+        if not isinstance(record, dict) or REFERENCE_FIELD in record:
+            raise corrupt_checkpoint("a referenced line is not a record", shown)
+        if record.get("episode_id") != line["episode_id"]:
+            raise corrupt_checkpoint("a referenced record holds another episode", shown)
+        self.resolved += 1
+        self.resolved_bytes += len(data)
+        return record
+
+    def _shown(self, reference: PartReference) -> str:
+        part = layout.part_path(
+            f"{self._root_path}/{reference.checkpoint}", self._kind, self._instance
+        )
+        return f"{part}/{reference.records_file}"
+
+    def _records_fd(self, index: int, reference: PartReference) -> int:
+        fd = self._open.get(index)
+        if fd is None:
+            fd = self._open_records(reference)
+            self._open[index] = fd
+        return fd
+
+    def _open_records(self, reference: PartReference) -> int:
+        """Open a referenced records file after checking that a published part of this
+        participant names it, with the size the reference records."""
+        shown = self._shown(reference)
+        if not layout.is_reference_name(reference.checkpoint) or reference.checkpoint == self._own:
+            raise corrupt_checkpoint("a reference names an invalid checkpoint directory", shown)
+        part_path = layout.part_path(
+            f"{self._root_path}/{reference.checkpoint}", self._kind, self._instance
+        )
+        try:
+            part_fd = safe_files.walk(
+                self._root_fd,
+                (reference.checkpoint, *layout.part_components(self._kind, self._instance)),
+            )
+        except FileNotFoundError as exc:
+            raise corrupt_checkpoint("the referenced part is missing", shown) from exc
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise corrupt_checkpoint("the referenced part is not a directory", shown) from exc
+            raise
+        with safe_files.closing(part_fd):
+            manifest = _referenced_manifest(part_fd, part_path, self._kind, self._instance)
+            if (manifest.records_file, manifest.bytes) != (reference.records_file, reference.bytes):
+                raise corrupt_checkpoint(
+                    "the referenced part's manifest does not name this records file", shown
+                )
+            try:
+                fd = safe_files.open_regular(part_fd, reference.records_file)
+            except FileNotFoundError as exc:
+                raise corrupt_checkpoint("the referenced records file is missing", shown) from exc
+            except (safe_files.NotRegular, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+                    raise
+                raise corrupt_checkpoint(
+                    "the referenced records file is not a regular file", shown
+                ) from exc
+        if os.fstat(fd).st_size != reference.bytes:
+            os.close(fd)
+            raise corrupt_checkpoint(
+                "referenced records digest mismatch: the file's size differs from its manifest",
+                shown,
+            )
+        return fd
+
+
+def _referenced_manifest(part_fd: int, part_path: str, kind: str, instance: str) -> StoredManifest:
+    """The referenced part's manifest; any refusal of it is the referenced part's DATA_LOSS
+    (another kind or instance there is a corrupt reference, not this restore's mistake)."""
+    try:
+        return read_manifest(part_fd, part_path, kind, instance)
+    except CheckpointError as error:
+        raise corrupt_checkpoint(f"the referenced part is unusable: {error}", part_path) from error
+
+
+def check_resolved(reader: ReferenceReader, manifest: StoredManifest, part_path: str) -> None:
+    """A chained part's reference lines must be exactly as many as its manifest says."""
+    assert manifest.chain is not None
+    if reader.resolved != manifest.chain.referenced_records:
+        raise corrupt_checkpoint(
+            f"the part holds {reader.resolved} reference lines, its manifest says "
+            f"{manifest.chain.referenced_records}",
+            part_path,
+        )

@@ -1,0 +1,283 @@
+"""Incremental parts: which earlier part a commit may reference, and the lines that do.
+
+An `incremental` participant (`Participant.export_changes`) exports only the records that
+changed since the last part it published; every unchanged record becomes a reference line
+(`part_references`) pointing at the line that holds it in an earlier part. The rules each
+keep a published checkpoint restorable, byte for byte as a full part would be:
+
+* Only a *published* part is referenced (`PartChains.published`, called once the manifest is
+  durable): a failed, stopped or aborted write changes nothing, so what it exported stays
+  changed for the next commit.
+* A record is unchanged only if its last change (`Participant.change_clock`) is at most the
+  clock read at the cut of the part that holds it. The clock is read before the export, so a
+  change that lands during an export, or during an asynchronous write, leaves its record
+  changed for the next commit.
+* References never cross a restore boundary (`reset`): the first part after a Restore is
+  full. A plan made before the reset never becomes the base afterwards (`generation`).
+* References stay below the same root: the base must be a sibling directory of the new part
+  (object stores and another root get a full part), and they are flattened (a reference
+  points at the line holding the state, never at another reference), so a restore reads at
+  most `full_every` parts.
+* The chain is bounded: a full part every `full_every` parts, or sooner when more than
+  `max_stale_share` of the bytes of the files the base references are records nobody
+  references any more. Restores read only the referenced lines, so the chain's length
+  bounds how many files a restore opens; the stale share bounds what retention must keep
+  for a checkpoint (at most 1 / (1 - share) of its live records). It is decided before the
+  export, from the base alone (an unchanged record is not exported at all, so it cannot be
+  decided after), hence at most one part late.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
+from rollout_checkpoint.server.core.layout import REFERENCE_FIELD, PartChain, PartReference
+from rollout_checkpoint.server.core.object_store import is_object_url
+from rollout_checkpoint.server.core.part_references import RecordPointer, reference_line
+from rollout_checkpoint.server.core.part_storage import PublishedPart
+from rollout_checkpoint.server.runtime.participant import ExportRecord, UnchangedRecord
+from rollout_checkpoint.server.runtime.records_codec import encode_json, encode_record
+
+DEFAULT_FULL_EVERY = 8
+DEFAULT_MAX_STALE_SHARE = 0.5
+MAX_FULL_EVERY = 64
+"""A chained manifest lists every file it references; 64 of them keep it far below the
+manifest size limit."""
+
+Identity = Callable[[ExportRecord], Hashable]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSettings:
+    full_every: int = DEFAULT_FULL_EVERY
+    max_stale_share: float = DEFAULT_MAX_STALE_SHARE
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLocation:
+    """Where a published record's line lies: the records file (`file`, one object shared by
+    every line of that file, so grouping lines by file costs no hashing of its fields), and
+    the line's offset, length (newline excluded) and sha256."""
+
+    file: PartReference
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedChain:
+    """The last part this participant published, as the next part may reference it.
+
+    `stale_share`: of the bytes of the files its records lie in, the share that none of its
+    records is (superseded records, reference lines); computed once, when it is published."""
+
+    root: str
+    checkpoint: str
+    chain_length: int
+    cut: int
+    locations: Mapping[Hashable, RecordLocation]
+    generation: int
+    stale_share: float
+
+    def published_at(self, identity: Hashable) -> int | None:
+        return self.cut if identity in self.locations else None
+
+
+def _stale_share(locations: Mapping[Hashable, RecordLocation]) -> float:
+    files = {id(loc.file): loc.file for loc in locations.values()}
+    total = sum(f.bytes for f in files.values())
+    live = sum(loc.length + 1 for loc in locations.values())
+    return 1.0 - live / total if total else 0.0
+
+
+class PartChains:
+    """The participant's latest published part, the base of its next incremental part."""
+
+    def __init__(self, settings: ChainSettings | None = None) -> None:
+        self.settings = settings or ChainSettings()
+        self._latest: PublishedChain | None = None
+        self._generation = 0
+
+    @property
+    def latest(self) -> PublishedChain | None:
+        return self._latest
+
+    def reset(self) -> None:
+        """A restore boundary: nothing published before it is referenced after it."""
+        self._latest = None
+        self._generation += 1
+
+    def plan(
+        self,
+        checkpoint_dir: str,
+        cut: int,
+        items: Sequence[ExportRecord | UnchangedRecord],
+        base: PublishedChain | None,
+        identity: Identity,
+    ) -> PartPlan:
+        return PartPlan(checkpoint_dir, cut, items, base, identity, self._generation)
+
+    def base_for(self, checkpoint_dir: str) -> PublishedChain | None:
+        """The part a commit into `checkpoint_dir` may reference, or None for a full part."""
+        base = self._latest
+        if base is None or is_object_url(checkpoint_dir):
+            return None
+        root, name = os.path.split(checkpoint_dir.rstrip("/"))
+        if base.root != root or base.checkpoint == name:
+            return None
+        if base.chain_length >= min(self.settings.full_every, MAX_FULL_EVERY):
+            return None
+        if base.stale_share > self.settings.max_stale_share:
+            return None
+        return base
+
+    def settled(self, plan: PartPlan, part: PublishedPart | None) -> None:
+        """The plan's write ended. Published (`part`): it becomes the base, unless a restore
+        came since. Failed with references: its base is dropped, so the next part is full
+        rather than referencing, again, files that may be what made it fail (deleted by an
+        operator, refused by `write_part`'s check); a failure costs one full part, never a
+        chain that can no longer publish."""
+        if plan.generation != self._generation or is_object_url(plan.checkpoint_dir):
+            return
+        if part is not None:
+            self._latest = plan.published_chain(part)
+        elif plan.references and self._latest is plan.base:
+            self._latest = None
+
+
+@dataclass(eq=False)
+class PartPlan:
+    """One commit's lines: its own records and its references, in the export's order.
+
+    `lines()` is iterated once, in a thread (the writer's, or the snapshot's); it notes where
+    each own record lands and, unless told not to, hashes it, so that once the part is
+    published (`published_chain`) the next part can reference it. An asynchronous snapshot
+    leaves the hashing to the background write (`hash_own`): it is not the pause's work."""
+
+    checkpoint_dir: str
+    cut: int
+    items: Sequence[ExportRecord | UnchangedRecord]
+    base: PublishedChain | None
+    identity: Identity
+    generation: int
+
+    def __post_init__(self) -> None:
+        self._own: list[tuple[Hashable, int, int, bytes | str]] = []
+        base = self.base
+        self._located = (
+            {
+                id(item): base.locations[item.identity]
+                for item in self.items
+                if isinstance(item, UnchangedRecord)
+            }
+            if base is not None
+            else {}
+        )
+        files = {id(loc.file): loc.file for loc in self._located.values()}
+        self.references = tuple(
+            sorted(files.values(), key=lambda f: (f.checkpoint, f.records_file))
+        )
+        self._index = {id(f): i for i, f in enumerate(self.references)}
+
+    def moved_to(self, checkpoint_dir: str) -> PartPlan:
+        """This plan for a commit retried into another directory (the first one failed: a
+        bad directory). Its export is kept (never re-exported: that would store state from
+        after the cut), so its references must still be siblings of the new directory."""
+        if self.references:
+            assert self.base is not None
+            root, name = os.path.split(checkpoint_dir.rstrip("/"))
+            if (
+                is_object_url(checkpoint_dir)
+                or root != self.base.root
+                or name == self.base.checkpoint
+            ):
+                raise invalid_request(
+                    "checkpoint_dir",
+                    "a retried incremental commit must stay beside the part it references "
+                    f"({self.base.root}/{self.base.checkpoint})",
+                )
+        return PartPlan(
+            checkpoint_dir, self.cut, self.items, self.base, self.identity, self.generation
+        )
+
+    def chain(self) -> PartChain | None:
+        """What the manifest says of the chain (None: a full part, manifest version 1)."""
+        if not self.references:
+            return None
+        assert self.base is not None
+        located = self._located.values()
+        return PartChain(
+            own_records=len(self.items) - len(located),
+            referenced_records=len(located),
+            referenced_bytes=sum(loc.length + 1 for loc in located),
+            chain_length=self.base.chain_length + 1,
+            references=self.references,
+        )
+
+    def lines(self, *, hashed: bool = True) -> Iterator[bytes]:
+        """Every line of the part, each own record's place noted as it goes (and its sha256,
+        unless `hashed` is False: then `hash_own` must run before the part is published)."""
+        self._own.clear()
+        offset = 0
+        for item in self.items:
+            if isinstance(item, UnchangedRecord):
+                location = self._located[id(item)]
+                pointer = RecordPointer(
+                    self._index[id(location.file)],
+                    location.offset,
+                    location.length,
+                    location.sha256,
+                )
+                line = reference_line(encode_json(item.episode_id.to_json()), pointer)
+            else:
+                line = self._own_line(item)
+                noted = hashlib.sha256(line).hexdigest() if hashed else line
+                self._own.append((self.identity(item), offset, len(line), noted))
+            yield line
+            offset += len(line) + 1
+
+    def hash_own(self) -> None:
+        """Hash the own lines `lines(hashed=False)` noted; blocks (run it in a thread)."""
+        self._own = [
+            (identity, offset, length, hashlib.sha256(line).hexdigest())
+            if isinstance(line, bytes)
+            else (identity, offset, length, line)
+            for identity, offset, length, line in self._own
+        ]
+
+    def _own_line(self, record: ExportRecord) -> bytes:
+        if REFERENCE_FIELD in record.fields:
+            raise CheckpointError(
+                Reason.UNSERIALIZABLE_STATE,
+                f"the record of {record.episode_id.capture_key} uses the reserved field "
+                f"{REFERENCE_FIELD}",
+                metadata={"captureKey": record.episode_id.capture_key},
+            )
+        return encode_record(record)
+
+    def published_chain(self, part: PublishedPart) -> PublishedChain:
+        root, name = os.path.split(self.checkpoint_dir.rstrip("/"))
+        manifest = part.manifest
+        own_file = PartReference(name, manifest.records_file, manifest.bytes)
+        locations: dict[Hashable, RecordLocation] = {
+            item.identity: self._located[id(item)]
+            for item in self.items
+            if isinstance(item, UnchangedRecord)
+        }
+        for identity, offset, length, digest in self._own:
+            assert isinstance(digest, str), "hash_own did not run"
+            locations[identity] = RecordLocation(own_file, offset, length, digest)
+        return PublishedChain(
+            root,
+            name,
+            manifest.chain_length,
+            self.cut,
+            locations,
+            self.generation,
+            _stale_share(locations),
+        )
