@@ -529,7 +529,8 @@ func (x *ReadinessReport) GetCounts() map[string]int64 {
 // never changes.
 type Manifest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The storage schema version; currently 1.
+	// The storage schema version: 1 for a full part, 2 for an incremental part
+	// (one that references records of earlier parts; see `referenced_records`).
 	SchemaVersion uint32 `protobuf:"varint,1,opt,name=schema_version,json=schemaVersion,proto3" json:"schema_version,omitempty"`
 	// The participant kind that wrote the part.
 	Kind ParticipantKind `protobuf:"varint,2,opt,name=kind,proto3,enum=rollout_checkpoint.v1.ParticipantKind" json:"kind,omitempty"`
@@ -545,7 +546,20 @@ type Manifest struct {
 	// The number of records (lines) in the records file.
 	RecordCount uint64 `protobuf:"varint,7,opt,name=record_count,json=recordCount,proto3" json:"record_count,omitempty"`
 	// The size of the records file in bytes.
-	Bytes         uint64 `protobuf:"varint,8,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Bytes uint64 `protobuf:"varint,8,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Set only for an incremental part (`schema_version` 2): the records it
+	// wrote itself (the changed and new ones). Unset (0) for a full part, whose
+	// records are all its own (`record_count`), so a full part's reply is
+	// exactly what it was before incremental parts existed.
+	OwnRecords uint64 `protobuf:"varint,9,opt,name=own_records,json=ownRecords,proto3" json:"own_records,omitempty"`
+	// Set only for an incremental part: the records it references in earlier
+	// published parts of the same participant (unchanged since).
+	// `own_records` plus `referenced_records` is `record_count`.
+	ReferencedRecords uint64 `protobuf:"varint,10,opt,name=referenced_records,json=referencedRecords,proto3" json:"referenced_records,omitempty"`
+	// Set only for an incremental part: how many parts a restore of it reads at
+	// most (2 for the first incremental part after a full one, one more for
+	// each next). Unset (0) for a full part, which is read alone.
+	ChainLength   uint32 `protobuf:"varint,11,opt,name=chain_length,json=chainLength,proto3" json:"chain_length,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -632,6 +646,27 @@ func (x *Manifest) GetRecordCount() uint64 {
 func (x *Manifest) GetBytes() uint64 {
 	if x != nil {
 		return x.Bytes
+	}
+	return 0
+}
+
+func (x *Manifest) GetOwnRecords() uint64 {
+	if x != nil {
+		return x.OwnRecords
+	}
+	return 0
+}
+
+func (x *Manifest) GetReferencedRecords() uint64 {
+	if x != nil {
+		return x.ReferencedRecords
+	}
+	return 0
+}
+
+func (x *Manifest) GetChainLength() uint32 {
+	if x != nil {
+		return x.ChainLength
 	}
 	return 0
 }
@@ -749,7 +784,7 @@ const file_rollout_checkpoint_v1_types_proto_rawDesc = "" +
 	"\x06counts\x18\x04 \x03(\v22.rollout_checkpoint.v1.ReadinessReport.CountsEntryR\x06counts\x1a9\n" +
 	"\vCountsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xb1\x02\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xa4\x03\n" +
 	"\bManifest\x12%\n" +
 	"\x0eschema_version\x18\x01 \x01(\rR\rschemaVersion\x12:\n" +
 	"\x04kind\x18\x02 \x01(\x0e2&.rollout_checkpoint.v1.ParticipantKindR\x04kind\x12\x1a\n" +
@@ -758,7 +793,12 @@ const file_rollout_checkpoint_v1_types_proto_rawDesc = "" +
 	"\frecords_file\x18\x05 \x01(\tR\vrecordsFile\x12%\n" +
 	"\x0erecords_sha256\x18\x06 \x01(\tR\rrecordsSha256\x12!\n" +
 	"\frecord_count\x18\a \x01(\x04R\vrecordCount\x12\x14\n" +
-	"\x05bytes\x18\b \x01(\x04R\x05bytes\"\x8a\x02\n" +
+	"\x05bytes\x18\b \x01(\x04R\x05bytes\x12\x1f\n" +
+	"\vown_records\x18\t \x01(\x04R\n" +
+	"ownRecords\x12-\n" +
+	"\x12referenced_records\x18\n" +
+	" \x01(\x04R\x11referencedRecords\x12!\n" +
+	"\fchain_length\x18\v \x01(\rR\vchainLength\"\x8a\x02\n" +
 	"\aEpisode\x12?\n" +
 	"\n" +
 	"episode_id\x18\x01 \x01(\v2 .rollout_checkpoint.v1.EpisodeIdR\tepisodeId\x12\x1f\n" +

@@ -380,7 +380,10 @@ export interface ReadinessReport_CountsEntry {
  * never changes.
  */
 export interface Manifest {
-  /** The storage schema version; currently 1. */
+  /**
+   * The storage schema version: 1 for a full part, 2 for an incremental part
+   * (one that references records of earlier parts; see `referenced_records`).
+   */
   schemaVersion?:
     | number
     | undefined;
@@ -412,7 +415,32 @@ export interface Manifest {
     | string
     | undefined;
   /** The size of the records file in bytes. */
-  bytes?: string | undefined;
+  bytes?:
+    | string
+    | undefined;
+  /**
+   * Set only for an incremental part (`schema_version` 2): the records it
+   * wrote itself (the changed and new ones). Unset (0) for a full part, whose
+   * records are all its own (`record_count`), so a full part's reply is
+   * exactly what it was before incremental parts existed.
+   */
+  ownRecords?:
+    | string
+    | undefined;
+  /**
+   * Set only for an incremental part: the records it references in earlier
+   * published parts of the same participant (unchanged since).
+   * `own_records` plus `referenced_records` is `record_count`.
+   */
+  referencedRecords?:
+    | string
+    | undefined;
+  /**
+   * Set only for an incremental part: how many parts a restore of it reads at
+   * most (2 for the first incremental part after a full one, one more for
+   * each next). Unset (0) for a full part, which is read alone.
+   */
+  chainLength?: number | undefined;
 }
 
 /** A live episode held by a participant. */
@@ -972,6 +1000,9 @@ function createBaseManifest(): Manifest {
     recordsSha256: "",
     recordCount: "0",
     bytes: "0",
+    ownRecords: "0",
+    referencedRecords: "0",
+    chainLength: 0,
   };
 }
 
@@ -1000,6 +1031,15 @@ export const Manifest: MessageFns<Manifest> = {
     }
     if (message.bytes !== undefined && message.bytes !== "0") {
       writer.uint32(64).uint64(message.bytes);
+    }
+    if (message.ownRecords !== undefined && message.ownRecords !== "0") {
+      writer.uint32(72).uint64(message.ownRecords);
+    }
+    if (message.referencedRecords !== undefined && message.referencedRecords !== "0") {
+      writer.uint32(80).uint64(message.referencedRecords);
+    }
+    if (message.chainLength !== undefined && message.chainLength !== 0) {
+      writer.uint32(88).uint32(message.chainLength);
     }
     return writer;
   },
@@ -1081,6 +1121,30 @@ export const Manifest: MessageFns<Manifest> = {
             message.bytes = reader.uint64().toString();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.ownRecords = reader.uint64().toString();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.referencedRecords = reader.uint64().toString();
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.chainLength = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1123,6 +1187,21 @@ export const Manifest: MessageFns<Manifest> = {
         ? globalThis.String(object.record_count)
         : "0",
       bytes: isSet(object.bytes) ? globalThis.String(object.bytes) : "0",
+      ownRecords: isSet(object.ownRecords)
+        ? globalThis.String(object.ownRecords)
+        : isSet(object.own_records)
+        ? globalThis.String(object.own_records)
+        : "0",
+      referencedRecords: isSet(object.referencedRecords)
+        ? globalThis.String(object.referencedRecords)
+        : isSet(object.referenced_records)
+        ? globalThis.String(object.referenced_records)
+        : "0",
+      chainLength: isSet(object.chainLength)
+        ? globalThis.Number(object.chainLength)
+        : isSet(object.chain_length)
+        ? globalThis.Number(object.chain_length)
+        : 0,
     };
   },
 
@@ -1152,6 +1231,15 @@ export const Manifest: MessageFns<Manifest> = {
     if (message.bytes !== undefined && message.bytes !== "0") {
       obj.bytes = message.bytes;
     }
+    if (message.ownRecords !== undefined && message.ownRecords !== "0") {
+      obj.ownRecords = message.ownRecords;
+    }
+    if (message.referencedRecords !== undefined && message.referencedRecords !== "0") {
+      obj.referencedRecords = message.referencedRecords;
+    }
+    if (message.chainLength !== undefined && message.chainLength !== 0) {
+      obj.chainLength = Math.round(message.chainLength);
+    }
     return obj;
   },
 
@@ -1168,6 +1256,9 @@ export const Manifest: MessageFns<Manifest> = {
     message.recordsSha256 = object.recordsSha256 ?? "";
     message.recordCount = object.recordCount ?? "0";
     message.bytes = object.bytes ?? "0";
+    message.ownRecords = object.ownRecords ?? "0";
+    message.referencedRecords = object.referencedRecords ?? "0";
+    message.chainLength = object.chainLength ?? 0;
     return message;
   },
 };
@@ -1675,6 +1766,42 @@ export const protoMetadata: ProtoMetadata = {
         "jsonName": "bytes",
         "options": undefined,
         "proto3Optional": false,
+      }, {
+        "name": "own_records",
+        "number": 9,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "ownRecords",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "referenced_records",
+        "number": 10,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "referencedRecords",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "chain_length",
+        "number": 11,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "chainLength",
+        "options": undefined,
+        "proto3Optional": false,
       }],
       "extension": [],
       "nestedType": [],
@@ -2095,95 +2222,117 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4],
-        "span": [156, 0, 174, 1],
+        "span": [156, 0, 188, 1],
         "leadingComments":
           " The manifest of one participant's part of a checkpoint, as stored in\n `<checkpoint_dir>/participants/<kind>/<instance>/manifest.json`.\n\n A part is complete if and only if its manifest exists; a published manifest\n never changes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 0],
-        "span": [158, 2, 28],
-        "leadingComments": " The storage schema version; currently 1.\n",
+        "span": [159, 2, 28],
+        "leadingComments":
+          " The storage schema version: 1 for a full part, 2 for an incremental part\n (one that references records of earlier parts; see `referenced_records`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 1],
-        "span": [160, 2, 27],
+        "span": [161, 2, 27],
         "leadingComments": " The participant kind that wrote the part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 2],
-        "span": [162, 2, 22],
+        "span": [163, 2, 22],
         "leadingComments": " The instance name of the participant that wrote the part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 3],
-        "span": [164, 2, 27],
+        "span": [165, 2, 27],
         "leadingComments": " The checkpoint id the part belongs to.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 4],
-        "span": [167, 2, 26],
+        "span": [168, 2, 26],
         "leadingComments":
           " The records file's name, `records-<records_sha256>.jsonl`, relative to the\n manifest's directory.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 5],
-        "span": [169, 2, 28],
+        "span": [170, 2, 28],
         "leadingComments": " Lower-case hex SHA-256 of the whole records file.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 6],
-        "span": [171, 2, 26],
+        "span": [172, 2, 26],
         "leadingComments": " The number of records (lines) in the records file.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 7],
-        "span": [173, 2, 19],
+        "span": [174, 2, 19],
         "leadingComments": " The size of the records file in bytes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
+        "path": [4, 4, 2, 8],
+        "span": [179, 2, 25],
+        "leadingComments":
+          " Set only for an incremental part (`schema_version` 2): the records it\n wrote itself (the changed and new ones). Unset (0) for a full part, whose\n records are all its own (`record_count`), so a full part's reply is\n exactly what it was before incremental parts existed.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 9],
+        "span": [183, 2, 33],
+        "leadingComments":
+          " Set only for an incremental part: the records it references in earlier\n published parts of the same participant (unchanged since).\n `own_records` plus `referenced_records` is `record_count`.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 10],
+        "span": [187, 2, 27],
+        "leadingComments":
+          " Set only for an incremental part: how many parts a restore of it reads at\n most (2 for the first incremental part after a full one, one more for\n each next). Unset (0) for a full part, which is read alone.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
         "path": [4, 5],
-        "span": [177, 0, 196, 1],
+        "span": [191, 0, 210, 1],
         "leadingComments": " A live episode held by a participant.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 0],
-        "span": [179, 2, 27],
+        "span": [193, 2, 27],
         "leadingComments": " The episode.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 1],
-        "span": [181, 2, 25],
+        "span": [195, 2, 25],
         "leadingComments": " Its capture key.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 2],
-        "span": [184, 2, 23],
+        "span": [198, 2, 23],
         "leadingComments":
           " True when the episode sits at a boundary (parked or waiting on a held\n call) and can be cut there.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 3],
-        "span": [187, 2, 28],
+        "span": [201, 2, 28],
         "leadingComments":
           " True when the episode was installed by a Restore and no request of its\n attempt has used it yet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 4],
-        "span": [195, 2, 44],
+        "span": [209, 2, 44],
         "leadingComments":
           " The lowest weight version among the episode's recorded (delivered) calls\n (see ParticipantService.SetWeightVersion). Set only by a policy model,\n and only when at least one recorded call has a known version (a ledger\n restored from a checkpoint written before versions were recorded has\n none). For a restored ledger not yet claimed, the versions it was\n checkpointed with: a controller reads it right after a Restore to decide\n whether a cut rollout is too stale to continue.\n",
         "trailingComments": "",
