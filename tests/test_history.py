@@ -173,6 +173,65 @@ async def test_a_new_process_reads_every_attempt_back_from_an_object_store(
     check_read_back(entries_of(url, env=dict(ENV, **connection.environment())))
 
 
+def attempt_cli(root: str, attempt_id: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """`history --id --json` of one attempt in a new process: its entry, its members by name."""
+    done = history_cli(root, "--id", attempt_id, "--json")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    return document["entry"], {m["name"]: m for m in document["members"]}
+
+
+def stage_seconds(entry: dict[str, Any], *stages: str) -> float:
+    """How long `stages` of an attempt took together (1 ms for rounding and two clocks)."""
+    return sum(s["seconds"] for s in entry["stages"] if s["stage"] in stages) + 1e-3
+
+
+async def test_each_member_s_commit_durable_part_and_restore_are_timed(tmp_path: Path) -> None:
+    location = str(tmp_path / "root")
+    root = CheckpointRoot(tmp_path / "root")
+    async with fleet_of(*KINDS) as f:
+        seed(f)
+        await take(f, root, "ckpt-sync")
+        await take(f, root, "ckpt-async", asynchronous=True)
+        await take_failing(f, root, "ckpt-refused")
+    async with fleet_of(*KINDS) as fresh:
+        await restore_published(fresh.fleet, root, "restore-timed", fresh.deadline())
+
+    entry, members = attempt_cli(location, "ckpt-sync")
+    assert sorted(members) == ["agent", "resources"]
+    for member in members.values():
+        assert 0 < member["commit_seconds"] <= stage_seconds(entry, "commit")
+        assert member["commit_seconds"] <= entry["duration_seconds"]
+        assert member["durable_seconds"] is None and member["restore_seconds"] is None
+
+    entry, members = attempt_cli(location, "ckpt-async")
+    for member in members.values():
+        assert 0 < member["commit_seconds"] <= stage_seconds(entry, "snapshot")
+        assert member["commit_seconds"] <= member["durable_seconds"]
+        assert member["durable_seconds"] <= stage_seconds(entry, "snapshot", "resume", "durable")
+
+    _, members = attempt_cli(location, "ckpt-refused")
+    assert members["resources"]["error"] == "HOOK_FAILED"
+    assert members["resources"]["commit_seconds"] is None  # it never replied
+    assert members["agent"]["commit_seconds"] > 0
+
+    entry, members = attempt_cli(location, "restore-timed")
+    assert sorted(members) == ["agent", "resources"]
+    for member in members.values():
+        assert 0 < member["restore_seconds"] <= entry["duration_seconds"]
+        assert member["commit_seconds"] is None
+
+    table = history_cli(location, "--id", "ckpt-async")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("MEMBER")))
+    assert lines[header].split()[4:7] == ["COMMIT", "DURABLE", "RESTORE"]
+    agent = lines[header + 1].split()
+    assert agent[0] == "agent" and agent[4].endswith("s") and agent[6] == "-"
+    missing = history_cli(location, "--id", "ckpt-never")
+    assert missing.returncode == 2 and "no attempt 'ckpt-never'" in missing.stderr
+
+
 def entry(number: int, **fields: Any) -> HistoryEntry:
     values: dict[str, Any] = {
         "id": f"ckpt-{number}",
@@ -388,3 +447,5 @@ async def test_the_supervisor_records_its_periodic_checkpoints_and_its_recoverie
         "completed",
     )
     assert recovery["source"] == finished.source_checkpoint_id and recovery["members"] == 2
+    _, members = attempt_cli(str(root), finished.recovery_id)
+    assert all(m["restore_seconds"] > 0 for m in members.values()), members

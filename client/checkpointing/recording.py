@@ -11,9 +11,12 @@ Two rules keep the history from ever costing a checkpoint:
   attempt's deadline (a hung store: the write goes on in the background).
 
 What a checkpoint's record says of each member comes from the prepare's progress snapshots
-(when it prepared, the most blockers it reported, how long it reported any) and from its
-commit reply (records, bytes, where its part is). Snapshots share the entries of members
-that did not change, so watching them costs one identity check per member and snapshot.
+(when it prepared, the most blockers it reported, how long it reported any), from its
+commit reply (records, bytes, where its part is) and from when its commit was called and
+answered, and its part found durable (`fanout.MemberTimes`, taken where the fan-out already
+is); a restore's, from when each Restore was called and answered. Snapshots share the
+entries of members that did not change, so watching them costs one identity check per member
+and snapshot.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from rollout_checkpoint.client.checkpointing.fanout import (
     FleetError,
     FleetProgress,
     MemberProgress,
+    MemberTimes,
     Outcome,
 )
 from rollout_checkpoint.client.checkpointing.publication import (
@@ -121,6 +125,8 @@ class CheckpointRecorder:
     asynchronous: bool
     max_bytes: int = DEFAULT_HISTORY_BYTES
     started: float = field(default_factory=time.time)
+    times: MemberTimes = field(default_factory=MemberTimes)
+    """Each member's commit (pass it to `fanout.commit` and `fanout.await_parts`)."""
     _stages: list[tuple[str, float]] = field(default_factory=list)
     _watch: dict[str, _MemberWatch] = field(default_factory=dict)
     _seen: list[MemberProgress | None] = field(default_factory=list)
@@ -277,6 +283,10 @@ class CheckpointRecorder:
                         else 0.0
                     ),
                     error=culprits.get(member.name, ""),
+                    commit_seconds=self.times.reply_seconds(member.name),
+                    durable_seconds=(
+                        self.times.durable_seconds(member.name) if self.asynchronous else None
+                    ),
                 )
             )
         return records
@@ -295,15 +305,35 @@ class RestoreRecorder:
     """`rejoin` (survivors take part) or `fresh` (processes started closed)."""
     started: float = field(default_factory=time.time)
     source: str = ""
+    times: MemberTimes = field(default_factory=MemberTimes)
+    """Each member's Restore (pass it to the fan-out of the Restore calls)."""
 
     async def completed(self, continued: int, restarted: int = 0) -> None:
         entry = self._entry(Status.COMPLETED, continued, restarted)
-        await write_record(self.root, entry, [], self.deadline)
+        await write_record(self.root, entry, self._member_records(entry), self.deadline)
 
     async def failed(self, error: Exception) -> None:
         reason, culprits = failure_of(error)
         entry = self._entry(Status.FAILED, 0, 0, reason, str(error), culprits)
-        await write_record(self.root, entry, [], self.deadline)
+        await write_record(self.root, entry, self._member_records(entry, culprits), self.deadline)
+
+    def _member_records(
+        self, entry: HistoryEntry, culprits: Mapping[str, str] | None = None
+    ) -> list[MemberRecord]:
+        """Each member's Restore, when the entry has a details object to hold them."""
+        if not entry.details:
+            return []
+        culprits = culprits or {}
+        return [
+            MemberRecord(
+                name=member.name,
+                kind=member.kind_name,
+                instance=member.instance,
+                error=culprits.get(member.name, ""),
+                restore_seconds=self.times.reply_seconds(member.name),
+            )
+            for member in self.fleet.members
+        ]
 
     def _entry(
         self,
@@ -326,6 +356,9 @@ class RestoreRecorder:
             source=self.source,
             continued=continued,
             restarted=restarted,
+            # A control id that is no checkpoint id (the members refuse it) is recorded
+            # without details: it must never become a file name in the root.
+            details=details_name(self.restore_id) if is_valid_id(self.restore_id) else "",
         )
 
 
