@@ -448,4 +448,5 @@ async def test_the_supervisor_records_its_periodic_checkpoints_and_its_recoverie
     )
     assert recovery["source"] == finished.source_checkpoint_id and recovery["members"] == 2
     _, members = attempt_cli(str(root), finished.recovery_id)
+    assert sorted(members) == ["c0", "c1"]
     assert all(m["restore_seconds"] > 0 for m in members.values()), members
