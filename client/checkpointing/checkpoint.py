@@ -232,10 +232,11 @@ async def _checkpoint(
     keep_closed: bool,
     fix_scope: ScopeFixer | None,
     asynchronous: bool,
-    times: MemberTimes,
+    times: MemberTimes | None,
 ) -> AsyncGenerator[CheckpointEvent]:
     """`checkpoint`'s steps, unrecorded but for `times` (each member's commit and, when
-    asynchronous, its part found durable)."""
+    asynchronous, its part found durable; None: not timed, as a benchmark of what the
+    history costs runs them)."""
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
     prepared: list[CheckpointOutcome] = []

@@ -16,7 +16,9 @@ commit reply (records, bytes, where its part is) and from when its commit was ca
 answered, and its part found durable (`fanout.MemberTimes`, taken where the fan-out already
 is); a restore's, from when each Restore was called and answered. Snapshots share the
 entries of members that did not change, so watching them costs one identity check per member
-and snapshot.
+and snapshot; that pass waits until the record is built, after the resume (`WATCH_BATCH`):
+during the prepare it was CPU of the fleet's pause (a 1,000-member prepare yields a hundred
+snapshots or so: 100,000 checks).
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ _STAGES = {
 }
 """The stage each `checkpoint.Phase` starts (an asynchronous commit is a `snapshot`)."""
 _PREPARED = types_pb2.PARTICIPANT_STATE_PREPARED
+WATCH_BATCH = 256
+"""The most prepare snapshots a recorder keeps unread: a longer prepare has them read as this
+many accumulate (it waits on its members then, so the loop has the time), which bounds what
+the recorder holds (at 1,000 members a snapshot is an 8 KB list)."""
 
 
 @dataclass
@@ -130,6 +136,7 @@ class CheckpointRecorder:
     _stages: list[tuple[str, float]] = field(default_factory=list)
     _watch: dict[str, _MemberWatch] = field(default_factory=dict)
     _seen: list[MemberProgress | None] = field(default_factory=list)
+    _unread: list[FleetProgress] = field(default_factory=list)
     _progress: FleetProgress | None = None
     _recorded: bool = False
 
@@ -148,7 +155,15 @@ class CheckpointRecorder:
             self._stages.append((stage, time.time()))
         if progress is not None and progress is not self._progress:
             self._progress = progress
+            self._unread.append(progress)
+            if len(self._unread) >= WATCH_BATCH:
+                self._read_snapshots()
+
+    def _read_snapshots(self) -> None:
+        """Watch every member through the snapshots not read yet, in their order."""
+        for progress in self._unread:
             self._watch_members(progress)
+        self._unread.clear()
 
     def _watch_members(self, progress: FleetProgress) -> None:
         if len(self._seen) != len(progress.members):
@@ -240,6 +255,7 @@ class CheckpointRecorder:
         continued: int = 0,
     ) -> tuple[HistoryEntry, list[MemberRecord]]:
         culprits = culprits or {}
+        self._read_snapshots()
         members = self._member_records(commit, culprits)
         entry = _attempt(
             "checkpoint",
