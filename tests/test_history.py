@@ -21,7 +21,12 @@ from rollout_checkpoint.client.checkpointing.checkpoint import (
     checkpoint,
     restore_published,
 )
-from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.fanout import (
+    FleetError,
+    FleetProgress,
+    MemberProgress,
+    Outcome,
+)
 from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointRoot,
     PublicationRoot,
@@ -39,6 +44,7 @@ from rollout_checkpoint.client.checkpointing.publication.history import (
 from rollout_checkpoint.client.coordinator.supervisor import RestartStrategy, SupervisorSettings
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.participant import Kind
+from rollout_checkpoint.v1 import types_pb2
 
 from .s3_server import S3Connection, SeaweedS3
 from .test_coordination import RunningFleet, fleet_of
@@ -230,6 +236,51 @@ async def test_each_member_s_commit_durable_part_and_restore_are_timed(tmp_path:
     assert agent[0] == "agent" and agent[4].endswith("s") and agent[6] == "-"
     missing = history_cli(location, "--id", "ckpt-never")
     assert missing.returncode == 2 and "no attempt 'ckpt-never'" in missing.stderr
+
+
+async def test_the_prepare_s_snapshots_are_read_after_the_resume_a_bounded_batch_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """The recorder reads no member while the fleet is paused (a short prepare's snapshots
+    wait for the record), holds at most `WATCH_BATCH` of a long prepare's unread, and reads
+    every snapshot in order either way."""
+    root = CheckpointRoot(tmp_path / "root")
+    snapshots = 2 * recording.WATCH_BATCH + 1
+    prepared_at = {"resources": recording.WATCH_BATCH + 3, "agent": snapshots}
+    async with fleet_of(*KINDS) as f:
+        recorder = recording.CheckpointRecorder(
+            f.fleet, root, "ckpt-long", f.deadline(), "manual", asynchronous=False
+        )
+        blocked = types_pb2.ReadinessReport(blocker_count=2)
+        entries = {
+            m.name: MemberProgress(m.name, m.kind, reached=True, readiness=blocked)
+            for m in f.fleet.members
+        }
+        for sequence in range(1, snapshots + 1):
+            for name, at in prepared_at.items():
+                if sequence == at:
+                    entries[name] = MemberProgress(
+                        name,
+                        entries[name].kind,
+                        reached=True,
+                        state=types_pb2.PARTICIPANT_STATE_PREPARED,
+                    )
+            members = [entries[m.name] for m in f.fleet.members]
+            recorder.observe(
+                "PREPARE", FleetProgress(Kind.AGENT, members, sequence, sequence / 100)
+            )
+            if sequence < recording.WATCH_BATCH:
+                assert recorder._watch == {}  # nothing read while the fleet is paused
+            assert len(recorder._unread) < recording.WATCH_BATCH
+        await recorder.finished(CheckpointOutcome("ckpt-long", Outcome.PREPARED))
+    (recorded,) = entries_of(str(tmp_path / "root"))
+    members = {
+        m.name: m for m in open_history(root.location).members(HistoryEntry.from_json(recorded))
+    }
+    for name, at in prepared_at.items():
+        assert members[name].prepared_seconds == at / 100
+        assert members[name].blocked_seconds == pytest.approx((at - 1) / 100)
+        assert members[name].blockers_max == 2
 
 
 def entry(number: int, **fields: Any) -> HistoryEntry:

@@ -135,7 +135,7 @@ class CheckpointRecorder:
     """Each member's commit (pass it to `fanout.commit` and `fanout.await_parts`)."""
     _stages: list[tuple[str, float]] = field(default_factory=list)
     _watch: dict[str, _MemberWatch] = field(default_factory=dict)
-    _seen: list[MemberProgress | None] = field(default_factory=list)
+    _seen: Sequence[MemberProgress | None] = ()
     _unread: list[FleetProgress] = field(default_factory=list)
     _progress: FleetProgress | None = None
     _recorded: bool = False
@@ -166,12 +166,13 @@ class CheckpointRecorder:
         self._unread.clear()
 
     def _watch_members(self, progress: FleetProgress) -> None:
-        if len(self._seen) != len(progress.members):
-            self._seen = [None] * len(progress.members)
-        for index, member in enumerate(progress.members):
-            if member is self._seen[index]:
-                continue
-            self._seen[index] = member
+        # A snapshot's list is never changed once yielded: the last one is what was seen.
+        previous = self._seen
+        self._seen = progress.members
+        if len(previous) != len(progress.members):
+            previous = [None] * len(progress.members)
+        changed = [m for m, seen in zip(progress.members, previous, strict=True) if m is not seen]
+        for member in changed:
             watch = self._watch.setdefault(member.name, _MemberWatch())
             watch.last_elapsed = progress.elapsed
             if member.state == _PREPARED:
