@@ -17,7 +17,9 @@ from one round to the next, noise that hid what is measured here.
 
 Figures: the fleet's pause (the call until every member answered its Resume: what the
 history must not lengthen), the whole call (the history's write included: `checkpoint`
-yields its last event once the record is written), this process's CPU over the call, each
+yields its last event once the record is written), this process's CPU over the call and
+until the resume starts (prepare, commit, publish: most of the pause's CPU, and less
+sensitive than the pause's wall time to whatever else the machine runs), each
 as the median of per-round ratios with / without and the medians of both sides; and the
 record, what the call took after the resume and the retention (with history: building the
 record and waiting for its write; without: nothing but the last event).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import secrets
 import statistics
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_checkpoint.client.checkpointing import checkpoint as checkpointing
-from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent, Phase
 from rollout_checkpoint.client.checkpointing.publication import CheckpointRoot
 from rollout_checkpoint.client.checkpointing.publication.history import INDEX_NAME
 from rollout_checkpoint.client.fleet import DEFAULT_FAN_OUT, Fleet, FleetSpec
@@ -75,14 +78,23 @@ async def one_checkpoint(fleet: Fleet, root: CheckpointRoot, side: str) -> dict[
     cpu = time.process_time()
     started = now()
     outcome = None
+    cpu_to_resume = math.nan
     async for event in take(fleet, root, deadline_in(TIMEOUT)):
+        if event.phase == Phase.RESUME:
+            cpu_to_resume = time.process_time() - cpu
         outcome = event.outcome if event.final else outcome
     total = now() - started
     cpu = time.process_time() - cpu
     if outcome is None or outcome.published is None or outcome.resumed_seconds is None:
         raise RuntimeError(f"the checkpoint {side} history was not published: {outcome}")
     record = total - outcome.resumed_seconds - outcome.retention_seconds
-    return {"pause": outcome.resumed_seconds, "total": total, "cpu": cpu, "record": record}
+    return {
+        "pause": outcome.resumed_seconds,
+        "total": total,
+        "cpu": cpu,
+        "cpu_to_resume": cpu_to_resume,
+        "record": record,
+    }
 
 
 async def measure(fleet: Fleet, work: Path, rounds: int) -> dict[str, list[dict[str, float]]]:
@@ -113,7 +125,7 @@ def _line(timings: dict[str, list[dict[str, float]]]) -> str:
 def report(timings: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """Per figure: both sides' spreads and the per-round ratios with / without."""
     figures = {}
-    for figure in ("pause", "total", "cpu", "record"):
+    for figure in ("pause", "total", "cpu", "cpu_to_resume", "record"):
         with_history = [t[figure] for t in timings["with"]]
         without = [t[figure] for t in timings["without"]]
         figures[figure] = {
@@ -153,7 +165,9 @@ async def run(members: int, rounds: int, hosts: int) -> dict[str, Any]:
         "figures": report(timings),
         "note": "pause: the checkpoint call until every member answered its Resume; total: "
         "the whole call (with history: its record written); cpu: this process's CPU over "
-        "the call; record: the call after the resume and the retention. "
+        "the call; cpu_to_resume: this process's CPU from the call until the fleet's resume "
+        "starts (prepare, commit, publish: most of the pause's CPU); record: the call after "
+        "the resume and the retention. "
         "ratio_with_over_without: the median of per-round ratios (rounds interleaved, "
         f"order alternating); the goal is <= 1.03. Retention keeps {KEEP}: nothing deleted",
         "loadavg": os.getloadavg(),

@@ -408,8 +408,11 @@ class MemberTimes:
     members that did reply are still worth telling apart from the one that did not."""
 
     called: dict[str, float] = field(default_factory=dict)
+    """When each member's call went out (once it had its slot of the fan-out)."""
     replied: dict[str, float] = field(default_factory=dict)
+    """When each member's reply arrived (none for a call that failed)."""
     durable: dict[str, float] = field(default_factory=dict)
+    """When each member's part was found durable (`await_parts`)."""
 
     def reply_seconds(self, name: str) -> float | None:
         """From `name`'s call to its reply (None: it never replied)."""
