@@ -1,6 +1,6 @@
 """What the checkpoint history costs a 1,000-member fleet's checkpoint (issue 32: at most 1.03x).
 
-    python -m benchmarks.history_cost [--members 1000] [--rounds 7] [--hosts 2]
+    python -m benchmarks.history_cost [--members 1000] [--rounds 7] [--hosts 2] [--calibrate]
 
 One invocation, one JSON line on stdout, nothing written into the repository (checkpoints and
 host logs go to a temporary directory, removed at the end). The fleet is benchmark 6's
@@ -22,7 +22,9 @@ until the resume starts (prepare, commit, publish: most of the pause's CPU, and 
 sensitive than the pause's wall time to whatever else the machine runs), each
 as the median of per-round ratios with / without and the medians of both sides; and the
 record, what the call took after the resume and the retention (with history: building the
-record and waiting for its write; without: nothing but the last event).
+record and waiting for its write; without: nothing but the last event). `--calibrate` runs
+both sides without history: on a machine shared with other work, the spread of those ratios is
+what any one ratio here can be trusted to.
 """
 
 from __future__ import annotations
@@ -71,10 +73,12 @@ def unrecorded(
     )
 
 
-async def one_checkpoint(fleet: Fleet, root: CheckpointRoot, side: str) -> dict[str, float]:
+async def one_checkpoint(
+    fleet: Fleet, root: CheckpointRoot, side: str, calibrating: bool
+) -> dict[str, float]:
     """One published checkpoint: its pause, the whole call, this process's CPU and the record
     (the call after the resume and the retention), in seconds."""
-    take = recorded if side == "with" else unrecorded
+    take = recorded if side == "with" and not calibrating else unrecorded
     cpu = time.process_time()
     started = now()
     outcome = None
@@ -97,20 +101,25 @@ async def one_checkpoint(fleet: Fleet, root: CheckpointRoot, side: str) -> dict[
     }
 
 
-async def measure(fleet: Fleet, work: Path, rounds: int) -> dict[str, list[dict[str, float]]]:
+async def measure(
+    fleet: Fleet, work: Path, rounds: int, calibrating: bool
+) -> dict[str, list[dict[str, float]]]:
     """`rounds` measured rounds (after one unmeasured), each side once a round, alternating
-    which goes first."""
+    which goes first. `calibrating`: both sides without history, the same checkpoint twice a
+    round, so the ratios say how far apart this machine puts two identical runs."""
     roots = {side: CheckpointRoot(work / side) for side in SIDES}
     timings: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     for number in range(-1, rounds):
         order = SIDES if number % 2 == 0 else tuple(reversed(SIDES))
         for side in order:
-            timing = await one_checkpoint(fleet, roots[side], side)
+            timing = await one_checkpoint(fleet, roots[side], side, calibrating)
             if number >= 0:
                 timings[side].append(timing)
         if number >= 0:
             print(f"round {number + 1}/{rounds}: {_line(timings)}", file=sys.stderr, flush=True)
-    if (work / "without" / INDEX_NAME).exists() or not (work / "with" / INDEX_NAME).exists():
+    if (work / "without" / INDEX_NAME).exists() or calibrating == (
+        work / "with" / INDEX_NAME
+    ).exists():
         raise RuntimeError("only the side with history must have written one")
     return timings
 
@@ -140,7 +149,7 @@ def report(timings: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     return figures
 
 
-async def run(members: int, rounds: int, hosts: int) -> dict[str, Any]:
+async def run(members: int, rounds: int, hosts: int, calibrating: bool) -> dict[str, Any]:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-history-") as name:
         work = Path(name)
@@ -154,14 +163,14 @@ async def run(members: int, rounds: int, hosts: int) -> dict[str, Any]:
                 fan_out=DEFAULT_FAN_OUT,
             )
             fleet = await Fleet.discover(spec)
-            timings = await measure(fleet, work, rounds)
+            timings = await measure(fleet, work, rounds, calibrating)
         finally:
             if fleet is not None:
                 await fleet.close()
             processes.close()
     return {
         "benchmark": "history_cost",
-        "params": {"members": members, "rounds": rounds, "hosts": hosts},
+        "params": {"members": members, "rounds": rounds, "hosts": hosts, "calibrate": calibrating},
         "figures": report(timings),
         "note": "pause: the checkpoint call until every member answered its Resume; total: "
         "the whole call (with history: its record written); cpu: this process's CPU over "
@@ -180,8 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--members", type=int, default=1000, help="light members (of 4 kinds)")
     parser.add_argument("--rounds", type=int, default=7, help="measured rounds")
     parser.add_argument("--hosts", type=int, default=2, help="processes serving the members")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="both sides without history: the ratios two identical runs show on this machine",
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(asyncio.run(run(args.members, args.rounds, args.hosts))), flush=True)
+    result = asyncio.run(run(args.members, args.rounds, args.hosts, args.calibrate))
+    print(json.dumps(result), flush=True)
     return 0
 
 
