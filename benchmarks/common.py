@@ -95,6 +95,17 @@ class Ratio:
         }
 
 
+def spread(samples: Sequence[float]) -> dict[str, Any]:
+    """The median of `samples`, their min and max, and the samples (a script's JSON line)."""
+    return {
+        "median": statistics.median(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+        "samples": [round(s, 4) for s in samples],
+    }
+
+
 def ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     """Per-repeat ratios a[i] / b[i] (the repeats of a and b ran interleaved)."""
     return [x / y if y else math.nan for x, y in zip(a, b, strict=True)]

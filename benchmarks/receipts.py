@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 from rollout_checkpoint.v1 import types_pb2
 
 from .asgi_overhead import call
-from .common import Processes, deadline_in, ratios
+from .common import Processes, deadline_in, ratios, spread
 from .fleetutil import start_groups
 
 TOKEN = "r" * 32
@@ -379,16 +378,6 @@ async def fleet_rollouts(
 
 
 # -- the report -----------------------------------------------------------------------------
-
-
-def spread(samples: Sequence[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(samples),
-        "min": min(samples),
-        "max": max(samples),
-        "n": len(samples),
-        "samples": [round(s, 4) for s in samples],
-    }
 
 
 def run_report(cpu: dict[str, list[float]]) -> dict[str, Any]:

@@ -30,7 +30,8 @@ retry with the same checkpoint id (the participants replay recorded results): `p
 (`FleetProgress` of `MemberProgress`, ending in an `Outcome`), `prepare_until_done`,
 `commit` (`FleetCommit`), `await_parts`, `resume`, `restore`, `abandon_restore`, `retire`,
 `forget`, `renew`, `derive_scope`; a member that refused or could not be reached fails the
-operation with `FleetError`.
+operation with `FleetError`. `commit`, `await_parts` and `restore` note when each member's call
+went out and its reply came back in a `MemberTimes` (what the history records of each member).
 
 **Publication.** A checkpoint is published into a root: a directory (`CheckpointRoot`) or an
 object store (`ObjectCheckpointRoot`), both a `PublicationRoot`, opened by their location's
@@ -90,6 +91,7 @@ if TYPE_CHECKING:
         FleetError,
         FleetProgress,
         MemberProgress,
+        MemberTimes,
         Outcome,
         abandon_restore,
         await_parts,
@@ -214,6 +216,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "FleetError",
         "FleetProgress",
         "MemberProgress",
+        "MemberTimes",
         "Outcome",
         "abandon_restore",
         "await_parts",
@@ -296,6 +299,7 @@ __all__ = [
     "MemberEvent",
     "MemberProgress",
     "MemberSpec",
+    "MemberTimes",
     "NoPublishedCheckpoint",
     "NotReadyInTime",
     "ObjectCheckpointRoot",

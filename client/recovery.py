@@ -170,7 +170,7 @@ async def recover(
     recorder.restore_id = recovery_id(verified.checkpoint_id, boot_ids)
     try:
         recovery = await _restore_and_resume(
-            fleet, verified, recorder.restore_id, statuses, deadline, abandon_on_failure, step
+            fleet, verified, recorder, statuses, deadline, abandon_on_failure, step
         )
     except RecoveryLostRace as lost:
         await recorder.failed(lost.error)  # the members' refusal names who holds the fleet
@@ -185,13 +185,15 @@ async def recover(
 async def _restore_and_resume(
     fleet: Fleet,
     verified: RestoreSource,
-    control_id: str,
+    recorder: RestoreRecorder,
     statuses: Mapping[str, pb.GetStatusResponse],
     deadline: float,
     abandon_on_failure: bool,
     step: StepHook,
 ) -> Recovery:
-    """`recover`'s restore of a verified checkpoint, all or nothing, then its resume."""
+    """`recover`'s restore of a verified checkpoint, all or nothing, then its resume, under
+    `recorder`'s id (each member's Restore timed into its `times`)."""
+    control_id = recorder.restore_id
     await end_cut_checkpoints(fleet, statuses, control_id, deadline)
     await step(Step.CUT_ENDED)
     in_flight = await _live_episodes(fleet)
@@ -205,6 +207,7 @@ async def _restore_and_resume(
                 control_id, deadline, verified.directory, episodes, rejoin=True
             ),
             fleet.spec.fan_out,
+            recorder.times,
         )
     except FleetError as error:
         if all(e.reason == Reason.STALE_CHECKPOINT for e in error.failures.values()):

@@ -44,10 +44,10 @@ def nemo_gym_env_is_built() -> bool:
     return True
 
 
-def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Path) -> None:
-    output = tmp_path / "results"
+def run_benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m <args>` from the repository root; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--scale", "tiny", "--quiet", "--output", str(output)],
+        [sys.executable, "-m", *args],
         cwd=REPO,
         env=dict(os.environ, GRPC_VERBOSITY="ERROR"),
         capture_output=True,
@@ -56,6 +56,12 @@ def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Pat
         check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def test_every_benchmark_runs_at_the_tiny_size_and_reports_numbers(tmp_path: Path) -> None:
+    output = tmp_path / "results"
+    run_benchmark("benchmarks", "--scale", "tiny", "--quiet", "--output", str(output))
     payload = json.loads((output / "latest.json").read_text())
     assert payload["scale"] == "tiny"
     assert set(payload["benchmarks"]) == set(BENCHMARKS)
@@ -133,3 +139,15 @@ def test_merging_twice_credits_each_kept_result_to_the_run_it_came_from(tmp_path
         (["prepare"], "2026-01-01"),
         (["light"], "2026-02-01"),
     ]
+
+
+def test_the_history_cost_benchmark_runs_and_reports_both_sides() -> None:
+    """`benchmarks.history_cost` (issue 32's ratio) on a tiny fleet: one JSON line with both
+    sides of every figure, and only the side with history spending time on a record."""
+    proc = run_benchmark("benchmarks.history_cost", "--members", "8", "--rounds", "2")
+    figures = json.loads(proc.stdout)["figures"]
+    for figure in ("pause", "total", "cpu"):
+        ratio = figures[figure]["ratio_with_over_without"]
+        assert ratio["n"] == 2 and all(r > 0 for r in ratio["samples"]), figures
+    record = figures["record"]
+    assert record["with_history_seconds"]["median"] > record["without_seconds"]["median"]

@@ -14,7 +14,9 @@ grid without overlapping. Every metric the participants export is on some panel.
 are functions, and each is shown to catch a broken copy of the dashboard.
 
 The ConfigMap kustomize generates from the JSON (deploy/grafana) validates strictly, carries the
-sidecar's label and the file byte for byte, and docs/operations.md's command applies it.
+sidecar's label and the file byte for byte, and docs/operations.md's command applies it. That
+page's metrics table names every metric the same participant exports, every label, and every
+value of a label with a closed set of values.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.server.core.rpc.handlers import snake_case
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
 from . import promql
@@ -39,6 +45,19 @@ from .doc_pages import commands
 from .test_kubernetes import render, run_with_the_cluster_stubbed, validate_strictly
 
 DOC_SECTIONS = [("docs/operations.md", "A Grafana dashboard")]
+METRICS_TABLE = ("docs/operations.md", "Metrics, traces and logs")
+BACKTICKED = re.compile(r"`([^`]+)`")
+REASONS = frozenset(reason.value for reason in Reason)
+RPC_NAMES = frozenset(
+    snake_case(method.name)
+    for method in pb.DESCRIPTOR.services_by_name["ParticipantService"].methods
+)
+OPEN_VALUES: Mapping[tuple[str, str], frozenset[str] | None] = {
+    ("rollout_checkpoint_operation_duration_seconds", "operation"): RPC_NAMES,
+    ("rollout_checkpoint_operation_duration_seconds", "outcome"): REASONS | {"ok", "cancelled"},
+    ("rollout_checkpoint_readiness_count", "count"): None,  # each participant's own counts
+}
+"""Labels whose values the table names by where they come from, not one by one (None: any)."""
 
 GRAFANA = REPO / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "rollout-checkpoint.json"
@@ -273,11 +292,13 @@ def call_problems(call: promql.Call, exported: Exported) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-async def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Series]:
+async def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
     """What a participant serves on its metrics port after a checkpoint (prepare, commit,
-    resume: every phase, operation, records and bytes histogram has samples) and a refusal of
-    each plane (refusals carry both labels)."""
-    directory = str(tmp_path_factory.mktemp("grafana") / "ckpt")
+    resume), an asynchronous one (its snapshot and background write) and a rejoining restore
+    (discard, read, install): every phase, operation, records and bytes histogram has
+    samples; and a refusal of each plane (refusals carry both labels)."""
+    work = tmp_path_factory.mktemp("grafana")
+    directory = str(work / "ckpt")
     h = await start_harness(metrics_address="127.0.0.1:0")
     try:
         assert (await h.http.post("/ng-rollout/r1/seed", json={"state": {"n": 1}})).is_success
@@ -288,13 +309,26 @@ async def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Series
         assert closed.status_code == 409 and closed.json()["error"]["code"] == "admission_closed"
         await h.client.resume("ckpt-g1", h.deadline())
         await refused(h.client.commit("ckpt-g1", h.deadline(), directory), "STALE_CHECKPOINT")
+        await h.client.prepare_until_final("ckpt-g2", h.deadline())
+        await h.client.commit("ckpt-g2", h.deadline(), str(work / "async"), asynchronous=True)
+        await h.client.resume("ckpt-g2", h.deadline())
+        part = await h.client.await_part("ckpt-g2", h.deadline())
+        assert part.state == pb.PART_WRITE_STATE_DURABLE
+        restored = EpisodeId("r1")
+        await h.client.restore("restore-g3", h.deadline(), directory, [restored], rejoin=True)
+        await h.client.resume("restore-g3", h.deadline())
         assert h.runtime.metrics_address is not None
         async with httpx.AsyncClient(base_url=f"http://{h.runtime.metrics_address}") as http:
             response = await http.get("/metrics")
     finally:
         await stop_harness(h)
     assert response.status_code == 200, response.text
-    return exported_series(response.text)
+    return response.text
+
+
+@pytest.fixture(scope="module")
+def exported(exposition: str) -> dict[str, Series]:
+    return exported_series(exposition)
 
 
 def load_dashboard() -> dict[str, Any]:
@@ -436,3 +470,83 @@ def test_the_page_applies_the_dashboard_configmap(tmp_path: Path) -> None:
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert configmap["data"] == {DASHBOARD.name: DASHBOARD.read_text()}
     assert len(json.dumps(configmap).encode()) < MOST_CONFIGMAP_BYTES
+
+
+# -- docs/operations.md's metrics table -----------------------------------------------------
+
+
+def metrics_table(markdown: str) -> dict[str, str]:
+    """Each metric the table names -> its row's labels cell."""
+    heading = f"## {METRICS_TABLE[1]}\n"
+    section = markdown.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 2:
+            rows.update((name, cells[1]) for name in BACKTICKED.findall(cells[0]))
+    return rows
+
+
+def table_problems(table: Mapping[str, str], exposition: str) -> list[str]:
+    """What the table leaves out of (or adds to) a participant's exposition: a metric not
+    named or not exported, a label not named in its row, a label value not named there
+    (unless `OPEN_VALUES` or a control refusal's reason, each checked against its source)."""
+    families = {f.name: f for f in text_string_to_metric_families(exposition) if f.samples}
+    problems = []
+    rows = {}
+    for name, cell in table.items():
+        # A counter's family is its name without `_total`, the series the table names.
+        family = name.removesuffix("_total") if name.removesuffix("_total") in families else name
+        rows[family] = cell
+        if family not in families:
+            problems.append(f"the table names {name}, which is not exported")
+    for name, family in families.items():
+        if name.endswith("_created"):  # prometheus_client's creation timestamps
+            continue
+        cell = rows.get(name)
+        if cell is None:
+            problems.append(f"{name} is exported and not in the table")
+            continue
+        for sample in family.samples:
+            problems += [
+                f"{name}{{{label}={value!r}}}: {problem}"
+                for label, value in sample.labels.items()
+                if label != "le" and (problem := value_problem(name, sample.labels, label, cell))
+            ]
+    return sorted(set(problems))
+
+
+def value_problem(family: str, labels: Mapping[str, str], label: str, cell: str) -> str:
+    value = labels[label]
+    if f"`{label}`" not in cell:
+        return f"its row does not name the label `{label}`"
+    if (family, label) in OPEN_VALUES:
+        allowed = OPEN_VALUES[family, label]
+        return "" if allowed is None or value in allowed else "not a value of its source"
+    if (family, label, labels.get("plane")) == ("rollout_checkpoint_refusals", "reason", "control"):
+        return "" if value in REASONS else "a control refusal's reason that is no ErrorInfo reason"
+    return "" if value in BACKTICKED.findall(cell) else "its row does not name the value"
+
+
+def test_the_metrics_table_names_every_metric_label_and_value_exported(exposition: str) -> None:
+    table = metrics_table((REPO / METRICS_TABLE[0]).read_text())
+    problems = table_problems(table, exposition)
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_table_checker_reports_what_a_table_leaves_out(exposition: str) -> None:
+    table = metrics_table((REPO / METRICS_TABLE[0]).read_text())
+    broken = {name: cell.replace("`discard`", "discard") for name, cell in table.items()}
+    del broken["rollout_checkpoint_blockers"]
+    broken["rollout_checkpoint_pauses"] = "—"
+    broken["rollout_checkpoint_state"] = "`state`: `IDLE`"
+    problems = table_problems(broken, exposition)
+    for expected in [
+        "rollout_checkpoint_blockers is exported and not in the table",
+        "the table names rollout_checkpoint_pauses, which is not exported",
+        "rollout_checkpoint_phase_duration_seconds{phase='discard'}: its row does not name "
+        "the value",
+        "rollout_checkpoint_state{state='COMMITTED'}: its row does not name the value",
+    ]:
+        assert expected in problems, problems
+    assert len(problems) == 4 + 3, problems  # and PREPARING, PREPARED, RESTORED

@@ -21,7 +21,12 @@ from rollout_checkpoint.client.checkpointing.checkpoint import (
     checkpoint,
     restore_published,
 )
-from rollout_checkpoint.client.checkpointing.fanout import FleetError
+from rollout_checkpoint.client.checkpointing.fanout import (
+    FleetError,
+    FleetProgress,
+    MemberProgress,
+    Outcome,
+)
 from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointRoot,
     PublicationRoot,
@@ -39,6 +44,7 @@ from rollout_checkpoint.client.checkpointing.publication.history import (
 from rollout_checkpoint.client.coordinator.supervisor import RestartStrategy, SupervisorSettings
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.participant import Kind
+from rollout_checkpoint.v1 import types_pb2
 
 from .s3_server import S3Connection, SeaweedS3
 from .test_coordination import RunningFleet, fleet_of
@@ -171,6 +177,110 @@ async def test_a_new_process_reads_every_attempt_back_from_an_object_store(
     url = connection.url(f"history-{secrets.token_hex(6)}")
     await take_and_restore(url)
     check_read_back(entries_of(url, env=dict(ENV, **connection.environment())))
+
+
+def attempt_cli(root: str, attempt_id: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """`history --id --json` of one attempt in a new process: its entry, its members by name."""
+    done = history_cli(root, "--id", attempt_id, "--json")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    return document["entry"], {m["name"]: m for m in document["members"]}
+
+
+def stage_seconds(entry: dict[str, Any], *stages: str) -> float:
+    """How long `stages` of an attempt took together (1 ms for rounding and two clocks)."""
+    return sum(s["seconds"] for s in entry["stages"] if s["stage"] in stages) + 1e-3
+
+
+async def test_each_member_s_commit_durable_part_and_restore_are_timed(tmp_path: Path) -> None:
+    location = str(tmp_path / "root")
+    root = CheckpointRoot(tmp_path / "root")
+    async with fleet_of(*KINDS) as f:
+        seed(f)
+        await take(f, root, "ckpt-sync")
+        await take(f, root, "ckpt-async", asynchronous=True)
+        await take_failing(f, root, "ckpt-refused")
+    async with fleet_of(*KINDS) as fresh:
+        await restore_published(fresh.fleet, root, "restore-timed", fresh.deadline())
+
+    entry, members = attempt_cli(location, "ckpt-sync")
+    assert sorted(members) == ["agent", "resources"]
+    for member in members.values():
+        assert 0 < member["commit_seconds"] <= stage_seconds(entry, "commit")
+        assert member["commit_seconds"] <= entry["duration_seconds"]
+        assert member["durable_seconds"] is None and member["restore_seconds"] is None
+
+    entry, members = attempt_cli(location, "ckpt-async")
+    for member in members.values():
+        assert 0 < member["commit_seconds"] <= stage_seconds(entry, "snapshot")
+        assert member["commit_seconds"] <= member["durable_seconds"]
+        assert member["durable_seconds"] <= stage_seconds(entry, "snapshot", "resume", "durable")
+
+    _, members = attempt_cli(location, "ckpt-refused")
+    assert members["resources"]["error"] == "HOOK_FAILED"
+    assert members["resources"]["commit_seconds"] is None  # it never replied
+    assert members["agent"]["commit_seconds"] > 0
+
+    entry, members = attempt_cli(location, "restore-timed")
+    assert sorted(members) == ["agent", "resources"]
+    for member in members.values():
+        assert 0 < member["restore_seconds"] <= entry["duration_seconds"]
+        assert member["commit_seconds"] is None
+
+    table = history_cli(location, "--id", "ckpt-async")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("MEMBER")))
+    assert lines[header].split()[4:7] == ["COMMIT", "DURABLE", "RESTORE"]
+    agent = lines[header + 1].split()
+    assert agent[0] == "agent" and agent[4].endswith("s") and agent[6] == "-"
+    missing = history_cli(location, "--id", "ckpt-never")
+    assert missing.returncode == 2 and "no attempt 'ckpt-never'" in missing.stderr
+
+
+async def test_the_prepare_s_snapshots_are_read_after_the_resume_a_bounded_batch_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """The recorder reads no member while the fleet is paused (a short prepare's snapshots
+    wait for the record), holds at most `WATCH_BATCH` of a long prepare's unread, and reads
+    every snapshot in order either way."""
+    root = CheckpointRoot(tmp_path / "root")
+    snapshots = 2 * recording.WATCH_BATCH + 1
+    prepared_at = {"resources": recording.WATCH_BATCH + 3, "agent": snapshots}
+    async with fleet_of(*KINDS) as f:
+        recorder = recording.CheckpointRecorder(
+            f.fleet, root, "ckpt-long", f.deadline(), "manual", asynchronous=False
+        )
+        blocked = types_pb2.ReadinessReport(blocker_count=2)
+        entries = {
+            m.name: MemberProgress(m.name, m.kind, reached=True, readiness=blocked)
+            for m in f.fleet.members
+        }
+        for sequence in range(1, snapshots + 1):
+            for name, at in prepared_at.items():
+                if sequence == at:
+                    entries[name] = MemberProgress(
+                        name,
+                        entries[name].kind,
+                        reached=True,
+                        state=types_pb2.PARTICIPANT_STATE_PREPARED,
+                    )
+            members = [entries[m.name] for m in f.fleet.members]
+            recorder.observe(
+                "PREPARE", FleetProgress(Kind.AGENT, members, sequence, sequence / 100)
+            )
+            if sequence < recording.WATCH_BATCH:
+                assert recorder._watch == {}  # nothing read while the fleet is paused
+            assert len(recorder._unread) < recording.WATCH_BATCH
+        await recorder.finished(CheckpointOutcome("ckpt-long", Outcome.PREPARED))
+    (recorded,) = entries_of(str(tmp_path / "root"))
+    members = {
+        m.name: m for m in open_history(root.location).members(HistoryEntry.from_json(recorded))
+    }
+    for name, at in prepared_at.items():
+        assert members[name].prepared_seconds == at / 100
+        assert members[name].blocked_seconds == pytest.approx((at - 1) / 100)
+        assert members[name].blockers_max == 2
 
 
 def entry(number: int, **fields: Any) -> HistoryEntry:
@@ -388,3 +498,6 @@ async def test_the_supervisor_records_its_periodic_checkpoints_and_its_recoverie
         "completed",
     )
     assert recovery["source"] == finished.source_checkpoint_id and recovery["members"] == 2
+    _, members = attempt_cli(str(root), finished.recovery_id)
+    assert sorted(members) == ["c0", "c1"]
+    assert all(m["restore_seconds"] > 0 for m in members.values()), members

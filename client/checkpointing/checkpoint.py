@@ -36,6 +36,7 @@ from rollout_checkpoint.client.checkpointing.fanout import (
     FleetCommit,
     FleetError,
     FleetProgress,
+    MemberTimes,
     Outcome,
     awaiting_restore,
 )
@@ -202,6 +203,7 @@ async def checkpoint(
         keep_closed,
         fix_scope,
         asynchronous,
+        recorder.times,
     )
     try:
         # aclosing: a caller that stops iterating closes the steps too, so their abort runs.
@@ -230,8 +232,11 @@ async def _checkpoint(
     keep_closed: bool,
     fix_scope: ScopeFixer | None,
     asynchronous: bool,
+    times: MemberTimes | None,
 ) -> AsyncGenerator[CheckpointEvent]:
-    """`checkpoint`'s steps, unrecorded."""
+    """`checkpoint`'s steps, unrecorded but for `times` (each member's commit and, when
+    asynchronous, its part found durable; None: not timed, as a benchmark of what the
+    history costs runs them)."""
     directory = root.directory(checkpoint_id)
     started = time.monotonic()
     prepared: list[CheckpointOutcome] = []
@@ -250,7 +255,13 @@ async def _checkpoint(
         yield CheckpointEvent(Phase.COMMIT, progress, detail=dict(mode))
         commit_started = time.monotonic()
         committed = await fanout.commit(
-            fleet, checkpoint_id, deadline, str(directory), scope, asynchronous=asynchronous
+            fleet,
+            checkpoint_id,
+            deadline,
+            str(directory),
+            scope,
+            asynchronous=asynchronous,
+            times=times,
         )
         outcome.commit_seconds = time.monotonic() - commit_started
         if not asynchronous:
@@ -269,7 +280,7 @@ async def _checkpoint(
     if asynchronous:
         yield CheckpointEvent(Phase.AWAIT_PARTS, progress, detail={"resumed": not keep_closed})
         durable_started = time.monotonic()
-        outcome.commit = await fanout.await_parts(fleet, checkpoint_id, committed, deadline)
+        outcome.commit = await fanout.await_parts(fleet, checkpoint_id, committed, deadline, times)
         outcome.durable_seconds = time.monotonic() - durable_started
         async for event in _publish(
             fleet, root, outcome.commit, controller_state, keep, outcome, deadline
@@ -542,7 +553,13 @@ async def restore_published(
         verified = await verified_source(fleet, root, deadline, source=source, scope=scope)
         recorder.source = verified.checkpoint_id
         replies = await fanout.restore(
-            fleet, checkpoint_id, deadline, verified.directory, verified.continued, rejoin=rejoin
+            fleet,
+            checkpoint_id,
+            deadline,
+            verified.directory,
+            verified.continued,
+            rejoin=rejoin,
+            times=recorder.times,
         )
     except Exception as error:
         await recorder.failed(error)

@@ -396,6 +396,37 @@ async def prepare_until_done(
 # -- commit, scope --------------------------------------------------------------------------
 
 
+@dataclass
+class MemberTimes:
+    """When each member's call went out and when its reply came back, by member name
+    (`time.monotonic()`), and for an asynchronous commit when its part was durable: what a
+    history record says of each member's commit or restore (`recording`).
+
+    Filled by `fan_out` where each call starts and each reply arrives, so timing a fleet
+    costs no call and no pass over the members; a member whose call failed has no reply
+    time. Kept by the caller rather than returned: a commit that fails raises, and the
+    members that did reply are still worth telling apart from the one that did not."""
+
+    called: dict[str, float] = field(default_factory=dict)
+    """When each member's call went out (once it had its slot of the fan-out)."""
+    replied: dict[str, float] = field(default_factory=dict)
+    """When each member's reply arrived (none for a call that failed)."""
+    durable: dict[str, float] = field(default_factory=dict)
+    """When each member's part was found durable (`await_parts`)."""
+
+    def reply_seconds(self, name: str) -> float | None:
+        """From `name`'s call to its reply (None: it never replied)."""
+        return _between(self.called.get(name), self.replied.get(name))
+
+    def durable_seconds(self, name: str) -> float | None:
+        """From `name`'s call until its part was durable (None: it never was)."""
+        return _between(self.called.get(name), self.durable.get(name))
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(end - start, 6)
+
+
 DERIVE = "derive"
 """Pass as `scope` to derive it: the union of every member's live episodes."""
 
@@ -439,11 +470,13 @@ async def commit(
     scope: Iterable[EpisodeId] | str | None,
     *,
     asynchronous: bool = False,
+    times: MemberTimes | None = None,
 ) -> FleetCommit:
     """Commit every member at once; `scope` explicit, `DERIVE`, or None (unscoped).
 
     `asynchronous`: every member answers at its snapshot (`snapshot_only` replies, no
-    manifests yet); `await_parts` then waits for every part to be durable."""
+    manifests yet); `await_parts` then waits for every part to be durable. `times`: when
+    each member's Commit was called and answered (the scope's derivation is not timed)."""
     if scope == DERIVE:
         resolved: frozenset[EpisodeId] | None = await derive_scope(fleet)
     elif scope is None:
@@ -458,6 +491,7 @@ async def commit(
             checkpoint_id, deadline, checkpoint_dir, resolved, asynchronous=asynchronous
         ),
         fleet.spec.fan_out,
+        times,
     )
     return FleetCommit(replies, resolved)
 
@@ -470,7 +504,11 @@ AWAIT_PART_TRANSPORT_RETRIES = 3
 
 
 async def await_parts(
-    fleet: Fleet, checkpoint_id: str, snapshots: FleetCommit, deadline: float
+    fleet: Fleet,
+    checkpoint_id: str,
+    snapshots: FleetCommit,
+    deadline: float,
+    times: MemberTimes | None = None,
 ) -> FleetCommit:
     """Wait until every member's part of an asynchronous commit is durable; the commit with
     every reply completed (manifest and digest), as a synchronous commit would have answered.
@@ -479,13 +517,17 @@ async def await_parts(
     write gave: `STORAGE_FAILED`, ...), whose process no longer knows the write (UNKNOWN: it
     was replaced, so its snapshot is gone), that could not be reached, or that was still
     writing at `deadline` (`CHECKPOINT_DEADLINE_EXCEEDED`). Only this checkpoint fails: the
-    fleet was resumed already, and nothing names an unfinished part."""
+    fleet was resumed already, and nothing names an unfinished part.
+
+    `times` (the commit's): when each member's part was found durable is added to it."""
 
     async def durable(member: Member) -> pb.CommitResponse:
         snapshot = snapshots.members[member.name]
         if not snapshot.snapshot_only:
             # A participant that predates asynchronous commits ignored the field and
-            # committed synchronously: its part is durable already.
+            # committed synchronously: its part is durable already, since its reply.
+            if times is not None and member.name in times.replied:
+                times.durable[member.name] = times.replied[member.name]
             return snapshot
         transport_failures = 0
         while True:
@@ -499,6 +541,8 @@ async def await_parts(
                 await asyncio.sleep(0.2 * transport_failures)
                 continue
             if reply.state == pb.PART_WRITE_STATE_DURABLE:
+                if times is not None:
+                    times.durable[member.name] = time.monotonic()
                 done = pb.CommitResponse()
                 done.CopyFrom(snapshot)
                 done.snapshot_only = False
@@ -540,8 +584,10 @@ async def restore(
     scope: Iterable[EpisodeId],
     *,
     rejoin: bool = False,
+    times: MemberTimes | None = None,
 ) -> dict[str, pb.RestoreResponse]:
-    """Restore every member, all or nothing.
+    """Restore every member, all or nothing (`times`: when each Restore was called and
+    answered).
 
     `rejoin`: members may have served (the survivors of a crash whose crashed member was
     replaced): each first retires every episode it holds and forgets having served; a fresh
@@ -560,6 +606,7 @@ async def restore(
                 checkpoint_id, deadline, checkpoint_dir, episodes, rejoin=rejoin
             ),
             fleet.spec.fan_out,
+            times,
         )
     except FleetError as failure:
         await abandon_restore(fleet, checkpoint_id, episodes, deadline)
@@ -748,16 +795,25 @@ async def fan_out(
     members: Sequence[Member],
     call: Callable[[Member], Awaitable[T]],
     limit: int = DEFAULT_FAN_OUT,
+    times: MemberTimes | None = None,
 ) -> dict[str, T]:
     """Call every member concurrently, at most `limit` calls at once (pass
     `fleet.spec.fan_out`); the replies by member name, or one `FleetError` naming every member
     whose call raised a `ControlError` (any other exception is raised as it is), once every
-    call ended. Public for controllers that call members directly (`collect`)."""
+    call ended. Public for controllers that call members directly (`collect`).
+
+    `times`: when each call started (once it had its slot: the wait for one is the fan-out
+    bound's, not the member's) and when each reply arrived."""
     slots = asyncio.Semaphore(limit)
 
     async def bounded(member: Member) -> T:
         async with slots:
-            return await call(member)
+            if times is None:
+                return await call(member)
+            times.called[member.name] = time.monotonic()
+            reply = await call(member)
+            times.replied[member.name] = time.monotonic()
+            return reply
 
     results = await asyncio.gather(*(bounded(m) for m in members), return_exceptions=True)
     replies: dict[str, T] = {}

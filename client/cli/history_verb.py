@@ -2,8 +2,10 @@
 
 What any coordinator, supervisor, `checkpoint` or `collect` of that root attempted, newest
 first: a table, or one JSON object (`--json`) whose `entries` carry every field of
-`publication.history.HistoryEntry`. A corrupt history is one line and exit 6; a root that is
-not there is one line and exit 2."""
+`publication.history.HistoryEntry`. `--id`: one attempt with its members (every field of
+`MemberRecord`: what each member's commit, durable part or restore took, its blockers, its
+part, its error), as a table or JSON. A corrupt history is one line and exit 6; a root that
+is not there, or an attempt that is not in it, is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from rollout_checkpoint.client.checkpointing.publication import store_call_sync
 from rollout_checkpoint.client.checkpointing.publication.history import (
     HistoryEntry,
     HistoryRead,
+    MemberRecord,
     Status,
     open_history,
 )
@@ -25,6 +28,18 @@ from rollout_checkpoint.client.cli.console import CliError, ExitCode, human_byte
 from rollout_checkpoint.server.core.object_store import is_object_url, parse_object_url
 
 COLUMNS = ("STARTED", "ID", "OPERATION", "TRIGGER", "MODE", "STATUS", "DURATION", "BYTES")
+MEMBER_COLUMNS = (
+    "MEMBER",
+    "KIND",
+    "PREPARED",
+    "BLOCKERS",
+    "COMMIT",
+    "DURABLE",
+    "RESTORE",
+    "RECORDS",
+    "BYTES",
+    "ERROR",
+)
 
 
 def history_verb(args: argparse.Namespace) -> int:
@@ -34,6 +49,8 @@ def history_verb(args: argparse.Namespace) -> int:
     read = store_call_sync(deadline, args.root, functools.partial(_read, args.root))
     if read.problem is not None:
         raise CliError(ExitCode.CORRUPT, read.problem)
+    if args.id is not None:
+        return _attempt_verb(args, attempt_of(read.entries, args.id), deadline)
     shown = selected(read.entries, failed=args.failed, limit=args.limit)
     if args.json:
         document = {
@@ -49,6 +66,66 @@ def history_verb(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def attempt_of(entries: Sequence[HistoryEntry], attempt_id: str) -> HistoryEntry:
+    """The newest attempt named `attempt_id` (a retried id names several)."""
+    for entry in reversed(entries):
+        if entry.id == attempt_id:
+            return entry
+    raise CliError(ExitCode.USAGE, f"no attempt {attempt_id!r} in this root's history")
+
+
+def _attempt_verb(args: argparse.Namespace, entry: HistoryEntry, deadline: float) -> int:
+    """Print one attempt and its members (none when its details were dropped: only the newest
+    attempts keep theirs)."""
+    try:
+        members = store_call_sync(
+            deadline, args.root, functools.partial(open_history(args.root).members, entry)
+        )
+    except ValueError as exc:
+        raise CliError(ExitCode.CORRUPT, f"{args.root}: {entry.details}: {exc}") from None
+    if args.json:
+        document = {
+            "root": args.root,
+            "entry": entry.to_json(),
+            "members": [m.to_json() for m in members],
+        }
+        print(json.dumps(document, sort_keys=True))
+        return ExitCode.OK
+    print(format_table([entry]))
+    if members:
+        print()
+        print(format_members(members))
+    elif entry.members:
+        print("\n(no per-member details: only the newest attempts keep theirs)")
+    return ExitCode.OK
+
+
+def format_members(members: Sequence[MemberRecord]) -> str:
+    """One row per member: its prepare, commit, durable part or restore (seconds; "-" for
+    what it did not do), its part's size and its error."""
+    rows = [MEMBER_COLUMNS]
+    for member in members:
+        rows.append(
+            (
+                member.name,
+                member.kind,
+                _seconds(member.prepared_seconds),
+                str(member.blockers_max),
+                _seconds(member.commit_seconds),
+                _seconds(member.durable_seconds),
+                _seconds(member.restore_seconds),
+                str(member.records),
+                human_bytes(member.bytes),
+                member.error or "-",
+            )
+        )
+    return _aligned(rows)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"
+
+
 def selected(
     entries: Sequence[HistoryEntry], *, failed: bool, limit: int | None
 ) -> list[HistoryEntry]:
@@ -59,7 +136,7 @@ def selected(
 
 def format_table(entries: Sequence[HistoryEntry]) -> str:
     """One row per attempt, a reason (and the members that caused it) after a failure."""
-    rows = [COLUMNS]
+    rows = [(*COLUMNS, "REASON")]
     for entry in entries:
         rows.append(
             (
@@ -71,15 +148,19 @@ def format_table(entries: Sequence[HistoryEntry]) -> str:
                 entry.status,
                 f"{entry.duration_seconds:.2f}s",
                 human_bytes(entry.bytes) if entry.operation == "checkpoint" else "-",
+                _reason(entry),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = []
-    for index, row in enumerate(rows):
-        text = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        reason = _reason(entries[index - 1]) if index else "REASON"
-        lines.append(f"{text}  {reason}".rstrip())
-    return "\n".join(lines)
+    return _aligned(rows)
+
+
+def _aligned(rows: Sequence[Sequence[str]]) -> str:
+    """`rows` in columns two spaces apart, each as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
 
 
 def _reason(entry: HistoryEntry) -> str:

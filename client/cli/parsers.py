@@ -354,7 +354,8 @@ def _add_history_verb(verbs: Any) -> None:
         "needed): one row per checkpoint or restore any coordinator, supervisor, `checkpoint` "
         "or `collect` of that root attempted, newest first, with its trigger, mode, status, "
         "duration, bytes and, for one that failed, the typed reason and the members that "
-        "caused it. A corrupt history is reported in one line (exit 6).",
+        "caused it; `--id` shows one attempt member by member. A corrupt history is reported "
+        "in one line (exit 6).",
         epilog=epilog("rollout-checkpoint history --root /checkpoints/run-7 --failed"),
         formatter_class=HelpFormatter,
     )
@@ -367,6 +368,13 @@ def _add_history_verb(verbs: Any) -> None:
     )
     sub.add_argument(
         "--limit", type=positive_int, default=None, metavar="N", help="at most N entries"
+    )
+    sub.add_argument(
+        "--id",
+        default=None,
+        metavar="ID",
+        help="one attempt (its newest, if retried) with its members: each one's prepare, "
+        "commit, durable part or restore seconds, blockers, records, bytes and error",
     )
     sub.add_argument(
         "--timeout",

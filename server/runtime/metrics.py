@@ -6,7 +6,8 @@ ErrorInfo reason), phases, refusal reasons and readiness count names. Checkpoint
 unbounded and never a label: they go to traces and logs.
 
     rollout_checkpoint_operation_duration_seconds{operation,outcome}   histogram, every RPC
-    rollout_checkpoint_phase_duration_seconds{phase}                   wait_ready/export/write/discard/read/install
+    rollout_checkpoint_phase_duration_seconds{phase}                   wait_ready/export/snapshot/write/
+                                                                       discard/read/install
     rollout_checkpoint_records{operation}, rollout_checkpoint_bytes{operation}
                                                                        per commit and restore
     rollout_checkpoint_refusals_total{plane,reason}                    control: ErrorInfo reasons;
@@ -82,8 +83,8 @@ class ParticipantMetrics:
         )
         self.phase_duration = Histogram(
             "rollout_checkpoint_phase_duration_seconds",
-            "Duration of checkpoint phases: wait_ready, export, write, discard (a rejoining restore), "
-            "read, install.",
+            "Duration of checkpoint phases: wait_ready, export, snapshot (an asynchronous "
+            "commit), write, discard (a rejoining restore), read, install.",
             ["phase"],
             registry=r,
             buckets=DURATION_BUCKETS,

@@ -2,7 +2,8 @@
 
 Each control RPC is one SERVER span whose parent comes from the caller's W3C `traceparent`
 gRPC metadata, so a checkpoint driven by one controller (or the coordinator) is one trace
-across the fleet. Its phases (wait-ready, export, write, read, install) are child spans.
+across the fleet. Its phases (wait-ready, export, snapshot, write, discard, read, install)
+are child spans.
 
 Without the `opentelemetry-api` package, or without a configured tracer provider (the API's
 default is a no-op), nothing is recorded and the cost is a few attribute lookups.

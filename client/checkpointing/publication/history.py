@@ -186,9 +186,18 @@ class MemberRecord:
     """How long it reported blockers: from the first report until it prepared."""
     error: str = ""
     """Its typed reason when it caused the failure."""
+    commit_seconds: float | None = None
+    """From the commit call to its reply (checkpoints; None: it never replied)."""
+    durable_seconds: float | None = None
+    """From the commit call until its part was durable (asynchronous commits; None: not
+    asynchronous, or it never became durable)."""
+    restore_seconds: float | None = None
+    """From the restore call to its reply (restores; None: it never replied)."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # Every field is a scalar, so a copy of the fields is the JSON object: `asdict`'s
+        # deep copy took 15 ms of a 1,000-member checkpoint's record.
+        return dict(vars(self))
 
     @classmethod
     def from_json(cls, value: object) -> MemberRecord:
