@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
+from starlette.applications import Starlette
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.checkpoint import (
@@ -486,10 +487,13 @@ class Coordinator:
         self.credentials = credentials
         self.health_address = health_address
         self.health_listener: HealthListener | None = None
-        self.http_listener = (
-            HttpListener(coordinator_app(self), http_address) if http_address else None
-        )
-        """Its `app` may mount more routes before `start`."""
+        self.http_app: Starlette | None = None
+        """The HTTP port's app: more routes (static pages) may be mounted on it before
+        `start`."""
+        self.http_listener: HttpListener | None = None
+        if http_address:
+            self.http_app = coordinator_app(self)
+            self.http_listener = HttpListener(self.http_app, http_address)
         self.port: int | None = None
         self._server: aio.Server | None = None
 
