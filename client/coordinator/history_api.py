@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -21,12 +22,6 @@ from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
-from rollout_checkpoint.client.checkpointing.publication import (
-    PublicationError,
-    StorageFailed,
-    as_checkpoint_error,
-    store_call,
-)
 from rollout_checkpoint.client.checkpointing.publication.history import (
     HistoryEntry,
     MemberRecord,
@@ -39,6 +34,7 @@ from rollout_checkpoint.client.checkpointing.publication.history_view import (
     HistorySnapshot,
     HistoryView,
 )
+from rollout_checkpoint.client.coordinator.calls import no_checkpoint_root, root_call
 from rollout_checkpoint.client.fleet import FleetSpec
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
@@ -86,17 +82,11 @@ class CheckpointHistoryApi:
         filters = f"status={status};operation={operation}"
         after = _anchor_of(request.page_token, filters) if request.page_token else None
         page = await self._read(self.view().page, status, operation, size, after)
-        counts = page.counts
         return cpb.ListCheckpointsResponse(
             checkpoints=self._attempts.of(page.snapshot, page.entries),
             next_page_token=_token_of(page.following, filters) if page.following else "",
             total_size=page.total,
-            counts=cpb.AttemptCounts(
-                completed=counts.completed,
-                failed=counts.failed,
-                aborted=counts.aborted,
-                restores=counts.restores,
-            ),
+            counts=cpb.AttemptCounts(**dataclasses.asdict(page.counts)),
             history_problem=page.problem or "",
         )
 
@@ -134,24 +124,13 @@ class CheckpointHistoryApi:
         if self._view is None:
             location = self.spec.checkpoint_root
             if location is None:
-                raise CheckpointError(
-                    Reason.INVALID_REQUEST,
-                    "the fleet file sets no checkpoint_root: there is no checkpoint history",
-                    code="FAILED_PRECONDITION",
-                )
+                raise no_checkpoint_root(": there is no checkpoint history")
             self._view = HistoryView(str(location))
         return self._view
 
     async def _read(self, function: Callable[..., T], *args: Any) -> T:
-        view = self.view()
-        try:
-            return await store_call(time.time() + READ_SECONDS, view.location, function, *args)
-        except OSError as error:
-            raise as_checkpoint_error(
-                StorageFailed(f"{view.location}: {error.strerror or error}")
-            ) from error
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
+        location = self.view().location
+        return await root_call(time.time() + READ_SECONDS, location, function, *args)
 
 
 class _AttemptMessages:

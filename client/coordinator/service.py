@@ -30,10 +30,8 @@ from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetProgress
 from rollout_checkpoint.client.checkpointing.publication import (
     PublicationError,
     PublicationRoot,
-    StorageFailed,
     as_checkpoint_error,
     open_checkpoint_root,
-    store_call,
 )
 from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.coordinator.calls import (
@@ -42,7 +40,9 @@ from rollout_checkpoint.client.coordinator.calls import (
     SERVICE_NAME,
     TracingObserver,
     listed_blockers,
+    no_checkpoint_root,
     prepare_outcome,
+    root_call,
     status_of,
 )
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
@@ -134,19 +134,8 @@ class CoordinatorServicer:
         blocks on a frozen filesystem: STORAGE_FAILED then, like any store call)."""
         location = self.spec.checkpoint_root
         if location is None:
-            raise CheckpointError(
-                Reason.INVALID_REQUEST,
-                "the fleet file sets no checkpoint_root",
-                code="FAILED_PRECONDITION",
-            )
-        try:
-            return await store_call(deadline, str(location), open_checkpoint_root, location)
-        except OSError as error:
-            raise as_checkpoint_error(
-                StorageFailed(f"{location}: {error.strerror or error}")
-            ) from error
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
+            raise no_checkpoint_root("")
+        return await root_call(deadline, str(location), open_checkpoint_root, location)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Every RPC of coordinator_service.proto, served by the method of its name."""
