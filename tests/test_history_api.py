@@ -12,6 +12,7 @@ import json
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ from .s3_server import S3Connection, SeaweedS3
 from .test_coordination import RunningFleet, fleet_of
 from .test_fleet_cli import CLI, ENV
 from .test_history import KINDS, entry, seed
+from .tls_files import self_signed
 
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 HEADERS = {"authorization": f"Bearer {TOKEN}"}
@@ -447,3 +449,36 @@ def test_a_taken_or_invalid_http_address_fails_the_start_and_is_named(tmp_path: 
             done = run_cli("coordinator", "--fleet", str(fleet_file), "--http-address", address)
             assert done.returncode == 8, done.stderr
             assert address in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_with_tls_files_the_http_port_is_https_too(tmp_path: Path) -> None:
+    """The token must not travel in plaintext beside a TLS gRPC port."""
+    key, cert = self_signed(tmp_path)
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(
+        f'checkpoint_root = "{tmp_path / "root"}"\n'
+        '[[participants]]\nname = "gone"\naddress = "127.0.0.1:9"\n'
+    )
+    command = [
+        *CLI,
+        "coordinator",
+        "--fleet",
+        str(fleet_file),
+        "--http-address",
+        "127.0.0.1:0",
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+    ]
+    process, announced = started(command, env=ENV, log=tmp_path / "tls.log")
+    try:
+        port = announced["http"].rsplit(":", 1)[1]
+        trusting = ssl.create_default_context(cafile=str(cert))
+        with httpx.Client(verify=trusting, headers=HEADERS, timeout=30) as client:
+            answer = client.get(f"https://localhost:{port}/checkpoints")
+            assert answer.status_code == 200 and answer.json() == {"counts": {}}
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://localhost:{port}/checkpoints", headers=HEADERS, timeout=30)
+    finally:
+        kill_group(process)

@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 from rollout_checkpoint.client.cli.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.server.core.rpc.health_listener import HealthBindError
-from rollout_checkpoint.server.core.rpc.tls import TlsFilesError, server_credentials
+from rollout_checkpoint.server.core.rpc.tls import (
+    TlsFilesError,
+    server_credentials,
+    server_ssl_context,
+)
 from rollout_checkpoint.server.core.stop_signals import PROCESS
 
 if TYPE_CHECKING:
@@ -37,9 +41,9 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        credentials = server_credentials(
-            args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file
-        )
+        tls_files = (args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        credentials = server_credentials(*tls_files)
+        http_tls = server_ssl_context(*tls_files) if args.http_address else None
     except TlsFilesError as error:
         raise CliError(ExitCode.USAGE, f"coordinator: {error}") from None
     supervise = supervisor_settings(args) if args.supervise else None
@@ -53,6 +57,7 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         credentials=credentials,
         health_address=args.health_address,
         http_address=args.http_address,
+        http_tls=http_tls,
     )
 
     def announce(server: Coordinator) -> None:

@@ -248,7 +248,7 @@ def add_fleet_verbs(verbs: Any) -> None:
         default=None,
         help="HOST:PORT of an HTTP port serving the checkpoint history and the fleet as JSON "
         "(GET /checkpoints, /checkpoints/latest, /checkpoints/ID, /fleet), behind the same "
-        "bearer token; announced as `http` (default: none)",
+        "bearer token, HTTPS with the --tls-* files; announced as `http` (default: none)",
     )
     sub.add_argument(
         "--reflection", action="store_true", help="serve gRPC server reflection (for grpcurl)"

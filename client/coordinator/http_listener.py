@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -32,9 +33,10 @@ class HttpListener:
     """`bind` first (a taken port fails the start before anything serves), then `start` and
     `stop` with the coordinator."""
 
-    def __init__(self, app: ASGIApp, address: str) -> None:
+    def __init__(self, app: ASGIApp, address: str, tls: ssl.SSLContext | None = None) -> None:
         self.app = app
         self.address = address
+        self.tls = tls
         self.port: int | None = None
         self._socket: socket.socket | None = None
         self._server: uvicorn.Server | None = None
@@ -77,6 +79,9 @@ class HttpListener:
             timeout_graceful_shutdown=GRACE_SECONDS,
         )
         config.load()
+        # A context, not uvicorn's file options: the files were read and checked once, with
+        # the gRPC port's (`tls.server_ssl_context`).
+        config.ssl = self.tls
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[self._socket])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -444,7 +445,8 @@ class Coordinator:
     `health_address` a second port, plaintext whatever `credentials` say, serves the same
     health servicer and nothing else, for the kubelet's native `grpc:` probes. With
     `http_address` an HTTP port serves the history API and the fleet as JSON
-    (`http_api.coordinator_app`, behind the same token) in the same event loop."""
+    (`http_api.coordinator_app`, behind the same token) in the same event loop; with
+    `http_tls` it is HTTPS (the coordinator's CLI gives it the gRPC port's certificate)."""
 
     def __init__(
         self,
@@ -457,6 +459,7 @@ class Coordinator:
         credentials: grpc.ServerCredentials | None = None,
         health_address: str | None = None,
         http_address: str | None = None,
+        http_tls: ssl.SSLContext | None = None,
     ) -> None:
         if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
             require(REFLECTION, "coordinator --reflection")
@@ -482,7 +485,7 @@ class Coordinator:
         self.http_listener: HttpListener | None = None
         if http_address:
             self.http_app = coordinator_app(self)
-            self.http_listener = HttpListener(self.http_app, http_address)
+            self.http_listener = HttpListener(self.http_app, http_address, http_tls)
         self.port: int | None = None
         self._server: aio.Server | None = None
 
