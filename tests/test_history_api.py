@@ -482,3 +482,32 @@ def test_with_tls_files_the_http_port_is_https_too(tmp_path: Path) -> None:
             httpx.get(f"http://localhost:{port}/checkpoints", headers=HEADERS, timeout=30)
     finally:
         kill_group(process)
+
+
+async def test_polling_the_fleet_does_not_cut_a_checkpoint_in_progress(tmp_path: Path) -> None:
+    async with fleet_of(*KINDS) as f:
+        seed(f)
+        spec = dataclasses.replace(f.fleet.spec, checkpoint_root=str(tmp_path / "root"))
+        coordinator = Coordinator(spec, "127.0.0.1:0", http_address="127.0.0.1:0")
+        await coordinator.start()
+        try:
+            assert coordinator.http_listener is not None
+            base = f"http://{coordinator.http_listener.bound_address}"
+            async with (
+                aio.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel,
+                httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=30) as http,
+            ):
+                stub = cpb_grpc.CoordinatorServiceStub(channel)
+                release = f.h["resources"].participant.gate("export")
+                taking = asyncio.create_task(checkpoint_rpc(stub, "ckpt-polled"))
+                await f.h["resources"].participant.entered["export"].wait()
+                fleet = await http.get("/fleet")
+                assert [m["name"] for m in fleet.json()["members"]] == ["agent", "resources"]
+                release.set()
+                await taking  # its commit and resume went through the same channels
+                listed = await list_checkpoints(stub)
+                assert [(c.id, c.status) for c in listed.checkpoints] == [
+                    ("ckpt-polled", cpb.ATTEMPT_STATUS_COMPLETED)
+                ]
+        finally:
+            await coordinator.stop()

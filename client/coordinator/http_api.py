@@ -4,10 +4,12 @@ JSON, for browsers, dashboards and `curl`, next to the gRPC port and in the same
     GET /checkpoints?status=&operation=&page_size=&page_token=   ListCheckpointsResponse
     GET /checkpoints/latest?status=&operation=                   the same, page_size 1
     GET /checkpoints/{id}                                        GetCheckpointResponse
-    GET /fleet                                                   ListParticipantsResponse
+    GET /fleet                                                   ListParticipantsResponse (*)
 
 Each answer is the proto3 JSON mapping (lowerCamelCase) of the very message the gRPC method
-returns, computed by the same servicer method: the two ports cannot drift apart. A refusal
+returns, computed by the same servicer method: the two ports cannot drift apart. (*) but for
+`/fleet`: the members as the coordinator knows them, never discovered afresh
+(`CoordinatorServicer.known_participants`), so a page that polls it cannot cut a checkpoint. A refusal
 is `{"error": {"code", "reason", "message"}}` with the gRPC status code's name, the
 `ErrorInfo` reason the gRPC port would send, and its message, under the HTTP status that
 code maps to (google.rpc's mapping: INVALID_ARGUMENT 400, NOT_FOUND 404, ...).
@@ -222,7 +224,7 @@ def api_routes(servicer: CoordinatorServicer) -> list[Route]:
         raise invalid_request("id", "is not a checkpoint id")
 
     async def fleet(request: Request) -> Message:
-        return await servicer.list_participants(cpb.ListParticipantsRequest())
+        return await servicer.known_participants()
 
     return [
         Route("/checkpoints", _answering(list_checkpoints, attempts.page), methods=["GET"]),
