@@ -307,7 +307,9 @@ class ObjectStoreClient:
         return True
 
     def tag(self, key: str) -> str | None:
-        """The object's ETag (one HEAD, no body); None when there is no such object."""
+        """What changes with every write of the object, read by one HEAD (no body): its ETag,
+        else its version, else its modification time and size (a store that reports neither
+        must still never look unchanged after a write); None when there is no such object."""
         try:
             meta = self._obstore.head(self._store, key)
         except (FileNotFoundError, self._exceptions.NotFoundError):
@@ -315,7 +317,7 @@ class ObjectStoreClient:
         except Exception as exc:
             raise self._failure("HEAD", key, exc) from None
         tag = meta.get("e_tag") or meta.get("version")
-        return None if tag is None else str(tag)
+        return str(tag) if tag else f"{meta.get('last_modified')}/{meta.get('size')}"
 
     def put(self, key: str, data: bytes | Iterable[bytes], *, size: int) -> None:
         """Write (or overwrite) an object; one request up to `PART_SIZE`, beyond it a
