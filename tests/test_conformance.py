@@ -1,18 +1,25 @@
 """Cross-language conformance: a Node.js and a Go controller drive a real participant.
 
 Each test starts the counter example (`python -m rollout_checkpoint.examples.serve counter`)
-as its own process group, then runs one controller as a subprocess with the addresses and
-the token in its environment (CONFORMANCE_GRPC_ADDRESS, CONFORMANCE_HTTP_ADDRESS,
-CONFORMANCE_TOKEN). The controllers (tests/conformance/node/controller.js,
-tests/conformance/go/main.go) check GetParticipant, a seeded session, the Prepare stream,
-Commit (manifest and records on disk), Resume, ErrorInfo reasons from
-`grpc-status-details-bin` (STALE_CHECKPOINT, TOKEN_INVALID) and health without a token.
-The Go controller then drives a `rollout-checkpoint coordinator` whose fleet is that counter
-(CONFORMANCE_COORDINATOR_ADDRESS): ListParticipants, a published Checkpoint, and a refusal
-with PARTICIPANT_FAILED.
+as its own process group, a start-closed replacement of it (`--start-closed`) and a
+`rollout-checkpoint coordinator` whose fleet is that counter, then runs one controller as a
+subprocess with the addresses and the token in its environment (CONFORMANCE_GRPC_ADDRESS,
+CONFORMANCE_HTTP_ADDRESS, CONFORMANCE_TOKEN, CONFORMANCE_COORDINATOR_ADDRESS,
+CONFORMANCE_REPLACEMENT_GRPC_ADDRESS, CONFORMANCE_REPLACEMENT_HTTP_ADDRESS). The controllers
+(tests/conformance/node/controller.js, tests/conformance/go/main.go) check GetParticipant, a
+seeded session, the Prepare stream, Commit (manifest and records on disk), Resume, refusals
+decoded to typed reasons (STALE_CHECKPOINT, CHECKPOINT_DEADLINE_EXCEEDED with its `deadline`
+metadata parsed, TOKEN_INVALID, PARTICIPANT_FAILED with `failedMembers`,
+FRESH_PROCESS_REQUIRED), health Check without a token, CoordinatorService
+Checkpoint (the Go one also ListParticipants), and a Restore into the start-closed replacement
+watched through health Watch (readiness NOT_SERVING, then SERVING once resumed), ending with
+the restored session read over HTTP as attempt 1.
 
-scripts/test installs what they need (`npm ci`, `go install tool`, `go mod download`). A
-test skips only when node or go is not installed at all; a missing install step fails.
+Both use only this repository's packages for the contract: the Go module gen/go (a `replace`
+directive) and the npm package gen/ts (a `file:` dependency, built by `npm ci` there), with
+no codegen and no helpers of their own. scripts/test installs what they need (`npm ci`,
+`go mod download`). A test skips only when node or go is not installed at all; a missing
+install step fails.
 """
 
 from __future__ import annotations
@@ -67,18 +74,30 @@ def start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Pope
     return processes.start(command, env=dict(env, GRPC_VERBOSITY="ERROR"), log=log)
 
 
-@pytest.fixture
-def counter(tmp_path: Path) -> Iterator[Counter]:
-    log = tmp_path / "participant.log"
-    process = start(
-        [sys.executable, "-m", "rollout_checkpoint.examples.serve", "counter", "--token", TOKEN],
-        log,
-        dict(os.environ),
-    )
+def serve_counter(log: Path, *flags: str) -> Iterator[Counter]:
+    """A counter example (`serve counter` with `flags`) for the length of a fixture."""
+    command = [sys.executable, "-m", "rollout_checkpoint.examples.serve", "counter"]
+    process = start([*command, "--token", TOKEN, *flags], log, dict(os.environ))
     try:
-        yield Counter(announcement(process, "the counter", log=log), log)
+        yield Counter(announcement(process, f"the counter {' '.join(flags)}", log=log), log)
     finally:
         kill_group(process)
+
+
+@pytest.fixture
+def counter(tmp_path: Path) -> Iterator[Counter]:
+    yield from serve_counter(tmp_path / "participant.log")
+
+
+@pytest.fixture
+def replacement(counter: Counter, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A start-closed counter of the same instance: the controllers restore their commit there.
+    Its addresses, as the controllers' environment adds them."""
+    for started in serve_counter(tmp_path / "replacement.log", "--start-closed"):
+        yield {
+            "CONFORMANCE_REPLACEMENT_GRPC_ADDRESS": started.grpc,
+            "CONFORMANCE_REPLACEMENT_HTTP_ADDRESS": started.http,
+        }
 
 
 @pytest.fixture
@@ -100,40 +119,45 @@ def coordinator(counter: Counter, tmp_path: Path) -> Iterator[str]:
         kill_group(process)
 
 
-def test_node_controller(counter: Counter) -> None:
+def server_logs(tmp_path: Path) -> tuple[Path, ...]:
+    """The stderr of the counter, the coordinator and the replacement, for a failure."""
+    return tuple(tmp_path / f"{name}.log" for name in ("participant", "coordinator", "replacement"))
+
+
+def test_node_controller(
+    counter: Counter, coordinator: str, replacement: dict[str, str], tmp_path: Path
+) -> None:
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed: the Node.js conformance controller needs Node 20+")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.fail(f"{NODE_DIR}/node_modules is missing: run scripts/test (it runs `npm ci`)")
-    proc = run(node, "controller.js", cwd=NODE_DIR, env=counter.env())
+    package = NODE_DIR / "node_modules" / "@rollout-checkpoint" / "client"
+    if not (package / "dist" / "index.js").is_file():
+        pytest.fail(
+            f"{package} is not installed and built: run scripts/test (`npm ci` in gen/ts, "
+            "which builds the package, then in tests/conformance/node)"
+        )
+    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
+    proc = run(node, "controller.js", cwd=NODE_DIR, env=env)
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
-    assert proc.returncode == 0, explain(proc, counter.log)
-    assert "node controller: all" in proc.stdout, explain(proc, counter.log)
+    logs = server_logs(tmp_path)
+    assert proc.returncode == 0, explain(proc, *logs)
+    assert "node controller: all" in proc.stdout, explain(proc, *logs)
 
 
-def test_go_controller(counter: Counter, coordinator: str, tmp_path: Path) -> None:
+def test_go_controller(
+    counter: Counter, coordinator: str, replacement: dict[str, str], tmp_path: Path
+) -> None:
     go = shutil.which("go")
     if go is None:
         pytest.skip("go is not installed: the Go conformance controller needs Go 1.26+")
-    for plugin in ("protoc-gen-go", "protoc-gen-go-grpc"):
-        if not (GO_DIR / ".bin" / plugin).is_file():
-            pytest.fail(f"{GO_DIR}/.bin/{plugin} is missing: run scripts/test (`go install tool`)")
-    # Build a copy of the module, with freshly generated code, in a temporary directory:
-    # always the current protos, and never a write into the checkout during the tests.
-    module = tmp_path / "module"
-    module.mkdir()
-    for name in ("go.mod", "go.sum", "main.go"):
-        shutil.copy2(GO_DIR / name, module / name)
-    generated = run(
-        "bash", GO_DIR / "generate.sh", module, env=dict(os.environ, PYTHON=sys.executable)
-    )
-    assert generated.returncode == 0, explain(generated)
-    built = run(go, "build", "-buildvcs=false", "-o", "conformance", ".", cwd=module)
+    # Built in place (its go.mod replaces the gen/go module with ../../../gen/go, the package
+    # as committed), into the temporary directory: never a write into the checkout.
+    binary = tmp_path / "conformance"
+    built = run(go, "build", "-buildvcs=false", "-o", binary, ".", cwd=GO_DIR)
     assert built.returncode == 0, explain(built)
-    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator)
-    proc = run(module / "conformance", cwd=module, env=env)
+    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
+    proc = run(binary, cwd=tmp_path, env=env)
     print(proc.stdout)  # the controller's progress, shown with -rP or -s
-    logs = (counter.log, tmp_path / "coordinator.log")
+    logs = server_logs(tmp_path)
     assert proc.returncode == 0, explain(proc, *logs)
     assert "go controller: all" in proc.stdout, explain(proc, *logs)

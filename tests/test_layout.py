@@ -64,7 +64,9 @@ def test_wheel_alone_provides_the_packages(tmp_path: Path) -> None:
     src.mkdir()
     for name in ["pyproject.toml", "README.md", *{d.split("/")[0] for d in PACKAGE_DIR.values()}]:
         if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            # gen/ also holds the Go and npm packages; their installed tools are no input.
+            ignore = shutil.ignore_patterns("__pycache__", "node_modules", "dist")
+            shutil.copytree(REPO / name, src / name, ignore=ignore)
         elif (REPO / name).is_file():
             (src / name).write_bytes((REPO / name).read_bytes())
     dist = tmp_path / "dist"
@@ -82,6 +84,9 @@ def test_wheel_alone_provides_the_packages(tmp_path: Path) -> None:
     assert not missing, f"not in the wheel: {sorted(missing)}"
     assert "rollout_checkpoint/py.typed" in names
     assert any(n.startswith("rollout_checkpoint/v1/") and n.endswith("_pb2.pyi") for n in names)
+    # gen/go and gen/ts sit beside the generated Python package: none of theirs is Python's.
+    foreign = [n for n in names if n.endswith((".go", ".ts", ".js", "go.mod", "package.json"))]
+    assert not foreign, foreign
     assert f"{CONSOLE_SCRIPT} = rollout_checkpoint.client.cli.main:main" in entry_points_txt, (
         entry_points_txt
     )

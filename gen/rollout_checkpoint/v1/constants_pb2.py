@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import descriptor_pb2 as google_dot_protobuf_dot_descriptor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%rollout_checkpoint/v1/constants.proto\x12\x15rollout_checkpoint.v1\x1a google/protobuf/descriptor.proto*\xb0\x03\n\x11HealthServiceName\x12#\n\x1fHEALTH_SERVICE_NAME_UNSPECIFIED\x10\x00\x12&\n\x1aHEALTH_SERVICE_NAME_SERVER\x10\x01\x1a\x06\xda\xfd\x96\x98\x01\x00\x12[\n\'HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE\x10\x02\x1a.\xda\xfd\x96\x98\x01(rollout_checkpoint.v1.ParticipantService\x12H\n(HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS\x10\x03\x1a\x1a\xda\xfd\x96\x98\x01\x14participant-liveness\x12J\n)HEALTH_SERVICE_NAME_PARTICIPANT_READINESS\x10\x04\x1a\x1b\xda\xfd\x96\x98\x01\x15participant-readiness\x12[\n\'HEALTH_SERVICE_NAME_COORDINATOR_SERVICE\x10\x05\x1a.\xda\xfd\x96\x98\x01(rollout_checkpoint.v1.CoordinatorService:8\n\nwire_value\x12!.google.protobuf.EnumValueOptions\x18\xdb\xef\x82\x13 \x01(\tB\x9f\x01\n\x18\x64\x65v.rolloutcheckpoint.v1B\x0e\x43onstantsProtoP\x01ZZgithub.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1;checkpointv1\xaa\x02\x14RolloutCheckpoint.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%rollout_checkpoint/v1/constants.proto\x12\x15rollout_checkpoint.v1\x1a google/protobuf/descriptor.proto*\xb0\x03\n\x11HealthServiceName\x12#\n\x1fHEALTH_SERVICE_NAME_UNSPECIFIED\x10\x00\x12&\n\x1aHEALTH_SERVICE_NAME_SERVER\x10\x01\x1a\x06\xda\xfd\x96\x98\x01\x00\x12[\n\'HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE\x10\x02\x1a.\xda\xfd\x96\x98\x01(rollout_checkpoint.v1.ParticipantService\x12H\n(HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS\x10\x03\x1a\x1a\xda\xfd\x96\x98\x01\x14participant-liveness\x12J\n)HEALTH_SERVICE_NAME_PARTICIPANT_READINESS\x10\x04\x1a\x1b\xda\xfd\x96\x98\x01\x15participant-readiness\x12[\n\'HEALTH_SERVICE_NAME_COORDINATOR_SERVICE\x10\x05\x1a.\xda\xfd\x96\x98\x01(rollout_checkpoint.v1.CoordinatorService*\xff\x06\n\x0bMetadataKey\x12\x1c\n\x18METADATA_KEY_UNSPECIFIED\x10\x00\x12\x33\n\x1aMETADATA_KEY_AUTHORIZATION\x10\x01\x1a\x13\xda\xfd\x96\x98\x01\rauthorization\x12\x32\n\x1aMETADATA_KEY_CHECKPOINT_ID\x10\x02\x1a\x12\xda\xfd\x96\x98\x01\x0c\x63heckpointId\x12?\n!METADATA_KEY_ACTIVE_CHECKPOINT_ID\x10\x03\x1a\x18\xda\xfd\x96\x98\x01\x12\x61\x63tiveCheckpointId\x12#\n\x12METADATA_KEY_STATE\x10\x04\x1a\x0b\xda\xfd\x96\x98\x01\x05state\x12+\n\x16METADATA_KEY_OPERATION\x10\x05\x1a\x0f\xda\xfd\x96\x98\x01\toperation\x12\x38\n\x1dMETADATA_KEY_AWAITING_RESTORE\x10\x06\x1a\x15\xda\xfd\x96\x98\x01\x0f\x61waitingRestore\x12)\n\x15METADATA_KEY_DEADLINE\x10\x07\x1a\x0e\xda\xfd\x96\x98\x01\x08\x64\x65\x61\x64line\x12\x36\n\x1cMETADATA_KEY_MEMBER_DEADLINE\x10\x08\x1a\x14\xda\xfd\x96\x98\x01\x0ememberDeadline\x12.\n\x18METADATA_KEY_ROLLOUT_IDS\x10\t\x1a\x10\xda\xfd\x96\x98\x01\nrolloutIds\x12.\n\x18METADATA_KEY_CAPTURE_KEY\x10\n\x1a\x10\xda\xfd\x96\x98\x01\ncaptureKey\x12!\n\x11METADATA_KEY_PATH\x10\x0b\x1a\n\xda\xfd\x96\x98\x01\x04path\x12#\n\x12METADATA_KEY_ERRNO\x10\x0c\x1a\x0b\xda\xfd\x96\x98\x01\x05\x65rrno\x12!\n\x11METADATA_KEY_HOOK\x10\r\x1a\n\xda\xfd\x96\x98\x01\x04hook\x12#\n\x12METADATA_KEY_FIELD\x10\x0e\x1a\x0b\xda\xfd\x96\x98\x01\x05\x66ield\x12\x34\n\x1bMETADATA_KEY_FAILED_MEMBERS\x10\x0f\x1a\x13\xda\xfd\x96\x98\x01\rfailedMembers\x12&\n\x14METADATA_KEY_BOOT_ID\x10\x10\x1a\x0c\xda\xfd\x96\x98\x01\x06\x62ootId\x12\x37\n\x1dMETADATA_KEY_EXPECTED_BOOT_ID\x10\x11\x1a\x14\xda\xfd\x96\x98\x01\x0e\x65xpectedBootId\x12\x32\n\x1aMETADATA_KEY_RESULT_SHA256\x10\x12\x1a\x12\xda\xfd\x96\x98\x01\x0cresultSha256:8\n\nwire_value\x12!.google.protobuf.EnumValueOptions\x18\xdb\xef\x82\x13 \x01(\tB\x9f\x01\n\x18\x64\x65v.rolloutcheckpoint.v1B\x0e\x43onstantsProtoP\x01ZZgithub.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1;checkpointv1\xaa\x02\x14RolloutCheckpoint.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,6 +43,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHSERVICENAME'].values_by_name["HEALTH_SERVICE_NAME_PARTICIPANT_READINESS"]._serialized_options = b'\332\375\226\230\001\025participant-readiness'
   _globals['_HEALTHSERVICENAME'].values_by_name["HEALTH_SERVICE_NAME_COORDINATOR_SERVICE"]._loaded_options = None
   _globals['_HEALTHSERVICENAME'].values_by_name["HEALTH_SERVICE_NAME_COORDINATOR_SERVICE"]._serialized_options = b'\332\375\226\230\001(rollout_checkpoint.v1.CoordinatorService'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_AUTHORIZATION"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_AUTHORIZATION"]._serialized_options = b'\332\375\226\230\001\rauthorization'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_CHECKPOINT_ID"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_CHECKPOINT_ID"]._serialized_options = b'\332\375\226\230\001\014checkpointId'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_ACTIVE_CHECKPOINT_ID"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_ACTIVE_CHECKPOINT_ID"]._serialized_options = b'\332\375\226\230\001\022activeCheckpointId'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_STATE"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_STATE"]._serialized_options = b'\332\375\226\230\001\005state'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_OPERATION"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_OPERATION"]._serialized_options = b'\332\375\226\230\001\toperation'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_AWAITING_RESTORE"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_AWAITING_RESTORE"]._serialized_options = b'\332\375\226\230\001\017awaitingRestore'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_DEADLINE"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_DEADLINE"]._serialized_options = b'\332\375\226\230\001\010deadline'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_MEMBER_DEADLINE"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_MEMBER_DEADLINE"]._serialized_options = b'\332\375\226\230\001\016memberDeadline'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_ROLLOUT_IDS"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_ROLLOUT_IDS"]._serialized_options = b'\332\375\226\230\001\nrolloutIds'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_CAPTURE_KEY"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_CAPTURE_KEY"]._serialized_options = b'\332\375\226\230\001\ncaptureKey'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_PATH"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_PATH"]._serialized_options = b'\332\375\226\230\001\004path'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_ERRNO"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_ERRNO"]._serialized_options = b'\332\375\226\230\001\005errno'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_HOOK"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_HOOK"]._serialized_options = b'\332\375\226\230\001\004hook'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_FIELD"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_FIELD"]._serialized_options = b'\332\375\226\230\001\005field'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_FAILED_MEMBERS"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_FAILED_MEMBERS"]._serialized_options = b'\332\375\226\230\001\rfailedMembers'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_BOOT_ID"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_BOOT_ID"]._serialized_options = b'\332\375\226\230\001\006bootId'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_EXPECTED_BOOT_ID"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_EXPECTED_BOOT_ID"]._serialized_options = b'\332\375\226\230\001\016expectedBootId'
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_RESULT_SHA256"]._loaded_options = None
+  _globals['_METADATAKEY'].values_by_name["METADATA_KEY_RESULT_SHA256"]._serialized_options = b'\332\375\226\230\001\014resultSha256'
   _globals['_HEALTHSERVICENAME']._serialized_start=99
   _globals['_HEALTHSERVICENAME']._serialized_end=531
+  _globals['_METADATAKEY']._serialized_start=534
+  _globals['_METADATAKEY']._serialized_end=1429
 # @@protoc_insertion_point(module_scope)

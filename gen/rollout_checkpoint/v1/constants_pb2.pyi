@@ -104,6 +104,121 @@ while it serves; NOT_SERVING from SIGTERM on.
 """
 Global___HealthServiceName: _TypeAlias = HealthServiceName  # noqa: Y015
 
+class _MetadataKey:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MetadataKeyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MetadataKey.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    METADATA_KEY_UNSPECIFIED: _MetadataKey.ValueType  # 0
+    """Unused."""
+    METADATA_KEY_AUTHORIZATION: _MetadataKey.ValueType  # 1
+    """`authorization`, gRPC request metadata: `Bearer <token>` on every call
+    but grpc.health.v1 (which needs none).
+    """
+    METADATA_KEY_CHECKPOINT_ID: _MetadataKey.ValueType  # 2
+    """`checkpointId`, ErrorInfo: the checkpoint id the request named."""
+    METADATA_KEY_ACTIVE_CHECKPOINT_ID: _MetadataKey.ValueType  # 3
+    """`activeCheckpointId`, ErrorInfo: the other checkpoint id that is active."""
+    METADATA_KEY_STATE: _MetadataKey.ValueType  # 4
+    """`state`, ErrorInfo: the participant's state (a ParticipantState name)."""
+    METADATA_KEY_OPERATION: _MetadataKey.ValueType  # 5
+    """`operation`, ErrorInfo: the refused operation."""
+    METADATA_KEY_AWAITING_RESTORE: _MetadataKey.ValueType  # 6
+    """`awaitingRestore`, ErrorInfo: the members awaiting their restore,
+    comma-separated.
+    """
+    METADATA_KEY_DEADLINE: _MetadataKey.ValueType  # 7
+    """`deadline`, ErrorInfo: the request's deadline as seconds since the Unix
+    epoch with exactly six digits after the point (`%.6f`, errors.proto
+    CHECKPOINT_DEADLINE_EXCEEDED).
+    """
+    METADATA_KEY_MEMBER_DEADLINE: _MetadataKey.ValueType  # 8
+    """`memberDeadline`, ErrorInfo: a lone refusing member's `deadline`, same
+    format.
+    """
+    METADATA_KEY_ROLLOUT_IDS: _MetadataKey.ValueType  # 9
+    """`rolloutIds`, ErrorInfo: rollout ids, comma-separated."""
+    METADATA_KEY_CAPTURE_KEY: _MetadataKey.ValueType  # 10
+    """`captureKey`, ErrorInfo: the episode at fault."""
+    METADATA_KEY_PATH: _MetadataKey.ValueType  # 11
+    """`path`, ErrorInfo: the file at fault."""
+    METADATA_KEY_ERRNO: _MetadataKey.ValueType  # 12
+    """`errno`, ErrorInfo: the operating system's error number."""
+    METADATA_KEY_HOOK: _MetadataKey.ValueType  # 13
+    """`hook`, ErrorInfo: the server hook that raised."""
+    METADATA_KEY_FIELD: _MetadataKey.ValueType  # 14
+    """`field`, ErrorInfo: the malformed request field."""
+    METADATA_KEY_FAILED_MEMBERS: _MetadataKey.ValueType  # 15
+    """`failedMembers`, ErrorInfo: `name=REASON` pairs in name order,
+    comma-separated.
+    """
+    METADATA_KEY_BOOT_ID: _MetadataKey.ValueType  # 16
+    """`bootId`, ErrorInfo: this process's boot id."""
+    METADATA_KEY_EXPECTED_BOOT_ID: _MetadataKey.ValueType  # 17
+    """`expectedBootId`, ErrorInfo: the boot id the request expected."""
+    METADATA_KEY_RESULT_SHA256: _MetadataKey.ValueType  # 18
+    """`resultSha256`, ErrorInfo: the digest of the receipt issued."""
+
+class MetadataKey(_MetadataKey, metaclass=_MetadataKeyEnumTypeWrapper):
+    """The metadata keys this API fixes (the string is each value's `wire_value`):
+    the one gRPC request metadata key it reads, and the `ErrorInfo.metadata`
+    keys of its refusals (errors.proto says which reason carries which). The
+    coordinator also forwards a lone refusing member's own keys, each prefixed
+    `member` and capitalized (`memberCheckpointId`); those are not listed.
+    """
+
+METADATA_KEY_UNSPECIFIED: MetadataKey.ValueType  # 0
+"""Unused."""
+METADATA_KEY_AUTHORIZATION: MetadataKey.ValueType  # 1
+"""`authorization`, gRPC request metadata: `Bearer <token>` on every call
+but grpc.health.v1 (which needs none).
+"""
+METADATA_KEY_CHECKPOINT_ID: MetadataKey.ValueType  # 2
+"""`checkpointId`, ErrorInfo: the checkpoint id the request named."""
+METADATA_KEY_ACTIVE_CHECKPOINT_ID: MetadataKey.ValueType  # 3
+"""`activeCheckpointId`, ErrorInfo: the other checkpoint id that is active."""
+METADATA_KEY_STATE: MetadataKey.ValueType  # 4
+"""`state`, ErrorInfo: the participant's state (a ParticipantState name)."""
+METADATA_KEY_OPERATION: MetadataKey.ValueType  # 5
+"""`operation`, ErrorInfo: the refused operation."""
+METADATA_KEY_AWAITING_RESTORE: MetadataKey.ValueType  # 6
+"""`awaitingRestore`, ErrorInfo: the members awaiting their restore,
+comma-separated.
+"""
+METADATA_KEY_DEADLINE: MetadataKey.ValueType  # 7
+"""`deadline`, ErrorInfo: the request's deadline as seconds since the Unix
+epoch with exactly six digits after the point (`%.6f`, errors.proto
+CHECKPOINT_DEADLINE_EXCEEDED).
+"""
+METADATA_KEY_MEMBER_DEADLINE: MetadataKey.ValueType  # 8
+"""`memberDeadline`, ErrorInfo: a lone refusing member's `deadline`, same
+format.
+"""
+METADATA_KEY_ROLLOUT_IDS: MetadataKey.ValueType  # 9
+"""`rolloutIds`, ErrorInfo: rollout ids, comma-separated."""
+METADATA_KEY_CAPTURE_KEY: MetadataKey.ValueType  # 10
+"""`captureKey`, ErrorInfo: the episode at fault."""
+METADATA_KEY_PATH: MetadataKey.ValueType  # 11
+"""`path`, ErrorInfo: the file at fault."""
+METADATA_KEY_ERRNO: MetadataKey.ValueType  # 12
+"""`errno`, ErrorInfo: the operating system's error number."""
+METADATA_KEY_HOOK: MetadataKey.ValueType  # 13
+"""`hook`, ErrorInfo: the server hook that raised."""
+METADATA_KEY_FIELD: MetadataKey.ValueType  # 14
+"""`field`, ErrorInfo: the malformed request field."""
+METADATA_KEY_FAILED_MEMBERS: MetadataKey.ValueType  # 15
+"""`failedMembers`, ErrorInfo: `name=REASON` pairs in name order,
+comma-separated.
+"""
+METADATA_KEY_BOOT_ID: MetadataKey.ValueType  # 16
+"""`bootId`, ErrorInfo: this process's boot id."""
+METADATA_KEY_EXPECTED_BOOT_ID: MetadataKey.ValueType  # 17
+"""`expectedBootId`, ErrorInfo: the boot id the request expected."""
+METADATA_KEY_RESULT_SHA256: MetadataKey.ValueType  # 18
+"""`resultSha256`, ErrorInfo: the digest of the receipt issued."""
+Global___MetadataKey: _TypeAlias = MetadataKey  # noqa: Y015
+
 WIRE_VALUE_FIELD_NUMBER: _builtins.int
 wire_value: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.EnumValueOptions, _builtins.str]
 """The exact string an enum value of this package stands for: a

@@ -1,7 +1,7 @@
 // Command conformance is a Go controller that drives one real rollout-checkpoint
 // participant (the counter example) through the contract: GetParticipant, a seeded
-// session, Prepare (reading the stream to its final message), Commit, Resume, typed
-// refusals read with status.FromError + errdetails.ErrorInfo, and grpc.health.v1
+// session, Prepare (reading the stream to its final message), Commit, Resume,
+// refusals decoded to typed reasons with checkpointv1.ReasonOf, and grpc.health.v1
 // without a token.
 //
 //	CONFORMANCE_GRPC_ADDRESS=127.0.0.1:9001 CONFORMANCE_HTTP_ADDRESS=127.0.0.1:8001 \
@@ -9,14 +9,18 @@
 //
 // With CONFORMANCE_COORDINATOR_ADDRESS set (a `rollout-checkpoint coordinator` whose fleet
 // is that one participant, with a checkpoint_root) it then drives CoordinatorService too:
-// ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED.
+// ListParticipants, a whole Checkpoint stream, and a refusal with PARTICIPANT_FAILED. With
+// CONFORMANCE_REPLACEMENT_GRPC_ADDRESS and _HTTP_ADDRESS set (a counter started with
+// --start-closed) it restores the commit there: FRESH_PROCESS_REQUIRED from the participant
+// that served, a health Watch of the replacement's readiness, Restore, Resume, and the
+// restored session over HTTP.
 //
 // It prints one line per step and exits 1 at the first failed one.
-// tests/test_conformance.py starts the participant and runs it; docs/controllers.md says how
-// to generate the code it imports.
+// tests/test_conformance.py starts the participant and runs it. Everything it imports of the
+// contract comes from the Go module gen/go (package checkpointv1): the generated messages and
+// clients and the helper layer (BearerToken, ReasonOf, the constants' WireValue); it writes no
+// codegen and no helper of its own.
 package main
-
-//go:generate bash generate.sh
 
 import (
 	"context"
@@ -34,54 +38,29 @@ import (
 	"strings"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	pb "github.com/rollout-checkpoint/rollout-checkpoint/tests/conformance/go/gen/rollout_checkpoint/v1"
+	pb "github.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1"
 )
-
-// wireValue is the string a constants enum value of the contract stands for: its
-// `wire_value` option (constants.proto), read from the generated descriptor.
-func wireValue(value protoreflect.Enum) string {
-	options := value.Descriptor().Values().ByNumber(value.Number()).Options()
-	return proto.GetExtension(options, pb.E_WireValue).(string)
-}
-
-// ErrorDomain is the ErrorInfo.domain of every refusal of the rollout_checkpoint.v1 API
-// ("rollout-checkpoint.dev").
-var ErrorDomain = wireValue(pb.ErrorDomain_ERROR_DOMAIN_ROLLOUT_CHECKPOINT)
 
 // participantHealth are the grpc.health.v1 names a participant answers (constants.proto).
 var participantHealth = []string{
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_SERVER),
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE),
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS),
-	wireValue(pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_SERVER.WireValue(),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE.WireValue(),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS.WireValue(),
+	pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS.WireValue(),
 }
-
-// bearer sends `authorization: Bearer <token>` with every call. The sidecar may serve
-// plaintext (a loopback sidecar next to its app), so it does not require transport
-// security; on such a channel the token travels as ordinary metadata.
-type bearer string
-
-func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(b)}, nil
-}
-
-func (bearer) RequireTransportSecurity() bool { return false }
 
 // dial opens a client connection; an empty token sends no authorization (health).
 func dial(address, token string) (*grpc.ClientConn, error) {
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
 	if token != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(bearer(token)))
+		opts = append(opts, grpc.WithPerRPCCredentials(pb.BearerToken(token)))
 	}
 	return grpc.NewClient(address, opts...)
 }
@@ -94,35 +73,21 @@ func withDeadline(d time.Duration) (context.Context, context.CancelFunc, *timest
 	return ctx, cancel, timestamppb.New(deadline)
 }
 
-// errorInfo returns the gRPC code and the one ErrorInfo of a refusal. A status without
-// an ErrorInfo came from the transport, not from the participant.
-func errorInfo(err error) (codes.Code, *errdetails.ErrorInfo, error) {
-	st, ok := status.FromError(err)
-	if !ok {
-		return codes.Unknown, nil, fmt.Errorf("not a gRPC status: %w", err)
-	}
-	for _, detail := range st.Details() {
-		if info, ok := detail.(*errdetails.ErrorInfo); ok {
-			return st.Code(), info, nil
-		}
-	}
-	return st.Code(), nil, fmt.Errorf("%s %q carries no ErrorInfo", st.Code(), st.Message())
-}
-
-// refused checks that a call failed with this code and ErrorInfo reason.
-func refused(err error, code codes.Code, reason string) (*errdetails.ErrorInfo, error) {
+// refused checks that a call failed with this code and typed ErrorInfo reason; it returns
+// the ErrorInfo metadata. A status without an ErrorInfo came from the transport, not from
+// the participant.
+func refused(err error, code codes.Code, reason pb.ErrorReason) (map[string]string, error) {
 	if err == nil {
-		return nil, fmt.Errorf("expected %s, the call succeeded", reason)
+		return nil, fmt.Errorf("expected %s, the call succeeded", reason.Reason())
 	}
-	got, info, err := errorInfo(err)
-	if err != nil {
-		return nil, err
+	got, metadata, ok := pb.ReasonOf(err)
+	if !ok {
+		return nil, fmt.Errorf("%s %q carries no ErrorInfo of %s", status.Code(err), err, pb.Domain())
 	}
-	return info, errors.Join(
-		expect("code", got, code),
-		expect("reason", info.GetReason(), reason),
-		expect("domain", info.GetDomain(), ErrorDomain),
-	)
+	if mismatch := errors.Join(expect("code", status.Code(err), code), expect("reason", got, reason)); mismatch != nil {
+		return metadata, fmt.Errorf("%w\n%s %v", mismatch, status.Convert(err).Message(), metadata)
+	}
+	return metadata, nil
 }
 
 func expect[T any](what string, got, want T) error {
@@ -145,15 +110,27 @@ type controller struct {
 	checkpointID, checkpointDir     string
 	bootID                          string
 	coordinator                     pb.CoordinatorServiceClient // nil without a coordinator
+	// A start-closed replacement of the counter (nil without one): the restore target.
+	replacement     pb.ParticipantServiceClient
+	replacementHTTP string
+	readinessWatch  healthpb.Health_WatchClient
+	cancelWatch     context.CancelFunc
 }
 
-// post calls a data-plane route of rollout `r1` (capture key `r1`).
+// post calls a data-plane route of rollout `r1` (capture key `r1`) on the participant.
 func (c *controller) post(route string, body any) (map[string]any, error) {
+	return c.postTo(c.httpAddress, "r1", route, body)
+}
+
+// postTo calls a data-plane route of the episode with that capture key on the HTTP server at
+// address, with the session cookie (one jar for both servers: cookies are per host, not per
+// port).
+func (c *controller) postTo(address, captureKey, route string, body any) (map[string]any, error) {
 	payload, err := json.Marshal(body)
 	if err != nil {
 		return nil, err
 	}
-	url := fmt.Sprintf("http://%s/ng-rollout/r1/%s", c.httpAddress, route)
+	url := fmt.Sprintf("http://%s/ng-rollout/%s/%s", address, captureKey, route)
 	resp, err := c.http.Post(url, "application/json", strings.NewReader(string(payload)))
 	if err != nil {
 		return nil, err
@@ -184,7 +161,7 @@ func (c *controller) getParticipant() error {
 	return errors.Join(
 		expect("kind", reply.GetKind(), pb.ParticipantKind_PARTICIPANT_KIND_RESOURCES),
 		expect("instance", reply.GetInstance(), "counter"),
-		expect("api_version", reply.GetApiVersion(), "rollout_checkpoint.v1"),
+		expect("api_version", reply.GetApiVersion(), pb.APIPackage()),
 		expect("facts.mode", reply.GetFacts()["mode"], "exported"),
 	)
 }
@@ -312,11 +289,35 @@ func (c *controller) staleCommit() error {
 	_, err := c.client.Commit(ctx, &pb.CommitRequest{
 		CheckpointId: c.checkpointID, Deadline: deadline, CheckpointDir: c.checkpointDir,
 	})
-	info, err := refused(err, codes.Aborted, "STALE_CHECKPOINT")
+	metadata, err := refused(err, codes.Aborted, pb.ErrorReason_ERROR_REASON_STALE_CHECKPOINT)
 	if err != nil {
 		return err
 	}
-	return expect("metadata checkpointId", info.GetMetadata()["checkpointId"], c.checkpointID)
+	key := pb.MetadataKey_METADATA_KEY_CHECKPOINT_ID.WireValue()
+	return expect("metadata "+key, metadata[key], c.checkpointID)
+}
+
+// lateRenew renews with a deadline already past: DEADLINE_EXCEEDED, CHECKPOINT_DEADLINE_EXCEEDED,
+// and the `deadline` metadata reads back (ParseDeadline) as the deadline sent, to the
+// microsecond (a quarter second past a whole one is exact in the format's binary double).
+func (c *controller) lateRenew() error {
+	late := time.Unix(time.Now().Add(-10*time.Second).Unix(), 250*int64(time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := c.client.Renew(ctx, &pb.RenewRequest{CheckpointId: c.checkpointID, Deadline: timestamppb.New(late)})
+	metadata, err := refused(err, codes.DeadlineExceeded, pb.ErrorReason_ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED)
+	if err != nil {
+		return err
+	}
+	text := metadata[pb.MetadataKey_METADATA_KEY_DEADLINE.WireValue()]
+	deadline, err := pb.ParseDeadline(text)
+	if err != nil {
+		return err
+	}
+	return errors.Join(
+		expect("deadline", deadline, late.UTC()),
+		expect("FormatDeadline", pb.FormatDeadline(late), text),
+	)
 }
 
 func (c *controller) wrongToken() error {
@@ -328,7 +329,7 @@ func (c *controller) wrongToken() error {
 	ctx, cancel, _ := withDeadline(10 * time.Second)
 	defer cancel()
 	_, err = pb.NewParticipantServiceClient(conn).GetParticipant(ctx, &pb.GetParticipantRequest{})
-	_, err = refused(err, codes.Unauthenticated, "TOKEN_INVALID")
+	_, err = refused(err, codes.Unauthenticated, pb.ErrorReason_ERROR_REASON_TOKEN_INVALID)
 	return err
 }
 
@@ -439,11 +440,103 @@ func (c *controller) fleetRefusal() error {
 			err = nil
 		}
 	}
-	info, err := refused(err, codes.Aborted, "PARTICIPANT_FAILED")
+	metadata, err := refused(err, codes.Aborted, pb.ErrorReason_ERROR_REASON_PARTICIPANT_FAILED)
 	if err != nil {
 		return err
 	}
-	return expect("failedMembers", info.GetMetadata()["failedMembers"], "counter=STALE_CHECKPOINT")
+	key := pb.MetadataKey_METADATA_KEY_FAILED_MEMBERS.WireValue()
+	want := "counter=" + pb.ErrorReason_ERROR_REASON_STALE_CHECKPOINT.Reason()
+	return expect("metadata "+key, metadata[key], want)
+}
+
+// -- Restore into a start-closed replacement ------------------------------------------------
+
+// restoreRequest continues episode r1 (attempt 0, as committed) from the participant's commit.
+func (c *controller) restoreRequest(deadline *timestamppb.Timestamp) *pb.RestoreRequest {
+	return &pb.RestoreRequest{
+		CheckpointId:  c.checkpointID + "-restore",
+		Deadline:      deadline,
+		CheckpointDir: c.checkpointDir,
+		Scope:         &pb.EpisodeScope{Episodes: []*pb.EpisodeId{{RolloutId: "r1", Attempt: 0}}},
+	}
+}
+
+// freshProcessRequired restores the commit into the participant that took it: it has served
+// a session, so it refuses (FAILED_PRECONDITION, FRESH_PROCESS_REQUIRED) and keeps its state.
+func (c *controller) freshProcessRequired() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	_, err := c.client.Restore(ctx, c.restoreRequest(deadline))
+	_, err = refused(err, codes.FailedPrecondition, pb.ErrorReason_ERROR_REASON_FRESH_PROCESS_REQUIRED)
+	return err
+}
+
+// watchReadiness opens a grpc.health.v1 Watch of the replacement's readiness (no token) and
+// reads its first message: a start-closed process is not ready until it is resumed.
+func (c *controller) watchReadiness(address string) error {
+	conn, err := dial(address, "")
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	c.cancelWatch = func() { cancel(); conn.Close() }
+	name := pb.HealthServiceName_HEALTH_SERVICE_NAME_PARTICIPANT_READINESS.WireValue()
+	c.readinessWatch, err = healthpb.NewHealthClient(conn).Watch(ctx, &healthpb.HealthCheckRequest{Service: name})
+	if err != nil {
+		return err
+	}
+	first, err := c.readinessWatch.Recv()
+	if err != nil {
+		return err
+	}
+	return expect("first readiness", first.GetStatus(), healthpb.HealthCheckResponse_NOT_SERVING)
+}
+
+func (c *controller) restoreReplacement() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	reply, err := c.replacement.Restore(ctx, c.restoreRequest(deadline))
+	if err != nil {
+		return err
+	}
+	return errors.Join(
+		expect("state", reply.GetState(), pb.ParticipantState_PARTICIPANT_STATE_RESTORED),
+		expect("source_checkpoint_id", reply.GetSourceCheckpointId(), c.checkpointID),
+		expect("restored", reply.GetRestored(), []string{"r1-a1"}),
+	)
+}
+
+// resumeReplacement reopens the replacement; the readiness Watch then streams SERVING (Watch
+// promises the eventual status, so intermediate NOT_SERVINGs are skipped).
+func (c *controller) resumeReplacement() error {
+	ctx, cancel, deadline := withDeadline(30 * time.Second)
+	defer cancel()
+	reply, err := c.replacement.Resume(ctx, &pb.ResumeRequest{CheckpointId: c.checkpointID + "-restore", Deadline: deadline})
+	if err != nil {
+		return err
+	}
+	if err := expect("state", reply.GetState(), pb.ParticipantState_PARTICIPANT_STATE_IDLE); err != nil {
+		return err
+	}
+	for {
+		update, err := c.readinessWatch.Recv()
+		if err != nil {
+			return fmt.Errorf("readiness Watch: %w", err)
+		}
+		if update.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return nil
+		}
+	}
+}
+
+// restoredSession reads the session on the replacement, as attempt 1 (capture key `r1-a1`)
+// with the old cookie: the count the commit captured.
+func (c *controller) restoredSession() error {
+	reply, err := c.postTo(c.replacementHTTP, "r1-a1", "get_counter_value", map[string]any{})
+	if err != nil {
+		return err
+	}
+	return expect("count", reply["count"], any(float64(5)))
 }
 
 func env(name string) string {
@@ -453,6 +546,16 @@ func env(name string) string {
 		os.Exit(2)
 	}
 	return value
+}
+
+// mustDial is dial for main: a client that cannot even be created ends the run.
+func mustDial(address, token string) *grpc.ClientConn {
+	conn, err := dial(address, token)
+	if err != nil {
+		fmt.Println(err)
+		os.Exit(1)
+	}
+	return conn
 }
 
 type step struct {
@@ -469,11 +572,7 @@ func main() {
 		http:         &http.Client{Jar: jar, Timeout: 10 * time.Second},
 		checkpointID: fmt.Sprintf("go-%d", os.Getpid()),
 	}
-	conn, err := dial(c.grpcAddress, c.token)
-	if err != nil {
-		fmt.Println(err)
-		os.Exit(1)
-	}
+	conn := mustDial(c.grpcAddress, c.token)
 	defer conn.Close()
 	c.client = pb.NewParticipantServiceClient(conn)
 
@@ -484,21 +583,31 @@ func main() {
 		{"Commit into a temporary directory: manifest, exported r1, records on disk", c.commit},
 		{"Resume: IDLE, not idempotent the first time", c.resume},
 		{"Commit after Resume: ABORTED, ErrorInfo STALE_CHECKPOINT", c.staleCommit},
+		{"Renew with a deadline already past: CHECKPOINT_DEADLINE_EXCEEDED, its deadline metadata", c.lateRenew},
 		{"a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID", c.wrongToken},
 		{"grpc.health.v1.Health/Check without a token: SERVING", c.health},
 	}
 	if address := os.Getenv("CONFORMANCE_COORDINATOR_ADDRESS"); address != "" {
-		conn, err := dial(address, c.token)
-		if err != nil {
-			fmt.Println(err)
-			os.Exit(1)
-		}
+		conn := mustDial(address, c.token)
 		defer conn.Close()
 		c.coordinator = pb.NewCoordinatorServiceClient(conn)
 		steps = append(steps, []step{
 			{"CoordinatorService/ListParticipants: the counter, same boot_id", c.listParticipants},
 			{"CoordinatorService/Checkpoint: stream to DONE, published, continued r1", c.fleetCheckpoint},
 			{"CoordinatorService/Prepare of a resumed id: PARTICIPANT_FAILED (counter=STALE_CHECKPOINT)", c.fleetRefusal},
+		}...)
+	}
+	if address := os.Getenv("CONFORMANCE_REPLACEMENT_GRPC_ADDRESS"); address != "" {
+		conn := mustDial(address, c.token)
+		defer conn.Close()
+		c.replacement = pb.NewParticipantServiceClient(conn)
+		c.replacementHTTP = env("CONFORMANCE_REPLACEMENT_HTTP_ADDRESS")
+		steps = append(steps, []step{
+			{"Restore into the participant that served: FAILED_PRECONDITION, FRESH_PROCESS_REQUIRED", c.freshProcessRequired},
+			{"grpc.health.v1.Health/Watch of the start-closed replacement's readiness: NOT_SERVING", func() error { return c.watchReadiness(address) }},
+			{"Restore into the start-closed replacement: RESTORED, r1 as attempt 1 (r1-a1)", c.restoreReplacement},
+			{"Resume the replacement: IDLE, and the readiness Watch streams SERVING", c.resumeReplacement},
+			{"the restored session on the replacement over HTTP: count 5", c.restoredSession},
 		}...)
 	}
 	failed := false
@@ -513,6 +622,9 @@ func main() {
 			continue
 		}
 		fmt.Printf("ok %d - %s\n", i+1, s.name)
+	}
+	if c.cancelWatch != nil {
+		c.cancelWatch()
 	}
 	if c.checkpointDir != "" {
 		os.RemoveAll(c.checkpointDir)

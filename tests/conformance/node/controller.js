@@ -1,11 +1,18 @@
 // A Node.js controller that drives one real rollout-checkpoint participant (the counter
 // example) through the contract: GetParticipant, a seeded session, Prepare (reading the
-// stream to its final message), Commit, Resume, typed refusals read from the
-// `grpc-status-details-bin` trailer, and grpc.health.v1 without a token.
+// stream to its final message), Commit, Resume, refusals decoded to typed reasons, and
+// grpc.health.v1 without a token. With CONFORMANCE_COORDINATOR_ADDRESS (a coordinator over
+// that counter): CoordinatorService Checkpoint and a PARTICIPANT_FAILED refusal. With
+// CONFORMANCE_REPLACEMENT_GRPC_ADDRESS and _HTTP_ADDRESS (a counter started with
+// --start-closed): FRESH_PROCESS_REQUIRED from the counter that served, a health Watch of the
+// replacement's readiness, Restore there, Resume, and the restored session over HTTP.
 //
 //   CONFORMANCE_GRPC_ADDRESS=127.0.0.1:9001 CONFORMANCE_HTTP_ADDRESS=127.0.0.1:8001 \
 //   CONFORMANCE_TOKEN=change-me node controller.js
 //
+// Everything it knows of the contract comes from the npm package @rollout-checkpoint/client
+// (gen/ts, a file: dependency): the generated messages and clients and the helper layer
+// (bearerToken, reasonOf, healthServiceName, metadataKey); no codegen, no helper of its own.
 // Prints one line per step and exits non-zero at the first failed check.
 // tests/test_conformance.py starts the participant and runs this script.
 'use strict';
@@ -16,11 +23,28 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 
-const grpc = require('@grpc/grpc-js');
-const protoLoader = require('@grpc/proto-loader');
-
-const REPO = path.resolve(__dirname, '..', '..', '..');
-const DOMAIN = 'rollout-checkpoint.dev';
+const {
+  API_PACKAGE,
+  CheckpointPhase,
+  CoordinatorServiceClient,
+  ErrorReason,
+  HealthServiceName,
+  MetadataKey,
+  ParticipantKind,
+  ParticipantServiceClient,
+  ParticipantState,
+  PrepareUpdateKind,
+  bearerToken,
+  deadlineIn,
+  formatDeadline,
+  grpc,
+  health,
+  healthServiceName,
+  metadataKey,
+  parseDeadline,
+  reasonOf,
+  reasonString,
+} = require('@rollout-checkpoint/client');
 
 function env(name) {
   const value = process.env[name];
@@ -30,66 +54,33 @@ function env(name) {
 const GRPC_ADDRESS = env('CONFORMANCE_GRPC_ADDRESS');
 const HTTP_ADDRESS = env('CONFORMANCE_HTTP_ADDRESS');
 const TOKEN = env('CONFORMANCE_TOKEN');
+// Optional: a `rollout-checkpoint coordinator` over that one counter, and a start-closed
+// replacement of the counter to restore the commit into.
+const COORDINATOR_ADDRESS = process.env.CONFORMANCE_COORDINATOR_ADDRESS;
+const REPLACEMENT_GRPC_ADDRESS = process.env.CONFORMANCE_REPLACEMENT_GRPC_ADDRESS;
+const REPLACEMENT_HTTP_ADDRESS = process.env.CONFORMANCE_REPLACEMENT_HTTP_ADDRESS;
 
-// One loader call for everything: our contract, google.rpc (for the error details) and
-// grpc.health.v1. proto-loader resolves google/protobuf/*.proto itself.
-const definitions = protoLoader.loadSync(
-  [
-    'rollout_checkpoint/v1/participant_service.proto',
-    'google/rpc/status.proto',
-    'google/rpc/error_details.proto',
-    'grpc/health/v1/health.proto',
-  ],
-  {
-    keepCase: true, // checkpoint_id, not checkpointId
-    longs: String, // int64/uint64 arrive as decimal strings
-    enums: String, // 'PARTICIPANT_STATE_PREPARED', not 3
-    defaults: true,
-    oneofs: true,
-    includeDirs: [
-      path.join(REPO, 'protos'),
-      path.join(REPO, 'third_party', 'googleapis'),
-      path.join(__dirname, 'protos'),
-    ],
-  },
-);
-const proto = grpc.loadPackageDefinition(definitions);
-const Status = definitions['google.rpc.Status'];
-const ErrorInfo = definitions['google.rpc.ErrorInfo'];
-
-// Every ParticipantService call needs `authorization: Bearer <token>`. grpc-js will not
-// compose call credentials with insecure channel credentials, so an interceptor adds the
-// header (on a plaintext channel it travels as ordinary metadata).
-function bearer(token) {
-  return (options, nextCall) =>
-    new grpc.InterceptingCall(nextCall(options), {
-      start(metadata, listener, next) {
-        metadata.set('authorization', `Bearer ${token}`);
-        next(metadata, listener);
-      },
-    });
+function participantClient(token, address = GRPC_ADDRESS) {
+  return new ParticipantServiceClient(address, grpc.credentials.createInsecure(), {
+    interceptors: [bearerToken(token)],
+  });
 }
 
-function participantClient(token) {
-  return new proto.rollout_checkpoint.v1.ParticipantService(
-    GRPC_ADDRESS,
-    grpc.credentials.createInsecure(),
-    { interceptors: [bearer(token)] },
-  );
-}
-
-// An absolute request deadline as a google.protobuf.Timestamp, `seconds` from now.
-function timestamp(seconds) {
-  const ms = Date.now() + seconds * 1000;
-  return { seconds: Math.floor(ms / 1000), nanos: (ms % 1000) * 1e6 };
+// Every message of a server stream, in order (the last is the final one).
+async function drain(call) {
+  const messages = [];
+  for await (const message of call) messages.push(message);
+  return messages;
 }
 
 // The gRPC call deadline sits a little after the request's own deadline, so the
 // participant (not the transport) reports a missed deadline.
-const CALL_SLACK_S = 5;
+const CALL_SLACK_MS = 5000;
 function callOptions(requestDeadline) {
-  const seconds = requestDeadline ? Number(requestDeadline.seconds) : Date.now() / 1000 + 30;
-  return { deadline: new Date((seconds + CALL_SLACK_S) * 1000) };
+  const ms = requestDeadline
+    ? Number(requestDeadline.seconds) * 1000 + requestDeadline.nanos / 1e6
+    : Date.now() + 30000;
+  return { deadline: new Date(ms + CALL_SLACK_MS) };
 }
 
 function unary(client, method, request) {
@@ -100,17 +91,6 @@ function unary(client, method, request) {
   });
 }
 
-// The one google.rpc.ErrorInfo of a refusal, from the `grpc-status-details-bin` trailer.
-function errorInfo(err) {
-  const [bytes] = err.metadata ? err.metadata.get('grpc-status-details-bin') : [];
-  assert.ok(bytes, `no grpc-status-details-bin on ${err.code} ${err.details}`);
-  const status = Status.deserialize(bytes);
-  assert.equal(status.code, err.code, 'Status.code matches the gRPC status');
-  const infos = status.details.filter((any) => any.type_url.endsWith('/google.rpc.ErrorInfo'));
-  assert.equal(infos.length, 1, 'exactly one ErrorInfo');
-  return ErrorInfo.deserialize(infos[0].value);
-}
-
 async function refused(promise, code, reason) {
   let err;
   try {
@@ -118,17 +98,18 @@ async function refused(promise, code, reason) {
   } catch (caught) {
     err = caught;
   }
-  assert.ok(err, `expected ${reason}, the call succeeded`);
-  assert.equal(err.code, code, `status code (${err.code} ${err.details})`);
-  const info = errorInfo(err);
-  assert.equal(info.reason, reason);
-  assert.equal(info.domain, DOMAIN);
-  return info;
+  assert.ok(err, `expected ${reasonString(reason)}, the call succeeded`);
+  const refusal = reasonOf(err);
+  assert.ok(refusal, `no ErrorInfo on ${err.code} ${err.details}`);
+  assert.equal(refusal.code, code, `status code (${err.code} ${err.details})`);
+  assert.equal(reasonString(refusal.reason), reasonString(reason));
+  return refusal;
 }
 
-// The data plane: a session of rollout `r1` (capture key `r1`) behind a cookie.
-async function post(route, body, cookie) {
-  const response = await fetch(`http://${HTTP_ADDRESS}/ng-rollout/r1/${route}`, {
+// The data plane: a session of rollout `r1` (capture key `r1`; `r1-a1` once restored as
+// attempt 1) behind a cookie.
+async function post(route, body, cookie, address = HTTP_ADDRESS, captureKey = 'r1') {
+  const response = await fetch(`http://${address}/ng-rollout/${captureKey}/${route}`, {
     method: 'POST',
     headers: { 'content-type': 'application/json', ...(cookie ? { cookie } : {}) },
     body: JSON.stringify(body),
@@ -145,15 +126,17 @@ const steps = [];
 const step = (name, fn) => steps.push({ name, fn });
 
 const client = participantClient(TOKEN);
+const closers = [() => client.close()];
 const checkpointId = `node-${process.pid}`;
 let checkpointDir;
+let sessionCookie;
 
 step('GetParticipant: kind RESOURCES, instance counter', async () => {
-  const reply = await unary(client, 'GetParticipant', {});
-  assert.equal(reply.kind, 'PARTICIPANT_KIND_RESOURCES');
+  const reply = await unary(client, 'getParticipant', {});
+  assert.equal(reply.kind, ParticipantKind.PARTICIPANT_KIND_RESOURCES);
   assert.equal(reply.instance, 'counter');
-  assert.equal(reply.api_version, 'rollout_checkpoint.v1');
-  assert.ok(reply.boot_id);
+  assert.equal(reply.apiVersion, API_PACKAGE);
+  assert.ok(reply.bootId);
   assert.equal(reply.facts.mode, 'exported');
 });
 
@@ -163,17 +146,15 @@ step('seed a session over HTTP (count 3) and increment it (+2)', async () => {
   await post('increment_counter', { count: 2 }, seeded.cookie);
   const { json } = await post('get_counter_value', {}, seeded.cookie);
   assert.deepEqual(json, { count: 5 });
+  sessionCookie = seeded.cookie;
 });
 
 step('Prepare: read the stream to its final message, PREPARED', async () => {
-  const call = client.Prepare(
-    { checkpoint_id: checkpointId, deadline: timestamp(30) },
-    callOptions(timestamp(30)),
-  );
-  const messages = [];
-  for await (const message of call) messages.push(message);
+  const deadline = deadlineIn(30000);
+  const call = client.prepare({ checkpointId, deadline }, callOptions(deadline));
+  const messages = await drain(call);
   assert.ok(messages.length >= 1);
-  assert.equal(messages[0].update_kind, 'PREPARE_UPDATE_KIND_INITIAL');
+  assert.equal(messages[0].updateKind, PrepareUpdateKind.PREPARE_UPDATE_KIND_INITIAL);
   assert.deepEqual(
     messages.map((m) => m.sequence),
     messages.map((_, i) => String(i + 1)),
@@ -181,35 +162,35 @@ step('Prepare: read the stream to its final message, PREPARED', async () => {
   );
   const final = messages[messages.length - 1];
   assert.equal(final.final, true);
-  assert.equal(final.update_kind, 'PREPARE_UPDATE_KIND_FINAL');
-  assert.equal(final.state, 'PARTICIPANT_STATE_PREPARED');
-  assert.equal(final.checkpoint_id, checkpointId);
+  assert.equal(final.updateKind, PrepareUpdateKind.PREPARE_UPDATE_KIND_FINAL);
+  assert.equal(final.state, ParticipantState.PARTICIPANT_STATE_PREPARED);
+  assert.equal(final.checkpointId, checkpointId);
   assert.equal(final.readiness.ready, true);
-  assert.equal(final.admission_open, false);
+  assert.equal(final.admissionOpen, false);
   const ms = Number(final.elapsed.seconds) * 1000 + final.elapsed.nanos / 1e6;
   console.log(`   ${messages.length} message(s), PREPARED after ${ms.toFixed(1)} ms`);
 });
 
 step('Commit into a temporary directory: manifest, exported r1, records on disk', async () => {
   checkpointDir = fs.realpathSync(fs.mkdtempSync(path.join(os.tmpdir(), 'conformance-node-')));
-  const reply = await unary(client, 'Commit', {
-    checkpoint_id: checkpointId,
-    deadline: timestamp(30),
-    checkpoint_dir: checkpointDir,
+  const reply = await unary(client, 'commit', {
+    checkpointId,
+    deadline: deadlineIn(30000),
+    checkpointDir,
   });
-  assert.equal(reply.state, 'PARTICIPANT_STATE_COMMITTED');
+  assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_COMMITTED);
   assert.deepEqual(reply.exported, ['r1']);
   const manifest = reply.manifest;
-  assert.equal(manifest.kind, 'PARTICIPANT_KIND_RESOURCES');
+  assert.equal(manifest.kind, ParticipantKind.PARTICIPANT_KIND_RESOURCES);
   assert.equal(manifest.instance, 'counter');
-  assert.equal(manifest.checkpoint_id, checkpointId);
-  assert.equal(manifest.schema_version, 1);
-  assert.equal(manifest.record_count, '1');
+  assert.equal(manifest.checkpointId, checkpointId);
+  assert.equal(manifest.schemaVersion, 1);
+  assert.equal(manifest.recordCount, '1');
   const part = path.join(checkpointDir, 'participants', 'resources', 'counter');
-  assert.equal(sha256(fs.readFileSync(path.join(part, 'manifest.json'))), reply.manifest_sha256);
-  const records = fs.readFileSync(path.join(part, manifest.records_file));
-  assert.equal(manifest.records_file, `records-${manifest.records_sha256}.jsonl`);
-  assert.equal(sha256(records), manifest.records_sha256);
+  assert.equal(sha256(fs.readFileSync(path.join(part, 'manifest.json'))), reply.manifestSha256);
+  const records = fs.readFileSync(path.join(part, manifest.recordsFile));
+  assert.equal(manifest.recordsFile, `records-${manifest.recordsSha256}.jsonl`);
+  assert.equal(sha256(records), manifest.recordsSha256);
   assert.equal(String(records.length), manifest.bytes);
   const lines = records.toString('utf8').trim().split('\n').map(JSON.parse);
   assert.equal(lines.length, 1);
@@ -218,34 +199,46 @@ step('Commit into a temporary directory: manifest, exported r1, records on disk'
 });
 
 step('Resume: IDLE, not idempotent the first time', async () => {
-  const reply = await unary(client, 'Resume', {
-    checkpoint_id: checkpointId,
-    deadline: timestamp(30),
-  });
-  assert.equal(reply.state, 'PARTICIPANT_STATE_IDLE');
+  const reply = await unary(client, 'resume', { checkpointId, deadline: deadlineIn(30000) });
+  assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_IDLE);
   assert.equal(reply.idempotent, false);
 });
 
 step('Commit after Resume: ABORTED, ErrorInfo STALE_CHECKPOINT', async () => {
-  const info = await refused(
-    unary(client, 'Commit', {
-      checkpoint_id: checkpointId,
-      deadline: timestamp(30),
-      checkpoint_dir: checkpointDir,
-    }),
+  const refusal = await refused(
+    unary(client, 'commit', { checkpointId, deadline: deadlineIn(30000), checkpointDir }),
     grpc.status.ABORTED,
-    'STALE_CHECKPOINT',
+    ErrorReason.ERROR_REASON_STALE_CHECKPOINT,
   );
-  assert.equal(info.metadata.checkpointId, checkpointId);
+  assert.equal(refusal.metadata[metadataKey(MetadataKey.METADATA_KEY_CHECKPOINT_ID)], checkpointId);
+});
+
+// The `deadline` metadata reads back (parseDeadline) as the deadline sent, to the microsecond
+// (a quarter second past a whole one is exact in the format's binary double).
+step('Renew with a deadline already past: CHECKPOINT_DEADLINE_EXCEEDED, its deadline metadata', async () => {
+  const late = { seconds: String(Math.floor(Date.now() / 1000) - 10), nanos: 250_000_000 };
+  const refusal = await refused(
+    new Promise((resolve, reject) => {
+      const options = { deadline: new Date(Date.now() + 10000) };
+      client.renew({ checkpointId, deadline: late }, options, (err, reply) =>
+        err ? reject(err) : resolve(reply),
+      );
+    }),
+    grpc.status.DEADLINE_EXCEEDED,
+    ErrorReason.ERROR_REASON_CHECKPOINT_DEADLINE_EXCEEDED,
+  );
+  const text = refusal.metadata[metadataKey(MetadataKey.METADATA_KEY_DEADLINE)];
+  assert.deepEqual(parseDeadline(text), late);
+  assert.equal(formatDeadline(late), text);
 });
 
 step('a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID', async () => {
   const intruder = participantClient(`${TOKEN}-wrong`);
   try {
     await refused(
-      unary(intruder, 'GetParticipant', {}),
+      unary(intruder, 'getParticipant', {}),
       grpc.status.UNAUTHENTICATED,
-      'TOKEN_INVALID',
+      ErrorReason.ERROR_REASON_TOKEN_INVALID,
     );
   } finally {
     intruder.close();
@@ -253,16 +246,121 @@ step('a wrong token: UNAUTHENTICATED, ErrorInfo TOKEN_INVALID', async () => {
 });
 
 step('grpc.health.v1.Health/Check without a token: SERVING', async () => {
-  const health = new proto.grpc.health.v1.Health(GRPC_ADDRESS, grpc.credentials.createInsecure());
+  const checker = new health.HealthClient(GRPC_ADDRESS, grpc.credentials.createInsecure());
+  const names = [
+    HealthServiceName.HEALTH_SERVICE_NAME_SERVER,
+    HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_SERVICE,
+    HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_LIVENESS,
+    HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS,
+  ];
   try {
-    for (const service of ['', 'participant-liveness', 'participant-readiness']) {
-      const reply = await unary(health, 'Check', { service });
-      assert.equal(reply.status, 'SERVING', `health of "${service}"`);
+    for (const service of names.map(healthServiceName)) {
+      const reply = await unary(checker, 'check', { service });
+      assert.equal(
+        reply.status,
+        health.HealthCheckResponse_ServingStatus.SERVING,
+        `health of "${service}"`,
+      );
     }
   } finally {
-    health.close();
+    checker.close();
   }
 });
+
+if (COORDINATOR_ADDRESS) {
+  const coordinator = new CoordinatorServiceClient(
+    COORDINATOR_ADDRESS,
+    grpc.credentials.createInsecure(),
+    { interceptors: [bearerToken(TOKEN)] },
+  );
+  closers.push(() => coordinator.close());
+
+  step('CoordinatorService/Checkpoint: stream to DONE, published, continued r1', async () => {
+    const deadline = deadlineIn(60000);
+    const messages = await drain(
+      coordinator.checkpoint(
+        { checkpointId: `${checkpointId}-fleet`, deadline, deriveScope: true },
+        callOptions(deadline),
+      ),
+    );
+    const phases = messages.map((m) => m.phase);
+    assert.equal(phases[0], CheckpointPhase.CHECKPOINT_PHASE_PREPARE);
+    assert.equal(phases[phases.length - 1], CheckpointPhase.CHECKPOINT_PHASE_DONE);
+    const { result } = messages.find((m) => m.final);
+    assert.equal(result.published, true);
+    assert.deepEqual(result.continued, [{ rolloutId: 'r1', attempt: 0 }]);
+    const manifest = fs.readFileSync(path.join(result.directory, 'checkpoint.json'));
+    assert.equal(sha256(manifest), result.fleetManifestSha256);
+    console.log(`   ${messages.length} message(s), published ${result.directory}`);
+  });
+
+  step('CoordinatorService/Prepare of a resumed id: PARTICIPANT_FAILED (counter=STALE_CHECKPOINT)', async () => {
+    const deadline = deadlineIn(10000);
+    const refusal = await refused(
+      drain(coordinator.prepare({ checkpointId, deadline }, callOptions(deadline))),
+      grpc.status.ABORTED,
+      ErrorReason.ERROR_REASON_PARTICIPANT_FAILED,
+    );
+    const key = metadataKey(MetadataKey.METADATA_KEY_FAILED_MEMBERS);
+    const stale = reasonString(ErrorReason.ERROR_REASON_STALE_CHECKPOINT);
+    assert.equal(refusal.metadata[key], `counter=${stale}`);
+  });
+}
+
+if (REPLACEMENT_GRPC_ADDRESS) {
+  const replacement = participantClient(TOKEN, REPLACEMENT_GRPC_ADDRESS);
+  const watcher = new health.HealthClient(REPLACEMENT_GRPC_ADDRESS, grpc.credentials.createInsecure());
+  closers.push(() => replacement.close(), () => watcher.close());
+  const restoreId = `${checkpointId}-restore`;
+  const restoreRequest = () => ({
+    checkpointId: restoreId,
+    deadline: deadlineIn(30000),
+    checkpointDir,
+    scope: { episodes: [{ rolloutId: 'r1', attempt: 0 }] },
+  });
+  let readiness; // the Watch stream's messages, read one at a time
+  let watch;
+
+  step('Restore into the participant that served: FAILED_PRECONDITION, FRESH_PROCESS_REQUIRED', async () => {
+    await refused(
+      unary(client, 'restore', restoreRequest()),
+      grpc.status.FAILED_PRECONDITION,
+      ErrorReason.ERROR_REASON_FRESH_PROCESS_REQUIRED,
+    );
+  });
+
+  step("grpc.health.v1.Health/Watch of the start-closed replacement's readiness: NOT_SERVING", async () => {
+    const service = healthServiceName(HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS);
+    watch = watcher.watch({ service }, { deadline: new Date(Date.now() + 120000) });
+    readiness = watch[Symbol.asyncIterator]();
+    const first = await readiness.next();
+    assert.equal(first.value.status, health.HealthCheckResponse_ServingStatus.NOT_SERVING);
+  });
+
+  step('Restore into the start-closed replacement: RESTORED, r1 as attempt 1 (r1-a1)', async () => {
+    const reply = await unary(replacement, 'restore', restoreRequest());
+    assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_RESTORED);
+    assert.equal(reply.sourceCheckpointId, checkpointId);
+    assert.deepEqual(reply.restored, ['r1-a1']);
+  });
+
+  step('Resume the replacement: IDLE, and the readiness Watch streams SERVING', async () => {
+    const reply = await unary(replacement, 'resume', { checkpointId: restoreId, deadline: deadlineIn(30000) });
+    assert.equal(reply.state, ParticipantState.PARTICIPANT_STATE_IDLE);
+    // Watch promises the eventual status: intermediate NOT_SERVINGs may come first.
+    for (;;) {
+      const update = await readiness.next();
+      assert.ok(!update.done, 'the Watch ended before SERVING');
+      if (update.value.status === health.HealthCheckResponse_ServingStatus.SERVING) break;
+    }
+    watch.cancel();
+  });
+
+  step('the restored session on the replacement over HTTP: count 5', async () => {
+    const { json } = await post('get_counter_value', {}, sessionCookie, REPLACEMENT_HTTP_ADDRESS, 'r1-a1');
+    assert.deepEqual(json, { count: 5 });
+  });
+}
 
 async function main() {
   let failed = false;
@@ -280,7 +378,7 @@ async function main() {
       console.log(err && err.stack ? err.stack : err);
     }
   }
-  client.close();
+  for (const close of closers) close();
   if (checkpointDir) fs.rmSync(checkpointDir, { recursive: true, force: true });
   console.log(failed ? 'node controller: FAILED' : `node controller: all ${steps.length} steps passed`);
   process.exitCode = failed ? 1 : 0;

@@ -1,0 +1,148 @@
+"""The public names of the Go module gen/go and the npm package gen/ts, and their release record.
+
+A controller compiles against these names, so removing or renaming one breaks it even when
+the wire (which `buf breaking` guards) is unchanged. gen/public-api.json keeps, per package,
+the list of releases: each a version and the exact names it exports. The last release must
+be the current one (same version, same names), and each release's version must follow from
+the one before it by semver: a removed name needs a major bump, an added one at least a minor
+bump. tests/test_packages.py checks that; after a deliberate change, bump the version (Go:
+`Version` in checkpoint.go; npm: package.json) and append the release with
+
+    .venv/bin/python -m tests.public_api record
+
+which refuses a version that does not fit the change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD = REPO / "gen" / "public-api.json"
+GO_PACKAGE = REPO / "gen" / "go" / "rollout_checkpoint" / "v1"
+TS_PACKAGE = REPO / "gen" / "ts"
+
+Version = tuple[int, int, int]
+
+# gofmt'd Go: top-level declarations start a line; members of a const/var/type block and
+# struct fields are indented by one tab.
+GO_FUNC = re.compile(r"^func ([A-Z]\w*)", re.M)
+GO_METHOD = re.compile(r"^func \(\w* ?\*?([A-Z]\w*)\) ([A-Z]\w*)", re.M)
+GO_SINGLE = re.compile(r"^(?:type|const|var) ([A-Z]\w*)", re.M)
+GO_BLOCK = re.compile(r"^(?:const|var|type) \($(.*?)^\)$", re.M | re.S)
+GO_STRUCT = re.compile(r"^type ([A-Z]\w*) struct \{$(.*?)^\}$", re.M | re.S)
+GO_MEMBER = re.compile(r"^\t([A-Z]\w*)\b", re.M)
+GO_VERSION = re.compile(r'^const Version = "(\d+\.\d+\.\d+)"$', re.M)
+
+# The TypeScript compiler resolves what the package's entry point exports, `export *` and
+# namespace re-exports of its own files included (`rpc.ErrorInfo`), types as well as values.
+# The re-exported @grpc/grpc-js (`grpc`) is one name: its members are grpc-js's own API,
+# pinned by version in package.json.
+TS_EXPORTS = """
+const ts = require("typescript");
+const program = ts.createProgram(["src/index.ts"], { strict: true, esModuleInterop: true });
+const checker = program.getTypeChecker();
+const names = [];
+function walk(symbol, prefix, depth) {
+  for (const exported of checker.getExportsOfModule(symbol)) {
+    const name = prefix + exported.getName();
+    names.push(name);
+    const target = exported.flags & ts.SymbolFlags.Alias ? checker.getAliasedSymbol(exported) : exported;
+    const declaration = target.valueDeclaration;
+    if (depth === 0 && target.flags & ts.SymbolFlags.ValueModule && declaration
+        && ts.isSourceFile(declaration) && !declaration.fileName.includes("/node_modules/")) {
+      walk(target, name + ".", depth + 1);
+    }
+  }
+}
+walk(checker.getSymbolAtLocation(program.getSourceFile("src/index.ts")), "", 0);
+process.stdout.write(JSON.stringify(names.sort()));
+"""
+
+
+def parse_version(text: str) -> Version:
+    major, minor, patch = (int(part) for part in text.split("."))
+    return major, minor, patch
+
+
+def go_names() -> list[str]:
+    """Every exported identifier of package checkpointv1 (methods and fields as Type.Name)."""
+    names: set[str] = set()
+    for path in sorted(GO_PACKAGE.glob("*.go")):
+        if path.name.endswith("_test.go"):
+            continue
+        source = path.read_text()
+        names.update(GO_FUNC.findall(source))
+        names.update(f"{kind}.{name}" for kind, name in GO_METHOD.findall(source))
+        names.update(GO_SINGLE.findall(source))
+        for block in GO_BLOCK.findall(source):
+            names.update(GO_MEMBER.findall(block))
+        for kind, body in GO_STRUCT.findall(source):
+            names.update(f"{kind}.{field}" for field in GO_MEMBER.findall(body))
+    return sorted(names)
+
+
+def go_version() -> str:
+    match = GO_VERSION.search((GO_PACKAGE / "checkpoint.go").read_text())
+    assert match, 'gen/go/rollout_checkpoint/v1/checkpoint.go has no `const Version = "X.Y.Z"`'
+    return match.group(1)
+
+
+def ts_names() -> list[str]:
+    """Every name the npm package's entry point exports (needs `npm ci` in gen/ts)."""
+    proc = subprocess.run(
+        ["node", "-e", TS_EXPORTS], cwd=TS_PACKAGE, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"listing gen/ts's exports failed (npm ci in gen/ts?):\n{proc.stderr}")
+    names: list[str] = json.loads(proc.stdout)
+    return names
+
+
+def ts_version() -> str:
+    version: str = json.loads((TS_PACKAGE / "package.json").read_text())["version"]
+    return version
+
+
+def current() -> dict[str, dict[str, object]]:
+    return {
+        "go": {"version": go_version(), "names": go_names()},
+        "ts": {"version": ts_version(), "names": ts_names()},
+    }
+
+
+def bump_problem(before: dict[str, object], after: dict[str, object]) -> str | None:
+    """Why `after` may not follow `before` as a release, or None when its version fits."""
+    old, new = parse_version(str(before["version"])), parse_version(str(after["version"]))
+    old_names, new_names = set(before["names"]), set(after["names"])  # type: ignore[call-overload]
+    removed, added = sorted(old_names - new_names), sorted(new_names - old_names)
+    if removed and new[0] <= old[0]:
+        return f"{before['version']} -> {after['version']} removes {removed}: needs a major bump"
+    if added and new[:2] <= old[:2]:
+        return f"{before['version']} -> {after['version']} adds {added}: needs a minor bump"
+    if new <= old:
+        return f"{before['version']} -> {after['version']}: a release needs a higher version"
+    return None
+
+
+def record() -> None:
+    """Append the current names as a release of each package whose names or version changed."""
+    releases = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    for package, now in current().items():
+        history = releases.setdefault(package, [])
+        if history and history[-1] == now:
+            continue
+        if history and (problem := bump_problem(history[-1], now)):
+            sys.exit(f"{package}: {problem}")
+        history.append(now)
+    RECORD.write_text(json.dumps(releases, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["record"]:
+        sys.exit("usage: python -m tests.public_api record")
+    record()
