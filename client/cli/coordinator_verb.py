@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 from rollout_checkpoint.client.cli.console import CliError, ExitCode
 from rollout_checkpoint.client.fleet import FleetConfigError, load_fleet_file
 from rollout_checkpoint.server.core.rpc.health_listener import HealthBindError
-from rollout_checkpoint.server.core.rpc.tls import TlsFilesError, server_credentials
+from rollout_checkpoint.server.core.rpc.tls import (
+    TlsFilesError,
+    server_credentials,
+    server_ssl_context,
+)
 from rollout_checkpoint.server.core.stop_signals import PROCESS
 
 if TYPE_CHECKING:
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 
 async def coordinator_verb(args: argparse.Namespace) -> int:
     """Serve the coordinator until SIGTERM or SIGINT; `CliError` (exit 8) when its address is taken, `FleetConfigError` for a missing fleet file."""
+    from rollout_checkpoint.client.coordinator.http_listener import HttpBindError
     from rollout_checkpoint.client.coordinator.service import Coordinator
 
     if not args.fleet.is_file():
@@ -36,9 +41,9 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        credentials = server_credentials(
-            args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file
-        )
+        tls_files = (args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        credentials = server_credentials(*tls_files)
+        http_tls = server_ssl_context(*tls_files) if args.http_address else None
     except TlsFilesError as error:
         raise CliError(ExitCode.USAGE, f"coordinator: {error}") from None
     supervise = supervisor_settings(args) if args.supervise else None
@@ -51,6 +56,8 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         supervise=supervise,
         credentials=credentials,
         health_address=args.health_address,
+        http_address=args.http_address,
+        http_tls=http_tls,
     )
 
     def announce(server: Coordinator) -> None:
@@ -62,6 +69,8 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         }
         if server.health_listener is not None:
             line["health"] = server.health_listener.bound_address
+        if server.http_listener is not None:
+            line["http"] = server.http_listener.bound_address
         print(json.dumps(line), flush=True)
 
     stopping = asyncio.Event()
@@ -72,7 +81,11 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         except RuntimeError as error:
             if "bind" not in str(error).lower():
                 raise
-            address = error.address if isinstance(error, HealthBindError) else args.grpc_address
+            address = (
+                error.address
+                if isinstance(error, (HealthBindError, HttpBindError))
+                else args.grpc_address
+            )
             raise CliError(
                 ExitCode.ADDRESS_IN_USE, f"cannot listen on {address}: in use or invalid"
             ) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
+from starlette.applications import Starlette
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.checkpoint import (
@@ -29,10 +31,8 @@ from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetProgress
 from rollout_checkpoint.client.checkpointing.publication import (
     PublicationError,
     PublicationRoot,
-    StorageFailed,
     as_checkpoint_error,
     open_checkpoint_root,
-    store_call,
 )
 from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.coordinator.calls import (
@@ -41,10 +41,15 @@ from rollout_checkpoint.client.coordinator.calls import (
     SERVICE_NAME,
     TracingObserver,
     listed_blockers,
+    no_checkpoint_root,
     prepare_outcome,
+    root_call,
     status_of,
 )
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
+from rollout_checkpoint.client.coordinator.history_api import CheckpointHistoryApi
+from rollout_checkpoint.client.coordinator.http_api import coordinator_app
+from rollout_checkpoint.client.coordinator.http_listener import HttpListener
 from rollout_checkpoint.client.coordinator.supervisor import Supervisor, SupervisorSettings
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
@@ -107,6 +112,7 @@ class CoordinatorServicer:
         self.member_watch: FleetWatch | None = None
         """Started by the first WatchFleet of a coordinator that does not supervise (a
         supervisor watches the members itself)."""
+        self.history = CheckpointHistoryApi(spec)
         self._fleet: Fleet | None = None
         self._discovery = asyncio.Lock()
 
@@ -129,19 +135,8 @@ class CoordinatorServicer:
         blocks on a frozen filesystem: STORAGE_FAILED then, like any store call)."""
         location = self.spec.checkpoint_root
         if location is None:
-            raise CheckpointError(
-                Reason.INVALID_REQUEST,
-                "the fleet file sets no checkpoint_root",
-                code="FAILED_PRECONDITION",
-            )
-        try:
-            return await store_call(deadline, str(location), open_checkpoint_root, location)
-        except OSError as error:
-            raise as_checkpoint_error(
-                StorageFailed(f"{location}: {error.strerror or error}")
-            ) from error
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
+            raise no_checkpoint_root("")
+        return await root_call(deadline, str(location), open_checkpoint_root, location)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Every RPC of coordinator_service.proto, served by the method of its name."""
@@ -163,6 +158,13 @@ class CoordinatorServicer:
         self, request: cpb.ListParticipantsRequest
     ) -> cpb.ListParticipantsResponse:
         await self.forget_fleet()
+        return await self.known_participants()
+
+    async def known_participants(self) -> cpb.ListParticipantsResponse:
+        """The members as this coordinator knows them (discovered on first use, and again
+        after a member failed a call), without discovering them afresh as ListParticipants
+        does: that closes the fleet's channels, which cuts the calls of a checkpoint in
+        progress, and a dashboard polls (`GET /fleet`)."""
         fleet = await self.fleet()
         return cpb.ListParticipantsResponse(members=[member_message(m) for m in fleet.members])
 
@@ -319,6 +321,14 @@ class CoordinatorServicer:
         async for event in self.events.read(request.after_sequence, live_only=request.live_only):
             yield cpb.WatchFleetResponse(event=event)
 
+    async def list_checkpoints(
+        self, request: cpb.ListCheckpointsRequest
+    ) -> cpb.ListCheckpointsResponse:
+        return await self.history.list_checkpoints(request)
+
+    async def get_checkpoint(self, request: cpb.GetCheckpointRequest) -> cpb.GetCheckpointResponse:
+        return await self.history.get_checkpoint(request)
+
     # -- checks -------------------------------------------------------------------------
 
     def _deadline(self, request: Any, field: str, *, allow_past: bool = False) -> float:
@@ -440,7 +450,10 @@ class Coordinator:
     With `credentials` (`server_credentials`) its port is TLS, optionally mutual: controllers
     in other pods send the fleet's token with every call, which plaintext would expose. With
     `health_address` a second port, plaintext whatever `credentials` say, serves the same
-    health servicer and nothing else, for the kubelet's native `grpc:` probes."""
+    health servicer and nothing else, for the kubelet's native `grpc:` probes. With
+    `http_address` an HTTP port serves the history API and the fleet as JSON
+    (`http_api.coordinator_app`, behind the same token) in the same event loop; with
+    `http_tls` it is HTTPS (the coordinator's CLI gives it the gRPC port's certificate)."""
 
     def __init__(
         self,
@@ -452,6 +465,8 @@ class Coordinator:
         supervise: SupervisorSettings | None = None,
         credentials: grpc.ServerCredentials | None = None,
         health_address: str | None = None,
+        http_address: str | None = None,
+        http_tls: ssl.SSLContext | None = None,
     ) -> None:
         if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
             require(REFLECTION, "coordinator --reflection")
@@ -471,6 +486,13 @@ class Coordinator:
         self.credentials = credentials
         self.health_address = health_address
         self.health_listener: HealthListener | None = None
+        self.http_app: Starlette | None = None
+        """The HTTP port's app: more routes (static pages) may be mounted on it before
+        `start`."""
+        self.http_listener: HttpListener | None = None
+        if http_address:
+            self.http_app = coordinator_app(self)
+            self.http_listener = HttpListener(self.http_app, http_address, http_tls)
         self.port: int | None = None
         self._server: aio.Server | None = None
 
@@ -492,12 +514,16 @@ class Coordinator:
         else:
             self.port = server.add_secure_port(self.address, self.credentials)
         self.health_listener = bind_health_listener(self.health, self.health_address, hostile)
+        if self.http_listener is not None:
+            self.http_listener.bind()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
         if self.health_listener is not None:
             await self.health_listener.start()
+        if self.http_listener is not None:
+            await self.http_listener.start()
         if self.supervisor is not None:
             await self.supervisor.start()
         return self.port
@@ -511,6 +537,8 @@ class Coordinator:
         elif self.servicer.member_watch is not None:
             await self.servicer.member_watch.close()
         self.events.close()
+        if self.http_listener is not None:
+            await self.http_listener.stop()
         await stop_with_health(self._server, self.health_listener, self.grace)
         await self.servicer.forget_fleet()
 

@@ -6,6 +6,7 @@ certificate takes a restart (as Kubernetes Secrets mounted as files expect)."""
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import grpc
@@ -36,6 +37,25 @@ def server_credentials(
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+
+
+def server_ssl_context(
+    cert_file: str | Path | None, key_file: str | Path | None, client_ca_file: str | Path | None
+) -> ssl.SSLContext | None:
+    """The same files as `server_credentials`, with the same rules, for an HTTP port beside
+    the gRPC one: a coordinator whose gRPC port is TLS must not take the same token in
+    plaintext on its HTTP port."""
+    if server_credentials(cert_file, key_file, client_ca_file) is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(str(cert_file), str(key_file))
+        if client_ca_file is not None:
+            context.load_verify_locations(str(client_ca_file))
+            context.verify_mode = ssl.CERT_REQUIRED
+    except ssl.SSLError as error:
+        raise TlsFilesError(f"TLS files {cert_file}, {key_file}: {error.reason}") from None
+    return context
 
 
 def _read(path: str | Path, what: str) -> bytes:

@@ -182,6 +182,117 @@ func (CheckpointPhase) EnumDescriptor() ([]byte, []int) {
 	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{1}
 }
 
+// How an attempt of the history ended.
+type AttemptStatus int32
+
+const (
+	// Any status (a filter that filters nothing); never an attempt's.
+	AttemptStatus_ATTEMPT_STATUS_UNSPECIFIED AttemptStatus = 0
+	// Published (a checkpoint) or restored and resumed (a restore).
+	AttemptStatus_ATTEMPT_STATUS_COMPLETED AttemptStatus = 1
+	// An error ended it (`reason`, `failed_members`); nothing was published.
+	AttemptStatus_ATTEMPT_STATUS_FAILED AttemptStatus = 2
+	// It stopped without an error of its own (not prepared by the deadline,
+	// or interrupted); the fleet was resumed.
+	AttemptStatus_ATTEMPT_STATUS_ABORTED AttemptStatus = 3
+)
+
+// Enum value maps for AttemptStatus.
+var (
+	AttemptStatus_name = map[int32]string{
+		0: "ATTEMPT_STATUS_UNSPECIFIED",
+		1: "ATTEMPT_STATUS_COMPLETED",
+		2: "ATTEMPT_STATUS_FAILED",
+		3: "ATTEMPT_STATUS_ABORTED",
+	}
+	AttemptStatus_value = map[string]int32{
+		"ATTEMPT_STATUS_UNSPECIFIED": 0,
+		"ATTEMPT_STATUS_COMPLETED":   1,
+		"ATTEMPT_STATUS_FAILED":      2,
+		"ATTEMPT_STATUS_ABORTED":     3,
+	}
+)
+
+func (x AttemptStatus) Enum() *AttemptStatus {
+	p := new(AttemptStatus)
+	*p = x
+	return p
+}
+
+func (x AttemptStatus) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (AttemptStatus) Descriptor() protoreflect.EnumDescriptor {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_enumTypes[2].Descriptor()
+}
+
+func (AttemptStatus) Type() protoreflect.EnumType {
+	return &file_rollout_checkpoint_v1_coordinator_service_proto_enumTypes[2]
+}
+
+func (x AttemptStatus) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use AttemptStatus.Descriptor instead.
+func (AttemptStatus) EnumDescriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{2}
+}
+
+// What an attempt of the history did.
+type AttemptOperation int32
+
+const (
+	// Any operation (a filter that filters nothing); never an attempt's.
+	AttemptOperation_ATTEMPT_OPERATION_UNSPECIFIED AttemptOperation = 0
+	// A checkpoint of the fleet.
+	AttemptOperation_ATTEMPT_OPERATION_CHECKPOINT AttemptOperation = 1
+	// A restore of the fleet from a published checkpoint.
+	AttemptOperation_ATTEMPT_OPERATION_RESTORE AttemptOperation = 2
+)
+
+// Enum value maps for AttemptOperation.
+var (
+	AttemptOperation_name = map[int32]string{
+		0: "ATTEMPT_OPERATION_UNSPECIFIED",
+		1: "ATTEMPT_OPERATION_CHECKPOINT",
+		2: "ATTEMPT_OPERATION_RESTORE",
+	}
+	AttemptOperation_value = map[string]int32{
+		"ATTEMPT_OPERATION_UNSPECIFIED": 0,
+		"ATTEMPT_OPERATION_CHECKPOINT":  1,
+		"ATTEMPT_OPERATION_RESTORE":     2,
+	}
+)
+
+func (x AttemptOperation) Enum() *AttemptOperation {
+	p := new(AttemptOperation)
+	*p = x
+	return p
+}
+
+func (x AttemptOperation) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (AttemptOperation) Descriptor() protoreflect.EnumDescriptor {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_enumTypes[3].Descriptor()
+}
+
+func (AttemptOperation) Type() protoreflect.EnumType {
+	return &file_rollout_checkpoint_v1_coordinator_service_proto_enumTypes[3]
+}
+
+func (x AttemptOperation) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use AttemptOperation.Descriptor instead.
+func (AttemptOperation) EnumDescriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{3}
+}
+
 // A fleet member.
 type Member struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2759,6 +2870,784 @@ func (x *RecoveryGivenUp) GetError() *status.Status {
 	return nil
 }
 
+// One step of an attempt. The steps follow each other without a gap from the
+// attempt's `started_at`.
+type AttemptStage struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The step (`prepare`, `commit`, `snapshot`, `resume`, `await_parts`,
+	// `publish`, `retention`, `restore`, ...).
+	Stage string `protobuf:"bytes,1,opt,name=stage,proto3" json:"stage,omitempty"`
+	// How long it took, in seconds.
+	Seconds       float64 `protobuf:"fixed64,2,opt,name=seconds,proto3" json:"seconds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttemptStage) Reset() {
+	*x = AttemptStage{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttemptStage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttemptStage) ProtoMessage() {}
+
+func (x *AttemptStage) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttemptStage.ProtoReflect.Descriptor instead.
+func (*AttemptStage) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *AttemptStage) GetStage() string {
+	if x != nil {
+		return x.Stage
+	}
+	return ""
+}
+
+func (x *AttemptStage) GetSeconds() float64 {
+	if x != nil {
+		return x.Seconds
+	}
+	return 0
+}
+
+// One checkpoint or restore attempted, as a list shows it (no member details).
+type Attempt struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint's id, or the restore's control id.
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Checkpoint or restore.
+	Operation AttemptOperation `protobuf:"varint,2,opt,name=operation,proto3,enum=rollout_checkpoint.v1.AttemptOperation" json:"operation,omitempty"`
+	// What started it: `manual`, `periodic`, `signal` or `supervisor`.
+	Trigger string `protobuf:"bytes,3,opt,name=trigger,proto3" json:"trigger,omitempty"`
+	// `sync` or `async` (checkpoints); `rejoin` or `fresh` (restores).
+	Mode string `protobuf:"bytes,4,opt,name=mode,proto3" json:"mode,omitempty"`
+	// How it ended.
+	Status AttemptStatus `protobuf:"varint,5,opt,name=status,proto3,enum=rollout_checkpoint.v1.AttemptStatus" json:"status,omitempty"`
+	// When it started.
+	StartedAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	// When it ended.
+	EndedAt *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	// From start to end, in seconds.
+	DurationSeconds float64 `protobuf:"fixed64,8,opt,name=duration_seconds,json=durationSeconds,proto3" json:"duration_seconds,omitempty"`
+	// The typed reason of a failure (an `ErrorReason` without its prefix, or
+	// NOT_PREPARED, ENDED, INTERRUPTED).
+	Reason string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
+	// The failure's message (at most 500 characters).
+	Message string `protobuf:"bytes,10,opt,name=message,proto3" json:"message,omitempty"`
+	// The members that caused the failure.
+	FailedMembers []string `protobuf:"bytes,11,rep,name=failed_members,json=failedMembers,proto3" json:"failed_members,omitempty"`
+	// Its steps, in order.
+	Stages []*AttemptStage `protobuf:"bytes,12,rep,name=stages,proto3" json:"stages,omitempty"`
+	// Members of the fleet.
+	Members uint32 `protobuf:"varint,13,opt,name=members,proto3" json:"members,omitempty"`
+	// Records written (checkpoints) over all members.
+	Records uint64 `protobuf:"varint,14,opt,name=records,proto3" json:"records,omitempty"`
+	// Bytes of records written (checkpoints) over all members.
+	Bytes uint64 `protobuf:"varint,15,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Restores: the published checkpoint restored.
+	Source string `protobuf:"bytes,16,opt,name=source,proto3" json:"source,omitempty"`
+	// Episodes continued (checkpoints: published as continued; restores:
+	// restored).
+	Continued uint64 `protobuf:"varint,17,opt,name=continued,proto3" json:"continued,omitempty"`
+	// Restores by recovery: rollouts in flight that restart from their inputs.
+	Restarted uint64 `protobuf:"varint,18,opt,name=restarted,proto3" json:"restarted,omitempty"`
+	// Whether its per-member details are still kept (the newest 100 attempts).
+	HasDetails    bool `protobuf:"varint,19,opt,name=has_details,json=hasDetails,proto3" json:"has_details,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Attempt) Reset() {
+	*x = Attempt{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Attempt) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Attempt) ProtoMessage() {}
+
+func (x *Attempt) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
+func (*Attempt) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *Attempt) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Attempt) GetOperation() AttemptOperation {
+	if x != nil {
+		return x.Operation
+	}
+	return AttemptOperation_ATTEMPT_OPERATION_UNSPECIFIED
+}
+
+func (x *Attempt) GetTrigger() string {
+	if x != nil {
+		return x.Trigger
+	}
+	return ""
+}
+
+func (x *Attempt) GetMode() string {
+	if x != nil {
+		return x.Mode
+	}
+	return ""
+}
+
+func (x *Attempt) GetStatus() AttemptStatus {
+	if x != nil {
+		return x.Status
+	}
+	return AttemptStatus_ATTEMPT_STATUS_UNSPECIFIED
+}
+
+func (x *Attempt) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *Attempt) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
+func (x *Attempt) GetDurationSeconds() float64 {
+	if x != nil {
+		return x.DurationSeconds
+	}
+	return 0
+}
+
+func (x *Attempt) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *Attempt) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *Attempt) GetFailedMembers() []string {
+	if x != nil {
+		return x.FailedMembers
+	}
+	return nil
+}
+
+func (x *Attempt) GetStages() []*AttemptStage {
+	if x != nil {
+		return x.Stages
+	}
+	return nil
+}
+
+func (x *Attempt) GetMembers() uint32 {
+	if x != nil {
+		return x.Members
+	}
+	return 0
+}
+
+func (x *Attempt) GetRecords() uint64 {
+	if x != nil {
+		return x.Records
+	}
+	return 0
+}
+
+func (x *Attempt) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *Attempt) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *Attempt) GetContinued() uint64 {
+	if x != nil {
+		return x.Continued
+	}
+	return 0
+}
+
+func (x *Attempt) GetRestarted() uint64 {
+	if x != nil {
+		return x.Restarted
+	}
+	return 0
+}
+
+func (x *Attempt) GetHasDetails() bool {
+	if x != nil {
+		return x.HasDetails
+	}
+	return false
+}
+
+// One member's part in one attempt.
+type AttemptMember struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The member's name.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Its kind.
+	Kind ParticipantKind `protobuf:"varint,2,opt,name=kind,proto3,enum=rollout_checkpoint.v1.ParticipantKind" json:"kind,omitempty"`
+	// Its instance name.
+	Instance string `protobuf:"bytes,3,opt,name=instance,proto3" json:"instance,omitempty"`
+	// Where its part is (checkpoints).
+	Part string `protobuf:"bytes,4,opt,name=part,proto3" json:"part,omitempty"`
+	// Records it wrote.
+	Records uint64 `protobuf:"varint,5,opt,name=records,proto3" json:"records,omitempty"`
+	// Bytes of records it wrote.
+	Bytes uint64 `protobuf:"varint,6,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// Seconds from the prepare's start until it reported PREPARED (unset: it
+	// never did).
+	PreparedSeconds *float64 `protobuf:"fixed64,7,opt,name=prepared_seconds,json=preparedSeconds,proto3,oneof" json:"prepared_seconds,omitempty"`
+	// The most blockers it reported at once while preparing.
+	BlockersMax uint32 `protobuf:"varint,8,opt,name=blockers_max,json=blockersMax,proto3" json:"blockers_max,omitempty"`
+	// Seconds it reported blockers: from the first report until it prepared.
+	BlockedSeconds float64 `protobuf:"fixed64,9,opt,name=blocked_seconds,json=blockedSeconds,proto3" json:"blocked_seconds,omitempty"`
+	// Its typed reason when it caused the failure.
+	Error string `protobuf:"bytes,10,opt,name=error,proto3" json:"error,omitempty"`
+	// Seconds from the commit call to its reply (checkpoints; unset: it never
+	// replied).
+	CommitSeconds *float64 `protobuf:"fixed64,11,opt,name=commit_seconds,json=commitSeconds,proto3,oneof" json:"commit_seconds,omitempty"`
+	// Seconds from the commit call until its part was durable (asynchronous
+	// commits; unset: not asynchronous, or it never became durable).
+	DurableSeconds *float64 `protobuf:"fixed64,12,opt,name=durable_seconds,json=durableSeconds,proto3,oneof" json:"durable_seconds,omitempty"`
+	// Seconds from the restore call to its reply (restores; unset: it never
+	// replied).
+	RestoreSeconds *float64 `protobuf:"fixed64,13,opt,name=restore_seconds,json=restoreSeconds,proto3,oneof" json:"restore_seconds,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *AttemptMember) Reset() {
+	*x = AttemptMember{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttemptMember) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttemptMember) ProtoMessage() {}
+
+func (x *AttemptMember) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttemptMember.ProtoReflect.Descriptor instead.
+func (*AttemptMember) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *AttemptMember) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *AttemptMember) GetKind() ParticipantKind {
+	if x != nil {
+		return x.Kind
+	}
+	return ParticipantKind_PARTICIPANT_KIND_UNSPECIFIED
+}
+
+func (x *AttemptMember) GetInstance() string {
+	if x != nil {
+		return x.Instance
+	}
+	return ""
+}
+
+func (x *AttemptMember) GetPart() string {
+	if x != nil {
+		return x.Part
+	}
+	return ""
+}
+
+func (x *AttemptMember) GetRecords() uint64 {
+	if x != nil {
+		return x.Records
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetPreparedSeconds() float64 {
+	if x != nil && x.PreparedSeconds != nil {
+		return *x.PreparedSeconds
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetBlockersMax() uint32 {
+	if x != nil {
+		return x.BlockersMax
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetBlockedSeconds() float64 {
+	if x != nil {
+		return x.BlockedSeconds
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *AttemptMember) GetCommitSeconds() float64 {
+	if x != nil && x.CommitSeconds != nil {
+		return *x.CommitSeconds
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetDurableSeconds() float64 {
+	if x != nil && x.DurableSeconds != nil {
+		return *x.DurableSeconds
+	}
+	return 0
+}
+
+func (x *AttemptMember) GetRestoreSeconds() float64 {
+	if x != nil && x.RestoreSeconds != nil {
+		return *x.RestoreSeconds
+	}
+	return 0
+}
+
+// Attempts of the whole history by how they ended (checkpoints), and
+// restores of any status.
+type AttemptCounts struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Checkpoints completed.
+	Completed uint32 `protobuf:"varint,1,opt,name=completed,proto3" json:"completed,omitempty"`
+	// Checkpoints failed.
+	Failed uint32 `protobuf:"varint,2,opt,name=failed,proto3" json:"failed,omitempty"`
+	// Checkpoints aborted.
+	Aborted uint32 `protobuf:"varint,3,opt,name=aborted,proto3" json:"aborted,omitempty"`
+	// Restores attempted (any status).
+	Restores      uint32 `protobuf:"varint,4,opt,name=restores,proto3" json:"restores,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttemptCounts) Reset() {
+	*x = AttemptCounts{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttemptCounts) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttemptCounts) ProtoMessage() {}
+
+func (x *AttemptCounts) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttemptCounts.ProtoReflect.Descriptor instead.
+func (*AttemptCounts) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *AttemptCounts) GetCompleted() uint32 {
+	if x != nil {
+		return x.Completed
+	}
+	return 0
+}
+
+func (x *AttemptCounts) GetFailed() uint32 {
+	if x != nil {
+		return x.Failed
+	}
+	return 0
+}
+
+func (x *AttemptCounts) GetAborted() uint32 {
+	if x != nil {
+		return x.Aborted
+	}
+	return 0
+}
+
+func (x *AttemptCounts) GetRestores() uint32 {
+	if x != nil {
+		return x.Restores
+	}
+	return 0
+}
+
+// Request of ListCheckpoints.
+type ListCheckpointsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The most attempts to return: 0 means 50, more than 1000 means 1000.
+	// Negative is `INVALID_REQUEST`.
+	PageSize int32 `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// `next_page_token` of the previous page, with the same filters; empty for
+	// the first page.
+	PageToken string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// Only attempts that ended so (UNSPECIFIED: any).
+	Status AttemptStatus `protobuf:"varint,3,opt,name=status,proto3,enum=rollout_checkpoint.v1.AttemptStatus" json:"status,omitempty"`
+	// Only attempts of this operation (UNSPECIFIED: any).
+	Operation     AttemptOperation `protobuf:"varint,4,opt,name=operation,proto3,enum=rollout_checkpoint.v1.AttemptOperation" json:"operation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListCheckpointsRequest) Reset() {
+	*x = ListCheckpointsRequest{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListCheckpointsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListCheckpointsRequest) ProtoMessage() {}
+
+func (x *ListCheckpointsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListCheckpointsRequest.ProtoReflect.Descriptor instead.
+func (*ListCheckpointsRequest) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *ListCheckpointsRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListCheckpointsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+func (x *ListCheckpointsRequest) GetStatus() AttemptStatus {
+	if x != nil {
+		return x.Status
+	}
+	return AttemptStatus_ATTEMPT_STATUS_UNSPECIFIED
+}
+
+func (x *ListCheckpointsRequest) GetOperation() AttemptOperation {
+	if x != nil {
+		return x.Operation
+	}
+	return AttemptOperation_ATTEMPT_OPERATION_UNSPECIFIED
+}
+
+// Reply of ListCheckpoints.
+type ListCheckpointsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The attempts of this page, newest first, without member details.
+	Checkpoints []*Attempt `protobuf:"bytes,1,rep,name=checkpoints,proto3" json:"checkpoints,omitempty"`
+	// The token of the next page; empty on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	// Attempts matching the filters in the whole history.
+	TotalSize uint32 `protobuf:"varint,3,opt,name=total_size,json=totalSize,proto3" json:"total_size,omitempty"`
+	// Counts over the whole history (the filters do not apply).
+	Counts *AttemptCounts `protobuf:"bytes,4,opt,name=counts,proto3" json:"counts,omitempty"`
+	// Set when the history's index could not be read (corrupt, or of a newer
+	// format): why; the list is then empty.
+	HistoryProblem string `protobuf:"bytes,5,opt,name=history_problem,json=historyProblem,proto3" json:"history_problem,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *ListCheckpointsResponse) Reset() {
+	*x = ListCheckpointsResponse{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListCheckpointsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListCheckpointsResponse) ProtoMessage() {}
+
+func (x *ListCheckpointsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListCheckpointsResponse.ProtoReflect.Descriptor instead.
+func (*ListCheckpointsResponse) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *ListCheckpointsResponse) GetCheckpoints() []*Attempt {
+	if x != nil {
+		return x.Checkpoints
+	}
+	return nil
+}
+
+func (x *ListCheckpointsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+func (x *ListCheckpointsResponse) GetTotalSize() uint32 {
+	if x != nil {
+		return x.TotalSize
+	}
+	return 0
+}
+
+func (x *ListCheckpointsResponse) GetCounts() *AttemptCounts {
+	if x != nil {
+		return x.Counts
+	}
+	return nil
+}
+
+func (x *ListCheckpointsResponse) GetHistoryProblem() string {
+	if x != nil {
+		return x.HistoryProblem
+	}
+	return ""
+}
+
+// Request of GetCheckpoint.
+type GetCheckpointRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint's id, or the restore's control id.
+	Id            string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCheckpointRequest) Reset() {
+	*x = GetCheckpointRequest{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCheckpointRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCheckpointRequest) ProtoMessage() {}
+
+func (x *GetCheckpointRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCheckpointRequest.ProtoReflect.Descriptor instead.
+func (*GetCheckpointRequest) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *GetCheckpointRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+// Reply of GetCheckpoint.
+type GetCheckpointResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The attempt (the newest of that id).
+	Checkpoint *Attempt `protobuf:"bytes,1,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
+	// Its members' details, in the fleet's order; empty when they were
+	// dropped, cannot be read, or the attempt recorded none.
+	Members []*AttemptMember `protobuf:"bytes,2,rep,name=members,proto3" json:"members,omitempty"`
+	// True when the attempt is older than the newest 100, whose details alone
+	// are kept.
+	DetailsDropped bool `protobuf:"varint,3,opt,name=details_dropped,json=detailsDropped,proto3" json:"details_dropped,omitempty"`
+	// Set when its details exist but cannot be read: why.
+	DetailsProblem string `protobuf:"bytes,4,opt,name=details_problem,json=detailsProblem,proto3" json:"details_problem,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *GetCheckpointResponse) Reset() {
+	*x = GetCheckpointResponse{}
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCheckpointResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCheckpointResponse) ProtoMessage() {}
+
+func (x *GetCheckpointResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCheckpointResponse.ProtoReflect.Descriptor instead.
+func (*GetCheckpointResponse) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *GetCheckpointResponse) GetCheckpoint() *Attempt {
+	if x != nil {
+		return x.Checkpoint
+	}
+	return nil
+}
+
+func (x *GetCheckpointResponse) GetMembers() []*AttemptMember {
+	if x != nil {
+		return x.Members
+	}
+	return nil
+}
+
+func (x *GetCheckpointResponse) GetDetailsDropped() bool {
+	if x != nil {
+		return x.DetailsDropped
+	}
+	return false
+}
+
+func (x *GetCheckpointResponse) GetDetailsProblem() string {
+	if x != nil {
+		return x.DetailsProblem
+	}
+	return ""
+}
+
 var File_rollout_checkpoint_v1_coordinator_service_proto protoreflect.FileDescriptor
 
 const file_rollout_checkpoint_v1_coordinator_service_proto_rawDesc = "" +
@@ -2939,7 +3828,79 @@ const file_rollout_checkpoint_v1_coordinator_service_proto_rawDesc = "" +
 	"\bretry_in\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\aretryIn\"S\n" +
 	"\x0fRecoveryGivenUp\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\x12(\n" +
-	"\x05error\x18\x02 \x01(\v2\x12.google.rpc.StatusR\x05error*\xa9\x01\n" +
+	"\x05error\x18\x02 \x01(\v2\x12.google.rpc.StatusR\x05error\">\n" +
+	"\fAttemptStage\x12\x14\n" +
+	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
+	"\aseconds\x18\x02 \x01(\x01R\aseconds\"\xbe\x05\n" +
+	"\aAttempt\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12E\n" +
+	"\toperation\x18\x02 \x01(\x0e2'.rollout_checkpoint.v1.AttemptOperationR\toperation\x12\x18\n" +
+	"\atrigger\x18\x03 \x01(\tR\atrigger\x12\x12\n" +
+	"\x04mode\x18\x04 \x01(\tR\x04mode\x12<\n" +
+	"\x06status\x18\x05 \x01(\x0e2$.rollout_checkpoint.v1.AttemptStatusR\x06status\x129\n" +
+	"\n" +
+	"started_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
+	"\bended_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x12)\n" +
+	"\x10duration_seconds\x18\b \x01(\x01R\x0fdurationSeconds\x12\x16\n" +
+	"\x06reason\x18\t \x01(\tR\x06reason\x12\x18\n" +
+	"\amessage\x18\n" +
+	" \x01(\tR\amessage\x12%\n" +
+	"\x0efailed_members\x18\v \x03(\tR\rfailedMembers\x12;\n" +
+	"\x06stages\x18\f \x03(\v2#.rollout_checkpoint.v1.AttemptStageR\x06stages\x12\x18\n" +
+	"\amembers\x18\r \x01(\rR\amembers\x12\x18\n" +
+	"\arecords\x18\x0e \x01(\x04R\arecords\x12\x14\n" +
+	"\x05bytes\x18\x0f \x01(\x04R\x05bytes\x12\x16\n" +
+	"\x06source\x18\x10 \x01(\tR\x06source\x12\x1c\n" +
+	"\tcontinued\x18\x11 \x01(\x04R\tcontinued\x12\x1c\n" +
+	"\trestarted\x18\x12 \x01(\x04R\trestarted\x12\x1f\n" +
+	"\vhas_details\x18\x13 \x01(\bR\n" +
+	"hasDetails\"\xa9\x04\n" +
+	"\rAttemptMember\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12:\n" +
+	"\x04kind\x18\x02 \x01(\x0e2&.rollout_checkpoint.v1.ParticipantKindR\x04kind\x12\x1a\n" +
+	"\binstance\x18\x03 \x01(\tR\binstance\x12\x12\n" +
+	"\x04part\x18\x04 \x01(\tR\x04part\x12\x18\n" +
+	"\arecords\x18\x05 \x01(\x04R\arecords\x12\x14\n" +
+	"\x05bytes\x18\x06 \x01(\x04R\x05bytes\x12.\n" +
+	"\x10prepared_seconds\x18\a \x01(\x01H\x00R\x0fpreparedSeconds\x88\x01\x01\x12!\n" +
+	"\fblockers_max\x18\b \x01(\rR\vblockersMax\x12'\n" +
+	"\x0fblocked_seconds\x18\t \x01(\x01R\x0eblockedSeconds\x12\x14\n" +
+	"\x05error\x18\n" +
+	" \x01(\tR\x05error\x12*\n" +
+	"\x0ecommit_seconds\x18\v \x01(\x01H\x01R\rcommitSeconds\x88\x01\x01\x12,\n" +
+	"\x0fdurable_seconds\x18\f \x01(\x01H\x02R\x0edurableSeconds\x88\x01\x01\x12,\n" +
+	"\x0frestore_seconds\x18\r \x01(\x01H\x03R\x0erestoreSeconds\x88\x01\x01B\x13\n" +
+	"\x11_prepared_secondsB\x11\n" +
+	"\x0f_commit_secondsB\x12\n" +
+	"\x10_durable_secondsB\x12\n" +
+	"\x10_restore_seconds\"{\n" +
+	"\rAttemptCounts\x12\x1c\n" +
+	"\tcompleted\x18\x01 \x01(\rR\tcompleted\x12\x16\n" +
+	"\x06failed\x18\x02 \x01(\rR\x06failed\x12\x18\n" +
+	"\aaborted\x18\x03 \x01(\rR\aaborted\x12\x1a\n" +
+	"\brestores\x18\x04 \x01(\rR\brestores\"\xd9\x01\n" +
+	"\x16ListCheckpointsRequest\x12\x1b\n" +
+	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x02 \x01(\tR\tpageToken\x12<\n" +
+	"\x06status\x18\x03 \x01(\x0e2$.rollout_checkpoint.v1.AttemptStatusR\x06status\x12E\n" +
+	"\toperation\x18\x04 \x01(\x0e2'.rollout_checkpoint.v1.AttemptOperationR\toperation\"\x89\x02\n" +
+	"\x17ListCheckpointsResponse\x12@\n" +
+	"\vcheckpoints\x18\x01 \x03(\v2\x1e.rollout_checkpoint.v1.AttemptR\vcheckpoints\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12\x1d\n" +
+	"\n" +
+	"total_size\x18\x03 \x01(\rR\ttotalSize\x12<\n" +
+	"\x06counts\x18\x04 \x01(\v2$.rollout_checkpoint.v1.AttemptCountsR\x06counts\x12'\n" +
+	"\x0fhistory_problem\x18\x05 \x01(\tR\x0ehistoryProblem\"&\n" +
+	"\x14GetCheckpointRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\xe9\x01\n" +
+	"\x15GetCheckpointResponse\x12>\n" +
+	"\n" +
+	"checkpoint\x18\x01 \x01(\v2\x1e.rollout_checkpoint.v1.AttemptR\n" +
+	"checkpoint\x12>\n" +
+	"\amembers\x18\x02 \x03(\v2$.rollout_checkpoint.v1.AttemptMemberR\amembers\x12'\n" +
+	"\x0fdetails_dropped\x18\x03 \x01(\bR\x0edetailsDropped\x12'\n" +
+	"\x0fdetails_problem\x18\x04 \x01(\tR\x0edetailsProblem*\xa9\x01\n" +
 	"\x13FleetPrepareOutcome\x12%\n" +
 	"!FLEET_PREPARE_OUTCOME_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eFLEET_PREPARE_OUTCOME_PREPARED\x10\x01\x12&\n" +
@@ -2952,7 +3913,16 @@ const file_rollout_checkpoint_v1_coordinator_service_proto_rawDesc = "" +
 	"\x18CHECKPOINT_PHASE_PUBLISH\x10\x03\x12\x1b\n" +
 	"\x17CHECKPOINT_PHASE_RESUME\x10\x04\x12\x19\n" +
 	"\x15CHECKPOINT_PHASE_DONE\x10\x05\x12 \n" +
-	"\x1cCHECKPOINT_PHASE_AWAIT_PARTS\x10\x062\xb5\t\n" +
+	"\x1cCHECKPOINT_PHASE_AWAIT_PARTS\x10\x06*\x84\x01\n" +
+	"\rAttemptStatus\x12\x1e\n" +
+	"\x1aATTEMPT_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n" +
+	"\x18ATTEMPT_STATUS_COMPLETED\x10\x01\x12\x19\n" +
+	"\x15ATTEMPT_STATUS_FAILED\x10\x02\x12\x1a\n" +
+	"\x16ATTEMPT_STATUS_ABORTED\x10\x03*v\n" +
+	"\x10AttemptOperation\x12!\n" +
+	"\x1dATTEMPT_OPERATION_UNSPECIFIED\x10\x00\x12 \n" +
+	"\x1cATTEMPT_OPERATION_CHECKPOINT\x10\x01\x12\x1d\n" +
+	"\x19ATTEMPT_OPERATION_RESTORE\x10\x022\x93\v\n" +
 	"\x12CoordinatorService\x12s\n" +
 	"\x10ListParticipants\x12..rollout_checkpoint.v1.ListParticipantsRequest\x1a/.rollout_checkpoint.v1.ListParticipantsResponse\x12~\n" +
 	"\aPrepare\x127.rollout_checkpoint.v1.CoordinatorServicePrepareRequest\x1a8.rollout_checkpoint.v1.CoordinatorServicePrepareResponse0\x01\x12y\n" +
@@ -2965,7 +3935,9 @@ const file_rollout_checkpoint_v1_coordinator_service_proto_rawDesc = "" +
 	"\n" +
 	"Checkpoint\x12(.rollout_checkpoint.v1.CheckpointRequest\x1a).rollout_checkpoint.v1.CheckpointResponse0\x01\x12c\n" +
 	"\n" +
-	"WatchFleet\x12(.rollout_checkpoint.v1.WatchFleetRequest\x1a).rollout_checkpoint.v1.WatchFleetResponse0\x01B\xa8\x01\n" +
+	"WatchFleet\x12(.rollout_checkpoint.v1.WatchFleetRequest\x1a).rollout_checkpoint.v1.WatchFleetResponse0\x01\x12p\n" +
+	"\x0fListCheckpoints\x12-.rollout_checkpoint.v1.ListCheckpointsRequest\x1a..rollout_checkpoint.v1.ListCheckpointsResponse\x12j\n" +
+	"\rGetCheckpoint\x12+.rollout_checkpoint.v1.GetCheckpointRequest\x1a,.rollout_checkpoint.v1.GetCheckpointResponseB\xa8\x01\n" +
 	"\x18dev.rolloutcheckpoint.v1B\x17CoordinatorServiceProtoP\x01ZZgithub.com/rollout-checkpoint/rollout-checkpoint/gen/go/rollout_checkpoint/v1;checkpointv1\xaa\x02\x14RolloutCheckpoint.V1b\x06proto3"
 
 var (
@@ -2980,147 +3952,173 @@ func file_rollout_checkpoint_v1_coordinator_service_proto_rawDescGZIP() []byte {
 	return file_rollout_checkpoint_v1_coordinator_service_proto_rawDescData
 }
 
-var file_rollout_checkpoint_v1_coordinator_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
+var file_rollout_checkpoint_v1_coordinator_service_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
 var file_rollout_checkpoint_v1_coordinator_service_proto_goTypes = []any{
 	(FleetPrepareOutcome)(0),                  // 0: rollout_checkpoint.v1.FleetPrepareOutcome
 	(CheckpointPhase)(0),                      // 1: rollout_checkpoint.v1.CheckpointPhase
-	(*Member)(nil),                            // 2: rollout_checkpoint.v1.Member
-	(*ListParticipantsRequest)(nil),           // 3: rollout_checkpoint.v1.ListParticipantsRequest
-	(*ListParticipantsResponse)(nil),          // 4: rollout_checkpoint.v1.ListParticipantsResponse
-	(*MemberProgress)(nil),                    // 5: rollout_checkpoint.v1.MemberProgress
-	(*MemberBlocker)(nil),                     // 6: rollout_checkpoint.v1.MemberBlocker
-	(*FleetProgress)(nil),                     // 7: rollout_checkpoint.v1.FleetProgress
-	(*CoordinatorServicePrepareRequest)(nil),  // 8: rollout_checkpoint.v1.CoordinatorServicePrepareRequest
-	(*CoordinatorServicePrepareResponse)(nil), // 9: rollout_checkpoint.v1.CoordinatorServicePrepareResponse
-	(*MemberCommit)(nil),                      // 10: rollout_checkpoint.v1.MemberCommit
-	(*CoordinatorServiceCommitRequest)(nil),   // 11: rollout_checkpoint.v1.CoordinatorServiceCommitRequest
-	(*CoordinatorServiceCommitResponse)(nil),  // 12: rollout_checkpoint.v1.CoordinatorServiceCommitResponse
-	(*CoordinatorServiceRestoreRequest)(nil),  // 13: rollout_checkpoint.v1.CoordinatorServiceRestoreRequest
-	(*MemberRestore)(nil),                     // 14: rollout_checkpoint.v1.MemberRestore
-	(*CoordinatorServiceRestoreResponse)(nil), // 15: rollout_checkpoint.v1.CoordinatorServiceRestoreResponse
-	(*CoordinatorServiceResumeRequest)(nil),   // 16: rollout_checkpoint.v1.CoordinatorServiceResumeRequest
-	(*CoordinatorServiceResumeResponse)(nil),  // 17: rollout_checkpoint.v1.CoordinatorServiceResumeResponse
-	(*CoordinatorServiceRetireRequest)(nil),   // 18: rollout_checkpoint.v1.CoordinatorServiceRetireRequest
-	(*CoordinatorServiceRetireResponse)(nil),  // 19: rollout_checkpoint.v1.CoordinatorServiceRetireResponse
-	(*CoordinatorServiceForgetRequest)(nil),   // 20: rollout_checkpoint.v1.CoordinatorServiceForgetRequest
-	(*CoordinatorServiceForgetResponse)(nil),  // 21: rollout_checkpoint.v1.CoordinatorServiceForgetResponse
-	(*CoordinatorServiceRenewRequest)(nil),    // 22: rollout_checkpoint.v1.CoordinatorServiceRenewRequest
-	(*CoordinatorServiceRenewResponse)(nil),   // 23: rollout_checkpoint.v1.CoordinatorServiceRenewResponse
-	(*CheckpointRequest)(nil),                 // 24: rollout_checkpoint.v1.CheckpointRequest
-	(*CheckpointResult)(nil),                  // 25: rollout_checkpoint.v1.CheckpointResult
-	(*CheckpointResponse)(nil),                // 26: rollout_checkpoint.v1.CheckpointResponse
-	(*WatchFleetRequest)(nil),                 // 27: rollout_checkpoint.v1.WatchFleetRequest
-	(*WatchFleetResponse)(nil),                // 28: rollout_checkpoint.v1.WatchFleetResponse
-	(*FleetEvent)(nil),                        // 29: rollout_checkpoint.v1.FleetEvent
-	(*MemberChange)(nil),                      // 30: rollout_checkpoint.v1.MemberChange
-	(*CheckpointPublished)(nil),               // 31: rollout_checkpoint.v1.CheckpointPublished
-	(*CheckpointNotPublished)(nil),            // 32: rollout_checkpoint.v1.CheckpointNotPublished
-	(*RecoveryStarted)(nil),                   // 33: rollout_checkpoint.v1.RecoveryStarted
-	(*RecoveryFinished)(nil),                  // 34: rollout_checkpoint.v1.RecoveryFinished
-	(*RecoveryFailed)(nil),                    // 35: rollout_checkpoint.v1.RecoveryFailed
-	(*RecoveryGivenUp)(nil),                   // 36: rollout_checkpoint.v1.RecoveryGivenUp
-	(ParticipantKind)(0),                      // 37: rollout_checkpoint.v1.ParticipantKind
-	(ParticipantState)(0),                     // 38: rollout_checkpoint.v1.ParticipantState
-	(*ReadinessReport)(nil),                   // 39: rollout_checkpoint.v1.ReadinessReport
-	(*status.Status)(nil),                     // 40: google.rpc.Status
-	(*Blocker)(nil),                           // 41: rollout_checkpoint.v1.Blocker
-	(*durationpb.Duration)(nil),               // 42: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),             // 43: google.protobuf.Timestamp
-	(*Manifest)(nil),                          // 44: rollout_checkpoint.v1.Manifest
-	(*EpisodeScope)(nil),                      // 45: rollout_checkpoint.v1.EpisodeScope
-	(*EpisodeId)(nil),                         // 46: rollout_checkpoint.v1.EpisodeId
+	(AttemptStatus)(0),                        // 2: rollout_checkpoint.v1.AttemptStatus
+	(AttemptOperation)(0),                     // 3: rollout_checkpoint.v1.AttemptOperation
+	(*Member)(nil),                            // 4: rollout_checkpoint.v1.Member
+	(*ListParticipantsRequest)(nil),           // 5: rollout_checkpoint.v1.ListParticipantsRequest
+	(*ListParticipantsResponse)(nil),          // 6: rollout_checkpoint.v1.ListParticipantsResponse
+	(*MemberProgress)(nil),                    // 7: rollout_checkpoint.v1.MemberProgress
+	(*MemberBlocker)(nil),                     // 8: rollout_checkpoint.v1.MemberBlocker
+	(*FleetProgress)(nil),                     // 9: rollout_checkpoint.v1.FleetProgress
+	(*CoordinatorServicePrepareRequest)(nil),  // 10: rollout_checkpoint.v1.CoordinatorServicePrepareRequest
+	(*CoordinatorServicePrepareResponse)(nil), // 11: rollout_checkpoint.v1.CoordinatorServicePrepareResponse
+	(*MemberCommit)(nil),                      // 12: rollout_checkpoint.v1.MemberCommit
+	(*CoordinatorServiceCommitRequest)(nil),   // 13: rollout_checkpoint.v1.CoordinatorServiceCommitRequest
+	(*CoordinatorServiceCommitResponse)(nil),  // 14: rollout_checkpoint.v1.CoordinatorServiceCommitResponse
+	(*CoordinatorServiceRestoreRequest)(nil),  // 15: rollout_checkpoint.v1.CoordinatorServiceRestoreRequest
+	(*MemberRestore)(nil),                     // 16: rollout_checkpoint.v1.MemberRestore
+	(*CoordinatorServiceRestoreResponse)(nil), // 17: rollout_checkpoint.v1.CoordinatorServiceRestoreResponse
+	(*CoordinatorServiceResumeRequest)(nil),   // 18: rollout_checkpoint.v1.CoordinatorServiceResumeRequest
+	(*CoordinatorServiceResumeResponse)(nil),  // 19: rollout_checkpoint.v1.CoordinatorServiceResumeResponse
+	(*CoordinatorServiceRetireRequest)(nil),   // 20: rollout_checkpoint.v1.CoordinatorServiceRetireRequest
+	(*CoordinatorServiceRetireResponse)(nil),  // 21: rollout_checkpoint.v1.CoordinatorServiceRetireResponse
+	(*CoordinatorServiceForgetRequest)(nil),   // 22: rollout_checkpoint.v1.CoordinatorServiceForgetRequest
+	(*CoordinatorServiceForgetResponse)(nil),  // 23: rollout_checkpoint.v1.CoordinatorServiceForgetResponse
+	(*CoordinatorServiceRenewRequest)(nil),    // 24: rollout_checkpoint.v1.CoordinatorServiceRenewRequest
+	(*CoordinatorServiceRenewResponse)(nil),   // 25: rollout_checkpoint.v1.CoordinatorServiceRenewResponse
+	(*CheckpointRequest)(nil),                 // 26: rollout_checkpoint.v1.CheckpointRequest
+	(*CheckpointResult)(nil),                  // 27: rollout_checkpoint.v1.CheckpointResult
+	(*CheckpointResponse)(nil),                // 28: rollout_checkpoint.v1.CheckpointResponse
+	(*WatchFleetRequest)(nil),                 // 29: rollout_checkpoint.v1.WatchFleetRequest
+	(*WatchFleetResponse)(nil),                // 30: rollout_checkpoint.v1.WatchFleetResponse
+	(*FleetEvent)(nil),                        // 31: rollout_checkpoint.v1.FleetEvent
+	(*MemberChange)(nil),                      // 32: rollout_checkpoint.v1.MemberChange
+	(*CheckpointPublished)(nil),               // 33: rollout_checkpoint.v1.CheckpointPublished
+	(*CheckpointNotPublished)(nil),            // 34: rollout_checkpoint.v1.CheckpointNotPublished
+	(*RecoveryStarted)(nil),                   // 35: rollout_checkpoint.v1.RecoveryStarted
+	(*RecoveryFinished)(nil),                  // 36: rollout_checkpoint.v1.RecoveryFinished
+	(*RecoveryFailed)(nil),                    // 37: rollout_checkpoint.v1.RecoveryFailed
+	(*RecoveryGivenUp)(nil),                   // 38: rollout_checkpoint.v1.RecoveryGivenUp
+	(*AttemptStage)(nil),                      // 39: rollout_checkpoint.v1.AttemptStage
+	(*Attempt)(nil),                           // 40: rollout_checkpoint.v1.Attempt
+	(*AttemptMember)(nil),                     // 41: rollout_checkpoint.v1.AttemptMember
+	(*AttemptCounts)(nil),                     // 42: rollout_checkpoint.v1.AttemptCounts
+	(*ListCheckpointsRequest)(nil),            // 43: rollout_checkpoint.v1.ListCheckpointsRequest
+	(*ListCheckpointsResponse)(nil),           // 44: rollout_checkpoint.v1.ListCheckpointsResponse
+	(*GetCheckpointRequest)(nil),              // 45: rollout_checkpoint.v1.GetCheckpointRequest
+	(*GetCheckpointResponse)(nil),             // 46: rollout_checkpoint.v1.GetCheckpointResponse
+	(ParticipantKind)(0),                      // 47: rollout_checkpoint.v1.ParticipantKind
+	(ParticipantState)(0),                     // 48: rollout_checkpoint.v1.ParticipantState
+	(*ReadinessReport)(nil),                   // 49: rollout_checkpoint.v1.ReadinessReport
+	(*status.Status)(nil),                     // 50: google.rpc.Status
+	(*Blocker)(nil),                           // 51: rollout_checkpoint.v1.Blocker
+	(*durationpb.Duration)(nil),               // 52: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),             // 53: google.protobuf.Timestamp
+	(*Manifest)(nil),                          // 54: rollout_checkpoint.v1.Manifest
+	(*EpisodeScope)(nil),                      // 55: rollout_checkpoint.v1.EpisodeScope
+	(*EpisodeId)(nil),                         // 56: rollout_checkpoint.v1.EpisodeId
 }
 var file_rollout_checkpoint_v1_coordinator_service_proto_depIdxs = []int32{
-	37, // 0: rollout_checkpoint.v1.Member.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
-	2,  // 1: rollout_checkpoint.v1.ListParticipantsResponse.members:type_name -> rollout_checkpoint.v1.Member
-	37, // 2: rollout_checkpoint.v1.MemberProgress.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
-	38, // 3: rollout_checkpoint.v1.MemberProgress.state:type_name -> rollout_checkpoint.v1.ParticipantState
-	39, // 4: rollout_checkpoint.v1.MemberProgress.readiness:type_name -> rollout_checkpoint.v1.ReadinessReport
-	40, // 5: rollout_checkpoint.v1.MemberProgress.error:type_name -> google.rpc.Status
-	41, // 6: rollout_checkpoint.v1.MemberBlocker.blocker:type_name -> rollout_checkpoint.v1.Blocker
-	37, // 7: rollout_checkpoint.v1.FleetProgress.stage:type_name -> rollout_checkpoint.v1.ParticipantKind
-	5,  // 8: rollout_checkpoint.v1.FleetProgress.members:type_name -> rollout_checkpoint.v1.MemberProgress
-	6,  // 9: rollout_checkpoint.v1.FleetProgress.blockers:type_name -> rollout_checkpoint.v1.MemberBlocker
-	42, // 10: rollout_checkpoint.v1.FleetProgress.elapsed:type_name -> google.protobuf.Duration
+	47, // 0: rollout_checkpoint.v1.Member.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
+	4,  // 1: rollout_checkpoint.v1.ListParticipantsResponse.members:type_name -> rollout_checkpoint.v1.Member
+	47, // 2: rollout_checkpoint.v1.MemberProgress.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
+	48, // 3: rollout_checkpoint.v1.MemberProgress.state:type_name -> rollout_checkpoint.v1.ParticipantState
+	49, // 4: rollout_checkpoint.v1.MemberProgress.readiness:type_name -> rollout_checkpoint.v1.ReadinessReport
+	50, // 5: rollout_checkpoint.v1.MemberProgress.error:type_name -> google.rpc.Status
+	51, // 6: rollout_checkpoint.v1.MemberBlocker.blocker:type_name -> rollout_checkpoint.v1.Blocker
+	47, // 7: rollout_checkpoint.v1.FleetProgress.stage:type_name -> rollout_checkpoint.v1.ParticipantKind
+	7,  // 8: rollout_checkpoint.v1.FleetProgress.members:type_name -> rollout_checkpoint.v1.MemberProgress
+	8,  // 9: rollout_checkpoint.v1.FleetProgress.blockers:type_name -> rollout_checkpoint.v1.MemberBlocker
+	52, // 10: rollout_checkpoint.v1.FleetProgress.elapsed:type_name -> google.protobuf.Duration
 	0,  // 11: rollout_checkpoint.v1.FleetProgress.outcome:type_name -> rollout_checkpoint.v1.FleetPrepareOutcome
-	43, // 12: rollout_checkpoint.v1.CoordinatorServicePrepareRequest.deadline:type_name -> google.protobuf.Timestamp
-	7,  // 13: rollout_checkpoint.v1.CoordinatorServicePrepareResponse.progress:type_name -> rollout_checkpoint.v1.FleetProgress
-	44, // 14: rollout_checkpoint.v1.MemberCommit.manifest:type_name -> rollout_checkpoint.v1.Manifest
-	43, // 15: rollout_checkpoint.v1.CoordinatorServiceCommitRequest.deadline:type_name -> google.protobuf.Timestamp
-	45, // 16: rollout_checkpoint.v1.CoordinatorServiceCommitRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
-	10, // 17: rollout_checkpoint.v1.CoordinatorServiceCommitResponse.members:type_name -> rollout_checkpoint.v1.MemberCommit
-	46, // 18: rollout_checkpoint.v1.CoordinatorServiceCommitResponse.scope:type_name -> rollout_checkpoint.v1.EpisodeId
-	43, // 19: rollout_checkpoint.v1.CoordinatorServiceRestoreRequest.deadline:type_name -> google.protobuf.Timestamp
-	45, // 20: rollout_checkpoint.v1.CoordinatorServiceRestoreRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
-	14, // 21: rollout_checkpoint.v1.CoordinatorServiceRestoreResponse.members:type_name -> rollout_checkpoint.v1.MemberRestore
-	46, // 22: rollout_checkpoint.v1.CoordinatorServiceRestoreResponse.continued:type_name -> rollout_checkpoint.v1.EpisodeId
-	43, // 23: rollout_checkpoint.v1.CoordinatorServiceResumeRequest.deadline:type_name -> google.protobuf.Timestamp
-	43, // 24: rollout_checkpoint.v1.CoordinatorServiceRetireRequest.deadline:type_name -> google.protobuf.Timestamp
-	46, // 25: rollout_checkpoint.v1.CoordinatorServiceRetireRequest.episodes:type_name -> rollout_checkpoint.v1.EpisodeId
-	43, // 26: rollout_checkpoint.v1.CoordinatorServiceForgetRequest.deadline:type_name -> google.protobuf.Timestamp
-	43, // 27: rollout_checkpoint.v1.CoordinatorServiceRenewRequest.deadline:type_name -> google.protobuf.Timestamp
-	43, // 28: rollout_checkpoint.v1.CoordinatorServiceRenewResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	43, // 29: rollout_checkpoint.v1.CheckpointRequest.deadline:type_name -> google.protobuf.Timestamp
-	45, // 30: rollout_checkpoint.v1.CheckpointRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
-	46, // 31: rollout_checkpoint.v1.CheckpointResult.continued:type_name -> rollout_checkpoint.v1.EpisodeId
+	53, // 12: rollout_checkpoint.v1.CoordinatorServicePrepareRequest.deadline:type_name -> google.protobuf.Timestamp
+	9,  // 13: rollout_checkpoint.v1.CoordinatorServicePrepareResponse.progress:type_name -> rollout_checkpoint.v1.FleetProgress
+	54, // 14: rollout_checkpoint.v1.MemberCommit.manifest:type_name -> rollout_checkpoint.v1.Manifest
+	53, // 15: rollout_checkpoint.v1.CoordinatorServiceCommitRequest.deadline:type_name -> google.protobuf.Timestamp
+	55, // 16: rollout_checkpoint.v1.CoordinatorServiceCommitRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
+	12, // 17: rollout_checkpoint.v1.CoordinatorServiceCommitResponse.members:type_name -> rollout_checkpoint.v1.MemberCommit
+	56, // 18: rollout_checkpoint.v1.CoordinatorServiceCommitResponse.scope:type_name -> rollout_checkpoint.v1.EpisodeId
+	53, // 19: rollout_checkpoint.v1.CoordinatorServiceRestoreRequest.deadline:type_name -> google.protobuf.Timestamp
+	55, // 20: rollout_checkpoint.v1.CoordinatorServiceRestoreRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
+	16, // 21: rollout_checkpoint.v1.CoordinatorServiceRestoreResponse.members:type_name -> rollout_checkpoint.v1.MemberRestore
+	56, // 22: rollout_checkpoint.v1.CoordinatorServiceRestoreResponse.continued:type_name -> rollout_checkpoint.v1.EpisodeId
+	53, // 23: rollout_checkpoint.v1.CoordinatorServiceResumeRequest.deadline:type_name -> google.protobuf.Timestamp
+	53, // 24: rollout_checkpoint.v1.CoordinatorServiceRetireRequest.deadline:type_name -> google.protobuf.Timestamp
+	56, // 25: rollout_checkpoint.v1.CoordinatorServiceRetireRequest.episodes:type_name -> rollout_checkpoint.v1.EpisodeId
+	53, // 26: rollout_checkpoint.v1.CoordinatorServiceForgetRequest.deadline:type_name -> google.protobuf.Timestamp
+	53, // 27: rollout_checkpoint.v1.CoordinatorServiceRenewRequest.deadline:type_name -> google.protobuf.Timestamp
+	53, // 28: rollout_checkpoint.v1.CoordinatorServiceRenewResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	53, // 29: rollout_checkpoint.v1.CheckpointRequest.deadline:type_name -> google.protobuf.Timestamp
+	55, // 30: rollout_checkpoint.v1.CheckpointRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
+	56, // 31: rollout_checkpoint.v1.CheckpointResult.continued:type_name -> rollout_checkpoint.v1.EpisodeId
 	0,  // 32: rollout_checkpoint.v1.CheckpointResult.prepare_outcome:type_name -> rollout_checkpoint.v1.FleetPrepareOutcome
-	42, // 33: rollout_checkpoint.v1.CheckpointResult.prepare_duration:type_name -> google.protobuf.Duration
-	42, // 34: rollout_checkpoint.v1.CheckpointResult.commit_duration:type_name -> google.protobuf.Duration
-	42, // 35: rollout_checkpoint.v1.CheckpointResult.publish_duration:type_name -> google.protobuf.Duration
-	42, // 36: rollout_checkpoint.v1.CheckpointResult.durable_duration:type_name -> google.protobuf.Duration
-	42, // 37: rollout_checkpoint.v1.CheckpointResult.resumed_after:type_name -> google.protobuf.Duration
-	42, // 38: rollout_checkpoint.v1.CheckpointResult.retention_duration:type_name -> google.protobuf.Duration
+	52, // 33: rollout_checkpoint.v1.CheckpointResult.prepare_duration:type_name -> google.protobuf.Duration
+	52, // 34: rollout_checkpoint.v1.CheckpointResult.commit_duration:type_name -> google.protobuf.Duration
+	52, // 35: rollout_checkpoint.v1.CheckpointResult.publish_duration:type_name -> google.protobuf.Duration
+	52, // 36: rollout_checkpoint.v1.CheckpointResult.durable_duration:type_name -> google.protobuf.Duration
+	52, // 37: rollout_checkpoint.v1.CheckpointResult.resumed_after:type_name -> google.protobuf.Duration
+	52, // 38: rollout_checkpoint.v1.CheckpointResult.retention_duration:type_name -> google.protobuf.Duration
 	1,  // 39: rollout_checkpoint.v1.CheckpointResponse.phase:type_name -> rollout_checkpoint.v1.CheckpointPhase
-	7,  // 40: rollout_checkpoint.v1.CheckpointResponse.progress:type_name -> rollout_checkpoint.v1.FleetProgress
-	25, // 41: rollout_checkpoint.v1.CheckpointResponse.result:type_name -> rollout_checkpoint.v1.CheckpointResult
-	29, // 42: rollout_checkpoint.v1.WatchFleetResponse.event:type_name -> rollout_checkpoint.v1.FleetEvent
-	43, // 43: rollout_checkpoint.v1.FleetEvent.time:type_name -> google.protobuf.Timestamp
-	30, // 44: rollout_checkpoint.v1.FleetEvent.member_up:type_name -> rollout_checkpoint.v1.MemberChange
-	30, // 45: rollout_checkpoint.v1.FleetEvent.member_down:type_name -> rollout_checkpoint.v1.MemberChange
-	30, // 46: rollout_checkpoint.v1.FleetEvent.member_replaced:type_name -> rollout_checkpoint.v1.MemberChange
-	31, // 47: rollout_checkpoint.v1.FleetEvent.checkpoint_published:type_name -> rollout_checkpoint.v1.CheckpointPublished
-	32, // 48: rollout_checkpoint.v1.FleetEvent.checkpoint_not_published:type_name -> rollout_checkpoint.v1.CheckpointNotPublished
-	33, // 49: rollout_checkpoint.v1.FleetEvent.recovery_started:type_name -> rollout_checkpoint.v1.RecoveryStarted
-	34, // 50: rollout_checkpoint.v1.FleetEvent.recovery_finished:type_name -> rollout_checkpoint.v1.RecoveryFinished
-	35, // 51: rollout_checkpoint.v1.FleetEvent.recovery_failed:type_name -> rollout_checkpoint.v1.RecoveryFailed
-	36, // 52: rollout_checkpoint.v1.FleetEvent.recovery_given_up:type_name -> rollout_checkpoint.v1.RecoveryGivenUp
-	2,  // 53: rollout_checkpoint.v1.MemberChange.member:type_name -> rollout_checkpoint.v1.Member
-	46, // 54: rollout_checkpoint.v1.CheckpointPublished.continued:type_name -> rollout_checkpoint.v1.EpisodeId
+	9,  // 40: rollout_checkpoint.v1.CheckpointResponse.progress:type_name -> rollout_checkpoint.v1.FleetProgress
+	27, // 41: rollout_checkpoint.v1.CheckpointResponse.result:type_name -> rollout_checkpoint.v1.CheckpointResult
+	31, // 42: rollout_checkpoint.v1.WatchFleetResponse.event:type_name -> rollout_checkpoint.v1.FleetEvent
+	53, // 43: rollout_checkpoint.v1.FleetEvent.time:type_name -> google.protobuf.Timestamp
+	32, // 44: rollout_checkpoint.v1.FleetEvent.member_up:type_name -> rollout_checkpoint.v1.MemberChange
+	32, // 45: rollout_checkpoint.v1.FleetEvent.member_down:type_name -> rollout_checkpoint.v1.MemberChange
+	32, // 46: rollout_checkpoint.v1.FleetEvent.member_replaced:type_name -> rollout_checkpoint.v1.MemberChange
+	33, // 47: rollout_checkpoint.v1.FleetEvent.checkpoint_published:type_name -> rollout_checkpoint.v1.CheckpointPublished
+	34, // 48: rollout_checkpoint.v1.FleetEvent.checkpoint_not_published:type_name -> rollout_checkpoint.v1.CheckpointNotPublished
+	35, // 49: rollout_checkpoint.v1.FleetEvent.recovery_started:type_name -> rollout_checkpoint.v1.RecoveryStarted
+	36, // 50: rollout_checkpoint.v1.FleetEvent.recovery_finished:type_name -> rollout_checkpoint.v1.RecoveryFinished
+	37, // 51: rollout_checkpoint.v1.FleetEvent.recovery_failed:type_name -> rollout_checkpoint.v1.RecoveryFailed
+	38, // 52: rollout_checkpoint.v1.FleetEvent.recovery_given_up:type_name -> rollout_checkpoint.v1.RecoveryGivenUp
+	4,  // 53: rollout_checkpoint.v1.MemberChange.member:type_name -> rollout_checkpoint.v1.Member
+	56, // 54: rollout_checkpoint.v1.CheckpointPublished.continued:type_name -> rollout_checkpoint.v1.EpisodeId
 	0,  // 55: rollout_checkpoint.v1.CheckpointNotPublished.prepare_outcome:type_name -> rollout_checkpoint.v1.FleetPrepareOutcome
-	6,  // 56: rollout_checkpoint.v1.CheckpointNotPublished.blockers:type_name -> rollout_checkpoint.v1.MemberBlocker
-	40, // 57: rollout_checkpoint.v1.CheckpointNotPublished.error:type_name -> google.rpc.Status
-	46, // 58: rollout_checkpoint.v1.RecoveryFinished.continued:type_name -> rollout_checkpoint.v1.EpisodeId
-	46, // 59: rollout_checkpoint.v1.RecoveryFinished.restarted:type_name -> rollout_checkpoint.v1.EpisodeId
-	42, // 60: rollout_checkpoint.v1.RecoveryFinished.duration:type_name -> google.protobuf.Duration
-	40, // 61: rollout_checkpoint.v1.RecoveryFailed.error:type_name -> google.rpc.Status
-	42, // 62: rollout_checkpoint.v1.RecoveryFailed.retry_in:type_name -> google.protobuf.Duration
-	40, // 63: rollout_checkpoint.v1.RecoveryGivenUp.error:type_name -> google.rpc.Status
-	3,  // 64: rollout_checkpoint.v1.CoordinatorService.ListParticipants:input_type -> rollout_checkpoint.v1.ListParticipantsRequest
-	8,  // 65: rollout_checkpoint.v1.CoordinatorService.Prepare:input_type -> rollout_checkpoint.v1.CoordinatorServicePrepareRequest
-	11, // 66: rollout_checkpoint.v1.CoordinatorService.Commit:input_type -> rollout_checkpoint.v1.CoordinatorServiceCommitRequest
-	13, // 67: rollout_checkpoint.v1.CoordinatorService.Restore:input_type -> rollout_checkpoint.v1.CoordinatorServiceRestoreRequest
-	16, // 68: rollout_checkpoint.v1.CoordinatorService.Resume:input_type -> rollout_checkpoint.v1.CoordinatorServiceResumeRequest
-	18, // 69: rollout_checkpoint.v1.CoordinatorService.Retire:input_type -> rollout_checkpoint.v1.CoordinatorServiceRetireRequest
-	20, // 70: rollout_checkpoint.v1.CoordinatorService.Forget:input_type -> rollout_checkpoint.v1.CoordinatorServiceForgetRequest
-	22, // 71: rollout_checkpoint.v1.CoordinatorService.Renew:input_type -> rollout_checkpoint.v1.CoordinatorServiceRenewRequest
-	24, // 72: rollout_checkpoint.v1.CoordinatorService.Checkpoint:input_type -> rollout_checkpoint.v1.CheckpointRequest
-	27, // 73: rollout_checkpoint.v1.CoordinatorService.WatchFleet:input_type -> rollout_checkpoint.v1.WatchFleetRequest
-	4,  // 74: rollout_checkpoint.v1.CoordinatorService.ListParticipants:output_type -> rollout_checkpoint.v1.ListParticipantsResponse
-	9,  // 75: rollout_checkpoint.v1.CoordinatorService.Prepare:output_type -> rollout_checkpoint.v1.CoordinatorServicePrepareResponse
-	12, // 76: rollout_checkpoint.v1.CoordinatorService.Commit:output_type -> rollout_checkpoint.v1.CoordinatorServiceCommitResponse
-	15, // 77: rollout_checkpoint.v1.CoordinatorService.Restore:output_type -> rollout_checkpoint.v1.CoordinatorServiceRestoreResponse
-	17, // 78: rollout_checkpoint.v1.CoordinatorService.Resume:output_type -> rollout_checkpoint.v1.CoordinatorServiceResumeResponse
-	19, // 79: rollout_checkpoint.v1.CoordinatorService.Retire:output_type -> rollout_checkpoint.v1.CoordinatorServiceRetireResponse
-	21, // 80: rollout_checkpoint.v1.CoordinatorService.Forget:output_type -> rollout_checkpoint.v1.CoordinatorServiceForgetResponse
-	23, // 81: rollout_checkpoint.v1.CoordinatorService.Renew:output_type -> rollout_checkpoint.v1.CoordinatorServiceRenewResponse
-	26, // 82: rollout_checkpoint.v1.CoordinatorService.Checkpoint:output_type -> rollout_checkpoint.v1.CheckpointResponse
-	28, // 83: rollout_checkpoint.v1.CoordinatorService.WatchFleet:output_type -> rollout_checkpoint.v1.WatchFleetResponse
-	74, // [74:84] is the sub-list for method output_type
-	64, // [64:74] is the sub-list for method input_type
-	64, // [64:64] is the sub-list for extension type_name
-	64, // [64:64] is the sub-list for extension extendee
-	0,  // [0:64] is the sub-list for field type_name
+	8,  // 56: rollout_checkpoint.v1.CheckpointNotPublished.blockers:type_name -> rollout_checkpoint.v1.MemberBlocker
+	50, // 57: rollout_checkpoint.v1.CheckpointNotPublished.error:type_name -> google.rpc.Status
+	56, // 58: rollout_checkpoint.v1.RecoveryFinished.continued:type_name -> rollout_checkpoint.v1.EpisodeId
+	56, // 59: rollout_checkpoint.v1.RecoveryFinished.restarted:type_name -> rollout_checkpoint.v1.EpisodeId
+	52, // 60: rollout_checkpoint.v1.RecoveryFinished.duration:type_name -> google.protobuf.Duration
+	50, // 61: rollout_checkpoint.v1.RecoveryFailed.error:type_name -> google.rpc.Status
+	52, // 62: rollout_checkpoint.v1.RecoveryFailed.retry_in:type_name -> google.protobuf.Duration
+	50, // 63: rollout_checkpoint.v1.RecoveryGivenUp.error:type_name -> google.rpc.Status
+	3,  // 64: rollout_checkpoint.v1.Attempt.operation:type_name -> rollout_checkpoint.v1.AttemptOperation
+	2,  // 65: rollout_checkpoint.v1.Attempt.status:type_name -> rollout_checkpoint.v1.AttemptStatus
+	53, // 66: rollout_checkpoint.v1.Attempt.started_at:type_name -> google.protobuf.Timestamp
+	53, // 67: rollout_checkpoint.v1.Attempt.ended_at:type_name -> google.protobuf.Timestamp
+	39, // 68: rollout_checkpoint.v1.Attempt.stages:type_name -> rollout_checkpoint.v1.AttemptStage
+	47, // 69: rollout_checkpoint.v1.AttemptMember.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
+	2,  // 70: rollout_checkpoint.v1.ListCheckpointsRequest.status:type_name -> rollout_checkpoint.v1.AttemptStatus
+	3,  // 71: rollout_checkpoint.v1.ListCheckpointsRequest.operation:type_name -> rollout_checkpoint.v1.AttemptOperation
+	40, // 72: rollout_checkpoint.v1.ListCheckpointsResponse.checkpoints:type_name -> rollout_checkpoint.v1.Attempt
+	42, // 73: rollout_checkpoint.v1.ListCheckpointsResponse.counts:type_name -> rollout_checkpoint.v1.AttemptCounts
+	40, // 74: rollout_checkpoint.v1.GetCheckpointResponse.checkpoint:type_name -> rollout_checkpoint.v1.Attempt
+	41, // 75: rollout_checkpoint.v1.GetCheckpointResponse.members:type_name -> rollout_checkpoint.v1.AttemptMember
+	5,  // 76: rollout_checkpoint.v1.CoordinatorService.ListParticipants:input_type -> rollout_checkpoint.v1.ListParticipantsRequest
+	10, // 77: rollout_checkpoint.v1.CoordinatorService.Prepare:input_type -> rollout_checkpoint.v1.CoordinatorServicePrepareRequest
+	13, // 78: rollout_checkpoint.v1.CoordinatorService.Commit:input_type -> rollout_checkpoint.v1.CoordinatorServiceCommitRequest
+	15, // 79: rollout_checkpoint.v1.CoordinatorService.Restore:input_type -> rollout_checkpoint.v1.CoordinatorServiceRestoreRequest
+	18, // 80: rollout_checkpoint.v1.CoordinatorService.Resume:input_type -> rollout_checkpoint.v1.CoordinatorServiceResumeRequest
+	20, // 81: rollout_checkpoint.v1.CoordinatorService.Retire:input_type -> rollout_checkpoint.v1.CoordinatorServiceRetireRequest
+	22, // 82: rollout_checkpoint.v1.CoordinatorService.Forget:input_type -> rollout_checkpoint.v1.CoordinatorServiceForgetRequest
+	24, // 83: rollout_checkpoint.v1.CoordinatorService.Renew:input_type -> rollout_checkpoint.v1.CoordinatorServiceRenewRequest
+	26, // 84: rollout_checkpoint.v1.CoordinatorService.Checkpoint:input_type -> rollout_checkpoint.v1.CheckpointRequest
+	29, // 85: rollout_checkpoint.v1.CoordinatorService.WatchFleet:input_type -> rollout_checkpoint.v1.WatchFleetRequest
+	43, // 86: rollout_checkpoint.v1.CoordinatorService.ListCheckpoints:input_type -> rollout_checkpoint.v1.ListCheckpointsRequest
+	45, // 87: rollout_checkpoint.v1.CoordinatorService.GetCheckpoint:input_type -> rollout_checkpoint.v1.GetCheckpointRequest
+	6,  // 88: rollout_checkpoint.v1.CoordinatorService.ListParticipants:output_type -> rollout_checkpoint.v1.ListParticipantsResponse
+	11, // 89: rollout_checkpoint.v1.CoordinatorService.Prepare:output_type -> rollout_checkpoint.v1.CoordinatorServicePrepareResponse
+	14, // 90: rollout_checkpoint.v1.CoordinatorService.Commit:output_type -> rollout_checkpoint.v1.CoordinatorServiceCommitResponse
+	17, // 91: rollout_checkpoint.v1.CoordinatorService.Restore:output_type -> rollout_checkpoint.v1.CoordinatorServiceRestoreResponse
+	19, // 92: rollout_checkpoint.v1.CoordinatorService.Resume:output_type -> rollout_checkpoint.v1.CoordinatorServiceResumeResponse
+	21, // 93: rollout_checkpoint.v1.CoordinatorService.Retire:output_type -> rollout_checkpoint.v1.CoordinatorServiceRetireResponse
+	23, // 94: rollout_checkpoint.v1.CoordinatorService.Forget:output_type -> rollout_checkpoint.v1.CoordinatorServiceForgetResponse
+	25, // 95: rollout_checkpoint.v1.CoordinatorService.Renew:output_type -> rollout_checkpoint.v1.CoordinatorServiceRenewResponse
+	28, // 96: rollout_checkpoint.v1.CoordinatorService.Checkpoint:output_type -> rollout_checkpoint.v1.CheckpointResponse
+	30, // 97: rollout_checkpoint.v1.CoordinatorService.WatchFleet:output_type -> rollout_checkpoint.v1.WatchFleetResponse
+	44, // 98: rollout_checkpoint.v1.CoordinatorService.ListCheckpoints:output_type -> rollout_checkpoint.v1.ListCheckpointsResponse
+	46, // 99: rollout_checkpoint.v1.CoordinatorService.GetCheckpoint:output_type -> rollout_checkpoint.v1.GetCheckpointResponse
+	88, // [88:100] is the sub-list for method output_type
+	76, // [76:88] is the sub-list for method input_type
+	76, // [76:76] is the sub-list for extension type_name
+	76, // [76:76] is the sub-list for extension extendee
+	0,  // [0:76] is the sub-list for field type_name
 }
 
 func init() { file_rollout_checkpoint_v1_coordinator_service_proto_init() }
@@ -3140,13 +4138,14 @@ func file_rollout_checkpoint_v1_coordinator_service_proto_init() {
 		(*FleetEvent_RecoveryFailed)(nil),
 		(*FleetEvent_RecoveryGivenUp)(nil),
 	}
+	file_rollout_checkpoint_v1_coordinator_service_proto_msgTypes[37].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_rollout_checkpoint_v1_coordinator_service_proto_rawDesc), len(file_rollout_checkpoint_v1_coordinator_service_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   35,
+			NumEnums:      4,
+			NumMessages:   43,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -60,6 +60,8 @@ const (
 	CoordinatorService_Renew_FullMethodName            = "/rollout_checkpoint.v1.CoordinatorService/Renew"
 	CoordinatorService_Checkpoint_FullMethodName       = "/rollout_checkpoint.v1.CoordinatorService/Checkpoint"
 	CoordinatorService_WatchFleet_FullMethodName       = "/rollout_checkpoint.v1.CoordinatorService/WatchFleet"
+	CoordinatorService_ListCheckpoints_FullMethodName  = "/rollout_checkpoint.v1.CoordinatorService/ListCheckpoints"
+	CoordinatorService_GetCheckpoint_FullMethodName    = "/rollout_checkpoint.v1.CoordinatorService/GetCheckpoint"
 )
 
 // CoordinatorServiceClient is the client API for CoordinatorService service.
@@ -205,6 +207,39 @@ type CoordinatorServiceClient interface {
 	// half-installed restore (a failed try is undone all or nothing, as
 	// Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
 	WatchFleet(ctx context.Context, in *WatchFleetRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchFleetResponse], error)
+	// Lists the checkpoints and restores attempted on the fleet's checkpoint
+	// root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+	// written by every coordinator, supervisor, `checkpoint` and `collect` of
+	// that root, so it survives a coordinator restart).
+	//
+	// Read-only and idempotent; allowed at any time. Paged (AIP-158):
+	// `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+	// opaque and valid only with the same filters. An entry never carries
+	// per-member details (GetCheckpoint does). The newest entry of a kind is
+	// `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+	// the coordinator's HTTP port sends). The counts cover the whole history,
+	// whatever the filters. A corrupt index (or one of a newer format) is no
+	// error: the reply lists nothing and says why in `history_problem`.
+	// Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+	// or a `page_token` that does not parse or was issued for other filters;
+	// `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+	// `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+	ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error)
+	// Returns one attempt of the history with its members' details (stage
+	// timings, records, bytes, blockers, part, error).
+	//
+	// Read-only and idempotent; allowed at any time. An id attempted more than
+	// once (a retry) returns its newest attempt. Only the newest 100 attempts
+	// keep their details: an older one is returned without members and with
+	// `details_dropped` set; details that cannot be read are reported in
+	// `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+	// that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+	// (metadata `field` = `id`) when the history holds no such attempt;
+	// `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+	// corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+	// when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+	// root cannot be read in time.
+	GetCheckpoint(ctx context.Context, in *GetCheckpointRequest, opts ...grpc.CallOption) (*GetCheckpointResponse, error)
 }
 
 type coordinatorServiceClient struct {
@@ -341,6 +376,26 @@ func (c *coordinatorServiceClient) WatchFleet(ctx context.Context, in *WatchFlee
 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type CoordinatorService_WatchFleetClient = grpc.ServerStreamingClient[WatchFleetResponse]
+
+func (c *coordinatorServiceClient) ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListCheckpointsResponse)
+	err := c.cc.Invoke(ctx, CoordinatorService_ListCheckpoints_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *coordinatorServiceClient) GetCheckpoint(ctx context.Context, in *GetCheckpointRequest, opts ...grpc.CallOption) (*GetCheckpointResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetCheckpointResponse)
+	err := c.cc.Invoke(ctx, CoordinatorService_GetCheckpoint_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
 
 // CoordinatorServiceServer is the server API for CoordinatorService service.
 // All implementations must embed UnimplementedCoordinatorServiceServer
@@ -485,6 +540,39 @@ type CoordinatorServiceServer interface {
 	// half-installed restore (a failed try is undone all or nothing, as
 	// Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
 	WatchFleet(*WatchFleetRequest, grpc.ServerStreamingServer[WatchFleetResponse]) error
+	// Lists the checkpoints and restores attempted on the fleet's checkpoint
+	// root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+	// written by every coordinator, supervisor, `checkpoint` and `collect` of
+	// that root, so it survives a coordinator restart).
+	//
+	// Read-only and idempotent; allowed at any time. Paged (AIP-158):
+	// `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+	// opaque and valid only with the same filters. An entry never carries
+	// per-member details (GetCheckpoint does). The newest entry of a kind is
+	// `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+	// the coordinator's HTTP port sends). The counts cover the whole history,
+	// whatever the filters. A corrupt index (or one of a newer format) is no
+	// error: the reply lists nothing and says why in `history_problem`.
+	// Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+	// or a `page_token` that does not parse or was issued for other filters;
+	// `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+	// `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+	ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error)
+	// Returns one attempt of the history with its members' details (stage
+	// timings, records, bytes, blockers, part, error).
+	//
+	// Read-only and idempotent; allowed at any time. An id attempted more than
+	// once (a retry) returns its newest attempt. Only the newest 100 attempts
+	// keep their details: an older one is returned without members and with
+	// `details_dropped` set; details that cannot be read are reported in
+	// `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+	// that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+	// (metadata `field` = `id`) when the history holds no such attempt;
+	// `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+	// corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+	// when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+	// root cannot be read in time.
+	GetCheckpoint(context.Context, *GetCheckpointRequest) (*GetCheckpointResponse, error)
 	mustEmbedUnimplementedCoordinatorServiceServer()
 }
 
@@ -524,6 +612,12 @@ func (UnimplementedCoordinatorServiceServer) Checkpoint(*CheckpointRequest, grpc
 }
 func (UnimplementedCoordinatorServiceServer) WatchFleet(*WatchFleetRequest, grpc.ServerStreamingServer[WatchFleetResponse]) error {
 	return status.Error(codes.Unimplemented, "method WatchFleet not implemented")
+}
+func (UnimplementedCoordinatorServiceServer) ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListCheckpoints not implemented")
+}
+func (UnimplementedCoordinatorServiceServer) GetCheckpoint(context.Context, *GetCheckpointRequest) (*GetCheckpointResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetCheckpoint not implemented")
 }
 func (UnimplementedCoordinatorServiceServer) mustEmbedUnimplementedCoordinatorServiceServer() {}
 func (UnimplementedCoordinatorServiceServer) testEmbeddedByValue()                            {}
@@ -705,6 +799,42 @@ func _CoordinatorService_WatchFleet_Handler(srv interface{}, stream grpc.ServerS
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type CoordinatorService_WatchFleetServer = grpc.ServerStreamingServer[WatchFleetResponse]
 
+func _CoordinatorService_ListCheckpoints_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListCheckpointsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServiceServer).ListCheckpoints(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: CoordinatorService_ListCheckpoints_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServiceServer).ListCheckpoints(ctx, req.(*ListCheckpointsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _CoordinatorService_GetCheckpoint_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetCheckpointRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(CoordinatorServiceServer).GetCheckpoint(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: CoordinatorService_GetCheckpoint_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(CoordinatorServiceServer).GetCheckpoint(ctx, req.(*GetCheckpointRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // CoordinatorService_ServiceDesc is the grpc.ServiceDesc for CoordinatorService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -739,6 +869,14 @@ var CoordinatorService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Renew",
 			Handler:    _CoordinatorService_Renew_Handler,
+		},
+		{
+			MethodName: "ListCheckpoints",
+			Handler:    _CoordinatorService_ListCheckpoints_Handler,
+		},
+		{
+			MethodName: "GetCheckpoint",
+			Handler:    _CoordinatorService_GetCheckpoint_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

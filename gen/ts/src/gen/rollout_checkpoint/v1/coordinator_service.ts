@@ -196,6 +196,102 @@ export function checkpointPhaseToJSON(object: CheckpointPhase): string {
   }
 }
 
+/** How an attempt of the history ended. */
+export enum AttemptStatus {
+  /** ATTEMPT_STATUS_UNSPECIFIED - Any status (a filter that filters nothing); never an attempt's. */
+  ATTEMPT_STATUS_UNSPECIFIED = 0,
+  /** ATTEMPT_STATUS_COMPLETED - Published (a checkpoint) or restored and resumed (a restore). */
+  ATTEMPT_STATUS_COMPLETED = 1,
+  /** ATTEMPT_STATUS_FAILED - An error ended it (`reason`, `failed_members`); nothing was published. */
+  ATTEMPT_STATUS_FAILED = 2,
+  /**
+   * ATTEMPT_STATUS_ABORTED - It stopped without an error of its own (not prepared by the deadline,
+   * or interrupted); the fleet was resumed.
+   */
+  ATTEMPT_STATUS_ABORTED = 3,
+  UNRECOGNIZED = -1,
+}
+
+export function attemptStatusFromJSON(object: any): AttemptStatus {
+  switch (object) {
+    case 0:
+    case "ATTEMPT_STATUS_UNSPECIFIED":
+      return AttemptStatus.ATTEMPT_STATUS_UNSPECIFIED;
+    case 1:
+    case "ATTEMPT_STATUS_COMPLETED":
+      return AttemptStatus.ATTEMPT_STATUS_COMPLETED;
+    case 2:
+    case "ATTEMPT_STATUS_FAILED":
+      return AttemptStatus.ATTEMPT_STATUS_FAILED;
+    case 3:
+    case "ATTEMPT_STATUS_ABORTED":
+      return AttemptStatus.ATTEMPT_STATUS_ABORTED;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return AttemptStatus.UNRECOGNIZED;
+  }
+}
+
+export function attemptStatusToJSON(object: AttemptStatus): string {
+  switch (object) {
+    case AttemptStatus.ATTEMPT_STATUS_UNSPECIFIED:
+      return "ATTEMPT_STATUS_UNSPECIFIED";
+    case AttemptStatus.ATTEMPT_STATUS_COMPLETED:
+      return "ATTEMPT_STATUS_COMPLETED";
+    case AttemptStatus.ATTEMPT_STATUS_FAILED:
+      return "ATTEMPT_STATUS_FAILED";
+    case AttemptStatus.ATTEMPT_STATUS_ABORTED:
+      return "ATTEMPT_STATUS_ABORTED";
+    case AttemptStatus.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
+/** What an attempt of the history did. */
+export enum AttemptOperation {
+  /** ATTEMPT_OPERATION_UNSPECIFIED - Any operation (a filter that filters nothing); never an attempt's. */
+  ATTEMPT_OPERATION_UNSPECIFIED = 0,
+  /** ATTEMPT_OPERATION_CHECKPOINT - A checkpoint of the fleet. */
+  ATTEMPT_OPERATION_CHECKPOINT = 1,
+  /** ATTEMPT_OPERATION_RESTORE - A restore of the fleet from a published checkpoint. */
+  ATTEMPT_OPERATION_RESTORE = 2,
+  UNRECOGNIZED = -1,
+}
+
+export function attemptOperationFromJSON(object: any): AttemptOperation {
+  switch (object) {
+    case 0:
+    case "ATTEMPT_OPERATION_UNSPECIFIED":
+      return AttemptOperation.ATTEMPT_OPERATION_UNSPECIFIED;
+    case 1:
+    case "ATTEMPT_OPERATION_CHECKPOINT":
+      return AttemptOperation.ATTEMPT_OPERATION_CHECKPOINT;
+    case 2:
+    case "ATTEMPT_OPERATION_RESTORE":
+      return AttemptOperation.ATTEMPT_OPERATION_RESTORE;
+    case -1:
+    case "UNRECOGNIZED":
+    default:
+      return AttemptOperation.UNRECOGNIZED;
+  }
+}
+
+export function attemptOperationToJSON(object: AttemptOperation): string {
+  switch (object) {
+    case AttemptOperation.ATTEMPT_OPERATION_UNSPECIFIED:
+      return "ATTEMPT_OPERATION_UNSPECIFIED";
+    case AttemptOperation.ATTEMPT_OPERATION_CHECKPOINT:
+      return "ATTEMPT_OPERATION_CHECKPOINT";
+    case AttemptOperation.ATTEMPT_OPERATION_RESTORE:
+      return "ATTEMPT_OPERATION_RESTORE";
+    case AttemptOperation.UNRECOGNIZED:
+    default:
+      return "UNRECOGNIZED";
+  }
+}
+
 /** A fleet member. */
 export interface Member {
   /** The member's name in the fleet file. */
@@ -840,6 +936,272 @@ export interface RecoveryGivenUp {
     | undefined;
   /** The last failure. */
   error?: Status | undefined;
+}
+
+/**
+ * One step of an attempt. The steps follow each other without a gap from the
+ * attempt's `started_at`.
+ */
+export interface AttemptStage {
+  /**
+   * The step (`prepare`, `commit`, `snapshot`, `resume`, `await_parts`,
+   * `publish`, `retention`, `restore`, ...).
+   */
+  stage?:
+    | string
+    | undefined;
+  /** How long it took, in seconds. */
+  seconds?: number | undefined;
+}
+
+/** One checkpoint or restore attempted, as a list shows it (no member details). */
+export interface Attempt {
+  /** The checkpoint's id, or the restore's control id. */
+  id?:
+    | string
+    | undefined;
+  /** Checkpoint or restore. */
+  operation?:
+    | AttemptOperation
+    | undefined;
+  /** What started it: `manual`, `periodic`, `signal` or `supervisor`. */
+  trigger?:
+    | string
+    | undefined;
+  /** `sync` or `async` (checkpoints); `rejoin` or `fresh` (restores). */
+  mode?:
+    | string
+    | undefined;
+  /** How it ended. */
+  status?:
+    | AttemptStatus
+    | undefined;
+  /** When it started. */
+  startedAt?:
+    | Timestamp
+    | undefined;
+  /** When it ended. */
+  endedAt?:
+    | Timestamp
+    | undefined;
+  /** From start to end, in seconds. */
+  durationSeconds?:
+    | number
+    | undefined;
+  /**
+   * The typed reason of a failure (an `ErrorReason` without its prefix, or
+   * NOT_PREPARED, ENDED, INTERRUPTED).
+   */
+  reason?:
+    | string
+    | undefined;
+  /** The failure's message (at most 500 characters). */
+  message?:
+    | string
+    | undefined;
+  /** The members that caused the failure. */
+  failedMembers?:
+    | string[]
+    | undefined;
+  /** Its steps, in order. */
+  stages?:
+    | AttemptStage[]
+    | undefined;
+  /** Members of the fleet. */
+  members?:
+    | number
+    | undefined;
+  /** Records written (checkpoints) over all members. */
+  records?:
+    | string
+    | undefined;
+  /** Bytes of records written (checkpoints) over all members. */
+  bytes?:
+    | string
+    | undefined;
+  /** Restores: the published checkpoint restored. */
+  source?:
+    | string
+    | undefined;
+  /**
+   * Episodes continued (checkpoints: published as continued; restores:
+   * restored).
+   */
+  continued?:
+    | string
+    | undefined;
+  /** Restores by recovery: rollouts in flight that restart from their inputs. */
+  restarted?:
+    | string
+    | undefined;
+  /** Whether its per-member details are still kept (the newest 100 attempts). */
+  hasDetails?: boolean | undefined;
+}
+
+/** One member's part in one attempt. */
+export interface AttemptMember {
+  /** The member's name. */
+  name?:
+    | string
+    | undefined;
+  /** Its kind. */
+  kind?:
+    | ParticipantKind
+    | undefined;
+  /** Its instance name. */
+  instance?:
+    | string
+    | undefined;
+  /** Where its part is (checkpoints). */
+  part?:
+    | string
+    | undefined;
+  /** Records it wrote. */
+  records?:
+    | string
+    | undefined;
+  /** Bytes of records it wrote. */
+  bytes?:
+    | string
+    | undefined;
+  /**
+   * Seconds from the prepare's start until it reported PREPARED (unset: it
+   * never did).
+   */
+  preparedSeconds?:
+    | number
+    | undefined;
+  /** The most blockers it reported at once while preparing. */
+  blockersMax?:
+    | number
+    | undefined;
+  /** Seconds it reported blockers: from the first report until it prepared. */
+  blockedSeconds?:
+    | number
+    | undefined;
+  /** Its typed reason when it caused the failure. */
+  error?:
+    | string
+    | undefined;
+  /**
+   * Seconds from the commit call to its reply (checkpoints; unset: it never
+   * replied).
+   */
+  commitSeconds?:
+    | number
+    | undefined;
+  /**
+   * Seconds from the commit call until its part was durable (asynchronous
+   * commits; unset: not asynchronous, or it never became durable).
+   */
+  durableSeconds?:
+    | number
+    | undefined;
+  /**
+   * Seconds from the restore call to its reply (restores; unset: it never
+   * replied).
+   */
+  restoreSeconds?: number | undefined;
+}
+
+/**
+ * Attempts of the whole history by how they ended (checkpoints), and
+ * restores of any status.
+ */
+export interface AttemptCounts {
+  /** Checkpoints completed. */
+  completed?:
+    | number
+    | undefined;
+  /** Checkpoints failed. */
+  failed?:
+    | number
+    | undefined;
+  /** Checkpoints aborted. */
+  aborted?:
+    | number
+    | undefined;
+  /** Restores attempted (any status). */
+  restores?: number | undefined;
+}
+
+/** Request of ListCheckpoints. */
+export interface ListCheckpointsRequest {
+  /**
+   * The most attempts to return: 0 means 50, more than 1000 means 1000.
+   * Negative is `INVALID_REQUEST`.
+   */
+  pageSize?:
+    | number
+    | undefined;
+  /**
+   * `next_page_token` of the previous page, with the same filters; empty for
+   * the first page.
+   */
+  pageToken?:
+    | string
+    | undefined;
+  /** Only attempts that ended so (UNSPECIFIED: any). */
+  status?:
+    | AttemptStatus
+    | undefined;
+  /** Only attempts of this operation (UNSPECIFIED: any). */
+  operation?: AttemptOperation | undefined;
+}
+
+/** Reply of ListCheckpoints. */
+export interface ListCheckpointsResponse {
+  /** The attempts of this page, newest first, without member details. */
+  checkpoints?:
+    | Attempt[]
+    | undefined;
+  /** The token of the next page; empty on the last page. */
+  nextPageToken?:
+    | string
+    | undefined;
+  /** Attempts matching the filters in the whole history. */
+  totalSize?:
+    | number
+    | undefined;
+  /** Counts over the whole history (the filters do not apply). */
+  counts?:
+    | AttemptCounts
+    | undefined;
+  /**
+   * Set when the history's index could not be read (corrupt, or of a newer
+   * format): why; the list is then empty.
+   */
+  historyProblem?: string | undefined;
+}
+
+/** Request of GetCheckpoint. */
+export interface GetCheckpointRequest {
+  /** The checkpoint's id, or the restore's control id. */
+  id?: string | undefined;
+}
+
+/** Reply of GetCheckpoint. */
+export interface GetCheckpointResponse {
+  /** The attempt (the newest of that id). */
+  checkpoint?:
+    | Attempt
+    | undefined;
+  /**
+   * Its members' details, in the fleet's order; empty when they were
+   * dropped, cannot be read, or the attempt recorded none.
+   */
+  members?:
+    | AttemptMember[]
+    | undefined;
+  /**
+   * True when the attempt is older than the newest 100, whose details alone
+   * are kept.
+   */
+  detailsDropped?:
+    | boolean
+    | undefined;
+  /** Set when its details exist but cannot be read: why. */
+  detailsProblem?: string | undefined;
 }
 
 function createBaseMember(): Member {
@@ -5307,6 +5669,1398 @@ export const RecoveryGivenUp: MessageFns<RecoveryGivenUp> = {
   },
 };
 
+function createBaseAttemptStage(): AttemptStage {
+  return { stage: "", seconds: 0 };
+}
+
+export const AttemptStage: MessageFns<AttemptStage> = {
+  encode(message: AttemptStage, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.stage !== undefined && message.stage !== "") {
+      writer.uint32(10).string(message.stage);
+    }
+    if (message.seconds !== undefined && message.seconds !== 0) {
+      writer.uint32(17).double(message.seconds);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AttemptStage {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAttemptStage();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.stage = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 17) {
+              break;
+            }
+
+            message.seconds = reader.double();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AttemptStage {
+    return {
+      stage: isSet(object.stage) ? globalThis.String(object.stage) : "",
+      seconds: isSet(object.seconds) ? globalThis.Number(object.seconds) : 0,
+    };
+  },
+
+  toJSON(message: AttemptStage): unknown {
+    const obj: any = {};
+    if (message.stage !== undefined && message.stage !== "") {
+      obj.stage = message.stage;
+    }
+    if (message.seconds !== undefined && message.seconds !== 0) {
+      obj.seconds = floatToJson(message.seconds);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AttemptStage>, I>>(base?: I): AttemptStage {
+    return AttemptStage.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AttemptStage>, I>>(object: I): AttemptStage {
+    const message = createBaseAttemptStage();
+    message.stage = object.stage ?? "";
+    message.seconds = object.seconds ?? 0;
+    return message;
+  },
+};
+
+function createBaseAttempt(): Attempt {
+  return {
+    id: "",
+    operation: 0,
+    trigger: "",
+    mode: "",
+    status: 0,
+    startedAt: undefined,
+    endedAt: undefined,
+    durationSeconds: 0,
+    reason: "",
+    message: "",
+    failedMembers: [],
+    stages: [],
+    members: 0,
+    records: "0",
+    bytes: "0",
+    source: "",
+    continued: "0",
+    restarted: "0",
+    hasDetails: false,
+  };
+}
+
+export const Attempt: MessageFns<Attempt> = {
+  encode(message: Attempt, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== undefined && message.id !== "") {
+      writer.uint32(10).string(message.id);
+    }
+    if (message.operation !== undefined && message.operation !== 0) {
+      writer.uint32(16).int32(message.operation);
+    }
+    if (message.trigger !== undefined && message.trigger !== "") {
+      writer.uint32(26).string(message.trigger);
+    }
+    if (message.mode !== undefined && message.mode !== "") {
+      writer.uint32(34).string(message.mode);
+    }
+    if (message.status !== undefined && message.status !== 0) {
+      writer.uint32(40).int32(message.status);
+    }
+    if (message.startedAt !== undefined) {
+      Timestamp.encode(message.startedAt, writer.uint32(50).fork()).join();
+    }
+    if (message.endedAt !== undefined) {
+      Timestamp.encode(message.endedAt, writer.uint32(58).fork()).join();
+    }
+    if (message.durationSeconds !== undefined && message.durationSeconds !== 0) {
+      writer.uint32(65).double(message.durationSeconds);
+    }
+    if (message.reason !== undefined && message.reason !== "") {
+      writer.uint32(74).string(message.reason);
+    }
+    if (message.message !== undefined && message.message !== "") {
+      writer.uint32(82).string(message.message);
+    }
+    if (message.failedMembers !== undefined && message.failedMembers.length !== 0) {
+      for (const v of message.failedMembers) {
+        writer.uint32(90).string(v!);
+      }
+    }
+    if (message.stages !== undefined && message.stages.length !== 0) {
+      for (const v of message.stages) {
+        AttemptStage.encode(v!, writer.uint32(98).fork()).join();
+      }
+    }
+    if (message.members !== undefined && message.members !== 0) {
+      writer.uint32(104).uint32(message.members);
+    }
+    if (message.records !== undefined && message.records !== "0") {
+      writer.uint32(112).uint64(message.records);
+    }
+    if (message.bytes !== undefined && message.bytes !== "0") {
+      writer.uint32(120).uint64(message.bytes);
+    }
+    if (message.source !== undefined && message.source !== "") {
+      writer.uint32(130).string(message.source);
+    }
+    if (message.continued !== undefined && message.continued !== "0") {
+      writer.uint32(136).uint64(message.continued);
+    }
+    if (message.restarted !== undefined && message.restarted !== "0") {
+      writer.uint32(144).uint64(message.restarted);
+    }
+    if (message.hasDetails !== undefined && message.hasDetails !== false) {
+      writer.uint32(152).bool(message.hasDetails);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): Attempt {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAttempt();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.operation = reader.int32() as any;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.trigger = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.mode = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.status = reader.int32() as any;
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.startedAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.endedAt = Timestamp.decode(reader, reader.uint32());
+            continue;
+          }
+          case 8: {
+            if (tag !== 65) {
+              break;
+            }
+
+            message.durationSeconds = reader.double();
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.reason = reader.string();
+            continue;
+          }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.message = reader.string();
+            continue;
+          }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            const el = reader.string();
+            if (el !== undefined) {
+              message.failedMembers!.push(el);
+            }
+            continue;
+          }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            const el = AttemptStage.decode(reader, reader.uint32());
+            if (el !== undefined) {
+              message.stages!.push(el);
+            }
+            continue;
+          }
+          case 13: {
+            if (tag !== 104) {
+              break;
+            }
+
+            message.members = reader.uint32();
+            continue;
+          }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.records = reader.uint64().toString();
+            continue;
+          }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.bytes = reader.uint64().toString();
+            continue;
+          }
+          case 16: {
+            if (tag !== 130) {
+              break;
+            }
+
+            message.source = reader.string();
+            continue;
+          }
+          case 17: {
+            if (tag !== 136) {
+              break;
+            }
+
+            message.continued = reader.uint64().toString();
+            continue;
+          }
+          case 18: {
+            if (tag !== 144) {
+              break;
+            }
+
+            message.restarted = reader.uint64().toString();
+            continue;
+          }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.hasDetails = reader.bool();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): Attempt {
+    return {
+      id: isSet(object.id) ? globalThis.String(object.id) : "",
+      operation: isSet(object.operation) ? attemptOperationFromJSON(object.operation) : 0,
+      trigger: isSet(object.trigger) ? globalThis.String(object.trigger) : "",
+      mode: isSet(object.mode) ? globalThis.String(object.mode) : "",
+      status: isSet(object.status) ? attemptStatusFromJSON(object.status) : 0,
+      startedAt: isSet(object.startedAt)
+        ? fromJsonTimestamp(object.startedAt)
+        : isSet(object.started_at)
+        ? fromJsonTimestamp(object.started_at)
+        : undefined,
+      endedAt: isSet(object.endedAt)
+        ? fromJsonTimestamp(object.endedAt)
+        : isSet(object.ended_at)
+        ? fromJsonTimestamp(object.ended_at)
+        : undefined,
+      durationSeconds: isSet(object.durationSeconds)
+        ? globalThis.Number(object.durationSeconds)
+        : isSet(object.duration_seconds)
+        ? globalThis.Number(object.duration_seconds)
+        : 0,
+      reason: isSet(object.reason) ? globalThis.String(object.reason) : "",
+      message: isSet(object.message) ? globalThis.String(object.message) : "",
+      failedMembers: globalThis.Array.isArray(object?.failedMembers)
+        ? object.failedMembers.map((e: any) => globalThis.String(e))
+        : globalThis.Array.isArray(object?.failed_members)
+        ? object.failed_members.map((e: any) => globalThis.String(e))
+        : [],
+      stages: globalThis.Array.isArray(object?.stages) ? object.stages.map((e: any) => AttemptStage.fromJSON(e)) : [],
+      members: isSet(object.members) ? globalThis.Number(object.members) : 0,
+      records: isSet(object.records) ? globalThis.String(object.records) : "0",
+      bytes: isSet(object.bytes) ? globalThis.String(object.bytes) : "0",
+      source: isSet(object.source) ? globalThis.String(object.source) : "",
+      continued: isSet(object.continued) ? globalThis.String(object.continued) : "0",
+      restarted: isSet(object.restarted) ? globalThis.String(object.restarted) : "0",
+      hasDetails: isSet(object.hasDetails)
+        ? globalThis.Boolean(object.hasDetails)
+        : isSet(object.has_details)
+        ? globalThis.Boolean(object.has_details)
+        : false,
+    };
+  },
+
+  toJSON(message: Attempt): unknown {
+    const obj: any = {};
+    if (message.id !== undefined && message.id !== "") {
+      obj.id = message.id;
+    }
+    if (message.operation !== undefined && message.operation !== 0) {
+      obj.operation = attemptOperationToJSON(message.operation);
+    }
+    if (message.trigger !== undefined && message.trigger !== "") {
+      obj.trigger = message.trigger;
+    }
+    if (message.mode !== undefined && message.mode !== "") {
+      obj.mode = message.mode;
+    }
+    if (message.status !== undefined && message.status !== 0) {
+      obj.status = attemptStatusToJSON(message.status);
+    }
+    if (message.startedAt !== undefined) {
+      obj.startedAt = fromTimestamp(message.startedAt).toISOString();
+    }
+    if (message.endedAt !== undefined) {
+      obj.endedAt = fromTimestamp(message.endedAt).toISOString();
+    }
+    if (message.durationSeconds !== undefined && message.durationSeconds !== 0) {
+      obj.durationSeconds = floatToJson(message.durationSeconds);
+    }
+    if (message.reason !== undefined && message.reason !== "") {
+      obj.reason = message.reason;
+    }
+    if (message.message !== undefined && message.message !== "") {
+      obj.message = message.message;
+    }
+    if (message.failedMembers?.length) {
+      obj.failedMembers = message.failedMembers;
+    }
+    if (message.stages?.length) {
+      obj.stages = message.stages.map((e) => AttemptStage.toJSON(e));
+    }
+    if (message.members !== undefined && message.members !== 0) {
+      obj.members = Math.round(message.members);
+    }
+    if (message.records !== undefined && message.records !== "0") {
+      obj.records = message.records;
+    }
+    if (message.bytes !== undefined && message.bytes !== "0") {
+      obj.bytes = message.bytes;
+    }
+    if (message.source !== undefined && message.source !== "") {
+      obj.source = message.source;
+    }
+    if (message.continued !== undefined && message.continued !== "0") {
+      obj.continued = message.continued;
+    }
+    if (message.restarted !== undefined && message.restarted !== "0") {
+      obj.restarted = message.restarted;
+    }
+    if (message.hasDetails !== undefined && message.hasDetails !== false) {
+      obj.hasDetails = message.hasDetails;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<Attempt>, I>>(base?: I): Attempt {
+    return Attempt.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<Attempt>, I>>(object: I): Attempt {
+    const message = createBaseAttempt();
+    message.id = object.id ?? "";
+    message.operation = object.operation ?? 0;
+    message.trigger = object.trigger ?? "";
+    message.mode = object.mode ?? "";
+    message.status = object.status ?? 0;
+    message.startedAt = (object.startedAt !== undefined && object.startedAt !== null)
+      ? Timestamp.fromPartial(object.startedAt)
+      : undefined;
+    message.endedAt = (object.endedAt !== undefined && object.endedAt !== null)
+      ? Timestamp.fromPartial(object.endedAt)
+      : undefined;
+    message.durationSeconds = object.durationSeconds ?? 0;
+    message.reason = object.reason ?? "";
+    message.message = object.message ?? "";
+    message.failedMembers = object.failedMembers?.map((e) => e) || [];
+    message.stages = object.stages?.map((e) => AttemptStage.fromPartial(e)) || [];
+    message.members = object.members ?? 0;
+    message.records = object.records ?? "0";
+    message.bytes = object.bytes ?? "0";
+    message.source = object.source ?? "";
+    message.continued = object.continued ?? "0";
+    message.restarted = object.restarted ?? "0";
+    message.hasDetails = object.hasDetails ?? false;
+    return message;
+  },
+};
+
+function createBaseAttemptMember(): AttemptMember {
+  return {
+    name: "",
+    kind: 0,
+    instance: "",
+    part: "",
+    records: "0",
+    bytes: "0",
+    preparedSeconds: undefined,
+    blockersMax: 0,
+    blockedSeconds: 0,
+    error: "",
+    commitSeconds: undefined,
+    durableSeconds: undefined,
+    restoreSeconds: undefined,
+  };
+}
+
+export const AttemptMember: MessageFns<AttemptMember> = {
+  encode(message: AttemptMember, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== undefined && message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.kind !== undefined && message.kind !== 0) {
+      writer.uint32(16).int32(message.kind);
+    }
+    if (message.instance !== undefined && message.instance !== "") {
+      writer.uint32(26).string(message.instance);
+    }
+    if (message.part !== undefined && message.part !== "") {
+      writer.uint32(34).string(message.part);
+    }
+    if (message.records !== undefined && message.records !== "0") {
+      writer.uint32(40).uint64(message.records);
+    }
+    if (message.bytes !== undefined && message.bytes !== "0") {
+      writer.uint32(48).uint64(message.bytes);
+    }
+    if (message.preparedSeconds !== undefined) {
+      writer.uint32(57).double(message.preparedSeconds);
+    }
+    if (message.blockersMax !== undefined && message.blockersMax !== 0) {
+      writer.uint32(64).uint32(message.blockersMax);
+    }
+    if (message.blockedSeconds !== undefined && message.blockedSeconds !== 0) {
+      writer.uint32(73).double(message.blockedSeconds);
+    }
+    if (message.error !== undefined && message.error !== "") {
+      writer.uint32(82).string(message.error);
+    }
+    if (message.commitSeconds !== undefined) {
+      writer.uint32(89).double(message.commitSeconds);
+    }
+    if (message.durableSeconds !== undefined) {
+      writer.uint32(97).double(message.durableSeconds);
+    }
+    if (message.restoreSeconds !== undefined) {
+      writer.uint32(105).double(message.restoreSeconds);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AttemptMember {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAttemptMember();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.kind = reader.int32() as any;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.instance = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.part = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.records = reader.uint64().toString();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.bytes = reader.uint64().toString();
+            continue;
+          }
+          case 7: {
+            if (tag !== 57) {
+              break;
+            }
+
+            message.preparedSeconds = reader.double();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.blockersMax = reader.uint32();
+            continue;
+          }
+          case 9: {
+            if (tag !== 73) {
+              break;
+            }
+
+            message.blockedSeconds = reader.double();
+            continue;
+          }
+          case 10: {
+            if (tag !== 82) {
+              break;
+            }
+
+            message.error = reader.string();
+            continue;
+          }
+          case 11: {
+            if (tag !== 89) {
+              break;
+            }
+
+            message.commitSeconds = reader.double();
+            continue;
+          }
+          case 12: {
+            if (tag !== 97) {
+              break;
+            }
+
+            message.durableSeconds = reader.double();
+            continue;
+          }
+          case 13: {
+            if (tag !== 105) {
+              break;
+            }
+
+            message.restoreSeconds = reader.double();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AttemptMember {
+    return {
+      name: isSet(object.name) ? globalThis.String(object.name) : "",
+      kind: isSet(object.kind) ? participantKindFromJSON(object.kind) : 0,
+      instance: isSet(object.instance) ? globalThis.String(object.instance) : "",
+      part: isSet(object.part) ? globalThis.String(object.part) : "",
+      records: isSet(object.records) ? globalThis.String(object.records) : "0",
+      bytes: isSet(object.bytes) ? globalThis.String(object.bytes) : "0",
+      preparedSeconds: isSet(object.preparedSeconds)
+        ? globalThis.Number(object.preparedSeconds)
+        : isSet(object.prepared_seconds)
+        ? globalThis.Number(object.prepared_seconds)
+        : undefined,
+      blockersMax: isSet(object.blockersMax)
+        ? globalThis.Number(object.blockersMax)
+        : isSet(object.blockers_max)
+        ? globalThis.Number(object.blockers_max)
+        : 0,
+      blockedSeconds: isSet(object.blockedSeconds)
+        ? globalThis.Number(object.blockedSeconds)
+        : isSet(object.blocked_seconds)
+        ? globalThis.Number(object.blocked_seconds)
+        : 0,
+      error: isSet(object.error) ? globalThis.String(object.error) : "",
+      commitSeconds: isSet(object.commitSeconds)
+        ? globalThis.Number(object.commitSeconds)
+        : isSet(object.commit_seconds)
+        ? globalThis.Number(object.commit_seconds)
+        : undefined,
+      durableSeconds: isSet(object.durableSeconds)
+        ? globalThis.Number(object.durableSeconds)
+        : isSet(object.durable_seconds)
+        ? globalThis.Number(object.durable_seconds)
+        : undefined,
+      restoreSeconds: isSet(object.restoreSeconds)
+        ? globalThis.Number(object.restoreSeconds)
+        : isSet(object.restore_seconds)
+        ? globalThis.Number(object.restore_seconds)
+        : undefined,
+    };
+  },
+
+  toJSON(message: AttemptMember): unknown {
+    const obj: any = {};
+    if (message.name !== undefined && message.name !== "") {
+      obj.name = message.name;
+    }
+    if (message.kind !== undefined && message.kind !== 0) {
+      obj.kind = participantKindToJSON(message.kind);
+    }
+    if (message.instance !== undefined && message.instance !== "") {
+      obj.instance = message.instance;
+    }
+    if (message.part !== undefined && message.part !== "") {
+      obj.part = message.part;
+    }
+    if (message.records !== undefined && message.records !== "0") {
+      obj.records = message.records;
+    }
+    if (message.bytes !== undefined && message.bytes !== "0") {
+      obj.bytes = message.bytes;
+    }
+    if (message.preparedSeconds !== undefined) {
+      obj.preparedSeconds = floatToJson(message.preparedSeconds);
+    }
+    if (message.blockersMax !== undefined && message.blockersMax !== 0) {
+      obj.blockersMax = Math.round(message.blockersMax);
+    }
+    if (message.blockedSeconds !== undefined && message.blockedSeconds !== 0) {
+      obj.blockedSeconds = floatToJson(message.blockedSeconds);
+    }
+    if (message.error !== undefined && message.error !== "") {
+      obj.error = message.error;
+    }
+    if (message.commitSeconds !== undefined) {
+      obj.commitSeconds = floatToJson(message.commitSeconds);
+    }
+    if (message.durableSeconds !== undefined) {
+      obj.durableSeconds = floatToJson(message.durableSeconds);
+    }
+    if (message.restoreSeconds !== undefined) {
+      obj.restoreSeconds = floatToJson(message.restoreSeconds);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AttemptMember>, I>>(base?: I): AttemptMember {
+    return AttemptMember.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AttemptMember>, I>>(object: I): AttemptMember {
+    const message = createBaseAttemptMember();
+    message.name = object.name ?? "";
+    message.kind = object.kind ?? 0;
+    message.instance = object.instance ?? "";
+    message.part = object.part ?? "";
+    message.records = object.records ?? "0";
+    message.bytes = object.bytes ?? "0";
+    message.preparedSeconds = object.preparedSeconds ?? undefined;
+    message.blockersMax = object.blockersMax ?? 0;
+    message.blockedSeconds = object.blockedSeconds ?? 0;
+    message.error = object.error ?? "";
+    message.commitSeconds = object.commitSeconds ?? undefined;
+    message.durableSeconds = object.durableSeconds ?? undefined;
+    message.restoreSeconds = object.restoreSeconds ?? undefined;
+    return message;
+  },
+};
+
+function createBaseAttemptCounts(): AttemptCounts {
+  return { completed: 0, failed: 0, aborted: 0, restores: 0 };
+}
+
+export const AttemptCounts: MessageFns<AttemptCounts> = {
+  encode(message: AttemptCounts, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.completed !== undefined && message.completed !== 0) {
+      writer.uint32(8).uint32(message.completed);
+    }
+    if (message.failed !== undefined && message.failed !== 0) {
+      writer.uint32(16).uint32(message.failed);
+    }
+    if (message.aborted !== undefined && message.aborted !== 0) {
+      writer.uint32(24).uint32(message.aborted);
+    }
+    if (message.restores !== undefined && message.restores !== 0) {
+      writer.uint32(32).uint32(message.restores);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): AttemptCounts {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseAttemptCounts();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.completed = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.failed = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.aborted = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.restores = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): AttemptCounts {
+    return {
+      completed: isSet(object.completed) ? globalThis.Number(object.completed) : 0,
+      failed: isSet(object.failed) ? globalThis.Number(object.failed) : 0,
+      aborted: isSet(object.aborted) ? globalThis.Number(object.aborted) : 0,
+      restores: isSet(object.restores) ? globalThis.Number(object.restores) : 0,
+    };
+  },
+
+  toJSON(message: AttemptCounts): unknown {
+    const obj: any = {};
+    if (message.completed !== undefined && message.completed !== 0) {
+      obj.completed = Math.round(message.completed);
+    }
+    if (message.failed !== undefined && message.failed !== 0) {
+      obj.failed = Math.round(message.failed);
+    }
+    if (message.aborted !== undefined && message.aborted !== 0) {
+      obj.aborted = Math.round(message.aborted);
+    }
+    if (message.restores !== undefined && message.restores !== 0) {
+      obj.restores = Math.round(message.restores);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<AttemptCounts>, I>>(base?: I): AttemptCounts {
+    return AttemptCounts.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<AttemptCounts>, I>>(object: I): AttemptCounts {
+    const message = createBaseAttemptCounts();
+    message.completed = object.completed ?? 0;
+    message.failed = object.failed ?? 0;
+    message.aborted = object.aborted ?? 0;
+    message.restores = object.restores ?? 0;
+    return message;
+  },
+};
+
+function createBaseListCheckpointsRequest(): ListCheckpointsRequest {
+  return { pageSize: 0, pageToken: "", status: 0, operation: 0 };
+}
+
+export const ListCheckpointsRequest: MessageFns<ListCheckpointsRequest> = {
+  encode(message: ListCheckpointsRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.pageSize !== undefined && message.pageSize !== 0) {
+      writer.uint32(8).int32(message.pageSize);
+    }
+    if (message.pageToken !== undefined && message.pageToken !== "") {
+      writer.uint32(18).string(message.pageToken);
+    }
+    if (message.status !== undefined && message.status !== 0) {
+      writer.uint32(24).int32(message.status);
+    }
+    if (message.operation !== undefined && message.operation !== 0) {
+      writer.uint32(32).int32(message.operation);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListCheckpointsRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListCheckpointsRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.pageSize = reader.int32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.pageToken = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.status = reader.int32() as any;
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.operation = reader.int32() as any;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ListCheckpointsRequest {
+    return {
+      pageSize: isSet(object.pageSize)
+        ? globalThis.Number(object.pageSize)
+        : isSet(object.page_size)
+        ? globalThis.Number(object.page_size)
+        : 0,
+      pageToken: isSet(object.pageToken)
+        ? globalThis.String(object.pageToken)
+        : isSet(object.page_token)
+        ? globalThis.String(object.page_token)
+        : "",
+      status: isSet(object.status) ? attemptStatusFromJSON(object.status) : 0,
+      operation: isSet(object.operation) ? attemptOperationFromJSON(object.operation) : 0,
+    };
+  },
+
+  toJSON(message: ListCheckpointsRequest): unknown {
+    const obj: any = {};
+    if (message.pageSize !== undefined && message.pageSize !== 0) {
+      obj.pageSize = Math.round(message.pageSize);
+    }
+    if (message.pageToken !== undefined && message.pageToken !== "") {
+      obj.pageToken = message.pageToken;
+    }
+    if (message.status !== undefined && message.status !== 0) {
+      obj.status = attemptStatusToJSON(message.status);
+    }
+    if (message.operation !== undefined && message.operation !== 0) {
+      obj.operation = attemptOperationToJSON(message.operation);
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ListCheckpointsRequest>, I>>(base?: I): ListCheckpointsRequest {
+    return ListCheckpointsRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ListCheckpointsRequest>, I>>(object: I): ListCheckpointsRequest {
+    const message = createBaseListCheckpointsRequest();
+    message.pageSize = object.pageSize ?? 0;
+    message.pageToken = object.pageToken ?? "";
+    message.status = object.status ?? 0;
+    message.operation = object.operation ?? 0;
+    return message;
+  },
+};
+
+function createBaseListCheckpointsResponse(): ListCheckpointsResponse {
+  return { checkpoints: [], nextPageToken: "", totalSize: 0, counts: undefined, historyProblem: "" };
+}
+
+export const ListCheckpointsResponse: MessageFns<ListCheckpointsResponse> = {
+  encode(message: ListCheckpointsResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.checkpoints !== undefined && message.checkpoints.length !== 0) {
+      for (const v of message.checkpoints) {
+        Attempt.encode(v!, writer.uint32(10).fork()).join();
+      }
+    }
+    if (message.nextPageToken !== undefined && message.nextPageToken !== "") {
+      writer.uint32(18).string(message.nextPageToken);
+    }
+    if (message.totalSize !== undefined && message.totalSize !== 0) {
+      writer.uint32(24).uint32(message.totalSize);
+    }
+    if (message.counts !== undefined) {
+      AttemptCounts.encode(message.counts, writer.uint32(34).fork()).join();
+    }
+    if (message.historyProblem !== undefined && message.historyProblem !== "") {
+      writer.uint32(42).string(message.historyProblem);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListCheckpointsResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListCheckpointsResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            const el = Attempt.decode(reader, reader.uint32());
+            if (el !== undefined) {
+              message.checkpoints!.push(el);
+            }
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.nextPageToken = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.totalSize = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.counts = AttemptCounts.decode(reader, reader.uint32());
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.historyProblem = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): ListCheckpointsResponse {
+    return {
+      checkpoints: globalThis.Array.isArray(object?.checkpoints)
+        ? object.checkpoints.map((e: any) => Attempt.fromJSON(e))
+        : [],
+      nextPageToken: isSet(object.nextPageToken)
+        ? globalThis.String(object.nextPageToken)
+        : isSet(object.next_page_token)
+        ? globalThis.String(object.next_page_token)
+        : "",
+      totalSize: isSet(object.totalSize)
+        ? globalThis.Number(object.totalSize)
+        : isSet(object.total_size)
+        ? globalThis.Number(object.total_size)
+        : 0,
+      counts: isSet(object.counts) ? AttemptCounts.fromJSON(object.counts) : undefined,
+      historyProblem: isSet(object.historyProblem)
+        ? globalThis.String(object.historyProblem)
+        : isSet(object.history_problem)
+        ? globalThis.String(object.history_problem)
+        : "",
+    };
+  },
+
+  toJSON(message: ListCheckpointsResponse): unknown {
+    const obj: any = {};
+    if (message.checkpoints?.length) {
+      obj.checkpoints = message.checkpoints.map((e) => Attempt.toJSON(e));
+    }
+    if (message.nextPageToken !== undefined && message.nextPageToken !== "") {
+      obj.nextPageToken = message.nextPageToken;
+    }
+    if (message.totalSize !== undefined && message.totalSize !== 0) {
+      obj.totalSize = Math.round(message.totalSize);
+    }
+    if (message.counts !== undefined) {
+      obj.counts = AttemptCounts.toJSON(message.counts);
+    }
+    if (message.historyProblem !== undefined && message.historyProblem !== "") {
+      obj.historyProblem = message.historyProblem;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<ListCheckpointsResponse>, I>>(base?: I): ListCheckpointsResponse {
+    return ListCheckpointsResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ListCheckpointsResponse>, I>>(object: I): ListCheckpointsResponse {
+    const message = createBaseListCheckpointsResponse();
+    message.checkpoints = object.checkpoints?.map((e) => Attempt.fromPartial(e)) || [];
+    message.nextPageToken = object.nextPageToken ?? "";
+    message.totalSize = object.totalSize ?? 0;
+    message.counts = (object.counts !== undefined && object.counts !== null)
+      ? AttemptCounts.fromPartial(object.counts)
+      : undefined;
+    message.historyProblem = object.historyProblem ?? "";
+    return message;
+  },
+};
+
+function createBaseGetCheckpointRequest(): GetCheckpointRequest {
+  return { id: "" };
+}
+
+export const GetCheckpointRequest: MessageFns<GetCheckpointRequest> = {
+  encode(message: GetCheckpointRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== undefined && message.id !== "") {
+      writer.uint32(10).string(message.id);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetCheckpointRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetCheckpointRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GetCheckpointRequest {
+    return { id: isSet(object.id) ? globalThis.String(object.id) : "" };
+  },
+
+  toJSON(message: GetCheckpointRequest): unknown {
+    const obj: any = {};
+    if (message.id !== undefined && message.id !== "") {
+      obj.id = message.id;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GetCheckpointRequest>, I>>(base?: I): GetCheckpointRequest {
+    return GetCheckpointRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GetCheckpointRequest>, I>>(object: I): GetCheckpointRequest {
+    const message = createBaseGetCheckpointRequest();
+    message.id = object.id ?? "";
+    return message;
+  },
+};
+
+function createBaseGetCheckpointResponse(): GetCheckpointResponse {
+  return { checkpoint: undefined, members: [], detailsDropped: false, detailsProblem: "" };
+}
+
+export const GetCheckpointResponse: MessageFns<GetCheckpointResponse> = {
+  encode(message: GetCheckpointResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.checkpoint !== undefined) {
+      Attempt.encode(message.checkpoint, writer.uint32(10).fork()).join();
+    }
+    if (message.members !== undefined && message.members.length !== 0) {
+      for (const v of message.members) {
+        AttemptMember.encode(v!, writer.uint32(18).fork()).join();
+      }
+    }
+    if (message.detailsDropped !== undefined && message.detailsDropped !== false) {
+      writer.uint32(24).bool(message.detailsDropped);
+    }
+    if (message.detailsProblem !== undefined && message.detailsProblem !== "") {
+      writer.uint32(34).string(message.detailsProblem);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetCheckpointResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetCheckpointResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.checkpoint = Attempt.decode(reader, reader.uint32());
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            const el = AttemptMember.decode(reader, reader.uint32());
+            if (el !== undefined) {
+              message.members!.push(el);
+            }
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.detailsDropped = reader.bool();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.detailsProblem = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): GetCheckpointResponse {
+    return {
+      checkpoint: isSet(object.checkpoint) ? Attempt.fromJSON(object.checkpoint) : undefined,
+      members: globalThis.Array.isArray(object?.members)
+        ? object.members.map((e: any) => AttemptMember.fromJSON(e))
+        : [],
+      detailsDropped: isSet(object.detailsDropped)
+        ? globalThis.Boolean(object.detailsDropped)
+        : isSet(object.details_dropped)
+        ? globalThis.Boolean(object.details_dropped)
+        : false,
+      detailsProblem: isSet(object.detailsProblem)
+        ? globalThis.String(object.detailsProblem)
+        : isSet(object.details_problem)
+        ? globalThis.String(object.details_problem)
+        : "",
+    };
+  },
+
+  toJSON(message: GetCheckpointResponse): unknown {
+    const obj: any = {};
+    if (message.checkpoint !== undefined) {
+      obj.checkpoint = Attempt.toJSON(message.checkpoint);
+    }
+    if (message.members?.length) {
+      obj.members = message.members.map((e) => AttemptMember.toJSON(e));
+    }
+    if (message.detailsDropped !== undefined && message.detailsDropped !== false) {
+      obj.detailsDropped = message.detailsDropped;
+    }
+    if (message.detailsProblem !== undefined && message.detailsProblem !== "") {
+      obj.detailsProblem = message.detailsProblem;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<GetCheckpointResponse>, I>>(base?: I): GetCheckpointResponse {
+    return GetCheckpointResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<GetCheckpointResponse>, I>>(object: I): GetCheckpointResponse {
+    const message = createBaseGetCheckpointResponse();
+    message.checkpoint = (object.checkpoint !== undefined && object.checkpoint !== null)
+      ? Attempt.fromPartial(object.checkpoint)
+      : undefined;
+    message.members = object.members?.map((e) => AttemptMember.fromPartial(e)) || [];
+    message.detailsDropped = object.detailsDropped ?? false;
+    message.detailsProblem = object.detailsProblem ?? "";
+    return message;
+  },
+};
+
 /** Coordination of a whole fleet of participants. */
 export type CoordinatorServiceService = typeof CoordinatorServiceService;
 export const CoordinatorServiceService = {
@@ -5576,6 +7330,62 @@ export const CoordinatorServiceService = {
     responseSerialize: (value: WatchFleetResponse): Buffer => Buffer.from(WatchFleetResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): WatchFleetResponse => WatchFleetResponse.decode(value),
   },
+  /**
+   * Lists the checkpoints and restores attempted on the fleet's checkpoint
+   * root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+   * written by every coordinator, supervisor, `checkpoint` and `collect` of
+   * that root, so it survives a coordinator restart).
+   *
+   * Read-only and idempotent; allowed at any time. Paged (AIP-158):
+   * `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+   * opaque and valid only with the same filters. An entry never carries
+   * per-member details (GetCheckpoint does). The newest entry of a kind is
+   * `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+   * the coordinator's HTTP port sends). The counts cover the whole history,
+   * whatever the filters. A corrupt index (or one of a newer format) is no
+   * error: the reply lists nothing and says why in `history_problem`.
+   * Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+   * or a `page_token` that does not parse or was issued for other filters;
+   * `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+   * `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+   */
+  listCheckpoints: {
+    path: "/rollout_checkpoint.v1.CoordinatorService/ListCheckpoints" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ListCheckpointsRequest): Buffer =>
+      Buffer.from(ListCheckpointsRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ListCheckpointsRequest => ListCheckpointsRequest.decode(value),
+    responseSerialize: (value: ListCheckpointsResponse): Buffer =>
+      Buffer.from(ListCheckpointsResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ListCheckpointsResponse => ListCheckpointsResponse.decode(value),
+  },
+  /**
+   * Returns one attempt of the history with its members' details (stage
+   * timings, records, bytes, blockers, part, error).
+   *
+   * Read-only and idempotent; allowed at any time. An id attempted more than
+   * once (a retry) returns its newest attempt. Only the newest 100 attempts
+   * keep their details: an older one is returned without members and with
+   * `details_dropped` set; details that cannot be read are reported in
+   * `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+   * that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+   * (metadata `field` = `id`) when the history holds no such attempt;
+   * `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+   * corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+   * when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+   * root cannot be read in time.
+   */
+  getCheckpoint: {
+    path: "/rollout_checkpoint.v1.CoordinatorService/GetCheckpoint" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: GetCheckpointRequest): Buffer => Buffer.from(GetCheckpointRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): GetCheckpointRequest => GetCheckpointRequest.decode(value),
+    responseSerialize: (value: GetCheckpointResponse): Buffer =>
+      Buffer.from(GetCheckpointResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): GetCheckpointResponse => GetCheckpointResponse.decode(value),
+  },
 } as const;
 
 export interface CoordinatorServiceServer extends UntypedServiceImplementation {
@@ -5736,6 +7546,43 @@ export interface CoordinatorServiceServer extends UntypedServiceImplementation {
    * Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
    */
   watchFleet: handleServerStreamingCall<WatchFleetRequest, WatchFleetResponse>;
+  /**
+   * Lists the checkpoints and restores attempted on the fleet's checkpoint
+   * root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+   * written by every coordinator, supervisor, `checkpoint` and `collect` of
+   * that root, so it survives a coordinator restart).
+   *
+   * Read-only and idempotent; allowed at any time. Paged (AIP-158):
+   * `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+   * opaque and valid only with the same filters. An entry never carries
+   * per-member details (GetCheckpoint does). The newest entry of a kind is
+   * `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+   * the coordinator's HTTP port sends). The counts cover the whole history,
+   * whatever the filters. A corrupt index (or one of a newer format) is no
+   * error: the reply lists nothing and says why in `history_problem`.
+   * Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+   * or a `page_token` that does not parse or was issued for other filters;
+   * `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+   * `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+   */
+  listCheckpoints: handleUnaryCall<ListCheckpointsRequest, ListCheckpointsResponse>;
+  /**
+   * Returns one attempt of the history with its members' details (stage
+   * timings, records, bytes, blockers, part, error).
+   *
+   * Read-only and idempotent; allowed at any time. An id attempted more than
+   * once (a retry) returns its newest attempt. Only the newest 100 attempts
+   * keep their details: an older one is returned without members and with
+   * `details_dropped` set; details that cannot be read are reported in
+   * `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+   * that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+   * (metadata `field` = `id`) when the history holds no such attempt;
+   * `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+   * corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+   * when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+   * root cannot be read in time.
+   */
+  getCheckpoint: handleUnaryCall<GetCheckpointRequest, GetCheckpointResponse>;
 }
 
 export interface CoordinatorServiceClient extends Client {
@@ -6012,6 +7859,71 @@ export interface CoordinatorServiceClient extends Client {
     metadata?: Metadata,
     options?: Partial<CallOptions>,
   ): ClientReadableStream<WatchFleetResponse>;
+  /**
+   * Lists the checkpoints and restores attempted on the fleet's checkpoint
+   * root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+   * written by every coordinator, supervisor, `checkpoint` and `collect` of
+   * that root, so it survives a coordinator restart).
+   *
+   * Read-only and idempotent; allowed at any time. Paged (AIP-158):
+   * `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+   * opaque and valid only with the same filters. An entry never carries
+   * per-member details (GetCheckpoint does). The newest entry of a kind is
+   * `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+   * the coordinator's HTTP port sends). The counts cover the whole history,
+   * whatever the filters. A corrupt index (or one of a newer format) is no
+   * error: the reply lists nothing and says why in `history_problem`.
+   * Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+   * or a `page_token` that does not parse or was issued for other filters;
+   * `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+   * `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+   */
+  listCheckpoints(
+    request: ListCheckpointsRequest,
+    callback: (error: ServiceError | null, response: ListCheckpointsResponse) => void,
+  ): ClientUnaryCall;
+  listCheckpoints(
+    request: ListCheckpointsRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ListCheckpointsResponse) => void,
+  ): ClientUnaryCall;
+  listCheckpoints(
+    request: ListCheckpointsRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ListCheckpointsResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Returns one attempt of the history with its members' details (stage
+   * timings, records, bytes, blockers, part, error).
+   *
+   * Read-only and idempotent; allowed at any time. An id attempted more than
+   * once (a retry) returns its newest attempt. Only the newest 100 attempts
+   * keep their details: an older one is returned without members and with
+   * `details_dropped` set; details that cannot be read are reported in
+   * `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+   * that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+   * (metadata `field` = `id`) when the history holds no such attempt;
+   * `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+   * corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+   * when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+   * root cannot be read in time.
+   */
+  getCheckpoint(
+    request: GetCheckpointRequest,
+    callback: (error: ServiceError | null, response: GetCheckpointResponse) => void,
+  ): ClientUnaryCall;
+  getCheckpoint(
+    request: GetCheckpointRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: GetCheckpointResponse) => void,
+  ): ClientUnaryCall;
+  getCheckpoint(
+    request: GetCheckpointRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: GetCheckpointResponse) => void,
+  ): ClientUnaryCall;
 }
 
 export const CoordinatorServiceClient = makeGenericClientConstructor(
@@ -8040,6 +9952,731 @@ export const protoMetadata: ProtoMetadata = {
       "reservedRange": [],
       "reservedName": [],
       "visibility": 0,
+    }, {
+      "name": "AttemptStage",
+      "field": [{
+        "name": "stage",
+        "number": 1,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "stage",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "seconds",
+        "number": 2,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "seconds",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "Attempt",
+      "field": [{
+        "name": "id",
+        "number": 1,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "id",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "operation",
+        "number": 2,
+        "label": 1,
+        "type": 14,
+        "typeName": ".rollout_checkpoint.v1.AttemptOperation",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "operation",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "trigger",
+        "number": 3,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "trigger",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "mode",
+        "number": 4,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "mode",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "status",
+        "number": 5,
+        "label": 1,
+        "type": 14,
+        "typeName": ".rollout_checkpoint.v1.AttemptStatus",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "status",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "started_at",
+        "number": 6,
+        "label": 1,
+        "type": 11,
+        "typeName": ".google.protobuf.Timestamp",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "startedAt",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "ended_at",
+        "number": 7,
+        "label": 1,
+        "type": 11,
+        "typeName": ".google.protobuf.Timestamp",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "endedAt",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "duration_seconds",
+        "number": 8,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "durationSeconds",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "reason",
+        "number": 9,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "reason",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "message",
+        "number": 10,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "message",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "failed_members",
+        "number": 11,
+        "label": 3,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "failedMembers",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "stages",
+        "number": 12,
+        "label": 3,
+        "type": 11,
+        "typeName": ".rollout_checkpoint.v1.AttemptStage",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "stages",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "members",
+        "number": 13,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "members",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "records",
+        "number": 14,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "records",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "bytes",
+        "number": 15,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "bytes",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "source",
+        "number": 16,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "source",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "continued",
+        "number": 17,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "continued",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "restarted",
+        "number": 18,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "restarted",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "has_details",
+        "number": 19,
+        "label": 1,
+        "type": 8,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "hasDetails",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "AttemptMember",
+      "field": [{
+        "name": "name",
+        "number": 1,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "name",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "kind",
+        "number": 2,
+        "label": 1,
+        "type": 14,
+        "typeName": ".rollout_checkpoint.v1.ParticipantKind",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "kind",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "instance",
+        "number": 3,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "instance",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "part",
+        "number": 4,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "part",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "records",
+        "number": 5,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "records",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "bytes",
+        "number": 6,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "bytes",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "prepared_seconds",
+        "number": 7,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "preparedSeconds",
+        "options": undefined,
+        "proto3Optional": true,
+      }, {
+        "name": "blockers_max",
+        "number": 8,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "blockersMax",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "blocked_seconds",
+        "number": 9,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "blockedSeconds",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "error",
+        "number": 10,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "error",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "commit_seconds",
+        "number": 11,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 1,
+        "jsonName": "commitSeconds",
+        "options": undefined,
+        "proto3Optional": true,
+      }, {
+        "name": "durable_seconds",
+        "number": 12,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 2,
+        "jsonName": "durableSeconds",
+        "options": undefined,
+        "proto3Optional": true,
+      }, {
+        "name": "restore_seconds",
+        "number": 13,
+        "label": 1,
+        "type": 1,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 3,
+        "jsonName": "restoreSeconds",
+        "options": undefined,
+        "proto3Optional": true,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [
+        { "name": "_prepared_seconds", "options": undefined },
+        { "name": "_commit_seconds", "options": undefined },
+        { "name": "_durable_seconds", "options": undefined },
+        { "name": "_restore_seconds", "options": undefined },
+      ],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "AttemptCounts",
+      "field": [{
+        "name": "completed",
+        "number": 1,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "completed",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "failed",
+        "number": 2,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "failed",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "aborted",
+        "number": 3,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "aborted",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "restores",
+        "number": 4,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "restores",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "ListCheckpointsRequest",
+      "field": [{
+        "name": "page_size",
+        "number": 1,
+        "label": 1,
+        "type": 5,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "pageSize",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "page_token",
+        "number": 2,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "pageToken",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "status",
+        "number": 3,
+        "label": 1,
+        "type": 14,
+        "typeName": ".rollout_checkpoint.v1.AttemptStatus",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "status",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "operation",
+        "number": 4,
+        "label": 1,
+        "type": 14,
+        "typeName": ".rollout_checkpoint.v1.AttemptOperation",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "operation",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "ListCheckpointsResponse",
+      "field": [{
+        "name": "checkpoints",
+        "number": 1,
+        "label": 3,
+        "type": 11,
+        "typeName": ".rollout_checkpoint.v1.Attempt",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "checkpoints",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "next_page_token",
+        "number": 2,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "nextPageToken",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "total_size",
+        "number": 3,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "totalSize",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "counts",
+        "number": 4,
+        "label": 1,
+        "type": 11,
+        "typeName": ".rollout_checkpoint.v1.AttemptCounts",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "counts",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "history_problem",
+        "number": 5,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "historyProblem",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "GetCheckpointRequest",
+      "field": [{
+        "name": "id",
+        "number": 1,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "id",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "GetCheckpointResponse",
+      "field": [{
+        "name": "checkpoint",
+        "number": 1,
+        "label": 1,
+        "type": 11,
+        "typeName": ".rollout_checkpoint.v1.Attempt",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "checkpoint",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "members",
+        "number": 2,
+        "label": 3,
+        "type": 11,
+        "typeName": ".rollout_checkpoint.v1.AttemptMember",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "members",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "details_dropped",
+        "number": 3,
+        "label": 1,
+        "type": 8,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "detailsDropped",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "details_problem",
+        "number": 4,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "detailsProblem",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
     }],
     "enumType": [{
       "name": "FleetPrepareOutcome",
@@ -8064,6 +10701,29 @@ export const protoMetadata: ProtoMetadata = {
         { "name": "CHECKPOINT_PHASE_DONE", "number": 5, "options": undefined },
         { "name": "CHECKPOINT_PHASE_AWAIT_PARTS", "number": 6, "options": undefined },
       ],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "AttemptStatus",
+      "value": [
+        { "name": "ATTEMPT_STATUS_UNSPECIFIED", "number": 0, "options": undefined },
+        { "name": "ATTEMPT_STATUS_COMPLETED", "number": 1, "options": undefined },
+        { "name": "ATTEMPT_STATUS_FAILED", "number": 2, "options": undefined },
+        { "name": "ATTEMPT_STATUS_ABORTED", "number": 3, "options": undefined },
+      ],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "AttemptOperation",
+      "value": [{ "name": "ATTEMPT_OPERATION_UNSPECIFIED", "number": 0, "options": undefined }, {
+        "name": "ATTEMPT_OPERATION_CHECKPOINT",
+        "number": 1,
+        "options": undefined,
+      }, { "name": "ATTEMPT_OPERATION_RESTORE", "number": 2, "options": undefined }],
       "options": undefined,
       "reservedRange": [],
       "reservedName": [],
@@ -8141,6 +10801,20 @@ export const protoMetadata: ProtoMetadata = {
         "options": undefined,
         "clientStreaming": false,
         "serverStreaming": true,
+      }, {
+        "name": "ListCheckpoints",
+        "inputType": ".rollout_checkpoint.v1.ListCheckpointsRequest",
+        "outputType": ".rollout_checkpoint.v1.ListCheckpointsResponse",
+        "options": undefined,
+        "clientStreaming": false,
+        "serverStreaming": false,
+      }, {
+        "name": "GetCheckpoint",
+        "inputType": ".rollout_checkpoint.v1.GetCheckpointRequest",
+        "outputType": ".rollout_checkpoint.v1.GetCheckpointResponse",
+        "options": undefined,
+        "clientStreaming": false,
+        "serverStreaming": false,
       }],
       "options": undefined,
     }],
@@ -8178,7 +10852,7 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0],
-        "span": [46, 0, 193, 1],
+        "span": [46, 0, 228, 1],
         "leadingComments": " Coordination of a whole fleet of participants.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
@@ -8253,1093 +10927,1531 @@ export const protoMetadata: ProtoMetadata = {
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
+        "path": [6, 0, 2, 10],
+        "span": [211, 2, 80],
+        "leadingComments":
+          " Lists the checkpoints and restores attempted on the fleet's checkpoint\n root, newest first, from the root's history (`<checkpoint_root>/.history.json`,\n written by every coordinator, supervisor, `checkpoint` and `collect` of\n that root, so it survives a coordinator restart).\n\n Read-only and idempotent; allowed at any time. Paged (AIP-158):\n `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is\n opaque and valid only with the same filters. An entry never carries\n per-member details (GetCheckpoint does). The newest entry of a kind is\n `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of\n the coordinator's HTTP port sends). The counts cover the whole history,\n whatever the filters. A corrupt index (or one of a newer format) is no\n error: the reply lists nothing and says why in `history_problem`.\n Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`\n or a `page_token` that does not parse or was issued for other filters;\n `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no\n `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [6, 0, 2, 11],
+        "span": [227, 2, 74],
+        "leadingComments":
+          " Returns one attempt of the history with its members' details (stage\n timings, records, bytes, blockers, part, error).\n\n Read-only and idempotent; allowed at any time. An id attempted more than\n once (a retry) returns its newest attempt. Only the newest 100 attempts\n keep their details: an older one is returned without members and with\n `details_dropped` set; details that cannot be read are reported in\n `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id\n that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND\n (metadata `field` = `id`) when the history holds no such attempt;\n `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is\n corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)\n when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the\n root cannot be read in time.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
         "path": [4, 0],
-        "span": [196, 0, 207, 1],
+        "span": [231, 0, 242, 1],
         "leadingComments": " A fleet member.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 0, 2, 0],
-        "span": [198, 2, 18],
+        "span": [233, 2, 18],
         "leadingComments": " The member's name in the fleet file.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 0, 2, 1],
-        "span": [200, 2, 21],
+        "span": [235, 2, 21],
         "leadingComments": " Its sidecar address (HOST:PORT).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 0, 2, 2],
-        "span": [202, 2, 27],
+        "span": [237, 2, 27],
         "leadingComments": " Its kind.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 0, 2, 3],
-        "span": [204, 2, 22],
+        "span": [239, 2, 22],
         "leadingComments": " Its instance name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 0, 2, 4],
-        "span": [206, 2, 21],
+        "span": [241, 2, 21],
         "leadingComments": " Its process's boot id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1],
-        "span": [210, 0, 34],
+        "span": [245, 0, 34],
         "leadingComments": " Request of ListParticipants.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 2],
-        "span": [213, 0, 216, 1],
+        "span": [248, 0, 251, 1],
         "leadingComments": " Reply of ListParticipants.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 2, 2, 0],
-        "span": [215, 2, 30],
+        "span": [250, 2, 30],
         "leadingComments": " The members, in prepare order (stage, then name).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3],
-        "span": [219, 0, 234, 1],
+        "span": [254, 0, 269, 1],
         "leadingComments": " The latest known progress of one member.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 0],
-        "span": [221, 2, 18],
+        "span": [256, 2, 18],
         "leadingComments": " The member's name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 1],
-        "span": [223, 2, 27],
+        "span": [258, 2, 27],
         "leadingComments": " Its kind (its stage).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 2],
-        "span": [225, 2, 19],
+        "span": [260, 2, 19],
         "leadingComments": " Whether prepare reached this member (false: a later stage never touched).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 3],
-        "span": [227, 2, 29],
+        "span": [262, 2, 29],
         "leadingComments": " Its state in its latest message.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 4],
-        "span": [229, 2, 32],
+        "span": [264, 2, 32],
         "leadingComments": " Its readiness in its latest message (at most 100 blockers).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 5],
-        "span": [231, 2, 16],
+        "span": [266, 2, 16],
         "leadingComments": " Whether the member's Prepare stream ended.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 6],
-        "span": [233, 2, 30],
+        "span": [268, 2, 30],
         "leadingComments": " The member's error, when its Prepare failed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4],
-        "span": [237, 0, 242, 1],
+        "span": [272, 0, 277, 1],
         "leadingComments": " A blocker and the member that reported it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 0],
-        "span": [239, 2, 20],
+        "span": [274, 2, 20],
         "leadingComments": " The member's name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 1],
-        "span": [241, 2, 22],
+        "span": [276, 2, 22],
         "leadingComments": " The blocker.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0],
-        "span": [245, 0, 254, 1],
+        "span": [280, 0, 289, 1],
         "leadingComments": " How a fleet prepare ended.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 0],
-        "span": [247, 2, 40],
+        "span": [282, 2, 40],
         "leadingComments": " Not final yet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 1],
-        "span": [249, 2, 37],
+        "span": [284, 2, 37],
         "leadingComments": " Every member is PREPARED.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 2],
-        "span": [251, 2, 41],
+        "span": [286, 2, 41],
         "leadingComments": " A stage missed the deadline; admission stays closed where prepare reached.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 3],
-        "span": [253, 2, 34],
+        "span": [288, 2, 34],
         "leadingComments": " A member's checkpoint ended while waiting (Resume or lease expiry).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5],
-        "span": [257, 0, 272, 1],
+        "span": [292, 0, 307, 1],
         "leadingComments": " The fleet's prepare progress.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 0],
-        "span": [259, 2, 28],
+        "span": [294, 2, 28],
         "leadingComments": " The stage being prepared (the kind of its members).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 1],
-        "span": [261, 2, 38],
+        "span": [296, 2, 38],
         "leadingComments": " Every member, in prepare order.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 2],
-        "span": [263, 2, 38],
+        "span": [298, 2, 38],
         "leadingComments": " Blockers of every member not yet prepared, at most 100 listed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 3],
-        "span": [265, 2, 27],
+        "span": [300, 2, 27],
         "leadingComments": " The number of all blockers.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 4],
-        "span": [267, 2, 22],
+        "span": [302, 2, 22],
         "leadingComments": " 1 for the first message of the stream, then +1 per message.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 5],
-        "span": [269, 2, 39],
+        "span": [304, 2, 39],
         "leadingComments": " Time since the call arrived.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 6],
-        "span": [271, 2, 34],
+        "span": [306, 2, 34],
         "leadingComments": " The outcome; set only on the final prepare message.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6],
-        "span": [275, 0, 280, 1],
+        "span": [310, 0, 315, 1],
         "leadingComments": " Request of CoordinatorService.Prepare.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6, 2, 0],
-        "span": [277, 2, 27],
+        "span": [312, 2, 27],
         "leadingComments": " The checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6, 2, 1],
-        "span": [279, 2, 41],
+        "span": [314, 2, 41],
         "leadingComments": " Absolute deadline for the whole fleet to be PREPARED. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7],
-        "span": [283, 0, 288, 1],
+        "span": [318, 0, 323, 1],
         "leadingComments": " One message of CoordinatorService.Prepare.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7, 2, 0],
-        "span": [285, 2, 29],
+        "span": [320, 2, 29],
         "leadingComments": " The fleet's progress.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7, 2, 1],
-        "span": [287, 2, 17],
+        "span": [322, 2, 17],
         "leadingComments": " True on the last message of the stream.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8],
-        "span": [291, 0, 302, 1],
+        "span": [326, 0, 337, 1],
         "leadingComments": " One member's part of a commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 0],
-        "span": [293, 2, 18],
+        "span": [328, 2, 18],
         "leadingComments": " The member's name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 1],
-        "span": [295, 2, 24],
+        "span": [330, 2, 24],
         "leadingComments": " Its published manifest.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 2],
-        "span": [297, 2, 29],
+        "span": [332, 2, 29],
         "leadingComments": " SHA-256 of its manifest.json bytes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 3],
-        "span": [299, 2, 31],
+        "span": [334, 2, 31],
         "leadingComments": " The sorted capture keys it exported.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 4],
-        "span": [301, 2, 30],
+        "span": [336, 2, 30],
         "leadingComments": " The sorted capture keys of restored-pending episodes it retired.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9],
-        "span": [305, 0, 316, 1],
+        "span": [340, 0, 351, 1],
         "leadingComments": " Request of CoordinatorService.Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 0],
-        "span": [307, 2, 27],
+        "span": [342, 2, 27],
         "leadingComments": " The active checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 1],
-        "span": [309, 2, 41],
+        "span": [344, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 2],
-        "span": [311, 2, 28],
+        "span": [346, 2, 28],
         "leadingComments": " The checkpoint directory every member writes its part into.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 3],
-        "span": [313, 2, 25],
+        "span": [348, 2, 25],
         "leadingComments": " The episodes the controller continues. Unset: see derive_scope.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 4],
-        "span": [315, 2, 24],
+        "span": [350, 2, 24],
         "leadingComments": " Derive the scope: the union of every member's live episodes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 10],
-        "span": [319, 0, 324, 1],
+        "span": [354, 0, 359, 1],
         "leadingComments": " Reply of CoordinatorService.Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 10, 2, 0],
-        "span": [321, 2, 36],
+        "span": [356, 2, 36],
         "leadingComments": " Every member's part, in prepare order.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 10, 2, 1],
-        "span": [323, 2, 31],
+        "span": [358, 2, 31],
         "leadingComments": " The scope sent to the members (when one was sent), sorted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11],
-        "span": [327, 0, 345, 1],
+        "span": [362, 0, 380, 1],
         "leadingComments": " Request of CoordinatorService.Restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 0],
-        "span": [329, 2, 27],
+        "span": [364, 2, 27],
         "leadingComments": " A fresh control id for this restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 1],
-        "span": [331, 2, 41],
+        "span": [366, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 2],
-        "span": [334, 2, 34],
+        "span": [369, 2, 34],
         "leadingComments":
           " The published checkpoint to restore: its id, or empty (or `LATEST`) for\n the one `<checkpoint_root>/LATEST` points at.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 3],
-        "span": [337, 2, 25],
+        "span": [372, 2, 25],
         "leadingComments":
           " The checkpointed episodes to continue. Unset: every episode the fleet\n manifest lists as continued.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 4],
-        "span": [344, 2, 18],
+        "span": [379, 2, 18],
         "leadingComments":
           " Sent to every member as ParticipantService.RestoreRequest.rejoin: restore\n a fleet whose members may have served (the survivors of a crash whose\n crashed member was replaced). Each such member first retires every\n episode it holds and forgets having served; a fresh member restores as\n without it. False: a member that has served refuses\n `FRESH_PROCESS_REQUIRED` and the whole restore fails.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12],
-        "span": [348, 0, 353, 1],
+        "span": [383, 0, 388, 1],
         "leadingComments": " One member's part of a restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 0],
-        "span": [350, 2, 18],
+        "span": [385, 2, 18],
         "leadingComments": " The member's name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 1],
-        "span": [352, 2, 31],
+        "span": [387, 2, 31],
         "leadingComments": " The sorted capture keys it installed (attempt N+1).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13],
-        "span": [356, 0, 365, 1],
+        "span": [391, 0, 400, 1],
         "leadingComments": " Reply of CoordinatorService.Restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13, 2, 0],
-        "span": [358, 2, 34],
+        "span": [393, 2, 34],
         "leadingComments": " The id of the checkpoint that was restored.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13, 2, 1],
-        "span": [360, 2, 37],
+        "span": [395, 2, 37],
         "leadingComments": " Every member's part, in prepare order.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13, 2, 2],
-        "span": [362, 2, 29],
+        "span": [397, 2, 29],
         "leadingComments": " The opaque controller state stored with the checkpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13, 2, 3],
-        "span": [364, 2, 35],
+        "span": [399, 2, 35],
         "leadingComments": " The continued episodes (attempt N), sorted; each resumes as attempt N+1.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14],
-        "span": [368, 0, 373, 1],
+        "span": [403, 0, 408, 1],
         "leadingComments": " Request of CoordinatorService.Resume.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 0],
-        "span": [370, 2, 27],
+        "span": [405, 2, 27],
         "leadingComments": " The checkpoint id to end.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 1],
-        "span": [372, 2, 41],
+        "span": [407, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15],
-        "span": [376, 0, 379, 1],
+        "span": [411, 0, 414, 1],
         "leadingComments": " Reply of CoordinatorService.Resume.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15, 2, 0],
-        "span": [378, 2, 41],
+        "span": [413, 2, 41],
         "leadingComments": " Members whose Resume was idempotent (nothing to end there).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16],
-        "span": [382, 0, 389, 1],
+        "span": [417, 0, 424, 1],
         "leadingComments": " Request of CoordinatorService.Retire.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16, 2, 0],
-        "span": [384, 2, 27],
+        "span": [419, 2, 27],
         "leadingComments": " In IDLE any valid id; in RESTORED the restore's id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16, 2, 1],
-        "span": [386, 2, 41],
+        "span": [421, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16, 2, 2],
-        "span": [388, 2, 34],
+        "span": [423, 2, 34],
         "leadingComments": " The attempts to retire. At least one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 17],
-        "span": [392, 0, 395, 1],
+        "span": [427, 0, 430, 1],
         "leadingComments": " Reply of CoordinatorService.Retire.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 17, 2, 0],
-        "span": [394, 2, 30],
+        "span": [429, 2, 30],
         "leadingComments": " The capture keys retired, in request order.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18],
-        "span": [398, 0, 405, 1],
+        "span": [433, 0, 440, 1],
         "leadingComments": " Request of CoordinatorService.Forget.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18, 2, 0],
-        "span": [400, 2, 27],
+        "span": [435, 2, 27],
         "leadingComments": " In IDLE any valid id; in RESTORED the restore's id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18, 2, 1],
-        "span": [402, 2, 41],
+        "span": [437, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18, 2, 2],
-        "span": [404, 2, 34],
+        "span": [439, 2, 34],
         "leadingComments": " The rollouts to forget. At least one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 19],
-        "span": [408, 0, 411, 1],
+        "span": [443, 0, 446, 1],
         "leadingComments": " Reply of CoordinatorService.Forget.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 19, 2, 0],
-        "span": [410, 2, 32],
+        "span": [445, 2, 32],
         "leadingComments": " The sorted rollout ids forgotten.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 20],
-        "span": [414, 0, 419, 1],
+        "span": [449, 0, 454, 1],
         "leadingComments": " Request of CoordinatorService.Renew.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 20, 2, 0],
-        "span": [416, 2, 27],
+        "span": [451, 2, 27],
         "leadingComments": " The active checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 20, 2, 1],
-        "span": [418, 2, 41],
+        "span": [453, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 21],
-        "span": [422, 0, 425, 1],
+        "span": [457, 0, 460, 1],
         "leadingComments": " Reply of CoordinatorService.Renew.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 21, 2, 0],
-        "span": [424, 2, 49],
+        "span": [459, 2, 49],
         "leadingComments": " The earliest lease expiry over the members.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22],
-        "span": [428, 0, 445, 1],
+        "span": [463, 0, 480, 1],
         "leadingComments": " Request of Checkpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 0],
-        "span": [431, 2, 27],
+        "span": [466, 2, 27],
         "leadingComments":
           " The checkpoint id; empty: the coordinator picks `ckpt-<UTC time>-<hex>`\n (a retry must then send the id of the first reply).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 1],
-        "span": [433, 2, 41],
+        "span": [468, 2, 41],
         "leadingComments": " Absolute deadline for the whole checkpoint. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 2],
-        "span": [435, 2, 25],
+        "span": [470, 2, 25],
         "leadingComments": " The episodes the controller continues. Unset: see derive_scope.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 3],
-        "span": [437, 2, 24],
+        "span": [472, 2, 24],
         "leadingComments": " Derive the scope from the fleet's live episodes after prepare.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 4],
-        "span": [439, 2, 29],
+        "span": [474, 2, 29],
         "leadingComments": " An opaque blob stored in the fleet manifest (the controller's own state).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 5],
-        "span": [441, 2, 23],
+        "span": [476, 2, 23],
         "leadingComments": " Leave the fleet closed after publishing (the controller stops next).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 6],
-        "span": [444, 2, 24],
+        "span": [479, 2, 24],
         "leadingComments":
           " Take the checkpoint with asynchronous commits (see Checkpoint). False:\n the fleet file's `async_commit` decides (default: synchronous).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1],
-        "span": [448, 0, 464, 1],
+        "span": [483, 0, 499, 1],
         "leadingComments": " The phase a Checkpoint call is in.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 0],
-        "span": [450, 2, 35],
+        "span": [485, 2, 35],
         "leadingComments": " Never sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 1],
-        "span": [452, 2, 31],
+        "span": [487, 2, 31],
         "leadingComments": " Preparing the fleet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 2],
-        "span": [454, 2, 30],
+        "span": [489, 2, 30],
         "leadingComments": " Committing every member.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 3],
-        "span": [456, 2, 31],
+        "span": [491, 2, 31],
         "leadingComments": " Writing the fleet manifest and LATEST.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 4],
-        "span": [458, 2, 30],
+        "span": [493, 2, 30],
         "leadingComments": " Resuming the fleet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 5],
-        "span": [460, 2, 28],
+        "span": [495, 2, 28],
         "leadingComments": " Finished (the final message).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 6],
-        "span": [463, 2, 35],
+        "span": [498, 2, 35],
         "leadingComments":
           " Asynchronous checkpoints only: the fleet was resumed after every member's\n snapshot; waiting until every part is durable (before PUBLISH).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23],
-        "span": [467, 0, 502, 1],
+        "span": [502, 0, 537, 1],
         "leadingComments": " The result of a Checkpoint call.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 0],
-        "span": [469, 2, 27],
+        "span": [504, 2, 27],
         "leadingComments": " The checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 1],
-        "span": [471, 2, 21],
+        "span": [506, 2, 21],
         "leadingComments": " True when the checkpoint was published.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 2],
-        "span": [473, 2, 23],
+        "span": [508, 2, 23],
         "leadingComments": " The published directory.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 3],
-        "span": [475, 2, 35],
+        "span": [510, 2, 35],
         "leadingComments": " SHA-256 of the fleet manifest's bytes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 4],
-        "span": [477, 2, 35],
+        "span": [512, 2, 35],
         "leadingComments": " The continued episodes, sorted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 5],
-        "span": [479, 2, 26],
+        "span": [514, 2, 26],
         "leadingComments": " Records over all members.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 6],
-        "span": [481, 2, 19],
+        "span": [516, 2, 19],
         "leadingComments": " Bytes of records over all members.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 7],
-        "span": [483, 2, 42],
+        "span": [518, 2, 42],
         "leadingComments": " How the prepare ended.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 8],
-        "span": [485, 2, 48],
+        "span": [520, 2, 48],
         "leadingComments": " Time from the call to PREPARED.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 9],
-        "span": [487, 2, 48],
+        "span": [522, 2, 48],
         "leadingComments": " Time the commit took.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 10],
-        "span": [489, 2, 49],
+        "span": [524, 2, 49],
         "leadingComments": " Time the publication took.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 11],
-        "span": [492, 2, 49],
+        "span": [527, 2, 49],
         "leadingComments":
           " Asynchronous checkpoints: from the resume until every part was durable\n (`commit_duration` is then the snapshot's).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 12],
-        "span": [496, 2, 46],
+        "span": [531, 2, 46],
         "leadingComments":
           " Time from the call until every member had answered its Resume: the\n fleet's pause as the coordinator saw it. Unset when the fleet was not\n resumed by this call (not prepared, or `keep_closed`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 13],
-        "span": [501, 2, 51],
+        "span": [536, 2, 51],
         "leadingComments":
           " Time spent deleting the checkpoints retention no longer keeps. It runs\n after the resume (after publishing, for an asynchronous checkpoint), so\n it is part of the call but not of the fleet's pause; a failed deletion is\n logged and retried by the next publication, never an error of this call.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24],
-        "span": [505, 0, 514, 1],
+        "span": [540, 0, 549, 1],
         "leadingComments": " One message of Checkpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 0],
-        "span": [507, 2, 28],
+        "span": [542, 2, 28],
         "leadingComments": " The phase this message reports.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 1],
-        "span": [509, 2, 29],
+        "span": [544, 2, 29],
         "leadingComments": " The prepare progress (phase PREPARE, and on the final message).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 2],
-        "span": [511, 2, 17],
+        "span": [546, 2, 17],
         "leadingComments": " True on the last message of the stream.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 3],
-        "span": [513, 2, 30],
+        "span": [548, 2, 30],
         "leadingComments": " The result (final message only).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 25],
-        "span": [517, 0, 523, 1],
+        "span": [552, 0, 558, 1],
         "leadingComments": " Request of WatchFleet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 25, 2, 0],
-        "span": [520, 2, 28],
+        "span": [555, 2, 28],
         "leadingComments":
           " Replay the held events whose sequence is above this one first; 0 replays\n every held event.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 25, 2, 1],
-        "span": [522, 2, 21],
+        "span": [557, 2, 21],
         "leadingComments": " Send only new events (no replay at all); `after_sequence` is ignored.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26],
-        "span": [526, 0, 529, 1],
+        "span": [561, 0, 564, 1],
         "leadingComments": " One message of WatchFleet: exactly one event.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26, 2, 0],
-        "span": [528, 2, 23],
+        "span": [563, 2, 23],
         "leadingComments": " The event.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27],
-        "span": [532, 0, 561, 1],
+        "span": [567, 0, 596, 1],
         "leadingComments": " Something that happened to the fleet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 0],
-        "span": [534, 2, 22],
+        "span": [569, 2, 22],
         "leadingComments": " 1 for the coordinator process's first event, then +1 per event.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 1],
-        "span": [536, 2, 37],
+        "span": [571, 2, 37],
         "leadingComments": " When it happened.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 2],
-        "span": [538, 2, 33],
+        "span": [573, 2, 33],
         "leadingComments": " A random id, new for every coordinator process.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 8, 0],
-        "span": [540, 2, 560, 3],
+        "span": [575, 2, 595, 3],
         "leadingComments": " What happened.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 3],
-        "span": [542, 4, 31],
+        "span": [577, 4, 31],
         "leadingComments": " A member answers: first seen, or back with the same boot id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 4],
-        "span": [544, 4, 33],
+        "span": [579, 4, 33],
         "leadingComments": " A member stopped answering (its health stream broke or a probe failed).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 5],
-        "span": [547, 4, 37],
+        "span": [582, 4, 37],
         "leadingComments":
           " A member answers with a new boot id: its process was replaced and its\n in-memory state is gone.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 6],
-        "span": [549, 4, 49],
+        "span": [584, 4, 49],
         "leadingComments": " The supervisor published a checkpoint (`LATEST` points at it).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 7],
-        "span": [551, 4, 56],
+        "span": [586, 4, 56],
         "leadingComments": " A supervisor checkpoint was not published (aborted; the fleet resumed).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 8],
-        "span": [553, 4, 41],
+        "span": [588, 4, 41],
         "leadingComments": " The supervisor starts recovering the fleet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 9],
-        "span": [555, 4, 44],
+        "span": [590, 4, 44],
         "leadingComments": " The fleet is open again after a recovery.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 10],
-        "span": [557, 4, 40],
+        "span": [592, 4, 40],
         "leadingComments": " One recovery try failed; the supervisor tries again after a backoff.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 11],
-        "span": [559, 4, 43],
+        "span": [594, 4, 43],
         "leadingComments": " The restart strategy's limit is reached: the supervisor stopped acting.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28],
-        "span": [564, 0, 572, 1],
+        "span": [599, 0, 607, 1],
         "leadingComments": " A member's change.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28, 2, 0],
-        "span": [567, 2, 20],
+        "span": [602, 2, 20],
         "leadingComments":
           " The member now (its boot id is the new one for `member_replaced`; kind\n and instance are unset while it never answered).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28, 2, 1],
-        "span": [569, 2, 30],
+        "span": [604, 2, 30],
         "leadingComments": " The boot id before (set for `member_replaced`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28, 2, 2],
-        "span": [571, 2, 20],
+        "span": [606, 2, 20],
         "leadingComments": " Why, in words (for `member_down`: the transport error).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29],
-        "span": [575, 0, 586, 1],
+        "span": [610, 0, 621, 1],
         "leadingComments": " A checkpoint the supervisor published.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 0],
-        "span": [577, 2, 27],
+        "span": [612, 2, 27],
         "leadingComments": " Its id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 1],
-        "span": [579, 2, 23],
+        "span": [614, 2, 23],
         "leadingComments": " Its directory.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 2],
-        "span": [581, 2, 35],
+        "span": [616, 2, 35],
         "leadingComments": " The episodes it continues, sorted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 3],
-        "span": [583, 2, 26],
+        "span": [618, 2, 26],
         "leadingComments": " Records over all members.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 4],
-        "span": [585, 2, 19],
+        "span": [620, 2, 19],
         "leadingComments": " Bytes of records over all members.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30],
-        "span": [589, 0, 598, 1],
+        "span": [624, 0, 633, 1],
         "leadingComments": " A supervisor checkpoint that was not published.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30, 2, 0],
-        "span": [591, 2, 27],
+        "span": [626, 2, 27],
         "leadingComments": " Its id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30, 2, 1],
-        "span": [593, 2, 42],
+        "span": [628, 2, 42],
         "leadingComments": " How its prepare ended (NOT_PREPARED: the blockers are listed).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30, 2, 2],
-        "span": [595, 2, 38],
+        "span": [630, 2, 38],
         "leadingComments": " Blockers of the members not prepared, at most 100.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30, 2, 3],
-        "span": [597, 2, 30],
+        "span": [632, 2, 30],
         "leadingComments": " The failure, when a call failed (unset for NOT_PREPARED or ENDED).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 31],
-        "span": [601, 0, 613, 1],
+        "span": [636, 0, 648, 1],
         "leadingComments": " A recovery starting.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 31, 2, 0],
-        "span": [605, 2, 25],
+        "span": [640, 2, 25],
         "leadingComments":
           " The control id of the recovery's Restore and Resume (derived from the\n source checkpoint and the members' boot ids, so two supervisors that see\n the same fleet send the same calls and the members replay them).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 31, 2, 1],
-        "span": [608, 2, 34],
+        "span": [643, 2, 34],
         "leadingComments":
           " The published checkpoint restored; empty when there is none yet (the\n fresh members are only opened).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 31, 2, 2],
-        "span": [610, 2, 39],
+        "span": [645, 2, 39],
         "leadingComments": " The members that were replaced (or started closed) and caused it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 31, 2, 3],
-        "span": [612, 2, 24],
+        "span": [647, 2, 24],
         "leadingComments": " 1 for the first try within the restart strategy's window, then +1.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32],
-        "span": [616, 0, 632, 1],
+        "span": [651, 0, 667, 1],
         "leadingComments": " A recovery that finished: the whole fleet is open again.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32, 2, 0],
-        "span": [618, 2, 25],
+        "span": [653, 2, 25],
         "leadingComments": " As in RecoveryStarted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32, 2, 1],
-        "span": [620, 2, 34],
+        "span": [655, 2, 34],
         "leadingComments": " As in RecoveryStarted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32, 2, 2],
-        "span": [623, 2, 35],
+        "span": [658, 2, 35],
         "leadingComments":
           " The continued rollouts, each as its new attempt (N+1), sorted: re-send\n each as that attempt; it continues from its last safe point.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32, 2, 3],
-        "span": [627, 2, 35],
+        "span": [662, 2, 35],
         "leadingComments":
           " Rollouts that were in flight but are not continued (they started after\n the checkpoint, or it did not cover them), each at the highest attempt\n that was retired: re-send each from its input as the next attempt.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32, 2, 4],
-        "span": [629, 2, 29],
+        "span": [664, 2, 29],
         "leadingComments": " The opaque controller state stored with the checkpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 32, 2, 5],
-        "span": [631, 2, 40],
+        "span": [666, 2, 40],
         "leadingComments": " From the first sign of the replacement to the fleet open again.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 33],
-        "span": [635, 0, 642, 1],
+        "span": [670, 0, 677, 1],
         "leadingComments": " One recovery try that failed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 33, 2, 0],
-        "span": [637, 2, 25],
+        "span": [672, 2, 25],
         "leadingComments": " As in RecoveryStarted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 33, 2, 1],
-        "span": [639, 2, 30],
+        "span": [674, 2, 30],
         "leadingComments": " The failure (a member's refusal or `PARTICIPANT_UNREACHABLE`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 33, 2, 2],
-        "span": [641, 2, 40],
+        "span": [676, 2, 40],
         "leadingComments": " When the next try starts.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 34],
-        "span": [645, 0, 650, 1],
+        "span": [680, 0, 685, 1],
         "leadingComments": " The restart strategy's limit was reached.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 34, 2, 0],
-        "span": [647, 2, 20],
+        "span": [682, 2, 20],
         "leadingComments": " Why, in words (the limit and the last failure).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 34, 2, 1],
-        "span": [649, 2, 30],
+        "span": [684, 2, 30],
         "leadingComments": " The last failure.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 2],
+        "span": [688, 0, 698, 1],
+        "leadingComments": " How an attempt of the history ended.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 2, 2, 0],
+        "span": [690, 2, 33],
+        "leadingComments": " Any status (a filter that filters nothing); never an attempt's.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 2, 2, 1],
+        "span": [692, 2, 31],
+        "leadingComments": " Published (a checkpoint) or restored and resumed (a restore).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 2, 2, 2],
+        "span": [694, 2, 28],
+        "leadingComments": " An error ended it (`reason`, `failed_members`); nothing was published.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 2, 2, 3],
+        "span": [697, 2, 29],
+        "leadingComments":
+          " It stopped without an error of its own (not prepared by the deadline,\n or interrupted); the fleet was resumed.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 3],
+        "span": [701, 0, 708, 1],
+        "leadingComments": " What an attempt of the history did.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 3, 2, 0],
+        "span": [703, 2, 36],
+        "leadingComments": " Any operation (a filter that filters nothing); never an attempt's.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 3, 2, 1],
+        "span": [705, 2, 35],
+        "leadingComments": " A checkpoint of the fleet.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [5, 3, 2, 2],
+        "span": [707, 2, 32],
+        "leadingComments": " A restore of the fleet from a published checkpoint.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 35],
+        "span": [712, 0, 718, 1],
+        "leadingComments":
+          " One step of an attempt. The steps follow each other without a gap from the\n attempt's `started_at`.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 35, 2, 0],
+        "span": [715, 2, 19],
+        "leadingComments":
+          " The step (`prepare`, `commit`, `snapshot`, `resume`, `await_parts`,\n `publish`, `retention`, `restore`, ...).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 35, 2, 1],
+        "span": [717, 2, 21],
+        "leadingComments": " How long it took, in seconds.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36],
+        "span": [721, 0, 762, 1],
+        "leadingComments": " One checkpoint or restore attempted, as a list shows it (no member details).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 0],
+        "span": [723, 2, 16],
+        "leadingComments": " The checkpoint's id, or the restore's control id.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 1],
+        "span": [725, 2, 33],
+        "leadingComments": " Checkpoint or restore.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 2],
+        "span": [727, 2, 21],
+        "leadingComments": " What started it: `manual`, `periodic`, `signal` or `supervisor`.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 3],
+        "span": [729, 2, 18],
+        "leadingComments": " `sync` or `async` (checkpoints); `rejoin` or `fresh` (restores).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 4],
+        "span": [731, 2, 27],
+        "leadingComments": " How it ended.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 5],
+        "span": [733, 2, 43],
+        "leadingComments": " When it started.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 6],
+        "span": [735, 2, 41],
+        "leadingComments": " When it ended.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 7],
+        "span": [737, 2, 30],
+        "leadingComments": " From start to end, in seconds.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 8],
+        "span": [740, 2, 20],
+        "leadingComments":
+          " The typed reason of a failure (an `ErrorReason` without its prefix, or\n NOT_PREPARED, ENDED, INTERRUPTED).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 9],
+        "span": [742, 2, 22],
+        "leadingComments": " The failure's message (at most 500 characters).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 10],
+        "span": [744, 2, 38],
+        "leadingComments": " The members that caused the failure.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 11],
+        "span": [746, 2, 36],
+        "leadingComments": " Its steps, in order.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 12],
+        "span": [748, 2, 22],
+        "leadingComments": " Members of the fleet.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 13],
+        "span": [750, 2, 22],
+        "leadingComments": " Records written (checkpoints) over all members.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 14],
+        "span": [752, 2, 20],
+        "leadingComments": " Bytes of records written (checkpoints) over all members.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 15],
+        "span": [754, 2, 21],
+        "leadingComments": " Restores: the published checkpoint restored.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 16],
+        "span": [757, 2, 24],
+        "leadingComments": " Episodes continued (checkpoints: published as continued; restores:\n restored).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 17],
+        "span": [759, 2, 24],
+        "leadingComments": " Restores by recovery: rollouts in flight that restart from their inputs.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 36, 2, 18],
+        "span": [761, 2, 24],
+        "leadingComments": " Whether its per-member details are still kept (the newest 100 attempts).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37],
+        "span": [765, 0, 796, 1],
+        "leadingComments": " One member's part in one attempt.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 0],
+        "span": [767, 2, 18],
+        "leadingComments": " The member's name.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 1],
+        "span": [769, 2, 27],
+        "leadingComments": " Its kind.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 2],
+        "span": [771, 2, 22],
+        "leadingComments": " Its instance name.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 3],
+        "span": [773, 2, 18],
+        "leadingComments": " Where its part is (checkpoints).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 4],
+        "span": [775, 2, 21],
+        "leadingComments": " Records it wrote.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 5],
+        "span": [777, 2, 19],
+        "leadingComments": " Bytes of records it wrote.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 6],
+        "span": [780, 2, 39],
+        "leadingComments": " Seconds from the prepare's start until it reported PREPARED (unset: it\n never did).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 7],
+        "span": [782, 2, 26],
+        "leadingComments": " The most blockers it reported at once while preparing.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 8],
+        "span": [784, 2, 29],
+        "leadingComments": " Seconds it reported blockers: from the first report until it prepared.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 9],
+        "span": [786, 2, 20],
+        "leadingComments": " Its typed reason when it caused the failure.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 10],
+        "span": [789, 2, 38],
+        "leadingComments": " Seconds from the commit call to its reply (checkpoints; unset: it never\n replied).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 11],
+        "span": [792, 2, 39],
+        "leadingComments":
+          " Seconds from the commit call until its part was durable (asynchronous\n commits; unset: not asynchronous, or it never became durable).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 37, 2, 12],
+        "span": [795, 2, 39],
+        "leadingComments": " Seconds from the restore call to its reply (restores; unset: it never\n replied).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 38],
+        "span": [800, 0, 809, 1],
+        "leadingComments":
+          " Attempts of the whole history by how they ended (checkpoints), and\n restores of any status.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 38, 2, 0],
+        "span": [802, 2, 23],
+        "leadingComments": " Checkpoints completed.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 38, 2, 1],
+        "span": [804, 2, 20],
+        "leadingComments": " Checkpoints failed.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 38, 2, 2],
+        "span": [806, 2, 21],
+        "leadingComments": " Checkpoints aborted.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 38, 2, 3],
+        "span": [808, 2, 22],
+        "leadingComments": " Restores attempted (any status).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 39],
+        "span": [812, 0, 823, 1],
+        "leadingComments": " Request of ListCheckpoints.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 39, 2, 0],
+        "span": [815, 2, 22],
+        "leadingComments":
+          " The most attempts to return: 0 means 50, more than 1000 means 1000.\n Negative is `INVALID_REQUEST`.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 39, 2, 1],
+        "span": [818, 2, 24],
+        "leadingComments":
+          " `next_page_token` of the previous page, with the same filters; empty for\n the first page.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 39, 2, 2],
+        "span": [820, 2, 27],
+        "leadingComments": " Only attempts that ended so (UNSPECIFIED: any).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 39, 2, 3],
+        "span": [822, 2, 33],
+        "leadingComments": " Only attempts of this operation (UNSPECIFIED: any).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 40],
+        "span": [826, 0, 838, 1],
+        "leadingComments": " Reply of ListCheckpoints.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 40, 2, 0],
+        "span": [828, 2, 35],
+        "leadingComments": " The attempts of this page, newest first, without member details.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 40, 2, 1],
+        "span": [830, 2, 29],
+        "leadingComments": " The token of the next page; empty on the last page.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 40, 2, 2],
+        "span": [832, 2, 24],
+        "leadingComments": " Attempts matching the filters in the whole history.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 40, 2, 3],
+        "span": [834, 2, 27],
+        "leadingComments": " Counts over the whole history (the filters do not apply).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 40, 2, 4],
+        "span": [837, 2, 29],
+        "leadingComments":
+          " Set when the history's index could not be read (corrupt, or of a newer\n format): why; the list is then empty.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 41],
+        "span": [841, 0, 844, 1],
+        "leadingComments": " Request of GetCheckpoint.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 41, 2, 0],
+        "span": [843, 2, 16],
+        "leadingComments": " The checkpoint's id, or the restore's control id.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 42],
+        "span": [847, 0, 858, 1],
+        "leadingComments": " Reply of GetCheckpoint.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 42, 2, 0],
+        "span": [849, 2, 25],
+        "leadingComments": " The attempt (the newest of that id).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 42, 2, 1],
+        "span": [852, 2, 37],
+        "leadingComments":
+          " Its members' details, in the fleet's order; empty when they were\n dropped, cannot be read, or the attempt recorded none.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 42, 2, 2],
+        "span": [855, 2, 27],
+        "leadingComments": " True when the attempt is older than the newest 100, whose details alone\n are kept.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 42, 2, 3],
+        "span": [857, 2, 29],
+        "leadingComments": " Set when its details exist but cannot be read: why.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }],
@@ -9350,6 +12462,8 @@ export const protoMetadata: ProtoMetadata = {
   references: {
     ".rollout_checkpoint.v1.FleetPrepareOutcome": FleetPrepareOutcome,
     ".rollout_checkpoint.v1.CheckpointPhase": CheckpointPhase,
+    ".rollout_checkpoint.v1.AttemptStatus": AttemptStatus,
+    ".rollout_checkpoint.v1.AttemptOperation": AttemptOperation,
     ".rollout_checkpoint.v1.Member": Member,
     ".rollout_checkpoint.v1.ListParticipantsRequest": ListParticipantsRequest,
     ".rollout_checkpoint.v1.ListParticipantsResponse": ListParticipantsResponse,
@@ -9385,6 +12499,14 @@ export const protoMetadata: ProtoMetadata = {
     ".rollout_checkpoint.v1.RecoveryFinished": RecoveryFinished,
     ".rollout_checkpoint.v1.RecoveryFailed": RecoveryFailed,
     ".rollout_checkpoint.v1.RecoveryGivenUp": RecoveryGivenUp,
+    ".rollout_checkpoint.v1.AttemptStage": AttemptStage,
+    ".rollout_checkpoint.v1.Attempt": Attempt,
+    ".rollout_checkpoint.v1.AttemptMember": AttemptMember,
+    ".rollout_checkpoint.v1.AttemptCounts": AttemptCounts,
+    ".rollout_checkpoint.v1.ListCheckpointsRequest": ListCheckpointsRequest,
+    ".rollout_checkpoint.v1.ListCheckpointsResponse": ListCheckpointsResponse,
+    ".rollout_checkpoint.v1.GetCheckpointRequest": GetCheckpointRequest,
+    ".rollout_checkpoint.v1.GetCheckpointResponse": GetCheckpointResponse,
     ".rollout_checkpoint.v1.CoordinatorService": CoordinatorServiceClient,
   },
   dependencies: [protoMetadata1, protoMetadata2, protoMetadata3, protoMetadata4],
@@ -9396,6 +12518,10 @@ function bytesFromBase64(b64: string): Uint8Array {
 
 function base64FromBytes(arr: Uint8Array): string {
   return globalThis.Buffer.from(arr).toString("base64");
+}
+
+function floatToJson(value: number | null | undefined): number | string | null | undefined {
+  return typeof value === "number" && !globalThis.Number.isFinite(value) ? globalThis.String(value) : value;
 }
 
 type Builtin = Date | Function | Uint8Array | string | number | boolean | undefined;
