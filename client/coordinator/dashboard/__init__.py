@@ -1,9 +1,10 @@
 """The coordinator's dashboard: one page and its assets, shipped in the package and served by
 the coordinator's HTTP port at `/` and `/static/<name>`.
 
-The page holds no data: it reads the JSON API (`/fleet`, `/checkpoints`, `/checkpoints/{id}`)
-with the bearer token the operator gives it, so the page and its assets are served without
-one (`is_public`) and everything it shows stays behind the token.
+The page holds no data: it reads the JSON API (`/checkpoints`, `/checkpoints/{id}`, and
+`/fleet/status`, added here: `fleet_status`) with the bearer token the operator gives it, so
+the page and its files are served without one (`dashboard_app` routes them before the API's
+token middleware) and everything it shows stays behind the token.
 
 Why each rule:
 
@@ -28,9 +29,13 @@ from __future__ import annotations
 import asyncio
 from importlib import resources
 
+from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from rollout_checkpoint.client.coordinator.dashboard.fleet_status import FleetStatus
+from rollout_checkpoint.client.fleet import FleetSpec
 
 PAGE = "index.html"
 STATIC_PREFIX = "/static/"
@@ -54,9 +59,17 @@ SECURITY_HEADERS = {
 }
 
 
-def is_public(path: str) -> bool:
-    """Whether `path` is one of the dashboard's files, served without the bearer token."""
-    return path == "/" or path.startswith(STATIC_PREFIX)
+def dashboard_app(api: Starlette, spec: FleetSpec) -> Starlette:
+    """The coordinator's HTTP app with the dashboard: the page and its files first (no
+    token: they hold no data), then `api` (`http_api.coordinator_app`, behind the token) for
+    every other path, with `/fleet/status` added to it."""
+    status = FleetStatus(spec)
+
+    async def fleet_status(request: Request) -> Response:
+        return JSONResponse(await status.read())
+
+    api.add_route("/fleet/status", fleet_status, methods=["GET"])
+    return Starlette(routes=[*dashboard_routes(), Mount("", app=api)])
 
 
 class DashboardAssets:
@@ -99,6 +112,4 @@ def dashboard_routes(assets: DashboardAssets | None = None) -> list[Route]:
 
 
 async def _served(files: DashboardAssets, name: str) -> Response:
-    return Response(
-        await files.read(name), media_type=ASSETS[name], headers=dict(SECURITY_HEADERS)
-    )
+    return Response(await files.read(name), media_type=ASSETS[name], headers=dict(SECURITY_HEADERS))

@@ -149,7 +149,7 @@
 
   async function refresh() {
     const [fleet, listed] = await Promise.all([
-      api("/fleet"),
+      api("/fleet/status"),
       api(`/checkpoints?page_size=${PAGE_SIZE}`),
     ]);
     const entries = (listed.checkpoints || []).map(attempt);
@@ -226,17 +226,25 @@
     return `status-${String(value).replace(/[^a-z_]/g, "")}`;
   }
 
+  // A member that answered has a state and a readiness; one that did not, the reason.
+  function readinessText(member) {
+    if (member.health !== "serving") return member.error || "";
+    if (member.ready) return "ready";
+    return `not ready: ${count(member.blockers)} blocker(s)`;
+  }
+
   function renderFleet(members) {
     const rows = members.map((member) => {
       const tr = document.createElement("tr");
-      const health = String(member.health || "unknown").toLowerCase();
+      const health = String(member.health || "unknown");
+      tr.dataset.member = member.name;
       tr.append(
         cell(member.name),
         cell(member.kind),
         cell(member.address),
-        cell(health, `health-${health.replace(/[^a-z_]/g, "")}`),
-        cell(member.readiness ?? ""),
-        cell(member.state ?? ""),
+        cell(health, `health health-${health.replace(/[^a-z_]/g, "")}`),
+        cell(readinessText(member), "readiness"),
+        cell(member.state ? `${member.state}, admission ${member.admission}` : ""),
       );
       return tr;
     });
