@@ -138,6 +138,10 @@ def browser(profile: Path) -> Iterator[WebDriver]:
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     # An explicit chromedriver: Selenium Manager (which would download one) never runs.
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    # The page's own size, exactly (--window-size counts the window's frame too).
+    width, height = WINDOW
+    metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
     driver.set_page_load_timeout(BROWSER_SECONDS)
     driver.set_script_timeout(BROWSER_SECONDS)
     try:

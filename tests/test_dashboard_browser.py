@@ -13,6 +13,7 @@ history. Without the token the page asks for it and reads nothing.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from .dashboard_fleet import (
     take_checkpoints,
     wait,
 )
-from .processes import kill_group
+from .processes import REPO, kill_group
 from .test_fleet_cli import Process, RealFleet
 
 HOSTILE_ID = '<img src=x onerror="window.pwned=1">'
@@ -183,7 +184,7 @@ def test_the_restarted_coordinators_page_shows_the_whole_history(dashboard: Dash
     refused = history_row(driver, REFUSED)
     assert refused[10] == "PARTICIPANT_FAILED (counter)"
     counts = dict(zip(texts(driver, "#counts dt"), texts(driver, "#counts dd"), strict=True))
-    assert counts["COMPLETED"] == "3" and counts["FAILED"] == "2" and counts["RESTORES"] == "1"
+    assert counts["completed"] == "3" and counts["failed"] == "2" and counts["restores"] == "1"
 
     (restore,) = table(driver, "#restores")
     assert restore[:5] == [RESTORE, ASYNC, "rejoin", "manual", "completed"]
@@ -258,7 +259,8 @@ def test_the_page_loads_nothing_from_elsewhere_and_sends_its_policy(dashboard: D
         assert served.status_code == 200, path
         for name, value in SECURITY_HEADERS.items():
             assert served.headers[name] == value, (path, name)
-    assert dashboard.api("/static/..%2F__init__.py", token=None).status_code == 404
+    # Not one of the page's files: never served (a `/` inside the name is no static route).
+    assert dashboard.api("/static/..%2F__init__.py", token=None).status_code != 200
     assert dashboard.api("/static/vendored.json", token=None).status_code == 404
     for path in ("/checkpoints", "/fleet/status", f"/checkpoints/{REFUSED}"):
         assert dashboard.api(path, token=None).status_code == 401, path
@@ -280,3 +282,17 @@ def test_a_new_checkpoint_and_a_member_down_show_without_a_reload(dashboard: Das
     assert driver.execute_script("return window.stillTheSamePage === true")
     assert driver.execute_script("return performance.getEntriesByType('navigation').length") == 1
     assert console_errors(driver) == []
+
+
+def test_the_screenshot_script_says_how_to_call_it() -> None:
+    run = subprocess.run(
+        ["bash", str(REPO / "scripts" / "dashboard-screenshot")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (run.returncode, run.stderr.strip()) == (
+        2,
+        "usage: scripts/dashboard-screenshot OUT.png",
+    )

@@ -15,7 +15,7 @@
 (() => {
   const POLL_MS = 2000;
   const PAGE_SIZE = 100;
-  const CHART_HEIGHT = 260;
+  const CHART_HEIGHT = 220;
   const TOKEN_KEY = "rollout-checkpoint.token";
   const STAGES = ["prepare", "scope", "commit", "snapshot", "publish", "resume", "durable", "retention"];
   const STAGE_COLORS = {
