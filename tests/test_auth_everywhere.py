@@ -84,6 +84,8 @@ def coordinator_requests(deadline: float, directory: str) -> dict[str, Message]:
         ),
         "Renew": cpb.CoordinatorServiceRenewRequest(checkpoint_id="auth-1", deadline=d),
         "Checkpoint": cpb.CheckpointRequest(checkpoint_id="auth-1", deadline=d, derive_scope=True),
+        "ListCheckpoints": cpb.ListCheckpointsRequest(),
+        "GetCheckpoint": cpb.GetCheckpointRequest(id="auth-1"),
     }
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 async def coordinator_verb(args: argparse.Namespace) -> int:
     """Serve the coordinator until SIGTERM or SIGINT; `CliError` (exit 8) when its address is taken, `FleetConfigError` for a missing fleet file."""
+    from rollout_checkpoint.client.coordinator.http_listener import HttpBindError
     from rollout_checkpoint.client.coordinator.service import Coordinator
 
     if not args.fleet.is_file():
@@ -51,6 +52,7 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         supervise=supervise,
         credentials=credentials,
         health_address=args.health_address,
+        http_address=args.http_address,
     )
 
     def announce(server: Coordinator) -> None:
@@ -62,6 +64,8 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         }
         if server.health_listener is not None:
             line["health"] = server.health_listener.bound_address
+        if server.http_listener is not None:
+            line["http"] = server.http_listener.bound_address
         print(json.dumps(line), flush=True)
 
     stopping = asyncio.Event()
@@ -72,7 +76,11 @@ async def coordinator_verb(args: argparse.Namespace) -> int:
         except RuntimeError as error:
             if "bind" not in str(error).lower():
                 raise
-            address = error.address if isinstance(error, HealthBindError) else args.grpc_address
+            address = (
+                error.address
+                if isinstance(error, (HealthBindError, HttpBindError))
+                else args.grpc_address
+            )
             raise CliError(
                 ExitCode.ADDRESS_IN_USE, f"cannot listen on {address}: in use or invalid"
             ) from None

@@ -222,7 +222,8 @@ def add_fleet_verbs(verbs: Any) -> None:
         help="serve CoordinatorService for a fleet",
         description="Serve rollout_checkpoint.v1.CoordinatorService for one fleet: the fleet "
         "verbs as typed RPCs for controllers in any language. Prints one JSON line "
-        "(`grpc`, `pid`, `members`, and `health` with --health-address) once it listens; "
+        "(`grpc`, `pid`, `members`, `health` with --health-address and `http` with "
+        "--http-address) once it listens; "
         "SIGTERM stops it.",
         epilog=epilog(
             "rollout-checkpoint coordinator --fleet fleet.toml --grpc-address 0.0.0.0:9100"
@@ -241,6 +242,13 @@ def add_fleet_verbs(verbs: Any) -> None:
         help="HOST:PORT of a plaintext port serving gRPC health only, even with TLS on "
         "--grpc-address (Kubernetes' native grpc: probes cannot speak TLS); announced as "
         "`health` (default: none)",
+    )
+    sub.add_argument(
+        "--http-address",
+        default=None,
+        help="HOST:PORT of an HTTP port serving the checkpoint history and the fleet as JSON "
+        "(GET /checkpoints, /checkpoints/latest, /checkpoints/ID, /fleet), behind the same "
+        "bearer token; announced as `http` (default: none)",
     )
     sub.add_argument(
         "--reflection", action="store_true", help="serve gRPC server reflection (for grpcurl)"

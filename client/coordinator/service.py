@@ -45,6 +45,9 @@ from rollout_checkpoint.client.coordinator.calls import (
     status_of,
 )
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
+from rollout_checkpoint.client.coordinator.history_api import CheckpointHistoryApi
+from rollout_checkpoint.client.coordinator.http_api import coordinator_app
+from rollout_checkpoint.client.coordinator.http_listener import HttpListener
 from rollout_checkpoint.client.coordinator.supervisor import Supervisor, SupervisorSettings
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
@@ -107,6 +110,7 @@ class CoordinatorServicer:
         self.member_watch: FleetWatch | None = None
         """Started by the first WatchFleet of a coordinator that does not supervise (a
         supervisor watches the members itself)."""
+        self.history = CheckpointHistoryApi(spec)
         self._fleet: Fleet | None = None
         self._discovery = asyncio.Lock()
 
@@ -319,6 +323,14 @@ class CoordinatorServicer:
         async for event in self.events.read(request.after_sequence, live_only=request.live_only):
             yield cpb.WatchFleetResponse(event=event)
 
+    async def list_checkpoints(
+        self, request: cpb.ListCheckpointsRequest
+    ) -> cpb.ListCheckpointsResponse:
+        return await self.history.list_checkpoints(request)
+
+    async def get_checkpoint(self, request: cpb.GetCheckpointRequest) -> cpb.GetCheckpointResponse:
+        return await self.history.get_checkpoint(request)
+
     # -- checks -------------------------------------------------------------------------
 
     def _deadline(self, request: Any, field: str, *, allow_past: bool = False) -> float:
@@ -440,7 +452,9 @@ class Coordinator:
     With `credentials` (`server_credentials`) its port is TLS, optionally mutual: controllers
     in other pods send the fleet's token with every call, which plaintext would expose. With
     `health_address` a second port, plaintext whatever `credentials` say, serves the same
-    health servicer and nothing else, for the kubelet's native `grpc:` probes."""
+    health servicer and nothing else, for the kubelet's native `grpc:` probes. With
+    `http_address` an HTTP port serves the history API and the fleet as JSON
+    (`http_api.coordinator_app`, behind the same token) in the same event loop."""
 
     def __init__(
         self,
@@ -452,6 +466,7 @@ class Coordinator:
         supervise: SupervisorSettings | None = None,
         credentials: grpc.ServerCredentials | None = None,
         health_address: str | None = None,
+        http_address: str | None = None,
     ) -> None:
         if reflection_enabled:  # MissingExtra now, as one line, not once the server starts
             require(REFLECTION, "coordinator --reflection")
@@ -471,6 +486,10 @@ class Coordinator:
         self.credentials = credentials
         self.health_address = health_address
         self.health_listener: HealthListener | None = None
+        self.http_listener = (
+            HttpListener(coordinator_app(self), http_address) if http_address else None
+        )
+        """Its `app` may mount more routes before `start`."""
         self.port: int | None = None
         self._server: aio.Server | None = None
 
@@ -492,12 +511,16 @@ class Coordinator:
         else:
             self.port = server.add_secure_port(self.address, self.credentials)
         self.health_listener = bind_health_listener(self.health, self.health_address, hostile)
+        if self.http_listener is not None:
+            self.http_listener.bind()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
         if self.health_listener is not None:
             await self.health_listener.start()
+        if self.http_listener is not None:
+            await self.http_listener.start()
         if self.supervisor is not None:
             await self.supervisor.start()
         return self.port
@@ -511,6 +534,8 @@ class Coordinator:
         elif self.servicer.member_watch is not None:
             await self.servicer.member_watch.close()
         self.events.close()
+        if self.http_listener is not None:
+            await self.http_listener.stop()
         await stop_with_health(self._server, self.health_listener, self.grace)
         await self.servicer.forget_fleet()
 

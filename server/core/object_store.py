@@ -306,6 +306,17 @@ class ObjectStoreClient:
             raise self._failure("HEAD", key, exc) from None
         return True
 
+    def tag(self, key: str) -> str | None:
+        """The object's ETag (one HEAD, no body); None when there is no such object."""
+        try:
+            meta = self._obstore.head(self._store, key)
+        except (FileNotFoundError, self._exceptions.NotFoundError):
+            return None
+        except Exception as exc:
+            raise self._failure("HEAD", key, exc) from None
+        tag = meta.get("e_tag") or meta.get("version")
+        return None if tag is None else str(tag)
+
     def put(self, key: str, data: bytes | Iterable[bytes], *, size: int) -> None:
         """Write (or overwrite) an object; one request up to `PART_SIZE`, beyond it a
         multipart upload of `UPLOAD_CONCURRENCY` parts at a time. A multipart upload that

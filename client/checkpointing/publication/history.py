@@ -186,6 +186,13 @@ class MemberRecord:
     """How long it reported blockers: from the first report until it prepared."""
     error: str = ""
     """Its typed reason when it caused the failure."""
+    commit_seconds: float | None = None
+    """From the commit call to its reply (checkpoints; None: it never replied)."""
+    durable_seconds: float | None = None
+    """From the commit call until its part was durable (asynchronous commits; None: not
+    asynchronous, or it never became durable)."""
+    restore_seconds: float | None = None
+    """From the restore call to its reply (restores; None: it never replied)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -568,6 +575,12 @@ class ObjectHistory:
         if stored is None:
             raise ValueError(f"{self.directory.url}/{entry.details}: missing")
         return decode_details(stored.data)
+
+    def index_tag(self) -> str | None:
+        """The index's ETag (None: there is none yet): what changes with every write, read
+        without its bytes."""
+        with _store_failures():
+            return self._client().tag(self.directory.key(INDEX_NAME))
 
     def _client(self) -> ObjectStoreClient:
         with _store_failures():

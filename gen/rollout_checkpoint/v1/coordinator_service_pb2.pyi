@@ -125,6 +125,62 @@ snapshot; waiting until every part is durable (before PUBLISH).
 """
 Global___CheckpointPhase: _TypeAlias = CheckpointPhase  # noqa: Y015
 
+class _AttemptStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AttemptStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AttemptStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ATTEMPT_STATUS_UNSPECIFIED: _AttemptStatus.ValueType  # 0
+    """Any status (a filter that filters nothing); never an attempt's."""
+    ATTEMPT_STATUS_COMPLETED: _AttemptStatus.ValueType  # 1
+    """Published (a checkpoint) or restored and resumed (a restore)."""
+    ATTEMPT_STATUS_FAILED: _AttemptStatus.ValueType  # 2
+    """An error ended it (`reason`, `failed_members`); nothing was published."""
+    ATTEMPT_STATUS_ABORTED: _AttemptStatus.ValueType  # 3
+    """It stopped without an error of its own (not prepared by the deadline,
+    or interrupted); the fleet was resumed.
+    """
+
+class AttemptStatus(_AttemptStatus, metaclass=_AttemptStatusEnumTypeWrapper):
+    """How an attempt of the history ended."""
+
+ATTEMPT_STATUS_UNSPECIFIED: AttemptStatus.ValueType  # 0
+"""Any status (a filter that filters nothing); never an attempt's."""
+ATTEMPT_STATUS_COMPLETED: AttemptStatus.ValueType  # 1
+"""Published (a checkpoint) or restored and resumed (a restore)."""
+ATTEMPT_STATUS_FAILED: AttemptStatus.ValueType  # 2
+"""An error ended it (`reason`, `failed_members`); nothing was published."""
+ATTEMPT_STATUS_ABORTED: AttemptStatus.ValueType  # 3
+"""It stopped without an error of its own (not prepared by the deadline,
+or interrupted); the fleet was resumed.
+"""
+Global___AttemptStatus: _TypeAlias = AttemptStatus  # noqa: Y015
+
+class _AttemptOperation:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AttemptOperationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AttemptOperation.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ATTEMPT_OPERATION_UNSPECIFIED: _AttemptOperation.ValueType  # 0
+    """Any operation (a filter that filters nothing); never an attempt's."""
+    ATTEMPT_OPERATION_CHECKPOINT: _AttemptOperation.ValueType  # 1
+    """A checkpoint of the fleet."""
+    ATTEMPT_OPERATION_RESTORE: _AttemptOperation.ValueType  # 2
+    """A restore of the fleet from a published checkpoint."""
+
+class AttemptOperation(_AttemptOperation, metaclass=_AttemptOperationEnumTypeWrapper):
+    """What an attempt of the history did."""
+
+ATTEMPT_OPERATION_UNSPECIFIED: AttemptOperation.ValueType  # 0
+"""Any operation (a filter that filters nothing); never an attempt's."""
+ATTEMPT_OPERATION_CHECKPOINT: AttemptOperation.ValueType  # 1
+"""A checkpoint of the fleet."""
+ATTEMPT_OPERATION_RESTORE: AttemptOperation.ValueType  # 2
+"""A restore of the fleet from a published checkpoint."""
+Global___AttemptOperation: _TypeAlias = AttemptOperation  # noqa: Y015
+
 @_typing.final
 class Member(_message.Message):
     """A fleet member."""
@@ -1442,3 +1498,414 @@ class RecoveryGivenUp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RecoveryGivenUp: _TypeAlias = RecoveryGivenUp  # noqa: Y015
+
+@_typing.final
+class AttemptStage(_message.Message):
+    """One step of an attempt. The steps follow each other without a gap from the
+    attempt's `started_at`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    stage: _builtins.str
+    """The step (`prepare`, `commit`, `snapshot`, `resume`, `await_parts`,
+    `publish`, `retention`, `restore`, ...).
+    """
+    seconds: _builtins.float
+    """How long it took, in seconds."""
+    def __init__(
+        self,
+        *,
+        stage: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seconds", b"seconds", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttemptStage: _TypeAlias = AttemptStage  # noqa: Y015
+
+@_typing.final
+class Attempt(_message.Message):
+    """One checkpoint or restore attempted, as a list shows it (no member details)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OPERATION_FIELD_NUMBER: _builtins.int
+    TRIGGER_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FAILED_MEMBERS_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    CONTINUED_FIELD_NUMBER: _builtins.int
+    RESTARTED_FIELD_NUMBER: _builtins.int
+    HAS_DETAILS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The checkpoint's id, or the restore's control id."""
+    operation: Global___AttemptOperation.ValueType
+    """Checkpoint or restore."""
+    trigger: _builtins.str
+    """What started it: `manual`, `periodic`, `signal` or `supervisor`."""
+    mode: _builtins.str
+    """`sync` or `async` (checkpoints); `rejoin` or `fresh` (restores)."""
+    status: Global___AttemptStatus.ValueType
+    """How it ended."""
+    duration_seconds: _builtins.float
+    """From start to end, in seconds."""
+    reason: _builtins.str
+    """The typed reason of a failure (an `ErrorReason` without its prefix, or
+    NOT_PREPARED, ENDED, INTERRUPTED).
+    """
+    message: _builtins.str
+    """The failure's message (at most 500 characters)."""
+    members: _builtins.int
+    """Members of the fleet."""
+    records: _builtins.int
+    """Records written (checkpoints) over all members."""
+    bytes: _builtins.int
+    """Bytes of records written (checkpoints) over all members."""
+    source: _builtins.str
+    """Restores: the published checkpoint restored."""
+    continued: _builtins.int
+    """Episodes continued (checkpoints: published as continued; restores:
+    restored).
+    """
+    restarted: _builtins.int
+    """Restores by recovery: rollouts in flight that restart from their inputs."""
+    has_details: _builtins.bool
+    """Whether its per-member details are still kept (the newest 100 attempts)."""
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """When it started."""
+
+    @_builtins.property
+    def ended_at(self) -> _timestamp_pb2.Timestamp:
+        """When it ended."""
+
+    @_builtins.property
+    def failed_members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The members that caused the failure."""
+
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___AttemptStage]:
+        """Its steps, in order."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        operation: Global___AttemptOperation.ValueType = ...,
+        trigger: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        status: Global___AttemptStatus.ValueType = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        ended_at: _timestamp_pb2.Timestamp | None = ...,
+        duration_seconds: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        failed_members: _abc.Iterable[_builtins.str] | None = ...,
+        stages: _abc.Iterable[Global___AttemptStage] | None = ...,
+        members: _builtins.int = ...,
+        records: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        source: _builtins.str = ...,
+        continued: _builtins.int = ...,
+        restarted: _builtins.int = ...,
+        has_details: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "continued", b"continued", "duration_seconds", b"duration_seconds", "ended_at", b"ended_at", "failed_members", b"failed_members", "has_details", b"has_details", "id", b"id", "members", b"members", "message", b"message", "mode", b"mode", "operation", b"operation", "reason", b"reason", "records", b"records", "restarted", b"restarted", "source", b"source", "stages", b"stages", "started_at", b"started_at", "status", b"status", "trigger", b"trigger"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Attempt: _TypeAlias = Attempt  # noqa: Y015
+
+@_typing.final
+class AttemptMember(_message.Message):
+    """One member's part in one attempt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    PREPARED_SECONDS_FIELD_NUMBER: _builtins.int
+    BLOCKERS_MAX_FIELD_NUMBER: _builtins.int
+    BLOCKED_SECONDS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    COMMIT_SECONDS_FIELD_NUMBER: _builtins.int
+    DURABLE_SECONDS_FIELD_NUMBER: _builtins.int
+    RESTORE_SECONDS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The member's name."""
+    kind: _types_pb2.ParticipantKind.ValueType
+    """Its kind."""
+    instance: _builtins.str
+    """Its instance name."""
+    part: _builtins.str
+    """Where its part is (checkpoints)."""
+    records: _builtins.int
+    """Records it wrote."""
+    bytes: _builtins.int
+    """Bytes of records it wrote."""
+    prepared_seconds: _builtins.float
+    """Seconds from the prepare's start until it reported PREPARED (unset: it
+    never did).
+    """
+    blockers_max: _builtins.int
+    """The most blockers it reported at once while preparing."""
+    blocked_seconds: _builtins.float
+    """Seconds it reported blockers: from the first report until it prepared."""
+    error: _builtins.str
+    """Its typed reason when it caused the failure."""
+    commit_seconds: _builtins.float
+    """Seconds from the commit call to its reply (checkpoints; unset: it never
+    replied).
+    """
+    durable_seconds: _builtins.float
+    """Seconds from the commit call until its part was durable (asynchronous
+    commits; unset: not asynchronous, or it never became durable).
+    """
+    restore_seconds: _builtins.float
+    """Seconds from the restore call to its reply (restores; unset: it never
+    replied).
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        kind: _types_pb2.ParticipantKind.ValueType = ...,
+        instance: _builtins.str = ...,
+        part: _builtins.str = ...,
+        records: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        prepared_seconds: _builtins.float | None = ...,
+        blockers_max: _builtins.int = ...,
+        blocked_seconds: _builtins.float = ...,
+        error: _builtins.str = ...,
+        commit_seconds: _builtins.float | None = ...,
+        durable_seconds: _builtins.float | None = ...,
+        restore_seconds: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_commit_seconds", b"_commit_seconds", "_durable_seconds", b"_durable_seconds", "_prepared_seconds", b"_prepared_seconds", "_restore_seconds", b"_restore_seconds", "commit_seconds", b"commit_seconds", "durable_seconds", b"durable_seconds", "prepared_seconds", b"prepared_seconds", "restore_seconds", b"restore_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_commit_seconds", b"_commit_seconds", "_durable_seconds", b"_durable_seconds", "_prepared_seconds", b"_prepared_seconds", "_restore_seconds", b"_restore_seconds", "blocked_seconds", b"blocked_seconds", "blockers_max", b"blockers_max", "bytes", b"bytes", "commit_seconds", b"commit_seconds", "durable_seconds", b"durable_seconds", "error", b"error", "instance", b"instance", "kind", b"kind", "name", b"name", "part", b"part", "prepared_seconds", b"prepared_seconds", "records", b"records", "restore_seconds", b"restore_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__commit_seconds: _TypeAlias = _typing.Literal["commit_seconds"]  # noqa: Y015
+    _WhichOneofArgType__commit_seconds: _TypeAlias = _typing.Literal["_commit_seconds", b"_commit_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__durable_seconds: _TypeAlias = _typing.Literal["durable_seconds"]  # noqa: Y015
+    _WhichOneofArgType__durable_seconds: _TypeAlias = _typing.Literal["_durable_seconds", b"_durable_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__prepared_seconds: _TypeAlias = _typing.Literal["prepared_seconds"]  # noqa: Y015
+    _WhichOneofArgType__prepared_seconds: _TypeAlias = _typing.Literal["_prepared_seconds", b"_prepared_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__restore_seconds: _TypeAlias = _typing.Literal["restore_seconds"]  # noqa: Y015
+    _WhichOneofArgType__restore_seconds: _TypeAlias = _typing.Literal["_restore_seconds", b"_restore_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__commit_seconds) -> _WhichOneofReturnType__commit_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__durable_seconds) -> _WhichOneofReturnType__durable_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prepared_seconds) -> _WhichOneofReturnType__prepared_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restore_seconds) -> _WhichOneofReturnType__restore_seconds | None: ...
+
+Global___AttemptMember: _TypeAlias = AttemptMember  # noqa: Y015
+
+@_typing.final
+class AttemptCounts(_message.Message):
+    """Attempts of the whole history by how they ended (checkpoints), and
+    restores of any status.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    RESTORES_FIELD_NUMBER: _builtins.int
+    completed: _builtins.int
+    """Checkpoints completed."""
+    failed: _builtins.int
+    """Checkpoints failed."""
+    aborted: _builtins.int
+    """Checkpoints aborted."""
+    restores: _builtins.int
+    """Restores attempted (any status)."""
+    def __init__(
+        self,
+        *,
+        completed: _builtins.int = ...,
+        failed: _builtins.int = ...,
+        aborted: _builtins.int = ...,
+        restores: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "completed", b"completed", "failed", b"failed", "restores", b"restores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AttemptCounts: _TypeAlias = AttemptCounts  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsRequest(_message.Message):
+    """Request of ListCheckpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    OPERATION_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """The most attempts to return: 0 means 50, more than 1000 means 1000.
+    Negative is `INVALID_REQUEST`.
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page, with the same filters; empty for
+    the first page.
+    """
+    status: Global___AttemptStatus.ValueType
+    """Only attempts that ended so (UNSPECIFIED: any)."""
+    operation: Global___AttemptOperation.ValueType
+    """Only attempts of this operation (UNSPECIFIED: any)."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        status: Global___AttemptStatus.ValueType = ...,
+        operation: Global___AttemptOperation.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation", "page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsRequest: _TypeAlias = ListCheckpointsRequest  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsResponse(_message.Message):
+    """Reply of ListCheckpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_SIZE_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    HISTORY_PROBLEM_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """The token of the next page; empty on the last page."""
+    total_size: _builtins.int
+    """Attempts matching the filters in the whole history."""
+    history_problem: _builtins.str
+    """Set when the history's index could not be read (corrupt, or of a newer
+    format): why; the list is then empty.
+    """
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]:
+        """The attempts of this page, newest first, without member details."""
+
+    @_builtins.property
+    def counts(self) -> Global___AttemptCounts:
+        """Counts over the whole history (the filters do not apply)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoints: _abc.Iterable[Global___Attempt] | None = ...,
+        next_page_token: _builtins.str = ...,
+        total_size: _builtins.int = ...,
+        counts: Global___AttemptCounts | None = ...,
+        history_problem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["counts", b"counts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "counts", b"counts", "history_problem", b"history_problem", "next_page_token", b"next_page_token", "total_size", b"total_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsResponse: _TypeAlias = ListCheckpointsResponse  # noqa: Y015
+
+@_typing.final
+class GetCheckpointRequest(_message.Message):
+    """Request of GetCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The checkpoint's id, or the restore's control id."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCheckpointRequest: _TypeAlias = GetCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class GetCheckpointResponse(_message.Message):
+    """Reply of GetCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    DETAILS_DROPPED_FIELD_NUMBER: _builtins.int
+    DETAILS_PROBLEM_FIELD_NUMBER: _builtins.int
+    details_dropped: _builtins.bool
+    """True when the attempt is older than the newest 100, whose details alone
+    are kept.
+    """
+    details_problem: _builtins.str
+    """Set when its details exist but cannot be read: why."""
+    @_builtins.property
+    def checkpoint(self) -> Global___Attempt:
+        """The attempt (the newest of that id)."""
+
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___AttemptMember]:
+        """Its members' details, in the fleet's order; empty when they were
+        dropped, cannot be read, or the attempt recorded none.
+        """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___Attempt | None = ...,
+        members: _abc.Iterable[Global___AttemptMember] | None = ...,
+        details_dropped: _builtins.bool = ...,
+        details_problem: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "details_dropped", b"details_dropped", "details_problem", b"details_problem", "members", b"members"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCheckpointResponse: _TypeAlias = GetCheckpointResponse  # noqa: Y015

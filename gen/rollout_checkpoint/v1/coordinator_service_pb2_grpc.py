@@ -85,6 +85,16 @@ class CoordinatorServiceStub:
                 request_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetRequest.SerializeToString,
                 response_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/rollout_checkpoint.v1.CoordinatorService/ListCheckpoints',
+                request_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/rollout_checkpoint.v1.CoordinatorService/GetCheckpoint',
+                request_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.GetCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -278,6 +288,49 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """Lists the checkpoints and restores attempted on the fleet's checkpoint
+        root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+        written by every coordinator, supervisor, `checkpoint` and `collect` of
+        that root, so it survives a coordinator restart).
+
+        Read-only and idempotent; allowed at any time. Paged (AIP-158):
+        `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+        opaque and valid only with the same filters. An entry never carries
+        per-member details (GetCheckpoint does). The newest entry of a kind is
+        `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+        the coordinator's HTTP port sends). The counts cover the whole history,
+        whatever the filters. A corrupt index (or one of a newer format) is no
+        error: the reply lists nothing and says why in `history_problem`.
+        Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+        or a `page_token` that does not parse or was issued for other filters;
+        `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+        `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCheckpoint(self, request, context):
+        """Returns one attempt of the history with its members' details (stage
+        timings, records, bytes, blockers, part, error).
+
+        Read-only and idempotent; allowed at any time. An id attempted more than
+        once (a retry) returns its newest attempt. Only the newest 100 attempts
+        keep their details: an older one is returned without members and with
+        `details_dropped` set; details that cannot be read are reported in
+        `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+        that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+        (metadata `field` = `id`) when the history holds no such attempt;
+        `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+        corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+        when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+        root cannot be read in time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +383,16 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.WatchFleet,
                     request_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetRequest.FromString,
                     response_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.GetCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -603,6 +666,60 @@ class CoordinatorService:
             '/rollout_checkpoint.v1.CoordinatorService/WatchFleet',
             rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetRequest.SerializeToString,
             rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.WatchFleetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout_checkpoint.v1.CoordinatorService/ListCheckpoints',
+            rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.ListCheckpointsRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout_checkpoint.v1.CoordinatorService/GetCheckpoint',
+            rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.GetCheckpointRequest.SerializeToString,
+            rollout__checkpoint_dot_v1_dot_coordinator__service__pb2.GetCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -210,6 +210,41 @@ class CoordinatorServiceStub:
     half-installed restore (a failed try is undone all or nothing, as
     Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
     """
+    ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_coordinator_service_pb2.ListCheckpointsRequest, _coordinator_service_pb2.ListCheckpointsResponse]
+    """Lists the checkpoints and restores attempted on the fleet's checkpoint
+    root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+    written by every coordinator, supervisor, `checkpoint` and `collect` of
+    that root, so it survives a coordinator restart).
+
+    Read-only and idempotent; allowed at any time. Paged (AIP-158):
+    `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+    opaque and valid only with the same filters. An entry never carries
+    per-member details (GetCheckpoint does). The newest entry of a kind is
+    `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+    the coordinator's HTTP port sends). The counts cover the whole history,
+    whatever the filters. A corrupt index (or one of a newer format) is no
+    error: the reply lists nothing and says why in `history_problem`.
+    Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+    or a `page_token` that does not parse or was issued for other filters;
+    `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+    `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+    """
+    GetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_service_pb2.GetCheckpointRequest, _coordinator_service_pb2.GetCheckpointResponse]
+    """Returns one attempt of the history with its members' details (stage
+    timings, records, bytes, blockers, part, error).
+
+    Read-only and idempotent; allowed at any time. An id attempted more than
+    once (a retry) returns its newest attempt. Only the newest 100 attempts
+    keep their details: an older one is returned without members and with
+    `details_dropped` set; details that cannot be read are reported in
+    `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+    that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+    (metadata `field` = `id`) when the history holds no such attempt;
+    `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+    corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+    when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+    root cannot be read in time.
+    """
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -362,6 +397,41 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     recovers nothing any more, `LATEST` is untouched, and no member holds a
     half-installed restore (a failed try is undone all or nothing, as
     Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
+    """
+    ListCheckpoints: _aio.UnaryUnaryMultiCallable[_coordinator_service_pb2.ListCheckpointsRequest, _coordinator_service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    """Lists the checkpoints and restores attempted on the fleet's checkpoint
+    root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+    written by every coordinator, supervisor, `checkpoint` and `collect` of
+    that root, so it survives a coordinator restart).
+
+    Read-only and idempotent; allowed at any time. Paged (AIP-158):
+    `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+    opaque and valid only with the same filters. An entry never carries
+    per-member details (GetCheckpoint does). The newest entry of a kind is
+    `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+    the coordinator's HTTP port sends). The counts cover the whole history,
+    whatever the filters. A corrupt index (or one of a newer format) is no
+    error: the reply lists nothing and says why in `history_problem`.
+    Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+    or a `page_token` that does not parse or was issued for other filters;
+    `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+    `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+    """
+    GetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_service_pb2.GetCheckpointRequest, _coordinator_service_pb2.GetCheckpointResponse]  # type: ignore[assignment]
+    """Returns one attempt of the history with its members' details (stage
+    timings, records, bytes, blockers, part, error).
+
+    Read-only and idempotent; allowed at any time. An id attempted more than
+    once (a retry) returns its newest attempt. Only the newest 100 attempts
+    keep their details: an older one is returned without members and with
+    `details_dropped` set; details that cannot be read are reported in
+    `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+    that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+    (metadata `field` = `id`) when the history holds no such attempt;
+    `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+    corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+    when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+    root cannot be read in time.
     """
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -572,6 +642,53 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         recovers nothing any more, `LATEST` is untouched, and no member holds a
         half-installed restore (a failed try is undone all or nothing, as
         Restore documents). Errors: `INVALID_REQUEST` for a malformed request.
+        """
+
+    @_abc_1.abstractmethod
+    def ListCheckpoints(
+        self,
+        request: _coordinator_service_pb2.ListCheckpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_service_pb2.ListCheckpointsResponse, _abc.Awaitable[_coordinator_service_pb2.ListCheckpointsResponse]]:
+        """Lists the checkpoints and restores attempted on the fleet's checkpoint
+        root, newest first, from the root's history (`<checkpoint_root>/.history.json`,
+        written by every coordinator, supervisor, `checkpoint` and `collect` of
+        that root, so it survives a coordinator restart).
+
+        Read-only and idempotent; allowed at any time. Paged (AIP-158):
+        `page_size` 0 means 50, above 1000 means 1000; `next_page_token` is
+        opaque and valid only with the same filters. An entry never carries
+        per-member details (GetCheckpoint does). The newest entry of a kind is
+        `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
+        the coordinator's HTTP port sends). The counts cover the whole history,
+        whatever the filters. A corrupt index (or one of a newer format) is no
+        error: the reply lists nothing and says why in `history_problem`.
+        Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
+        or a `page_token` that does not parse or was issued for other filters;
+        `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
+        `checkpoint_root`; `STORAGE_FAILED` when the root cannot be read in time.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCheckpoint(
+        self,
+        request: _coordinator_service_pb2.GetCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_service_pb2.GetCheckpointResponse, _abc.Awaitable[_coordinator_service_pb2.GetCheckpointResponse]]:
+        """Returns one attempt of the history with its members' details (stage
+        timings, records, bytes, blockers, part, error).
+
+        Read-only and idempotent; allowed at any time. An id attempted more than
+        once (a retry) returns its newest attempt. Only the newest 100 attempts
+        keep their details: an older one is returned without members and with
+        `details_dropped` set; details that cannot be read are reported in
+        `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+        that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
+        (metadata `field` = `id`) when the history holds no such attempt;
+        `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
+        corrupt or of a newer format; `FAILED_PRECONDITION` (`INVALID_REQUEST`)
+        when the fleet file sets no `checkpoint_root`; `STORAGE_FAILED` when the
+        root cannot be read in time.
         """
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
