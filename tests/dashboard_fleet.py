@@ -174,7 +174,7 @@ def table(driver: WebDriver, selector: str) -> list[list[str]]:
 
 def history_row(driver: WebDriver, attempt_id: str) -> list[str]:
     """The texts of the history table's row of `attempt_id` (waited for)."""
-    wait(driver).until(lambda d: _row(d, attempt_id) is not None)
+    wait(driver).until(lambda d: _row(d, attempt_id) is not None, f"no row {attempt_id!r}")
     row = _row(driver, attempt_id)
     assert row is not None
     return row
@@ -187,12 +187,13 @@ def _row(driver: WebDriver, attempt_id: str) -> list[str] | None:
 def open_detail(driver: WebDriver, attempt_id: str) -> None:
     """Click `attempt_id`'s row and wait until the detail shows its members."""
     history_row(driver, attempt_id)
-    wait(driver).until(lambda d: _click_row(d, attempt_id))
+    wait(driver).until(lambda d: _click_row(d, attempt_id), f"no row {attempt_id!r} to click")
     wait(driver).until(
         lambda d: (
             d.find_element(By.ID, "detail-id").get_attribute("textContent") == attempt_id
             and any(len(row) > 1 for row in table(d, "#detail-members"))
-        )
+        ),
+        f"the detail of {attempt_id!r} did not show its members",
     )
 
 

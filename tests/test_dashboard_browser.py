@@ -123,7 +123,9 @@ def test_without_a_token_the_page_asks_for_one_and_reads_nothing(dashboard: Dash
     driver.switch_to.new_window("tab")  # a tab of its own: sessionStorage is per tab
     try:
         driver.get(dashboard.url + "/")
-        wait(driver).until(lambda d: d.find_element(By.ID, "token-form").is_displayed())
+        wait(driver).until(
+            lambda d: d.find_element(By.ID, "token-form").is_displayed(), "no token prompt"
+        )
         assert not driver.find_element(By.ID, "dashboard").is_displayed()
         assert texts(driver, "#history tbody tr") == []
         loaded = driver.execute_script(

@@ -44,6 +44,7 @@ from rollout_checkpoint.client.coordinator.calls import (
     prepare_outcome,
     status_of,
 )
+from rollout_checkpoint.client.coordinator.dashboard import dashboard_app
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
 from rollout_checkpoint.client.coordinator.history_api import CheckpointHistoryApi
 from rollout_checkpoint.client.coordinator.http_api import coordinator_app
@@ -487,9 +488,11 @@ class Coordinator:
         self.health_address = health_address
         self.health_listener: HealthListener | None = None
         self.http_listener = (
-            HttpListener(coordinator_app(self), http_address) if http_address else None
+            HttpListener(dashboard_app(coordinator_app(self), spec), http_address)
+            if http_address
+            else None
         )
-        """Its `app` may mount more routes before `start`."""
+        """Its `app` may mount more routes before `start`; the dashboard's page is at `/`."""
         self.port: int | None = None
         self._server: aio.Server | None = None
 
