@@ -13,7 +13,6 @@ history. Without the token the page asks for it and reads nothing.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from .dashboard_fleet import (
     take_checkpoints,
     wait,
 )
-from .processes import REPO, kill_group
+from .processes import REPO, kill_group, run
 from .test_fleet_cli import Process, RealFleet
 
 HOSTILE_ID = '<img src=x onerror="window.pwned=1">'
@@ -287,14 +286,8 @@ def test_a_new_checkpoint_and_a_member_down_show_without_a_reload(dashboard: Das
 
 
 def test_the_screenshot_script_says_how_to_call_it() -> None:
-    run = subprocess.run(
-        ["bash", str(REPO / "scripts" / "dashboard-screenshot")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert (run.returncode, run.stderr.strip()) == (
+    done = run("bash", REPO / "scripts" / "dashboard-screenshot")
+    assert (done.returncode, done.stderr.strip()) == (
         2,
         "usage: scripts/dashboard-screenshot OUT.png",
     )
