@@ -122,6 +122,8 @@ def browser(profile: Path) -> Iterator[WebDriver]:
     """Headless Chromium (Debian's) through its chromedriver, every host name but 127.0.0.1
     mapped to nothing, so a page that needed the network could not hide it behind a cache;
     the console kept (`get_log("browser")`)."""
+    for tool in (CHROMIUM, CHROMEDRIVER):
+        assert Path(tool).is_file(), f"{tool}: apt-get install chromium chromium-driver"
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (
