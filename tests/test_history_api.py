@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import secrets
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -392,7 +394,9 @@ async def test_an_attempt_older_than_the_kept_details_says_its_members_were_drop
         assert not broken.members and "not JSON" in broken.details_problem
 
 
-def test_the_view_parses_an_unchanged_index_once(tmp_path: Path) -> None:
+def test_the_view_parses_an_unchanged_index_once_and_a_changed_one_by_its_new_lines(
+    tmp_path: Path,
+) -> None:
     history = open_history(tmp_path)
     view = HistoryView(tmp_path)
     assert view.snapshot().newest_first == ()
@@ -400,7 +404,20 @@ def test_the_view_parses_an_unchanged_index_once(tmp_path: Path) -> None:
     first = view.snapshot()
     assert view.snapshot() is first and [e.id for e in first.newest_first] == ["ckpt-1"]
     history.append(entry(2), ())
+    second = view.snapshot().newest_first
+    assert [e.id for e in second] == ["ckpt-2", "ckpt-1"]
+    assert second[1] is first.newest_first[0]  # the unchanged line was not decoded again
+    index = tmp_path / INDEX_NAME
+    # Another layout (a hand-written index) is decoded whole; a bad line is the whole
+    # index's problem, as for any reader.
+    document = json.loads(index.read_bytes())
+    index.write_text(json.dumps(document, indent=2))
     assert [e.id for e in view.snapshot().newest_first] == ["ckpt-2", "ckpt-1"]
+    history.append(entry(3), ())
+    lines = index.read_bytes().replace(b'"id":"ckpt-2"', b'"id":2')
+    index.write_bytes(lines)
+    broken = view.snapshot()
+    assert broken.newest_first == () and "id is not a str" in (broken.problem or "")
 
 
 def test_the_view_of_an_object_store_root_parses_an_unchanged_index_once(
@@ -418,3 +435,15 @@ def test_the_view_of_an_object_store_root_parses_an_unchanged_index_once(
     assert view.snapshot() is first and [e.id for e in first.newest_first] == ["ckpt-1"]
     history.append(entry(2), ())
     assert [e.id for e in view.snapshot().newest_first] == ["ckpt-2", "ckpt-1"]
+
+
+def test_a_taken_or_invalid_http_address_fails_the_start_and_is_named(tmp_path: Path) -> None:
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text('[[participants]]\nname = "gone"\naddress = "127.0.0.1:9"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for address in (f"127.0.0.1:{taken.getsockname()[1]}", "127.0.0.1:port"):
+            done = run_cli("coordinator", "--fleet", str(fleet_file), "--http-address", address)
+            assert done.returncode == 8, done.stderr
+            assert address in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -10,8 +10,8 @@ a refusal (`encodable`), and a SERVER span per call.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 from google.rpc import status_pb2
@@ -19,7 +19,9 @@ from google.rpc import status_pb2
 from rollout_checkpoint.client.checkpointing.fanout import FleetError, FleetProgress, Outcome
 from rollout_checkpoint.client.checkpointing.publication import (
     PublicationError,
+    StorageFailed,
     as_checkpoint_error,
+    store_call,
 )
 from rollout_checkpoint.client.coordinator.fleet_events import WatcherTooSlow
 from rollout_checkpoint.client.errors import ControlError
@@ -82,6 +84,31 @@ def fleet_metadata(error: FleetError) -> dict[str, str]:
             if is_metadata_key(prefixed):
                 metadata[prefixed] = value
     return metadata
+
+
+T = TypeVar("T")
+
+
+def no_checkpoint_root(consequence: str) -> CheckpointError:
+    """The refusal of a call that needs the fleet file's checkpoint_root when it sets none."""
+    return CheckpointError(
+        Reason.INVALID_REQUEST,
+        f"the fleet file sets no checkpoint_root{consequence}",
+        code="FAILED_PRECONDITION",
+    )
+
+
+async def root_call(deadline: float, location: str, function: Callable[..., T], *args: Any) -> T:
+    """`store_call` on the checkpoint root, its failures as the coordinator's typed errors
+    (an OSError or a root that does not answer by `deadline`: STORAGE_FAILED)."""
+    try:
+        return await store_call(deadline, location, function, *args)
+    except OSError as error:
+        raise as_checkpoint_error(
+            StorageFailed(f"{location}: {error.strerror or error}")
+        ) from error
+    except PublicationError as error:
+        raise as_checkpoint_error(error) from error
 
 
 def status_of(error: BaseException) -> status_pb2.Status:

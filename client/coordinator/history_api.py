@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -21,12 +22,6 @@ from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
-from rollout_checkpoint.client.checkpointing.publication import (
-    PublicationError,
-    StorageFailed,
-    as_checkpoint_error,
-    store_call,
-)
 from rollout_checkpoint.client.checkpointing.publication.history import (
     HistoryEntry,
     MemberRecord,
@@ -39,6 +34,7 @@ from rollout_checkpoint.client.checkpointing.publication.history_view import (
     HistorySnapshot,
     HistoryView,
 )
+from rollout_checkpoint.client.coordinator.calls import no_checkpoint_root, root_call
 from rollout_checkpoint.client.fleet import FleetSpec
 from rollout_checkpoint.server.core.episodes import is_valid_id
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
@@ -73,6 +69,7 @@ class CheckpointHistoryApi:
     def __init__(self, spec: FleetSpec) -> None:
         self.spec = spec
         self._view: HistoryView | None = None
+        self._attempts = _AttemptMessages()
 
     async def list_checkpoints(
         self, request: cpb.ListCheckpointsRequest
@@ -84,20 +81,13 @@ class CheckpointHistoryApi:
         operation = OPERATIONS.get(request.operation, "")
         filters = f"status={status};operation={operation}"
         after = _anchor_of(request.page_token, filters) if request.page_token else None
-        snapshot = await self._snapshot()
-        entries, following = snapshot.page(status, operation, size, after)
-        counts = snapshot.counts
+        page = await self._read(self.view().page, status, operation, size, after)
         return cpb.ListCheckpointsResponse(
-            checkpoints=[attempt_message(e) for e in entries],
-            next_page_token=_token_of(following, filters) if following is not None else "",
-            total_size=len(snapshot.matching(status, operation)),
-            counts=cpb.AttemptCounts(
-                completed=counts.completed,
-                failed=counts.failed,
-                aborted=counts.aborted,
-                restores=counts.restores,
-            ),
-            history_problem=snapshot.problem or "",
+            checkpoints=self._attempts.of(page.snapshot, page.entries),
+            next_page_token=_token_of(page.following, filters) if page.following else "",
+            total_size=page.total,
+            counts=cpb.AttemptCounts(**dataclasses.asdict(page.counts)),
+            history_problem=page.problem or "",
         )
 
     async def get_checkpoint(self, request: cpb.GetCheckpointRequest) -> cpb.GetCheckpointResponse:
@@ -105,7 +95,7 @@ class CheckpointHistoryApi:
             raise invalid_request(
                 "id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$"
             )
-        snapshot = await self._snapshot()
+        snapshot = await self._read(self.view().snapshot)
         if snapshot.problem is not None:
             raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, snapshot.problem)
         found = snapshot.newest(request.id)
@@ -134,27 +124,35 @@ class CheckpointHistoryApi:
         if self._view is None:
             location = self.spec.checkpoint_root
             if location is None:
-                raise CheckpointError(
-                    Reason.INVALID_REQUEST,
-                    "the fleet file sets no checkpoint_root: there is no checkpoint history",
-                    code="FAILED_PRECONDITION",
-                )
+                raise no_checkpoint_root(": there is no checkpoint history")
             self._view = HistoryView(str(location))
         return self._view
 
-    async def _snapshot(self) -> HistorySnapshot:
-        return await self._read(self.view().snapshot)
-
     async def _read(self, function: Callable[..., T], *args: Any) -> T:
-        view = self.view()
-        try:
-            return await store_call(time.time() + READ_SECONDS, view.location, function, *args)
-        except OSError as error:
-            raise as_checkpoint_error(
-                StorageFailed(f"{view.location}: {error.strerror or error}")
-            ) from error
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
+        location = self.view().location
+        return await root_call(time.time() + READ_SECONDS, location, function, *args)
+
+
+class _AttemptMessages:
+    """The wire messages of one snapshot's entries, each made once: a dashboard polls the
+    same page every few seconds, and building 50 messages from their entries is most of
+    what a page costs once the index is parsed. Keyed by the entry's identity within the
+    snapshot it belongs to (held here, so no identity is reused while it is cached)."""
+
+    def __init__(self) -> None:
+        self._snapshot: HistorySnapshot | None = None
+        self._messages: dict[int, cpb.Attempt] = {}
+
+    def of(self, snapshot: HistorySnapshot, entries: list[HistoryEntry]) -> list[cpb.Attempt]:
+        if snapshot is not self._snapshot:
+            self._snapshot, self._messages = snapshot, {}
+        messages = []
+        for entry in entries:
+            message = self._messages.get(id(entry))
+            if message is None:
+                message = self._messages[id(entry)] = attempt_message(entry)
+            messages.append(message)
+        return messages
 
 
 def _token_of(anchor: Anchor, filters: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2
+from starlette.applications import Starlette
 
 from rollout_checkpoint.client.checkpointing import fanout
 from rollout_checkpoint.client.checkpointing.checkpoint import (
@@ -29,10 +30,8 @@ from rollout_checkpoint.client.checkpointing.fanout import DERIVE, FleetProgress
 from rollout_checkpoint.client.checkpointing.publication import (
     PublicationError,
     PublicationRoot,
-    StorageFailed,
     as_checkpoint_error,
     open_checkpoint_root,
-    store_call,
 )
 from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.coordinator.calls import (
@@ -41,7 +40,9 @@ from rollout_checkpoint.client.coordinator.calls import (
     SERVICE_NAME,
     TracingObserver,
     listed_blockers,
+    no_checkpoint_root,
     prepare_outcome,
+    root_call,
     status_of,
 )
 from rollout_checkpoint.client.coordinator.dashboard import dashboard_app
@@ -134,19 +135,8 @@ class CoordinatorServicer:
         blocks on a frozen filesystem: STORAGE_FAILED then, like any store call)."""
         location = self.spec.checkpoint_root
         if location is None:
-            raise CheckpointError(
-                Reason.INVALID_REQUEST,
-                "the fleet file sets no checkpoint_root",
-                code="FAILED_PRECONDITION",
-            )
-        try:
-            return await store_call(deadline, str(location), open_checkpoint_root, location)
-        except OSError as error:
-            raise as_checkpoint_error(
-                StorageFailed(f"{location}: {error.strerror or error}")
-            ) from error
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
+            raise no_checkpoint_root("")
+        return await root_call(deadline, str(location), open_checkpoint_root, location)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """Every RPC of coordinator_service.proto, served by the method of its name."""
@@ -487,12 +477,13 @@ class Coordinator:
         self.credentials = credentials
         self.health_address = health_address
         self.health_listener: HealthListener | None = None
-        self.http_listener = (
-            HttpListener(dashboard_app(coordinator_app(self), spec), http_address)
-            if http_address
-            else None
-        )
-        """Its `app` may mount more routes before `start`; the dashboard's page is at `/`."""
+        self.http_app: Starlette | None = None
+        """The HTTP port's app: more routes (static pages) may be mounted on it before
+        `start`. The port serves it behind the dashboard's page (`dashboard_app`)."""
+        self.http_listener: HttpListener | None = None
+        if http_address:
+            self.http_app = coordinator_app(self)
+            self.http_listener = HttpListener(dashboard_app(self.http_app, spec), http_address)
         self.port: int | None = None
         self._server: aio.Server | None = None
 

@@ -45,7 +45,7 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -217,6 +217,10 @@ class HistoryNewer(PublicationError):
     """The index is of a format this version does not know: it is neither read nor replaced."""
 
 
+Decoder = Callable[[bytes], tuple[HistoryEntry, ...]]
+"""Decodes an index (`decode_index`'s contract: ValueError or `HistoryNewer` when it cannot)."""
+
+
 class History(Protocol):
     """A root's history (`open_history`)."""
 
@@ -233,9 +237,10 @@ class History(Protocol):
         `max_bytes`. Raises `StorageFailed` (or OSError) when the store fails."""
         ...
 
-    def read(self) -> HistoryRead:
+    def read(self, decode: Decoder = ...) -> HistoryRead:
         """Every entry, oldest first; a corrupt or newer index is a `problem`, never raised.
-        Raises `StorageFailed` (or OSError) when the store fails."""
+        Raises `StorageFailed` (or OSError) when the store fails. `decode` (default
+        `decode_index`) lets a reader that keeps what it decoded before reuse it."""
         ...
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
@@ -343,15 +348,21 @@ _LAST_WRITTEN = _LastWritten()
 
 
 def _lines_of(raw: bytes, count: int) -> list[bytes] | None:
-    """The entries' lines of an index in `encode_index`'s layout (None for another layout):
-    kept byte for byte, so a write encodes only what it adds or changes. Compact JSON
-    escapes every newline inside a string, so `,\n` only ever separates entries."""
+    """`index_lines` of an index of `count` entries: kept byte for byte, so a write encodes
+    only what it adds or changes."""
+    lines = index_lines(raw)
+    return lines if lines is not None and len(lines) == count else None
+
+
+def index_lines(raw: bytes) -> list[bytes] | None:
+    """The entries' lines of an index in `encode_index`'s layout, each one entry's JSON
+    (None for another layout). Compact JSON escapes every newline inside a string, so `,\n`
+    only ever separates entries; the head names this `FORMAT`."""
     head, tail = encode_index([]).split(b"\n\n")
     if not (raw.startswith(head + b"\n") and raw.endswith(b"\n" + tail)):
         return None
     body = raw[len(head) + 1 : len(raw) - len(tail) - 1]
-    lines = body.split(b",\n") if body else []
-    return lines if len(lines) == count else None
+    return body.split(b",\n") if body else []
 
 
 def encode_details(entry: HistoryEntry, members: Sequence[MemberRecord]) -> bytes:
@@ -452,11 +463,11 @@ def _strings(value: object, name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _read_result(raw: bytes | None, where: str) -> HistoryRead:
+def _read_result(raw: bytes | None, where: str, decode: Decoder) -> HistoryRead:
     if raw is None:
         return HistoryRead(())
     try:
-        return HistoryRead(decode_index(raw))
+        return HistoryRead(decode(raw))
     except (ValueError, TypeError, HistoryNewer) as exc:
         return HistoryRead((), f"{where}: history skipped: {exc}")
 
@@ -491,7 +502,7 @@ class LocalHistory:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=root_fd)
 
-    def read(self) -> HistoryRead:
+    def read(self, decode: Decoder = decode_index) -> HistoryRead:
         try:
             with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
                 raw = _read_optional(root_fd, INDEX_NAME)
@@ -499,7 +510,7 @@ class LocalHistory:
             return HistoryRead(())
         except StorageFailed as exc:
             return HistoryRead((), f"{self.location}: history skipped: {exc}")
-        return _read_result(raw, self.location)
+        return _read_result(raw, self.location, decode)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
         if not entry.details:
@@ -562,10 +573,10 @@ class ObjectHistory:
                     return
         raise StorageFailed(f"{self.location}: the index kept changing under {_INDEX_SWAPS} swaps")
 
-    def read(self) -> HistoryRead:
+    def read(self, decode: Decoder = decode_index) -> HistoryRead:
         with _store_failures():
             stored = self._client().get(self.directory.key(INDEX_NAME), limit=READ_LIMIT)
-        return _read_result(None if stored is None else stored.data, self.location)
+        return _read_result(None if stored is None else stored.data, self.location, decode)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
         if not entry.details:

@@ -10,6 +10,12 @@ changes with every write and costs no read of the bytes:
   (a new inode), so even two writes within the clock's resolution differ;
 * on an object store, its ETag (one HEAD instead of a GET of megabytes).
 
+When it did change, a checkpoint added one entry (and maybe dropped the oldest): every other
+entry's line is the same bytes as before (`history.encode_index` writes one entry per line and
+keeps the lines it does not change), so only new lines are decoded. A full parse holds the GIL
+for most of a second at 10,000 entries, which would stall the coordinator's event loop (and
+the checkpoints it is driving) once per checkpoint while a dashboard polls.
+
 A corrupt index, or one of a newer format, is a snapshot with no entries and the problem
 (as `History.read` reports it), never an exception: the API reports it and goes on serving.
 
@@ -19,10 +25,13 @@ Everything here blocks: run it through `store_call` from asyncio code.
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import threading
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from rollout_checkpoint.client.checkpointing.publication.history import (
     DETAILS_KEPT,
@@ -32,6 +41,8 @@ from rollout_checkpoint.client.checkpointing.publication.history import (
     MemberRecord,
     ObjectHistory,
     Status,
+    decode_index,
+    index_lines,
     open_history,
 )
 
@@ -49,8 +60,7 @@ class HistoryCounts:
     restores: int = 0
 
 
-@dataclass(frozen=True)
-class Anchor:
+class Anchor(NamedTuple):
     """Where a page ended: its last entry, by facts that do not change when older entries
     are dropped (a position would)."""
 
@@ -63,30 +73,46 @@ class Anchor:
         return cls(entry.id, entry.started_at, entry.ended_at)
 
 
-@dataclass
+@dataclass(frozen=True)
+class HistoryPage:
+    """One page of a snapshot, with what a list answers besides."""
+
+    entries: list[HistoryEntry]
+    following: Anchor | None
+    """The anchor of the next page (None: this is the last)."""
+    total: int
+    """Entries matching the filters."""
+    counts: HistoryCounts
+    problem: str | None
+    snapshot: HistorySnapshot
+
+
 class HistorySnapshot:
-    """One version of the index, parsed, newest first, with what every page needs computed
-    once: the counts, each entry's position by its anchor, and (on first use) each filter's
-    positions."""
+    """One version of the index, parsed, newest first. What pages need beyond it (the
+    counts, each entry's position by its anchor, each filter's positions) is computed on
+    first use, once per version: a version that only ever answers first pages never builds
+    the anchors, and a dashboard's repeated filter is filtered once."""
 
-    newest_first: tuple[HistoryEntry, ...]
-    problem: str | None = None
-    counts: HistoryCounts = field(init=False)
-    _positions: dict[Anchor, int] = field(init=False, repr=False)
-    _filtered: dict[tuple[str, str], list[int]] = field(init=False, repr=False)
-    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    def __init__(self, newest_first: tuple[HistoryEntry, ...], problem: str | None = None):
+        self.newest_first = newest_first
+        self.problem = problem
+        self._lock = threading.Lock()
+        self._counts: HistoryCounts | None = None
+        self._positions: dict[Anchor, int] | None = None
+        self._filtered: dict[tuple[str, str], Sequence[int]] = {}
 
-    def __post_init__(self) -> None:
-        self.counts = _counts(self.newest_first)
-        # Newest first: the first position of an anchor (or id) is its newest attempt.
-        self._positions = {}
-        for position, entry in enumerate(self.newest_first):
-            self._positions.setdefault(Anchor.of(entry), position)
-        self._filtered = {}
+    @property
+    def counts(self) -> HistoryCounts:
+        with self._lock:
+            if self._counts is None:
+                self._counts = _counts(self.newest_first)
+            return self._counts
 
-    def matching(self, status: str, operation: str) -> list[int]:
+    def matching(self, status: str, operation: str) -> Sequence[int]:
         """The positions (ascending: newest first) of the entries with this `status` and
         `operation` ("" matches any)."""
+        if not status and not operation:
+            return range(len(self.newest_first))
         key = (status, operation)
         with self._lock:
             positions = self._filtered.get(key)
@@ -100,22 +126,19 @@ class HistorySnapshot:
                 self._filtered[key] = positions
             return positions
 
-    def page(
-        self, status: str, operation: str, size: int, after: Anchor | None
-    ) -> tuple[list[HistoryEntry], Anchor | None]:
-        """Up to `size` matching entries after `after` (None: from the newest), and the anchor
-        of the next page (None: this is the last). An anchor no longer in the index was
-        dropped as one of the oldest, with everything older: the page is empty."""
+    def page(self, status: str, operation: str, size: int, after: Anchor | None) -> HistoryPage:
+        """Up to `size` matching entries after `after` (None: from the newest). An anchor no
+        longer in the index was dropped as one of the oldest, with everything older: the
+        page is empty."""
         positions = self.matching(status, operation)
         start = 0
         if after is not None:
-            anchored = self._positions.get(after)
-            if anchored is None:
-                return [], None
-            start = bisect.bisect_right(positions, anchored)
+            anchored = self._position_of(after)
+            start = len(positions) if anchored is None else bisect.bisect_right(positions, anchored)
         chosen = [self.newest_first[p] for p in positions[start : start + size]]
         more = start + size < len(positions)
-        return chosen, Anchor.of(chosen[-1]) if more and chosen else None
+        following = Anchor.of(chosen[-1]) if more and chosen else None
+        return HistoryPage(chosen, following, len(positions), self.counts, self.problem, self)
 
     def newest(self, entry_id: str) -> tuple[HistoryEntry, bool] | None:
         """The newest attempt of `entry_id` (a retried id has several), and whether it is
@@ -126,48 +149,81 @@ class HistorySnapshot:
                 return entry, position >= DETAILS_KEPT
         return None
 
+    def _position_of(self, anchor: Anchor) -> int | None:
+        with self._lock:
+            if self._positions is None:
+                # Oldest first, so of two equal anchors the newest position is the one kept.
+                self._positions = {
+                    Anchor.of(self.newest_first[p]): p
+                    for p in range(len(self.newest_first) - 1, -1, -1)
+                }
+            return self._positions.get(anchor)
+
 
 def _counts(entries: tuple[HistoryEntry, ...]) -> HistoryCounts:
-    by_status = {Status.COMPLETED: 0, Status.FAILED: 0, Status.ABORTED: 0}
-    restores = 0
-    for entry in entries:
-        if entry.operation == RESTORE:
-            restores += 1
-        elif entry.status in by_status:
-            by_status[Status(entry.status)] += 1
+    checkpoints = Counter(e.status for e in entries if e.operation != RESTORE)
     return HistoryCounts(
-        completed=by_status[Status.COMPLETED],
-        failed=by_status[Status.FAILED],
-        aborted=by_status[Status.ABORTED],
-        restores=restores,
+        completed=checkpoints[Status.COMPLETED],
+        failed=checkpoints[Status.FAILED],
+        aborted=checkpoints[Status.ABORTED],
+        restores=sum(1 for e in entries if e.operation == RESTORE),
     )
+
+
+class LineDecoder:
+    """`decode_index`, reusing the entries of the lines it decoded from the previous index
+    (an index in another layout is decoded whole). Not thread-safe: `HistoryView` calls it
+    under its lock."""
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, HistoryEntry] = {}
+
+    def __call__(self, raw: bytes) -> tuple[HistoryEntry, ...]:
+        lines = index_lines(raw)
+        if lines is None:
+            self._entries = {}
+            return decode_index(raw)
+        previous = self._entries
+        current: dict[bytes, HistoryEntry] = {}
+        for line in lines:
+            entry = previous.get(line) or current.get(line)
+            current[line] = entry if entry is not None else HistoryEntry.from_json(json.loads(line))
+        self._entries = current  # only now: a line that fails leaves the previous ones
+        return tuple(current[line] for line in lines)
 
 
 class HistoryView:
     """A root's history, parsed once per version of its index (thread-safe: the reads run on
-    `store_call`'s threads)."""
+    `store_call`'s threads, one at a time, so two requests that both find the index changed
+    decode it once)."""
 
     def __init__(self, location: str | os.PathLike[str]) -> None:
         self.history = open_history(location)
         self.location = self.history.location
         self._lock = threading.Lock()
+        self._decode = LineDecoder()
         self._version: Hashable = None
         self._snapshot: HistorySnapshot | None = None
 
     def snapshot(self) -> HistorySnapshot:
         """The index as it is now: the cached one while its version did not change. Raises
         `StorageFailed` (or OSError) when the store fails."""
-        version = self._version_now()
         with self._lock:
+            version = self._version_now()
             if self._snapshot is not None and version == self._version:
                 return self._snapshot
-        # Read after taking the version: a write in between is cached under the older
-        # version, which the next call sees differ, and reads again (never the reverse).
-        read = self.history.read()
-        snapshot = HistorySnapshot(tuple(reversed(read.entries)), read.problem)
-        with self._lock:
-            self._version, self._snapshot = version, snapshot
-        return snapshot
+            # Read after taking the version: a write in between is cached under the older
+            # version, which the next call sees differ, and reads again (never the reverse).
+            read = self.history.read(self._decode)
+            self._version = version
+            self._snapshot = HistorySnapshot(tuple(reversed(read.entries)), read.problem)
+            return self._snapshot
+
+    def page(self, status: str, operation: str, size: int, after: Anchor | None) -> HistoryPage:
+        """`HistorySnapshot.page` of the index as it is now (the whole page is made here, on
+        the caller's thread: at 10,000 entries a filter or the anchors are milliseconds of
+        CPU that do not belong on an event loop)."""
+        return self.snapshot().page(status, operation, size, after)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
         """`History.members`: never cached (a details object is read once per GetCheckpoint,
