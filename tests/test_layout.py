@@ -44,14 +44,22 @@ def test_editable_imports_resolve_to_the_source_folders() -> None:
         assert path.parent == REPO / folder, f"{name} was imported from {path}"
 
 
+DATA_FOLDERS = ("client/coordinator/dashboard",)
+"""Folders whose every file the wheel must carry (the dashboard's page and vendored library)."""
+
+
 def _source_modules() -> set[str]:
-    """Every module file the wheel must carry, as a path inside the wheel."""
+    """Every module file the wheel must carry, and every file of `DATA_FOLDERS`, as a path
+    inside the wheel."""
     expected = set()
     for package, folder in PACKAGE_DIR.items():
         root = REPO / folder
         prefix = package.replace(".", "/")
         for path in root.rglob("*"):
-            if path.suffix in {".py", ".pyi"} and "__pycache__" not in path.parts:
+            if "__pycache__" in path.parts or not path.is_file():
+                continue
+            data = any(path.is_relative_to(REPO / data) for data in DATA_FOLDERS)
+            if data or path.suffix in {".py", ".pyi"}:
                 expected.add(f"{prefix}/{path.relative_to(root).as_posix()}")
     return expected
 

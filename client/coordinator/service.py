@@ -46,6 +46,7 @@ from rollout_checkpoint.client.coordinator.calls import (
     root_call,
     status_of,
 )
+from rollout_checkpoint.client.coordinator.dashboard import dashboard_app
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
 from rollout_checkpoint.client.coordinator.history_api import CheckpointHistoryApi
 from rollout_checkpoint.client.coordinator.http_api import coordinator_app
@@ -488,11 +489,13 @@ class Coordinator:
         self.health_listener: HealthListener | None = None
         self.http_app: Starlette | None = None
         """The HTTP port's app: more routes (static pages) may be mounted on it before
-        `start`."""
+        `start`. The port serves it behind the dashboard's page (`dashboard_app`)."""
         self.http_listener: HttpListener | None = None
         if http_address:
             self.http_app = coordinator_app(self)
-            self.http_listener = HttpListener(self.http_app, http_address, http_tls)
+            self.http_listener = HttpListener(
+                dashboard_app(self.http_app, spec), http_address, http_tls
+            )
         self.port: int | None = None
         self._server: aio.Server | None = None
 
