@@ -511,3 +511,37 @@ async def test_polling_the_fleet_does_not_cut_a_checkpoint_in_progress(tmp_path:
                 ]
         finally:
             await coordinator.stop()
+
+
+async def test_list_participants_during_a_checkpoint_does_not_close_its_channels(
+    tmp_path: Path,
+) -> None:
+    """ListParticipants discovers the fleet afresh; the checkpoint that is running keeps the
+    channels it holds (before, they were closed under it: "Channel is closed")."""
+    async with fleet_of(*KINDS) as f:
+        seed(f)
+        spec = dataclasses.replace(f.fleet.spec, checkpoint_root=str(tmp_path / "root"))
+        coordinator = Coordinator(spec, "127.0.0.1:0")
+        await coordinator.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
+                stub = cpb_grpc.CoordinatorServiceStub(channel)
+                release = f.h["resources"].participant.gate("export")
+                taking = asyncio.create_task(checkpoint_rpc(stub, "ckpt-listed"))
+                await f.h["resources"].participant.entered["export"].wait()
+                listed = await stub.ListParticipants(
+                    cpb.ListParticipantsRequest(), metadata=AUTH, timeout=30
+                )
+                assert [m.name for m in listed.members] == ["agent", "resources"]
+                release.set()
+                await taking
+                history = await list_checkpoints(stub)
+                assert [(c.id, c.status) for c in history.checkpoints] == [
+                    ("ckpt-listed", cpb.ATTEMPT_STATUS_COMPLETED)
+                ]
+                again = await stub.ListParticipants(
+                    cpb.ListParticipantsRequest(), metadata=AUTH, timeout=30
+                )
+                assert [m.name for m in again.members] == ["agent", "resources"]
+        finally:
+            await coordinator.stop()

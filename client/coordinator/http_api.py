@@ -9,7 +9,7 @@ JSON, for browsers, dashboards and `curl`, next to the gRPC port and in the same
 Each answer is the proto3 JSON mapping (lowerCamelCase) of the very message the gRPC method
 returns, computed by the same servicer method: the two ports cannot drift apart. (*) but for
 `/fleet`: the members as the coordinator knows them, never discovered afresh
-(`CoordinatorServicer.known_participants`), so a page that polls it cannot cut a checkpoint. A refusal
+(`CoordinatorServicer.known_participants`), so a page that polls it costs no member a call. A refusal
 is `{"error": {"code", "reason", "message"}}` with the gRPC status code's name, the
 `ErrorInfo` reason the gRPC port would send, and its message, under the HTTP status that
 code maps to (google.rpc's mapping: INVALID_ARGUMENT 400, NOT_FOUND 404, ...).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import ssl
 import time
@@ -48,6 +49,7 @@ from rollout_checkpoint.client.coordinator.calls import (
 )
 from rollout_checkpoint.client.coordinator.dashboard import dashboard_app
 from rollout_checkpoint.client.coordinator.fleet_events import FleetEventLog, member_message
+from rollout_checkpoint.client.coordinator.held_fleets import HeldFleets
 from rollout_checkpoint.client.coordinator.history_api import CheckpointHistoryApi
 from rollout_checkpoint.client.coordinator.http_api import coordinator_app
 from rollout_checkpoint.client.coordinator.http_listener import HttpListener
@@ -114,22 +116,12 @@ class CoordinatorServicer:
         """Started by the first WatchFleet of a coordinator that does not supervise (a
         supervisor watches the members itself)."""
         self.history = CheckpointHistoryApi(spec)
-        self._fleet: Fleet | None = None
-        self._discovery = asyncio.Lock()
-
-    async def fleet(self) -> Fleet:
+        self.fleets = HeldFleets(functools.partial(_discover, spec))
         """The discovered fleet, discovered again after any transport failure (a member may
-        have been replaced behind the same address)."""
-        async with self._discovery:
-            if self._fleet is None:
-                self._fleet = await _discover(self.spec)
-            return self._fleet
+        have been replaced behind the same address); each RPC holds it while it runs."""
 
     async def forget_fleet(self) -> None:
-        async with self._discovery:
-            if self._fleet is not None:
-                await self._fleet.close()
-                self._fleet = None
+        await self.fleets.forget()
 
     async def root(self, deadline: float) -> PublicationRoot:
         """The fleet's checkpoint root, opened by `deadline` (a local root is created, which
@@ -164,21 +156,21 @@ class CoordinatorServicer:
     async def known_participants(self) -> cpb.ListParticipantsResponse:
         """The members as this coordinator knows them (discovered on first use, and again
         after a member failed a call), without discovering them afresh as ListParticipants
-        does: that closes the fleet's channels, which cuts the calls of a checkpoint in
-        progress, and a dashboard polls (`GET /fleet`)."""
-        fleet = await self.fleet()
-        return cpb.ListParticipantsResponse(members=[member_message(m) for m in fleet.members])
+        does: a dashboard polls it (`GET /fleet`), and discovering a fleet of a thousand
+        members every two seconds is a thousand calls each time."""
+        async with self.fleets.held() as fleet:
+            return cpb.ListParticipantsResponse(members=[member_message(m) for m in fleet.members])
 
     async def prepare(
         self, request: cpb.CoordinatorServicePrepareRequest
     ) -> AsyncIterator[cpb.CoordinatorServicePrepareResponse]:
         deadline = self._deadline(request, "deadline")
         _check_id(request.checkpoint_id)
-        fleet = await self.fleet()
-        async for progress in fanout.prepare(fleet, request.checkpoint_id, deadline):
-            yield cpb.CoordinatorServicePrepareResponse(
-                progress=_progress(progress), final=progress.outcome is not None
-            )
+        async with self.fleets.held() as fleet:
+            async for progress in fanout.prepare(fleet, request.checkpoint_id, deadline):
+                yield cpb.CoordinatorServicePrepareResponse(
+                    progress=_progress(progress), final=progress.outcome is not None
+                )
 
     async def commit(
         self, request: cpb.CoordinatorServiceCommitRequest
@@ -186,16 +178,16 @@ class CoordinatorServicer:
         deadline = self._deadline(request, "deadline")
         _check_id(request.checkpoint_id)
         scope = _scope_choice(request)
-        fleet = await self.fleet()
-        result = await self._guard(
-            fanout.commit(fleet, request.checkpoint_id, deadline, request.checkpoint_dir, scope)
-        )
-        return cpb.CoordinatorServiceCommitResponse(
-            members=[
-                _member_commit(name, reply) for name, reply in _in_order(fleet, result.members)
-            ],
-            scope=[episode_message(e) for e in sorted(result.scope or ())],
-        )
+        async with self.fleets.held() as fleet:
+            result = await self._guard(
+                fanout.commit(fleet, request.checkpoint_id, deadline, request.checkpoint_dir, scope)
+            )
+            return cpb.CoordinatorServiceCommitResponse(
+                members=[
+                    _member_commit(name, reply) for name, reply in _in_order(fleet, result.members)
+                ],
+                scope=[episode_message(e) for e in sorted(result.scope or ())],
+            )
 
     async def restore(
         self, request: cpb.CoordinatorServiceRestoreRequest
@@ -211,42 +203,42 @@ class CoordinatorServicer:
             else None
         )
         root = await self.root(deadline)
-        fleet = await self.fleet()
-        try:
-            restored = await self._guard(
-                restore_published(
-                    fleet,
-                    root,
-                    request.checkpoint_id,
-                    deadline,
-                    source=source,
-                    scope=scope,
-                    rejoin=request.rejoin,
-                    trigger=Trigger.MANUAL,
+        async with self.fleets.held() as fleet:
+            try:
+                restored = await self._guard(
+                    restore_published(
+                        fleet,
+                        root,
+                        request.checkpoint_id,
+                        deadline,
+                        source=source,
+                        scope=scope,
+                        rejoin=request.rejoin,
+                        trigger=Trigger.MANUAL,
+                    )
                 )
+            except PublicationError as error:
+                raise as_checkpoint_error(error) from error
+            return cpb.CoordinatorServiceRestoreResponse(
+                source_checkpoint_id=restored.source_checkpoint_id,
+                members=[
+                    cpb.MemberRestore(name=name, restored=reply.restored)
+                    for name, reply in _in_order(fleet, restored.replies)
+                ],
+                controller_state=restored.controller_state,
+                continued=[episode_message(e) for e in restored.continued],
             )
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
-        return cpb.CoordinatorServiceRestoreResponse(
-            source_checkpoint_id=restored.source_checkpoint_id,
-            members=[
-                cpb.MemberRestore(name=name, restored=reply.restored)
-                for name, reply in _in_order(fleet, restored.replies)
-            ],
-            controller_state=restored.controller_state,
-            continued=[episode_message(e) for e in restored.continued],
-        )
 
     async def resume(
         self, request: cpb.CoordinatorServiceResumeRequest
     ) -> cpb.CoordinatorServiceResumeResponse:
         deadline = self._deadline(request, "deadline", allow_past=True)
         _check_id(request.checkpoint_id)
-        fleet = await self.fleet()
-        replies = await self._guard(fanout.resume(fleet, request.checkpoint_id, deadline))
-        return cpb.CoordinatorServiceResumeResponse(
-            idempotent_members=sorted(n for n, r in replies.items() if r.idempotent)
-        )
+        async with self.fleets.held() as fleet:
+            replies = await self._guard(fanout.resume(fleet, request.checkpoint_id, deadline))
+            return cpb.CoordinatorServiceResumeResponse(
+                idempotent_members=sorted(n for n, r in replies.items() if r.idempotent)
+            )
 
     async def retire(
         self, request: cpb.CoordinatorServiceRetireRequest
@@ -256,9 +248,9 @@ class CoordinatorServicer:
         episodes = episode_ids(request.episodes, "episodes")
         if not episodes:
             raise invalid_request("episodes", "must name at least one episode")
-        fleet = await self.fleet()
-        await self._guard(fanout.retire(fleet, request.checkpoint_id, deadline, episodes))
-        return cpb.CoordinatorServiceRetireResponse(retired=[e.capture_key for e in episodes])
+        async with self.fleets.held() as fleet:
+            await self._guard(fanout.retire(fleet, request.checkpoint_id, deadline, episodes))
+            return cpb.CoordinatorServiceRetireResponse(retired=[e.capture_key for e in episodes])
 
     async def forget(
         self, request: cpb.CoordinatorServiceForgetRequest
@@ -271,20 +263,20 @@ class CoordinatorServicer:
             problem = rollout_id_problem(rollout_id)
             if problem is not None:
                 raise invalid_request("rollout_ids", problem)
-        fleet = await self.fleet()
-        await self._guard(
-            fanout.forget(fleet, request.checkpoint_id, deadline, list(request.rollout_ids))
-        )
-        return cpb.CoordinatorServiceForgetResponse(forgotten=sorted(set(request.rollout_ids)))
+        async with self.fleets.held() as fleet:
+            await self._guard(
+                fanout.forget(fleet, request.checkpoint_id, deadline, list(request.rollout_ids))
+            )
+            return cpb.CoordinatorServiceForgetResponse(forgotten=sorted(set(request.rollout_ids)))
 
     async def renew(
         self, request: cpb.CoordinatorServiceRenewRequest
     ) -> cpb.CoordinatorServiceRenewResponse:
         deadline = self._deadline(request, "deadline")
         _check_id(request.checkpoint_id)
-        fleet = await self.fleet()
-        earliest = await self._guard(fanout.renew(fleet, request.checkpoint_id, deadline))
-        return cpb.CoordinatorServiceRenewResponse(lease_expires_at=timestamp(earliest))
+        async with self.fleets.held() as fleet:
+            earliest = await self._guard(fanout.renew(fleet, request.checkpoint_id, deadline))
+            return cpb.CoordinatorServiceRenewResponse(lease_expires_at=timestamp(earliest))
 
     async def checkpoint(
         self, request: cpb.CheckpointRequest
@@ -294,24 +286,24 @@ class CoordinatorServicer:
             _check_id(request.checkpoint_id)
         scope = _scope_choice(request)
         root = await self.root(deadline)
-        fleet = await self.fleet()
-        events = checkpoint(
-            fleet,
-            root,
-            deadline,
-            checkpoint_id=request.checkpoint_id or None,
-            scope=scope,
-            controller_state=request.controller_state,
-            keep=self.spec.keep,
-            keep_closed=request.keep_closed,
-            asynchronous=request.asynchronous or self.spec.async_commit,
-            trigger=Trigger.MANUAL,
-        )
-        try:
-            async for event in events:
-                yield _checkpoint_response(event)
-        except PublicationError as error:
-            raise as_checkpoint_error(error) from error
+        async with self.fleets.held() as fleet:
+            events = checkpoint(
+                fleet,
+                root,
+                deadline,
+                checkpoint_id=request.checkpoint_id or None,
+                scope=scope,
+                controller_state=request.controller_state,
+                keep=self.spec.keep,
+                keep_closed=request.keep_closed,
+                asynchronous=request.asynchronous or self.spec.async_commit,
+                trigger=Trigger.MANUAL,
+            )
+            try:
+                async for event in events:
+                    yield _checkpoint_response(event)
+            except PublicationError as error:
+                raise as_checkpoint_error(error) from error
 
     async def watch_fleet(
         self, request: cpb.WatchFleetRequest
