@@ -501,3 +501,26 @@ async def test_the_supervisor_records_its_periodic_checkpoints_and_its_recoverie
     _, members = attempt_cli(str(root), finished.recovery_id)
     assert sorted(members) == ["c0", "c1"]
     assert all(m["restore_seconds"] > 0 for m in members.values()), members
+
+
+async def test_a_cli_checkpoint_that_fails_at_its_deadline_is_recorded(tmp_path: Path) -> None:
+    """The record of an attempt that ended at its deadline is written on a daemon thread
+    past it; the CLI waits a little for it before it exits (before, the thread died with
+    the process and the failure, the attempt an operator looks for, left no record)."""
+    from .test_history_api import write_fleet_file
+
+    root = tmp_path / "root"
+    async with fleet_of(Kind.AGENT, Kind.RESOURCES) as f:
+        seed(f)
+        fleet_file = write_fleet_file(tmp_path, f, root)
+        command = [*CLI, "checkpoint", "--fleet", str(fleet_file), "--timeout", "3", "ckpt-late"]
+        release = f.h["resources"].participant.gate("export")  # its commit outlives the deadline
+        try:
+            run = await asyncio.to_thread(
+                subprocess.run, command, env=ENV, capture_output=True, text=True, timeout=120
+            )
+        finally:
+            release.set()
+        assert run.returncode != 0, run.stdout
+    entries = entries_of(str(root))
+    assert [(e["id"], e["status"]) for e in entries] == [("ckpt-late", "failed")], run.stderr

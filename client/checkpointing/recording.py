@@ -9,6 +9,10 @@ Two rules keep the history from ever costing a checkpoint:
   root, a store down) is logged and counted in `WRITES`, and the attempt's own result is what
   its caller gets; its caller waits for the write at most `HISTORY_SECONDS` and never past the
   attempt's deadline (a hung store: the write goes on in the background).
+* **A process that ends waits for its records a little** (`finish_records`): the write that
+  goes on in the background runs on a daemon thread, which dies with a short-lived process
+  (the CLI), so an attempt that failed at its deadline (the very one an operator looks for)
+  would leave no record at all. Its exit waits at most `HISTORY_SECONDS` more for them.
 
 What a checkpoint's record says of each member comes from the prepare's progress snapshots
 (when it prepared, the most blockers it reported, how long it reported any), from its
@@ -66,6 +70,8 @@ log = logging.getLogger(__name__)
 
 HISTORY_SECONDS = 5.0
 """The longest a history write may hold the caller of an attempt that already ended."""
+_UNFINISHED: set[daemon_threads.StorageCall[None]] = set()
+"""Records still being written on their daemon threads (`finish_records`)."""
 INTERRUPTED = "INTERRUPTED"
 """The reason of an attempt stopped by its caller (a signal, a cancelled task)."""
 
@@ -439,9 +445,22 @@ async def write_record(
         return
     try:
         async with asyncio.timeout(max(0.0, min(HISTORY_SECONDS, deadline - time.time()))):
-            await call.wait()
+            await asyncio.shield(asyncio.wrap_future(call.future))
     except TimeoutError:
         log.info("%s %s: its history record is still being written", entry.operation, entry.id)
+        _UNFINISHED.add(call)
+        call.future.add_done_callback(lambda _: _UNFINISHED.discard(call))
+
+
+async def finish_records(seconds: float = HISTORY_SECONDS) -> None:
+    """Wait at most `seconds` for the records still being written: a process about to end
+    calls it, since its daemon threads end with it (the module docstring's last rule)."""
+    unfinished = [asyncio.wrap_future(call.future) for call in list(_UNFINISHED)]
+    if not unfinished:
+        return
+    _, pending = await asyncio.wait(unfinished, timeout=seconds)
+    if pending:
+        log.warning("%d history record(s) not written before the process ended", len(pending))
 
 
 def start_write(

@@ -262,7 +262,10 @@ def run_async(verb: Callable[[Signals], Coroutine[Any, Any, T]]) -> T:
     Without this, Ctrl-C raises KeyboardInterrupt at an arbitrary await and SIGTERM kills the
     process outright: neither lets a checkpoint in progress be aborted, which leaves the
     fleet closed until its lease expires. A verb cancelled by a signal that does not handle
-    it ends with `Interrupted` (130/143)."""
+    it ends with `Interrupted` (130/143). Before the loop ends, the history records still
+    being written get a few seconds (`recording.finish_records`): their threads die with
+    the process, and the attempt that failed at its deadline is the one an operator looks
+    for."""
     signals = Signals()
 
     async def main() -> T:
@@ -282,5 +285,9 @@ def run_async(verb: Callable[[Signals], Coroutine[Any, Any, T]]) -> T:
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
+            # Imported here: most verbs (serve, inspect) never record, and start faster.
+            from rollout_checkpoint.client.checkpointing.recording import finish_records
+
+            await finish_records()
 
     return asyncio.run(main())

@@ -36,6 +36,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
     open_checkpoint_root,
 )
 from rollout_checkpoint.client.checkpointing.publication.history import Trigger
+from rollout_checkpoint.client.checkpointing.recording import finish_records
 from rollout_checkpoint.client.coordinator.calls import (
     PREPARE_OUTCOMES,
     SERVICE,
@@ -536,6 +537,7 @@ class Coordinator:
             await self.http_listener.stop()
         await stop_with_health(self._server, self.health_listener, self.grace)
         await self.servicer.forget_fleet()
+        await finish_records()  # their daemon threads would end with the process
 
     async def serve_until(self, stopping: asyncio.Event, on_started: Any = None) -> None:
         """Serve until `stopping` is set, then stop gracefully. The caller owns the signals
