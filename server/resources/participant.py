@@ -265,7 +265,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         for session in candidates:
             session_id = session.session_id
             if session_id in unchanged:
-                records.append(UnchangedRecord(session.episode, unchanged[session_id]))
+                records.append(unchanged[session_id])
             elif session_id not in states:
                 # The server no longer holds it (e.g. a verification failed after dropping it).
                 self._table.untrack(session_id)
@@ -280,20 +280,19 @@ class ResourcesParticipant(SessionDataPlane, Participant):
 
     def _unchanged(
         self, candidates: Sequence[TrackedSession], published_at: PublishedAt
-    ) -> dict[str, Hashable]:
+    ) -> dict[str, UnchangedRecord]:
         """The live sessions nothing touched since the published part that holds them, by
-        session id, with their record identity. An ended session is never one (see
-        `export_changes`)."""
+        session id. An ended session is never one (see `export_changes`)."""
         live = self._table.sessions
-        unchanged: dict[str, Hashable] = {}
+        unchanged: dict[str, UnchangedRecord] = {}
         for session in candidates:
             session_id = session.session_id
             if live.get(session_id) is not session:
                 continue
-            identity = (session.episode, session_id)
-            cut = published_at(identity)
+            record = session.as_unchanged()
+            cut = published_at(record.identity)
             if cut is not None and session.last_change <= cut:
-                unchanged[session_id] = identity
+                unchanged[session_id] = record
         return unchanged
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:

@@ -15,12 +15,17 @@ notifies no one: `ResourcesParticipant` decides when a session starts, ends or i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources.ended_sessions import EndedSessions
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
-from rollout_checkpoint.server.runtime.participant import Blocker, BlockerReason, EpisodeInfo
+from rollout_checkpoint.server.runtime.participant import (
+    Blocker,
+    BlockerReason,
+    EpisodeInfo,
+    UnchangedRecord,
+)
 
 NEVER_CHECKPOINTED = 2**63
 """A `last_change` above every clock: such a session is exported whatever a part holds."""
@@ -39,6 +44,16 @@ class TrackedSession:
     last_change: int = NEVER_CHECKPOINTED
     """The participant's change clock at the last request, seed, close, verify or explicit
     change on this session (`SessionDataPlane.touch`); until the first, never unchanged."""
+    _unchanged: UnchangedRecord | None = field(default=None, repr=False)
+
+    def as_unchanged(self) -> UnchangedRecord:
+        """The session's record as an incremental export leaves it when nothing changed it:
+        made once, since its episode and id never change. An export names every unchanged
+        session each Commit, inside the pause; allocating the record and its identity anew
+        for each was a third of that pause's work."""
+        if self._unchanged is None:
+            self._unchanged = UnchangedRecord(self.episode, (self.episode, self.session_id))
+        return self._unchanged
 
 
 class SessionTable:
