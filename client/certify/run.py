@@ -189,7 +189,7 @@ class Certification:
         for done, plan in enumerate(plans):
             self.progress(_describe(plan), done, len(plans))
             started = time.monotonic()
-            observation, reached, note = await run_trial(setup, plan, recording, bench=bench)
+            observation, reached, note = await run_trial(setup, plan, recording, defer_restore=True)
             ran.append(RanTrial(plan, observation, reached, note, time.monotonic() - started))
         for trial in ran:
             what = f"restoring trial {trial.plan.number}'s checkpoints"

@@ -122,12 +122,12 @@ async def run_trial(
     plan: TrialPlan,
     recording: Path,
     *,
-    bench: RestoreBench | None = None,
+    defer_restore: bool = False,
 ) -> tuple[RunObservation, bool, str]:
     """Run trial `plan` on a fresh fleet replaying `recording`: (the observation, whether
     the fault's moment came, a one-line note). Everything it started is stopped. Its
-    published checkpoints are restored into a bench of fresh processes of its own, or, given
-    `bench`, not at all: the caller restores them (`restore_check`) once no trial runs."""
+    published checkpoints are restored into fresh processes, or with `defer_restore` left to
+    the caller (`restore_check` into its bench, once no trial holds the addresses)."""
     label = f"trial {plan.number}"
     directory = await run_directory(setup, label)
     notes: list[str] = []
@@ -143,7 +143,7 @@ async def run_trial(
     finally:
         if derived is not None:
             await asyncio.to_thread(derived.unlink, missing_ok=True)
-    if bench is None:
+    if not defer_restore:
         own = RestoreBench(setup.spec, directory / "logs" / "restore", run.extra)
         try:
             await restore_check(own, setup, observation)
