@@ -225,7 +225,9 @@ class TrialRun:
                 controller.kill()
                 with contextlib.suppress(TimeoutError):
                     await controller.wait(RUN_SECONDS)
-            await self.processes.close()
+            # SIGKILL, not a graceful stop: all the trial checks was read from the members by
+            # now (`_observe`), and draining five servers cost every trial half a second.
+            await self.processes.kill_all()
         return observation
 
     async def _start(
