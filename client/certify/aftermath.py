@@ -33,7 +33,7 @@ STATUS_SECONDS = 2.0
 STATUS_POLL_SECONDS = 0.1
 """Between two rounds of GetStatus: the precision of a reopen time."""
 RESTORE_SECONDS = 60.0
-"""The deadline of the restore of a published checkpoint into fresh processes."""
+"""The deadline of one restore of a published checkpoint into the bench (`RestoreBench`)."""
 
 
 async def seconds_until_open(spec: FleetSpec, since: float, deadline: float) -> float | None:
