@@ -100,6 +100,18 @@ def test_every_check_holds_on_the_example_fleet(certified: dict[str, Any]) -> No
     assert "every check held" in completed.stderr
 
 
+def test_the_trials_checkpoints_are_restored_into_one_bench_fleet(
+    certified: dict[str, Any],
+) -> None:
+    """Every trial's published checkpoints go into one start-closed fleet in turn, restored
+    in place, not into a fleet started per trial: a fleet's start is most of a trial's cost."""
+    work = certified["report"] / "work"
+    report = json.loads((certified["report"] / "report.json").read_text())
+    assert report["verdict"] == "held", report["findings"]
+    assert sorted(p.name for p in (work / "restore-bench").iterdir()) == ["fleet-1"]
+    assert list(work.glob("trial-*/logs/restore")) == []
+
+
 @pytest.mark.slow  # a second certify run (baseline twice + a trial); `-m slow` runs it
 def test_only_reruns_exactly_that_trial(certified: dict[str, Any]) -> None:
     report = json.loads((certified["report"] / "report.json").read_text())

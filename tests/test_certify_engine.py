@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_checkpoint.client.certify.aftermath import restarted_rollouts
+from rollout_checkpoint.client.certify.aftermath import RestoreBench, restarted_rollouts
 from rollout_checkpoint.client.certify.baseline import run_baseline
 from rollout_checkpoint.client.certify.controller import pause_point
 from rollout_checkpoint.client.certify.determinism import compare_baselines
@@ -38,12 +40,18 @@ from rollout_checkpoint.client.certify.fleet_processes import (
 )
 from rollout_checkpoint.client.certify.invariants import check_run
 from rollout_checkpoint.client.certify.observations import RunObservation
-from rollout_checkpoint.client.certify.runs import collect_exports
+from rollout_checkpoint.client.certify.runs import collect_exports, published_ids
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.trial import async_fleet_file, pause_step, run_trial
-from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent
+from rollout_checkpoint.client.checkpointing.checkpoint import CheckpointEvent, checkpoint
+from rollout_checkpoint.client.checkpointing.fanout import derive_scope
+from rollout_checkpoint.client.checkpointing.publication import (
+    PublicationRoot,
+    open_checkpoint_root,
+)
 from rollout_checkpoint.client.collect.checkpoints import CheckpointTaker
-from rollout_checkpoint.client.fleet.spec import MemberSpec
+from rollout_checkpoint.client.fleet import Fleet
+from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec
 from rollout_checkpoint.examples.demo.comparison import trajectory_of
 from rollout_checkpoint.server.core.episodes import EpisodeId
 
@@ -285,6 +293,94 @@ def test_a_phase_whose_step_never_comes_is_not_reached(
     assert not reached
     assert note == "not reached: the collector never reached preparing@1000 before the run ended"
     assert_every_rollout_once_as_the_baseline(observation, certified.baseline)
+
+
+# -- the restore check's bench ---------------------------------------------------------------
+
+
+def test_the_bench_restores_each_checkpoint_in_place_keeping_nothing_of_the_one_before(
+    certified: Certified, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bench fleet takes checkpoint A (the baseline's sessions, into fresh processes),
+    then B, a checkpoint of two of A's restored episodes (in place): after B, the bench holds
+    B's two episodes at their next attempt and nothing else of A. A restore in place that
+    kept what the restore before installed would leave A's other episodes behind."""
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    spec = certified.setup.spec
+
+    async def scenario() -> tuple[dict[str, str], frozenset[EpisodeId], frozenset[EpisodeId]]:
+        bench = RestoreBench(spec, tmp_path / "bench", {})
+        try:
+            root_a = open_checkpoint_root(certified.setup.work / "baseline" / "exports")
+            assert await bench.failures(root_a, await published_ids(root_a)) == {}
+            after_a = await held_by(spec)
+            two = sorted(after_a)[:2]
+            root_b = open_checkpoint_root(tmp_path / "b")
+            await checkpoint_of(spec, root_b, two)
+            failures = await bench.failures(root_b, await published_ids(root_b))
+            assert bench.fleets == 1, "B went into the bench's fleet, in place"
+            return failures, after_a, await held_by(spec)
+        finally:
+            await bench.close()
+
+    failures, after_a, after_b = asyncio.run(scenario())
+    assert failures == {}
+    assert len(after_a) == len(certified.baseline.expected) > 2
+    assert after_b == {e.next_attempt() for e in sorted(after_a)[:2]}
+
+
+def test_a_checkpoint_that_fails_in_place_is_judged_in_fresh_processes(
+    certified: Certified, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged checkpoint fails on the bench's restored fleet: it is restored again into a
+    fresh fleet, and that verdict is the finding; the next checkpoint goes into fresh
+    processes again (what the failed restore left is in doubt)."""
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    spec = certified.setup.spec
+    damaged = tmp_path / "damaged"
+    shutil.copytree(certified.setup.work / "baseline" / "exports", damaged)
+    records = sorted(damaged.glob("*/participants/*/counter/records-*.jsonl"))
+    assert records
+    with records[0].open("ab") as file:
+        file.write(b'{"not": "what the digest says"}\n')
+
+    async def scenario() -> list[tuple[dict[str, str], int]]:
+        bench = RestoreBench(spec, tmp_path / "bench", {})
+        seen = []
+        try:
+            for folder in (certified.setup.work / "baseline" / "exports", damaged, damaged):
+                root = open_checkpoint_root(folder)
+                seen.append((await bench.failures(root, await published_ids(root)), bench.fleets))
+        finally:
+            await bench.close()
+        return seen
+
+    (good, fleets), (bad, fleets_bad), (bad_fresh, fleets_fresh) = asyncio.run(scenario())
+    assert good == {} and fleets == 1
+    (why,) = bad.values()
+    assert why.startswith("restore into fresh processes failed"), why
+    assert fleets_bad == 2, "confirmed in a fleet of fresh processes"
+    assert bad_fresh.keys() == bad.keys() and fleets_fresh == 3
+
+
+async def held_by(spec: FleetSpec) -> frozenset[EpisodeId]:
+    """Every episode the fleet's members hold (ListEpisodes)."""
+    fleet = await Fleet.discover(spec)
+    try:
+        return await derive_scope(fleet)
+    finally:
+        await fleet.close()
+
+
+async def checkpoint_of(spec: FleetSpec, root: PublicationRoot, scope: list[EpisodeId]) -> None:
+    """Publish a checkpoint of `scope` from the running fleet under `root`."""
+    fleet = await Fleet.discover(spec)
+    try:
+        events = [e async for e in checkpoint(fleet, root, time.time() + 60, scope=scope, keep=1)]
+    finally:
+        await fleet.close()
+    outcome = events[-1].outcome
+    assert outcome is not None and outcome.published is not None, events[-1]
 
 
 # -- the pieces, without processes -----------------------------------------------------------

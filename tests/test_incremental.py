@@ -87,12 +87,15 @@ class Fleet:
         browser, prefix = self.browsers[index]
         assert (await browser.post(f"{prefix}/close_session", json={})).status_code == 200
 
-    async def checkpoint(self, *, asynchronous: bool = False, full: bool = False) -> Path:
-        """Prepare, commit into a new sibling directory and resume; `full` commits this one
-        cut as a full part (the same server with its opt-in switched off for it)."""
+    async def checkpoint(
+        self, *, asynchronous: bool = False, full: bool = False, name: str | None = None
+    ) -> Path:
+        """Prepare, commit into a new sibling directory (`name`, or the checkpoint's id) and
+        resume; `full` commits this one cut as a full part (the same server with its opt-in
+        switched off for it)."""
         self.taken += 1
         checkpoint_id = f"c{self.taken}"
-        directory = self.root / checkpoint_id
+        directory = self.root / (name or checkpoint_id)
         assert (await prepared(self.r, checkpoint_id)).state == (
             types_pb2.PARTICIPANT_STATE_PREPARED
         )
@@ -214,6 +217,27 @@ async def test_only_touched_sessions_are_exported_and_the_chain_is_bounded(
         fourth = await fleet.checkpoint()  # the chain reached incremental_full_every
         assert manifest_of(fourth)["schema_version"] == 1
         assert read_records(fourth)[1] == read_records(third)[1] == read_records(second)[1]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_a_directory_no_reference_may_name_is_a_base_for_nothing(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """A controller may commit into a directory whose name a reference cannot hold (a
+    timestamp with colons): that part is written, and the next one is full instead of
+    planned against it and refused (before, every second commit failed INVALID_ARGUMENT)."""
+    async with running(IncrementalCounter) as r:
+        fleet = Fleet(r, tmp_path)
+        await fleet.seed(4)
+        for minute in range(4):
+            await fleet.increment(minute)
+            part = await fleet.checkpoint(
+                asynchronous=asynchronous, name=f"2026-12-06T15:0{minute}:00"
+            )
+            assert manifest_of(part)["schema_version"] == 1
+        assert (await restored_states(part)) == dict(
+            await r.server.export_session_states(sorted(r.participant.sessions))
+        )
 
 
 async def test_a_failed_commit_leaves_its_sessions_changed(tmp_path: Path) -> None:

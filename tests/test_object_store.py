@@ -28,6 +28,7 @@ import pytest
 from rollout_checkpoint.client.checkpointing.publication import (
     CheckpointConflict,
     CheckpointCorrupt,
+    CheckpointRoot,
     NoPublishedCheckpoint,
     PublicationError,
     PublishedParticipant,
@@ -532,3 +533,35 @@ async def test_a_resume_during_an_object_store_write_stops_it_before_the_manifes
         release.set()
         await stop_harness(h)
     assert "participants/resources/double/manifest.json" not in keys_below(s3_env, checkpoint_dir)
+
+
+async def test_a_referencing_part_copied_to_the_store_fails_verification_as_it_fails_restore(
+    s3_env: S3Connection, url: str, tmp_path: Path
+) -> None:
+    """An operator copies a local root holding incremental parts to a bucket (a backup): a
+    part that references earlier parts cannot be read from a store, so `inspect` and
+    publication's verification refuse it, as a restore would (before, it verified and then
+    failed to restore)."""
+    from .test_incremental_retention import INSTANCE, KIND, T0, write
+
+    local = tmp_path / "root"
+    local.mkdir()
+    full, lines = write(local, "c0", 2, [])
+    referencing, _ = write(local, "c1", 1, lines)
+    for number, (checkpoint, part) in enumerate((("c0", full), ("c1", referencing))):
+        CheckpointRoot(local).publish(
+            checkpoint,
+            [PublishedParticipant("counter", KIND, INSTANCE, part.manifest_sha256)],
+            [],
+            b"",
+            created_at=T0 + timedelta(hours=number),
+            keep=2,
+        )
+    store = store_for(s3_env)
+    prefix = url.split("/", 3)[3]
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        obstore.put(store, f"{prefix}/{path.relative_to(local)}", path.read_bytes())
+    root = open_checkpoint_root(url)
+    assert (await asyncio.to_thread(root.inspect, "c0")).checkpoint_id == "c0"
+    with pytest.raises(CheckpointCorrupt, match="referenc"):
+        await asyncio.to_thread(root.inspect, "c1")

@@ -37,11 +37,16 @@ NOTES_IN_ERROR = 5
 """How many of the collector's last notes a failed baseline's message carries."""
 
 
+def run_folder(setup: CertifySetup, label: str) -> Path:
+    """Where the run labelled `label` keeps its files (`trial 3` -> `trial-3`)."""
+    return setup.work / label.replace(" ", "-")
+
+
 async def run_directory(setup: CertifySetup, label: str) -> Path:
     """The empty folder of one run under the work area (`trial 3` -> `trial-3`). What an
     earlier run of the same label left (`--only 3` again) is removed: `collect` refuses to
     start over an old collection, and an old log would be read as this run's."""
-    directory = setup.work / label.replace(" ", "-")
+    directory = run_folder(setup, label)
     await asyncio.to_thread(shutil.rmtree, directory, ignore_errors=True)
     await asyncio.to_thread(directory.mkdir, parents=True)
     return directory

@@ -66,7 +66,8 @@ class Check(enum.StrEnum):
     """Each resources server's exported state of each session after the run equals the
     baseline's: a tool call replayed, lost or applied twice by a restore shows here."""
     CHECKPOINTS_RESTORE = "every_published_checkpoint_restores"
-    """Every checkpoint the run published is read back and restored into fresh processes."""
+    """Every checkpoint the run published reads back whole, and the latest restores (into a
+    fleet started closed; a failure on a restored one is confirmed in fresh processes)."""
     ADMISSION_REOPENS = "admission_reopens_within_deadline"
     """After the fault, every member is ready (admission open) again within the deadline."""
     REFUSALS_TYPED = "every_refusal_is_typed"

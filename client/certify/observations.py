@@ -32,9 +32,10 @@ class RunObservation:
     after the run (a scoped checkpoint of every finished attempt). A member that exports
     nothing (stateless, restart_only) is absent."""
     published: list[str] = field(default_factory=list)
-    """Checkpoint ids the run published (every one is restored into fresh processes)."""
+    """Checkpoint ids the run published (each read back, the latest restored: `RestoreBench`)."""
     restore_failures: dict[str, str] = field(default_factory=dict)
-    """Checkpoint id -> why it did not read back or restore into fresh processes."""
+    """Checkpoint id -> why it did not read back, or restore (a failure in place is confirmed
+    in fresh processes: `aftermath.RestoreBench`)."""
     reopen_seconds: float | None = None
     """From the fault to every member ready (admission open) again; None: never within
     `reopen_deadline` (or, on a run without a fault, not measured)."""

@@ -6,8 +6,15 @@ baseline records the model, and its second pass replays it at another concurrenc
 the two passes disagree on is the user's nondeterminism, reported as such and left out of
 every later comparison (a trial can only be held to what the baseline reproduced). The
 stateless probe runs while no fleet is up, since it starts the member on its own address.
-The trials come last, one fresh fleet each, so no trial inherits another's damage; each is
-checked the moment it ends, so a run interrupted at trial k still reports the k-1 before.
+The trials come last, one fresh fleet each, so no trial inherits another's damage: a member
+that served a trial is never reused, since what a user's server keeps outside every session
+(a process-wide counter, a cache, a background task's state) is exactly the bug class certify
+hunts, no export shows it, and a reused process would carry it into the next trial (and make
+`--only N` disagree with the run it repeats). What is shared is the restore check's bench
+(`aftermath.RestoreBench`): one start-closed fleet into which every trial's published
+checkpoint is restored in turn once the trials are over (it takes the fleet's addresses, so
+it cannot run beside a trial), instead of a fleet started per trial for one restore. Each
+trial is checked once its checkpoints were restored, and its seconds include that restore.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollout_checkpoint.client.certify.aftermath import RestoreBench
 from rollout_checkpoint.client.certify.baseline import run_baseline
 from rollout_checkpoint.client.certify.determinism import compare_baselines
 from rollout_checkpoint.client.certify.findings import (
@@ -32,10 +40,10 @@ from rollout_checkpoint.client.certify.invariants import check_run
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.certify.plan import plan_trial, plan_trials
 from rollout_checkpoint.client.certify.report import CertifyReport
-from rollout_checkpoint.client.certify.runs import Mode, RunFailed
+from rollout_checkpoint.client.certify.runs import Mode, RunFailed, model_args
 from rollout_checkpoint.client.certify.setup import CertifySetup
 from rollout_checkpoint.client.certify.stateless_probe import probe_stateless
-from rollout_checkpoint.client.certify.trial import run_trial
+from rollout_checkpoint.client.certify.trial import restore_check, run_trial
 from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.client.collect.inputs import load_input
 from rollout_checkpoint.client.fleet import FleetSpec, load_fleet_file
@@ -118,13 +126,15 @@ class Certification:
         )
         findings, unreproduced = compare_baselines(baseline, again, servers=facts)
         findings += await self._probe(spec, facts, baseline)
-        trials = []
-        for done, plan in enumerate(plans):
-            self.progress(_describe(plan), done, len(plans))
-            trials.append(await self._trial(setup, plan, recording, baseline, unreproduced, facts))
+        bench = RestoreBench(spec, work / "restore-bench", model_args(setup, "replay", recording))
+        try:
+            trials = await self._trials(setup, plans, recording, bench)
+        finally:
+            await bench.close()
+        judged = [check_trial(t, baseline, unreproduced, facts) for t in trials]
         self.progress("done", len(plans), len(plans))
         seconds = time.monotonic() - self.started
-        trial_seconds = sum(t.seconds for t in trials)
+        trial_seconds = sum(t.seconds for t in judged)
         return CertifyReport(
             command=options.command(),
             seed=options.seed,
@@ -134,7 +144,7 @@ class Certification:
             baseline_rollouts=len(baseline.expected),
             concurrencies=options.concurrencies,
             baseline_findings=findings,
-            trials=trials,
+            trials=judged,
             seconds=seconds,
             trials_per_minute=(60.0 * len(trials) / trial_seconds) if trial_seconds else 0.0,
             exported_sessions={
@@ -165,36 +175,69 @@ class Certification:
             )
         return found
 
-    async def _trial(
+    async def _trials(
         self,
         setup: CertifySetup,
-        plan: TrialPlan,
+        plans: Sequence[TrialPlan],
         recording: Path,
-        baseline: RunObservation,
-        unreproduced: set[tuple[str, str]],
-        facts: Sequence[ServerFacts],
-    ) -> TrialResult:
-        started = time.monotonic()
-        observation, reached, note = await run_trial(setup, plan, recording)
-        violations = check_run(
-            observation,
-            baseline,
-            trial=plan.number,
-            unreproduced=unreproduced,
-            servers=facts,
-        )
-        if violations:
-            outcome = Outcome.VIOLATED
-        else:
-            outcome = Outcome.HELD if reached else Outcome.NOT_REACHED
-        return TrialResult(
-            plan=plan,
-            outcome=outcome,
-            violations=violations,
-            restarted=dict(observation.restarted),
-            seconds=time.monotonic() - started,
-            note=note,
-        )
+        bench: RestoreBench,
+    ) -> list[RanTrial]:
+        """Run every trial, then restore what each published into `bench`: the bench takes
+        the fleet's addresses, so it runs once no trial does (see `RestoreBench`), and each
+        trial's seconds include its restore."""
+        ran = []
+        for done, plan in enumerate(plans):
+            self.progress(_describe(plan), done, len(plans))
+            started = time.monotonic()
+            observation, reached, note = await run_trial(setup, plan, recording, defer_restore=True)
+            ran.append(RanTrial(plan, observation, reached, note, time.monotonic() - started))
+        for trial in ran:
+            what = f"restoring trial {trial.plan.number}'s checkpoints"
+            self.progress(what, len(plans), len(plans))
+            started = time.monotonic()
+            await restore_check(bench, setup, trial.observation)
+            trial.seconds += time.monotonic() - started
+        return ran
+
+
+@dataclass
+class RanTrial:
+    """A trial that ran, before its checks: `run_trial`'s result and the seconds it took."""
+
+    plan: TrialPlan
+    observation: RunObservation
+    reached: bool
+    note: str
+    seconds: float
+
+
+def check_trial(
+    trial: RanTrial,
+    baseline: RunObservation,
+    unreproduced: set[tuple[str, str]],
+    facts: Sequence[ServerFacts],
+) -> TrialResult:
+    """The trial's verdict: every check of `check_run` against the baseline."""
+    started = time.monotonic()
+    violations = check_run(
+        trial.observation,
+        baseline,
+        trial=trial.plan.number,
+        unreproduced=unreproduced,
+        servers=facts,
+    )
+    if violations:
+        outcome = Outcome.VIOLATED
+    else:
+        outcome = Outcome.HELD if trial.reached else Outcome.NOT_REACHED
+    return TrialResult(
+        plan=trial.plan,
+        outcome=outcome,
+        violations=violations,
+        restarted=dict(trial.observation.restarted),
+        seconds=trial.seconds + time.monotonic() - started,
+        note=trial.note,
+    )
 
 
 def certifiable(options: CertifyOptions) -> FleetSpec:

@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 from rollout_checkpoint.client.certify.aftermath import (
+    RestoreBench,
     continued_episodes,
     restarted_rollouts,
-    restore_failures,
     seconds_until_open,
 )
-from rollout_checkpoint.client.certify.baseline import run_directory
+from rollout_checkpoint.client.certify.baseline import run_directory, run_folder
 from rollout_checkpoint.client.certify.controller import ControllerProcess
 from rollout_checkpoint.client.certify.findings import Phase, TrialPlan
 from rollout_checkpoint.client.certify.fleet_processes import FleetProcesses
@@ -118,10 +118,16 @@ def async_fleet_file(fleet_path: Path) -> Path:
 
 
 async def run_trial(
-    setup: CertifySetup, plan: TrialPlan, recording: Path
+    setup: CertifySetup,
+    plan: TrialPlan,
+    recording: Path,
+    *,
+    defer_restore: bool = False,
 ) -> tuple[RunObservation, bool, str]:
     """Run trial `plan` on a fresh fleet replaying `recording`: (the observation, whether
-    the fault's moment came, a one-line note). Everything it started is stopped."""
+    the fault's moment came, a one-line note). Everything it started is stopped. Its
+    published checkpoints are restored into fresh processes, or with `defer_restore` left to
+    the caller (`restore_check` into its bench, once no trial holds the addresses)."""
     label = f"trial {plan.number}"
     directory = await run_directory(setup, label)
     notes: list[str] = []
@@ -137,8 +143,24 @@ async def run_trial(
     finally:
         if derived is not None:
             await asyncio.to_thread(derived.unlink, missing_ok=True)
+    if not defer_restore:
+        own = RestoreBench(setup.spec, directory / "logs" / "restore", run.extra)
+        try:
+            await restore_check(own, setup, observation)
+        finally:
+            await own.close()
     notes += run.striker.notes if run.reached else [f"not reached: {run.unreached}"]
     return observation, run.reached, "; ".join(notes)
+
+
+async def restore_check(
+    bench: RestoreBench, setup: CertifySetup, observation: RunObservation
+) -> None:
+    """Fill `observation.restore_failures`: the checkpoints its trial published (under its
+    run's folder), restored into `bench`."""
+    checkpoints = run_folder(setup, observation.label) / "checkpoints"
+    root = await asyncio.to_thread(open_checkpoint_root, checkpoints)
+    observation.restore_failures = await bench.failures(root, observation.published)
 
 
 class TrialRun:
@@ -203,14 +225,9 @@ class TrialRun:
                 controller.kill()
                 with contextlib.suppress(TimeoutError):
                     await controller.wait(RUN_SECONDS)
-            await self.processes.close()
-        observation.restore_failures = await restore_failures(
-            self.spec,
-            await asyncio.to_thread(open_checkpoint_root, self.root_path),
-            observation.published,
-            self.directory / "logs" / "restore",
-            self.extra,
-        )
+            # SIGKILL, not a graceful stop: all the trial checks was read from the members by
+            # now (`_observe`), and draining five servers cost every trial half a second.
+            await self.processes.kill_all()
         return observation
 
     async def _start(

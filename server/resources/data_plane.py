@@ -13,6 +13,7 @@ waits on the same change event (`_wait_change`).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
@@ -56,6 +57,10 @@ class SessionDataPlane:
         """The data plane tracked or used a session (sticky): see `has_served`."""
         self._change_clock = 0
         """Raised by every `touch`: a session's `last_change` is the clock at its last one."""
+        self._change_lock = threading.Lock()
+        """`checkpoint_session_changed` may be called from a thread of the server's own (a
+        sandbox, a worker pool): an increment torn by a thread switch could stamp a change
+        below a cut already taken, and the session would count as unchanged after it."""
         self._changed: asyncio.Event | None = None
 
     @property
@@ -93,9 +98,10 @@ class SessionDataPlane:
         self._touch(self._table.get(session_id))
 
     def _touch(self, session: TrackedSession | None) -> None:
-        self._change_clock += 1
-        if session is not None:
-            session.last_change = self._change_clock
+        with self._change_lock:
+            self._change_clock += 1
+            if session is not None:
+                session.last_change = self._change_clock
 
     # -- data plane: called by the middleware, all synchronous except the waits ---------
 

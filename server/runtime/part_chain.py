@@ -35,7 +35,12 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
-from rollout_checkpoint.server.core.layout import REFERENCE_FIELD, PartChain, PartReference
+from rollout_checkpoint.server.core.layout import (
+    REFERENCE_FIELD,
+    PartChain,
+    PartReference,
+    is_reference_name,
+)
 from rollout_checkpoint.server.core.object_store import is_object_url
 from rollout_checkpoint.server.core.part_references import RecordPointer, reference_line
 from rollout_checkpoint.server.core.part_storage import (
@@ -133,6 +138,10 @@ class PartChains:
             return None
         root, name = os.path.split(checkpoint_dir.rstrip("/"))
         if base.root != root or base.checkpoint == name:
+            return None
+        if not is_reference_name(base.checkpoint):
+            # A controller may name its directories freely (a timestamp with colons); a
+            # reference may not hold such a name, and `write_part` would refuse the plan.
             return None
         if base.chain_length >= min(self.settings.full_every, MAX_FULL_EVERY):
             return None

@@ -292,6 +292,12 @@ class ObjectCheckpointRoot:
                 )
             manifest = decode_manifest(raw, part.url)
             check_owner(manifest, part.url, entry.kind, entry.instance, checkpoint_id)
+            if manifest.chain is not None:
+                # Written locally and copied here (a backup): its reference lines would
+                # count as records, and a restore from the store refuses the part.
+                raise CheckpointCorrupt(
+                    part.url, "a part referencing earlier parts cannot be read from an object store"
+                )
             self._call(
                 lambda: scan_object_records(
                     self._client, part, manifest, episode, size_only=not full
