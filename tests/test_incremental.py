@@ -422,3 +422,31 @@ async def test_checkpoint_session_changed_exports_a_session_changed_outside_requ
         after = await fleet.checkpoint()
         assert manifest_of(after)["own_records"] == 1
         assert (await restored_states(after))[session_id] == {"count": 11}
+
+
+async def test_an_async_incremental_snapshot_holds_only_the_changed_records(
+    tmp_path: Path,
+) -> None:
+    """The pause of an asynchronous incremental Commit serializes what changed, nothing per
+    unchanged session: its snapshot is the one touched session's record, and the background
+    write composes the reference lines of the other five (they are in the durable part)."""
+    async with running(IncrementalCounter) as r:
+        fleet = Fleet(r, tmp_path)
+        await fleet.seed(6)
+        await fleet.checkpoint(asynchronous=True)
+        await fleet.increment(2)
+        assert (await prepared(r, "c2")).state == types_pb2.PARTICIPANT_STATE_PREPARED
+        directory = tmp_path / "c2"
+        reply = await r.client.commit("c2", r.deadline(), str(directory), asynchronous=True)
+        durable = await r.client.await_part("c2", r.deadline())
+        await r.client.resume("c2", r.deadline())
+        assert durable.state == pb.PART_WRITE_STATE_DURABLE
+        part = Path(layout.part_path(str(directory), "resources", "counter"))
+        lines = (part / durable.manifest.records_file).read_bytes().splitlines()
+        own = [line for line in lines if b'"$ref":' not in line]
+        assert (len(lines), len(own)) == (6, 1)
+        assert reply.snapshot_records == 6
+        assert reply.snapshot_bytes == len(own[0]) + 1 < durable.manifest.bytes
+        assert (await restored_states(directory)) == dict(
+            await r.server.export_session_states(sorted(r.participant.sessions))
+        )

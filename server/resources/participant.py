@@ -258,32 +258,42 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         candidates = self._table.exportable(scope, self.context.retired)
         if not candidates:
             return []
-        unchanged = {s.session_id for s in candidates if self._unchanged(s, published_at)}
+        unchanged = self._unchanged(candidates, published_at)
         changed = [s.session_id for s in candidates if s.session_id not in unchanged]
         states = await self._hooks.export_session_states(changed) if changed else {}
         records: list[ExportRecord | UnchangedRecord] = []
         for session in candidates:
-            identity = (session.episode, session.session_id)
-            if session.session_id in unchanged:
-                records.append(UnchangedRecord(session.episode, identity))
-            elif session.session_id not in states:
+            session_id = session.session_id
+            if session_id in unchanged:
+                records.append(unchanged[session_id])
+            elif session_id not in states:
                 # The server no longer holds it (e.g. a verification failed after dropping it).
-                self._table.untrack(session.session_id)
+                self._table.untrack(session_id)
             else:
                 records.append(
                     ExportRecord(
-                        session.episode,
-                        {"session_id": session.session_id, "state": states[session.session_id]},
+                        session.episode, {"session_id": session_id, "state": states[session_id]}
                     )
                 )
         self._notify()
         return records
 
-    def _unchanged(self, session: TrackedSession, published_at: PublishedAt) -> bool:
-        if self._table.sessions.get(session.session_id) is not session:
-            return False  # an ended session (see export_changes)
-        cut = published_at((session.episode, session.session_id))
-        return cut is not None and session.last_change <= cut
+    def _unchanged(
+        self, candidates: Sequence[TrackedSession], published_at: PublishedAt
+    ) -> dict[str, UnchangedRecord]:
+        """The live sessions nothing touched since the published part that holds them, by
+        session id. An ended session is never one (see `export_changes`)."""
+        live = self._table.sessions
+        unchanged: dict[str, UnchangedRecord] = {}
+        for session in candidates:
+            session_id = session.session_id
+            if live.get(session_id) is not session:
+                continue
+            record = session.as_unchanged()
+            cut = published_at(record.identity)
+            if cut is not None and session.last_change <= cut:
+                unchanged[session_id] = record
+        return unchanged
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         if not records:

