@@ -40,6 +40,8 @@ from .processes import announcement, run
 CONFORMANCE = REPO / "tests" / "conformance"
 NODE_DIR = CONFORMANCE / "node"
 GO_DIR = CONFORMANCE / "go"
+RUST_DIR = CONFORMANCE / "rust"
+SCRIPTS = REPO / "scripts"
 
 
 def explain(proc: subprocess.CompletedProcess[str], *server_logs: Path) -> str:
@@ -161,3 +163,24 @@ def test_go_controller(
     logs = server_logs(tmp_path)
     assert proc.returncode == 0, explain(proc, *logs)
     assert "go controller: all" in proc.stdout, explain(proc, *logs)
+
+
+def test_rust_controller(
+    counter: Counter, coordinator: str, replacement: dict[str, str], tmp_path: Path
+) -> None:
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo is not installed: the Rust conformance controller needs Rust 1.85+")
+    # Built from its committed Cargo.lock with what scripts/test fetched and built (the
+    # cache's cargo home and target directory, scripts/cargo): offline, so a missing install
+    # step fails here instead of downloading.
+    cargo = ["bash", SCRIPTS / "cargo"]
+    built = run(*cargo, "build", "--locked", "--offline", cwd=RUST_DIR)
+    assert built.returncode == 0, explain(built)
+    printed = run(*cargo, "env").stdout.splitlines()
+    target = Path(dict(line.split("=", 1) for line in printed)["CARGO_TARGET_DIR"])
+    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
+    proc = run(target / "debug" / "conformance", cwd=tmp_path, env=env)
+    print(proc.stdout)  # the controller's progress, shown with -rP or -s
+    logs = server_logs(tmp_path)
+    assert proc.returncode == 0, explain(proc, *logs)
+    assert "rust controller: all" in proc.stdout, explain(proc, *logs)
