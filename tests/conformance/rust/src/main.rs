@@ -50,28 +50,45 @@ fn request<T>(message: T, seconds: u64) -> rollout_checkpoint::tonic::Request<T>
 }
 
 fn deadline_in(seconds: u64) -> Option<Timestamp> {
-    Some(Timestamp::from(SystemTime::now() + Duration::from_secs(seconds)))
+    Some(Timestamp::from(
+        SystemTime::now() + Duration::from_secs(seconds),
+    ))
 }
 
 /// A call failed with this code and typed reason: the refusal's metadata.
-fn refused<T>(result: std::result::Result<T, Status>, code: Code, reason: ErrorReason) -> Result<HashMap<String, String>> {
+fn refused<T>(
+    result: std::result::Result<T, Status>,
+    code: Code,
+    reason: ErrorReason,
+) -> Result<HashMap<String, String>> {
     let status = match result {
         Ok(_) => return Err(format!("expected {}, the call succeeded", reason.reason()).into()),
         Err(status) => status,
     };
-    let refusal = reason_of(&status)
-        .ok_or_else(|| format!("{:?} {:?} carries no ErrorInfo of {}", status.code(), status.message(), rollout_checkpoint::domain()))?;
+    let refusal = reason_of(&status).ok_or_else(|| {
+        format!(
+            "{:?} {:?} carries no ErrorInfo of {}",
+            status.code(),
+            status.message(),
+            rollout_checkpoint::domain()
+        )
+    })?;
     check("code", status.code(), code)?;
     check("reason", refusal.reason, reason)?;
     Ok(refusal.info.metadata)
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 async fn connect(address: &str) -> Result<Channel> {
-    Ok(Channel::from_shared(format!("http://{address}"))?.connect().await?)
+    Ok(Channel::from_shared(format!("http://{address}"))?
+        .connect()
+        .await?)
 }
 
 /// Reads a server stream to its end.
@@ -99,16 +116,28 @@ struct Controller {
 
 impl Controller {
     /// POSTs a data-plane route of the episode with that capture key, with the session cookie.
-    async fn post(&mut self, address: &str, capture_key: &str, route: &str, body: Value) -> Result<Value> {
+    async fn post(
+        &mut self,
+        address: &str,
+        capture_key: &str,
+        route: &str,
+        body: Value,
+    ) -> Result<Value> {
         let payload = body.to_string();
-        let cookie = self.cookie.as_ref().map(|c| format!("Cookie: {c}\r\n")).unwrap_or_default();
+        let cookie = self
+            .cookie
+            .as_ref()
+            .map(|c| format!("Cookie: {c}\r\n"))
+            .unwrap_or_default();
         let head = format!(
             "POST /ng-rollout/{capture_key}/{route} HTTP/1.0\r\nHost: {address}\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\n{cookie}\r\n",
             payload.len()
         );
         let mut socket = tokio::net::TcpStream::connect(address).await?;
-        socket.write_all(format!("{head}{payload}").as_bytes()).await?;
+        socket
+            .write_all(format!("{head}{payload}").as_bytes())
+            .await?;
         let mut reply = Vec::new();
         socket.read_to_end(&mut reply).await?;
         let text = String::from_utf8(reply)?;
@@ -123,37 +152,78 @@ impl Controller {
                 }
             }
         }
-        Ok(if body.is_empty() { Value::Null } else { serde_json::from_str(body)? })
+        Ok(if body.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(body)?
+        })
     }
 
     async fn get_participant(&mut self) -> Result {
-        let reply = self.client.get_participant(request(GetParticipantRequest::default(), 10)).await?.into_inner();
+        let reply = self
+            .client
+            .get_participant(request(GetParticipantRequest::default(), 10))
+            .await?
+            .into_inner();
         self.boot_id = reply.boot_id.clone();
         check("kind", reply.kind(), ParticipantKind::Resources)?;
         check("instance", reply.instance.as_str(), "counter")?;
         check("api_version", reply.api_version.as_str(), API_PACKAGE)?;
-        check("facts.mode", reply.facts.get("mode").map(String::as_str), Some("exported"))
+        check(
+            "facts.mode",
+            reply.facts.get("mode").map(String::as_str),
+            Some("exported"),
+        )
     }
 
     async fn seed_session(&mut self) -> Result {
         let address = self.http_address.clone();
-        self.post(&address, "r1", "seed_session", json!({"initial_count": 3})).await?;
-        self.post(&address, "r1", "increment_counter", json!({"count": 2})).await?;
-        let reply = self.post(&address, "r1", "get_counter_value", json!({})).await?;
+        self.post(&address, "r1", "seed_session", json!({"initial_count": 3}))
+            .await?;
+        self.post(&address, "r1", "increment_counter", json!({"count": 2}))
+            .await?;
+        let reply = self
+            .post(&address, "r1", "get_counter_value", json!({}))
+            .await?;
         check("count", &reply["count"], &json!(5))
     }
 
     async fn prepare(&mut self) -> Result {
-        let message = PrepareRequest { checkpoint_id: self.checkpoint_id.clone(), deadline: deadline_in(30), ..Default::default() };
-        let messages = drain(self.client.prepare(request(message, 30)).await?.into_inner()).await?;
-        let (first, last) = (messages.first().ok_or("an empty stream")?, messages.last().unwrap());
+        let message = PrepareRequest {
+            checkpoint_id: self.checkpoint_id.clone(),
+            deadline: deadline_in(30),
+            ..Default::default()
+        };
+        let messages = drain(
+            self.client
+                .prepare(request(message, 30))
+                .await?
+                .into_inner(),
+        )
+        .await?;
+        let (first, last) = (
+            messages.first().ok_or("an empty stream")?,
+            messages.last().unwrap(),
+        );
         println!("   {} message(s), PREPARED", messages.len());
-        check("first update_kind", first.update_kind(), PrepareUpdateKind::Initial)?;
+        check(
+            "first update_kind",
+            first.update_kind(),
+            PrepareUpdateKind::Initial,
+        )?;
         check("last sequence", last.sequence, messages.len() as u64)?;
         check("final", last.r#final, true)?;
-        check("final update_kind", last.update_kind(), PrepareUpdateKind::Final)?;
+        check(
+            "final update_kind",
+            last.update_kind(),
+            PrepareUpdateKind::Final,
+        )?;
         check("final state", last.state(), ParticipantState::Prepared)?;
-        check("ready", last.readiness.as_ref().map(|r| r.ready), Some(true))?;
+        check(
+            "ready",
+            last.readiness.as_ref().map(|r| r.ready),
+            Some(true),
+        )?;
         check("admission_open", last.admission_open, false)
     }
 
@@ -170,7 +240,11 @@ impl Controller {
         let dir = std::env::temp_dir().join(format!("conformance-rust-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         self.checkpoint_dir = dir.canonicalize()?; // absolute, normalized (no symlinked /tmp)
-        let reply = self.client.commit(request(self.commit_request(), 30)).await?.into_inner();
+        let reply = self
+            .client
+            .commit(request(self.commit_request(), 30))
+            .await?
+            .into_inner();
         let manifest = reply.manifest.clone().ok_or("no manifest")?;
         let part = self.checkpoint_dir.join("participants/resources/counter");
         let manifest_bytes = std::fs::read(part.join("manifest.json"))?;
@@ -180,17 +254,36 @@ impl Controller {
         check("state", reply.state(), ParticipantState::Committed)?;
         check("exported", reply.exported, vec!["r1".to_owned()])?;
         check("manifest.kind", manifest.kind(), ParticipantKind::Resources)?;
-        check("manifest.checkpoint_id", &manifest.checkpoint_id, &self.checkpoint_id)?;
+        check(
+            "manifest.checkpoint_id",
+            &manifest.checkpoint_id,
+            &self.checkpoint_id,
+        )?;
         check("manifest.record_count", manifest.record_count, 1)?;
-        check("manifest_sha256", sha256_hex(&manifest_bytes), reply.manifest_sha256)?;
-        check("records_sha256", sha256_hex(records.as_bytes()), manifest.records_sha256)?;
+        check(
+            "manifest_sha256",
+            sha256_hex(&manifest_bytes),
+            reply.manifest_sha256,
+        )?;
+        check(
+            "records_sha256",
+            sha256_hex(records.as_bytes()),
+            manifest.records_sha256,
+        )?;
         check("records lines", lines.len(), 1)?;
-        check("record rollout", &record["episode_id"]["rollout_id"], &json!("r1"))?;
+        check(
+            "record rollout",
+            &record["episode_id"]["rollout_id"],
+            &json!("r1"),
+        )?;
         check("record state", &record["state"], &json!({"count": 5}))
     }
 
     async fn resume(&mut self) -> Result {
-        let message = ResumeRequest { checkpoint_id: self.checkpoint_id.clone(), deadline: deadline_in(30) };
+        let message = ResumeRequest {
+            checkpoint_id: self.checkpoint_id.clone(),
+            deadline: deadline_in(30),
+        };
         let reply = self.client.resume(request(message, 30)).await?.into_inner();
         check("state", reply.state(), ParticipantState::Idle)?;
         check("idempotent", reply.idempotent, false)
@@ -209,18 +302,32 @@ impl Controller {
     async fn late_renew(&mut self) -> Result {
         let seconds = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() - 10;
         let late = UNIX_EPOCH + Duration::from_millis(seconds * 1000 + 250);
-        let message = RenewRequest { checkpoint_id: self.checkpoint_id.clone(), deadline: Some(Timestamp::from(late)) };
+        let message = RenewRequest {
+            checkpoint_id: self.checkpoint_id.clone(),
+            deadline: Some(Timestamp::from(late)),
+        };
         let result = self.client.renew(request(message, 5)).await;
-        let metadata = refused(result, Code::DeadlineExceeded, ErrorReason::CheckpointDeadlineExceeded)?;
-        let text = metadata.get(MetadataKey::Deadline.wire_value()).ok_or("no deadline metadata")?;
+        let metadata = refused(
+            result,
+            Code::DeadlineExceeded,
+            ErrorReason::CheckpointDeadlineExceeded,
+        )?;
+        let text = metadata
+            .get(MetadataKey::Deadline.wire_value())
+            .ok_or("no deadline metadata")?;
         check("deadline", parse_deadline(text)?, late)?;
         check("format_deadline", &format_deadline(late), text)
     }
 
     async fn wrong_token(&mut self) -> Result {
         let channel = connect(&self.grpc_address).await?;
-        let mut client = ParticipantServiceClient::with_interceptor(channel, bearer_token(&format!("{}-wrong", self.token))?);
-        let result = client.get_participant(request(GetParticipantRequest::default(), 10)).await;
+        let mut client = ParticipantServiceClient::with_interceptor(
+            channel,
+            bearer_token(&format!("{}-wrong", self.token))?,
+        );
+        let result = client
+            .get_participant(request(GetParticipantRequest::default(), 10))
+            .await;
         refused(result, Code::Unauthenticated, ErrorReason::TokenInvalid).map(drop)
     }
 
@@ -233,8 +340,15 @@ impl Controller {
             HealthServiceName::ParticipantReadiness,
         ] {
             let service = name.wire_value().to_owned();
-            let reply = health.check(request(HealthCheckRequest { service }, 10)).await?.into_inner();
-            check(&format!("health of {:?}", name.wire_value()), reply.status(), ServingStatus::Serving)?;
+            let reply = health
+                .check(request(HealthCheckRequest { service }, 10))
+                .await?
+                .into_inner();
+            check(
+                &format!("health of {:?}", name.wire_value()),
+                reply.status(),
+                ServingStatus::Serving,
+            )?;
         }
         Ok(())
     }
@@ -244,12 +358,20 @@ impl Controller {
     }
 
     async fn list_participants(&mut self) -> Result {
-        let reply = self.coordinator()?.list_participants(request(ListParticipantsRequest::default(), 10)).await?.into_inner();
+        let reply = self
+            .coordinator()?
+            .list_participants(request(ListParticipantsRequest::default(), 10))
+            .await?
+            .into_inner();
         check("members", reply.members.len(), 1)?;
         let member = &reply.members[0];
         check("name", member.name.as_str(), "counter")?;
         check("kind", member.kind(), ParticipantKind::Resources)?;
-        check("boot_id (same process as GetParticipant)", &member.boot_id, &self.boot_id)
+        check(
+            "boot_id (same process as GetParticipant)",
+            &member.boot_id,
+            &self.boot_id,
+        )
     }
 
     async fn fleet_checkpoint(&mut self) -> Result {
@@ -259,27 +381,58 @@ impl Controller {
             derive_scope: true, // continue every live episode
             ..Default::default()
         };
-        let stream = self.coordinator()?.checkpoint(request(message, 60)).await?.into_inner();
+        let stream = self
+            .coordinator()?
+            .checkpoint(request(message, 60))
+            .await?
+            .into_inner();
         let messages = drain(stream).await?;
         let phases: Vec<CheckpointPhase> = messages.iter().map(|m| m.phase()).collect();
-        let last = messages.iter().rfind(|m| m.r#final).ok_or_else(|| format!("no final message ({phases:?})"))?;
+        let last = messages
+            .iter()
+            .rfind(|m| m.r#final)
+            .ok_or_else(|| format!("no final message ({phases:?})"))?;
         let result = last.result.as_ref().ok_or("no result")?;
         let manifest = std::fs::read(PathBuf::from(&result.directory).join("checkpoint.json"))?;
-        let continued: Vec<String> = result.continued.iter().map(|e| format!("{}/{}", e.rollout_id, e.attempt)).collect();
-        println!("   {} message(s), published {}", messages.len(), result.directory);
-        check("first phase", phases.first(), Some(&CheckpointPhase::Prepare))?;
+        let continued: Vec<String> = result
+            .continued
+            .iter()
+            .map(|e| format!("{}/{}", e.rollout_id, e.attempt))
+            .collect();
+        println!(
+            "   {} message(s), published {}",
+            messages.len(),
+            result.directory
+        );
+        check(
+            "first phase",
+            phases.first(),
+            Some(&CheckpointPhase::Prepare),
+        )?;
         check("last phase", phases.last(), Some(&CheckpointPhase::Done))?;
         check("published", result.published, true)?;
-        check("prepare_outcome", result.prepare_outcome(), FleetPrepareOutcome::Prepared)?;
+        check(
+            "prepare_outcome",
+            result.prepare_outcome(),
+            FleetPrepareOutcome::Prepared,
+        )?;
         check("continued", continued, vec!["r1/0".to_owned()])?;
         check("record_count", result.record_count, 1)?;
-        check("fleet_manifest_sha256", sha256_hex(&manifest), result.fleet_manifest_sha256.clone())
+        check(
+            "fleet_manifest_sha256",
+            sha256_hex(&manifest),
+            result.fleet_manifest_sha256.clone(),
+        )
     }
 
     /// Prepares the fleet again under the id the participant already resumed: the member
     /// refuses with STALE_CHECKPOINT, the coordinator with PARTICIPANT_FAILED naming it.
     async fn fleet_refusal(&mut self) -> Result {
-        let message = CoordinatorServicePrepareRequest { checkpoint_id: self.checkpoint_id.clone(), deadline: deadline_in(10), ..Default::default() };
+        let message = CoordinatorServicePrepareRequest {
+            checkpoint_id: self.checkpoint_id.clone(),
+            deadline: deadline_in(10),
+            ..Default::default()
+        };
         let result = match self.coordinator()?.prepare(request(message, 10)).await {
             Ok(stream) => drain(stream.into_inner()).await,
             Err(status) => Err(status),
@@ -296,7 +449,13 @@ impl Controller {
             checkpoint_id: format!("{}-restore", self.checkpoint_id),
             deadline: deadline_in(30),
             checkpoint_dir: self.checkpoint_dir.to_string_lossy().into_owned(),
-            scope: Some(EpisodeScope { episodes: vec![EpisodeId { rollout_id: "r1".into(), attempt: 0 }], ..Default::default() }),
+            scope: Some(EpisodeScope {
+                episodes: vec![EpisodeId {
+                    rollout_id: "r1".into(),
+                    attempt: 0,
+                }],
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -306,15 +465,25 @@ impl Controller {
     }
 
     async fn fresh_process_required(&mut self) -> Result {
-        let result = self.client.restore(request(self.restore_request(), 30)).await;
-        refused(result, Code::FailedPrecondition, ErrorReason::FreshProcessRequired).map(drop)
+        let result = self
+            .client
+            .restore(request(self.restore_request(), 30))
+            .await;
+        refused(
+            result,
+            Code::FailedPrecondition,
+            ErrorReason::FreshProcessRequired,
+        )
+        .map(drop)
     }
 
     /// A start-closed process is not ready until it is resumed: the Watch's first message.
     async fn watch_readiness(&mut self) -> Result {
         let address = self.replacement.as_ref().ok_or("no replacement")?.1.clone();
         let mut health = HealthClient::new(connect(&address).await?);
-        let service = HealthServiceName::ParticipantReadiness.wire_value().to_owned();
+        let service = HealthServiceName::ParticipantReadiness
+            .wire_value()
+            .to_owned();
         let mut watch = rollout_checkpoint::tonic::Request::new(HealthCheckRequest { service });
         watch.set_timeout(Duration::from_secs(120));
         let mut stream = health.watch(watch).await?.into_inner();
@@ -325,16 +494,31 @@ impl Controller {
 
     async fn restore_replacement(&mut self) -> Result {
         let message = self.restore_request();
-        let reply = self.replacement()?.restore(request(message, 30)).await?.into_inner();
+        let reply = self
+            .replacement()?
+            .restore(request(message, 30))
+            .await?
+            .into_inner();
         check("state", reply.state(), ParticipantState::Restored)?;
-        check("source_checkpoint_id", &reply.source_checkpoint_id, &self.checkpoint_id)?;
+        check(
+            "source_checkpoint_id",
+            &reply.source_checkpoint_id,
+            &self.checkpoint_id,
+        )?;
         check("restored", reply.restored, vec!["r1-a1".to_owned()])
     }
 
     /// Watch promises the eventual status, so NOT_SERVINGs before SERVING are skipped.
     async fn resume_replacement(&mut self) -> Result {
-        let message = ResumeRequest { checkpoint_id: format!("{}-restore", self.checkpoint_id), deadline: deadline_in(30) };
-        let reply = self.replacement()?.resume(request(message, 30)).await?.into_inner();
+        let message = ResumeRequest {
+            checkpoint_id: format!("{}-restore", self.checkpoint_id),
+            deadline: deadline_in(30),
+        };
+        let reply = self
+            .replacement()?
+            .resume(request(message, 30))
+            .await?
+            .into_inner();
         check("state", reply.state(), ParticipantState::Idle)?;
         let stream = self.readiness.as_mut().ok_or("no Watch")?;
         while let Some(update) = stream.message().await? {
@@ -348,7 +532,9 @@ impl Controller {
     /// The session on the replacement as attempt 1 (capture key r1-a1), with the old cookie.
     async fn restored_session(&mut self) -> Result {
         let address = self.replacement.as_ref().ok_or("no replacement")?.2.clone();
-        let reply = self.post(&address, "r1-a1", "get_counter_value", json!({})).await?;
+        let reply = self
+            .post(&address, "r1-a1", "get_counter_value", json!({}))
+            .await?;
         check("count", &reply["count"], &json!(5))
     }
 }
@@ -361,7 +547,10 @@ fn env(name: &str) -> String {
 }
 
 async fn participant(address: &str, token: &str) -> Result<Participant> {
-    Ok(ParticipantServiceClient::with_interceptor(connect(address).await?, bearer_token(token)?))
+    Ok(ParticipantServiceClient::with_interceptor(
+        connect(address).await?,
+        bearer_token(token)?,
+    ))
 }
 
 const STEPS: &[&str] = &[
@@ -426,7 +615,10 @@ async fn main() -> Result {
     let mut count = 9;
     if let Ok(address) = std::env::var("CONFORMANCE_COORDINATOR_ADDRESS") {
         let channel = connect(&address).await?;
-        c.coordinator = Some(CoordinatorServiceClient::with_interceptor(channel, bearer_token(&c.token)?));
+        c.coordinator = Some(CoordinatorServiceClient::with_interceptor(
+            channel,
+            bearer_token(&c.token)?,
+        ));
         count = 12;
     }
     if let Ok(address) = std::env::var("CONFORMANCE_REPLACEMENT_GRPC_ADDRESS") {
