@@ -1,4 +1,5 @@
-"""The public names of the Go module gen/go and the npm package gen/ts, and their release record.
+"""The public names of the Go module gen/go, the npm package gen/ts and the crate gen/rust, and
+their release record.
 
 A controller compiles against these names, so removing or renaming one breaks it even when
 the wire (which `buf breaking` guards) is unchanged. gen/public-api.json keeps, per package,
@@ -6,7 +7,7 @@ the list of releases: each a version and the exact names it exports. The last re
 be the current one (same version, same names), and each release's version must follow from
 the one before it by semver: a removed name needs a major bump, an added one at least a minor
 bump. tests/test_packages.py checks that; after a deliberate change, bump the version (Go:
-`Version` in checkpoint.go; npm: package.json) and append the release with
+`Version` in checkpoint.go; npm: package.json; Rust: Cargo.toml) and append the release with
 
     .venv/bin/python -m tests.public_api record
 
@@ -25,6 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 RECORD = REPO / "gen" / "public-api.json"
 GO_PACKAGE = REPO / "gen" / "go" / "rollout_checkpoint" / "v1"
 TS_PACKAGE = REPO / "gen" / "ts"
+RUST_CRATE = REPO / "gen" / "rust"
+# The crate's generated modules are in its build's OUT_DIR: built in the conformance
+# controller's workspace, whose compiled dependencies scripts/test caches (scripts/cargo).
+RUST_WORKSPACE = REPO / "tests" / "conformance" / "rust"
 
 Version = tuple[int, int, int]
 
@@ -108,10 +113,102 @@ def ts_version() -> str:
     return version
 
 
+# rustfmt'd / prettyplease'd Rust: one item per line, four spaces per nesting level. An item
+# line opens a scope at its indentation; a `}` (or the next item) at that indentation ends it.
+RUST_ITEM = re.compile(
+    r"^(?P<indent> *)(?:"
+    r"pub mod (?P<mod>\w+)"
+    r"|pub (?:struct|enum|trait) (?P<type>\w+)"
+    r"|impl(?:<[^>]*>)? (?:[\w:<>]+ for )?(?P<impl>\w+)"
+    r"|pub (?:const|type|static) (?P<const>\w+)"
+    r"|pub use \{?(?P<use>[\w, ]+)\}?;"
+    r"|pub (?:async )?fn (?P<fn>\w+)"
+    r"|(?:async )?fn (?P<trait_fn>\w+)"
+    r"|pub (?:r#)?(?P<field>\w+):"
+    r"|(?P<variant>[A-Z]\w*)(?: = -?\d+|\(|,)"
+    r")"
+)
+RUST_VERSION = re.compile(r'^version = "(\d+\.\d+\.\d+)"$', re.M)
+
+
+def rust_names_of(source: str) -> set[str]:
+    """The public names of one file of the crate: modules and types by path (`a::B`), their
+    members after a dot (`a::B.method`, fields, enum variants, a pub trait's methods)."""
+    names: set[str] = set()
+    scopes: list[tuple[int, str, str]] = []  # (indentation, kind, name) of the open items
+    for line in source.splitlines():
+        stripped = line.strip()
+        match = RUST_ITEM.match(line)
+        if not (match or stripped.startswith("}")):
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        while scopes and scopes[-1][0] >= indent:
+            scopes.pop()
+        if match is None:
+            continue
+        modules = "".join(f"{name}::" for _, kind, name in scopes if kind == "mod")
+        owner = next((name for _, kind, name in reversed(scopes) if kind != "mod"), None)
+        owner_kind = next((kind for _, kind, _ in reversed(scopes) if kind != "mod"), None)
+        if match["mod"]:
+            names.add(modules + match["mod"])
+            scopes.append((indent, "mod", match["mod"]))
+        elif match["type"]:
+            names.add(modules + match["type"])
+            scopes.append((indent, "type", match["type"]))
+        elif match["impl"]:
+            scopes.append((indent, "impl", match["impl"]))
+        elif match["use"]:
+            names.update(modules + name.strip() for name in match["use"].split(","))
+        elif member := match["const"] or match["fn"] or match["field"]:
+            names.add(f"{modules}{owner}.{member}" if owner else modules + member)
+        elif (member := match["trait_fn"] or match["variant"]) and owner_kind == "type":
+            names.add(f"{modules}{owner}.{member}")
+    return names
+
+
+def rust_out_dir() -> Path:
+    """The crate's OUT_DIR (its generated modules), from a build in the cached workspace."""
+    proc = subprocess.run(
+        ["bash", "scripts/cargo", "build", "--locked", "--offline", "--message-format=json",
+         "-p", "rollout-checkpoint", "--manifest-path", str(RUST_WORKSPACE / "Cargo.toml")],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"building gen/rust failed (scripts/test's cargo steps?):\n{proc.stderr}"
+        )
+    for line in proc.stdout.splitlines():
+        message = json.loads(line)
+        if message.get("reason") == "build-script-executed" and "gen/rust" in message["package_id"]:
+            return Path(message["out_dir"])
+    raise RuntimeError("cargo reported no build script run of gen/rust")
+
+
+def rust_names() -> list[str]:
+    """Every public name of the crate: src/lib.rs and the modules its build generates (their
+    items are under `v1::`). Impl blocks of lib.rs extend v1's types: recorded under v1."""
+    generated: set[str] = set()
+    for path in sorted(rust_out_dir().glob("*.rs")):
+        generated |= {f"v1::{name}" for name in rust_names_of(path.read_text())}
+    own = rust_names_of((RUST_CRATE / "src" / "lib.rs").read_text()) - {"v1"}
+    types = {name.split("::")[-1]: name for name in generated if "." not in name}
+    for name in own:
+        owner, dot, member = name.partition(".")
+        generated.add(f"{types[owner]}.{member}" if dot and owner in types else name)
+    return sorted(generated | {"v1"})
+
+
+def rust_version() -> str:
+    match = RUST_VERSION.search((RUST_CRATE / "Cargo.toml").read_text())
+    assert match, 'gen/rust/Cargo.toml has no `version = "X.Y.Z"`'
+    return match.group(1)
+
+
 def current() -> dict[str, dict[str, object]]:
     return {
         "go": {"version": go_version(), "names": go_names()},
         "ts": {"version": ts_version(), "names": ts_names()},
+        "rust": {"version": rust_version(), "names": rust_names()},
     }
 
 

@@ -1,4 +1,4 @@
-"""Cross-language conformance: a Node.js and a Go controller drive a real participant.
+"""Cross-language conformance: Node.js, Go and Rust controllers drive a real participant.
 
 Each test starts the counter example (`python -m rollout_checkpoint.examples.serve counter`)
 as its own process group, a start-closed replacement of it (`--start-closed`) and a
@@ -6,7 +6,8 @@ as its own process group, a start-closed replacement of it (`--start-closed`) an
 subprocess with the addresses and the token in its environment (CONFORMANCE_GRPC_ADDRESS,
 CONFORMANCE_HTTP_ADDRESS, CONFORMANCE_TOKEN, CONFORMANCE_COORDINATOR_ADDRESS,
 CONFORMANCE_REPLACEMENT_GRPC_ADDRESS, CONFORMANCE_REPLACEMENT_HTTP_ADDRESS). The controllers
-(tests/conformance/node/controller.js, tests/conformance/go/main.go) check GetParticipant, a
+(tests/conformance/node/controller.js, tests/conformance/go/main.go,
+tests/conformance/rust/src/main.rs) check GetParticipant, a
 seeded session, the Prepare stream, Commit (manifest and records on disk), Resume, refusals
 decoded to typed reasons (STALE_CHECKPOINT, CHECKPOINT_DEADLINE_EXCEEDED with its `deadline`
 metadata parsed, TOKEN_INVALID, PARTICIPANT_FAILED with `failedMembers`,
@@ -15,11 +16,12 @@ Checkpoint (the Go one also ListParticipants), and a Restore into the start-clos
 watched through health Watch (readiness NOT_SERVING, then SERVING once resumed), ending with
 the restored session read over HTTP as attempt 1.
 
-Both use only this repository's packages for the contract: the Go module gen/go (a `replace`
-directive) and the npm package gen/ts (a `file:` dependency, built by `npm ci` there), with
-no codegen and no helpers of their own. scripts/test installs what they need (`npm ci`,
-`go mod download`). A test skips only when node or go is not installed at all; a missing
-install step fails.
+They use only this repository's packages for the contract: the Go module gen/go (a `replace`
+directive), the npm package gen/ts (a `file:` dependency, built by `npm ci` there) and the
+crate gen/rust (a `path` dependency), with no codegen and no helpers of their own.
+scripts/test installs what they need (`npm ci`, `go mod download`, `cargo fetch` and a build
+into the cache, scripts/cargo). A test skips only when node, go or cargo is not installed at
+all; a missing install step fails.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from .processes import announcement, run
 CONFORMANCE = REPO / "tests" / "conformance"
 NODE_DIR = CONFORMANCE / "node"
 GO_DIR = CONFORMANCE / "go"
+RUST_DIR = CONFORMANCE / "rust"
+SCRIPTS = REPO / "scripts"
 
 
 def explain(proc: subprocess.CompletedProcess[str], *server_logs: Path) -> str:
@@ -161,3 +165,24 @@ def test_go_controller(
     logs = server_logs(tmp_path)
     assert proc.returncode == 0, explain(proc, *logs)
     assert "go controller: all" in proc.stdout, explain(proc, *logs)
+
+
+def test_rust_controller(
+    counter: Counter, coordinator: str, replacement: dict[str, str], tmp_path: Path
+) -> None:
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo is not installed: the Rust conformance controller needs Rust 1.85+")
+    # Built from its committed Cargo.lock with what scripts/test fetched and built (the
+    # cache's cargo home and target directory, scripts/cargo): offline, so a missing install
+    # step fails here instead of downloading.
+    cargo = ["bash", SCRIPTS / "cargo"]
+    built = run(*cargo, "build", "--locked", "--offline", cwd=RUST_DIR)
+    assert built.returncode == 0, explain(built)
+    printed = run(*cargo, "env").stdout.splitlines()
+    target = Path(dict(line.split("=", 1) for line in printed)["CARGO_TARGET_DIR"])
+    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
+    proc = run(target / "debug" / "conformance", cwd=tmp_path, env=env)
+    print(proc.stdout)  # the controller's progress, shown with -rP or -s
+    logs = server_logs(tmp_path)
+    assert proc.returncode == 0, explain(proc, *logs)
+    assert "rust controller: all" in proc.stdout, explain(proc, *logs)

@@ -1,4 +1,5 @@
-"""The Go module gen/go and the npm package gen/ts: versioned public names, and what they are.
+"""The Go module gen/go, the npm package gen/ts and the crate gen/rust: versioned public names,
+and what they are.
 
 The conformance controllers (tests/test_conformance.py) use the packages against real
 servers; these tests guard what a controller compiles against: the exported names change only
@@ -20,8 +21,9 @@ import pytest
 from . import public_api
 from .processes import run
 
-PACKAGES = ("go", "ts")
+PACKAGES = ("go", "ts", "rust")
 GO_MODULE = public_api.REPO / "gen" / "go"
+CARGO = ("bash", public_api.REPO / "scripts" / "cargo")
 
 
 def releases() -> dict[str, list[dict[str, object]]]:
@@ -38,6 +40,8 @@ def now() -> dict[str, dict[str, object]]:
         pytest.skip("node is not installed: listing gen/ts's exports needs Node 20+")
     if not (public_api.TS_PACKAGE / "node_modules" / "typescript").is_dir():
         pytest.fail("gen/ts/node_modules is missing: run scripts/test (`npm ci` in gen/ts)")
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo is not installed: listing gen/rust's names needs Rust 1.85+")
     return public_api.current()
 
 
@@ -118,6 +122,21 @@ def test_the_helper_layers_are_in_the_recorded_names() -> None:
         "parseDeadline",
         "bearerToken",
     } <= recorded["ts"]
+    assert {
+        "VERSION",
+        "api_version",
+        "v1::API_PACKAGE",
+        "domain",
+        "reason_of",
+        "Refusal.metadata",
+        "v1::ErrorReason.from_reason",
+        "v1::ErrorReason.reason",
+        "v1::HealthServiceName.wire_value",
+        "v1::MetadataKey.wire_value",
+        "parse_deadline",
+        "format_deadline",
+        "bearer_token",
+    } <= recorded["rust"]
 
 
 def test_the_go_helpers_pass_their_unit_tests() -> None:
@@ -133,6 +152,15 @@ def test_the_typescript_helpers_pass_their_unit_tests(now: dict[str, dict[str, o
     if not (package / "dist" / "index.js").is_file():
         pytest.fail("gen/ts/dist is missing: run scripts/test (`npm ci` in gen/ts builds it)")
     tested = run("node", "--test", "test/", cwd=package)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_the_rust_helpers_pass_their_unit_tests() -> None:
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo is not installed")
+    # In the conformance controller's workspace: the dependencies scripts/test built there.
+    workspace = public_api.RUST_WORKSPACE
+    tested = run(*CARGO, "test", "--locked", "--offline", "-p", "rollout-checkpoint", cwd=workspace)
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
@@ -175,3 +203,20 @@ def test_the_typescript_readme_example_type_checks(
         package / "node_modules" / "@types", "example.ts", cwd=tmp_path,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_rust_readme_example_compiles(tmp_path: Path) -> None:
+    if shutil.which("cargo") is None:
+        pytest.skip("cargo is not installed")
+    # The conformance controller's manifest and lock (the same dependencies, so the cached
+    # build serves), with the crate's path made absolute and the example as its main.
+    conformance = public_api.RUST_WORKSPACE
+    manifest = (conformance / "Cargo.toml").read_text()
+    (tmp_path / "Cargo.toml").write_text(
+        manifest.replace("../../../gen/rust", str(public_api.RUST_CRATE))
+    )
+    shutil.copy2(conformance / "Cargo.lock", tmp_path / "Cargo.lock")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "main.rs").write_text(readme_example("rust", "rust"))
+    built = run(*CARGO, "build", "--locked", "--offline", "-q", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
