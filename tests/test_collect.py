@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,15 +150,16 @@ class Fleets:
         *extra: str,
         crash_at: str | None = None,
         stop_at: str | None = None,
+        crash_flags: Sequence[str] = (),
     ) -> subprocess.Popen[bytes]:
         """Run `collect` as a process; with `crash_at` (`<step>@<n>`), the test-only entry
         `tests.collect_crash`, which SIGKILLs it at that step of its n-th checkpoint (with
-        `stop_at`, SIGSTOPs it there)."""
+        `stop_at`, SIGSTOPs it there; `crash_flags`: that entry's other flags)."""
         entry = CLI
         if crash_at is not None:
-            entry = [*CRASHING_CLI, "--crash-at", crash_at]
+            entry = [*CRASHING_CLI, "--crash-at", crash_at, *crash_flags]
         elif stop_at is not None:
-            entry = [*CRASHING_CLI, "--stop-at", stop_at]
+            entry = [*CRASHING_CLI, "--stop-at", stop_at, *crash_flags]
         log = self.work / f"collect-{len(self.collectors)}.log"
         out = self.work / f"collect-{len(self.collectors)}.out"
         with log.open("wb") as stderr, out.open("wb") as stdout:

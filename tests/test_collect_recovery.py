@@ -50,6 +50,7 @@ from .test_collect import (
     RealFleet,
     assert_whole_groups,
     dispatched,
+    held_in_entry,
     latest,
     mid_episode,
     output_lines,
@@ -58,7 +59,7 @@ from .test_collect import (
 
 RECOVERY_RESTORED = re.compile(r"\[checkpoint_id=recover-[0-9a-f]+\]: restore ok")
 """What a member logs once the in-place recovery's Restore installed the checkpoint."""
-FLEETS = 6
+FLEETS = 7
 """The fleets this module boots (the baseline's and one per test), two at a time, ahead of
 the tests that take them."""
 
@@ -274,6 +275,41 @@ def test_group_recovery_in_place_regenerates_every_group_the_loss_cut(
             assert all(by_id[r]["reply"]["continued_from_step"] is None for r in sent), task
     (summary,) = [json.loads(line) for line in fleets.stdout(process).splitlines()]
     assert regenerated >= 1 and summary["groups_regenerated"] >= regenerated
+
+
+def test_results_acknowledged_after_the_restored_checkpoint_are_acknowledged_again(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """The restore brings back the outbox as the checkpoint saw it. Results written before
+    that checkpoint and acknowledged after it (the members the loss took released them, the
+    ledger forgot them) are held again by the replacements: the recovery acknowledges them
+    again, and a completed run leaves nothing held (`certify`'s every_result_acknowledged).
+    The first acknowledgement round waits for a checkpoint it asks for
+    (`--acknowledge-after-checkpoint`), and the collector stops once that round came back:
+    the whole fleet is SIGKILLed and replaced then, as certify's kill_fleet does."""
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(
+        fleet,
+        "--json",
+        stop_at="acknowledged@1",
+        crash_flags=["--acknowledge-after-checkpoint"],
+    )
+    wait_until(lambda: stopped(process), "the first acknowledgement round back", process)
+    manifest = latest(work)
+    assert manifest is not None
+    owed = {r["rollout_id"] for r in manifest["state"]["ledger"]["unacknowledged"]}
+    written = {line["rollout_id"] for line in output_lines(work)}
+    assert owed and owed <= written, "the checkpoint holds no written, unacknowledged result"
+    for member in list(fleet.processes.servers):
+        replace(fleet, member, "replacement")
+    os.killpg(process.pid, signal.SIGCONT)
+
+    assert process.wait(timeout=120) == ExitCode.OK, fleets.log(process)
+    log = fleets.log(process)
+    assert f"recovered in place from checkpoint {manifest['checkpoint_id']}" in log, log
+    assert_exactly_once_as_the_baseline(work, baseline)
+    assert held_in_entry(fleet) == 0, log
 
 
 def test_a_member_that_keeps_dying_stops_the_run_for_a_resume_that_finishes_it(

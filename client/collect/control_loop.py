@@ -193,6 +193,8 @@ class ControlLoop:
             old, self.fleet = self.fleet, fleet
             self.parts.checkpoints.fleet = fleet
             await old.close()
+            if dispatcher.acknowledgements is not None:
+                dispatcher.acknowledgements.owed()  # what the restore holds again, to `fleet`
             # Checkpoint at once: until a checkpoint names the restored attempts N+1, a
             # second loss could continue none of them (they were used since).
             self.requests.checkpoint = True

@@ -70,6 +70,7 @@ from rollout_checkpoint.client.checkpointing.publication.history import Trigger
 from rollout_checkpoint.client.collect.checkpoints import CheckpointStepHook
 from rollout_checkpoint.client.collect.control import BATCH, ControlCalls
 from rollout_checkpoint.client.collect.journal import collect_state, read_latest_manifest
+from rollout_checkpoint.client.collect.receipts import owe_what_the_restore_holds_again
 from rollout_checkpoint.client.collect.rollouts import RolloutBook, Status
 from rollout_checkpoint.client.collect.staleness import StaleHandling
 from rollout_checkpoint.client.collect.view import CollectView
@@ -329,6 +330,11 @@ class InPlaceRecovery:
             if book.rollouts[e.rollout_id].status in (Status.DONE, Status.FAILED, Status.HELD)
         ]
         await self._retire(fleet, finished, deadline)
+        held_again = 0
+        if restored_from is not None:
+            # After the Retires: what they released is gone, what is left is the output's
+            # or a held group's.
+            held_again = await owe_what_the_restore_holds_again(fleet, book.ledger)
         book.recovered(continued, restarted, restored_from)
         if self.stale is not None:
             await self.stale.drop_pending()
@@ -341,6 +347,11 @@ class InPlaceRecovery:
             f"{len(continued) - len(finished)} rollout(s) continue as attempt N+1, "
             f"{len(restarted)} restart from their inputs"
             + (f" ({dropped} request(s) dropped)" if dropped else "")
+            + (
+                f"; {held_again} result(s) held again, already written, are acknowledged again"
+                if held_again
+                else ""
+            )
         )
 
     async def _step(self, point: str) -> None:

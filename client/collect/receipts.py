@@ -217,6 +217,30 @@ async def held_results(fleet: Fleet) -> list[pb.HeldResult]:
     return [newest[r] for r in sorted(newest)]
 
 
+async def owe_what_the_restore_holds_again(fleet: Fleet, ledger: ResultLedger) -> int:
+    """After an in-place restore into `fleet`: make the ledger owe an acknowledgement for
+    every result the entry members hold again of a rollout the output already holds; how
+    many.
+
+    A restore installs the outbox as the checkpoint saw it. A result persisted before that
+    checkpoint and acknowledged after it was released by the members the loss took, and the
+    ledger forgot it (`forget_settled`): the restored members hold it again and nothing
+    would ever acknowledge it, since no `--resume` (whose `take_back` does this) follows a
+    recovery in place. Only a result the output holds is owed (acknowledging one it lacks
+    would release its only durable copy): a rollout that restarted had its result released
+    by its Retire, and one held for its group is owed once the group is written. The
+    acknowledgement itself goes out with the next round, to the fleet the recovery hands
+    over, so a failed round here never fails the recovery."""
+    owed = 0
+    for held in await held_results(fleet):
+        if not ledger.is_persisted(held.receipt.rollout_id):
+            continue
+        with contextlib.suppress(ValueError):  # a malformed receipt: no entry issues one
+            ledger.received(receipt_of_message(held.receipt))
+            owed += 1
+    return owed
+
+
 class HeldResults:
     """What `collect` does with the results the entry members hold before it dispatches."""
 
