@@ -44,6 +44,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -270,11 +271,19 @@ def decode_index(raw: bytes) -> tuple[HistoryEntry, ...]:
 
 
 def _index_items(raw: bytes) -> list[Any]:
+    return _checked_document(parsed_json(raw), "entries")
+
+
+def parsed_json(raw: bytes) -> Any:
+    """`raw` parsed, ValueError when it is not JSON. RecursionError (JSON nested deeper than
+    the interpreter recurses, e.g. 100,000 `[`) is a ValueError too: it is neither a
+    ValueError nor a TypeError, so it escaped every reader's "corrupt" path, failed the API
+    with INTERNAL and the CLI with a traceback, and kept every later append from setting the
+    index aside, so nothing was recorded again."""
     try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    return _checked_document(document, "entries")
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def encode_index(lines: Sequence[bytes]) -> bytes:
@@ -373,10 +382,7 @@ def encode_details(entry: HistoryEntry, members: Sequence[MemberRecord]) -> byte
 
 
 def decode_details(raw: bytes) -> tuple[MemberRecord, ...]:
-    try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+    document = parsed_json(raw)
     return tuple(MemberRecord.from_json(m) for m in _checked_document(document, "members"))
 
 
@@ -445,8 +451,28 @@ def _checked_fields(cls: type, value: object) -> dict[str, Any]:
         actual = value[name]
         if expected is not None and (not isinstance(actual, expected) or isinstance(actual, bool)):
             raise ValueError(f"{name} is not a {' or '.join(t.__name__ for t in expected)}")
+        if expected is not None and actual is not None:
+            _check_range(name, expected, actual)
         known[name] = actual
     return known
+
+
+_UINT32_FIELDS = frozenset({"members", "blockers_max"})
+"""The integer fields whose wire field is a uint32; every other one is a uint64."""
+
+
+def _check_range(name: str, expected: tuple[type, ...], value: Any) -> None:
+    """An integer must fit its proto field (`Attempt`, `AttemptMember`: uint32 or uint64)
+    and a number must be a finite double (JSON's 1e400 parses as infinity, NaN compares
+    false; Python compares an int with a float exactly). Before, `"members": -1`
+    or `"bytes": 2**70` passed the type check and made building the wire message raise
+    ValueError: every page holding the entry failed with INTERNAL."""
+    if expected == (int,):
+        bits = 32 if name in _UINT32_FIELDS else 64
+        if not 0 <= value < 1 << bits:
+            raise ValueError(f"{name} {value} is not a uint{bits}")
+    elif float in expected and not -sys.float_info.max <= value <= sys.float_info.max:
+        raise ValueError(f"{name} is not a finite number")
 
 
 @functools.cache

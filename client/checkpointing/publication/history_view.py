@@ -25,7 +25,6 @@ Everything here blocks: run it through `store_call` from asyncio code.
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import threading
 from collections import Counter
@@ -44,6 +43,7 @@ from rollout_checkpoint.client.checkpointing.publication.history import (
     decode_index,
     index_lines,
     open_history,
+    parsed_json,
 )
 
 RESTORE = "restore"
@@ -187,7 +187,9 @@ class LineDecoder:
         current: dict[bytes, HistoryEntry] = {}
         for line in lines:
             entry = previous.get(line) or current.get(line)
-            current[line] = entry if entry is not None else HistoryEntry.from_json(json.loads(line))
+            current[line] = (
+                entry if entry is not None else HistoryEntry.from_json(parsed_json(line))
+            )
         self._entries = current  # only now: a line that fails leaves the previous ones
         return tuple(current[line] for line in lines)
 
