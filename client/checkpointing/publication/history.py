@@ -61,6 +61,7 @@ from rollout_checkpoint.server.core.object_store import (
     ObjectLocation,
     ObjectStoreClient,
     ObjectStoreFailure,
+    StoredObject,
     client_for,
     is_object_url,
     parse_object_url,
@@ -517,15 +518,21 @@ class LocalHistory:
         *,
         max_bytes: int = DEFAULT_HISTORY_BYTES,
     ) -> None:
+        """The index is read and checked before the details file is written, and the
+        details file is removed when the index is not written after all: before, a details
+        file written first and then refused (a newer-format index, a corrupt one that could
+        not be replaced) was referenced by no index and deleted by no one, one more per
+        attempt."""
         with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
-            if members:
-                _replace_file(root_fd, entry.details, encode_details(entry, members))
             fcntl.flock(root_fd, fcntl.LOCK_EX)  # released when root_fd closes
-            raw = _read_optional(root_fd, INDEX_NAME)
+            raw = _index_for_append(root_fd)
             index, dropped, corrupt = appended(raw, entry, max_bytes)
-            if corrupt and raw is not None:
-                _replace_file(root_fd, CORRUPT_INDEX_NAME, raw)
-            _replace_file(root_fd, INDEX_NAME, index)
+            with _removed_on_failure(root_fd, entry.details if members else None):
+                if members:
+                    _replace_file(root_fd, entry.details, encode_details(entry, members))
+                if corrupt and raw is not None:
+                    _replace_file(root_fd, CORRUPT_INDEX_NAME, raw)
+                _replace_file(root_fd, INDEX_NAME, index)
             for name in dropped:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=root_fd)
@@ -541,10 +548,53 @@ class LocalHistory:
         return _read_result(raw, self.location, decode)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
+        """ValueError when the details file is missing, not a regular file, too large or
+        not details: a details problem beside the entry (as on an object store), never a
+        storage failure of the whole call. Only the root itself failing raises OSError."""
         if not entry.details:
             return ()
         with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
-            return decode_details(safe_files.read_regular(root_fd, entry.details, READ_LIMIT))
+            try:
+                raw = safe_files.read_regular(root_fd, entry.details, READ_LIMIT)
+            except FileNotFoundError:
+                raise ValueError("missing") from None
+            except safe_files.NotRegular:
+                raise ValueError("not a regular file") from None
+            except safe_files.TooLarge as exc:
+                raise ValueError(str(exc)) from None
+        return decode_details(raw)
+
+
+def _index_for_append(root_fd: int) -> bytes | None:
+    """The index's bytes for an append (None: none, or set aside unread). An index larger
+    than `READ_LIMIT` is renamed aside as `CORRUPT_INDEX_NAME` without reading it, as a
+    corrupt one is copied aside: before, it made every append raise StorageFailed, so
+    nothing was recorded again. One that is not a regular file (nothing this module writes:
+    an operator's doing) is a StorageFailed, left as it is."""
+    try:
+        return safe_files.read_regular(root_fd, INDEX_NAME, READ_LIMIT)
+    except FileNotFoundError:
+        return None
+    except safe_files.NotRegular:
+        raise StorageFailed(f"{INDEX_NAME} is not a regular file") from None
+    except safe_files.TooLarge:
+        try:
+            os.rename(INDEX_NAME, CORRUPT_INDEX_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        except OSError as exc:
+            raise StorageFailed(f"{INDEX_NAME} could not be set aside: {exc}") from None
+        return None
+
+
+@contextlib.contextmanager
+def _removed_on_failure(root_fd: int, details: str | None) -> Iterator[None]:
+    """Remove the details file `details` when the block fails: no index names it then."""
+    try:
+        yield
+    except BaseException:
+        if details:
+            with contextlib.suppress(OSError):
+                os.unlink(details, dir_fd=root_fd)
+        raise
 
 
 def _read_optional(dir_fd: int, name: str) -> bytes | None:
@@ -582,16 +632,20 @@ class ObjectHistory:
         *,
         max_bytes: int = DEFAULT_HISTORY_BYTES,
     ) -> None:
+        """As `LocalHistory.append`: the details object is written once the index has been
+        read and checked, and deleted again when no swap of the index lands."""
         client = self._client()
-        with _store_failures():
-            if members:
-                data = encode_details(entry, members)
-                client.put(self.directory.key(entry.details), data, size=len(data))
+        details = self.directory.key(entry.details) if members else None
+        written = False
+        with _store_failures(), self._deleted_on_failure(client, details):
             key = self.directory.key(INDEX_NAME)
             for _ in range(_INDEX_SWAPS):
-                current = client.get(key, limit=READ_LIMIT)
-                raw = None if current is None else current.data
+                current, raw = self._index_for_append(client, key)
                 index, dropped, corrupt = appended(raw, entry, max_bytes)
+                if details is not None and not written:
+                    data = encode_details(entry, members)
+                    client.put(details, data, size=len(data))
+                    written = True
                 if corrupt and raw is not None:
                     aside = self.directory.key(CORRUPT_INDEX_NAME)
                     client.put(aside, raw, size=len(raw))
@@ -599,11 +653,42 @@ class ObjectHistory:
                     if dropped:
                         client.delete([self.directory.key(name) for name in dropped])
                     return
-        raise StorageFailed(f"{self.location}: the index kept changing under {_INDEX_SWAPS} swaps")
+            raise StorageFailed(
+                f"{self.location}: the index kept changing under {_INDEX_SWAPS} swaps"
+            )
+
+    def _index_for_append(
+        self, client: ObjectStoreClient, key: str
+    ) -> tuple[StoredObject | None, bytes | None]:
+        """The index for an append. One larger than `READ_LIMIT` is copied aside as
+        `CORRUPT_INDEX_NAME` (a server-side copy: never read) and stands as an empty index whose
+        swap names the version copied: before, it made every append fail for good."""
+        try:
+            current = client.get(key, limit=READ_LIMIT)
+        except ValueError:
+            tag = client.tag(key)
+            if tag is None:
+                return None, None
+            client.copy(key, self.directory.key(CORRUPT_INDEX_NAME))
+            return StoredObject(b"", tag, None), None
+        return current, None if current is None else current.data
+
+    @contextlib.contextmanager
+    def _deleted_on_failure(self, client: ObjectStoreClient, details: str | None) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            if details is not None:
+                with contextlib.suppress(ObjectStoreFailure):
+                    client.delete([details])
+            raise
 
     def read(self, decode: Decoder = decode_index) -> HistoryRead:
-        with _store_failures():
-            stored = self._client().get(self.directory.key(INDEX_NAME), limit=READ_LIMIT)
+        try:
+            with _store_failures():
+                stored = self._client().get(self.directory.key(INDEX_NAME), limit=READ_LIMIT)
+        except ValueError as exc:  # larger than READ_LIMIT
+            return HistoryRead((), f"{self.location}: history skipped: {exc}")
         return _read_result(None if stored is None else stored.data, self.location, decode)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
