@@ -700,11 +700,11 @@ class ObjectHistory:
             raise ValueError(f"{self.directory.url}/{entry.details}: missing")
         return decode_details(stored.data)
 
-    def index_tag(self) -> str | None:
-        """The index's ETag (None: there is none yet): what changes with every write, read
-        without its bytes."""
+    def tag_of(self, name: str) -> str | None:
+        """The ETag of `name` below the root, the index or a details object (None: there
+        is none): what changes with every write, read without its bytes."""
         with _store_failures():
-            return self._client().tag(self.directory.key(INDEX_NAME))
+            return self._client().tag(self.directory.key(name))
 
     def _client(self) -> ObjectStoreClient:
         with _store_failures():
