@@ -33,11 +33,15 @@ from .test_history import entry
 REQUESTS = 8
 
 
-def history_api(root: Path) -> CheckpointHistoryApi:
-    spec = FleetSpec(
+def root_spec(root: Path) -> FleetSpec:
+    """A fleet of `root` whose one member is never called."""
+    return FleetSpec(
         members=(MemberSpec("gone", "127.0.0.1:9"),), token=TOKEN, checkpoint_root=str(root)
     )
-    return CheckpointHistoryApi(spec)
+
+
+def history_api(root: Path) -> CheckpointHistoryApi:
+    return CheckpointHistoryApi(root_spec(root))
 
 
 async def test_requests_during_a_hanging_read_share_it(
@@ -125,10 +129,7 @@ async def test_pages_and_their_json_are_built_off_the_event_loop(
 @contextlib.asynccontextmanager
 async def history_coordinator_http(root: Path) -> AsyncIterator[httpx.AsyncClient]:
     """An in-process coordinator of `root` with its HTTP port (no member is ever called)."""
-    spec = FleetSpec(
-        members=(MemberSpec("gone", "127.0.0.1:9"),), token=TOKEN, checkpoint_root=str(root)
-    )
-    coordinator = Coordinator(spec, "127.0.0.1:0", http_address="127.0.0.1:0")
+    coordinator = Coordinator(root_spec(root), "127.0.0.1:0", http_address="127.0.0.1:0")
     await coordinator.start()
     try:
         assert coordinator.http_listener is not None

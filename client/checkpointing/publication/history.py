@@ -572,12 +572,8 @@ def _index_for_append(root_fd: int) -> bytes | None:
     nothing was recorded again. One that is not a regular file (nothing this module writes:
     an operator's doing) is a StorageFailed, left as it is."""
     try:
-        return safe_files.read_regular(root_fd, INDEX_NAME, READ_LIMIT)
-    except FileNotFoundError:
-        return None
-    except safe_files.NotRegular:
-        raise StorageFailed(f"{INDEX_NAME} is not a regular file") from None
-    except safe_files.TooLarge:
+        return _read_optional(root_fd, INDEX_NAME)
+    except _TooLarge:
         try:
             os.rename(INDEX_NAME, CORRUPT_INDEX_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         except OSError as exc:
@@ -607,7 +603,12 @@ def _read_optional(dir_fd: int, name: str) -> bytes | None:
     except safe_files.NotRegular:
         raise StorageFailed(f"{name} is not a regular file") from None
     except safe_files.TooLarge as exc:
-        raise StorageFailed(str(exc)) from None
+        raise _TooLarge(str(exc)) from None
+
+
+class _TooLarge(StorageFailed):
+    """A file larger than `READ_LIMIT`: a storage failure to a reader, set aside by an
+    append (`_index_for_append`)."""
 
 
 def _replace_file(dir_fd: int, name: str, data: bytes) -> None:
