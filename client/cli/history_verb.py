@@ -4,8 +4,10 @@ What any coordinator, supervisor, `checkpoint` or `collect` of that root attempt
 first: a table, or one JSON object (`--json`) whose `entries` carry every field of
 `publication.history.HistoryEntry`. `--id`: one attempt with its members (every field of
 `MemberRecord`: what each member's commit, durable part or restore took, its blockers, its
-part, its error), as a table or JSON. A corrupt history is one line and exit 6; a root that
-is not there, or an attempt that is not in it, is one line and exit 2."""
+part, its error), as a table or JSON. A corrupt history (JSON that does not decode or nests
+too deep, a number outside its field's range, an index over 64 MiB), or with `--id` details
+that are missing, not a file, too large or corrupt, is one line and exit 6; a root that is
+not there, or an attempt that is not in it, is one line and exit 2."""
 
 from __future__ import annotations
 

@@ -10,13 +10,15 @@ a position would skip or repeat entries, an anchor continues exactly after the l
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
 import dataclasses
+import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -31,6 +33,7 @@ from rollout_checkpoint.client.checkpointing.publication.history_view import (
     CHECKPOINT,
     RESTORE,
     Anchor,
+    HistoryPage,
     HistorySnapshot,
     HistoryView,
 )
@@ -70,6 +73,8 @@ class CheckpointHistoryApi:
         self.spec = spec
         self._view: HistoryView | None = None
         self._attempts = _AttemptMessages()
+        self._answers = _CheckpointAnswers()
+        self._reading: asyncio.Future[HistorySnapshot] | None = None
 
     async def list_checkpoints(
         self, request: cpb.ListCheckpointsRequest
@@ -81,7 +86,16 @@ class CheckpointHistoryApi:
         operation = OPERATIONS.get(request.operation, "")
         filters = f"status={status};operation={operation}"
         after = _anchor_of(request.page_token, filters) if request.page_token else None
-        page = await self._read(self.view().page, status, operation, size, after)
+        snapshot = await self._snapshot()
+        # The page and its messages are built on a thread: a page of 1,000 attempts is
+        # about 120 ms of CPU, which on the loop would stall every RPC of the coordinator.
+        page = functools.partial(snapshot.page, status, operation, size, after)
+        return await asyncio.to_thread(self._list_response, page, filters)
+
+    def _list_response(
+        self, paged: Callable[[], HistoryPage], filters: str
+    ) -> cpb.ListCheckpointsResponse:
+        page = paged()
         return cpb.ListCheckpointsResponse(
             checkpoints=self._attempts.of(page.snapshot, page.entries),
             next_page_token=_token_of(page.following, filters) if page.following else "",
@@ -95,7 +109,7 @@ class CheckpointHistoryApi:
             raise invalid_request(
                 "id", "must be 1-128 characters matching ^[A-Za-z0-9][A-Za-z0-9._-]*$"
             )
-        snapshot = await self._read(self.view().snapshot)
+        snapshot = await self._snapshot()
         if snapshot.problem is not None:
             raise CheckpointError(Reason.INVALID_CHECKPOINT_STATE, snapshot.problem)
         found = snapshot.newest(request.id)
@@ -107,16 +121,21 @@ class CheckpointHistoryApi:
                 field="id",
             )
         entry, details_dropped = found
-        response = cpb.GetCheckpointResponse(
-            checkpoint=attempt_message(entry), details_dropped=details_dropped
-        )
+        version = await self._read(self.view().details_version, entry) if entry.details else None
+        cached = self._answers.get(snapshot, (request.id, version))
+        if cached is not None:
+            return cached
+        members: tuple[MemberRecord, ...] = ()
+        problem = ""
         if entry.details:
             try:
                 members = await self._read(self.view().members, entry)
             except ValueError as error:
-                response.details_problem = f"{entry.details}: {error}"
-            else:
-                response.members.extend(member_message(m) for m in members)
+                problem = f"{entry.details}: {error}"
+        response = await asyncio.to_thread(
+            _checkpoint_response, entry, details_dropped, members, problem
+        )
+        self._answers.put(snapshot, (request.id, version), response)
         return response
 
     def view(self) -> HistoryView:
@@ -131,6 +150,17 @@ class CheckpointHistoryApi:
     async def _read(self, function: Callable[..., T], *args: Any) -> T:
         location = self.view().location
         return await root_call(time.time() + READ_SECONDS, location, function, *args)
+
+    async def _snapshot(self) -> HistorySnapshot:
+        """The view's snapshot, read once for every request that arrives while a read is
+        in flight. Before, each request ran its own read on a thread that queued on the
+        view's lock: while the store hung, every request left one more thread blocked
+        there after its deadline had answered it."""
+        reading = self._reading
+        if reading is None or reading.done():
+            reading = self._reading = asyncio.ensure_future(self._read(self.view().snapshot))
+            reading.add_done_callback(_retrieved)
+        return await asyncio.shield(reading)
 
 
 class _AttemptMessages:
@@ -153,6 +183,45 @@ class _AttemptMessages:
                 message = self._messages[id(entry)] = attempt_message(entry)
             messages.append(message)
         return messages
+
+
+class _CheckpointAnswers:
+    """GetCheckpoint's answers for the current snapshot, by id: an open dashboard asks for
+    the same attempt every 2 s, and a 1,000-member attempt's details are ~20 ms to read and
+    build. Keyed by the id and its details object's version (a stat or HEAD), so a
+    details object replaced or removed is read again; a new snapshot (the index changed)
+    starts afresh."""
+
+    def __init__(self) -> None:
+        self._snapshot: HistorySnapshot | None = None
+        self._answers: dict[Hashable, cpb.GetCheckpointResponse] = {}
+
+    def get(self, snapshot: HistorySnapshot, key: Hashable) -> cpb.GetCheckpointResponse | None:
+        return self._answers.get(key) if snapshot is self._snapshot else None
+
+    def put(
+        self, snapshot: HistorySnapshot, key: Hashable, answer: cpb.GetCheckpointResponse
+    ) -> None:
+        if snapshot is not self._snapshot:
+            self._snapshot, self._answers = snapshot, {}
+        self._answers[key] = answer
+
+
+def _checkpoint_response(
+    entry: HistoryEntry, details_dropped: bool, members: tuple[MemberRecord, ...], problem: str
+) -> cpb.GetCheckpointResponse:
+    return cpb.GetCheckpointResponse(
+        checkpoint=attempt_message(entry),
+        details_dropped=details_dropped,
+        members=[member_message(m) for m in members],
+        details_problem=problem,
+    )
+
+
+def _retrieved(reading: asyncio.Future[Any]) -> None:
+    """Marks a shared read's failure as seen: every waiter may have gone (its deadline)."""
+    if not reading.cancelled():
+        reading.exception()
 
 
 def _token_of(anchor: Anchor, filters: str) -> str:

@@ -8,12 +8,13 @@ call is safe to retry and the coordinator itself can be restarted at any time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -118,6 +119,17 @@ class CoordinatorServicer:
         supervisor watches the members itself)."""
         self.history = CheckpointHistoryApi(spec)
         self.fleets = HeldFleets(functools.partial(_discover, spec))
+        self.operations_running = 0
+        """Checkpoint and Restore RPCs in progress: the dashboard asks no member while one
+        runs (`dashboard.fleet_status`), so an open page never lengthens their pause."""
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        self.operations_running += 1
+        try:
+            yield
+        finally:
+            self.operations_running -= 1
         """The discovered fleet, discovered again after any transport failure (a member may
         have been replaced behind the same address); each RPC holds it while it runs."""
 
@@ -206,18 +218,19 @@ class CoordinatorServicer:
         root = await self.root(deadline)
         async with self.fleets.held() as fleet:
             try:
-                restored = await self._guard(
-                    restore_published(
-                        fleet,
-                        root,
-                        request.checkpoint_id,
-                        deadline,
-                        source=source,
-                        scope=scope,
-                        rejoin=request.rejoin,
-                        trigger=Trigger.MANUAL,
+                with self._operation():
+                    restored = await self._guard(
+                        restore_published(
+                            fleet,
+                            root,
+                            request.checkpoint_id,
+                            deadline,
+                            source=source,
+                            scope=scope,
+                            rejoin=request.rejoin,
+                            trigger=Trigger.MANUAL,
+                        )
                     )
-                )
             except PublicationError as error:
                 raise as_checkpoint_error(error) from error
             return cpb.CoordinatorServiceRestoreResponse(
@@ -301,8 +314,9 @@ class CoordinatorServicer:
                 trigger=Trigger.MANUAL,
             )
             try:
-                async for event in events:
-                    yield _checkpoint_response(event)
+                with self._operation():
+                    async for event in events:
+                        yield _checkpoint_response(event)
             except PublicationError as error:
                 raise as_checkpoint_error(error) from error
 
@@ -487,7 +501,14 @@ class Coordinator:
         if http_address:
             self.http_app = coordinator_app(self)
             self.http_listener = HttpListener(
-                dashboard_app(self.http_app, spec), http_address, http_tls
+                dashboard_app(
+                    self.http_app,
+                    spec,
+                    self.servicer.fleets.held,
+                    lambda: self.servicer.operations_running > 0,
+                ),
+                http_address,
+                http_tls,
             )
         self.port: int | None = None
         self._server: aio.Server | None = None

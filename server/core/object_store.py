@@ -387,6 +387,14 @@ class ObjectStoreClient:
             raise self._failure("LIST", prefix + "/", exc) from None
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in result["common_prefixes"])
 
+    def copy(self, source: str, target: str) -> None:
+        """Copy an object to `target` within the bucket, server-side (no byte passes through
+        this process: what sets aside an object too large to read)."""
+        try:
+            self._obstore.copy(self._store, source, target)
+        except Exception as exc:
+            raise self._failure("COPY", source, exc) from None
+
     def delete(self, keys: Sequence[str]) -> None:
         if not keys:
             return

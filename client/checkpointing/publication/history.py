@@ -44,6 +44,7 @@ import json
 import os
 import re
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -60,6 +61,7 @@ from rollout_checkpoint.server.core.object_store import (
     ObjectLocation,
     ObjectStoreClient,
     ObjectStoreFailure,
+    StoredObject,
     client_for,
     is_object_url,
     parse_object_url,
@@ -270,11 +272,19 @@ def decode_index(raw: bytes) -> tuple[HistoryEntry, ...]:
 
 
 def _index_items(raw: bytes) -> list[Any]:
+    return _checked_document(parsed_json(raw), "entries")
+
+
+def parsed_json(raw: bytes) -> Any:
+    """`raw` parsed, ValueError when it is not JSON. RecursionError (JSON nested deeper than
+    the interpreter recurses, e.g. 100,000 `[`) is a ValueError too: it is neither a
+    ValueError nor a TypeError, so it escaped every reader's "corrupt" path, failed the API
+    with INTERNAL and the CLI with a traceback, and kept every later append from setting the
+    index aside, so nothing was recorded again."""
     try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    return _checked_document(document, "entries")
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def encode_index(lines: Sequence[bytes]) -> bytes:
@@ -373,10 +383,7 @@ def encode_details(entry: HistoryEntry, members: Sequence[MemberRecord]) -> byte
 
 
 def decode_details(raw: bytes) -> tuple[MemberRecord, ...]:
-    try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+    document = parsed_json(raw)
     return tuple(MemberRecord.from_json(m) for m in _checked_document(document, "members"))
 
 
@@ -445,8 +452,28 @@ def _checked_fields(cls: type, value: object) -> dict[str, Any]:
         actual = value[name]
         if expected is not None and (not isinstance(actual, expected) or isinstance(actual, bool)):
             raise ValueError(f"{name} is not a {' or '.join(t.__name__ for t in expected)}")
+        if expected is not None and actual is not None:
+            _check_range(name, expected, actual)
         known[name] = actual
     return known
+
+
+_UINT32_FIELDS = frozenset({"members", "blockers_max"})
+"""The integer fields whose wire field is a uint32; every other one is a uint64."""
+
+
+def _check_range(name: str, expected: tuple[type, ...], value: Any) -> None:
+    """An integer must fit its proto field (`Attempt`, `AttemptMember`: uint32 or uint64)
+    and a number must be a finite double (JSON's 1e400 parses as infinity, NaN compares
+    false; Python compares an int with a float exactly). Before, `"members": -1`
+    or `"bytes": 2**70` passed the type check and made building the wire message raise
+    ValueError: every page holding the entry failed with INTERNAL."""
+    if expected == (int,):
+        bits = 32 if name in _UINT32_FIELDS else 64
+        if not 0 <= value < 1 << bits:
+            raise ValueError(f"{name} {value} is not a uint{bits}")
+    elif float in expected and not -sys.float_info.max <= value <= sys.float_info.max:
+        raise ValueError(f"{name} is not a finite number")
 
 
 @functools.cache
@@ -491,15 +518,21 @@ class LocalHistory:
         *,
         max_bytes: int = DEFAULT_HISTORY_BYTES,
     ) -> None:
+        """The index is read and checked before the details file is written, and the
+        details file is removed when the index is not written after all: before, a details
+        file written first and then refused (a newer-format index, a corrupt one that could
+        not be replaced) was referenced by no index and deleted by no one, one more per
+        attempt."""
         with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
-            if members:
-                _replace_file(root_fd, entry.details, encode_details(entry, members))
             fcntl.flock(root_fd, fcntl.LOCK_EX)  # released when root_fd closes
-            raw = _read_optional(root_fd, INDEX_NAME)
+            raw = _index_for_append(root_fd)
             index, dropped, corrupt = appended(raw, entry, max_bytes)
-            if corrupt and raw is not None:
-                _replace_file(root_fd, CORRUPT_INDEX_NAME, raw)
-            _replace_file(root_fd, INDEX_NAME, index)
+            with _removed_on_failure(root_fd, entry.details if members else None):
+                if members:
+                    _replace_file(root_fd, entry.details, encode_details(entry, members))
+                if corrupt and raw is not None:
+                    _replace_file(root_fd, CORRUPT_INDEX_NAME, raw)
+                _replace_file(root_fd, INDEX_NAME, index)
             for name in dropped:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=root_fd)
@@ -515,10 +548,49 @@ class LocalHistory:
         return _read_result(raw, self.location, decode)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
+        """ValueError when the details file is missing, not a regular file, too large or
+        not details: a details problem beside the entry (as on an object store), never a
+        storage failure of the whole call. Only the root itself failing raises OSError."""
         if not entry.details:
             return ()
         with safe_files.opened(self.root, safe_files.DIR_FLAGS) as root_fd:
-            return decode_details(safe_files.read_regular(root_fd, entry.details, READ_LIMIT))
+            try:
+                raw = safe_files.read_regular(root_fd, entry.details, READ_LIMIT)
+            except FileNotFoundError:
+                raise ValueError("missing") from None
+            except safe_files.NotRegular:
+                raise ValueError("not a regular file") from None
+            except safe_files.TooLarge as exc:
+                raise ValueError(str(exc)) from None
+        return decode_details(raw)
+
+
+def _index_for_append(root_fd: int) -> bytes | None:
+    """The index's bytes for an append (None: none, or set aside unread). An index larger
+    than `READ_LIMIT` is renamed aside as `CORRUPT_INDEX_NAME` without reading it, as a
+    corrupt one is copied aside: before, it made every append raise StorageFailed, so
+    nothing was recorded again. One that is not a regular file (nothing this module writes:
+    an operator's doing) is a StorageFailed, left as it is."""
+    try:
+        return _read_optional(root_fd, INDEX_NAME)
+    except _TooLarge:
+        try:
+            os.rename(INDEX_NAME, CORRUPT_INDEX_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        except OSError as exc:
+            raise StorageFailed(f"{INDEX_NAME} could not be set aside: {exc}") from None
+        return None
+
+
+@contextlib.contextmanager
+def _removed_on_failure(root_fd: int, details: str | None) -> Iterator[None]:
+    """Remove the details file `details` when the block fails: no index names it then."""
+    try:
+        yield
+    except BaseException:
+        if details:
+            with contextlib.suppress(OSError):
+                os.unlink(details, dir_fd=root_fd)
+        raise
 
 
 def _read_optional(dir_fd: int, name: str) -> bytes | None:
@@ -531,7 +603,12 @@ def _read_optional(dir_fd: int, name: str) -> bytes | None:
     except safe_files.NotRegular:
         raise StorageFailed(f"{name} is not a regular file") from None
     except safe_files.TooLarge as exc:
-        raise StorageFailed(str(exc)) from None
+        raise _TooLarge(str(exc)) from None
+
+
+class _TooLarge(StorageFailed):
+    """A file larger than `READ_LIMIT`: a storage failure to a reader, set aside by an
+    append (`_index_for_append`)."""
 
 
 def _replace_file(dir_fd: int, name: str, data: bytes) -> None:
@@ -556,16 +633,20 @@ class ObjectHistory:
         *,
         max_bytes: int = DEFAULT_HISTORY_BYTES,
     ) -> None:
+        """As `LocalHistory.append`: the details object is written once the index has been
+        read and checked, and deleted again when no swap of the index lands."""
         client = self._client()
-        with _store_failures():
-            if members:
-                data = encode_details(entry, members)
-                client.put(self.directory.key(entry.details), data, size=len(data))
+        details = self.directory.key(entry.details) if members else None
+        written = False
+        with _store_failures(), self._deleted_on_failure(client, details):
             key = self.directory.key(INDEX_NAME)
             for _ in range(_INDEX_SWAPS):
-                current = client.get(key, limit=READ_LIMIT)
-                raw = None if current is None else current.data
+                current, raw = self._index_for_append(client, key)
                 index, dropped, corrupt = appended(raw, entry, max_bytes)
+                if details is not None and not written:
+                    data = encode_details(entry, members)
+                    client.put(details, data, size=len(data))
+                    written = True
                 if corrupt and raw is not None:
                     aside = self.directory.key(CORRUPT_INDEX_NAME)
                     client.put(aside, raw, size=len(raw))
@@ -573,11 +654,42 @@ class ObjectHistory:
                     if dropped:
                         client.delete([self.directory.key(name) for name in dropped])
                     return
-        raise StorageFailed(f"{self.location}: the index kept changing under {_INDEX_SWAPS} swaps")
+            raise StorageFailed(
+                f"{self.location}: the index kept changing under {_INDEX_SWAPS} swaps"
+            )
+
+    def _index_for_append(
+        self, client: ObjectStoreClient, key: str
+    ) -> tuple[StoredObject | None, bytes | None]:
+        """The index for an append. One larger than `READ_LIMIT` is copied aside as
+        `CORRUPT_INDEX_NAME` (a server-side copy: never read) and stands as an empty index whose
+        swap names the version copied: before, it made every append fail for good."""
+        try:
+            current = client.get(key, limit=READ_LIMIT)
+        except ValueError:
+            tag = client.tag(key)
+            if tag is None:
+                return None, None
+            client.copy(key, self.directory.key(CORRUPT_INDEX_NAME))
+            return StoredObject(b"", tag, None), None
+        return current, None if current is None else current.data
+
+    @contextlib.contextmanager
+    def _deleted_on_failure(self, client: ObjectStoreClient, details: str | None) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            if details is not None:
+                with contextlib.suppress(ObjectStoreFailure):
+                    client.delete([details])
+            raise
 
     def read(self, decode: Decoder = decode_index) -> HistoryRead:
-        with _store_failures():
-            stored = self._client().get(self.directory.key(INDEX_NAME), limit=READ_LIMIT)
+        try:
+            with _store_failures():
+                stored = self._client().get(self.directory.key(INDEX_NAME), limit=READ_LIMIT)
+        except ValueError as exc:  # larger than READ_LIMIT
+            return HistoryRead((), f"{self.location}: history skipped: {exc}")
         return _read_result(None if stored is None else stored.data, self.location, decode)
 
     def members(self, entry: HistoryEntry) -> tuple[MemberRecord, ...]:
@@ -589,11 +701,11 @@ class ObjectHistory:
             raise ValueError(f"{self.directory.url}/{entry.details}: missing")
         return decode_details(stored.data)
 
-    def index_tag(self) -> str | None:
-        """The index's ETag (None: there is none yet): what changes with every write, read
-        without its bytes."""
+    def tag_of(self, name: str) -> str | None:
+        """The ETag of `name` below the root, the index or a details object (None: there
+        is none): what changes with every write, read without its bytes."""
         with _store_failures():
-            return self._client().tag(self.directory.key(INDEX_NAME))
+            return self._client().tag(self.directory.key(name))
 
     def _client(self) -> ObjectStoreClient:
         with _store_failures():

@@ -25,7 +25,6 @@ Everything here blocks: run it through `store_call` from asyncio code.
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import threading
 from collections import Counter
@@ -44,6 +43,7 @@ from rollout_checkpoint.client.checkpointing.publication.history import (
     decode_index,
     index_lines,
     open_history,
+    parsed_json,
 )
 
 RESTORE = "restore"
@@ -187,7 +187,9 @@ class LineDecoder:
         current: dict[bytes, HistoryEntry] = {}
         for line in lines:
             entry = previous.get(line) or current.get(line)
-            current[line] = entry if entry is not None else HistoryEntry.from_json(json.loads(line))
+            current[line] = (
+                entry if entry is not None else HistoryEntry.from_json(parsed_json(line))
+            )
         self._entries = current  # only now: a line that fails leaves the previous ones
         return tuple(current[line] for line in lines)
 
@@ -230,14 +232,22 @@ class HistoryView:
         and is never rewritten under its name)."""
         return self.history.members(entry)
 
+    def details_version(self, entry: HistoryEntry) -> Hashable:
+        """What changes when `entry`'s details object is written, replaced or removed (one
+        stat or HEAD, never its bytes): what an answer built from it is cached under."""
+        return self._version_of(entry.details)
+
     def _version_now(self) -> Hashable:
         """What changes with every write of the index (None: there is none)."""
+        return self._version_of(INDEX_NAME)
+
+    def _version_of(self, name: str) -> Hashable:
         history = self.history
         if isinstance(history, LocalHistory):
             try:
-                stat = os.stat(history.root / INDEX_NAME, follow_symlinks=False)
+                stat = os.stat(history.root / name, follow_symlinks=False)
             except FileNotFoundError:
                 return None
-            return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            return (stat.st_mtime_ns, stat.st_size, stat.st_ino, stat.st_mode)
         assert isinstance(history, ObjectHistory)
-        return history.index_tag()
+        return history.tag_of(name)

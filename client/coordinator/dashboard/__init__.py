@@ -27,6 +27,7 @@ Why each rule:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from importlib import resources
 
 from starlette.applications import Starlette
@@ -34,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from rollout_checkpoint.client.coordinator.dashboard.fleet_status import FleetStatus
+from rollout_checkpoint.client.coordinator.dashboard.fleet_status import FleetStatus, HeldFleet
 from rollout_checkpoint.client.fleet import FleetSpec
 
 PAGE = "index.html"
@@ -59,11 +60,14 @@ SECURITY_HEADERS = {
 }
 
 
-def dashboard_app(api: Starlette, spec: FleetSpec) -> Starlette:
+def dashboard_app(
+    api: Starlette, spec: FleetSpec, held: HeldFleet, operating: Callable[[], bool]
+) -> Starlette:
     """The coordinator's HTTP app with the dashboard: the page and its files first (no
     token: they hold no data), then `api` (`http_api.coordinator_app`, behind the token) for
-    every other path, with `/fleet/status` added to it."""
-    status = FleetStatus(spec)
+    every other path, with `/fleet/status` added to it (asked through the coordinator's
+    `held` fleet, and not while `operating()`: see `fleet_status`)."""
+    status = FleetStatus(spec, held, operating)
 
     async def fleet_status(request: Request) -> Response:
         return JSONResponse(await status.read())

@@ -154,6 +154,7 @@
     ]);
     const entries = (listed.checkpoints || []).map(attempt);
     renderFleet(fleet.members || []);
+    byId("fleet-stale").hidden = !fleet.stale;
     renderCounts(entries, listed);
     renderHistory(entries);
     renderChart(entries.filter((e) => e.operation === "checkpoint"));

@@ -1510,7 +1510,7 @@ class AttemptStage(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     stage: _builtins.str
-    """The step (`prepare`, `commit`, `snapshot`, `resume`, `await_parts`,
+    """The step (`prepare`, `scope`, `commit`, `snapshot`, `resume`, `durable`,
     `publish`, `retention`, `restore`, ...).
     """
     seconds: _builtins.float

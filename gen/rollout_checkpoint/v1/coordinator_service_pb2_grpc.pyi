@@ -222,8 +222,10 @@ class CoordinatorServiceStub:
     per-member details (GetCheckpoint does). The newest entry of a kind is
     `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
     the coordinator's HTTP port sends). The counts cover the whole history,
-    whatever the filters. A corrupt index (or one of a newer format) is no
-    error: the reply lists nothing and says why in `history_problem`.
+    whatever the filters. A corrupt index (JSON that does not decode or nests
+    too deep, an entry whose field has the wrong type or a number outside its
+    field's range, an index larger than 64 MiB) or one of a newer format is
+    no error: the reply lists nothing and says why in `history_problem`.
     Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
     or a `page_token` that does not parse or was issued for other filters;
     `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
@@ -236,8 +238,10 @@ class CoordinatorServiceStub:
     Read-only and idempotent; allowed at any time. An id attempted more than
     once (a retry) returns its newest attempt. Only the newest 100 attempts
     keep their details: an older one is returned without members and with
-    `details_dropped` set; details that cannot be read are reported in
-    `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+    `details_dropped` set; details that cannot be read (missing, not a regular
+    file, larger than 64 MiB, or not details) are reported in
+    `details_problem`, never an error, on a local or an object-store root
+    alike. Errors: `INVALID_REQUEST` for an id
     that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
     (metadata `field` = `id`) when the history holds no such attempt;
     `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
@@ -410,8 +414,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     per-member details (GetCheckpoint does). The newest entry of a kind is
     `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
     the coordinator's HTTP port sends). The counts cover the whole history,
-    whatever the filters. A corrupt index (or one of a newer format) is no
-    error: the reply lists nothing and says why in `history_problem`.
+    whatever the filters. A corrupt index (JSON that does not decode or nests
+    too deep, an entry whose field has the wrong type or a number outside its
+    field's range, an index larger than 64 MiB) or one of a newer format is
+    no error: the reply lists nothing and says why in `history_problem`.
     Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
     or a `page_token` that does not parse or was issued for other filters;
     `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
@@ -424,8 +430,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     Read-only and idempotent; allowed at any time. An id attempted more than
     once (a retry) returns its newest attempt. Only the newest 100 attempts
     keep their details: an older one is returned without members and with
-    `details_dropped` set; details that cannot be read are reported in
-    `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+    `details_dropped` set; details that cannot be read (missing, not a regular
+    file, larger than 64 MiB, or not details) are reported in
+    `details_problem`, never an error, on a local or an object-store root
+    alike. Errors: `INVALID_REQUEST` for an id
     that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
     (metadata `field` = `id`) when the history holds no such attempt;
     `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is
@@ -661,8 +669,10 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         per-member details (GetCheckpoint does). The newest entry of a kind is
         `page_size` 1 with the filters (what `GET /checkpoints/latest?status=` of
         the coordinator's HTTP port sends). The counts cover the whole history,
-        whatever the filters. A corrupt index (or one of a newer format) is no
-        error: the reply lists nothing and says why in `history_problem`.
+        whatever the filters. A corrupt index (JSON that does not decode or nests
+        too deep, an entry whose field has the wrong type or a number outside its
+        field's range, an index larger than 64 MiB) or one of a newer format is
+        no error: the reply lists nothing and says why in `history_problem`.
         Errors: `INVALID_REQUEST` (metadata `field`) for a negative `page_size`
         or a `page_token` that does not parse or was issued for other filters;
         `FAILED_PRECONDITION` (`INVALID_REQUEST`) when the fleet file sets no
@@ -681,8 +691,10 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         Read-only and idempotent; allowed at any time. An id attempted more than
         once (a retry) returns its newest attempt. Only the newest 100 attempts
         keep their details: an older one is returned without members and with
-        `details_dropped` set; details that cannot be read are reported in
-        `details_problem`, never an error. Errors: `INVALID_REQUEST` for an id
+        `details_dropped` set; details that cannot be read (missing, not a regular
+        file, larger than 64 MiB, or not details) are reported in
+        `details_problem`, never an error, on a local or an object-store root
+        alike. Errors: `INVALID_REQUEST` for an id
         that is not a checkpoint id; `INVALID_REQUEST` with code NOT_FOUND
         (metadata `field` = `id`) when the history holds no such attempt;
         `INVALID_CHECKPOINT_STATE` (DATA_LOSS) when the history's index is

@@ -2874,7 +2874,7 @@ func (x *RecoveryGivenUp) GetError() *status.Status {
 // attempt's `started_at`.
 type AttemptStage struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The step (`prepare`, `commit`, `snapshot`, `resume`, `await_parts`,
+	// The step (`prepare`, `scope`, `commit`, `snapshot`, `resume`, `durable`,
 	// `publish`, `retention`, `restore`, ...).
 	Stage string `protobuf:"bytes,1,opt,name=stage,proto3" json:"stage,omitempty"`
 	// How long it took, in seconds.
