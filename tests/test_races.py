@@ -371,8 +371,8 @@ async def test_a_resume_as_the_snapshot_ends_keeps_the_asynchronous_commit_from_
     taken, release = asyncio.Event(), asyncio.Event()
     take_snapshot = commit_job._snapshot
 
-    async def taken_then_held(host: Any, records: Any) -> PartSnapshot:
-        snapshot = await take_snapshot(host, records)
+    async def taken_then_held(*arguments: Any) -> PartSnapshot:
+        snapshot = await take_snapshot(*arguments)
         taken.set()
         await release.wait()
         return snapshot
