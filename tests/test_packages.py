@@ -209,13 +209,18 @@ def test_the_rust_readme_example_compiles(tmp_path: Path) -> None:
     if shutil.which("cargo") is None:
         pytest.skip("cargo is not installed")
     # The conformance controller's manifest and lock (the same dependencies, so the cached
-    # build serves), with the crate's path made absolute and the example as its main.
+    # build serves), with the crate's path made absolute and the example as its main, under
+    # another package name: the target directory is shared, and a binary named `conformance`
+    # would replace the controller's, which test_conformance then runs.
     conformance = public_api.RUST_WORKSPACE
-    manifest = (conformance / "Cargo.toml").read_text()
+    renamed = ('name = "conformance"', 'name = "readme-example"')
+    manifest = (conformance / "Cargo.toml").read_text().replace(*renamed)
     (tmp_path / "Cargo.toml").write_text(
         manifest.replace("../../../gen/rust", str(public_api.RUST_CRATE))
     )
-    shutil.copy2(conformance / "Cargo.lock", tmp_path / "Cargo.lock")
+    lock = (conformance / "Cargo.lock").read_text()
+    assert lock.count(renamed[0]) == 1, "the lock names the controller's package once"
+    (tmp_path / "Cargo.lock").write_text(lock.replace(*renamed))
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "main.rs").write_text(readme_example("rust", "rust"))
     built = run(*CARGO, "build", "--locked", "--offline", "-q", cwd=tmp_path)
