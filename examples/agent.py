@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.keep_alive import client_limits
 from rollout_checkpoint.server.episodic.episode_participant import EpisodeParticipant
 from rollout_checkpoint.server.episodic.episode_steps import (
     NO_BOUNDARY,
@@ -124,7 +125,7 @@ class AgentServer:
     def build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            limits = client_limits(max_connections=512, max_keepalive_connections=128)
             # One client serves every episode, so it must never keep a cookie: each episode
             # sends its own session cookie explicitly (a shared jar would mix sessions up).
             timeout = httpx.Timeout(self.config.call_timeout)

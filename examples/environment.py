@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.core.keep_alive import client_limits
 from rollout_checkpoint.server.episodic.episode_participant import (
     EnvironmentParticipant,
     task_digest,
@@ -78,7 +79,7 @@ class EnvironmentServer:
     def build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+            limits = client_limits(max_connections=512, max_keepalive_connections=128)
             timeout = httpx.Timeout(self.config.agent_timeout)
             async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                 self.http = client

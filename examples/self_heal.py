@@ -32,6 +32,7 @@ import httpx
 from grpc import aio
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.keep_alive import client_limits
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
 
@@ -140,7 +141,9 @@ class Trainer:
         self.restarted: set[str] = set()
 
     async def run(self, rollouts: list[Rollout]) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(300.0), limits=client_limits()
+        ) as client:
             await asyncio.gather(*(self._drive(client, r) for r in rollouts))
 
     async def _drive(self, client: httpx.AsyncClient, rollout: Rollout) -> None:

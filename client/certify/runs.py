@@ -37,6 +37,7 @@ from rollout_checkpoint.client.collect.receipts import ENTRY_KINDS, serves_no_ou
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.keep_alive import client_limits
 
 Mode = Literal["record", "replay"]
 RUN_SECONDS = 600.0
@@ -232,7 +233,7 @@ async def model_misses(setup: CertifySetup, processes: FleetProcesses) -> list[t
     url = http_url(member)
     if url is not None:
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            async with httpx.AsyncClient(timeout=STATS_SECONDS) as http:
+            async with httpx.AsyncClient(timeout=STATS_SECONDS, limits=client_limits()) as http:
                 reply = await http.get(f"{url}/recording/stats")
                 reply.raise_for_status()
                 for miss in reply.json().get("misses", []):

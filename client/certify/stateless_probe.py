@@ -32,6 +32,7 @@ from rollout_checkpoint.client.certify.json_paths import first_difference
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.fleet.launch import start_member
 from rollout_checkpoint.client.fleet.spec import FleetSpec, MemberSpec
+from rollout_checkpoint.server.core.keep_alive import client_limits
 
 MAX_REQUESTS = 64
 """Tool requests replayed per member, at most (each sent twice, each with its own seed): a
@@ -154,7 +155,9 @@ async def _replay_all(
     """(request, the differing answer, its first differing path) for every request one of
     whose replays answered otherwise than the baseline."""
     differing: list[tuple[ToolRequest, str, str]] = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_SECONDS) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=REQUEST_SECONDS, limits=client_limits()
+    ) as http:
         # Every replay is a new session: a cookie kept from the last one would join it.
         http.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
         for number, request in enumerate(requests):

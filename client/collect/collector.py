@@ -67,6 +67,7 @@ from rollout_checkpoint.client.collect.staleness import RecordDropped, StaleHand
 from rollout_checkpoint.client.collect.starting_point import StartingPoint, read_starting_point
 from rollout_checkpoint.client.collect.view import CollectView, Counts
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, load_fleet_file
+from rollout_checkpoint.server.core.keep_alive import client_limits
 
 
 class Collector:
@@ -194,7 +195,7 @@ class Collector:
             time.time() + options.checkpoint_timeout,
             held.take_back if options.resume else held.release,
         )
-        limits = httpx.Limits(
+        limits = client_limits(
             max_connections=options.concurrency + 8,
             max_keepalive_connections=options.concurrency,
         )

@@ -17,6 +17,8 @@ import ssl
 import uvicorn
 from starlette.types import ASGIApp
 
+from rollout_checkpoint.server.core.keep_alive import SERVER_IDLE_SECONDS
+
 GRACE_SECONDS = 5
 """How long a stop waits for open HTTP requests before closing their connections."""
 
@@ -77,6 +79,7 @@ class HttpListener:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=GRACE_SECONDS,
+            timeout_keep_alive=SERVER_IDLE_SECONDS,
         )
         config.load()
         # A context, not uvicorn's file options: the files were read and checked once, with

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.keep_alive import client_limits
 
 from ..prompt_injection import load_tasks
 
@@ -49,7 +50,7 @@ async def run_one(client: httpx.AsyncClient, env_url: str, rollout: Rollout) -> 
 
 async def run_all(env_url: str, rollouts: list[Rollout], concurrency: int) -> None:
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=client_limits()) as client:
 
         async def guarded(rollout: Rollout) -> None:
             async with limit:

@@ -19,6 +19,7 @@ import httpx
 from rich.console import Console
 
 from rollout_checkpoint.client import CheckpointRoot, Fleet
+from rollout_checkpoint.server.core.keep_alive import client_limits
 
 from .checkpoints import CheckpointSteps
 from .comparison import compare_with_baseline, finished_during_the_cut
@@ -87,7 +88,7 @@ class Demo:
         finished = asyncio.Event()
         gate = asyncio.Event()
         gate.set()
-        client = httpx.AsyncClient(timeout=httpx.Timeout(300.0))
+        client = httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=client_limits())
 
         async def guarded(rollout: Rollout) -> None:
             async with limit:

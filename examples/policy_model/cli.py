@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from rollout_checkpoint.server.core.keep_alive import SERVER_IDLE_SECONDS
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
 
 from ..serve.arguments import add_file_arguments
@@ -179,5 +180,6 @@ def main(argv: list[str] | None = None) -> None:
         lifespan="on",
         log_level=args.log_level,
         timeout_graceful_shutdown=10,
+        timeout_keep_alive=SERVER_IDLE_SECONDS,
     )
     AnnouncingServer(config).run()

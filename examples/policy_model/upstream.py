@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from rollout_checkpoint.server.core.keep_alive import client_limits
 from rollout_checkpoint.server.model.generation_cuts import GenerationPrefix, call_of, prefix_of
 
 from ..relay import timed_out
@@ -81,7 +82,7 @@ class UpstreamProxy:
         outlives the server (nor is one opened before the app starts)."""
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.upstream_timeout, connect=10.0),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            limits=client_limits(max_connections=1000, max_keepalive_connections=100),
         )
         try:
             yield

@@ -11,6 +11,7 @@ from typing import IO, Any
 import uvicorn
 
 from rollout_checkpoint.server.core.extras import MissingExtra
+from rollout_checkpoint.server.core.keep_alive import SERVER_IDLE_SECONDS
 from rollout_checkpoint.server.core.stop_signals import EXIT_CODES, PROCESS
 from rollout_checkpoint.server.nemo_gym.servers import KEEP_ALIVE_SECONDS
 from rollout_checkpoint.server.runtime.logs import configure_logging
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         log_config=None,  # uvicorn's lines go through the same (structured) handler
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_keep_alive=SERVER_IDLE_SECONDS,
     )
     if args.server in NEMO_GYM_KINDS:  # NeMo Gym's agents count on run_webserver()'s keep-alive
         config.timeout_keep_alive = KEEP_ALIVE_SECONDS

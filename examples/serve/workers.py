@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import uvicorn
 
+from rollout_checkpoint.server.core.keep_alive import SERVER_IDLE_SECONDS
 from rollout_checkpoint.server.core.stop_signals import PROCESS
 from rollout_checkpoint.server.runtime.participant import Kind
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -166,6 +167,7 @@ def serve_worker(args: argparse.Namespace, app: Any) -> None:
         log_level=args.log_level,
         log_config=None,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_keep_alive=SERVER_IDLE_SECONDS,
     )
     QuietServer(config).run(sockets=[shared, own])
     PROCESS.exit_if_received()

@@ -251,6 +251,8 @@ def serve(
     `workers.serve_with_workers` for several)."""
     import uvicorn
 
+    from rollout_checkpoint.server.core.keep_alive import SERVER_IDLE_SECONDS
+
     if workers != 1:
         raise SystemExit(
             f"rollout-checkpoint: {workers} workers configured, but this runs exactly one worker "
@@ -258,6 +260,11 @@ def serve(
             "rollout_checkpoint.server.runtime.workers.serve_with_workers"
         )
     config = uvicorn.Config(
-        app, host=host, port=port, lifespan="on", timeout_graceful_shutdown=graceful_seconds
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        timeout_graceful_shutdown=graceful_seconds,
+        timeout_keep_alive=SERVER_IDLE_SECONDS,
     )
     uvicorn.Server(config).run()
