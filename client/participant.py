@@ -23,6 +23,19 @@ from rollout_checkpoint.v1 import participant_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
+STATE_PREFIX = "PARTICIPANT_STATE_"
+
+
+def state_name(state: int, unknown: str) -> str:
+    """A participant state's name in types.proto without its prefix (`IDLE`); `unknown` for
+    UNSPECIFIED and for a value this version does not know (a newer participant's)."""
+    if state == types_pb2.PARTICIPANT_STATE_UNSPECIFIED:
+        return unknown
+    try:
+        return types_pb2.ParticipantState.Name(state).removeprefix(STATE_PREFIX)  # type: ignore[arg-type]
+    except ValueError:
+        return unknown
+
 
 class _Page(Protocol):
     """A page of a paged listing (ListEpisodes, ListResults)."""

@@ -1,39 +1,29 @@
-"""The wire's values as the CLI shows and parses them: participant state names, RFC 3339
-times, the `--episode` argument.
+"""The wire's values as the CLI shows and parses them: RFC 3339 times, the `--episode`
+argument, and (re-exported) participant state names.
 
 One place for each, so every verb prints a state or a time the same way and a new value in the
-protos shows up everywhere at once (the state names are derived from `types.proto`, never
-re-typed). The health names live with the client that watches them
-(`participant.READINESS_HEALTH` and its siblings, derived from `constants.proto`): the member
-watch under `collect` and the supervisor needs them without the CLI's verbs."""
+protos shows up everywhere at once. The state names (derived from `types.proto`, never
+re-typed) and the health names (`participant.READINESS_HEALTH` and its siblings, derived from
+`constants.proto`) live with the participant client: the coordinator's dashboard, the member
+watch under `collect` and the supervisor need them without the CLI's verbs."""
 
 from __future__ import annotations
 
 import argparse
 from datetime import UTC, datetime
 
+from rollout_checkpoint.client.participant import state_name
 from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.v1 import types_pb2
+
+__all__ = ["EPISODE_FORMAT", "TOKEN_ENV", "episode_arg", "rfc3339", "state_name"]
 
 TOKEN_ENV = "ROLLOUT_CHECKPOINT_TOKEN"
-STATE_PREFIX = "PARTICIPANT_STATE_"
 
 
 EPISODE_FORMAT = (
     "--episode: a rollout id (`r7`, attempt 1) or a capture key `<rollout_id>-a<attempt>` "
     "(`r7-a2`); repeat the flag for several."
 )
-
-
-def state_name(state: int, unknown: str) -> str:
-    """A participant state's name in types.proto without its prefix (`IDLE`); `unknown` for
-    UNSPECIFIED and for a value this version does not know."""
-    if state == types_pb2.PARTICIPANT_STATE_UNSPECIFIED:
-        return unknown
-    try:
-        return types_pb2.ParticipantState.Name(state).removeprefix(STATE_PREFIX)  # type: ignore[arg-type]
-    except ValueError:
-        return unknown
 
 
 def rfc3339(seconds: float) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 from rollout_checkpoint.client.checkpointing.fanout import FleetError
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, Member
-from rollout_checkpoint.v1 import types_pb2
+from rollout_checkpoint.client.participant import state_name
 
 FRESH_SECONDS = 1.5
 """The shortest time one round of answers serves every page (the page polls every 2 s)."""
@@ -45,7 +45,6 @@ PROBE_SECONDS = 3.0
 """How long a member may take to answer before it is reported unreachable."""
 PARALLEL = 64
 """Members asked at once."""
-_STATE_PREFIX = "PARTICIPANT_STATE_"
 
 HeldFleet = Callable[[], AbstractAsyncContextManager[Fleet]]
 """Lends the coordinator's discovered fleet (`HeldFleets.held`)."""
@@ -105,7 +104,7 @@ async def _ask(member: Member, limit: asyncio.Semaphore) -> dict[str, Any]:
             return row
     row.update(
         health="serving",
-        state=_state_name(status.state),
+        state=state_name(status.state, "?"),
         admission="open" if status.admission_open else "closed",
         ready=status.readiness.ready,
         blockers=status.readiness.blocker_count,
@@ -130,10 +129,3 @@ def _undiscovered(name: str, address: str, error: FleetError) -> dict[str, Any]:
         "health": "refused" if failure.decided_by_server else "unreachable",
         "error": f"{failure.code.name}: {failure.message}",
     }
-
-
-def _state_name(state: int) -> str:
-    try:
-        return types_pb2.ParticipantState.Name(state).removeprefix(_STATE_PREFIX)  # type: ignore[arg-type]
-    except ValueError:
-        return "?"
