@@ -33,6 +33,7 @@ RUST_CRATE = REPO / "gen" / "rust"
 RUST_WORKSPACE = REPO / "tests" / "conformance" / "rust"
 JAVA_PACKAGE = REPO / "gen" / "java"
 JAVA_JAR_DIR = JAVA_PACKAGE / "target"
+JAVA_CLASSPATH = JAVA_JAR_DIR / "runtime-classpath.txt"
 MAVEN = ("bash", REPO / "scripts" / "maven")
 
 Version = tuple[int, int, int]
@@ -218,10 +219,12 @@ JAVA_VERSION = re.compile(r"^  <version>(\d+\.\d+\.\d+)</version>$", re.M)
 
 def java_jar() -> Path:
     """The package's jar, built offline first (a no-op when scripts/test built it), so the
-    names are those of the sources as they are."""
+    names are those of the sources as they are. The same Maven run writes the jar's runtime
+    dependencies beside it (JAVA_CLASSPATH), what a user's build gets from the one dependency."""
     built = subprocess.run(
         [*map(str, MAVEN), "-q", "-o", "-f", str(JAVA_PACKAGE / "pom.xml"), "package",
-         "-DskipTests"],
+         "-DskipTests", "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
+         "-Dmdep.includeScope=runtime", f"-Dmdep.outputFile={JAVA_CLASSPATH}"],
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if built.returncode != 0:

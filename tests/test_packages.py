@@ -258,23 +258,16 @@ def test_the_rust_readme_example_compiles(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
 
 
-def test_the_java_readme_example_compiles(tmp_path: Path) -> None:
-    require_java()
-    # Against the package's jar and its own runtime dependencies (what a user's build gets from
-    # the one <dependency>), at the package's Java release: one Maven run builds the jar (a
-    # no-op when scripts/test did) and lists them.
-    classpath = tmp_path / "classpath.txt"
-    listed = run(
-        *MAVEN, "package", "-DskipTests",
-        "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
-        "-Dmdep.includeScope=runtime", f"-Dmdep.outputFile={classpath}",
-    )  # fmt: skip
-    assert listed.returncode == 0, listed.stdout + listed.stderr
-    jar = public_api.JAVA_JAR_DIR / f"rollout-checkpoint-{public_api.java_version()}.jar"
+def test_the_java_readme_example_compiles(
+    tmp_path: Path, now: dict[str, dict[str, object]]
+) -> None:
+    # Against the jar that listing the names built (`now`) and its runtime dependencies (what a
+    # user's build gets from the one <dependency>), at the package's Java release.
+    jar = public_api.JAVA_JAR_DIR / f"rollout-checkpoint-{now['java']['version']}.jar"
     source = tmp_path / "PrepareExample.java"
     source.write_text(readme_example("java", "java"))
     compiled = run(
         "javac", "--release", "11", "-Werror", "-d", tmp_path / "classes",
-        "-cp", f"{jar}:{classpath.read_text().strip()}", source,
+        "-cp", f"{jar}:{public_api.JAVA_CLASSPATH.read_text().strip()}", source,
     )  # fmt: skip
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
