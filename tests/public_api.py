@@ -223,13 +223,13 @@ def java_jar() -> Path:
     dependencies beside it (JAVA_CLASSPATH), what a user's build gets from the one dependency."""
     built = subprocess.run(
         [*map(str, MAVEN), "-q", "-o", "-f", str(JAVA_PACKAGE / "pom.xml"), "package",
-         "-DskipTests", "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
+         "-Dmaven.test.skip", "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
          "-Dmdep.includeScope=runtime", f"-Dmdep.outputFile={JAVA_CLASSPATH}"],
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if built.returncode != 0:
         raise RuntimeError(
-            f"building gen/java failed (scripts/test's maven step?):\n{built.stdout}"
+            f"building gen/java failed (scripts/test's maven step?):\n{built.stdout}{built.stderr}"
         )
     return JAVA_JAR_DIR / f"rollout-checkpoint-{java_version()}.jar"
 
