@@ -1,5 +1,5 @@
-"""The public names of the Go module gen/go, the npm package gen/ts and the crate gen/rust, and
-their release record.
+"""The public names of the Go module gen/go, the npm package gen/ts, the crate gen/rust and the
+Maven package gen/java, and their release record.
 
 A controller compiles against these names, so removing or renaming one breaks it even when
 the wire (which `buf breaking` guards) is unchanged. gen/public-api.json keeps, per package,
@@ -7,7 +7,7 @@ the list of releases: each a version and the exact names it exports. The last re
 be the current one (same version, same names), and each release's version must follow from
 the one before it by semver: a removed name needs a major bump, an added one at least a minor
 bump. tests/test_packages.py checks that; after a deliberate change, bump the version (Go:
-`Version` in checkpoint.go; npm: package.json; Rust: Cargo.toml) and append the release with
+`Version` in checkpoint.go; npm: package.json; Rust: Cargo.toml; Java: pom.xml) and append the release with
 
     .venv/bin/python -m tests.public_api record
 
@@ -20,6 +20,7 @@ import json
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +31,10 @@ RUST_CRATE = REPO / "gen" / "rust"
 # The crate's generated modules are in its build's OUT_DIR: built in the conformance
 # controller's workspace, whose compiled dependencies scripts/test caches (scripts/cargo).
 RUST_WORKSPACE = REPO / "tests" / "conformance" / "rust"
+JAVA_PACKAGE = REPO / "gen" / "java"
+JAVA_JAR_DIR = JAVA_PACKAGE / "target"
+JAVA_CLASSPATH = JAVA_JAR_DIR / "runtime-classpath.txt"
+MAVEN = ("bash", REPO / "scripts" / "maven")
 
 Version = tuple[int, int, int]
 
@@ -204,11 +209,82 @@ def rust_version() -> str:
     return match.group(1)
 
 
+# javap -public: one block per class, `[modifiers] class|interface NAME ... {`, then one member
+# per line (`  [modifiers] TYPE NAME(ARGS)...;` or `  [modifiers] TYPE NAME;`), then `}`.
+JAVA_CLASS = re.compile(r"^(?P<modifiers>(?:\w+ )*)(?:class|interface) (?P<name>[\w.$]+)")
+JAVA_MEMBER = re.compile(r"^  .*?(?P<name>[\w$]+)(?:\(.*\))?(?: throws [\w.$, ]+)?;$")
+JAVA_ROOT = "dev.rolloutcheckpoint."
+JAVA_VERSION = re.compile(r"^  <version>(\d+\.\d+\.\d+)</version>$", re.M)
+
+
+def java_jar() -> Path:
+    """The package's jar, built offline first (a no-op when scripts/test built it), so the
+    names are those of the sources as they are. The same Maven run writes the jar's runtime
+    dependencies beside it (JAVA_CLASSPATH), what a user's build gets from the one dependency."""
+    built = subprocess.run(
+        [*map(str, MAVEN), "-q", "-o", "-f", str(JAVA_PACKAGE / "pom.xml"), "package",
+         "-Dmaven.test.skip", "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:build-classpath",
+         "-Dmdep.includeScope=runtime", f"-Dmdep.outputFile={JAVA_CLASSPATH}"],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if built.returncode != 0:
+        raise RuntimeError(
+            f"building gen/java failed (scripts/test's maven step?):\n{built.stdout}{built.stderr}"
+        )
+    return JAVA_JAR_DIR / f"rollout-checkpoint-{java_version()}.jar"
+
+
+def java_names_of(javap: str) -> set[str]:
+    """The public names in javap's listing: each public class by its name under
+    dev.rolloutcheckpoint (`v1.PrepareRequest`, nested ones with a dot: `v1.ParticipantServiceGrpc
+    .ParticipantServiceBlockingStub`), and its public members after a dot. A builder's members
+    mirror its message's (getX/setX/clearX of the same fields), so only the builder is named."""
+    names: set[str] = set()
+    owner: str | None = None
+    for line in javap.splitlines():
+        header = JAVA_CLASS.match(line)
+        if header:
+            public = "public" in header["modifiers"].split()
+            owner = header["name"].removeprefix(JAVA_ROOT).replace("$", ".") if public else None
+            if owner:
+                names.add(owner)
+            continue
+        member = JAVA_MEMBER.match(line)
+        if owner and member and not owner.endswith(("Builder", "OrBuilder")):
+            names.add(f"{owner}.{member['name'].rsplit('$', 1)[-1]}")
+    return names
+
+
+def java_names() -> list[str]:
+    """Every public name of the jar: the helper layer and the generated classes."""
+    jar = java_jar()
+    with zipfile.ZipFile(jar) as archive:
+        classes = [
+            name.removesuffix(".class").replace("/", ".")
+            for name in archive.namelist()
+            if name.endswith(".class")
+        ]
+    listed = subprocess.run(
+        ["javap", "-public", "-cp", str(jar), *sorted(classes)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if listed.returncode != 0:
+        raise RuntimeError(f"javap of {jar} failed:\n{listed.stderr}")
+    return sorted(java_names_of(listed.stdout))
+
+
+def java_version() -> str:
+    match = JAVA_VERSION.search((JAVA_PACKAGE / "pom.xml").read_text())
+    assert match, "gen/java/pom.xml has no project `<version>X.Y.Z</version>`"
+    return match.group(1)
+
+
 def current() -> dict[str, dict[str, object]]:
     return {
         "go": {"version": go_version(), "names": go_names()},
         "ts": {"version": ts_version(), "names": ts_names()},
         "rust": {"version": rust_version(), "names": rust_names()},
+        "java": {"version": java_version(), "names": java_names()},
     }
 
 

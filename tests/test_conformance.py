@@ -1,4 +1,4 @@
-"""Cross-language conformance: Node.js, Go and Rust controllers drive a real participant.
+"""Cross-language conformance: Node.js, Go, Rust and Java controllers drive a real participant.
 
 Each test starts the counter example (`python -m rollout_checkpoint.examples.serve counter`)
 as its own process group, a start-closed replacement of it (`--start-closed`) and a
@@ -7,7 +7,7 @@ subprocess with the addresses and the token in its environment (CONFORMANCE_GRPC
 CONFORMANCE_HTTP_ADDRESS, CONFORMANCE_TOKEN, CONFORMANCE_COORDINATOR_ADDRESS,
 CONFORMANCE_REPLACEMENT_GRPC_ADDRESS, CONFORMANCE_REPLACEMENT_HTTP_ADDRESS). The controllers
 (tests/conformance/node/controller.js, tests/conformance/go/main.go,
-tests/conformance/rust/src/main.rs) check GetParticipant, a
+tests/conformance/rust/src/main.rs, tests/conformance/java/controller/) check GetParticipant, a
 seeded session, the Prepare stream, Commit (manifest and records on disk), Resume, refusals
 decoded to typed reasons (STALE_CHECKPOINT, CHECKPOINT_DEADLINE_EXCEEDED with its `deadline`
 metadata parsed, TOKEN_INVALID, PARTICIPANT_FAILED with `failedMembers`,
@@ -17,11 +17,13 @@ watched through health Watch (readiness NOT_SERVING, then SERVING once resumed),
 the restored session read over HTTP as attempt 1.
 
 They use only this repository's packages for the contract: the Go module gen/go (a `replace`
-directive), the npm package gen/ts (a `file:` dependency, built by `npm ci` there) and the
-crate gen/rust (a `path` dependency), with no codegen and no helpers of their own.
+directive), the npm package gen/ts (a `file:` dependency, built by `npm ci` there), the
+crate gen/rust (a `path` dependency) and the Maven package gen/java (a module of the
+controller's reactor build), with no codegen and no helpers of their own.
 scripts/test installs what they need (`npm ci`, `go mod download`, `cargo fetch` and a build
-into the cache, scripts/cargo). A test skips only when node, go or cargo is not installed at
-all; a missing install step fails.
+into the cache, scripts/cargo; a Maven build into the cache's repository, scripts/maven). A
+test skips only when node, go, cargo or java and mvn are not installed at all; a missing
+install step fails.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ CONFORMANCE = REPO / "tests" / "conformance"
 NODE_DIR = CONFORMANCE / "node"
 GO_DIR = CONFORMANCE / "go"
 RUST_DIR = CONFORMANCE / "rust"
+JAVA_DIR = CONFORMANCE / "java"
 SCRIPTS = REPO / "scripts"
 
 
@@ -186,3 +189,27 @@ def test_rust_controller(
     logs = server_logs(tmp_path)
     assert proc.returncode == 0, explain(proc, *logs)
     assert "rust controller: all" in proc.stdout, explain(proc, *logs)
+
+
+def test_java_controller(
+    counter: Counter, coordinator: str, replacement: dict[str, str], tmp_path: Path
+) -> None:
+    java = shutil.which("java")
+    if java is None or shutil.which("mvn") is None:
+        pytest.skip("java or mvn is not installed: the Java conformance controller needs JDK 17+")
+    # The package and the controller in one reactor, from what scripts/test fetched into the
+    # cache's repository (scripts/maven): offline, so a missing install step fails here instead
+    # of downloading, and a no-op (a few seconds) when scripts/test built them. Unit tests are
+    # scripts/test's and test_packages'.
+    maven = ["bash", SCRIPTS / "maven", "-q", "-o", "-f", JAVA_DIR / "pom.xml"]
+    built = run(*maven, "package", "-DskipTests")
+    assert built.returncode == 0, explain(built)
+    target = JAVA_DIR / "controller" / "target"
+    classpath = [target / "classes", (target / "classpath.txt").read_text().strip()]
+    env = dict(counter.env(), CONFORMANCE_COORDINATOR_ADDRESS=coordinator, **replacement)
+    main = "dev.rolloutcheckpoint.conformance.Controller"
+    proc = run(java, "-cp", os.pathsep.join(map(str, classpath)), main, cwd=tmp_path, env=env)
+    print(proc.stdout)  # the controller's progress, shown with -rP or -s
+    logs = server_logs(tmp_path)
+    assert proc.returncode == 0, explain(proc, *logs)
+    assert "java controller: all" in proc.stdout, explain(proc, *logs)

@@ -92,13 +92,13 @@ def test_wheel_alone_provides_the_packages(tmp_path: Path) -> None:
     assert not missing, f"not in the wheel: {sorted(missing)}"
     assert "rollout_checkpoint/py.typed" in names
     assert any(n.startswith("rollout_checkpoint/v1/") and n.endswith("_pb2.pyi") for n in names)
-    # gen/go and gen/ts sit beside the generated Python package: none of theirs is Python's
-    # (the dashboard's own scripts are the wheel's only JavaScript, and belong there).
+    # gen/go, gen/ts and gen/java sit beside the generated Python package: none of theirs is
+    # Python's (the dashboard's own scripts are the wheel's only JavaScript, and belong there).
     dashboard = "rollout_checkpoint/client/coordinator/dashboard/"
     foreign = [
         n
         for n in names
-        if n.endswith((".go", ".ts", "go.mod", "package.json"))
+        if n.endswith((".go", ".ts", "go.mod", "package.json", ".java", "pom.xml"))
         or (n.endswith(".js") and not n.startswith(dashboard))
     ]
     assert not foreign, foreign

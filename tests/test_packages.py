@@ -1,5 +1,5 @@
-"""The Go module gen/go, the npm package gen/ts and the crate gen/rust: versioned public names,
-and what they are.
+"""The Go module gen/go, the npm package gen/ts, the crate gen/rust and the Maven package
+gen/java: versioned public names, and what they are.
 
 The conformance controllers (tests/test_conformance.py) use the packages against real
 servers; these tests guard what a controller compiles against: the exported names change only
@@ -21,9 +21,16 @@ import pytest
 from . import public_api
 from .processes import run
 
-PACKAGES = ("go", "ts", "rust")
+PACKAGES = ("go", "ts", "rust", "java")
 GO_MODULE = public_api.REPO / "gen" / "go"
 CARGO = ("bash", public_api.REPO / "scripts" / "cargo")
+# Offline: what scripts/test fetched into the cache's repository (scripts/maven).
+MAVEN = (*public_api.MAVEN, "-q", "-o", "-f", public_api.JAVA_PACKAGE / "pom.xml")
+
+
+def require_java() -> None:
+    if shutil.which("java") is None or shutil.which("mvn") is None:
+        pytest.skip("java or mvn is not installed: gen/java needs JDK 11+ and Maven 3.8+")
 
 
 def releases() -> dict[str, list[dict[str, object]]]:
@@ -42,6 +49,7 @@ def now() -> dict[str, dict[str, object]]:
         pytest.fail("gen/ts/node_modules is missing: run scripts/test (`npm ci` in gen/ts)")
     if shutil.which("cargo") is None:
         pytest.skip("cargo is not installed: listing gen/rust's names needs Rust 1.85+")
+    require_java()
     return public_api.current()
 
 
@@ -137,6 +145,23 @@ def test_the_helper_layers_are_in_the_recorded_names() -> None:
         "format_deadline",
         "bearer_token",
     } <= recorded["rust"]
+    assert {
+        "RolloutCheckpoint.VERSION",
+        "RolloutCheckpoint.API_VERSION",
+        "RolloutCheckpoint.API_PACKAGE",
+        "RolloutCheckpoint.DOMAIN",
+        "RolloutCheckpoint.reasonOf",
+        "RolloutCheckpoint.Refusal.metadata",
+        "RolloutCheckpoint.reason",
+        "RolloutCheckpoint.parseReason",
+        "RolloutCheckpoint.wireValue",
+        "RolloutCheckpoint.parseDeadline",
+        "RolloutCheckpoint.formatDeadline",
+        "RolloutCheckpoint.bearerToken",
+        "v1.ErrorReason.ERROR_REASON_STALE_CHECKPOINT",
+        "v1.HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS",
+        "v1.MetadataKey.METADATA_KEY_DEADLINE",
+    } <= recorded["java"]
 
 
 def test_the_go_helpers_pass_their_unit_tests() -> None:
@@ -161,6 +186,12 @@ def test_the_rust_helpers_pass_their_unit_tests() -> None:
     # In the conformance controller's workspace: the dependencies scripts/test built there.
     workspace = public_api.RUST_WORKSPACE
     tested = run(*CARGO, "test", "--locked", "--offline", "-p", "rollout-checkpoint", cwd=workspace)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_the_java_helpers_pass_their_unit_tests() -> None:
+    require_java()
+    tested = run(*MAVEN, "test")
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
@@ -225,3 +256,18 @@ def test_the_rust_readme_example_compiles(tmp_path: Path) -> None:
     (tmp_path / "src" / "main.rs").write_text(readme_example("rust", "rust"))
     built = run(*CARGO, "build", "--locked", "--offline", "-q", cwd=tmp_path)
     assert built.returncode == 0, built.stderr
+
+
+def test_the_java_readme_example_compiles(
+    tmp_path: Path, now: dict[str, dict[str, object]]
+) -> None:
+    # Against the jar that listing the names built (`now`) and its runtime dependencies (what a
+    # user's build gets from the one <dependency>), at the package's Java release.
+    jar = public_api.JAVA_JAR_DIR / f"rollout-checkpoint-{now['java']['version']}.jar"
+    source = tmp_path / "PrepareExample.java"
+    source.write_text(readme_example("java", "java"))
+    compiled = run(
+        "javac", "--release", "11", "-Werror", "-d", tmp_path / "classes",
+        "-cp", f"{jar}:{public_api.JAVA_CLASSPATH.read_text().strip()}", source,
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
