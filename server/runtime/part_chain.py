@@ -52,7 +52,7 @@ from rollout_checkpoint.server.core.part_storage import (
     WriteFence,
 )
 from rollout_checkpoint.server.runtime.participant import ChangeSet, ExportRecord, UnchangedRecord
-from rollout_checkpoint.server.runtime.records_codec import encode_json, encode_record
+from rollout_checkpoint.server.runtime.records_codec import encode_record
 
 DEFAULT_FULL_EVERY = 8
 DEFAULT_MAX_STALE_SHARE = 0.5
@@ -353,7 +353,7 @@ class PartPlan:
                     location.length,
                     location.sha256,
                 )
-                line = reference_line(encode_json(item.episode_id.to_json()), pointer)
+                line = reference_line(pointer)
             else:
                 line = next(own)
                 digest = hashlib.sha256(line).hexdigest()
