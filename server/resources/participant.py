@@ -23,6 +23,7 @@ from rollout_checkpoint.server.resources.session_table import (
     TrackedSession,
     export_order,
     identity_order,
+    session_identity,
 )
 from rollout_checkpoint.server.runtime.participant import (
     Blocker,
@@ -455,9 +456,9 @@ class ResourcesParticipant(SessionDataPlane, Participant):
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         """One record per session: an episode may hold several sessions (one per cookie jar
-        seeded under its prefix), and each is a record of its own."""
+        seeded under its prefix), and each is a record of its own (`session_identity`)."""
         session_id = record.get("session_id")
-        return (episode, session_id if isinstance(session_id, str) else None)
+        return session_identity(episode, session_id if isinstance(session_id, str) else None)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         self._table.forget(rollout_ids)

@@ -53,7 +53,8 @@ class TrackedSession:
         session each Commit, inside the pause; allocating the record and its identity anew
         for each was a third of that pause's work."""
         if self._unchanged is None:
-            self._unchanged = UnchangedRecord(self.episode, (self.episode, self.session_id))
+            identity = session_identity(self.episode, self.session_id)
+            self._unchanged = UnchangedRecord(self.episode, identity)
         return self._unchanged
 
 
@@ -352,7 +353,14 @@ def export_order(session: TrackedSession) -> tuple[str, int, str]:
     return (episode.rollout_id, episode.attempt, session.session_id)
 
 
-def identity_order(identity: Hashable) -> tuple[str, int, str]:
-    """`export_order` of a session's record identity (`TrackedSession.as_unchanged`)."""
-    episode, session_id = cast(tuple[EpisodeId, str], identity)
+def session_identity(episode: EpisodeId, session_id: str | None) -> tuple[str, int, str | None]:
+    """A session's record identity: its episode's fields and its id, in export order. Plain
+    strings and integers, which hash and compare in C: an `EpisodeId` in the tuple hashed
+    through its generated `__hash__`, a Python call for every record an incremental export
+    looks up in its base."""
     return (episode.rollout_id, episode.attempt, session_id)
+
+
+def identity_order(identity: Hashable) -> tuple[str, int, str]:
+    """`export_order` of a session's record identity (`session_identity`): itself."""
+    return cast(tuple[str, int, str], identity)

@@ -249,7 +249,7 @@ class PartPlan:
         when the part keeps its base's records: the base's keys, changed only by the
         episodes whose last record went or whose first one came."""
         kept = self.changes.kept
-        if kept is None:
+        if kept is None or not kept.count:
             return exported_keys(self.changes.items)
         assert self.base is not None
         locations, held = self.base.locations, self.base.episodes
