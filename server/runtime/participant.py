@@ -150,7 +150,9 @@ class ExportBase(Protocol):
         ...
 
     @property
-    def record_count(self) -> int: ...
+    def record_count(self) -> int:
+        """How many records the part holds."""
+        ...
 
     def holds(self, identity: Hashable) -> bool:
         """Whether the part holds a record of this identity."""
