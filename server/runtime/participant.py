@@ -167,7 +167,7 @@ class KeptRecords:
     export-order key of an identity, to merge them with the changed records.
 
     A participant that knows what changed since the base's cut says so in O(changed): naming
-    each unchanged record, as `UnchangedRecord`s do, costs the pause O(everything held)."""
+    each unchanged record (an `UnchangedRecord` each) costs the pause O(everything held)."""
 
     dropped: frozenset[Hashable]
     count: int
