@@ -7,8 +7,8 @@ One resources participant (`ResourcesParticipant`, `checkpoint_incremental`) hol
 of S bytes, with hooks on the fast path (states serialized once, in a thread: `EncodedJSON`),
 and its `ControlPlane` in this process on local disk. Each round touches a share of the
 sessions (as a request on each would), then takes two asynchronous checkpoints of that one cut
-side by side: incremental, then full (the same participant with its opt-in switched off for
-it, so both export the same state). Per round:
+side by side, incremental and full, each first in every other round (the same participant with
+its opt-in switched off for the full one, so both export the same state). Per round:
 
 * pause: Prepare (admission closed) to Resume returned (admission open);
 * bytes: the size of the records file the checkpoint wrote (an incremental part's own
@@ -159,7 +159,10 @@ async def measure(case: Case, root: Path, rounds: int, restores: int) -> None:
                 session_id = f"s{i:06d}"
                 server.sessions.states[session_id] = {"blob": blob, "n": number + 1}
                 server.participant.touch(session_id)
-            for kind in ("incremental", "full"):
+            # Each kind goes first in every other round: the machine's load drifts within a
+            # round too, and whichever ran first would otherwise take all of one drift.
+            kinds = ("incremental", "full") if number % 2 == 0 else ("full", "incremental")
+            for kind in kinds:
                 directory = root / f"{kind}-{number}"
                 pause, manifest = await checkpoint(server, directory, full=kind == "full")
                 case.add(f"{kind} pause", pause)
@@ -215,8 +218,9 @@ async def run(ctx: Any) -> BenchResult:
         "One resources participant that declares checkpoint_incremental, N sessions of S bytes "
         "(hooks on the fast path), its ControlPlane in this process, local disk. Each round "
         "touches a share of the sessions, then takes two asynchronous checkpoints of that cut "
-        "side by side, incremental then full. Pause: Prepare to Resume returned. Bytes: the "
-        "records file written; kept: it and every records file it references. Restore: a "
+        "side by side, incremental and full, each first in every other round. Pause: Prepare "
+        "to Resume returned. Bytes: the records file written; kept: it and every records file "
+        "it references. Restore: a "
         "fresh participant restoring the last incremental part (its chain's end) and the last "
         "full part, alternately.",
         params={"cases": params.incremental_cases, "rounds": rounds, "restores": restores},
