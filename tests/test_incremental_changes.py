@@ -30,6 +30,8 @@ from hypothesis import strategies as st
 from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.resources.change_log import SLACK, ChangeLog
+from rollout_checkpoint.server.resources.session_table import TrackedSession
 from rollout_checkpoint.server.runtime.participant import ChangeSet, ExportBase
 
 from .test_incremental import Fleet, IncrementalCounter, manifest_of, read_records
@@ -228,3 +230,21 @@ async def test_a_reference_line_of_the_other_version_is_refused(
         read_records(chained)
     assert refused.value.reason.value == "INVALID_CHECKPOINT_STATE"
     assert "a reference line holds exactly" in str(refused.value)
+
+
+def test_the_change_log_stays_bounded_and_never_answers_below_what_it_forgot() -> None:
+    """A server that never exports incrementally touches sessions forever: the log is cleared
+    once it outgrows the sessions held, and a cut it no longer reaches back to gets no answer
+    (the export then visits every session) rather than a partial one."""
+    log = ChangeLog()
+    episode = EpisodeId("r", 1)
+    for clock in range(1, 3 * SLACK):
+        log.note(TrackedSession(f"s{clock}", episode), clock, tracked=10)
+        assert len(log) <= 2 * 10 + SLACK
+    assert log.horizon > 0
+    assert log.since(log.horizon - 1) is None
+    last = 3 * SLACK - 1
+    assert [s.session_id for s in log.since(last - 2) or []] == [f"s{last}", f"s{last - 1}"]
+    log.forget_until(last - 1)
+    assert log.since(last - 2) is None
+    assert [s.session_id for s in log.since(last - 1) or []] == [f"s{last}"]
