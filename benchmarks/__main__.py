@@ -7,6 +7,7 @@
     python -m benchmarks --only nemo_gym         # NeMo Gym's IPI server (needs scripts/nemo-gym-env)
     python -m benchmarks --only object_store     # SeaweedFS (needs scripts/seaweedfs built)
     python -m benchmarks --only async_commit     # sync vs async commits (SeaweedFS if built)
+    python -m benchmarks --only incremental      # incremental vs full checkpoints
 
 Results go to `<output>/latest.json` and `<output>/latest.md` (default `benchmarks/results/`).
 Every figure is the median over its repeats with the min-max over the same repeats; every
@@ -36,6 +37,7 @@ from . import (
     control_rpc,
     dataplane,
     fleet_scale,
+    incremental,
     light_scale,
     nemo_gym,
     object_store,
@@ -58,6 +60,7 @@ BENCHMARKS: dict[str, Callable[[Any], Awaitable[BenchResult]]] = {
     "object_store": object_store.run,
     "workers": workers.run,
     "async_commit": async_commit.run,
+    "incremental": incremental.run,
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results"
 
@@ -120,6 +123,18 @@ class Params:
     async_commit_repeats: int = 5
     """Benchmark 11: (sessions, bytes per state); checkpoints of each mode (sync, async,
     alternating) per case and storage."""
+    incremental_cases: list[tuple[int, int, int]] = field(
+        default_factory=lambda: [
+            (10000, 5000, 1),
+            (10000, 5000, 10),
+            (10000, 5000, 100),
+            (1000, 50000, 10),
+        ]
+    )
+    incremental_rounds: int = 8
+    incremental_restores: int = 3
+    """Benchmark 12: (sessions, bytes per state, per cent touched per round); rounds of an
+    incremental and a full checkpoint side by side; restores of each chain end and full part."""
 
 
 SCALES: dict[str, Params] = {
@@ -184,6 +199,9 @@ SCALES: dict[str, Params] = {
         workers_repeats=2,
         async_commit_states=[(50, 2000)],
         async_commit_repeats=2,
+        incremental_cases=[(200, 2000, 1), (200, 2000, 10), (200, 2000, 100), (20, 20000, 10)],
+        incremental_rounds=2,
+        incremental_restores=1,
     ),
 }
 
@@ -275,6 +293,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
         "--async-commit-repeats", type=int, help="benchmark 11: checkpoints per mode and case"
     )
     parser.add_argument(
+        "--incremental-rounds", type=int, help="benchmark 12: checkpoint pairs per case"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the results of benchmarks not run now from <output>/latest.json",
@@ -312,6 +333,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             "workers_repeats",
             "async_commit_states",
             "async_commit_repeats",
+            "incremental_rounds",
         )
         if getattr(args, name) is not None
     }
@@ -326,6 +348,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Params]:
             params.object_store_repeats,
             params.workers_repeats,
             params.async_commit_repeats,
+            params.incremental_rounds,
+            params.incremental_restores,
         )
         < 1
     ):

@@ -1,19 +1,20 @@
-"""Incremental vs full checkpoints (issue 31): the pause, the bytes written, and the restore.
+"""12. Incremental vs full checkpoints (issue 31): the pause, the bytes written, the restore.
 
-    python -m benchmarks.incremental                 # 10,000 x 5 KB (1 %, 10 %, 100 %), 1,000 x 50 KB
-    python -m benchmarks.incremental --scale tiny    # 500 x 5 KB, 50 x 50 KB: a smoke run
-    python -m benchmarks.incremental --json out.json
+    python -m benchmarks --only incremental --merge     # 10,000 x 5 KB (1 %, 10 %, 100 %), 1,000 x 50 KB
+    python -m benchmarks --only incremental --scale tiny
 
 One resources participant (`ResourcesParticipant`, `checkpoint_incremental`) holding N sessions
 of S bytes, with hooks on the fast path (states serialized once, in a thread: `EncodedJSON`),
 and its `ControlPlane` in this process on local disk. Each round touches a share of the
 sessions (as a request on each would), then takes two asynchronous checkpoints of that one cut
-side by side: incremental, then full (the same participant with its opt-in switched off for
-it, so both export the same state). Per round:
+side by side, incremental and full, each first in every other round (the same participant with
+its opt-in switched off for the full one, so both export the same state). Per round:
 
 * pause: Prepare (admission closed) to Resume returned (admission open);
 * bytes: the size of the records file the checkpoint wrote (an incremental part's own
   records and its reference lines);
+* kept: the bytes retention keeps for the incremental part (its records file and every
+  records file it references, whole) over the full part's;
 * restore: a fresh participant and control plane restoring the last incremental part (the
   end of its chain) and the last full part, read, verified and installed.
 
@@ -22,13 +23,8 @@ Every ratio divides runs of one round; the goals are the issue's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -47,11 +43,9 @@ from rollout_checkpoint.server.runtime.control_plane import ControlPlane, Contro
 from rollout_checkpoint.server.runtime.part_writes import PartWriteState
 from rollout_checkpoint.server.runtime.records_codec import EncodedJSON, encode_json
 
+from .common import BenchResult, ratios
+
 DEADLINE_SECONDS = 600.0
-GOALS = {1: 0.05, 10: 0.15, 100: 1.05}
-"""Touched share (%) -> the goal for the async pause, incremental / full."""
-BYTES_GOAL_AT_10 = 0.12
-RESTORE_GOAL = 1.2
 
 
 class Sessions:
@@ -129,6 +123,13 @@ async def checkpoint(server: Server, directory: Path, *, full: bool) -> tuple[fl
     return pause, write.published.manifest
 
 
+def kept_bytes(manifest: Any) -> int:
+    """What a restore of the part reads from and retention must keep: its records file and
+    every records file it references, whole."""
+    referenced = manifest.chain.references if manifest.chain is not None else ()
+    return int(manifest.bytes) + sum(reference.bytes for reference in referenced)
+
+
 async def restore_seconds(directory: Path, count: int) -> float:
     fresh = await Server.start(ControlSettings())
     scope = frozenset(EpisodeId(f"r{i:06d}", 1) for i in range(count))
@@ -142,7 +143,7 @@ async def restore_seconds(directory: Path, count: int) -> float:
         await fresh.control.close()
 
 
-async def measure(case: Case, root: Path, rounds: int) -> None:
+async def measure(case: Case, root: Path, rounds: int, restores: int) -> None:
     server = await Server.start(ControlSettings())
     blob = "x" * max(case.size - 40, 1)
     for i in range(case.count):
@@ -158,75 +159,82 @@ async def measure(case: Case, root: Path, rounds: int) -> None:
                 session_id = f"s{i:06d}"
                 server.sessions.states[session_id] = {"blob": blob, "n": number + 1}
                 server.participant.touch(session_id)
-            for kind in ("incremental", "full"):
+            # Each kind goes first in every other round: the machine's load drifts within a
+            # round too, and whichever ran first would otherwise take all of one drift.
+            kinds = ("incremental", "full") if number % 2 == 0 else ("full", "incremental")
+            for kind in kinds:
                 directory = root / f"{kind}-{number}"
                 pause, manifest = await checkpoint(server, directory, full=kind == "full")
                 case.add(f"{kind} pause", pause)
                 case.add(f"{kind} bytes", manifest.bytes)
+                case.add(f"{kind} kept", kept_bytes(manifest))
                 last[kind] = directory
                 if kind == "incremental":
                     case.chains.append(manifest.chain_length)
-        for _ in range(3):
+        for _ in range(restores):
             for kind in ("incremental", "full"):
                 case.add(f"{kind} restore", await restore_seconds(last[kind], case.count))
     finally:
         await server.control.close()
 
 
-def ratio(case: Case, name: str) -> float:
-    pairs = zip(case.runs[f"incremental {name}"], case.runs[f"full {name}"], strict=True)
-    return statistics.median(a / b for a, b in pairs)
-
-
-def report(cases: list[Case]) -> dict[str, Any]:
-    rows = []
-    for case in cases:
-        pause, size, restore = ratio(case, "pause"), ratio(case, "bytes"), ratio(case, "restore")
-        rows.append(
-            {
-                "case": case.label,
-                "incremental pause ms": round(
-                    statistics.median(case.runs["incremental pause"]) * 1e3, 1
-                ),
-                "full pause ms": round(statistics.median(case.runs["full pause"]) * 1e3, 1),
-                "pause ratio": round(pause, 3),
-                "pause goal": GOALS.get(case.touched),
-                "bytes ratio": round(size, 4),
-                "bytes goal": BYTES_GOAL_AT_10 if case.touched == 10 else None,
-                "restore ratio (chain end / full)": round(restore, 3),
-                "restore goal": RESTORE_GOAL,
-                "chain lengths": case.chains,
-            }
+def report(result: BenchResult, case: Case) -> None:
+    """The case's figures and its ratios, incremental / full of the same rounds."""
+    label, runs = case.label, case.runs
+    for kind in ("incremental", "full"):
+        result.figure(
+            f"{label}: {kind} pause",
+            "Prepare -> Resume",
+            "ms",
+            (v * 1e3 for v in runs[f"{kind} pause"]),
         )
-    return {"rows": rows}
+        result.figure(f"{label}: {kind} bytes", "records file", "bytes", runs[f"{kind} bytes"])
+        result.figure(f"{label}: {kind} kept", "records files kept", "bytes", runs[f"{kind} kept"])
+        result.figure(
+            f"{label}: {kind} restore", "Restore", "ms", (v * 1e3 for v in runs[f"{kind} restore"])
+        )
+    for name, what in (
+        ("pause", "async pause"),
+        ("bytes", "bytes written"),
+        ("kept", "bytes kept by retention"),
+        ("restore", "restore (chain end / full part)"),
+    ):
+        result.ratio(
+            f"{label}: {what}, incremental / full",
+            f"incremental {name}",
+            f"full {name}",
+            ratios(runs[f"incremental {name}"], runs[f"full {name}"]),
+        )
+    result.params.setdefault("chain lengths", {})[label] = case.chains
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scale", choices=("full", "tiny"), default="full")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    large, small = (10_000, 1_000) if args.scale == "full" else (500, 50)
-    cases = [Case(large, 5_000, touched) for touched in (1, 10, 100)]
-    cases.append(Case(small, 50_000, 10))
-    work = Path(tempfile.mkdtemp(prefix="incremental-bench-"))
+async def run(ctx: Any) -> BenchResult:
+    params = ctx.params
+    rounds: int = params.incremental_rounds
+    restores: int = params.incremental_restores
+    result = BenchResult(
+        "incremental",
+        "12. Incremental checkpoints: the pause, the bytes and the restore vs full parts",
+        "One resources participant that declares checkpoint_incremental, N sessions of S bytes "
+        "(hooks on the fast path), its ControlPlane in this process, local disk. Each round "
+        "touches a share of the sessions, then takes two asynchronous checkpoints of that cut "
+        "side by side, incremental and full, each first in every other round. Pause: Prepare "
+        "to Resume returned. Bytes: the records file written; kept: it and every records file "
+        "it references. Restore: a "
+        "fresh participant restoring the last incremental part (its chain's end) and the last "
+        "full part, alternately.",
+        params={"cases": params.incremental_cases, "rounds": rounds, "restores": restores},
+    )
+    work = Path(tempfile.mkdtemp(prefix="incremental-", dir=ctx.workdir))
     try:
-        for number, case in enumerate(cases):
-            print(f"incremental: {case.label}", file=sys.stderr, flush=True)
+        for number, (count, size, touched) in enumerate(params.incremental_cases):
+            case = Case(count, size, touched)
+            ctx.say(f"incremental: {case.label}")
             root = work / f"case-{number}"
             root.mkdir()
-            asyncio.run(measure(case, root, args.rounds))
+            await measure(case, root, rounds, restores)
             shutil.rmtree(root, ignore_errors=True)
+            report(result, case)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = report(cases)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.write_text(text + "\n")
-    os.sync()
-
-
-if __name__ == "__main__":
-    main()
+    return result

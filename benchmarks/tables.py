@@ -181,6 +181,54 @@ def async_commit(r: Results) -> list[str]:
     return [*lines, "", *latency]
 
 
+INCREMENTAL_CASES = (
+    ("10,000 × 5 KB, 1 %", "10000 x 5 KB, 1 % touched", "≤ 0.05×", None),
+    ("10,000 × 5 KB, 10 %", "10000 x 5 KB, 10 % touched", "≤ 0.15×", "≤ 0.12×"),
+    ("10,000 × 5 KB, 100 %", "10000 x 5 KB, 100 % touched", "≤ 1.05×", None),
+    ("1,000 × 50 KB, 10 %", "1000 x 50 KB, 10 % touched", "≤ 0.15×", "≤ 0.12×"),
+)
+"""Benchmark 12's cases: shown, recorded label, and the issue's goals for the pause and the
+bytes written (incremental / full)."""
+
+
+def incremental(r: Results) -> list[str]:
+    """Benchmark 12: incremental / full of the same rounds, against issue 31's goals."""
+    lines = [
+        row(
+            "case",
+            "async pause (goal)",
+            "pause, incr. / full",
+            "bytes written (goal)",
+            "bytes kept by retention",
+            "restore, chain end / full (goal ≤ 1.2×)",
+            "chain lengths",
+        ),
+        row(*("---" for _ in range(7))),
+    ]
+    chains = r.benchmark("incremental")["params"]["chain lengths"]
+    for shown, key, pause_goal, bytes_goal in INCREMENTAL_CASES:
+
+        def ratio(what: str, key: str = key) -> str:
+            return x(r.ratio("incremental", f"{key}: {what}, incremental / full"))
+
+        pauses = " / ".join(
+            milliseconds(r.figure("incremental", f"{key}: {kind} pause", "Prepare -> Resume"))
+            for kind in ("incremental", "full")
+        )
+        lines.append(
+            row(
+                shown,
+                f"{ratio('async pause')} ({pause_goal})",
+                pauses,
+                f"{ratio('bytes written')}" + (f" ({bytes_goal})" if bytes_goal else ""),
+                ratio("bytes kept by retention"),
+                ratio("restore (chain end / full part)"),
+                ", ".join(str(length) for length in chains[key]),
+            )
+        )
+    return lines
+
+
 def latest(r: Results) -> list[str]:
     """Every benchmark's headline figures from the run."""
     f, q = r.figure, r.ratio
@@ -353,6 +401,20 @@ def latest(r: Results) -> list[str]:
             "; ".join(parts),
         )
     )
+    rows.append(
+        (
+            "12 incremental checkpoints",
+            "incremental / full, 10,000 × 5 KB touched 1 %, 10 %, 100 %; 1,000 × 50 KB, 10 %: "
+            "async pause; bytes written",
+            "; ".join(
+                ", ".join(
+                    x(q("incremental", f"{key}: {what}, incremental / full"))
+                    for _, key, _, _ in INCREMENTAL_CASES
+                )
+                for what in ("async pause", "bytes written")
+            ),
+        )
+    )
     return [
         _run_line(r.payload),
         "",
@@ -507,6 +569,7 @@ TABLES: dict[str, Callable[[Results], list[str]]] = {
     "goals": goals,
     "object_store": object_store,
     "async_commit": async_commit,
+    "incremental": incremental,
 }
 
 

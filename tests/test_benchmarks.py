@@ -33,6 +33,7 @@ BENCHMARKS = (
     "object_store",
     "workers",
     "async_commit",
+    "incremental",
 )
 
 

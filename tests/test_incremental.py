@@ -197,7 +197,7 @@ async def test_only_touched_sessions_are_exported_and_the_chain_is_bounded(
         await fleet.increment(3)
         second = await fleet.checkpoint()
         chain = manifest_of(second)
-        assert chain["schema_version"] == 2
+        assert chain["schema_version"] == 3
         assert (chain["own_records"], chain["referenced_records"], chain["chain_length"]) == (
             1,
             9,
@@ -206,7 +206,7 @@ async def test_only_touched_sessions_are_exported_and_the_chain_is_bounded(
         assert [ref["checkpoint"] for ref in chain["references"]] == ["c1"]
         reply = fleet.reply  # the Commit reply says the same
         assert (reply.own_records, reply.referenced_records, reply.chain_length) == (1, 9, 2)
-        assert reply.schema_version == 2
+        assert reply.schema_version == 3
         third = await fleet.checkpoint()  # nothing changed: everything referenced
         assert (manifest_of(third)["own_records"], manifest_of(third)["chain_length"]) == (0, 3)
         # References are flattened: the third part points at the lines holding the states.
@@ -265,7 +265,7 @@ async def test_the_first_part_after_a_restore_is_full(tmp_path: Path) -> None:
         await fleet.seed(4)
         await fleet.checkpoint()
         source = await fleet.checkpoint()
-        assert manifest_of(source)["schema_version"] == 2
+        assert manifest_of(source)["schema_version"] == 3
     async with running(IncrementalCounter) as b:
         scope = [_episode(i) for i in range(ROLLOUTS)]
         await b.client.restore("restore-1", b.deadline(), str(source), scope)
@@ -274,7 +274,7 @@ async def test_the_first_part_after_a_restore_is_full(tmp_path: Path) -> None:
         after.taken = 10
         first = await after.checkpoint()
         assert manifest_of(first)["schema_version"] == 1
-        assert manifest_of(await after.checkpoint())["schema_version"] == 2
+        assert manifest_of(await after.checkpoint())["schema_version"] == 3
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])

@@ -72,7 +72,7 @@ def write(
             len(r.data),
             hashlib.sha256(r.data).hexdigest(),
         )
-        data.append(reference_line(r.episode, pointer))
+        data.append(reference_line(pointer))
     chain = (
         PartChain(
             own,

@@ -33,10 +33,17 @@ class StorageCall(Generic[T]):
     def __init__(self, function: Callable[[], T], name: str) -> None:
         self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self.abandoned = threading.Event()
+        self._started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(function,), name=name, daemon=True)
         self.thread.start()
+        self._started.set()
 
     def _run(self, function: Callable[[], T]) -> None:
+        # `Thread.start` returns once the new thread runs; a thread that then went straight
+        # into CPU work (composing an incremental part) held the GIL for a whole switch
+        # interval (5 ms) before the starter, on the event loop, could go on: a pause paid
+        # that for every asynchronous commit. Waiting here hands the GIL back first.
+        self._started.wait()
         _current.abandoned = self.abandoned
         if not self.future.set_running_or_notify_cancel():
             return

@@ -1,10 +1,10 @@
-"""Reading the records a chained part (manifest version 2) references in earlier parts.
+"""Reading the records a chained part (manifest version 2 or 3) references in earlier parts.
 
-A reference line `{"episode_id": ..., "$ref": [index, offset, length, sha256]}` stands for
-the record at `offset` (`length` bytes, its newline excluded) of the records file
-`references[index]` of the manifest names: a published part of the same kind and instance
-in a sibling checkpoint directory of the same root. The rules each keep a restore from
-installing anything but what was exported:
+A reference line `{"$ref": [index, offset, length, sha256]}` (version 3; version 2 adds the
+record's `"episode_id"`) stands for the record at `offset` (`length` bytes, its newline
+excluded) of the records file `references[index]` of the manifest names: a published part of
+the same kind and instance in a sibling checkpoint directory of the same root. The rules
+each keep a restore from installing anything but what was exported:
 
 * The sibling is one plain name (`layout.is_reference_name`), walked below the root's
   descriptor with O_NOFOLLOW like every part directory: a manifest cannot send a reader to
@@ -15,9 +15,10 @@ installing anything but what was exported:
 * Each referenced line is read alone (a `pread`) and checked against the sha256 the reference
   carries before it is parsed: a restore from the end of a chain reads the records it
   needs, not every file of the chain whole, and still verifies every byte it installs.
-* The line must hold the same `episode_id` as the reference and be a record, not another
-  reference: chains are flattened when written, so a reference always points at the line
-  that holds the state.
+* The line must be a record, not another reference (chains are flattened when written, so
+  a reference always points at the line that holds the state), and in version 2 hold the
+  `episode_id` the reference names. A reference line holds exactly the fields of its
+  version: a version 3 line with an episode, or a version 2 line without, is refused.
 
 Any failure is DATA_LOSS naming the referenced file. Everything here blocks: callers run it
 in a thread.
@@ -34,6 +35,7 @@ from typing import Any
 from rollout_checkpoint.server.core import layout, safe_files
 from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
 from rollout_checkpoint.server.core.layout import (
+    CHAIN_SCHEMA_VERSION,
     REFERENCE_FIELD,
     SHA256,
     PartReference,
@@ -71,26 +73,25 @@ class RecordPointer:
         return cls(index, offset, length, digest)
 
 
-def reference_line(episode_json: bytes, pointer: RecordPointer) -> bytes:
-    """The line that stands for a record of an earlier part (`episode_json`: the record's
-    `episode_id` as encoded JSON)."""
-    index, offset, length, digest = pointer.to_json()
+def reference_line(pointer: RecordPointer) -> bytes:
+    """The version 3 line that stands for a record of an earlier part."""
     return (
-        b'{"episode_id":'
-        + episode_json
-        + b',"'
-        + REFERENCE_FIELD.encode()
-        + b'":['
-        + f'{index},{offset},{length},"{digest}"'.encode()
-        + b"]}"
-    )
+        f'{{"{REFERENCE_FIELD}":[{pointer.reference},{pointer.offset},{pointer.length},'
+        f'"{pointer.sha256}"]}}'
+    ).encode()
 
 
 def reader_for(root_fd: int, root_path: str, own: str, manifest: StoredManifest) -> ReferenceReader:
     """The reader of a chained part's references."""
     assert manifest.chain is not None
     return ReferenceReader(
-        root_fd, root_path, own, manifest.kind, manifest.instance, manifest.chain.references
+        root_fd,
+        root_path,
+        own,
+        manifest.kind,
+        manifest.instance,
+        manifest.chain.references,
+        names_episode=manifest.schema_version == CHAIN_SCHEMA_VERSION,
     )
 
 
@@ -107,8 +108,12 @@ class ReferenceReader:
         kind: str,
         instance: str,
         references: tuple[PartReference, ...],
+        *,
+        names_episode: bool = False,
     ) -> None:
         self._root_fd = root_fd
+        self._fields = {"episode_id", REFERENCE_FIELD} if names_episode else {REFERENCE_FIELD}
+        """The exact fields of a reference line: version 2 names the episode, 3 does not."""
         self._root_path = root_path.rstrip("/")
         self._own = own
         self._kind = kind
@@ -131,9 +136,10 @@ class ReferenceReader:
 
     def resolve(self, line: dict[str, Any]) -> dict[str, Any]:
         """The record a reference line stands for, read and verified."""
-        if set(line) != {"episode_id", REFERENCE_FIELD}:
+        if set(line) != self._fields:
             raise corrupt_checkpoint(
-                "a reference line holds exactly episode_id and $ref", self._root_path
+                f"a reference line holds exactly {' and '.join(sorted(self._fields))}",
+                self._root_path,
             )
         try:
             pointer = RecordPointer.from_json(line[REFERENCE_FIELD], len(self._references))
@@ -157,7 +163,7 @@ class ReferenceReader:
             raise corrupt_checkpoint("a referenced line is not valid JSON", shown) from exc
         if not isinstance(record, dict) or REFERENCE_FIELD in record:
             raise corrupt_checkpoint("a referenced line is not a record", shown)
-        if record.get("episode_id") != line["episode_id"]:
+        if "episode_id" in self._fields and record.get("episode_id") != line["episode_id"]:
             raise corrupt_checkpoint("a referenced record holds another episode", shown)
         self.resolved += 1
         self.resolved_bytes += len(data)

@@ -79,7 +79,7 @@ from rollout_checkpoint.server.core.errors import (
     rejected_checkpoint,
 )
 from rollout_checkpoint.server.core.layout import (
-    CHAIN_SCHEMA_VERSION,
+    COMPACT_CHAIN_SCHEMA_VERSION,
     MANIFEST_LIMIT,
     MANIFEST_NAME,
     REFERENCE_FIELD,
@@ -540,7 +540,7 @@ class _Header:
                 f"{count} were written"
             )
         return StoredManifest(
-            SCHEMA_VERSION if chain is None else CHAIN_SCHEMA_VERSION,
+            SCHEMA_VERSION if chain is None else COMPACT_CHAIN_SCHEMA_VERSION,
             self.kind,
             self.instance,
             self.checkpoint_id,

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Mapping
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.resources.change_log import ChangeLog
 from rollout_checkpoint.server.resources.session_table import SessionTable, TrackedSession
 from rollout_checkpoint.server.runtime.participant import (
     AWAITING_RESTORE,
@@ -41,7 +42,9 @@ class SessionDataPlane:
     context: ParticipantContext
 
     def __init__(self, *, restart_only: bool, ended_limit: int = 0) -> None:
-        self._table = SessionTable(restart_only=restart_only, ended_limit=ended_limit)
+        self._table = SessionTable(
+            restart_only=restart_only, ended_limit=ended_limit, touched=self._touch
+        )
         self._seeding: dict[EpisodeId, int] = {}
         self._binding: dict[str, tuple[EpisodeId, int]] = {}
         """Untracked sessions with a seed running under a prefix: the episode the seed will
@@ -60,7 +63,11 @@ class SessionDataPlane:
         self._change_lock = threading.Lock()
         """`checkpoint_session_changed` may be called from a thread of the server's own (a
         sandbox, a worker pool): an increment torn by a thread switch could stamp a change
-        below a cut already taken, and the session would count as unchanged after it."""
+        below a cut already taken, and the session would count as unchanged after it. It
+        guards the change log too (`change_log`)."""
+        self._change_log = ChangeLog()
+        """The sessions touched, by last touch: an incremental export reads what changed
+        since its base's cut from it (`ResourcesParticipant.export_changes`)."""
         self._changed: asyncio.Event | None = None
 
     @property
@@ -102,6 +109,7 @@ class SessionDataPlane:
             self._change_clock += 1
             if session is not None:
                 session.last_change = self._change_clock
+                self._change_log.note(session, self._change_clock, len(self._table.sessions))
 
     # -- data plane: called by the middleware, all synchronous except the waits ---------
 
@@ -279,7 +287,7 @@ class SessionDataPlane:
             return
         self._touch(session)
         if deferred:
-            session.end_deferred = True
+            self._table.defer_end(session)
             return
         self._table.end(session.session_id)
         self._notify()

@@ -19,15 +19,22 @@ from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import rejected_checkpoint
 from rollout_checkpoint.server.resources.data_plane import SessionDataPlane
 from rollout_checkpoint.server.resources.ended_sessions import ENDED_SESSIONS_KEPT
-from rollout_checkpoint.server.resources.session_table import TrackedSession
+from rollout_checkpoint.server.resources.session_table import (
+    TrackedSession,
+    export_order,
+    identity_order,
+    session_identity,
+)
 from rollout_checkpoint.server.runtime.participant import (
     Blocker,
     BlockerReason,
+    ChangeSet,
     EpisodeInfo,
+    ExportBase,
     ExportRecord,
+    KeptRecords,
     Kind,
     Participant,
-    PublishedAt,
     ReadinessReport,
     RestoredRecord,
     UnchangedRecord,
@@ -240,29 +247,45 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         )
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
-        records = await self.export_changes(scope, _nothing_published)
-        return [r for r in records if isinstance(r, ExportRecord)]
+        changes = await self.export_changes(scope, None)
+        return [r for r in changes.items if isinstance(r, ExportRecord)]
 
     def change_clock(self) -> int:
         return self._change_clock
 
     async def export_changes(
-        self, scope: frozenset[EpisodeId] | None, published_at: PublishedAt
-    ) -> Sequence[ExportRecord | UnchangedRecord]:
+        self, scope: frozenset[EpisodeId] | None, base: ExportBase | None
+    ) -> ChangeSet:
         """Every covered session, its state asked of the server only when it may have changed
-        since the published part that holds it (`published_at`): nothing touched it after
-        that part's cut. Ended sessions are always asked (a close after the verify that ended
-        one may free its state without the session being live to be touched)."""
+        since the `base` part's cut: something touched it after that cut, or the base does
+        not hold it. Ended sessions are always asked (a close after the verify that ended
+        one may free its state without the session being live to be touched).
+
+        An unscoped export after an unscoped base reads what changed from the change log
+        (`_kept_since`): the pause then costs O(changed), and the base's other records are
+        kept without being named. Otherwise every covered session is visited."""
         if self.mode is not CheckpointMode.EXPORTED:
-            return []
+            return ChangeSet(())
+        if scope is None and base is not None and base.complete:
+            fast = self._kept_since(base)
+            if fast is not None:
+                changed, kept = fast
+                return ChangeSet(await self._exported(changed, {}), kept)
         candidates = self._table.exportable(scope, self.context.retired)
         if not candidates:
-            return []
-        unchanged = self._unchanged(candidates, published_at)
-        changed = [s.session_id for s in candidates if s.session_id not in unchanged]
+            return ChangeSet(())
+        unchanged = self._unchanged(candidates, base)
+        return ChangeSet(await self._exported(candidates, unchanged))
+
+    async def _exported(
+        self, sessions: Sequence[TrackedSession], unchanged: Mapping[str, UnchangedRecord]
+    ) -> list[ExportRecord | UnchangedRecord]:
+        """The records of `sessions` (export order): the `unchanged` ones as they are, the
+        others' states asked of the server in one call."""
+        changed = [s.session_id for s in sessions if s.session_id not in unchanged]
         states = await self._hooks.export_session_states(changed) if changed else {}
         records: list[ExportRecord | UnchangedRecord] = []
-        for session in candidates:
+        for session in sessions:
             session_id = session.session_id
             if session_id in unchanged:
                 records.append(unchanged[session_id])
@@ -278,11 +301,46 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         self._notify()
         return records
 
+    def _kept_since(self, base: ExportBase) -> tuple[list[TrackedSession], KeptRecords] | None:
+        """The sessions to export again and what the base keeps, from the change log: the
+        sessions touched since the base's cut are the only ones that may differ from it
+        (the base is complete: it holds every session exportable at its cut). None when the
+        log cannot tell (it no longer reaches back to the base's cut) or its answer does not
+        add up to the sessions held: the export then visits every session."""
+        with self._change_lock:
+            touched = self._change_log.since(base.cut)
+            self._change_log.forget_until(base.cut)
+        if touched is None:
+            return None
+        sessions = self._table.sessions
+        excluded = self._table.unexportable(self.context.retired)
+        changed: list[TrackedSession] = []
+        dropped: set[Hashable] = set()
+        for session in touched:
+            identity = session.as_unchanged().identity
+            if sessions.get(session.session_id) is session and session not in excluded:
+                changed.append(session)
+            if base.holds(identity):
+                dropped.add(identity)
+        for session in excluded:
+            identity = session.as_unchanged().identity
+            if base.holds(identity):
+                dropped.add(identity)
+        kept = base.record_count - len(dropped)
+        if kept + len(changed) != len(sessions) - len(excluded):
+            return None
+        changed.sort(key=export_order)
+        return changed, KeptRecords(frozenset(dropped), kept, identity_order)
+
     def _unchanged(
-        self, candidates: Sequence[TrackedSession], published_at: PublishedAt
+        self, candidates: Sequence[TrackedSession], base: ExportBase | None
     ) -> dict[str, UnchangedRecord]:
-        """The live sessions nothing touched since the published part that holds them, by
-        session id. An ended session is never one (see `export_changes`)."""
+        """The live sessions nothing touched since the base part's cut and the base holds,
+        by session id. An ended session is never one (see `export_changes`)."""
+        if base is None:
+            return {}
+        with self._change_lock:
+            self._change_log.forget_until(base.cut)
         live = self._table.sessions
         unchanged: dict[str, UnchangedRecord] = {}
         for session in candidates:
@@ -290,8 +348,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
             if live.get(session_id) is not session:
                 continue
             record = session.as_unchanged()
-            cut = published_at(record.identity)
-            if cut is not None and session.last_change <= cut:
+            if session.last_change <= base.cut and base.holds(record.identity):
                 unchanged[session_id] = record
         return unchanged
 
@@ -399,9 +456,9 @@ class ResourcesParticipant(SessionDataPlane, Participant):
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         """One record per session: an episode may hold several sessions (one per cookie jar
-        seeded under its prefix), and each is a record of its own."""
+        seeded under its prefix), and each is a record of its own (`session_identity`)."""
         session_id = record.get("session_id")
-        return (episode, session_id if isinstance(session_id, str) else None)
+        return session_identity(episode, session_id if isinstance(session_id, str) else None)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         self._table.forget(rollout_ids)
@@ -448,7 +505,3 @@ class ResourcesParticipant(SessionDataPlane, Participant):
 
     def counters(self) -> Mapping[str, int]:
         return {"retired_sessions": len(self._table.retired_sessions)}
-
-
-def _nothing_published(identity: Hashable) -> int | None:
-    return None

@@ -14,8 +14,9 @@ notifies no one: `ResourcesParticipant` decides when a session starts, ends or i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources.ended_sessions import EndedSessions
@@ -52,7 +53,8 @@ class TrackedSession:
         session each Commit, inside the pause; allocating the record and its identity anew
         for each was a third of that pause's work."""
         if self._unchanged is None:
-            self._unchanged = UnchangedRecord(self.episode, (self.episode, self.session_id))
+            identity = session_identity(self.episode, self.session_id)
+            self._unchanged = UnchangedRecord(self.episode, identity)
         return self._unchanged
 
 
@@ -64,8 +66,19 @@ class SessionTable:
     except those first seeded while admission was closed, until admission reopens.
     `ended_limit`: how many ended sessions stay exportable (`ended`; 0, the default: none)."""
 
-    def __init__(self, *, restart_only: bool, ended_limit: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        restart_only: bool,
+        ended_limit: int = 0,
+        touched: Callable[[TrackedSession], None] | None = None,
+    ) -> None:
         self.restart_only = restart_only
+        self._touched = touched
+        """Told of each session that stops being tracked, or becomes exportable at a reopen
+        (`SessionDataPlane._touch`): neither is a request, yet an incremental export must
+        learn of both (a part must not reference a session gone, nor leave out one that
+        its base did not hold)."""
         self.ended = EndedSessions(ended_limit)
         """Sessions that ended, exported only by a scope naming their episode."""
         self.sessions: dict[str, TrackedSession] = {}
@@ -80,6 +93,9 @@ class SessionTable:
         reports twice, and GetStatus and the metrics gauges report too."""
         self._installed: set[str] = set()
         """Sessions that `install` tracked: what `discard_installed` may free."""
+        self._at_reopen: set[TrackedSession] = set()
+        """Sessions a reopen changes (seeded while closed, or ended deferred), so a reopen
+        costs O(them), not O(sessions): it is part of every checkpoint's pause."""
 
     def get(self, session_id: str | None) -> TrackedSession | None:
         """The tracked session of this id (None for no id, or one not tracked)."""
@@ -113,6 +129,8 @@ class SessionTable:
             session_id, episode, restored_pending=restored, seeded_while_closed=seeded_while_closed
         )
         self.sessions[session_id] = session
+        if seeded_while_closed:
+            self._at_reopen.add(session)
         self._by_rollout.setdefault(episode.rollout_id, set()).add(session_id)
         if restored:
             self._installed.add(session_id)
@@ -135,6 +153,9 @@ class SessionTable:
         self._retiring.discard(session_id)
         self._restart_blockers.discard(session_id)
         self._installed.discard(session_id)
+        self._at_reopen.discard(session)
+        if self._touched is not None:
+            self._touched(session)
 
     def end(self, session_id: str) -> None:
         """A successful verify or close ended this session: it is no longer live, and is kept
@@ -144,6 +165,11 @@ class SessionTable:
             return
         self.untrack(session_id)
         self.ended.keep(session)
+
+    def defer_end(self, session: TrackedSession) -> None:
+        """End `session` only when admission reopens (a replay verify during a checkpoint)."""
+        session.end_deferred = True
+        self._at_reopen.add(session)
 
     def request_started(self, session: TrackedSession) -> None:
         session.inflight += 1
@@ -158,12 +184,17 @@ class SessionTable:
     def reopened(self) -> None:
         """Admission reopened: deferred ends happen now, and sessions first seeded while it was
         closed become ordinary (under `restart_only`, blockers unless being retired)."""
-        for session in list(self.sessions.values()):
+        changing, self._at_reopen = self._at_reopen, set()
+        for session in changing:
+            if self.sessions.get(session.session_id) is not session:
+                continue
             if session.end_deferred:
                 self.end(session.session_id)
                 continue
             if session.seeded_while_closed:
                 session.seeded_while_closed = False
+                if self._touched is not None:
+                    self._touched(session)
                 if self.restart_only and session.session_id not in self._retiring:
                     self._restart_blockers.add(session.session_id)
 
@@ -274,7 +305,21 @@ class SessionTable:
             and (scope is None or s.episode in scope)
         ]
         ended = self.ended.in_scope(scope, retired) if scope is not None else ()
-        return sorted([*live, *ended], key=_export_order)
+        return sorted([*live, *ended], key=export_order)
+
+    def unexportable(self, retired: RetiredAttempts) -> set[TrackedSession]:
+        """The live sessions an unscoped Commit leaves out (see `exportable`), found in
+        O(them): being retired, first seeded during this checkpoint, of a retired attempt."""
+        sessions = self.sessions
+        left_out = {sessions[s] for s in self._retiring if s in sessions}
+        left_out.update(s for s in self._at_reopen if s.seeded_while_closed)
+        marks = retired.snapshot()
+        for rollout_id in marks.keys() & self._by_rollout.keys():
+            for session_id in self._by_rollout[rollout_id]:
+                session = sessions[session_id]
+                if session.episode.attempt <= marks[rollout_id]:
+                    left_out.add(session)
+        return left_out
 
     def restored_pending(self) -> frozenset[EpisodeId]:
         """Episodes with a restored session no request used yet (and not being retired)."""
@@ -299,10 +344,23 @@ class SessionTable:
         ]
 
 
-def _export_order(session: TrackedSession) -> tuple[str, int, str]:
+def export_order(session: TrackedSession) -> tuple[str, int, str]:
     """(episode, session id), spelled out in the episode's own fields: tuples of strings and
     integers compare in C, where comparing `EpisodeId`s calls their generated `__lt__` and
     `__eq__`. Sorting 10,000 sessions took 2.4 ms instead of 11 in the table's order, 13
     instead of 77 shuffled: the pause of an incremental commit pays it whatever changed."""
     episode = session.episode
     return (episode.rollout_id, episode.attempt, session.session_id)
+
+
+def session_identity(episode: EpisodeId, session_id: str | None) -> tuple[str, int, str | None]:
+    """A session's record identity: its episode's fields and its id, in export order. Plain
+    strings and integers, which hash and compare in C: an `EpisodeId` in the tuple hashed
+    through its generated `__hash__`, a Python call for every record an incremental export
+    looks up in its base."""
+    return (episode.rollout_id, episode.attempt, session_id)
+
+
+def identity_order(identity: Hashable) -> tuple[str, int, str]:
+    """`export_order` of a session's record identity (`session_identity`): itself."""
+    return cast(tuple[str, int, str], identity)

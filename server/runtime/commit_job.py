@@ -51,7 +51,12 @@ from rollout_checkpoint.server.core.part_storage import (
 )
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.collector import collection_paused
-from rollout_checkpoint.server.runtime.part_chain import Identity, PartChains, PartPlan
+from rollout_checkpoint.server.runtime.part_chain import (
+    Identity,
+    PartChains,
+    PartPlan,
+    exported_keys,
+)
 from rollout_checkpoint.server.runtime.part_writes import PartSnapshot, PartWrites
 from rollout_checkpoint.server.runtime.participant import (
     ExportRecord,
@@ -214,9 +219,12 @@ class CommitJob:
         return CommitResult(
             manifest=self.published.manifest,
             manifest_sha256=self.published.manifest_sha256,
-            exported=_exported_keys(records),
+            exported=self._exported(records),
             retired=self.retired,
         )
+
+    def _exported(self, records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[str, ...]:
+        return exported_keys(records) if self.plan is None else self.plan.exported_keys()
 
     async def _write(
         self, host: CommitHost, records: Sequence[ExportRecord | UnchangedRecord]
@@ -283,7 +291,7 @@ class CommitJob:
         return CommitResult(
             manifest=None,
             manifest_sha256="",
-            exported=_exported_keys(records),
+            exported=self._exported(records),
             retired=self.retired,
             snapshot_records=self.snapshot.record_count,
             snapshot_bytes=self.snapshot.size,
@@ -311,13 +319,9 @@ async def _export(
         chains = host.part_chains
         base = chains.base_for(checkpoint_dir)
         cut = participant.change_clock()
-        published_at = base.published_at if base is not None else _nothing_published
-        items = await call_hook("export", participant.export_changes(scope, published_at))
-    return items, chains.plan(checkpoint_dir, cut, items, base, _identity_of(participant))
-
-
-def _nothing_published(identity: Hashable) -> int | None:
-    return None
+        changes = await call_hook("export", participant.export_changes(scope, base))
+    plan = chains.plan(checkpoint_dir, cut, changes, base, _identity_of(participant), scope is None)
+    return changes.items, plan
 
 
 def _identity_of(participant: Participant) -> Identity:
@@ -343,13 +347,6 @@ async def _snapshot(
         return PartSnapshot(
             own, plan=plan, settled=functools.partial(host.part_chains.settled, plan)
         )
-
-
-def _exported_keys(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[str, ...]:
-    """The sorted capture keys of the records' episodes, each once. Deduplicated in the
-    records' order (the export's, by episode), so the sort gets a nearly sorted list: from a
-    set's hash order, sorting 10,000 keys cost the pause about three times as much."""
-    return tuple(sorted(dict.fromkeys([r.episode_id.capture_key for r in records])))
 
 
 def _serialized(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[bytes, ...]:

@@ -30,10 +30,13 @@ keep a published checkpoint restorable, byte for byte as a full part would be:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason, invalid_request
 from rollout_checkpoint.server.core.layout import (
     REFERENCE_FIELD,
@@ -48,8 +51,8 @@ from rollout_checkpoint.server.core.part_storage import (
     PublishedPart,
     WriteFence,
 )
-from rollout_checkpoint.server.runtime.participant import ExportRecord, UnchangedRecord
-from rollout_checkpoint.server.runtime.records_codec import encode_json, encode_record
+from rollout_checkpoint.server.runtime.participant import ChangeSet, ExportRecord, UnchangedRecord
+from rollout_checkpoint.server.runtime.records_codec import encode_record
 
 DEFAULT_FULL_EVERY = 8
 DEFAULT_MAX_STALE_SHARE = 0.5
@@ -70,8 +73,9 @@ class ChainSettings:
 class RecordLocation:
     """Where a published record's line lies: the records file (`file`, one object shared by
     every line of that file, so grouping lines by file costs no hashing of its fields), and
-    the line's offset, length (newline excluded) and sha256."""
+    the line's offset, length (newline excluded) and sha256; and the record's episode."""
 
+    episode_id: EpisodeId
     file: PartReference
     offset: int
     length: int
@@ -82,8 +86,12 @@ class RecordLocation:
 class PublishedChain:
     """The last part this participant published, as the next part may reference it.
 
-    `stale_share`: of the bytes of the files its records lie in, the share that none of its
-    records is (superseded records, reference lines); computed once, when it is published."""
+    `locations` are in the part's order; `complete`: the part's export was unscoped (it holds
+    every record exportable at its cut). `stale_share`: of the bytes of the files its records
+    lie in, the share that none of its records is (superseded records, reference lines);
+    `episodes` (records per capture key) and `exported` (those keys, sorted): what a part
+    that keeps its records answers its Commit with. All computed once, when it is
+    published, in the writer's thread."""
 
     root: str
     checkpoint: str
@@ -92,9 +100,16 @@ class PublishedChain:
     locations: Mapping[Hashable, RecordLocation]
     generation: int
     stale_share: float
+    complete: bool
+    episodes: Mapping[str, int]
+    exported: tuple[str, ...]
 
-    def published_at(self, identity: Hashable) -> int | None:
-        return self.cut if identity in self.locations else None
+    @property
+    def record_count(self) -> int:
+        return len(self.locations)
+
+    def holds(self, identity: Hashable) -> bool:
+        return identity in self.locations
 
 
 def _stale_share(locations: Mapping[Hashable, RecordLocation]) -> float:
@@ -125,11 +140,12 @@ class PartChains:
         self,
         checkpoint_dir: str,
         cut: int,
-        items: Sequence[ExportRecord | UnchangedRecord],
+        changes: ChangeSet,
         base: PublishedChain | None,
         identity: Identity,
+        complete: bool,
     ) -> PartPlan:
-        return PartPlan(checkpoint_dir, cut, items, base, identity, self._generation)
+        return PartPlan(checkpoint_dir, cut, changes, base, identity, self._generation, complete)
 
     def base_for(self, checkpoint_dir: str) -> PublishedChain | None:
         """The part a commit into `checkpoint_dir` may reference, or None for a full part."""
@@ -178,20 +194,76 @@ class PartPlan:
 
     checkpoint_dir: str
     cut: int
-    items: Sequence[ExportRecord | UnchangedRecord]
+    changes: ChangeSet
     base: PublishedChain | None
     identity: Identity
     generation: int
+    complete: bool
+    """The export was unscoped: the part holds every record exportable at its cut."""
 
     def __post_init__(self) -> None:
-        self.references_base = self.base is not None and any(
-            isinstance(item, UnchangedRecord) for item in self.items
+        kept = self.changes.kept
+        assert kept is None or self.base is not None, "records kept without a base"
+        self.references_base = self.base is not None and (
+            kept.count > 0
+            if kept is not None
+            else any(isinstance(item, UnchangedRecord) for item in self.changes.items)
         )
         """Whether the part references its base (a chained part), known without locating."""
+        self.record_count = len(self.changes.items) + (kept.count if kept is not None else 0)
         self.published: PublishedChain | None = None
         """What the next part may reference, once `write` published this one."""
+        self._items: Sequence[ExportRecord | UnchangedRecord] | None = None
         self._encoded: tuple[bytes, ...] | None = None
         self._layout: _Layout | None = None
+
+    @property
+    def items(self) -> Sequence[ExportRecord | UnchangedRecord]:
+        """Every record of the part in export order: the base's kept records merged with
+        the changed ones. O(every record), so the write's work (its thread), never the
+        pause's."""
+        if self._items is None:
+            self._items = self._merged()
+        return self._items
+
+    def _merged(self) -> Sequence[ExportRecord | UnchangedRecord]:
+        kept = self.changes.kept
+        if kept is None:
+            return self.changes.items
+        assert self.base is not None
+        dropped = kept.dropped
+        unchanged = [
+            UnchangedRecord(location.episode_id, identity)
+            for identity, location in self.base.locations.items()
+            if identity not in dropped
+        ]
+        order, identity = kept.order, self.identity
+
+        def key(item: ExportRecord | UnchangedRecord) -> Any:
+            return order(item.identity if isinstance(item, UnchangedRecord) else identity(item))
+
+        return list(heapq.merge(unchanged, self.changes.items, key=key))
+
+    def exported_keys(self) -> tuple[str, ...]:
+        """The sorted capture keys of the part's episodes (the Commit's reply), in O(changed)
+        when the part keeps its base's records: the base's keys, changed only by the
+        episodes whose last record went or whose first one came."""
+        kept = self.changes.kept
+        if kept is None or not kept.count:
+            return exported_keys(self.changes.items)
+        assert self.base is not None
+        locations, held = self.base.locations, self.base.episodes
+        delta: dict[str, int] = {}
+        for identity in kept.dropped:
+            key = locations[identity].episode_id.capture_key
+            delta[key] = delta.get(key, 0) - 1
+        for record in self.changes.items:
+            key = record.episode_id.capture_key
+            delta[key] = delta.get(key, 0) + 1
+        flipped = [k for k, d in delta.items() if (held.get(k, 0) + d > 0) != (k in held)]
+        if not flipped:
+            return self.base.exported
+        return tuple(sorted(set(self.base.exported).symmetric_difference(flipped)))
 
     def moved_to(self, checkpoint_dir: str) -> PartPlan:
         """This plan for a commit retried into another directory (the first one failed: a
@@ -211,14 +283,22 @@ class PartPlan:
                     f"({self.base.root}/{self.base.checkpoint})",
                 )
         return PartPlan(
-            checkpoint_dir, self.cut, self.items, self.base, self.identity, self.generation
+            checkpoint_dir,
+            self.cut,
+            self.changes,
+            self.base,
+            self.identity,
+            self.generation,
+            self.complete,
         )
 
     def encode_own(self) -> tuple[bytes, ...]:
         """The own records' lines, kept for the write; blocks (run it in a thread)."""
         if self._encoded is None:
             self._encoded = tuple(
-                self._own_line(item) for item in self.items if isinstance(item, ExportRecord)
+                self._own_line(item)
+                for item in self.changes.items
+                if isinstance(item, ExportRecord)
             )
         return self._encoded
 
@@ -273,7 +353,7 @@ class PartPlan:
                     location.length,
                     location.sha256,
                 )
-                line = reference_line(encode_json(item.episode_id.to_json()), pointer)
+                line = reference_line(pointer)
             else:
                 line = next(own)
                 digest = hashlib.sha256(line).hexdigest()
@@ -296,13 +376,20 @@ class PartPlan:
         manifest = part.manifest
         own_file = PartReference(name, manifest.records_file, manifest.bytes)
         layout = self._located()
-        locations: dict[Hashable, RecordLocation] = {
-            item.identity: layout.located[id(item)]
-            for item in self.items
-            if isinstance(item, UnchangedRecord)
-        }
-        for identity, offset, length, digest in layout.own:
-            locations[identity] = RecordLocation(own_file, offset, length, digest)
+        located, own = layout.located, iter(layout.own)
+        locations: dict[Hashable, RecordLocation] = {}
+        for item in self.items:
+            if isinstance(item, UnchangedRecord):
+                locations[item.identity] = located[id(item)]
+            else:
+                identity, offset, length, digest = next(own)
+                locations[identity] = RecordLocation(
+                    item.episode_id, own_file, offset, length, digest
+                )
+        episodes: dict[str, int] = {}
+        for location in locations.values():
+            key = location.episode_id.capture_key
+            episodes[key] = episodes.get(key, 0) + 1
         return PublishedChain(
             root,
             name,
@@ -311,6 +398,9 @@ class PartPlan:
             locations,
             self.generation,
             _stale_share(locations),
+            self.complete,
+            episodes,
+            tuple(sorted(episodes)),
         )
 
 
@@ -341,3 +431,10 @@ class _Layout:
         files = {id(loc.file): loc.file for loc in located.values()}
         references = tuple(sorted(files.values(), key=lambda f: (f.checkpoint, f.records_file)))
         return cls(located, references, {id(f): i for i, f in enumerate(references)}, [])
+
+
+def exported_keys(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[str, ...]:
+    """The sorted capture keys of the records' episodes, each once. Deduplicated in the
+    records' order (the export's, by episode), so the sort gets a nearly sorted list: from a
+    set's hash order, sorting 10,000 keys cost the pause about three times as much."""
+    return tuple(sorted(dict.fromkeys([r.episode_id.capture_key for r in records])))

@@ -70,7 +70,7 @@ class PartSnapshot:
 
     @property
     def record_count(self) -> int:
-        return len(self.lines) if self.plan is None else len(self.plan.items)
+        return len(self.lines) if self.plan is None else self.plan.record_count
 
     @property
     def size(self) -> int:

@@ -136,9 +136,51 @@ class UnchangedRecord:
     identity: Hashable
 
 
-PublishedAt = Callable[[Hashable], int | None]
-"""For a record identity: the change clock (`Participant.change_clock`) at the cut of the
-published part that holds its record, None when no part this chain may reference holds it."""
+class ExportBase(Protocol):
+    """The published part an incremental export may reference (`part_chain.PublishedChain`)."""
+
+    @property
+    def cut(self) -> int:
+        """The change clock (`Participant.change_clock`) read at the part's cut."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Whether the part's export was unscoped: it holds every record exportable at its cut."""
+        ...
+
+    @property
+    def record_count(self) -> int:
+        """How many records the part holds."""
+        ...
+
+    def holds(self, identity: Hashable) -> bool:
+        """Whether the part holds a record of this identity."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class KeptRecords:
+    """What an incremental export keeps of its base without naming each record: every record
+    the base holds, except the `dropped` identities (changed since, or no longer exported),
+    is unchanged and part of this export too. `count` of them are kept; `order` is the
+    export-order key of an identity, to merge them with the changed records.
+
+    A participant that knows what changed since the base's cut says so in O(changed): naming
+    each unchanged record (an `UnchangedRecord` each) costs the pause O(everything held)."""
+
+    dropped: frozenset[Hashable]
+    count: int
+    order: Callable[[Hashable], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeSet:
+    """An incremental export (`Participant.export_changes`): `items` in export order (every
+    record, or with `kept` only the changed ones), and `kept` (None: `items` is everything)."""
+
+    items: Sequence[ExportRecord | UnchangedRecord]
+    kept: KeptRecords | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,12 +278,12 @@ class Participant(abc.ABC):
         return 0
 
     async def export_changes(
-        self, scope: frozenset[EpisodeId] | None, published_at: PublishedAt
-    ) -> Sequence[ExportRecord | UnchangedRecord]:
-        """`export`, but a record unchanged since the published part that holds it may come
-        back as an `UnchangedRecord` (`published_at` says which parts hold which records).
-        The default exports everything, which is always correct."""
-        return await self.export(scope)
+        self, scope: frozenset[EpisodeId] | None, base: ExportBase | None
+    ) -> ChangeSet:
+        """`export`, but a record unchanged since the `base` part's cut may come back as an
+        `UnchangedRecord`, or be left out with the rest of the base's unchanged records
+        (`ChangeSet.kept`). The default exports everything, which is always correct."""
+        return ChangeSet(await self.export(scope))
 
     def attach(self, context: ParticipantContext) -> None:
         """Called once by the control plane before anything else.

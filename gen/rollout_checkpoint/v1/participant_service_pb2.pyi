@@ -651,7 +651,10 @@ class CommitResponse(_message.Message):
     """
     snapshot_bytes: _builtins.int
     """The size in bytes of the snapshot's serialized records (asynchronous
-    commits; for a synchronous one `manifest.bytes`).
+    commits; for a synchronous one `manifest.bytes`). For an incremental part
+    it counts only the changed records the snapshot holds: the lines that
+    reference unchanged ones are composed by the background write, so the
+    durable part's `manifest.bytes` is larger.
     """
     @_builtins.property
     def manifest(self) -> _types_pb2.Manifest:

@@ -395,8 +395,10 @@ class Manifest(_message.Message):
     REFERENCED_RECORDS_FIELD_NUMBER: _builtins.int
     CHAIN_LENGTH_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
-    """The storage schema version: 1 for a full part, 2 for an incremental part
+    """The storage schema version: 1 for a full part, 3 for an incremental part
     (one that references records of earlier parts; see `referenced_records`).
+    2 is an incremental part whose reference lines also name their episode,
+    as the first release of incremental parts wrote them: still read.
     """
     kind: Global___ParticipantKind.ValueType
     """The participant kind that wrote the part."""
@@ -415,7 +417,7 @@ class Manifest(_message.Message):
     bytes: _builtins.int
     """The size of the records file in bytes."""
     own_records: _builtins.int
-    """Set only for an incremental part (`schema_version` 2): the records it
+    """Set only for an incremental part (`schema_version` 2 or 3): the records it
     wrote itself (the changed and new ones). Unset (0) for a full part, whose
     records are all its own (`record_count`), so a full part's reply is
     exactly what it was before incremental parts existed.

@@ -1030,7 +1030,10 @@ type CommitResponse struct {
 	// synchronous one `manifest.record_count`).
 	SnapshotRecords int64 `protobuf:"varint,7,opt,name=snapshot_records,json=snapshotRecords,proto3" json:"snapshot_records,omitempty"`
 	// The size in bytes of the snapshot's serialized records (asynchronous
-	// commits; for a synchronous one `manifest.bytes`).
+	// commits; for a synchronous one `manifest.bytes`). For an incremental part
+	// it counts only the changed records the snapshot holds: the lines that
+	// reference unchanged ones are composed by the background write, so the
+	// durable part's `manifest.bytes` is larger.
 	SnapshotBytes int64 `protobuf:"varint,8,opt,name=snapshot_bytes,json=snapshotBytes,proto3" json:"snapshot_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

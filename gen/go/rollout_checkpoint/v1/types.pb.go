@@ -529,8 +529,10 @@ func (x *ReadinessReport) GetCounts() map[string]int64 {
 // never changes.
 type Manifest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The storage schema version: 1 for a full part, 2 for an incremental part
+	// The storage schema version: 1 for a full part, 3 for an incremental part
 	// (one that references records of earlier parts; see `referenced_records`).
+	// 2 is an incremental part whose reference lines also name their episode,
+	// as the first release of incremental parts wrote them: still read.
 	SchemaVersion uint32 `protobuf:"varint,1,opt,name=schema_version,json=schemaVersion,proto3" json:"schema_version,omitempty"`
 	// The participant kind that wrote the part.
 	Kind ParticipantKind `protobuf:"varint,2,opt,name=kind,proto3,enum=rollout_checkpoint.v1.ParticipantKind" json:"kind,omitempty"`
@@ -547,7 +549,7 @@ type Manifest struct {
 	RecordCount uint64 `protobuf:"varint,7,opt,name=record_count,json=recordCount,proto3" json:"record_count,omitempty"`
 	// The size of the records file in bytes.
 	Bytes uint64 `protobuf:"varint,8,opt,name=bytes,proto3" json:"bytes,omitempty"`
-	// Set only for an incremental part (`schema_version` 2): the records it
+	// Set only for an incremental part (`schema_version` 2 or 3): the records it
 	// wrote itself (the changed and new ones). Unset (0) for a full part, whose
 	// records are all its own (`record_count`), so a full part's reply is
 	// exactly what it was before incremental parts existed.

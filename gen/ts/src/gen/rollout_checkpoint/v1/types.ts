@@ -381,8 +381,10 @@ export interface ReadinessReport_CountsEntry {
  */
 export interface Manifest {
   /**
-   * The storage schema version: 1 for a full part, 2 for an incremental part
+   * The storage schema version: 1 for a full part, 3 for an incremental part
    * (one that references records of earlier parts; see `referenced_records`).
+   * 2 is an incremental part whose reference lines also name their episode,
+   * as the first release of incremental parts wrote them: still read.
    */
   schemaVersion?:
     | number
@@ -419,7 +421,7 @@ export interface Manifest {
     | string
     | undefined;
   /**
-   * Set only for an incremental part (`schema_version` 2): the records it
+   * Set only for an incremental part (`schema_version` 2 or 3): the records it
    * wrote itself (the changed and new ones). Unset (0) for a full part, whose
    * records are all its own (`record_count`), so a full part's reply is
    * exactly what it was before incremental parts existed.
@@ -2222,117 +2224,117 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4],
-        "span": [156, 0, 188, 1],
+        "span": [156, 0, 190, 1],
         "leadingComments":
           " The manifest of one participant's part of a checkpoint, as stored in\n `<checkpoint_dir>/participants/<kind>/<instance>/manifest.json`.\n\n A part is complete if and only if its manifest exists; a published manifest\n never changes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 0],
-        "span": [159, 2, 28],
+        "span": [161, 2, 28],
         "leadingComments":
-          " The storage schema version: 1 for a full part, 2 for an incremental part\n (one that references records of earlier parts; see `referenced_records`).\n",
+          " The storage schema version: 1 for a full part, 3 for an incremental part\n (one that references records of earlier parts; see `referenced_records`).\n 2 is an incremental part whose reference lines also name their episode,\n as the first release of incremental parts wrote them: still read.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 1],
-        "span": [161, 2, 27],
+        "span": [163, 2, 27],
         "leadingComments": " The participant kind that wrote the part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 2],
-        "span": [163, 2, 22],
+        "span": [165, 2, 22],
         "leadingComments": " The instance name of the participant that wrote the part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 3],
-        "span": [165, 2, 27],
+        "span": [167, 2, 27],
         "leadingComments": " The checkpoint id the part belongs to.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 4],
-        "span": [168, 2, 26],
+        "span": [170, 2, 26],
         "leadingComments":
           " The records file's name, `records-<records_sha256>.jsonl`, relative to the\n manifest's directory.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 5],
-        "span": [170, 2, 28],
+        "span": [172, 2, 28],
         "leadingComments": " Lower-case hex SHA-256 of the whole records file.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 6],
-        "span": [172, 2, 26],
+        "span": [174, 2, 26],
         "leadingComments": " The number of records (lines) in the records file.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 7],
-        "span": [174, 2, 19],
+        "span": [176, 2, 19],
         "leadingComments": " The size of the records file in bytes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 8],
-        "span": [179, 2, 25],
+        "span": [181, 2, 25],
         "leadingComments":
-          " Set only for an incremental part (`schema_version` 2): the records it\n wrote itself (the changed and new ones). Unset (0) for a full part, whose\n records are all its own (`record_count`), so a full part's reply is\n exactly what it was before incremental parts existed.\n",
+          " Set only for an incremental part (`schema_version` 2 or 3): the records it\n wrote itself (the changed and new ones). Unset (0) for a full part, whose\n records are all its own (`record_count`), so a full part's reply is\n exactly what it was before incremental parts existed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 9],
-        "span": [183, 2, 33],
+        "span": [185, 2, 33],
         "leadingComments":
           " Set only for an incremental part: the records it references in earlier\n published parts of the same participant (unchanged since).\n `own_records` plus `referenced_records` is `record_count`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 10],
-        "span": [187, 2, 27],
+        "span": [189, 2, 27],
         "leadingComments":
           " Set only for an incremental part: how many parts a restore of it reads at\n most (2 for the first incremental part after a full one, one more for\n each next). Unset (0) for a full part, which is read alone.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5],
-        "span": [191, 0, 210, 1],
+        "span": [193, 0, 212, 1],
         "leadingComments": " A live episode held by a participant.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 0],
-        "span": [193, 2, 27],
+        "span": [195, 2, 27],
         "leadingComments": " The episode.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 1],
-        "span": [195, 2, 25],
+        "span": [197, 2, 25],
         "leadingComments": " Its capture key.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 2],
-        "span": [198, 2, 23],
+        "span": [200, 2, 23],
         "leadingComments":
           " True when the episode sits at a boundary (parked or waiting on a held\n call) and can be cut there.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 3],
-        "span": [201, 2, 28],
+        "span": [203, 2, 28],
         "leadingComments":
           " True when the episode was installed by a Restore and no request of its\n attempt has used it yet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 4],
-        "span": [209, 2, 44],
+        "span": [211, 2, 44],
         "leadingComments":
           " The lowest weight version among the episode's recorded (delivered) calls\n (see ParticipantService.SetWeightVersion). Set only by a policy model,\n and only when at least one recorded call has a known version (a ledger\n restored from a checkpoint written before versions were recorded has\n none). For a restored ledger not yet claimed, the versions it was\n checkpointed with: a controller reads it right after a Restore to decide\n whether a cut rollout is too stale to continue.\n",
         "trailingComments": "",
