@@ -551,6 +551,7 @@ HEADLINE_ROWS = (
     "3 data plane, concurrency 64",
     "6 light fleet",
     "11 asynchronous commits",
+    "12 incremental",
 )
 
 
