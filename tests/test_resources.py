@@ -224,6 +224,41 @@ async def test_close_during_a_checkpoint_waits_and_does_not_hold_prepare(tmp_pat
         assert (await r.client.get_status()).readiness.counts["sessions"] == 0
 
 
+async def test_a_seed_that_outlives_the_checkpoint_it_began_in_is_exported_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """A seed admitted while a checkpoint holds admission closed is not that checkpoint's (its
+    episode's boundary precedes it). If it ends only after the reopen, the window it began in
+    is over: the session is an ordinary live one, and the next checkpoint must export it. It
+    used to stay marked "seeded while closed" until the *next* reopen, so the next checkpoint
+    left a live, used session out: after a crash its state was lost."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    class SlowSeed(CounterServer):
+        async def seed_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+            entered.set()
+            await release.wait()
+            return await super().seed_session(session_id, body)
+
+    async with running(SlowSeed) as r:
+        assert (await prepared(r, "c1")).state == types_pb2.PARTICIPANT_STATE_PREPARED
+        episode = r.browser()
+        seed = asyncio.ensure_future(
+            episode.post("/ng-rollout/r9-a1/seed_session", json={"initial_count": 5})
+        )
+        await entered.wait()  # admitted while closed (a seed is replay-safe)
+        first = await r.client.commit("c1", r.deadline(), str(tmp_path / "c1"))
+        assert list(first.exported) == []
+        await r.client.resume("c1", r.deadline())
+        release.set()
+        assert (await seed).status_code == 200
+        step = await episode.post("/ng-rollout/r9-a1/increment_counter", json={"count": 1})
+        assert step.status_code == 200
+        assert (await prepared(r, "c2")).state == types_pb2.PARTICIPANT_STATE_PREPARED
+        second = await r.client.commit("c2", r.deadline(), str(tmp_path / "c2"))
+        assert list(second.exported) == ["r9-a1"]
+
+
 async def test_retire_waits_for_the_request_in_flight_and_refuses_new_ones() -> None:
     release = asyncio.Event()
 

@@ -255,19 +255,22 @@ class SessionDataPlane:
         session_id: str | None,
         *,
         succeeded: bool,
-        closed_at_start: bool,
     ) -> None:
         """`session_id_before`: the session the request came with (what `seed_started` saw);
-        `session_id`: the one the seed left in the cookie (a new session has none before)."""
+        `session_id`: the one the seed left in the cookie (a new session has none before).
+
+        A seed that ends while admission is closed is not the open checkpoint's (its
+        episode's boundary precedes it). One that began in a closed window but ends after the
+        reopen is an ordinary session: that window is over, and marking it would leave it out
+        of the *next* checkpoint too (the mark clears only at a reopen), a live session lost
+        to the crash after it."""
         if episode is not None:
             self._seeding[episode] -= 1
             if not self._seeding[episode]:
                 del self._seeding[episode]
             self._unbind(session_id_before)
         if succeeded and episode is not None and session_id is not None:
-            self._track(
-                session_id, episode, seeded_while_closed=closed_at_start or not self._admission_open
-            )
+            self._track(session_id, episode, seeded_while_closed=not self._admission_open)
         self.touch(session_id_before)
         self.touch(session_id)
         self._notify()

@@ -193,7 +193,6 @@ class ResourcesAdmissionMiddleware:
                     message = {**message, "headers": headers}
             await send(message)
 
-        closed_at_start = not participant.admission_open
         counted = not replay_safe
         in_flight = None
         if is_seed:
@@ -213,7 +212,6 @@ class ResourcesAdmissionMiddleware:
                     session_id,
                     session_after,
                     succeeded=succeeded,
-                    closed_at_start=closed_at_start,
                 )
             else:
                 if counted:
