@@ -69,6 +69,8 @@ class Fleet:
         self.taken = 0
         self.reply: Any = None
         """The manifest the last Commit (or AwaitPart) replied with."""
+        self.exported: list[str] = []
+        """The capture keys the last Commit replied it exported."""
 
     async def seed(self, count: int) -> None:
         for _ in range(count):
@@ -106,6 +108,7 @@ class Fleet:
                 checkpoint_id, self.r.deadline(), str(directory), asynchronous=asynchronous
             )
             self.reply = committed.manifest
+            self.exported = list(committed.exported)
             if asynchronous:
                 part = await self.r.client.await_part(checkpoint_id, self.r.deadline())
                 assert part.state == pb.PART_WRITE_STATE_DURABLE

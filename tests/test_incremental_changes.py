@@ -154,12 +154,14 @@ async def _logged_history(root: Path, history: list[list[Step]]) -> None:
             for step in changes:
                 await _apply(fleet, step, spare)
             incremental = await fleet.checkpoint()
+            keys = fleet.exported
             exported, base = spy.last()
             assert base is not None
             # From the log after a complete base; after a scoped one, by visiting every session.
             assert (exported.kept is not None) == base.complete, "the export visited all"
             full = await fleet.checkpoint(full=True)
             assert read_records(incremental)[1] == read_records(full)[1]
+            assert keys == fleet.exported, "the Commit reply's exported keys"
 
 
 async def test_the_pause_names_only_the_touched_sessions(tmp_path: Path) -> None:

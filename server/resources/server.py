@@ -252,10 +252,12 @@ class ResourcesServer:
     def checkpoint_session_changed(self, session_id: str) -> None:
         """Say that a session's state changed outside a request on it (a background task
         finished, a sandbox wrote a file): the next checkpoint of a `checkpoint_incremental`
-        server exports it again. Call it when the change begins (and again when it ends, if
-        it takes a while): a checkpoint cut between a change and this call still references
-        the session's earlier state, as if the change had come after that cut. Safe from any
-        thread. No-op when checkpointing is off or the session is not tracked; never raises."""
+        server exports it again. Call it when the change begins and again when it has ended: a
+        checkpoint cut between the first call and the change's end exports the state as it was
+        then, and only the second call makes the next checkpoint take the finished change (a
+        cut between a change and any call still references the earlier state, as if the change
+        had come after that cut). Safe from any thread. No-op when checkpointing is off or the
+        session is not tracked; never raises."""
         if self.participant is not None:
             self.participant.touch(session_id)
 

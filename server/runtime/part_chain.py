@@ -29,6 +29,7 @@ keep a published checkpoint restorable, byte for byte as a full part would be:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import os
@@ -263,7 +264,14 @@ class PartPlan:
         flipped = [k for k, d in delta.items() if (held.get(k, 0) + d > 0) != (k in held)]
         if not flipped:
             return self.base.exported
-        return tuple(sorted(set(self.base.exported).symmetric_difference(flipped)))
+        keys = list(self.base.exported)  # sorted; a few insertions and deletions in place
+        for key in flipped:  # (a set rebuilt and re-sorted cost ~5 ms of a 10,000-key pause)
+            at = bisect.bisect_left(keys, key)
+            if key in held:
+                del keys[at]
+            else:
+                keys.insert(at, key)
+        return tuple(keys)
 
     def moved_to(self, checkpoint_dir: str) -> PartPlan:
         """This plan for a commit retried into another directory (the first one failed: a
