@@ -127,8 +127,9 @@ class Acknowledgements:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(ACK_EVERY)  # gather a batch
-            while not await self.flush():
+            if not await self.flush():
                 await asyncio.sleep(self.backoff())
+                self._wake.set()  # what the failed round owed goes with the next one
 
     def backoff(self) -> float:
         """Seconds before the round after `failed_rounds` failed ones: doubling from half a
