@@ -135,7 +135,7 @@ class Acknowledgements:
         """Seconds before the round after `failed_rounds` failed ones: doubling from half a
         second, at most ten (a member restarting is back within seconds; one gone for long
         is not hammered)."""
-        return min(0.5 * 2**self.failed_rounds, 10.0)
+        return min(0.5 * 2.0**self.failed_rounds, 10.0)
 
     async def flush(self) -> bool:
         """Acknowledge every owed receipt now; False (the receipts still owed) on a failure."""
