@@ -7,14 +7,23 @@ product's own paths. The report must say every check held, name every member wit
 fill the matrix cells its trials reached, and give each trial the command that reruns it; that
 command (`--only N`) must rerun exactly that trial. A fleet certify cannot run is refused with
 one line and exit 2 before any process starts.
+
+The same run, SIGTERMed once its third trial is journaled (restore checks every two trials,
+so two trials are decided then and one only ran) and resumed with `--resume`, must write the
+report the uninterrupted run wrote, verdict for verdict, without running a decided trial
+again; a resume of another run (other flags, fleet or tasks), or a run that would overwrite
+an unfinished one, is refused in one line with exit 2, and nothing is overwritten.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,7 @@ from rollout_checkpoint.client.cli.console import ExitCode
 
 from .certify_fleet import example_fleet, load, tasks_file
 from .conftest import TOKEN
+from .processes import REPO
 from .test_fleet_launch import write_fleet
 
 CLI = [sys.executable, "-m", "rollout_checkpoint.client.cli.main"]
@@ -36,6 +46,12 @@ TRIALS = 5
 """`--seed 63 --trials 5` on the example fleet's five members draws one trial of each fault
 kind, at five different phases (`test_the_plan_covers_every_fault_kind` holds it to that)."""
 MEMBERS = ["environment", "policy_model", "agent", "prompt_injection", "counter"]
+RESUME_BATCH = 2
+"""The interrupted run's restore checks go every two trials (`tests/certify_batches.py`)."""
+INTERRUPT_AFTER = 3
+"""The interrupted run is SIGTERMed once trial 3 is journaled: trials 1 and 2 are decided
+(their batch restore-checked), trial 3 only ran (its batch's restore check is pending)."""
+PLAN_FIELDS = ("number", "fault", "phase", "target", "trigger", "checkpoint", "moment")
 KINDS = {
     "environment": "environment",
     "policy_model": "policy_model",
@@ -184,3 +200,176 @@ def test_a_baseline_whose_rollouts_fail_is_refused_in_one_line(tmp_path: Path) -
     assert "Traceback" not in completed.stderr
     last = completed.stderr.strip().splitlines()[-1]
     assert "baseline" in last and "unknown_server" in last and "fix the fleet" in last, last
+
+
+# -- an interrupted run, resumed ------------------------------------------------------------
+
+
+def run_arguments(fleet: Path, tasks: Path, report: Path, *more: str) -> list[str]:
+    """The `certified` run's flags, for another fleet file and report directory."""
+    args = ["--fleet", str(fleet), "--tasks", str(tasks), "--trials", str(TRIALS)]
+    return [*args, "--seed", str(SEED), "--report", str(report), *more]
+
+
+def journal_files(report: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((report / "journal").iterdir())}
+
+
+def journaled(report: Path, number: int) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads((report / "journal" / f"trial-{number}.json").read_text())
+    return document
+
+
+def run_identity(report: Path, number: int) -> tuple[int, int]:
+    """(inode, mtime) of trial `number`'s first collector log: a trial run again gets a new
+    folder (`baseline.run_directory`), and with it a new log."""
+    status = (report / "work" / f"trial-{number}" / "collect.1.log").stat()
+    return status.st_ino, status.st_mtime_ns
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The `certified` run on a fleet of its own, restore-checked every `RESUME_BATCH`
+    trials, SIGTERMed once trial `INTERRUPT_AFTER` is journaled (what it left is read by
+    the tests below; `resumed` then resumes it)."""
+    work = tmp_path_factory.mktemp("certify-interrupted")
+    fleet, _ = example_fleet(work)
+    tasks = tasks_file(work)
+    report = work / "report"
+    command = [sys.executable, "-m", "tests.certify_batches", str(RESUME_BATCH), "certify"]
+    process = subprocess.Popen(
+        [*command, *run_arguments(fleet, tasks, report)],
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    trigger = report / "journal" / f"trial-{INTERRUPT_AFTER}.json"
+    deadline = time.monotonic() + RUN_SECONDS
+    while not trigger.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=RUN_SECONDS)
+    return {
+        "returncode": process.returncode,
+        "stdout": stdout,
+        "stderr": stderr,
+        "work": work,
+        "fleet": fleet,
+        "tasks": tasks,
+        "report": report,
+        "journal": journal_files(report),
+        "runs": {n: run_identity(report, n) for n in range(1, INTERRUPT_AFTER + 1)},
+    }
+
+
+@pytest.fixture(scope="module")
+def resumed(interrupted: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    args = run_arguments(interrupted["fleet"], interrupted["tasks"], interrupted["report"])
+    return certify(*args, "--resume", "--json", cwd=interrupted["work"])
+
+
+def test_a_stopped_run_keeps_what_it_decided_and_prints_the_resume_command(
+    interrupted: dict[str, Any],
+) -> None:
+    assert interrupted["returncode"] == ExitCode.TERMINATED, interrupted["stderr"][-4000:]
+    last = interrupted["stderr"].strip().splitlines()[-1]
+    assert "interrupted by SIGTERM" in last, last
+    assert f"2 of {TRIALS} trials decided" in last and "1 more ran" in last, last
+    resume = last[last.index("resume: ") + len("resume: ") :]
+    assert resume.startswith("rollout-checkpoint certify ") and resume.endswith(" --resume")
+    assert f"--seed {SEED}" in resume and f"--report {interrupted['report']}" in resume
+    assert not (interrupted["report"] / "report.json").exists()
+    report = interrupted["report"]
+    assert [journaled(report, n)["restore_checked"] for n in (1, 2, 3)] == [True, True, False]
+    # A decided trial's checkpoint root may go; one whose restore check is pending stays.
+    assert (report / "work" / "trial-3" / "checkpoints" / "LATEST").exists()
+
+
+@pytest.mark.parametrize("change", ["seed", "trials", "fleet", "tasks"])
+def test_a_resume_of_another_run_is_refused_and_overwrites_nothing(
+    interrupted: dict[str, Any], tmp_path: Path, change: str
+) -> None:
+    report = tmp_path / "report"
+    shutil.copytree(interrupted["report"] / "journal", report / "journal")
+    fleet, tasks = interrupted["fleet"], interrupted["tasks"]
+    if change == "fleet":
+        fleet = tmp_path / "fleet.toml"
+        fleet.write_text(interrupted["fleet"].read_text() + "# edited\n")
+    if change == "tasks":
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text("".join(interrupted["tasks"].read_text().splitlines(True)[:-1]))
+    args = run_arguments(fleet, tasks, report)
+    if change in ("seed", "trials"):
+        args[args.index(f"--{change}") + 1] = "7"
+    completed = certify(*args, "--resume", cwd=tmp_path)
+    assert completed.returncode == ExitCode.USAGE, completed.stderr[-4000:]
+    (line,) = completed.stderr.strip().splitlines()
+    said = {
+        "seed": f"--seed {SEED} there, 7 here",
+        "trials": f"--trials {TRIALS} there, 7 here",
+        "fleet": "the fleet file changed",
+        "tasks": "the tasks file changed",
+    }[change]
+    assert said in line and "another certification" in line, line
+    assert journal_files(report) == interrupted["journal"]
+    assert sorted(p.name for p in report.iterdir()) == ["journal"]
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--only", "4"], ["--resume", "--only", "4"]], ids=["new", "only", "both"]
+)
+def test_a_run_that_would_overwrite_an_unfinished_one_is_refused(
+    interrupted: dict[str, Any], tmp_path: Path, flags: list[str]
+) -> None:
+    report = tmp_path / "report"
+    shutil.copytree(interrupted["report"] / "journal", report / "journal")
+    args = run_arguments(interrupted["fleet"], interrupted["tasks"], report)
+    completed = certify(*args, *flags, cwd=tmp_path)
+    assert completed.returncode == ExitCode.USAGE, completed.stderr[-4000:]
+    (line,) = completed.stderr.strip().splitlines()
+    assert "--resume" in line, line
+    assert journal_files(report) == interrupted["journal"]
+    assert sorted(p.name for p in report.iterdir()) == ["journal"]
+
+
+def test_a_resume_with_nothing_to_resume_is_refused(
+    interrupted: dict[str, Any], tmp_path: Path
+) -> None:
+    report = tmp_path / "report"
+    args = run_arguments(interrupted["fleet"], interrupted["tasks"], report)
+    completed = certify(*args, "--resume", cwd=tmp_path)
+    assert completed.returncode == ExitCode.USAGE, completed.stderr[-4000:]
+    (line,) = completed.stderr.strip().splitlines()
+    assert "nothing to resume" in line, line
+    assert not report.exists()
+
+
+def test_the_resumed_run_reports_what_the_uninterrupted_run_reported(
+    certified: dict[str, Any],
+    interrupted: dict[str, Any],
+    resumed: subprocess.CompletedProcess[str],
+) -> None:
+    assert resumed.returncode == ExitCode.OK, resumed.stderr[-4000:]
+    report = interrupted["report"]
+    combined = json.loads((report / "report.json").read_text())
+    uninterrupted = json.loads((certified["report"] / "report.json").read_text())
+    assert combined["verdict"] == uninterrupted["verdict"] == "held", combined["findings"]
+    assert combined["findings"] == uninterrupted["findings"] == []
+    assert [{k: t[k] for k in PLAN_FIELDS} for t in combined["trials"]] == [
+        {k: t[k] for k in PLAN_FIELDS} for t in uninterrupted["trials"]
+    ]
+    # Held or not reached (a moment that came too late on a loaded machine), never violated,
+    # in both runs alike; the matrix and summary are drawn from the trials by one function.
+    for ours, theirs in zip(combined["trials"], uninterrupted["trials"], strict=True):
+        assert "violated" not in (ours["outcome"], theirs["outcome"])
+        assert ours["command"] == f"{combined['command']} --only {ours['number']}"
+    assert combined["baseline"]["rollouts"] == uninterrupted["baseline"]["rollouts"]
+    assert combined["servers"] == uninterrupted["servers"]
+    assert (report / "report.html").exists()
+    # Trials 1 and 2 (decided) and 3 (ran, restore pending) were not run again.
+    assert {n: run_identity(report, n) for n in (1, 2, 3)} == interrupted["runs"]
+    assert all(journaled(report, n)["restore_checked"] for n in range(1, TRIALS + 1))
+    assert list((report / "work").glob("trial-*/checkpoints")) == []

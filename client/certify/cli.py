@@ -4,9 +4,11 @@ It ends through the CLI's one handler (`console.run_verb` around `console.run_as
 errors are one line and its exit codes are rows of the one table (`console.ExitCode`): 0
 every check held on every trial; 9 a check did not hold (`report.json` names the server, the
 check and the first counter-example); 2 usage or configuration (no `command` for a member,
-no policy model, an unreadable tasks file), or a baseline that fails without any fault; 5 a
-member that cannot be started or reached; 130/143 stopped by SIGINT/SIGTERM (the fleet's
-processes are stopped first, the report of the finished trials is not written).
+no policy model, an unreadable tasks file, a `--resume` of another run or of none), or a
+baseline that fails without any fault; 5 a member that cannot be started or reached; 6 a
+journal file certify did not write; 130/143 stopped by SIGINT/SIGTERM (the fleet's processes
+are stopped first; what was decided stays journaled, and the line says how many trials and
+prints the command that resumes the run; the report is written by the run that finishes).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from rollout_checkpoint.client.cli.console import (
     CliError,
     ExitCode,
     HelpFormatter,
+    Interrupted,
     Output,
     add_output_flags,
     epilog,
@@ -40,7 +43,7 @@ from rollout_checkpoint.client.cli.console import (
 )
 from rollout_checkpoint.client.cli.errors import classify as classify_fleet_error
 from rollout_checkpoint.client.cli.parsers import positive_int
-from rollout_checkpoint.client.collect.errors import UsageError
+from rollout_checkpoint.client.collect.errors import CorruptFile, UsageError
 from rollout_checkpoint.client.fleet import FleetConfigError
 from rollout_checkpoint.client.fleet.launch import LaunchError
 
@@ -61,7 +64,11 @@ def add_certify_verb(verbs: Any) -> None:
         "phase drawn from the seed, recovered through the product's own paths; every trial is "
         "checked against the baseline by named invariants. Writes report.json and a "
         "self-contained report.html (the docs' certify page).",
-        epilog=epilog(EXAMPLE, "rerun one trial exactly: the same command with --only N"),
+        epilog=epilog(
+            EXAMPLE,
+            "rerun one trial exactly: the same command with --only N",
+            "go on after an interruption (Ctrl-C, a reboot): the same command with --resume",
+        ),
         formatter_class=HelpFormatter,
     )
     sub.add_argument(
@@ -95,6 +102,12 @@ def add_certify_verb(verbs: Any) -> None:
         help="rollouts in flight (the baseline's second pass runs at another one; default 4)",
     )
     sub.add_argument("--num-repeats", type=positive_int, default=1, help="rollouts per task")
+    sub.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the interrupted run journaled in --report DIR (the same flags, fleet "
+        "and tasks): its baseline and decided trials are kept, only the rest run",
+    )
     add_output_flags(sub, verbose=False)
 
 
@@ -110,6 +123,7 @@ def run_certify(args: argparse.Namespace) -> int:
         entry_url=args.entry_url,
         concurrency=args.concurrency,
         num_repeats=args.num_repeats,
+        resume=args.resume,
     )
     as_json = bool(getattr(args, "json", False))
     console = Console(stderr=True, soft_wrap=True)
@@ -122,7 +136,13 @@ def run_certify(args: argparse.Namespace) -> int:
             def show(what: str, done: int, planned: int) -> None:
                 progress.update(task, description=what, completed=done, total=planned or None)
 
-            report = run_async(lambda signals: Certification(options, spec, show).run())
+            certification = Certification(options, spec, show)
+            try:
+                report = run_async(lambda signals: certification.run())
+            except Interrupted as interrupted:
+                raise Interrupted(
+                    interrupted.signum, f"{interrupted.message}: {certification.stopped()}"
+                ) from None
         json_path, html_path = write_report(options.report, report)
         print_summary(console, report)
         console.print(f"report: {json_path} and {html_path}")
@@ -155,6 +175,8 @@ def classify(error: BaseException) -> CliError | None:
     """The exit code and one line for an exception that ends a certification (None: a bug)."""
     if isinstance(error, UsageError | FleetConfigError | BaselineFailed | RunFailed):
         return CliError(ExitCode.USAGE, str(error))
+    if isinstance(error, CorruptFile):
+        return CliError(ExitCode.CORRUPT, str(error))
     if isinstance(error, LaunchError | MemberNotStarted):
         return CliError(ExitCode.UNREACHABLE, _first_line(str(error)))
     return classify_fleet_error(error)

@@ -12,21 +12,32 @@ that served a trial is never reused, since what a user's server keeps outside ev
 hunts, no export shows it, and a reused process would carry it into the next trial (and make
 `--only N` disagree with the run it repeats). What is shared is the restore check's bench
 (`aftermath.RestoreBench`): one start-closed fleet into which every trial's published
-checkpoint is restored in turn once the trials are over (it takes the fleet's addresses, so
-it cannot run beside a trial), instead of a fleet started per trial for one restore. Each
-trial is checked once its checkpoints were restored, and its seconds include that restore.
+checkpoint is restored in turn once a batch of trials is over (it takes the fleet's
+addresses, so it cannot run beside a trial), instead of a fleet started per trial for one
+restore. Each trial is checked once its checkpoints were restored, and its seconds include
+that restore.
+
+A run of a thousand trials lasts hours, so every step is journaled in the report directory
+as it is decided (`journal`): the baseline once it is complete, each trial once it ran and
+again once its restore check is recorded. `--resume` goes on from there: the baseline and
+every decided trial are read back, a trial that ran but was never restored has its restore
+check, and only the trials never run are run. The restore checks go per batch
+(`RESTORE_BATCH`), so a trial's checkpoint root waits on disk for at most a batch, and the
+bench is started once a batch, not once a trial.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shlex
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_checkpoint.client.certify.aftermath import RestoreBench
-from rollout_checkpoint.client.certify.baseline import run_baseline
+from rollout_checkpoint.client.certify.baseline import run_baseline, run_folder
 from rollout_checkpoint.client.certify.determinism import compare_baselines
 from rollout_checkpoint.client.certify.findings import (
     Outcome,
@@ -37,6 +48,14 @@ from rollout_checkpoint.client.certify.findings import (
 )
 from rollout_checkpoint.client.certify.fleet_processes import discover, http_url
 from rollout_checkpoint.client.certify.invariants import check_run
+from rollout_checkpoint.client.certify.journal import (
+    Journal,
+    Prepared,
+    RanTrial,
+    ResumeRefused,
+    RunIdentity,
+    file_sha256,
+)
 from rollout_checkpoint.client.certify.observations import RunObservation
 from rollout_checkpoint.client.certify.plan import plan_trial, plan_trials
 from rollout_checkpoint.client.certify.report import CertifyReport
@@ -50,6 +69,10 @@ from rollout_checkpoint.client.fleet import FleetSpec, load_fleet_file
 
 PROBE_SECONDS = 120.0
 """The bound of one stateless server's probe (its fresh process and every replayed call)."""
+RESTORE_BATCH = 25
+"""Trials run between two rounds of restore checks: an interruption loses at most this many
+restore checks (never a trial's run), and the bench's fleet starts once a batch; the trials
+of a batch keep their checkpoint roots on disk until their restore check is recorded."""
 
 Progress = Callable[[str, int, int], None]
 """Called with (what is running, trials done, trials planned) as the run goes."""
@@ -68,6 +91,8 @@ class CertifyOptions:
     entry_url: str | None = None
     concurrency: int = 4
     num_repeats: int = 1
+    resume: bool = False
+    """Go on with the run journaled in `report` (`journal`) rather than start one."""
 
     def command(self) -> str:
         """The command line that runs this certification again (trials add `--only N`)."""
@@ -85,71 +110,95 @@ class CertifyOptions:
         was asked): state shared across sessions shows as a difference between them."""
         return self.concurrency, (1 if self.concurrency > 1 else 2)
 
+    def identity(self) -> RunIdentity:
+        """What decides this run's trials (the journal holds a resume to it). Blocking: the
+        fleet file and the tasks are read to their digests."""
+        return RunIdentity(
+            fleet_sha256=file_sha256(self.fleet),
+            tasks_sha256=file_sha256(self.tasks),
+            seed=self.seed,
+            trials=self.trials,
+            concurrency=self.concurrency,
+            num_repeats=self.num_repeats,
+            entry_url=self.entry_url,
+        )
+
+
+def open_journal(options: CertifyOptions) -> Journal | None:
+    """The run's journal, or None for `--only N` (one trial's rerun keeps nothing to resume,
+    but must not overwrite an unfinished run's work area either). Refuses, before anything
+    is touched, what `Journal.begin` refuses. Blocking."""
+    identity = options.identity()
+    if options.only is None:
+        return Journal.begin(options.report, identity, resume=options.resume)
+    if options.resume:
+        raise ResumeRefused("--resume goes on with a whole run: it does not take --only")
+    Journal(options.report, identity).refuse_to_lose_decided_trials(f"--only {options.only}")
+    return None
+
 
 class Certification:
-    """Runs one certification (see the module docstring) to its `CertifyReport`."""
+    """Runs one certification (see the module docstring) to its `CertifyReport`, journaling
+    what it decides (`journal`) so that an interrupted one resumes (`CertifyOptions.resume`)."""
 
     def __init__(self, options: CertifyOptions, spec: FleetSpec, progress: Progress) -> None:
         self.options = options
         self.spec = spec
         self.progress = progress
         self.started = time.monotonic()
+        self.journal: Journal | None = None
+        self.earlier_seconds = 0.0
+        """The seconds earlier sessions of a resumed run spent (downtime left out)."""
 
     async def run(self) -> CertifyReport:
         options, spec = self.options, self.spec
+        self.journal = await asyncio.to_thread(open_journal, options)
         work = options.report / "work"
-        work.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
         plans = self._plans(spec)
-        self.progress("discovering the fleet", 0, len(plans))
-        facts = await discover(spec, work / "discover")
-        setup = CertifySetup(
-            fleet_path=options.fleet,
-            spec=spec,
-            tasks=options.tasks,
-            entry_url=options.entry_url or _entry_url(spec, facts),
-            work=work,
-            num_repeats=options.num_repeats,
-            concurrency=options.concurrency,
-            facts=facts,
-        )
         recording = work / "model-recording.jsonl"
-        recording.unlink(missing_ok=True)
-        first, second = options.concurrencies
-        self.progress(f"baseline at concurrency {first} (recording the model)", 0, len(plans))
-        baseline = await _baseline(
-            setup, recording=recording, mode="record", concurrency=first, label="baseline"
-        )
-        _require_whole(baseline)
-        self.progress(f"baseline again at concurrency {second} (replaying)", 0, len(plans))
-        again = await _baseline(
-            setup, recording=recording, mode="replay", concurrency=second, label="baseline-2"
-        )
-        findings, unreproduced = compare_baselines(baseline, again, servers=facts)
-        findings += await self._probe(spec, facts, baseline)
+        prepared = await self._prepared(work, recording, len(plans))
+        setup = self._setup(work, prepared.facts, prepared.entry_url)
         bench = RestoreBench(spec, work / "restore-bench", model_args(setup, "replay", recording))
         try:
-            trials = await self._trials(setup, plans, recording, bench)
+            trials = await self._trials(setup, plans, recording, bench, prepared)
         finally:
             await bench.close()
-        judged = [check_trial(t, baseline, unreproduced, facts) for t in trials]
+        judged = [
+            check_trial(t, prepared.baseline, prepared.unreproduced, prepared.facts) for t in trials
+        ]
         self.progress("done", len(plans), len(plans))
-        seconds = time.monotonic() - self.started
         trial_seconds = sum(t.seconds for t in judged)
         return CertifyReport(
             command=options.command(),
             seed=options.seed,
             fleet=str(options.fleet),
             tasks=str(options.tasks),
-            servers=facts,
-            baseline_rollouts=len(baseline.expected),
+            servers=prepared.facts,
+            baseline_rollouts=len(prepared.baseline.expected),
             concurrencies=options.concurrencies,
-            baseline_findings=findings,
+            baseline_findings=prepared.findings,
             trials=judged,
-            seconds=seconds,
+            seconds=self._elapsed(),
             trials_per_minute=(60.0 * len(trials) / trial_seconds) if trial_seconds else 0.0,
             exported_sessions={
-                name: len(baseline.exports.get(name, {})) for name in setup.resources_members
+                name: len(prepared.baseline.exports.get(name, {}))
+                for name in setup.resources_members
             },
+        )
+
+    def stopped(self) -> str:
+        """What an interrupted run kept (as its journal says), and the command that goes on
+        from there. Blocking: called once the run's loop is gone."""
+        if self.options.only is not None:
+            return "a single trial's rerun keeps nothing to resume"
+        if self.journal is None:
+            return f"nothing was decided yet; run again: {self.options.command()}"
+        ran, decided = self.journal.kept(self.options.trials)
+        pending = f", {ran - decided} more ran (restore check pending)" if ran > decided else ""
+        return (
+            f"{decided} of {self.options.trials} trials decided{pending}, kept in "
+            f"{self.journal.directory}; resume: {self.options.command()} --resume"
         )
 
     def _plans(self, spec: FleetSpec) -> list[TrialPlan]:
@@ -157,6 +206,65 @@ class Certification:
         if self.options.only is not None:
             return [plan_trial(self.options.seed, self.options.only, names)]
         return plan_trials(self.options.seed, self.options.trials, names)
+
+    def _setup(self, work: Path, facts: list[ServerFacts], entry_url: str) -> CertifySetup:
+        options = self.options
+        return CertifySetup(
+            fleet_path=options.fleet,
+            spec=self.spec,
+            tasks=options.tasks,
+            entry_url=entry_url,
+            work=work,
+            num_repeats=options.num_repeats,
+            concurrency=options.concurrency,
+            facts=facts,
+        )
+
+    def _elapsed(self) -> float:
+        return self.earlier_seconds + time.monotonic() - self.started
+
+    async def _prepared(self, work: Path, recording: Path, planned: int) -> Prepared:
+        """The journaled baseline of the run resumed, else a new one (journaled): discovery,
+        the baseline twice, the stateless probe."""
+        journal = self.journal
+        if journal is not None and self.options.resume:
+            prepared = await asyncio.to_thread(journal.prepared)
+            if prepared is not None:
+                await _require_recording(recording, prepared.recording_sha256)
+                self.earlier_seconds = prepared.seconds
+                return prepared
+        prepared = await self._baselines(work, recording, planned)
+        if journal is not None:
+            await asyncio.to_thread(journal.record_prepared, prepared)
+        return prepared
+
+    async def _baselines(self, work: Path, recording: Path, planned: int) -> Prepared:
+        options, spec = self.options, self.spec
+        self.progress("discovering the fleet", 0, planned)
+        facts = await discover(spec, work / "discover")
+        setup = self._setup(work, facts, options.entry_url or _entry_url(spec, facts))
+        await asyncio.to_thread(recording.unlink, missing_ok=True)
+        first, second = options.concurrencies
+        self.progress(f"baseline at concurrency {first} (recording the model)", 0, planned)
+        baseline = await _baseline(
+            setup, recording=recording, mode="record", concurrency=first, label="baseline"
+        )
+        _require_whole(baseline)
+        self.progress(f"baseline again at concurrency {second} (replaying)", 0, planned)
+        again = await _baseline(
+            setup, recording=recording, mode="replay", concurrency=second, label="baseline-2"
+        )
+        findings, unreproduced = compare_baselines(baseline, again, servers=facts)
+        findings += await self._probe(spec, facts, baseline)
+        return Prepared(
+            facts=facts,
+            entry_url=setup.entry_url,
+            baseline=baseline,
+            findings=findings,
+            unreproduced=unreproduced,
+            recording_sha256=await asyncio.to_thread(file_sha256, recording),
+            seconds=self._elapsed(),
+        )
 
     async def _probe(
         self, spec: FleetSpec, facts: Sequence[ServerFacts], baseline: RunObservation
@@ -181,34 +289,71 @@ class Certification:
         plans: Sequence[TrialPlan],
         recording: Path,
         bench: RestoreBench,
+        prepared: Prepared,
     ) -> list[RanTrial]:
-        """Run every trial, then restore what each published into `bench`: the bench takes
-        the fleet's addresses, so it runs once no trial does (see `RestoreBench`), and each
-        trial's seconds include its restore."""
-        ran = []
-        for done, plan in enumerate(plans):
-            self.progress(_describe(plan), done, len(plans))
+        """Every trial of `plans`: those the journal holds are not run again (those whose
+        restore check was not recorded have it now, first), the others run in batches of
+        `RESTORE_BATCH`, each batch restored into `bench` once it ran (the bench takes the
+        fleet's addresses, so it runs while no trial does: `RestoreBench`). An interruption
+        loses at most the restore checks of one batch, never a trial's run."""
+        journaled = await self._journaled(plans)
+        self.earlier_seconds = max([self.earlier_seconds, *(t.elapsed for t in journaled)])
+        ran = {trial.plan.number: trial for trial in journaled}
+        pending = [t for t in journaled if not t.restore_checked]
+        await self._restore_batch(setup, bench, pending, prepared, len(ran), len(plans))
+        batch: list[RanTrial] = []
+        for plan in plans:
+            if plan.number in ran:
+                continue
+            self.progress(_describe(plan), len(ran), len(plans))
             started = time.monotonic()
             observation, reached, note = await run_trial(setup, plan, recording, defer_restore=True)
-            ran.append(RanTrial(plan, observation, reached, note, time.monotonic() - started))
-        for trial in ran:
-            what = f"restoring trial {trial.plan.number}'s checkpoints"
-            self.progress(what, len(plans), len(plans))
+            trial = RanTrial(plan, observation, reached, note, time.monotonic() - started)
+            await self._record(trial)
+            ran[plan.number] = trial
+            batch.append(trial)
+            if len(batch) == RESTORE_BATCH:
+                await self._restore_batch(setup, bench, batch, prepared, len(ran), len(plans))
+                batch = []
+        await self._restore_batch(setup, bench, batch, prepared, len(ran), len(plans))
+        return [ran[plan.number] for plan in plans]
+
+    async def _journaled(self, plans: Sequence[TrialPlan]) -> list[RanTrial]:
+        if self.journal is None:
+            return []
+        return await asyncio.to_thread(self.journal.trials, plans)
+
+    async def _restore_batch(
+        self,
+        setup: CertifySetup,
+        bench: RestoreBench,
+        batch: Sequence[RanTrial],
+        prepared: Prepared,
+        done: int,
+        planned: int,
+    ) -> None:
+        """Restore what each trial of `batch` published into `bench` (each trial's seconds
+        include its restore), then decide it: journaled as restore-checked, its checkpoint
+        root removed unless a check failed (the root is what to look at then). The bench
+        is closed after, so the next trial's fleet can take the addresses."""
+        for trial in batch:
+            number = trial.plan.number
+            self.progress(f"restoring trial {number}'s checkpoints", done, planned)
             started = time.monotonic()
             await restore_check(bench, setup, trial.observation)
             trial.seconds += time.monotonic() - started
-        return ran
+            trial.restore_checked = True
+            await self._record(trial)
+            verdict = check_trial(trial, prepared.baseline, prepared.unreproduced, prepared.facts)
+            if verdict.outcome is not Outcome.VIOLATED:
+                root = run_folder(setup, trial.observation.label) / "checkpoints"
+                await asyncio.to_thread(shutil.rmtree, root, ignore_errors=True)
+        await bench.close()
 
-
-@dataclass
-class RanTrial:
-    """A trial that ran, before its checks: `run_trial`'s result and the seconds it took."""
-
-    plan: TrialPlan
-    observation: RunObservation
-    reached: bool
-    note: str
-    seconds: float
+    async def _record(self, trial: RanTrial) -> None:
+        trial.elapsed = self._elapsed()
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.record_trial, trial)
 
 
 def check_trial(
@@ -298,6 +443,19 @@ def _require_whole(baseline: RunObservation) -> None:
 
 class BaselineFailed(Exception):
     """The fleet could not run its tasks once without any fault."""
+
+
+async def _require_recording(recording: Path, digest: str) -> None:
+    """A resume replays the model recording its baseline made, byte for byte: a recording
+    that is gone or changed would answer the trials differently from the trials already
+    decided (`ResumeRefused`, before any trial runs)."""
+    exists = await asyncio.to_thread(recording.exists)
+    if not exists or await asyncio.to_thread(file_sha256, recording) != digest:
+        raise ResumeRefused(
+            f"{recording}, the model recording of the baseline this run's trials replay, is "
+            f"{'changed' if exists else 'gone'}: the decided trials cannot be resumed; "
+            "certify again with another --report"
+        )
 
 
 def _describe(plan: TrialPlan) -> str:

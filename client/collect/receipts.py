@@ -119,13 +119,23 @@ class Acknowledgements:
         return self.ledger.state()
 
     async def run(self) -> None:
-        """Acknowledge as receipts come, until cancelled."""
+        """Acknowledge as receipts come, until cancelled. A failed round is tried again after
+        its backoff, on its own: the wake-up that started it is spent, and waiting for the
+        next one would leave what it owed held until another receipt happens to come, which
+        at the end of a run none does."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(ACK_EVERY)  # gather a batch
             if not await self.flush():
-                await asyncio.sleep(min(0.5 * 2**self.failed_rounds, 10.0))
+                await asyncio.sleep(self.backoff())
+                self._wake.set()  # what the failed round owed goes with the next one
+
+    def backoff(self) -> float:
+        """Seconds before the round after `failed_rounds` failed ones: doubling from half a
+        second, at most ten (a member restarting is back within seconds; one gone for long
+        is not hammered)."""
+        return min(0.5 * 2.0**self.failed_rounds, 10.0)
 
     async def flush(self) -> bool:
         """Acknowledge every owed receipt now; False (the receipts still owed) on a failure."""
