@@ -49,7 +49,7 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.NOT_PREPARED: "the fleet was not prepared by the deadline (nothing was taken; the fleet was reopened)",
     ExitCode.REFUSED: "refused by a participant or the coordinator (a typed reason: STALE_CHECKPOINT, CHECKPOINT_CONFLICT, TOKEN_INVALID, STORAGE_FAILED, …)",
     ExitCode.UNREACHABLE: "a participant could not be reached (collect: or was lost more often than --max-recoveries allows)",
-    ExitCode.CORRUPT: "corrupt checkpoint, output or dispatch log: a manifest, digest or record does not verify",
+    ExitCode.CORRUPT: "corrupt checkpoint, output, dispatch log or certify journal: a manifest, digest, record or journal file does not verify",
     ExitCode.OUTPUT_UNWRITABLE: "the output cannot be written (collect)",
     ExitCode.ADDRESS_IN_USE: "an address to listen on is taken or invalid (serve, coordinator)",
     ExitCode.VIOLATIONS_FOUND: "certify: a check did not hold (report.json names the server, the check and the first counter-example)",
