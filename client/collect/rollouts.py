@@ -371,7 +371,7 @@ class RolloutBook:
         self.ledger.persisted(*(o.rollout_id for o in outcomes))
         for outcome in outcomes:
             rollout, line = self.rollouts[outcome.rollout_id], outcome.payload
-            self._retire_unsent_restore(rollout)
+            self._queue_unsent_restore(rollout)
             if line["status"] == "failed":
                 self.recorded_failed(rollout)
                 continue
@@ -383,7 +383,7 @@ class RolloutBook:
                 self.counts.reoffered += 1
         self.counts.groups_sealed += 1
 
-    def _retire_unsent_restore(self, rollout: Rollout) -> None:
+    def _queue_unsent_restore(self, rollout: Rollout) -> None:
         """Queue the restored N+1 of the written `rollout` for its Retire. Not before its line
         is durable: a Retire releases every result of the rollout the entry holds, and until
         then the outbox holds the result's only durable copy."""
