@@ -723,6 +723,59 @@ def test_the_collector_killed_at_each_edge_of_the_receipt_protocol_loses_and_rep
     assert held_in_entry(fleet) == 0
 
 
+def restored_and_unused(fleet: RealFleet) -> dict[str, list[EpisodeId]]:
+    """Per member, the episodes a Restore installed that no request has used yet."""
+    return asyncio.run(_restored_and_unused(fleet))
+
+
+async def _restored_and_unused(fleet: RealFleet) -> dict[str, list[EpisodeId]]:
+    from rollout_checkpoint.client.participant import ParticipantClient
+
+    unused: dict[str, list[EpisodeId]] = {}
+    for name, server in fleet.processes.servers.items():
+        async with ParticipantClient(server.grpc, TOKEN) as client:
+            episodes = await client.all_episodes()
+        unused[name] = [
+            EpisodeId(e.episode_id.rollout_id, e.episode_id.attempt)
+            for e in episodes
+            if e.restored_pending
+        ]
+    return unused
+
+
+def test_a_continued_rollout_taken_back_from_the_outbox_leaves_no_restored_session_behind(
+    fleets: Fleets, baseline: Baseline
+) -> None:
+    """A checkpoint cut a rollout mid-episode; it finished after that checkpoint and the
+    collector was killed with its result held by the entry. The resume restores the
+    checkpoint into the surviving fleet (the rollout continued as N+1 there), then takes
+    attempt N's result back from the outbox: N+1 is never sent, and it is retired, not left
+    as a live session on the members. The rollout is in the output once."""
+    work = fleets.work
+    fleet = fleets.start().result()
+    process = fleets.collect(fleet, "--checkpoint-every", "0.3", crash_at="received@2")
+    assert process.wait(timeout=120) == -signal.SIGKILL, fleets.log(process)
+    manifest = latest(work)
+    assert manifest is not None, "no checkpoint before the second reply"
+    resumed = fleets.collect(fleet, "--resume")
+    assert resumed.wait(timeout=120) == 0, fleets.log(resumed)
+    by_id = assert_complete(work, baseline.rewards)
+    continued = {e["rollout_id"]: e["attempt"] for e in manifest["continued"]}
+    taken_back = {
+        r: continued[r]
+        for r, line in by_id.items()
+        if r in continued and line["provenance"]["source"] == "outbox"
+    }
+    assert taken_back, "no continued rollout was taken back: the crash missed its edge"
+    assert f"restored {manifest['checkpoint_id']} into the fleet" in fleets.log(resumed)
+    sent = dispatched(work)
+    for rollout_id, attempt in taken_back.items():
+        assert by_id[rollout_id]["provenance"]["produced_by_attempt"] == attempt
+        assert sent[rollout_id] == attempt, "its N+1 was sent after all"
+    assert restored_and_unused(fleet) == {name: [] for name in fleet.processes.servers}
+    assert held_in_entry(fleet) == 0
+
+
 def test_the_whole_fleet_killed_with_results_held_then_resumed_on_a_fresh_fleet(
     fleets: Fleets, baseline: Baseline
 ) -> None:
@@ -1246,6 +1299,25 @@ def test_the_book_holds_a_group_until_sealed_and_follows_its_policy_after_a_cut(
     book.written(group)
     assert owed() == [("b.0", 0), ("b.1", 0)], "no receipt covered a.0 or a.1"
     assert (book.counts.done, book.counts.failed) == (3, 1) and book.settled()
+
+
+def test_a_restored_attempt_a_taken_back_result_overtook_is_retired_once_written() -> None:
+    """On `--resume`, a rollout continued as N+1 whose attempt N result the outbox gave back
+    is written without N+1 ever being sent: N+1 is queued for its Retire, but only once the
+    group's lines are durable (the Retire releases the held result, until then its only
+    durable copy). A continued N+1 that replied itself leaves nothing to retire."""
+    book = RolloutBook([TaskRow(0, "a", {"task_id": "a"})], 2, Counts())
+    a0, a1 = book.rollouts["a.0"], book.rollouts["a.1"]
+    book.continues(a0, 1, "ckpt-1")
+    book.continues(a1, 1, "ckpt-1")
+    outbox = pb.ResultReceipt(rollout_id="a.0", attempt=0, result_sha256="ab" * 32)
+    assert book.held(a0, a0.finished_line({"reward": 1.0}, outbox, "outbox"), outbox) == []
+    assert book.unsent_restores == [], "the group is not written: a.0's result is held only"
+    replied = pb.ResultReceipt(rollout_id="a.1", attempt=1, result_sha256="cd" * 32)
+    group = book.held(a1, a1.finished_line({"reward": 1.0}, replied, "run"), replied)
+    assert book.unsent_restores == []
+    book.written(group)
+    assert book.unsent_restores == [EpisodeId("a.0", 1)]
 
 
 async def test_a_rollout_screened_stale_that_finished_on_its_own_is_not_dropped() -> None:

@@ -138,10 +138,13 @@ class ControlLoop:
                 if book.retire_queue:
                     await self.parts.retirement.retire_failed(self.fleet)
                     continue
+                if book.unsent_restores:
+                    await self.parts.retirement.retire_unsent_restores(self.fleet)
+                    continue
                 if book.forget_queue:
                     await self.parts.retirement.forget_retired(self.fleet)
                     continue
-            if book.all_done():
+            if book.all_done() and not book.unsent_restores:
                 break
             waits = [t for t in (next_at, control.retry_at) if t is not None and t > now]
             requests.wake.clear()

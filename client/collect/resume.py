@@ -12,12 +12,16 @@ the checkpoint; reusing that attempt's number for the restored N+1 would let the
 fleet with survivors a rollout is continued only if no later attempt was ever dispatched
 (else it restarts). Either way every rollout that was dispatched but is neither finished nor
 continued is retired (every attempt up to the highest that may exist) and restarted from its
-input as a later attempt. A failed restore restarts its rollouts the same way. A checkpoint
-published by an earlier run than the last one that dispatched is not restored: that later
-run may have re-sent its continuations. A prompt group one of whose rollouts the crash cut
-(continued or restarted) follows its policy (`groups`): `sibling` keeps the finished siblings
-taken back from the outbox; `group` retires and restarts every sibling not in the output,
-continued and taken back ones included, from its input as a later attempt.
+input as a later attempt. A continued rollout whose attempt N finished after the checkpoint
+and before the crash is finished by the result `take_back` takes from the entry's outbox: its
+restored N+1 is never sent, and is retired once the rollout's line is durable
+(`RolloutBook.unsent_restores`), else it would stay a live session on every member. A failed
+restore restarts its rollouts the same way. A checkpoint published by an earlier run than the
+last one that dispatched is not restored: that later run may have re-sent its continuations.
+A prompt group one of whose rollouts the crash cut (continued or restarted) follows its
+policy (`groups`): `sibling` keeps the finished siblings taken back from the outbox; `group`
+retires and restarts every sibling not in the output, continued and taken back ones
+included, from its input as a later attempt.
 """
 
 from __future__ import annotations

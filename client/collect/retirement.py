@@ -91,6 +91,28 @@ class Retirement:
                 book.retry(rollout)
         self.on_change()
 
+    async def retire_unsent_restores(self, fleet: Fleet) -> None:
+        """Retire a batch of restored N+1 attempts that will never be sent (their rollouts
+        are written: `RolloutBook.unsent_restores`), so no member keeps them as live
+        sessions; the rollouts are forgotten next, like every retired one that is done."""
+        book = self.book
+        batch = book.unsent_restores[:BATCH]
+        deadline = time.time() + self.timeout
+        try:
+            await fanout.retire(fleet, self.control.new_id("retire"), deadline, batch)
+        except (FleetError, ControlError) as error:
+            if self.control.failed(f"retire of {len(batch)} unsent restored attempt(s)", error):
+                # Their rollouts are written: a member that keeps them costs memory, not
+                # correctness, and the next checkpoint's Commit frees what is out of scope.
+                log.warning("collect: giving up retiring %s", [e.capture_key for e in batch])
+                del book.unsent_restores[: len(batch)]
+                self.control.succeeded()
+            return
+        self.control.succeeded()
+        del book.unsent_restores[: len(batch)]
+        for episode in batch:
+            book.retired(book.rollouts[episode.rollout_id], episode.attempt)
+
     async def forget_retired(self, fleet: Fleet) -> None:
         """Forget a batch of retired rollouts a later attempt of which replied."""
         book = self.book

@@ -82,6 +82,10 @@ class Rollout:
     """The checkpoints restores continued it from, each with the attempt (N+1) it was
     installed as, in order (kept across `--resume` in the controller state; emptied when it
     restarts from its input)."""
+    unsent_restore: int | None = None
+    """The attempt (N+1) a restore installed that will never be sent: attempt N's result
+    came first (taken back from the entry's outbox on `--resume`). It is retired once the
+    rollout's line is durable (`unsent_restores`)."""
 
     @property
     def episode(self) -> EpisodeId:
@@ -175,6 +179,10 @@ class RolloutBook:
         self.pending: collections.deque[Rollout] = collections.deque()
         self.retire_queue: list[Rollout] = []
         self.forget_queue: set[str] = set()
+        self.unsent_restores: list[EpisodeId] = []
+        """Restored N+1 attempts of written rollouts that no request will ever use: each is
+        retired (`Retirement.retire_unsent_restores`), else it stays a live session on
+        every member it was installed on, holding state the run never reads."""
         self.in_flight = 0
         self.generation = 0
         """Raised each time a member is seen lost: an attempt sent in an earlier generation
@@ -348,6 +356,8 @@ class RolloutBook:
             return []
         produced_by = receipt.attempt if receipt is not None else rollout.attempt
         rollout.highest_used = max(rollout.highest_used, produced_by)
+        if rollout.continued and produced_by < rollout.attempt:
+            rollout.unsent_restore = rollout.attempt
         rollout.status = Status.HELD
         rollout.continued = False
         if rollout in self.pending:  # dropped after it was queued: never sent again
@@ -361,6 +371,7 @@ class RolloutBook:
         self.ledger.persisted(*(o.rollout_id for o in outcomes))
         for outcome in outcomes:
             rollout, line = self.rollouts[outcome.rollout_id], outcome.payload
+            self._queue_unsent_restore(rollout)
             if line["status"] == "failed":
                 self.recorded_failed(rollout)
                 continue
@@ -372,11 +383,20 @@ class RolloutBook:
                 self.counts.reoffered += 1
         self.counts.groups_sealed += 1
 
+    def _queue_unsent_restore(self, rollout: Rollout) -> None:
+        """Queue the restored N+1 of the written `rollout` for its Retire. Not before its line
+        is durable: a Retire releases every result of the rollout the entry holds, and until
+        then the outbox holds the result's only durable copy."""
+        if rollout.unsent_restore is not None:
+            self.unsent_restores.append(EpisodeId(rollout.rollout_id, rollout.unsent_restore))
+            rollout.unsent_restore = None
+
     def regenerate(self, rollout: Rollout, retired_upto: int) -> None:
         """Every attempt of the unwritten `rollout` up to `retired_upto` is retired: it
         runs again from its input as the next attempt (a result it held is discarded)."""
         rollout.attempt = retired_upto + 1
         rollout.continued = False
+        rollout.unsent_restore = None  # retired with the rest, up to `retired_upto`
         rollout.status = Status.PENDING
         rollout.restored_from = []
         self.ledger.discard(rollout.rollout_id)
