@@ -36,7 +36,7 @@ from rollout_checkpoint.client.collect.groups import GroupWriter
 from rollout_checkpoint.client.collect.inputs import TaskRow
 from rollout_checkpoint.client.collect.journal import DurableAppender
 from rollout_checkpoint.client.collect.outcome import Outcome, classify
-from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook
+from rollout_checkpoint.client.collect.rollouts import Rollout, RolloutBook, controller_state
 from rollout_checkpoint.client.collect.staleness import StaleHandling
 from rollout_checkpoint.client.collect.view import CollectView, Counts
 from rollout_checkpoint.client.ledger import ResultLedger
@@ -1210,8 +1210,13 @@ def test_the_book_names_the_checkpoint_scope_and_the_state_a_resume_needs() -> N
     sent[1].retired_upto = sent[1].attempt
     assert not book.exhausted(sent[1], max_attempts=2)
     book.retry(sent[1])
-    state = book.controller_state(
-        run_id="run-1", checkpoint_id="c1", input_digest="d", num_repeats=2, boot_ids={"m": "x"}
+    state = controller_state(
+        book,
+        run_id="run-1",
+        checkpoint_id="c1",
+        input_digest="d",
+        num_repeats=2,
+        boot_ids={"m": "x"},
     )
     assert state["format"] == "rollout-checkpoint.collect/1"
     assert state["finished"] == {"a.0": 0} and state["in_flight"] == {"b.1": 1}
@@ -1263,8 +1268,8 @@ def test_the_book_holds_a_group_until_sealed_and_follows_its_policy_after_a_cut(
     assert book.held(b0, line(b0, "outbox"), receipt(b0)) == [], "a sibling is unfinished"
     # Finished but unsealed: not finished for a resume (the output lacks it), never continued,
     # never retired as something that may still run.
-    state = book.controller_state(
-        run_id="r", checkpoint_id="c", input_digest="d", num_repeats=2, boot_ids={}
+    state = controller_state(
+        book, run_id="r", checkpoint_id="c", input_digest="d", num_repeats=2, boot_ids={}
     )
     assert state["finished"] == {} and state["held"] == {"a.0": 0, "b.0": 0}
     assert state["attempts"] == {"a.0": 0, "a.1": 0, "b.0": 0, "b.1": 0}

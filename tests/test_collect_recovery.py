@@ -30,7 +30,7 @@ import pytest
 
 from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.collect.inputs import TaskRow
-from rollout_checkpoint.client.collect.rollouts import RolloutBook
+from rollout_checkpoint.client.collect.rollouts import RolloutBook, controller_state
 from rollout_checkpoint.client.collect.view import Counts
 from rollout_checkpoint.examples.demo import (
     Options,
@@ -428,8 +428,8 @@ def test_a_rollout_continued_by_two_restores_names_both_checkpoints_across_a_res
     a0, a1 = book.take(2)
     book.continues(a0, 1, "ckpt-1")
     book.continues(a1, 1, "ckpt-1")
-    state = book.controller_state(
-        run_id="r", checkpoint_id="ckpt-2", input_digest="d", num_repeats=2, boot_ids={}
+    state = controller_state(
+        book, run_id="r", checkpoint_id="ckpt-2", input_digest="d", num_repeats=2, boot_ids={}
     )
     assert state["restored_from"] == {"a.0": [["ckpt-1", 1]], "a.1": [["ckpt-1", 1]]}
     resumed = RolloutBook(tasks, 2, Counts())

@@ -25,7 +25,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
 )
 from rollout_checkpoint.client.collect.control import ControlCalls
 from rollout_checkpoint.client.collect.journal import DurableAppender
-from rollout_checkpoint.client.collect.rollouts import RolloutBook
+from rollout_checkpoint.client.collect.rollouts import RolloutBook, controller_state
 from rollout_checkpoint.client.collect.view import CollectView
 from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet
@@ -225,7 +225,8 @@ class CheckpointTaker:
         boots = await fanout.fan_out(
             "describe", fleet.members, lambda m: m.client.get_participant(), fleet.spec.fan_out
         )
-        state = self.book.controller_state(
+        state = controller_state(
+            self.book,
             run_id=self.settings.run_id,
             checkpoint_id=checkpoint_id,
             input_digest=self.settings.input_digest,

@@ -520,47 +520,48 @@ class RolloutBook:
             if r.status is Status.IN_FLIGHT or (r.continued and r.status is Status.PENDING)
         )
 
-    def controller_state(
-        self,
-        *,
-        run_id: str,
-        checkpoint_id: str,
-        input_digest: str,
-        num_repeats: int,
-        boot_ids: dict[str, str],
-    ) -> dict[str, Any]:
-        """The controller-state blob (format `STATE_FORMAT`): what `--resume` needs besides
-        the output and the dispatch log."""
 
-        def pick(select: Callable[[Rollout], bool]) -> dict[str, int]:
-            return {r.rollout_id: r.attempt for r in self.rollouts.values() if select(r)}
+def controller_state(
+    book: RolloutBook,
+    *,
+    run_id: str,
+    checkpoint_id: str,
+    input_digest: str,
+    num_repeats: int,
+    boot_ids: dict[str, str],
+) -> dict[str, Any]:
+    """The controller-state blob of `book` (format `STATE_FORMAT`): what `--resume` needs
+    besides the output and the dispatch log (read back by `RolloutBook.apply_marks`)."""
 
-        return {
-            "format": STATE_FORMAT,
-            "run_id": run_id,
-            "checkpoint_id": checkpoint_id,
-            "created_at": now_text(),
-            "input_sha256": input_digest,
-            "num_repeats": num_repeats,
-            "boot_ids": boot_ids,
-            "finished": pick(lambda r: r.status is Status.DONE),
-            "failed": pick(lambda r: r.status is Status.FAILED),
-            "in_flight": pick(lambda r: r.status is Status.IN_FLIGHT),
-            "restored_pending": pick(lambda r: r.continued and r.status is Status.PENDING),
-            "held": pick(lambda r: r.status is Status.HELD),
-            "attempts": pick(lambda r: r.attempt > 0 or r.status is not Status.PENDING),
-            "failures": {r.rollout_id: r.failures for r in self.rollouts.values() if r.failures},
-            "retired": {
-                r.rollout_id: r.retired_upto
-                for r in self.rollouts.values()
-                if r.retired_upto is not None
-            },
-            "restored_from": {
-                r.rollout_id: [list(link) for link in r.restored_from]
-                for r in self.rollouts.values()
-                if r.restored_from and r.status not in (Status.DONE, Status.FAILED)
-            },
-        }
+    def pick(select: Callable[[Rollout], bool]) -> dict[str, int]:
+        return {r.rollout_id: r.attempt for r in book.rollouts.values() if select(r)}
+
+    return {
+        "format": STATE_FORMAT,
+        "run_id": run_id,
+        "checkpoint_id": checkpoint_id,
+        "created_at": now_text(),
+        "input_sha256": input_digest,
+        "num_repeats": num_repeats,
+        "boot_ids": boot_ids,
+        "finished": pick(lambda r: r.status is Status.DONE),
+        "failed": pick(lambda r: r.status is Status.FAILED),
+        "in_flight": pick(lambda r: r.status is Status.IN_FLIGHT),
+        "restored_pending": pick(lambda r: r.continued and r.status is Status.PENDING),
+        "held": pick(lambda r: r.status is Status.HELD),
+        "attempts": pick(lambda r: r.attempt > 0 or r.status is not Status.PENDING),
+        "failures": {r.rollout_id: r.failures for r in book.rollouts.values() if r.failures},
+        "retired": {
+            r.rollout_id: r.retired_upto
+            for r in book.rollouts.values()
+            if r.retired_upto is not None
+        },
+        "restored_from": {
+            r.rollout_id: [list(link) for link in r.restored_from]
+            for r in book.rollouts.values()
+            if r.restored_from and r.status not in (Status.DONE, Status.FAILED)
+        },
+    }
 
 
 class CountedOnce:
