@@ -238,6 +238,40 @@ def test_certify_exports_the_state_of_a_session_that_ended_at_its_verify(
     assert exports == {"counter": {"ended.0": {"count": 3}}}
 
 
+async def exported_twice(setup: CertifySetup, directory: Path) -> list[dict[str, Any]]:
+    """Certify's export of the fleet, twice into one root, with a counter session of rollout
+    `held.0` left live and untouched between them: the incremental counter's second part
+    references the first's record instead of writing it again."""
+    processes = FleetProcesses(setup.spec, directory / "logs")
+    try:
+        await processes.start_all()
+        counter = next(m for m in setup.spec.members if m.name == "counter")
+        async with httpx.AsyncClient(base_url=f"{http_url(counter)}/ng-rollout/held.0") as http:
+            seeded = await http.post("/seed_session", json={"initial_count": 1})
+            assert seeded.status_code == 200
+            added = await http.post("/increment_counter", json={"count": 2})
+            assert added.status_code == 200
+        finished = [{"rollout_id": "held.0", "attempt": 0, "status": "ok"}]
+        return [await collect_exports(setup, finished, directory / "exports") for _ in range(2)]
+    finally:
+        await processes.close()
+
+
+def test_certify_reads_an_incremental_part_through_its_references(
+    certified: Certified, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's part that references earlier parts reads as the records a restore would
+    install: read raw, its reference line (no episode, no state) broke the export."""
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    exports = asyncio.run(exported_twice(certified.setup, tmp_path))
+    assert exports == [{"counter": {"held.0": {"count": 3}}}] * 2
+    manifests = [
+        json.loads(path.read_text())
+        for path in (tmp_path / "exports").glob("*/participants/resources/counter/manifest.json")
+    ]
+    assert any(m.get("referenced_records", 0) == 1 for m in manifests), manifests
+
+
 # -- trials ----------------------------------------------------------------------------------
 
 
