@@ -48,7 +48,10 @@ def records_by_rollout(directory: Path, kind: str, instance: str) -> dict[str, s
     """rollout id -> the record without its episode id, as canonical text (order kept), of
     one member's part of the checkpoint in `directory`. Read with the runtime's own reader
     (`LocalStorage.read_part`), which resolves the reference lines an incremental member
-    writes for sessions unchanged since its last part: read raw, those lines hold no record."""
+    writes for sessions unchanged since its last part: read raw, those lines hold no record.
+    No part there (no checkpoint was taken): no records."""
+    if not (directory / "participants" / kind / instance).is_dir():
+        return {}
     _, found = LocalStorage().read_part(str(directory), kind, instance, lambda _record: True)
     records: dict[str, str] = {}
     for record in found:
