@@ -4,10 +4,13 @@ declare `checkpoint_incremental`, so every fleet of them writes chained parts.
 Real processes throughout (the example fleet, `collect` and the coordinator as CLI processes,
 a member SIGKILLed and its replacement started closed on the same addresses). One collection
 with periodic checkpoints long enough for chains to form, a resources member killed mid-run
-and recovered in place: every rollout once, with the uninterrupted run's trajectory. Then the
-coordinator restores the chain end of a fleet and a full part taken at the same cut into two
-fresh fleets, and each fleet's next (full) checkpoint holds the same records files, byte for
-byte: a restore from the end of a chain installs exactly what a full part would.
+and recovered in place: every rollout once, with the uninterrupted run's trajectory, and
+published parts that reference earlier ones (read by `inspect`). Then the coordinator restores
+the run's longest chain end into a fresh fleet and checkpoints it twice with nothing run in
+between: a full part (the first after a Restore) and a chained one of the same cut. Each is
+restored by the coordinator into a fresh fleet, and the two fleets' next (full) checkpoints hold
+the same records files, byte for byte: a restore from the end of a chain installs exactly what
+a full part of the same cut would.
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ def test_an_incremental_fleet_recovers_a_killed_member_and_its_chain_end_restore
         part["referenced_records"] > 0 for parts in chains.values() for part in parts.values()
     ), chains
     chain_end = max(chains, key=lambda c: max(p["chain_length"] for p in chains[c].values()))
+    print(f"chained checkpoints: {len(chains)}; restoring the chain end {chain_end}: {chains}")
 
     # The chain end restored into a fresh fleet, then two checkpoints with nothing run
     # between them: the first after a Restore is full, the second (same cut) references it.
