@@ -185,7 +185,13 @@ def test_an_incremental_fleet_recovers_a_killed_member_and_its_chain_end_restore
         part["referenced_records"] > 0 for parts in chains.values() for part in parts.values()
     ), chains
     chain_end = max(chains, key=lambda c: max(p["chain_length"] for p in chains[c].values()))
-    print(f"chained checkpoints: {len(chains)}; restoring the chain end {chain_end}: {chains}")
+    shape = {
+        c: [
+            (n, p["chain_length"], p["own_records"], p["referenced_records"]) for n, p in ps.items()
+        ]
+        for c, ps in chains.items()
+    }
+    print(f"chained (member, chain length, own, referenced): {shape}; chain end {chain_end}")
 
     # The chain end restored into a fresh fleet, then two checkpoints with nothing run
     # between them: the first after a Restore is full, the second (same cut) references it.
