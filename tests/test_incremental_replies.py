@@ -22,11 +22,12 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import prepared as prepared_double
-from .conftest import start_harness, stop_harness
+from .conftest import refused, start_harness, stop_harness
 from .test_commit import GatedStorage, wait_thread_event
 from .test_fleet_cli import cli, real_fleet
 from .test_incremental import Fleet, IncrementalCounter, manifest_of
 from .test_resources import Running, prepared, running
+from .test_restore import STATES, make_checkpoint
 
 
 def figures(message: Any) -> tuple[int, int, int]:
@@ -178,6 +179,71 @@ async def test_get_status_reports_an_async_part_only_once_it_is_durable(
         await stop_harness(h)
 
 
+async def test_a_rejoining_restore_abandons_the_last_part_even_one_still_being_written(
+    tmp_path: Path,
+) -> None:
+    """After a rejoining Restore the process's earlier history is abandoned: GetStatus names
+    no part (as a fresh process restored from the same checkpoint), and an asynchronous write
+    cut before the Restore that ends after it does not come back as the last part."""
+    storage = GatedStorage("before_record")
+    h = await start_harness(storage=storage)
+    first, second = str(tmp_path / "c1"), str(tmp_path / "c2")
+    try:
+        h.participant.seed(EpisodeId("r1"), {"n": 1})
+        await prepared_double(h, "c1")
+        storage.release.set()  # c1 is written at once
+        await h.client.commit("c1", h.deadline(), first)
+        await h.client.resume("c1", h.deadline())
+        assert (await last_part(h)).checkpoint_id == "c1"
+        storage.release.clear()
+        storage.reached.clear()
+        await prepared_double(h, "c2")
+        await h.client.commit("c2", h.deadline(), second, asynchronous=True)
+        await wait_thread_event(storage.reached)
+        await h.client.resume("c2", h.deadline())
+        await h.client.restore("restore-1", h.deadline(), first, [EpisodeId("r1")], rejoin=True)
+        assert not (await h.client.get_status()).HasField("last_part")
+        storage.release.set()
+        durable = await h.client.await_part("c2", h.deadline())
+        assert durable.state == pb.PART_WRITE_STATE_DURABLE
+        assert not (await h.client.get_status()).HasField("last_part")
+        await h.client.resume("restore-1", h.deadline())
+        await prepared_double(h, "c3")
+        await h.client.commit("c3", h.deadline(), str(tmp_path / "c3"))
+        assert (await last_part(h)).checkpoint_id == "c3"
+    finally:
+        storage.release.set()
+        await stop_harness(h)
+
+
+async def test_a_synchronous_commit_whose_cleanup_fails_is_not_the_last_part(
+    checkpoint_dir: str, tmp_path: Path
+) -> None:
+    """A scoped Commit writes its part, then retires the restored episodes its scope leaves
+    out; when that retire fails the Commit fails (HOOK_FAILED), and GetStatus must not name
+    its part as published (the asynchronous job starts no write in that case either). The
+    retried Commit that succeeds is the last part."""
+    await make_checkpoint(checkpoint_dir, STATES)
+    h = await start_harness()
+    scope = [EpisodeId("r1"), EpisodeId("r2", 1)]
+    try:
+        await h.client.restore("restore-1", h.deadline(), checkpoint_dir, scope)
+        await h.client.resume("restore-1", h.deadline())
+        h.participant.fail["retire"] = RuntimeError("the retire hook failed")
+        await prepared_double(h, "c1")
+        directory = str(tmp_path / "c1")
+        await refused(
+            h.client.commit("c1", h.deadline(), directory, scope=[EpisodeId("r1", 1)]),
+            "HOOK_FAILED",
+        )
+        assert not (await h.client.get_status()).HasField("last_part")
+        del h.participant.fail["retire"]
+        await h.client.commit("c1", h.deadline(), directory, scope=[EpisodeId("r1", 1)])
+        assert (await last_part(h)).checkpoint_id == "c1"
+    finally:
+        await stop_harness(h)
+
+
 def test_status_shows_the_last_part_each_member_published(tmp_path: Path) -> None:
     """`rollout-checkpoint status` (JSON and table) names each member's last part with what it
     wrote and referenced; the example servers do not opt in, so their parts are full."""
@@ -202,7 +268,7 @@ def test_status_shows_the_last_part_each_member_published(tmp_path: Path) -> Non
             (0, 0, 1),
         )
         table = cli("status", "--fleet", str(fleet.fleet_file))
-        assert "ckpt-p: 1 written, 0 referenced, chain 1" in table.stdout
+        assert "1/1 new, chain 1" in table.stdout
 
 
 def figures_of(part: dict[str, Any]) -> tuple[int, int, int]:

@@ -118,12 +118,12 @@ def _last_part(part: pb.PublishedPart) -> dict[str, Any]:
 
 
 def _last_part_cell(part: dict[str, Any] | None) -> str:
+    """Records written of the part's records, and its chain length, in a cell narrow
+    enough that a fleet's table still fits a terminal (a wide cell squeezes the name and
+    readiness columns to nothing); the id and the rest are in `--json`."""
     if part is None:
         return "-"
-    return (
-        f"{part['checkpoint_id']}: {part['records_written']} written, "
-        f"{part['records_referenced']} referenced, chain {part['chain_length']}"
-    )
+    return f"{part['records_written']}/{part['record_count']} new, chain {part['chain_length']}"
 
 
 async def status_verb(args: argparse.Namespace, spec: FleetSpec) -> int:

@@ -115,8 +115,11 @@ class CommitHost(ControlParts, Protocol):
 
     def changed(self) -> None: ...
 
-    def part_published(self, checkpoint_dir: str, part: PublishedPart, asynchronous: bool) -> None:
-        """Note the last part this process published (GetStatus's `last_part`)."""
+    def part_published(
+        self, checkpoint_dir: str, part: PublishedPart, asynchronous: bool, generation: int
+    ) -> None:
+        """Note the last part this process published (GetStatus's `last_part`), cut in
+        restore `generation`."""
         ...
 
 
@@ -221,12 +224,19 @@ class CommitJob:
             self.fence.check()
             with host.observer.phase("write"):
                 self.published = await self._write(host, records)
-            host.part_published(self.checkpoint_dir, self.published, asynchronous=False)
         if self.retired is None:
             self.phase = "cleanup"
             retired = await _retire_unscoped_pending(host, self.scope)
             _release_committed(host, self.checkpoint_id, self.scope)
             self.retired = retired
+        # Only now: a Commit whose cleanup fails is a failed Commit, whose part no status
+        # may show as the last published (the asynchronous job starts its write only here).
+        host.part_published(
+            self.checkpoint_dir,
+            self.published,
+            asynchronous=False,
+            generation=host.part_chains.generation,
+        )
         self.phase = "done"
         return CommitResult(
             manifest=self.published.manifest,
@@ -299,6 +309,7 @@ class CommitJob:
                 participant.kind.value,
                 participant.instance,
                 self.snapshot,
+                host.part_chains.generation,
             )
         self.phase = "done"
         return CommitResult(

@@ -123,7 +123,7 @@ class ControlPlane(ControlViews, ChangeSignals):
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()
-        self.last_part: LastPart | None = None
+        self._last_part: LastPart | None = None
         self.part_writes = PartWrites(self.storage, self.changed, self._part_durable)
         self.part_chains = PartChains(
             ChainSettings(
@@ -314,16 +314,21 @@ class ControlPlane(ControlViews, ChangeSignals):
             await asyncio.wait([write.task], timeout=remaining)
         return write
 
-    def part_published(self, checkpoint_dir: str, part: PublishedPart, asynchronous: bool) -> None:
-        """Note the last part this process published (GetStatus's `last_part`): once durable,
-        whatever the controller does with its checkpoint afterwards."""
-        self.last_part = LastPart(checkpoint_dir, asynchronous, part.manifest)
+    def part_published(
+        self, checkpoint_dir: str, part: PublishedPart, asynchronous: bool, generation: int
+    ) -> None:
+        """Note the last part this process published (GetStatus's `last_part`), cut in
+        restore `generation`: once durable and its commit done, whatever the controller does
+        with its checkpoint afterwards."""
+        self._last_part = LastPart(checkpoint_dir, asynchronous, part.manifest, generation)
 
     def _part_durable(self, write: PartWrite, part: PublishedPart) -> None:
         """An asynchronous commit counts (records, bytes), and is the last part published,
         only once its part is durable: a snapshot whose write fails published nothing."""
         self.observer.committed(part.manifest.record_count, part.manifest.bytes)
-        self.part_published(write.checkpoint_dir, part, asynchronous=True)
+        self.part_published(
+            write.checkpoint_dir, part, asynchronous=True, generation=write.generation
+        )
 
     async def restore(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.paging import page_by_key, page_of
+from rollout_checkpoint.server.runtime.part_chain import PartChains
 from rollout_checkpoint.server.runtime.participant import (
     EpisodeInfo,
     Participant,
@@ -26,11 +27,13 @@ from rollout_checkpoint.server.runtime.state_machine import State, StateMachine
 @dataclass(frozen=True, slots=True)
 class LastPart:
     """The last part this process published (GetStatus's `last_part`): where, by which mode
-    of commit, and its manifest."""
+    of commit, and its manifest; `generation` is the restore boundary it was cut in
+    (`PartChains.generation`)."""
 
     checkpoint_dir: str
     asynchronous: bool
     manifest: StoredManifest
+    generation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +60,18 @@ class ControlViews:
 
     participant: Participant
     retired_attempts: RetiredAttempts
-    last_part: LastPart | None
+    part_chains: PartChains
+    _last_part: LastPart | None
     _machine: StateMachine
+
+    @property
+    def last_part(self) -> LastPart | None:
+        """The last part published since the last Restore: a Restore abandons the history
+        before it (a fresh process restored from the same checkpoint has published nothing),
+        and an asynchronous write cut before the Restore that ends after it is not this
+        history's part either."""
+        last = self._last_part
+        return last if last is not None and last.generation == self.part_chains.generation else None
 
     @property
     def state(self) -> State:

@@ -132,6 +132,12 @@ class PartChains:
     def latest(self) -> PublishedChain | None:
         return self._latest
 
+    @property
+    def generation(self) -> int:
+        """How many restore boundaries this process crossed: what was published before the
+        last one belongs to an abandoned history."""
+        return self._generation
+
     def reset(self) -> None:
         """A restore boundary: nothing published before it is referenced after it."""
         self._latest = None

@@ -91,6 +91,8 @@ class PartWrite:
 
     checkpoint_id: str
     checkpoint_dir: str
+    generation: int
+    """The restore boundary its snapshot was cut in (`PartChains.generation`)."""
     fence: WriteFence = field(default_factory=WriteFence)
     task: asyncio.Task[PublishedPart] | None = None
     published: PublishedPart | None = None
@@ -138,12 +140,14 @@ class PartWrites:
         kind: str,
         instance: str,
         snapshot: PartSnapshot,
+        generation: int,
     ) -> PartWrite:
-        """Start writing `snapshot` (once per id: a second start returns the first write)."""
+        """Start writing `snapshot`, cut in restore `generation` (once per id: a second
+        start returns the first write)."""
         existing = self._writes.get(checkpoint_id)
         if existing is not None:
             return existing
-        write = PartWrite(checkpoint_id, checkpoint_dir)
+        write = PartWrite(checkpoint_id, checkpoint_dir, generation)
         self._writes[checkpoint_id] = write
         while len(self._writes) > OUTCOMES_KEPT:
             self._writes.popitem(last=False)

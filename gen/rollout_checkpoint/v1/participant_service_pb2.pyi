@@ -337,10 +337,12 @@ class GetStatusResponse(_message.Message):
 
     @_builtins.property
     def last_part(self) -> Global___PublishedPart:
-        """The last part this process published (a synchronous Commit's, or an
-        asynchronous commit's once its write is durable), whatever became of its
-        checkpoint since. Unset while this process published none (a new
-        process, a replacement).
+        """The last part this process published since its last Restore (a
+        synchronous Commit's once the Commit succeeded, or an asynchronous
+        commit's once its write is durable), whatever became of its checkpoint
+        since. Unset while this process published none (a new process, a
+        replacement) and after a Restore: a rejoining Restore abandons what the
+        process published before it, even a write cut before it that ends after.
         """
 
     def __init__(
@@ -386,7 +388,8 @@ class PublishedPart(_message.Message):
     """The checkpoint id of the part."""
     checkpoint_dir: _builtins.str
     """The checkpoint directory it was written into: the Commit's, with symlinks
-    resolved (an object-store URL as given).
+    resolved (an object-store URL in its canonical form, without a trailing
+    slash).
     """
     asynchronous: _builtins.bool
     """True when an asynchronous commit wrote it (durable since)."""
@@ -752,6 +755,9 @@ class CommitResponse(_message.Message):
     """How many parts a restore of this one reads at most: 1 for a full part
     (read alone), the base's length plus one for an incremental part (see
     `Manifest.chain_length`, which a full part's manifest leaves unset).
+    Never 0 from a participant of this version: 0 means the participant
+    predates these fields (then `records_written` and `records_referenced`
+    are 0 too and say nothing).
     """
     @_builtins.property
     def manifest(self) -> _types_pb2.Manifest:

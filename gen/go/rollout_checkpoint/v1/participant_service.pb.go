@@ -404,10 +404,12 @@ type GetStatusResponse struct {
 	Counters map[string]int64 `protobuf:"bytes,9,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// A random id, new for every process.
 	BootId string `protobuf:"bytes,10,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
-	// The last part this process published (a synchronous Commit's, or an
-	// asynchronous commit's once its write is durable), whatever became of its
-	// checkpoint since. Unset while this process published none (a new
-	// process, a replacement).
+	// The last part this process published since its last Restore (a
+	// synchronous Commit's once the Commit succeeded, or an asynchronous
+	// commit's once its write is durable), whatever became of its checkpoint
+	// since. Unset while this process published none (a new process, a
+	// replacement) and after a Restore: a rejoining Restore abandons what the
+	// process published before it, even a write cut before it that ends after.
 	LastPart      *PublishedPart `protobuf:"bytes,11,opt,name=last_part,json=lastPart,proto3" json:"last_part,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -527,7 +529,8 @@ type PublishedPart struct {
 	// The checkpoint id of the part.
 	CheckpointId string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
 	// The checkpoint directory it was written into: the Commit's, with symlinks
-	// resolved (an object-store URL as given).
+	// resolved (an object-store URL in its canonical form, without a trailing
+	// slash).
 	CheckpointDir string `protobuf:"bytes,2,opt,name=checkpoint_dir,json=checkpointDir,proto3" json:"checkpoint_dir,omitempty"`
 	// True when an asynchronous commit wrote it (durable since).
 	Asynchronous bool `protobuf:"varint,3,opt,name=asynchronous,proto3" json:"asynchronous,omitempty"`
@@ -1180,6 +1183,9 @@ type CommitResponse struct {
 	// How many parts a restore of this one reads at most: 1 for a full part
 	// (read alone), the base's length plus one for an incremental part (see
 	// `Manifest.chain_length`, which a full part's manifest leaves unset).
+	// Never 0 from a participant of this version: 0 means the participant
+	// predates these fields (then `records_written` and `records_referenced`
+	// are 0 too and say nothing).
 	ChainLength   uint32 `protobuf:"varint,11,opt,name=chain_length,json=chainLength,proto3" json:"chain_length,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -305,10 +305,12 @@ export interface GetStatusResponse {
     | string
     | undefined;
   /**
-   * The last part this process published (a synchronous Commit's, or an
-   * asynchronous commit's once its write is durable), whatever became of its
-   * checkpoint since. Unset while this process published none (a new
-   * process, a replacement).
+   * The last part this process published since its last Restore (a
+   * synchronous Commit's once the Commit succeeded, or an asynchronous
+   * commit's once its write is durable), whatever became of its checkpoint
+   * since. Unset while this process published none (a new process, a
+   * replacement) and after a Restore: a rejoining Restore abandons what the
+   * process published before it, even a write cut before it that ends after.
    */
   lastPart?: PublishedPart | undefined;
 }
@@ -334,7 +336,8 @@ export interface PublishedPart {
     | undefined;
   /**
    * The checkpoint directory it was written into: the Commit's, with symlinks
-   * resolved (an object-store URL as given).
+   * resolved (an object-store URL in its canonical form, without a trailing
+   * slash).
    */
   checkpointDir?:
     | string
@@ -598,6 +601,9 @@ export interface CommitResponse {
    * How many parts a restore of this one reads at most: 1 for a full part
    * (read alone), the base's length plus one for an incremental part (see
    * `Manifest.chain_length`, which a full part's manifest leaves unset).
+   * Never 0 from a participant of this version: 0 means the participant
+   * predates these fields (then `records_written` and `records_referenced`
+   * are 0 too and say nothing).
    */
   chainLength?: number | undefined;
 }
@@ -8778,7 +8784,7 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3],
-        "span": [468, 0, 495, 1],
+        "span": [468, 0, 497, 1],
         "leadingComments": " Reply of GetStatus.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
@@ -8845,833 +8851,833 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 10],
-        "span": [494, 2, 31],
+        "span": [496, 2, 31],
         "leadingComments":
-          " The last part this process published (a synchronous Commit's, or an\n asynchronous commit's once its write is durable), whatever became of its\n checkpoint since. Unset while this process published none (a new\n process, a replacement).\n",
+          " The last part this process published since its last Restore (a\n synchronous Commit's once the Commit succeeded, or an asynchronous\n commit's once its write is durable), whatever became of its checkpoint\n since. Unset while this process published none (a new process, a\n replacement) and after a Restore: a rejoining Restore abandons what the\n process published before it, even a write cut before it that ends after.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4],
-        "span": [499, 0, 521, 1],
+        "span": [501, 0, 524, 1],
         "leadingComments":
           " A part a participant published, with what it wrote and what a restore of it\n reads (GetStatus).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 0],
-        "span": [501, 2, 27],
+        "span": [503, 2, 27],
         "leadingComments": " The checkpoint id of the part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 1],
-        "span": [504, 2, 28],
+        "span": [507, 2, 28],
         "leadingComments":
-          " The checkpoint directory it was written into: the Commit's, with symlinks\n resolved (an object-store URL as given).\n",
+          " The checkpoint directory it was written into: the Commit's, with symlinks\n resolved (an object-store URL in its canonical form, without a trailing\n slash).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 2],
-        "span": [506, 2, 24],
+        "span": [509, 2, 24],
         "leadingComments": " True when an asynchronous commit wrote it (durable since).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 3],
-        "span": [509, 2, 26],
+        "span": [512, 2, 26],
         "leadingComments":
           " The part's records: `records_written` plus `records_referenced`\n (`Manifest.record_count`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 4],
-        "span": [511, 2, 29],
+        "span": [514, 2, 29],
         "leadingComments": " The records this part stored itself, as CommitResponse.records_written.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 5],
-        "span": [514, 2, 32],
+        "span": [517, 2, 32],
         "leadingComments": " The records it references in earlier parts, as\n CommitResponse.records_referenced.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 6],
-        "span": [517, 2, 26],
+        "span": [520, 2, 26],
         "leadingComments":
           " How many parts a restore of it reads at most, as\n CommitResponse.chain_length (1: a full part).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 7],
-        "span": [520, 2, 19],
+        "span": [523, 2, 19],
         "leadingComments":
           " The size of its records file in bytes (`Manifest.bytes`): the own\n records' lines and one reference line per referenced record.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5],
-        "span": [524, 0, 530, 1],
+        "span": [527, 0, 533, 1],
         "leadingComments": " Request of ListEpisodes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 0],
-        "span": [527, 2, 22],
+        "span": [530, 2, 22],
         "leadingComments": " The most episodes to return; 0 means 500, larger values are capped at\n 1000.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 1],
-        "span": [529, 2, 24],
+        "span": [532, 2, 24],
         "leadingComments": " The `next_page_token` of the previous page; empty for the first page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6],
-        "span": [533, 0, 538, 1],
+        "span": [536, 0, 541, 1],
         "leadingComments": " Reply of ListEpisodes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6, 2, 0],
-        "span": [535, 2, 32],
+        "span": [538, 2, 32],
         "leadingComments": " The episodes of this page, sorted by capture key.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6, 2, 1],
-        "span": [537, 2, 29],
+        "span": [540, 2, 29],
         "leadingComments": " The token of the next page; empty on the last page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7],
-        "span": [541, 0, 553, 1],
+        "span": [544, 0, 556, 1],
         "leadingComments": " Request of Prepare.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7, 2, 0],
-        "span": [543, 2, 27],
+        "span": [546, 2, 27],
         "leadingComments": " The checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7, 2, 1],
-        "span": [545, 2, 41],
+        "span": [548, 2, 41],
         "leadingComments": " Absolute deadline for reaching PREPARED. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 7, 2, 2],
-        "span": [552, 2, 30],
+        "span": [555, 2, 30],
         "leadingComments":
           " Optional fence: the `boot_id` (GetParticipant, GetStatus) of the process\n the caller means to prepare. A participant with another boot id refuses\n with `BOOT_ID_MISMATCH` before anything changes: it is a replacement\n that holds none of that process's state (perhaps started closed awaiting\n its restore), and preparing it would commit an empty part in its place.\n Empty: no check.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0],
-        "span": [556, 0, 567, 1],
+        "span": [559, 0, 570, 1],
         "leadingComments": " Why a PrepareResponse was sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 0],
-        "span": [558, 2, 38],
+        "span": [561, 2, 38],
         "leadingComments": " Never sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 1],
-        "span": [560, 2, 34],
+        "span": [563, 2, 34],
         "leadingComments": " The first message of a stream: the state when the call arrived.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 2],
-        "span": [562, 2, 33],
+        "span": [565, 2, 33],
         "leadingComments": " Readiness or state changed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 3],
-        "span": [564, 2, 36],
+        "span": [567, 2, 36],
         "leadingComments": " Nothing changed for `heartbeat_seconds`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 4],
-        "span": [566, 2, 32],
+        "span": [569, 2, 32],
         "leadingComments": " The last message of the stream (`final` is true).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8],
-        "span": [570, 0, 591, 1],
+        "span": [573, 0, 594, 1],
         "leadingComments": " One message of the Prepare stream.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 0],
-        "span": [572, 2, 29],
+        "span": [575, 2, 29],
         "leadingComments": " The participant's state when the message was built.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 1],
-        "span": [574, 2, 27],
+        "span": [577, 2, 27],
         "leadingComments": " The active checkpoint id (empty once the checkpoint ended).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 2],
-        "span": [576, 2, 32],
+        "span": [579, 2, 32],
         "leadingComments": " Readiness, with at most 100 blockers listed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 3],
-        "span": [578, 2, 49],
+        "span": [581, 2, 49],
         "leadingComments": " When the lease runs out; unset when there is no lease.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 4],
-        "span": [580, 2, 22],
+        "span": [583, 2, 22],
         "leadingComments": " 1 for the first message of this stream, then +1 per message.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 5],
-        "span": [582, 2, 39],
+        "span": [585, 2, 39],
         "leadingComments": " Time since this Prepare call arrived.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 6],
-        "span": [584, 2, 36],
+        "span": [587, 2, 36],
         "leadingComments": " Why this message was sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 7],
-        "span": [586, 2, 17],
+        "span": [589, 2, 17],
         "leadingComments": " True on the last message of the stream.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 8],
-        "span": [588, 2, 20],
+        "span": [591, 2, 20],
         "leadingComments": " True when this stream replays a recorded Prepare of this id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 8, 2, 9],
-        "span": [590, 2, 27],
+        "span": [593, 2, 27],
         "leadingComments": " Whether the data plane takes new work.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9],
-        "span": [594, 0, 600, 1],
+        "span": [597, 0, 603, 1],
         "leadingComments": " Request of Renew.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 0],
-        "span": [596, 2, 27],
+        "span": [599, 2, 27],
         "leadingComments": " The active checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 9, 2, 1],
-        "span": [599, 2, 41],
+        "span": [602, 2, 41],
         "leadingComments": " Absolute deadline; the lease runs to at least this plus the grace.\n Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 10],
-        "span": [603, 0, 606, 1],
+        "span": [606, 0, 609, 1],
         "leadingComments": " Reply of Renew.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 10, 2, 0],
-        "span": [605, 2, 49],
+        "span": [608, 2, 49],
         "leadingComments": " When the lease now runs out.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11],
-        "span": [609, 0, 627, 1],
+        "span": [612, 0, 630, 1],
         "leadingComments": " Request of Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 0],
-        "span": [611, 2, 27],
+        "span": [614, 2, 27],
         "leadingComments": " The active checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 1],
-        "span": [613, 2, 41],
+        "span": [616, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 2],
-        "span": [618, 2, 28],
+        "span": [621, 2, 28],
         "leadingComments":
           " The controller's checkpoint directory: an absolute, normalized path with\n no `..` component, under one of the participant's allowed roots when it\n has any. The participant writes only below\n `<checkpoint_dir>/participants/<kind>/<instance>/`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 3],
-        "span": [622, 2, 25],
+        "span": [625, 2, 25],
         "leadingComments":
           " The episodes the controller continues. Unset: every live episode\n (unscoped; the policy model refuses it with `SCOPE_REQUIRED`). Set and\n empty: none.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 11, 2, 4],
-        "span": [626, 2, 24],
+        "span": [629, 2, 24],
         "leadingComments":
           " Answer once the snapshot is taken, and write the part in the background\n (see Commit); AwaitPart reports when it is durable. False: the\n synchronous commit, which answers once the part is published.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12],
-        "span": [630, 0, 676, 1],
+        "span": [633, 0, 682, 1],
         "leadingComments": " Reply of Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 0],
-        "span": [632, 2, 29],
+        "span": [635, 2, 29],
         "leadingComments": " COMMITTED.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 1],
-        "span": [634, 2, 24],
+        "span": [637, 2, 24],
         "leadingComments": " The published manifest.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 2],
-        "span": [637, 2, 29],
+        "span": [640, 2, 29],
         "leadingComments":
           " Lower-case hex SHA-256 of the `manifest.json` bytes, for a fleet\n manifest that pins every part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 3],
-        "span": [640, 2, 31],
+        "span": [643, 2, 31],
         "leadingComments":
           " The sorted capture keys of the exported episodes, each once (an episode\n may hold several records: a resources server's several sessions).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 4],
-        "span": [643, 2, 30],
+        "span": [646, 2, 30],
         "leadingComments":
           " The sorted capture keys of restored-pending episodes that the scope left\n out and that were therefore retired.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 5],
-        "span": [647, 2, 25],
+        "span": [650, 2, 25],
         "leadingComments":
           " True for an asynchronous commit: the snapshot is taken and the part is\n being written in the background; `manifest` and `manifest_sha256` are\n unset until AwaitPart reports it durable.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 6],
-        "span": [652, 2, 29],
+        "span": [655, 2, 29],
         "leadingComments":
           " Asynchronous commits (0 for a synchronous one: see `manifest`): the\n records of the part the snapshot cut, the ones it wrote and the ones it\n references alike (`records_written` plus `records_referenced`), which is\n the durable part's `manifest.record_count`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 7],
-        "span": [659, 2, 27],
+        "span": [662, 2, 27],
         "leadingComments":
           " Asynchronous commits (0 for a synchronous one): the bytes the snapshot\n serialized and holds until the write ends, the lines of the\n `records_written` records (each with its newline). For a full part that\n is the durable part's `manifest.bytes`; for an incremental part it is\n less, by the reference lines the background write composes for the\n `records_referenced` records.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 8],
-        "span": [667, 2, 29],
+        "span": [670, 2, 29],
         "leadingComments":
           " The records this part stores itself: every record for a full part\n (`manifest.record_count`); for an incremental part the changed and new\n ones (`manifest.own_records`). Set by every participant, synchronous or\n asynchronous (known at the snapshot: equal to the durable part's). A\n participant that never writes incremental parts (a NeMo Gym server, an\n agent or environment, the model, a resources server that does not opt\n in, one with several workers) always writes full parts.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 9],
-        "span": [671, 2, 33],
+        "span": [674, 2, 33],
         "leadingComments":
           " The records this part references in earlier parts of the same\n participant instead of storing them again (unchanged since the part that\n holds them; `manifest.referenced_records`): 0 for a full part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 12, 2, 10],
-        "span": [675, 2, 27],
+        "span": [681, 2, 27],
         "leadingComments":
-          " How many parts a restore of this one reads at most: 1 for a full part\n (read alone), the base's length plus one for an incremental part (see\n `Manifest.chain_length`, which a full part's manifest leaves unset).\n",
+          " How many parts a restore of this one reads at most: 1 for a full part\n (read alone), the base's length plus one for an incremental part (see\n `Manifest.chain_length`, which a full part's manifest leaves unset).\n Never 0 from a participant of this version: 0 means the participant\n predates these fields (then `records_written` and `records_referenced`\n are 0 too and say nothing).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13],
-        "span": [679, 0, 685, 1],
+        "span": [685, 0, 691, 1],
         "leadingComments": " Request of AwaitPart.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13, 2, 0],
-        "span": [681, 2, 27],
+        "span": [687, 2, 27],
         "leadingComments": " The id of an asynchronous commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 13, 2, 1],
-        "span": [684, 2, 41],
+        "span": [690, 2, 41],
         "leadingComments":
           " Absolute time until which to wait for the write to end. Optional: unset\n answers at once.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1],
-        "span": [688, 0, 700, 1],
+        "span": [694, 0, 706, 1],
         "leadingComments": " Where the background write of an asynchronous commit stands.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 0],
-        "span": [690, 2, 35],
+        "span": [696, 2, 35],
         "leadingComments": " Never sent by a participant.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 1],
-        "span": [692, 2, 31],
+        "span": [698, 2, 31],
         "leadingComments": " This process holds no snapshot or outcome of that id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 2],
-        "span": [694, 2, 31],
+        "span": [700, 2, 31],
         "leadingComments": " The part is being written.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 3],
-        "span": [696, 2, 31],
+        "span": [702, 2, 31],
         "leadingComments": " The part is published (manifest created, fsynced or uploaded).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 4],
-        "span": [699, 2, 30],
+        "span": [705, 2, 30],
         "leadingComments":
           " The write failed; nothing was published (or a part another writer\n published differs: `INVALID_CHECKPOINT_STATE`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14],
-        "span": [703, 0, 716, 1],
+        "span": [709, 0, 722, 1],
         "leadingComments": " Reply of AwaitPart.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 0],
-        "span": [705, 2, 27],
+        "span": [711, 2, 27],
         "leadingComments": " Where the write stands.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 1],
-        "span": [707, 2, 24],
+        "span": [713, 2, 24],
         "leadingComments": " DURABLE: the published manifest.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 2],
-        "span": [709, 2, 29],
+        "span": [715, 2, 29],
         "leadingComments": " DURABLE: lower-case hex SHA-256 of the `manifest.json` bytes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 3],
-        "span": [713, 2, 28],
+        "span": [719, 2, 28],
         "leadingComments":
           " FAILED: the error reason's wire value (`STORAGE_FAILED`,\n `INVALID_CHECKPOINT_STATE`, ...), as a synchronous Commit would have\n answered it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 14, 2, 4],
-        "span": [715, 2, 29],
+        "span": [721, 2, 29],
         "leadingComments": " FAILED: what went wrong, for an operator.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15],
-        "span": [719, 0, 736, 1],
+        "span": [725, 0, 742, 1],
         "leadingComments": " Request of Restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15, 2, 0],
-        "span": [721, 2, 27],
+        "span": [727, 2, 27],
         "leadingComments": " A fresh control id for this restore (not the checkpointed id).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15, 2, 1],
-        "span": [723, 2, 41],
+        "span": [729, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15, 2, 2],
-        "span": [725, 2, 28],
+        "span": [731, 2, 28],
         "leadingComments": " The checkpoint directory to read, with the same rules as Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15, 2, 3],
-        "span": [728, 2, 25],
+        "span": [734, 2, 25],
         "leadingComments":
           " The checkpointed episodes (attempt N) the controller continues; each is\n installed as attempt N+1. Required; may be empty.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 15, 2, 4],
-        "span": [735, 2, 18],
+        "span": [741, 2, 18],
         "leadingComments":
           " Restore into a process that may have served (a survivor of a fleet one\n of whose members was replaced): first retire every episode it holds and\n forget having served, then restore as a fresh process would (see\n Restore). False: a process that has served refuses\n `FRESH_PROCESS_REQUIRED`. Part of the restore's arguments: a retry must\n repeat it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16],
-        "span": [739, 0, 746, 1],
+        "span": [745, 0, 752, 1],
         "leadingComments": " Reply of Restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16, 2, 0],
-        "span": [741, 2, 29],
+        "span": [747, 2, 29],
         "leadingComments": " RESTORED.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16, 2, 1],
-        "span": [743, 2, 34],
+        "span": [749, 2, 34],
         "leadingComments": " The checkpoint id stored in the manifest that was read.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 16, 2, 2],
-        "span": [745, 2, 31],
+        "span": [751, 2, 31],
         "leadingComments": " The sorted capture keys installed (attempt N+1), each episode once.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 17],
-        "span": [749, 0, 754, 1],
+        "span": [755, 0, 760, 1],
         "leadingComments": " Request of Resume.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 17, 2, 0],
-        "span": [751, 2, 27],
+        "span": [757, 2, 27],
         "leadingComments": " The checkpoint id to end.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 17, 2, 1],
-        "span": [753, 2, 41],
+        "span": [759, 2, 41],
         "leadingComments": " Absolute deadline; bounds only the wait for a running cleanup. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18],
-        "span": [757, 0, 764, 1],
+        "span": [763, 0, 770, 1],
         "leadingComments": " Reply of Resume.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18, 2, 0],
-        "span": [759, 2, 29],
+        "span": [765, 2, 29],
         "leadingComments": " IDLE.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 18, 2, 1],
-        "span": [763, 2, 22],
+        "span": [769, 2, 22],
         "leadingComments":
           " True when this Resume changed nothing: the id had already been resumed,\n or never reached this participant (fenced only). False when it ended a\n checkpoint or a restore, or opened a `start_closed` process.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 19],
-        "span": [767, 0, 775, 1],
+        "span": [773, 0, 781, 1],
         "leadingComments": " Request of Retire.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 19, 2, 0],
-        "span": [769, 2, 27],
+        "span": [775, 2, 27],
         "leadingComments": " In IDLE any valid id; in RESTORED the restore's id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 19, 2, 1],
-        "span": [771, 2, 41],
+        "span": [777, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 19, 2, 2],
-        "span": [774, 2, 34],
+        "span": [780, 2, 34],
         "leadingComments":
           " The attempts to retire (each also retires the earlier attempts of its\n rollout). At least one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 20],
-        "span": [778, 0, 781, 1],
+        "span": [784, 0, 787, 1],
         "leadingComments": " Reply of Retire.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 20, 2, 0],
-        "span": [780, 2, 30],
+        "span": [786, 2, 30],
         "leadingComments": " The capture keys of the requested attempts, in request order.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 21],
-        "span": [784, 0, 791, 1],
+        "span": [790, 0, 797, 1],
         "leadingComments": " Request of Forget.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 21, 2, 0],
-        "span": [786, 2, 27],
+        "span": [792, 2, 27],
         "leadingComments": " In IDLE any valid id; in RESTORED the restore's id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 21, 2, 1],
-        "span": [788, 2, 41],
+        "span": [794, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 21, 2, 2],
-        "span": [790, 2, 34],
+        "span": [796, 2, 34],
         "leadingComments": " The rollouts whose marks to drop. At least one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22],
-        "span": [794, 0, 797, 1],
+        "span": [800, 0, 803, 1],
         "leadingComments": " Reply of Forget.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 22, 2, 0],
-        "span": [796, 2, 32],
+        "span": [802, 2, 32],
         "leadingComments": " The sorted rollout ids forgotten.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23],
-        "span": [801, 0, 814, 1],
+        "span": [807, 0, 820, 1],
         "leadingComments":
           " The receipt of one finished result: what a trainer acknowledges once it\n persisted the result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 0],
-        "span": [803, 2, 24],
+        "span": [809, 2, 24],
         "leadingComments": " The rollout whose result this is.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 1],
-        "span": [805, 2, 21],
+        "span": [811, 2, 21],
         "leadingComments": " The attempt that produced it (0 for the first).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 2],
-        "span": [809, 2, 27],
+        "span": [815, 2, 27],
         "leadingComments":
           " The SHA-256, 64 lowercase hex characters, of the result's canonical JSON:\n keys sorted, no whitespace (`,` and `:` separators), UTF-8. Opaque to a\n trainer: echo it, never recompute it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 23, 2, 3],
-        "span": [813, 2, 30],
+        "span": [819, 2, 30],
         "leadingComments":
           " The checkpoints the fleet state that produced the result was restored\n from, oldest first; empty for a result of a fleet never restored.\n Informational: an acknowledgement may leave it empty.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24],
-        "span": [817, 0, 831, 1],
+        "span": [823, 0, 837, 1],
         "leadingComments": " One result held in the outbox.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 0],
-        "span": [819, 2, 28],
+        "span": [825, 2, 28],
         "leadingComments": " The receipt issued with the result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 1],
-        "span": [822, 2, 25],
+        "span": [828, 2, 25],
         "leadingComments":
           " The capture key it is held under: the producing attempt's, or after a\n Restore the restored attempt N+1's.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 2],
-        "span": [824, 2, 19],
+        "span": [830, 2, 19],
         "leadingComments": " The data-plane route that produced it (`/run`), after the rollout prefix.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 3],
-        "span": [826, 2, 24],
+        "span": [832, 2, 24],
         "leadingComments": " The result: its canonical JSON, UTF-8.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 24, 2, 4],
-        "span": [830, 2, 28],
+        "span": [836, 2, 28],
         "leadingComments":
           " The SHA-256 of the canonical JSON of the request that produced it (of\n its bytes when it is no JSON): the request a late run must repeat to get\n this result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 25],
-        "span": [834, 0, 840, 1],
+        "span": [840, 0, 846, 1],
         "leadingComments": " Request of ListResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 25, 2, 0],
-        "span": [837, 2, 22],
+        "span": [843, 2, 22],
         "leadingComments": " The most results to return; 0 means 100, larger values are capped at\n 1000.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 25, 2, 1],
-        "span": [839, 2, 24],
+        "span": [845, 2, 24],
         "leadingComments": " The `next_page_token` of the previous page; empty for the first page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26],
-        "span": [843, 0, 853, 1],
+        "span": [849, 0, 859, 1],
         "leadingComments": " Reply of ListResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26, 2, 0],
-        "span": [845, 2, 34],
+        "span": [851, 2, 34],
         "leadingComments": " The results of this page, sorted by capture key.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26, 2, 1],
-        "span": [847, 2, 29],
+        "span": [853, 2, 29],
         "leadingComments": " The token of the next page; empty on the last page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26, 2, 2],
-        "span": [849, 2, 18],
+        "span": [855, 2, 18],
         "leadingComments": " How many results the outbox holds in all.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 26, 2, 3],
-        "span": [852, 2, 17],
+        "span": [858, 2, 17],
         "leadingComments":
           " The outbox's cap: past it, new runs that ask for a receipt are refused\n (HTTP 429 `outbox_full`, retryable).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27],
-        "span": [856, 0, 862, 1],
+        "span": [862, 0, 868, 1],
         "leadingComments": " Request of AcknowledgeResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 0],
-        "span": [858, 2, 41],
+        "span": [864, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 27, 2, 1],
-        "span": [861, 2, 38],
+        "span": [867, 2, 38],
         "leadingComments":
           " The receipts to acknowledge, as issued (`lineage` may be left empty). At\n least one, at most 10000.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28],
-        "span": [865, 0, 870, 1],
+        "span": [871, 0, 876, 1],
         "leadingComments": " Reply of AcknowledgeResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28, 2, 0],
-        "span": [867, 2, 22],
+        "span": [873, 2, 22],
         "leadingComments": " How many receipts released a held result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 28, 2, 1],
-        "span": [869, 2, 22],
+        "span": [875, 2, 22],
         "leadingComments": " How many named nothing held (already acknowledged, released, unknown).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29],
-        "span": [873, 0, 879, 1],
+        "span": [879, 0, 885, 1],
         "leadingComments": " Request of SetWeightVersion.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 0],
-        "span": [875, 2, 41],
+        "span": [881, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 29, 2, 1],
-        "span": [878, 2, 28],
+        "span": [884, 2, 28],
         "leadingComments":
           " The version of the policy weights that serve from now on. Opaque to the\n participant (a trainer's step counter, say); 0 to 2^63-1.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30],
-        "span": [882, 0, 886, 1],
+        "span": [888, 0, 892, 1],
         "leadingComments": " Reply of SetWeightVersion.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 30, 2, 0],
-        "span": [885, 2, 22],
+        "span": [891, 2, 22],
         "leadingComments":
           " The version current before this call (equal to `weight_version` when the\n call changed nothing).\n",
         "trailingComments": "",
