@@ -112,6 +112,14 @@ class ObjectLocation:
             or other.prefix.startswith(self.prefix + "/")
         )
 
+    def split(self) -> tuple[ObjectLocation, str] | None:
+        """The location this one lies in and its own name; None at the top of a bucket,
+        which lies in no location of that bucket (so has no siblings)."""
+        if not self.prefix:
+            return None
+        parent, _, name = self.prefix.rpartition("/")
+        return ObjectLocation(self.scheme, self.bucket, parent), name
+
     def __str__(self) -> str:
         return self.url
 
@@ -305,6 +313,16 @@ class ObjectStoreClient:
         except Exception as exc:
             raise self._failure("HEAD", key, exc) from None
         return True
+
+    def size(self, key: str) -> int | None:
+        """The object's size, read by one HEAD (no body); None when there is no such object."""
+        try:
+            meta = self._obstore.head(self._store, key)
+        except (FileNotFoundError, self._exceptions.NotFoundError):
+            return None
+        except Exception as exc:
+            raise self._failure("HEAD", key, exc) from None
+        return int(meta["size"])
 
     def tag(self, key: str) -> str | None:
         """What changes with every write of the object, read by one HEAD (no body): its ETag,
