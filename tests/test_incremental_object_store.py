@@ -43,12 +43,14 @@ from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
 from rollout_checkpoint.server.core.object_store import (
     ObjectStoreClient,
     ObjectStoreFailure,
+    client_for,
     parse_object_url,
 )
 from rollout_checkpoint.server.core.part_storage import WriteFence
 
 from .s3_server import S3Connection
 from .test_incremental import ROLLOUTS, Fleet, IncrementalCounter, _episode, restored_states
+from .test_incremental_crash import run_until_marker
 from .test_incremental_retention import INSTANCE, KIND, T0, Line, write
 from .test_object_store import get_object, keys_below, s3_env, url
 from .test_resources import Running, running
@@ -325,3 +327,114 @@ def test_retention_on_the_store_deletes_nothing_when_a_manifest_cannot_be_read(
     finally:
         store_down.undo()
     assert checkpoints_on_store(s3_env, url) == {"c0", "c1", "c2"}
+
+
+# -- SIGKILL during an incremental write, and during retention with references ---------------
+
+CHILD = r"""
+import sys, time
+from datetime import timedelta
+from pathlib import Path
+
+from rollout_checkpoint.client.checkpointing.publication import PublishedParticipant
+from rollout_checkpoint.client.checkpointing.publication.object_root import ObjectCheckpointRoot
+from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
+from rollout_checkpoint.server.core.object_store import ObjectStoreClient
+from tests.test_incremental_retention import INSTANCE, KIND, T0, write
+from tests.test_incremental_object_store import object_lines_of
+
+mode, root, step, marker = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+
+
+def stall():
+    marker.touch()
+    time.sleep(120)
+
+
+if mode == "write":
+    storage = ObjectPartStorage(crash_hook=lambda name: stall() if name == step else None)
+    write(root, "c2", 1, object_lines_of(root, "c1")[:2], storage)
+else:
+    real_delete = ObjectStoreClient.delete
+
+    def stalling_delete(self, keys):
+        real_delete(self, keys)  # the first deletion is a checkpoint.json: then stop
+        stall()
+
+    ObjectStoreClient.delete = stalling_delete
+    referenced = object_lines_of(root, "c0")[:1] + object_lines_of(root, "c2")[:1]
+    part, _ = write(root, "c3", 1, referenced, ObjectPartStorage())
+    entry = PublishedParticipant("counter", KIND, INSTANCE, part.manifest_sha256)
+    ObjectCheckpointRoot(root).publish(
+        "c3", [entry], [], b"", created_at=T0 + timedelta(hours=3), keep=1
+    )
+print("finished", flush=True)
+"""
+
+WRITE_STEPS = ("before_records_put", "before_publish", "before_manifest_create")
+
+
+def object_lines_of(root_url: str, checkpoint: str) -> list[Line]:
+    """The own record lines of a full part on the store, as a later part references them."""
+    manifest, _ = ObjectPartStorage().read_part(
+        f"{root_url}/{checkpoint}", KIND, INSTANCE, lambda r: True
+    )
+    location = parse_object_url(f"{root_url}/{checkpoint}")
+    key = location.key(layout.part_path("", KIND, INSTANCE), manifest.records_file)
+    stored = client_for(location).get(key)
+    assert stored is not None
+    lines, offset = [], 0
+    for line in stored.data.splitlines():
+        episode = json.dumps(json.loads(line)["episode_id"]).encode()
+        lines.append(Line(checkpoint, manifest.records_file, manifest.bytes, offset, line, episode))
+        offset += len(line) + 1
+    return lines
+
+
+def object_records(root_url: str, checkpoint: str) -> list[dict[str, Any]]:
+    return read_part_records(f"{root_url}/{checkpoint}")
+
+
+def read_part_records(checkpoint_url: str) -> list[dict[str, Any]]:
+    return ObjectPartStorage().read_part(checkpoint_url, KIND, INSTANCE, lambda r: True)[1]
+
+
+@pytest.mark.parametrize("step", WRITE_STEPS)
+def test_a_chained_write_to_the_store_killed_at_any_step_is_all_or_nothing(
+    s3_env: S3Connection, url: str, tmp_path: Path, step: str
+) -> None:
+    write(url, "c1", 3, [], ObjectPartStorage())
+    base_before = object_records(url, "c1")
+    run_until_marker(tmp_path, "write", url, step, script=CHILD)
+    assert object_records(url, "c1") == base_before  # the referenced part is untouched
+    with pytest.raises(CheckpointError) as refused:  # killed before its manifest: unpublished
+        object_records(url, "c2")
+    assert refused.value.reason.value == "INVALID_CHECKPOINT_STATE"
+    # A retry (a restarted process committing the same cut) publishes the complete part.
+    write(url, "c2", 1, object_lines_of(url, "c1")[:2], ObjectPartStorage())
+    assert object_records(url, "c2")[1:] == base_before[:2]
+
+
+def test_retention_on_the_store_killed_while_deleting_keeps_every_referenced_checkpoint(
+    s3_env: S3Connection, url: str, tmp_path: Path
+) -> None:
+    root = ObjectCheckpointRoot(url)
+    for number in range(3):
+        part, _ = write(url, f"c{number}", 2, [], ObjectPartStorage())
+        entry = PublishedParticipant("counter", KIND, INSTANCE, part.manifest_sha256)
+        root.publish(
+            f"c{number}", [entry], [], b"", created_at=T0 + timedelta(hours=number), keep=5
+        )
+    # c3 references c0 and c2 and is published with keep=1: c1 goes, c0 and c2 stay; the
+    # child is killed right after c1's checkpoint.json is deleted.
+    run_until_marker(tmp_path, "retention", url, "", script=CHILD)
+    assert root.published() == ["c0", "c2", "c3"]
+    for kept in root.published():
+        assert object_restorable(url, kept)
+    part, _ = write(url, "c4", 0, object_lines_of(url, "c0")[:1], ObjectPartStorage())
+    entry = PublishedParticipant("counter", KIND, INSTANCE, part.manifest_sha256)
+    published = root.publish("c4", [entry], [], b"", created_at=T0 + timedelta(hours=4), keep=1)
+    assert published.deleted == ("c1", "c2", "c3")  # c1's leftovers too
+    assert checkpoints_on_store(s3_env, url) == {"c0", "c4"}
+    for kept in root.published():
+        assert object_restorable(url, kept)
