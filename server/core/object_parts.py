@@ -26,6 +26,11 @@ backend (`part_storage`) has an object-store counterpart, and the order is the s
 * **Reads are streamed and verified**: the records object's size is checked against the
   manifest before its body is read, then every chunk is hashed and every line checked by the
   one part reader (`part_reader.scan_record_chunks`), so the format has one implementation.
+* **A chained part (incremental) references only published parts in sibling prefixes of the
+  same root**, as on disk: its references are checked before a byte is written (plain sibling
+  names; every referenced manifest published, of this participant, naming that object with
+  that size), and resolved on every read by `object_references` with the checks of
+  `part_references`, so a restore and a verification accept exactly the same parts.
 
 Everything here blocks (network I/O, hashing): callers run it in a thread.
 """
@@ -54,7 +59,10 @@ from rollout_checkpoint.server.core.layout import (
     PartChain,
     StoredManifest,
 )
-from rollout_checkpoint.server.core.object_references import ObjectReferenceReader
+from rollout_checkpoint.server.core.object_references import (
+    ObjectReferenceReader,
+    read_object_manifest,
+)
 from rollout_checkpoint.server.core.object_store import (
     ObjectLocation,
     ObjectStoreClient,
@@ -64,7 +72,6 @@ from rollout_checkpoint.server.core.object_store import (
 )
 from rollout_checkpoint.server.core.part_reader import (
     check_owner,
-    decode_manifest,
     scan_record_chunks,
 )
 from rollout_checkpoint.server.core.part_references import RecordPointer, check_resolved
@@ -270,19 +277,6 @@ def _check_references(
         )
     check_chain(chain, checkpoint.url, shown)
     ObjectReferenceReader(client, checkpoint, kind, instance, chain.references).check_files()
-
-
-def read_object_manifest(client: ObjectStoreClient, part: ObjectLocation) -> StoredManifest:
-    """The part's decoded manifest; DATA_LOSS when missing, too large or invalid."""
-    try:
-        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
-    except ValueError as exc:
-        raise corrupt_checkpoint(
-            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
-        ) from exc
-    if stored is None:
-        raise corrupt_checkpoint("the part has no manifest (never published)", part.url)
-    return decode_manifest(stored.data, part.url)
 
 
 def read_object_manifest_bytes(client: ObjectStoreClient, part: ObjectLocation) -> bytes | None:

@@ -26,10 +26,12 @@ callers run it in a thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import functools
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core.daemon_threads import StorageCall
 from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
 from rollout_checkpoint.server.core.layout import (
     CHAIN_SCHEMA_VERSION,
@@ -47,7 +49,9 @@ from rollout_checkpoint.server.core.part_references import (
     check_reference_name,
 )
 
-OnRecord = Callable[[dict[str, Any], int], None]
+READ_CONCURRENCY = 8
+"""Referenced objects read at once by a restore (a chain has at most `incremental_full_every`
+files, 8 by default)."""
 
 
 class ObjectReferenceReader:
@@ -73,7 +77,8 @@ class ObjectReferenceReader:
         self._root: ObjectLocation | None = split[0] if split is not None else None
         self._own = split[1] if split is not None else ""
         self.lines = ReferenceLines(references, self._shown, names_episode=names_episode)
-        self._checked: dict[int, str] = {}
+        self._keys: dict[int, str] = {}
+        """The key of each referenced records object whose part was checked."""
 
     @classmethod
     def of(
@@ -101,22 +106,41 @@ class ObjectReferenceReader:
         self, pointed: list[tuple[RecordPointer, dict[str, Any]]]
     ) -> dict[int, dict[str, Any]]:
         """The records the reference lines stand for, by the line's place in `pointed`
-        (pointer, reference line): read one referenced object at a time, every line checked."""
+        (pointer, reference line), every line checked: the referenced objects are read
+        `READ_CONCURRENCY` at a time (a chain's files are independent, and one stream's
+        throughput, not the bytes, bounded a restore from the end of a chain)."""
         by_file: dict[int, list[int]] = {}
         for place, (pointer, _) in enumerate(pointed):
             by_file.setdefault(pointer.reference, []).append(place)
+        files = sorted(by_file.items())
         records: dict[int, dict[str, Any]] = {}
-        for index, places in sorted(by_file.items()):
-            reference = self._references[index]
-            shown = self._records_shown(reference)
-            places.sort(key=lambda place: pointed[place][0].offset)
-            for place in places:
-                self.lines.check_within(pointed[place][0], reference, shown)
-            chunks = self._stream(index)
-            wanted = ((pointed[place][0].offset, pointed[place][0].length + 1) for place in places)
-            for place, data in zip(places, _picked(chunks, wanted), strict=True):
-                pointer, line = pointed[place]
-                records[place] = self.lines.record(data, pointer, line, shown)
+        for start in range(0, len(files), READ_CONCURRENCY):
+            calls = [
+                StorageCall(
+                    functools.partial(self._read_file, index, places, pointed),
+                    "read-referenced-records",
+                )
+                for index, places in files[start : start + READ_CONCURRENCY]
+            ]
+            for call in calls:
+                records.update(call.result())
+        return records
+
+    def _read_file(
+        self, index: int, places: list[int], pointed: list[tuple[RecordPointer, dict[str, Any]]]
+    ) -> dict[int, dict[str, Any]]:
+        """The records of one referenced object the lines at `places` point at."""
+        reference = self._references[index]
+        shown = self._records_shown(reference)
+        places = sorted(places, key=lambda place: pointed[place][0].offset)
+        for place in places:
+            self.lines.check_within(pointed[place][0], reference, shown)
+        chunks = self._stream(index)
+        wanted = ((pointed[place][0].offset, pointed[place][0].length + 1) for place in places)
+        records: dict[int, dict[str, Any]] = {}
+        for place, data in zip(places, _picked(chunks, wanted), strict=True):
+            pointer, line = pointed[place]
+            records[place] = self.lines.record(data, pointer, line, shown)
         return records
 
     def _stream(self, index: int) -> Iterator[bytes]:
@@ -155,31 +179,39 @@ class ObjectReferenceReader:
     def _records_key(self, index: int) -> str:
         """The key of a referenced records object, once its part proved to be a published
         part of this participant naming it."""
-        key = self._checked.get(index)
+        key = self._keys.get(index)
         if key is None:
             reference = self._references[index]
             part = self._part(reference)
             manifest = self._referenced_manifest(part)
             check_names_file(manifest, reference, self._records_shown(reference))
-            key = self._checked[index] = part.key(reference.records_file)
+            key = self._keys[index] = part.key(reference.records_file)
         return key
 
     def _referenced_manifest(self, part: ObjectLocation) -> StoredManifest:
         """The referenced part's manifest; any refusal of it is the referenced part's
         DATA_LOSS (another kind or instance there is a corrupt reference)."""
         try:
-            stored = self._client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
-            if stored is None:
-                raise corrupt_checkpoint("the referenced part is missing (no manifest)", part.url)
-            manifest = decode_manifest(stored.data, part.url)
+            manifest = read_object_manifest(self._client, part)
             check_owner(manifest, part.url, self._kind, self._instance)
-        except ValueError as exc:
-            raise corrupt_checkpoint(f"the referenced part is unusable: {exc}", part.url) from exc
         except CheckpointError as error:
             raise corrupt_checkpoint(
                 f"the referenced part is unusable: {error}", part.url
             ) from error
         return manifest
+
+
+def read_object_manifest(client: ObjectStoreClient, part: ObjectLocation) -> StoredManifest:
+    """The part's decoded manifest; DATA_LOSS when missing, too large or invalid."""
+    try:
+        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
+    except ValueError as exc:
+        raise corrupt_checkpoint(
+            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
+        ) from exc
+    if stored is None:
+        raise corrupt_checkpoint("the part has no manifest (never published)", part.url)
+    return decode_manifest(stored.data, part.url)
 
 
 def _picked(chunks: Iterable[bytes], wanted: Iterable[tuple[int, int]]) -> Iterator[bytes]:

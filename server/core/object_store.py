@@ -305,35 +305,30 @@ class ObjectStoreClient:
 
         return size, chunks()
 
-    def exists(self, key: str) -> bool:
+    def _head(self, key: str) -> Any:
+        """The object's metadata, read by one HEAD (no body); None when there is no such object."""
         try:
-            self._obstore.head(self._store, key)
-        except (FileNotFoundError, self._exceptions.NotFoundError):
-            return False
-        except Exception as exc:
-            raise self._failure("HEAD", key, exc) from None
-        return True
-
-    def size(self, key: str) -> int | None:
-        """The object's size, read by one HEAD (no body); None when there is no such object."""
-        try:
-            meta = self._obstore.head(self._store, key)
+            return self._obstore.head(self._store, key)
         except (FileNotFoundError, self._exceptions.NotFoundError):
             return None
         except Exception as exc:
             raise self._failure("HEAD", key, exc) from None
-        return int(meta["size"])
+
+    def exists(self, key: str) -> bool:
+        return self._head(key) is not None
+
+    def size(self, key: str) -> int | None:
+        """The object's size (one HEAD); None when there is no such object."""
+        meta = self._head(key)
+        return None if meta is None else int(meta["size"])
 
     def tag(self, key: str) -> str | None:
         """What changes with every write of the object, read by one HEAD (no body): its ETag,
         else its version, else its modification time and size (a store that reports neither
         must still never look unchanged after a write); None when there is no such object."""
-        try:
-            meta = self._obstore.head(self._store, key)
-        except (FileNotFoundError, self._exceptions.NotFoundError):
+        meta = self._head(key)
+        if meta is None:
             return None
-        except Exception as exc:
-            raise self._failure("HEAD", key, exc) from None
         tag = meta.get("e_tag") or meta.get("version")
         return str(tag) if tag else f"{meta.get('last_modified')}/{meta.get('size')}"
 

@@ -20,8 +20,10 @@ each keep a restore from installing anything but what was exported:
   `episode_id` the reference names. A reference line holds exactly the fields of its
   version: a version 3 line with an episode, or a version 2 line without, is refused.
 
-Any failure is DATA_LOSS naming the referenced file. Everything here blocks: callers run it
-in a thread.
+Any failure is DATA_LOSS naming the referenced file. The checks of the lines themselves
+(`ReferenceLines`, `check_reference_name`, `check_names_file`) are shared with the object-store
+reader (`object_references`), so a part restores and verifies alike wherever it is stored.
+Everything here blocks: callers run it in a thread.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ Each step of the local publication (see the package doc) has its object-store fo
 5. **Retention last, deleting only what no `LATEST` names**: `LATEST` is read again right
    before each deletion, and a published checkpoint loses its `checkpoint.json` first, so a
    deletion cut short never leaves a checkpoint that looks published but lost parts (the
-   object-store form of the rename to a trash name).
+   object-store form of the rename to a trash name). Never a checkpoint whose records a kept
+   one references (incremental parts), transitively; and nothing at all when a part's manifest
+   cannot be read, since what it references is then unknown (`retention.referenced_closure`).
 
 Everything here blocks (network I/O, hashing): run it in a thread from asyncio code.
 """
