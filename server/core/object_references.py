@@ -13,11 +13,13 @@ differs from the disk is how the referenced bytes are found and read:
   that size (`check_names_file`); a records object no manifest names (a dead writer's
   leftover) is never read as a record's source.
 * **One streamed GET per referenced object, the lines picked as the bytes arrive.** A restore
-  from the end of a chain needs most lines of each file (at 5 KB a record, ranged GETs of the
-  lines are coalesced into whole-object reads by the client anyway, and measured no faster on
-  SeaweedFS); the GET's size is checked against the reference before a byte is used, the
-  stream stops after the last line needed, and memory holds the lines kept, never an object.
-  Every line's sha256 is checked before it is parsed.
+  from the end of a chain needs lines spread over each file (at 5 KB a record, ranged GETs of
+  the lines are merged by the client into reads of nearly the whole object anyway, and
+  measured no faster on SeaweedFS); the GET's size is checked against the reference before a
+  byte is used, the stream stops after the last line needed, and memory holds the lines kept,
+  never an object. Every line's sha256 is checked before it is parsed. Unlike the disk (one
+  `pread` per line), a restore from the end of a chain thus downloads about what retention
+  keeps for it: up to 1 / (1 - `incremental_max_stale_share`) of the live records.
 
 Any failure is INVALID_CHECKPOINT_STATE (DATA_LOSS) naming the referenced object; a store that
 fails is the caller's STORAGE_FAILED (`ObjectStoreFailure` propagates). Everything here blocks:
@@ -26,12 +28,10 @@ callers run it in a thread.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rollout_checkpoint.server.core import layout
-from rollout_checkpoint.server.core.daemon_threads import StorageCall
 from rollout_checkpoint.server.core.errors import CheckpointError, corrupt_checkpoint
 from rollout_checkpoint.server.core.layout import (
     CHAIN_SCHEMA_VERSION,
@@ -48,10 +48,6 @@ from rollout_checkpoint.server.core.part_references import (
     check_names_file,
     check_reference_name,
 )
-
-READ_CONCURRENCY = 8
-"""Referenced objects read at once by a restore (a chain has at most `incremental_full_every`
-files, 8 by default)."""
 
 
 class ObjectReferenceReader:
@@ -106,24 +102,15 @@ class ObjectReferenceReader:
         self, pointed: list[tuple[RecordPointer, dict[str, Any]]]
     ) -> dict[int, dict[str, Any]]:
         """The records the reference lines stand for, by the line's place in `pointed`
-        (pointer, reference line), every line checked: the referenced objects are read
-        `READ_CONCURRENCY` at a time (a chain's files are independent, and one stream's
-        throughput, not the bytes, bounded a restore from the end of a chain)."""
+        (pointer, reference line): one referenced object at a time, every line checked.
+        (Reading a chain's objects concurrently was measured no faster on SeaweedFS: the
+        bytes, hashing and parsing bound a restore, not one stream's latency.)"""
         by_file: dict[int, list[int]] = {}
         for place, (pointer, _) in enumerate(pointed):
             by_file.setdefault(pointer.reference, []).append(place)
-        files = sorted(by_file.items())
         records: dict[int, dict[str, Any]] = {}
-        for start in range(0, len(files), READ_CONCURRENCY):
-            calls = [
-                StorageCall(
-                    functools.partial(self._read_file, index, places, pointed),
-                    "read-referenced-records",
-                )
-                for index, places in files[start : start + READ_CONCURRENCY]
-            ]
-            for call in calls:
-                records.update(call.result())
+        for index, places in sorted(by_file.items()):
+            records.update(self._read_file(index, places, pointed))
         return records
 
     def _read_file(
