@@ -279,17 +279,6 @@ def _check_references(
     ObjectReferenceReader(client, checkpoint, kind, instance, chain.references).check_files()
 
 
-def read_object_manifest_bytes(client: ObjectStoreClient, part: ObjectLocation) -> bytes | None:
-    """The raw manifest (None when missing); DATA_LOSS when larger than any manifest."""
-    try:
-        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
-    except ValueError as exc:
-        raise corrupt_checkpoint(
-            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
-        ) from exc
-    return None if stored is None else stored.data
-
-
 def scan_object_records(
     client: ObjectStoreClient,
     part: ObjectLocation,

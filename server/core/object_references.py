@@ -190,15 +190,21 @@ class ObjectReferenceReader:
 
 def read_object_manifest(client: ObjectStoreClient, part: ObjectLocation) -> StoredManifest:
     """The part's decoded manifest; DATA_LOSS when missing, too large or invalid."""
+    raw = read_object_manifest_bytes(client, part)
+    if raw is None:
+        raise corrupt_checkpoint("the part has no manifest (never published)", part.url)
+    return decode_manifest(raw, part.url)
+
+
+def read_object_manifest_bytes(client: ObjectStoreClient, part: ObjectLocation) -> bytes | None:
+    """The raw manifest (None when missing); DATA_LOSS when larger than any manifest."""
     try:
         stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
     except ValueError as exc:
         raise corrupt_checkpoint(
             f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
         ) from exc
-    if stored is None:
-        raise corrupt_checkpoint("the part has no manifest (never published)", part.url)
-    return decode_manifest(stored.data, part.url)
+    return None if stored is None else stored.data
 
 
 def _picked(chunks: Iterable[bytes], wanted: Iterable[tuple[int, int]]) -> Iterator[bytes]:

@@ -77,10 +77,8 @@ from rollout_checkpoint.server.core.layout import (
     PARTICIPANTS_DIR,
     load_json,
 )
-from rollout_checkpoint.server.core.object_parts import (
-    read_object_manifest_bytes,
-    scan_part_records,
-)
+from rollout_checkpoint.server.core.object_parts import scan_part_records
+from rollout_checkpoint.server.core.object_references import read_object_manifest_bytes
 from rollout_checkpoint.server.core.object_store import (
     ObjectLocation,
     ObjectStoreClient,
