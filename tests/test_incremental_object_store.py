@@ -137,6 +137,29 @@ async def test_incremental_parts_on_the_store_read_and_restore_as_full_parts(
     assert await restored_states(third) == await restored_states(full) == live
 
 
+async def test_the_first_part_after_a_restore_from_the_store_is_full(
+    s3_env: S3Connection, url: str
+) -> None:
+    """References never cross a restore boundary on the store either: the restored server's
+    first part is full, its next one references that part (not the source's chain)."""
+    async with running(IncrementalCounter) as r:
+        fleet = ObjectFleet(r, url)
+        await fleet.seed(4)
+        await fleet.checkpoint()
+        source = await fleet.checkpoint()
+        assert manifest_of(s3_env, source)["schema_version"] == 3
+    async with running(IncrementalCounter) as b:
+        scope = [_episode(i) for i in range(ROLLOUTS)]
+        await b.client.restore("restore-1", b.deadline(), source, scope)
+        await b.client.resume("restore-1", b.deadline())
+        after = ObjectFleet(b, url)
+        after.taken = 10
+        first = await after.checkpoint()
+        assert manifest_of(s3_env, first)["schema_version"] == 1
+        second = manifest_of(s3_env, await after.checkpoint())
+        assert [ref["checkpoint"] for ref in second["references"]] == ["c11"]
+
+
 @pytest.mark.parametrize("damage", ["missing", "corrupt", "unpublished"])
 async def test_a_damaged_referenced_object_fails_restore_and_inspect_naming_it(
     s3_env: S3Connection, url: str, damage: str
@@ -327,6 +350,28 @@ def test_retention_on_the_store_deletes_nothing_when_a_manifest_cannot_be_read(
     finally:
         store_down.undo()
     assert checkpoints_on_store(s3_env, url) == {"c0", "c1", "c2"}
+
+
+def test_retention_on_the_store_follows_references_past_a_checkpoint_not_on_the_store(
+    s3_env: S3Connection, url: str
+) -> None:
+    """A chain names a checkpoint the store does not hold (its manifest edited, or copied
+    from another root): retention still keeps what a kept checkpoint references, and does
+    not stumble on the name it cannot find."""
+    root = ObjectCheckpointRoot(url)
+    storage = ObjectPartStorage()
+    _, base_lines = write(url, "c0", 2, [], storage)
+    _, lines = write(url, "c1", 1, base_lines[:1], storage)
+    part, _ = write(url, "c2", 0, lines, storage)
+    key = f"{url}/c1/{layout.part_path('', KIND, INSTANCE)}/manifest.json"
+    manifest = json.loads(get_object(s3_env, key))
+    manifest["references"][0]["checkpoint"] = "never-here"
+    put_object(s3_env, key, json.dumps(manifest).encode())
+    entry = PublishedParticipant("counter", KIND, INSTANCE, part.manifest_sha256)
+    root.publish("c2", [entry], [], b"", created_at=T0, keep=1)
+    # c1 (unpublished, older) is referenced by c2: kept. (c0 may go or stay: the store's
+    # modification times have a resolution of a second.)
+    assert {"c1", "c2"} <= checkpoints_on_store(s3_env, url)
 
 
 # -- SIGKILL during an incremental write, and during retention with references ---------------

@@ -340,7 +340,10 @@ class ObjectCheckpointRoot:
         kept = {name for _, name in published} | {name for name, _ in unpublished}
         try:
             referenced = referenced_closure(
-                kept - set(doomed), functools.partial(self._references_of, manifests)
+                kept - set(doomed),
+                lambda name: self._call(
+                    lambda: _references_in(self._client, manifests.get(name, ()))
+                ),
             )
         except PublicationError:
             return ()  # a manifest that cannot be read: delete nothing a kept one may need
@@ -386,20 +389,6 @@ class ObjectCheckpointRoot:
             elif objects and all(r.startswith(PARTICIPANTS_DIR + "/") for r in relative):
                 unpublished.append((name, min(o.last_modified for o in objects)))
         return published, unpublished, manifests
-
-    def _references_of(self, manifests: dict[str, list[str]], name: str) -> set[str]:
-        """The checkpoints the parts of checkpoint `name` reference (`StorageFailed` when a
-        manifest cannot be read; one larger than any manifest is nobody's and references
-        nothing, as one that does not parse)."""
-        references: set[str] = set()
-        for key in manifests.get(name, ()):
-            try:
-                stored = self._call(functools.partial(self._client.get, key, MANIFEST_LIMIT))
-            except ValueError:
-                continue
-            if stored is not None:
-                references |= manifest_references(stored.data)
-        return references
 
     def _delete_checkpoint(self, name: str) -> None:
         """checkpoint.json first (from then on it is no longer published), then the rest."""
@@ -524,6 +513,21 @@ def verify_object_checkpoint(url: str) -> tuple[CheckpointSummary, str | None]:
         )
     note = f"{location.url} is a checkpoint root: LATEST names {latest}"
     return root.inspect(latest), note
+
+
+def _references_in(client: ObjectStoreClient, manifest_keys: Sequence[str]) -> set[str]:
+    """The checkpoints the part manifests under `manifest_keys` reference (ObjectStoreFailure
+    when one cannot be read; one larger than any manifest is nobody's and references nothing,
+    as one that does not parse)."""
+    references: set[str] = set()
+    for key in manifest_keys:
+        try:
+            stored = client.get(key, limit=MANIFEST_LIMIT)
+        except ValueError:
+            continue
+        if stored is not None:
+            references |= manifest_references(stored.data)
+    return references
 
 
 def _is_part(relative: str) -> bool:
