@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.paging import page_by_key, page_of
 from rollout_checkpoint.server.runtime.participant import (
@@ -20,6 +21,16 @@ from rollout_checkpoint.server.runtime.participant import (
 )
 from rollout_checkpoint.server.runtime.result_outbox import HeldResult
 from rollout_checkpoint.server.runtime.state_machine import State, StateMachine
+
+
+@dataclass(frozen=True, slots=True)
+class LastPart:
+    """The last part this process published (GetStatus's `last_part`): where, by which mode
+    of commit, and its manifest."""
+
+    checkpoint_dir: str
+    asynchronous: bool
+    manifest: StoredManifest
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +44,7 @@ class StatusSnapshot:
     restored_pending: int
     facts: dict[str, str]
     counters: dict[str, int]
+    last_part: LastPart | None
 
 
 RESULTS_PAGE_SIZE = 100
@@ -45,6 +57,7 @@ class ControlViews:
 
     participant: Participant
     retired_attempts: RetiredAttempts
+    last_part: LastPart | None
     _machine: StateMachine
 
     @property
@@ -101,6 +114,7 @@ class ControlViews:
             restored_pending=len(self.participant.restored_pending()),
             facts=dict(self.participant.facts()),
             counters=dict(self.participant.counters()),
+            last_part=self.last_part,
         )
 
     async def list_episodes(self, page_size: int, page_token: str) -> tuple[list[EpisodeInfo], str]:

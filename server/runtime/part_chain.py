@@ -214,6 +214,11 @@ class PartPlan:
         )
         """Whether the part references its base (a chained part), known without locating."""
         self.record_count = len(self.changes.items) + (kept.count if kept is not None else 0)
+        base = self.base
+        self.chain_length = (
+            base.chain_length + 1 if base is not None and self.references_base else 1
+        )
+        """How many parts a restore of this one reads at most (1: a full part)."""
         self.published: PublishedChain | None = None
         """What the next part may reference, once `write` published this one."""
         self._items: Sequence[ExportRecord | UnchangedRecord] | None = None
@@ -240,10 +245,11 @@ class PartPlan:
             for identity, location in self.base.locations.items()
             if identity not in dropped
         ]
-        order, identity = kept.order, self.identity
+        identity = self.identity
 
         def key(item: ExportRecord | UnchangedRecord) -> Any:
-            return order(item.identity if isinstance(item, UnchangedRecord) else identity(item))
+            # `KeptRecords`: a kept record's identity is its export-order key.
+            return item.identity if isinstance(item, UnchangedRecord) else identity(item)
 
         return list(heapq.merge(unchanged, self.changes.items, key=key))
 
@@ -344,7 +350,7 @@ class PartPlan:
             own_records=len(self.items) - len(located),
             referenced_records=len(located),
             referenced_bytes=sum(loc.length + 1 for loc in located),
-            chain_length=self.base.chain_length + 1,
+            chain_length=self.chain_length,
             references=layout.references,
         )
 

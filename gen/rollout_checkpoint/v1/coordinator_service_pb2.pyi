@@ -1663,9 +1663,11 @@ class AttemptMember(_message.Message):
     part: _builtins.str
     """Where its part is (checkpoints)."""
     records: _builtins.int
-    """Records it wrote."""
+    """Records its part holds (`Manifest.record_count`: for an incremental
+    part, those it wrote and those it references).
+    """
     bytes: _builtins.int
-    """Bytes of records it wrote."""
+    """The size of its part's records file (`Manifest.bytes`)."""
     prepared_seconds: _builtins.float
     """Seconds from the prepare's start until it reported PREPARED (unset: it
     never did).

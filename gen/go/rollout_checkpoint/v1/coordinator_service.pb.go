@@ -3148,9 +3148,10 @@ type AttemptMember struct {
 	Instance string `protobuf:"bytes,3,opt,name=instance,proto3" json:"instance,omitempty"`
 	// Where its part is (checkpoints).
 	Part string `protobuf:"bytes,4,opt,name=part,proto3" json:"part,omitempty"`
-	// Records it wrote.
+	// Records its part holds (`Manifest.record_count`: for an incremental
+	// part, those it wrote and those it references).
 	Records uint64 `protobuf:"varint,5,opt,name=records,proto3" json:"records,omitempty"`
-	// Bytes of records it wrote.
+	// The size of its part's records file (`Manifest.bytes`).
 	Bytes uint64 `protobuf:"varint,6,opt,name=bytes,proto3" json:"bytes,omitempty"`
 	// Seconds from the prepare's start until it reported PREPARED (unset: it
 	// never did).

@@ -1056,11 +1056,14 @@ export interface AttemptMember {
   part?:
     | string
     | undefined;
-  /** Records it wrote. */
+  /**
+   * Records its part holds (`Manifest.record_count`: for an incremental
+   * part, those it wrote and those it references).
+   */
   records?:
     | string
     | undefined;
-  /** Bytes of records it wrote. */
+  /** The size of its part's records file (`Manifest.bytes`). */
   bytes?:
     | string
     | undefined;
@@ -12240,7 +12243,7 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37],
-        "span": [769, 0, 800, 1],
+        "span": [769, 0, 801, 1],
         "leadingComments": " One member's part in one attempt.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
@@ -12270,199 +12273,200 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 4],
-        "span": [779, 2, 21],
-        "leadingComments": " Records it wrote.\n",
+        "span": [780, 2, 21],
+        "leadingComments":
+          " Records its part holds (`Manifest.record_count`: for an incremental\n part, those it wrote and those it references).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 5],
-        "span": [781, 2, 19],
-        "leadingComments": " Bytes of records it wrote.\n",
+        "span": [782, 2, 19],
+        "leadingComments": " The size of its part's records file (`Manifest.bytes`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 6],
-        "span": [784, 2, 39],
+        "span": [785, 2, 39],
         "leadingComments": " Seconds from the prepare's start until it reported PREPARED (unset: it\n never did).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 7],
-        "span": [786, 2, 26],
+        "span": [787, 2, 26],
         "leadingComments": " The most blockers it reported at once while preparing.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 8],
-        "span": [788, 2, 29],
+        "span": [789, 2, 29],
         "leadingComments": " Seconds it reported blockers: from the first report until it prepared.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 9],
-        "span": [790, 2, 20],
+        "span": [791, 2, 20],
         "leadingComments": " Its typed reason when it caused the failure.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 10],
-        "span": [793, 2, 38],
+        "span": [794, 2, 38],
         "leadingComments": " Seconds from the commit call to its reply (checkpoints; unset: it never\n replied).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 11],
-        "span": [796, 2, 39],
+        "span": [797, 2, 39],
         "leadingComments":
           " Seconds from the commit call until its part was durable (asynchronous\n commits; unset: not asynchronous, or it never became durable).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 12],
-        "span": [799, 2, 39],
+        "span": [800, 2, 39],
         "leadingComments": " Seconds from the restore call to its reply (restores; unset: it never\n replied).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38],
-        "span": [804, 0, 813, 1],
+        "span": [805, 0, 814, 1],
         "leadingComments":
           " Attempts of the whole history by how they ended (checkpoints), and\n restores of any status.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 0],
-        "span": [806, 2, 23],
+        "span": [807, 2, 23],
         "leadingComments": " Checkpoints completed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 1],
-        "span": [808, 2, 20],
+        "span": [809, 2, 20],
         "leadingComments": " Checkpoints failed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 2],
-        "span": [810, 2, 21],
+        "span": [811, 2, 21],
         "leadingComments": " Checkpoints aborted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 3],
-        "span": [812, 2, 22],
+        "span": [813, 2, 22],
         "leadingComments": " Restores attempted (any status).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39],
-        "span": [816, 0, 827, 1],
+        "span": [817, 0, 828, 1],
         "leadingComments": " Request of ListCheckpoints.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 0],
-        "span": [819, 2, 22],
+        "span": [820, 2, 22],
         "leadingComments":
           " The most attempts to return: 0 means 50, more than 1000 means 1000.\n Negative is `INVALID_REQUEST`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 1],
-        "span": [822, 2, 24],
+        "span": [823, 2, 24],
         "leadingComments":
           " `next_page_token` of the previous page, with the same filters; empty for\n the first page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 2],
-        "span": [824, 2, 27],
+        "span": [825, 2, 27],
         "leadingComments": " Only attempts that ended so (UNSPECIFIED: any).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 3],
-        "span": [826, 2, 33],
+        "span": [827, 2, 33],
         "leadingComments": " Only attempts of this operation (UNSPECIFIED: any).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40],
-        "span": [830, 0, 842, 1],
+        "span": [831, 0, 843, 1],
         "leadingComments": " Reply of ListCheckpoints.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 0],
-        "span": [832, 2, 35],
+        "span": [833, 2, 35],
         "leadingComments": " The attempts of this page, newest first, without member details.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 1],
-        "span": [834, 2, 29],
+        "span": [835, 2, 29],
         "leadingComments": " The token of the next page; empty on the last page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 2],
-        "span": [836, 2, 24],
+        "span": [837, 2, 24],
         "leadingComments": " Attempts matching the filters in the whole history.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 3],
-        "span": [838, 2, 27],
+        "span": [839, 2, 27],
         "leadingComments": " Counts over the whole history (the filters do not apply).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 4],
-        "span": [841, 2, 29],
+        "span": [842, 2, 29],
         "leadingComments":
           " Set when the history's index could not be read (corrupt, or of a newer\n format): why; the list is then empty.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 41],
-        "span": [845, 0, 848, 1],
+        "span": [846, 0, 849, 1],
         "leadingComments": " Request of GetCheckpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 41, 2, 0],
-        "span": [847, 2, 16],
+        "span": [848, 2, 16],
         "leadingComments": " The checkpoint's id, or the restore's control id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42],
-        "span": [851, 0, 862, 1],
+        "span": [852, 0, 863, 1],
         "leadingComments": " Reply of GetCheckpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 0],
-        "span": [853, 2, 25],
+        "span": [854, 2, 25],
         "leadingComments": " The attempt (the newest of that id).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 1],
-        "span": [856, 2, 37],
+        "span": [857, 2, 37],
         "leadingComments":
           " Its members' details, in the fleet's order; empty when they were\n dropped, cannot be read, or the attempt recorded none.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 2],
-        "span": [859, 2, 27],
+        "span": [860, 2, 27],
         "leadingComments": " True when the attempt is older than the newest 100, whose details alone\n are kept.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 3],
-        "span": [861, 2, 29],
+        "span": [862, 2, 29],
         "leadingComments": " Set when its details exist but cannot be read: why.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
