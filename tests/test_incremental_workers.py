@@ -113,15 +113,19 @@ class Counters:
     def owned_by(self, worker: int) -> list[str]:
         return [r for r, c in self.cookies.items() if owner_of(c[COOKIE], WORKERS) == worker]
 
-    async def checkpoint(self, directory: Path, *, asynchronous: bool) -> dict[str, Any]:
-        """Prepare, Commit into `directory`, (await the part), Resume; its manifest."""
+    async def checkpoint(
+        self, directory: Path, *, asynchronous: bool, scoped: bool = False
+    ) -> dict[str, Any]:
+        """Prepare, Commit into `directory` (`scoped`: naming every session's episode),
+        (await the part), Resume; its manifest."""
         self.taken += 1
         checkpoint_id = f"c{self.taken}"
         client = self.served.client
         final = await client.prepare_until_final(checkpoint_id, deadline())
         assert final.state == PREPARED, final
+        scope = self.scope if scoped else None
         committed = await client.commit(
-            checkpoint_id, deadline(), str(directory), asynchronous=asynchronous
+            checkpoint_id, deadline(), str(directory), scope, asynchronous=asynchronous
         )
         assert sorted(committed.exported) == sorted(self.counts)
         if asynchronous:
@@ -133,13 +137,15 @@ class Counters:
     async def holds_the_counts(self, directory: Path) -> None:
         """The part holds exactly the sessions the server holds, with their counts."""
         records = await resolved_records(directory)
-        held = {r["episode_id"]["rollout_id"]: r["state"]["count"] for r in records}
+        held = {
+            EpisodeId.from_json(r["episode_id"]).capture_key: r["state"]["count"] for r in records
+        }
         assert held == self.counts
         assert len(records) == len(self.counts)
 
     @property
     def scope(self) -> list[EpisodeId]:
-        return [EpisodeId(rollout) for rollout in self.counts]
+        return [EpisodeId.from_capture_key(key) for key in self.counts]
 
 
 async def restored_counts(target: Served, counters: Counters, directory: Path, **how: Any) -> None:
@@ -173,14 +179,18 @@ async def test_incremental_parts_of_workers_restore_as_the_full_part_of_the_same
     first = await counters.checkpoint(root / "c1", asynchronous=asynchronous)
     assert "chain_length" not in first  # the first part is full
     rounds = [  # each round also increments r<number>; the records it stores again
-        (lambda: counters.increment("r1"), 2),
-        (lambda: counters.close("r7"), 1),
-        (lambda: counters.seed("r10", 100), 2),
+        (lambda: counters.increment("r1"), 2, False),
+        # A scoped Commit: each worker visits its covered sessions, and the next part's base
+        # is not complete, so the one after it visits them too.
+        (lambda: counters.close("r7"), 1, True),
+        (lambda: counters.seed("r10", 100), 2, False),
     ]
-    for number, (change, own) in enumerate(rounds, start=2):
+    for number, (change, own, scoped) in enumerate(rounds, start=2):
         await counters.increment(f"r{number}")
         await change()
-        manifest = await counters.checkpoint(root / f"c{number}", asynchronous=asynchronous)
+        manifest = await counters.checkpoint(
+            root / f"c{number}", asynchronous=asynchronous, scoped=scoped
+        )
         # Only what a worker's requests touched is stored again; the rest is referenced.
         assert manifest["chain_length"] == number, manifest
         assert manifest["own_records"] == own, manifest
@@ -197,6 +207,20 @@ async def test_incremental_parts_of_workers_restore_as_the_full_part_of_the_same
     await restored_counts(two, counters, full)
     await restored_counts(one, counters, end)
     await restored_counts(three, counters, end)
+
+    # The first part after the Restore is full; the next references it again.
+    restored = Counters(
+        three,
+        {f"{r}-a1": cookies for r, cookies in counters.cookies.items()},
+        {f"{r}-a1": count for r, count in counters.counts.items()},
+    )
+    after = tmp_path / "after"
+    after.mkdir()
+    assert "chain_length" not in await restored.checkpoint(after / "c1", asynchronous=asynchronous)
+    await restored.increment("r0-a1")
+    second = await restored.checkpoint(after / "c2", asynchronous=asynchronous)
+    assert (second["chain_length"], second["own_records"]) == (2, 1), second
+    await restored.holds_the_counts(after / "c2")
     for target in (one, two, three):
         await target.client.close()
 

@@ -16,7 +16,9 @@ bridge (worker_link.py, worker_bridge.py):
   change reaches the controller's stream without anyone asking.
 * Commit collects every worker's records into the one part, each as the worker's participant
   wrote it: the same records a one-process server writes, so a checkpoint restores into any
-  number of workers, one included (records_codec.py).
+  number of workers, one included (records_codec.py). A resources server that declares
+  `checkpoint_incremental` sends only the records its workers' change clocks say changed,
+  and the part references the rest of the last one (worker_changes.py).
 * Restore puts the state back where requests will find it. Sessions (`Placement.SESSIONS`,
   resources: state that spans requests, routed by their id) go to worker
   `session_owner(id) % workers`, the worker their cookie routes to. Episodes
