@@ -60,7 +60,7 @@ CUTS_REMEMBERED = 64
 
 CallAll = Callable[[str, Any], Awaitable[dict[int, Any]]]
 """The pool's call of every worker: (op, body) -> {worker index: reply}."""
-Identity = Callable[[EpisodeId, Mapping[str, Any]], Hashable]
+RecordIdentity = Callable[[EpisodeId, Mapping[str, Any]], Hashable]
 
 
 def identity_to_json(identity: Hashable) -> list[Any]:
@@ -108,7 +108,7 @@ class PoolChanges:
         return base
 
     async def export(
-        self, call_all: CallAll, scope_keys: Any, base: ExportBase | None, identity: Identity
+        self, call_all: CallAll, scope_keys: Any, base: ExportBase | None, identity: RecordIdentity
     ) -> ChangeSet:
         """Every worker's share of the cut `cut` just returned, merged (see the module);
         `scope_keys`: the commit's scope as the bridge carries it."""
@@ -127,7 +127,7 @@ def decoded_records(lines: Sequence[str]) -> list[ExportRecord]:
     return records
 
 
-def _merged(replies: dict[int, Any], kept: bool, identity: Identity) -> ChangeSet:
+def _merged(replies: dict[int, Any], kept: bool, identity: RecordIdentity) -> ChangeSet:
     """The workers' shares as one change set; decodes records (blocks: run it in a thread)."""
     shares: list[list[ExportRecord]] = []
     dropped: set[Hashable] = set()
