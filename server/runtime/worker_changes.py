@@ -75,11 +75,6 @@ def identity_from_json(value: Any) -> Hashable:
     return tuple(value)
 
 
-def identity_order(identity: Hashable) -> Any:
-    """The merge order of a pool's records: the identity itself (see the module)."""
-    return identity
-
-
 class PoolChanges:
     """The main process's side: its cuts, the workers each cut was exported from, and the
     merge of the workers' shares into one `ChangeSet`."""
@@ -138,12 +133,12 @@ def _merged(replies: dict[int, Any], kept: bool, identity: RecordIdentity) -> Ch
         count += int(reply["kept"])
 
     def order(record: ExportRecord) -> Any:
-        return identity_order(identity(record.episode_id, record.fields))
+        return identity(record.episode_id, record.fields)  # export order (`KeptRecords`)
 
     items = list(heapq.merge(*shares, key=order))
     if not kept:
         return ChangeSet(items)
-    return ChangeSet(items, KeptRecords(frozenset(dropped), count, identity_order))
+    return ChangeSet(items, KeptRecords(frozenset(dropped), count))
 
 
 @dataclass
