@@ -270,8 +270,9 @@ class Participant(abc.ABC):
 
     incremental: bool = False
     """True for a participant whose `export_changes` leaves out what did not change (a
-    resources server that declares `checkpoint_incremental`): its checkpoints may reference
-    records of earlier parts instead of storing them again."""
+    resources server that declares `checkpoint_incremental`, in one process or several
+    workers): its checkpoints may reference records of earlier parts instead of storing them
+    again."""
 
     def change_clock(self) -> int:
         """A counter that every change of checkpointed state raises (only an `incremental`
