@@ -89,15 +89,19 @@ class Fleet:
         browser, prefix = self.browsers[index]
         assert (await browser.post(f"{prefix}/close_session", json={})).status_code == 200
 
+    def directory(self, name: str) -> Any:
+        """Where the checkpoint `name` is committed: a sibling directory in the root."""
+        return self.root / name
+
     async def checkpoint(
         self, *, asynchronous: bool = False, full: bool = False, name: str | None = None
-    ) -> Path:
+    ) -> Any:
         """Prepare, commit into a new sibling directory (`name`, or the checkpoint's id) and
         resume; `full` commits this one cut as a full part (the same server with its opt-in
         switched off for it)."""
         self.taken += 1
         checkpoint_id = f"c{self.taken}"
-        directory = self.root / (name or checkpoint_id)
+        directory = self.directory(name or checkpoint_id)
         assert (await prepared(self.r, checkpoint_id)).state == (
             types_pb2.PARTICIPANT_STATE_PREPARED
         )

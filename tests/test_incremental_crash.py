@@ -85,11 +85,12 @@ def lines_of(root: Path, checkpoint: str) -> list[Line]:
     return lines
 
 
-def run_until_marker(tmp_path: Path, *args: str) -> None:
-    """Start the child, wait for its marker (it stopped at the step), and SIGKILL it."""
+def run_until_marker(tmp_path: Path, *args: str, script: str = CHILD) -> None:
+    """Start the child (`script`), wait for its marker (it stopped at the step), and
+    SIGKILL it."""
     marker = tmp_path / "stopped"
     child = start_process(
-        [sys.executable, "-c", CHILD, *args, str(marker)], log=tmp_path / "child.log"
+        [sys.executable, "-c", script, *args, str(marker)], log=tmp_path / "child.log"
     )
     try:
         deadline = time.monotonic() + 120

@@ -29,7 +29,12 @@ from rollout_checkpoint.client.checkpointing.publication.verify import inspect
 from rollout_checkpoint.server.core import layout
 from rollout_checkpoint.server.core.layout import PartChain, PartReference
 from rollout_checkpoint.server.core.part_references import RecordPointer, reference_line
-from rollout_checkpoint.server.core.part_storage import LocalStorage, PublishedPart, WriteFence
+from rollout_checkpoint.server.core.part_storage import (
+    CheckpointStorage,
+    LocalStorage,
+    PublishedPart,
+    WriteFence,
+)
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 KIND, INSTANCE = "resources", "counter"
@@ -54,13 +59,14 @@ def own_line(checkpoint: str, index: int) -> tuple[bytes, bytes]:
 
 
 def write(
-    root: Path,
+    root: Path | str,
     checkpoint: str,
     own: int,
     referenced: list[Line],
-    storage: LocalStorage | None = None,
+    storage: CheckpointStorage | None = None,
 ) -> tuple[PublishedPart, list[Line]]:
-    """Write the part of `checkpoint`: `own` records of its own, then `referenced`."""
+    """Write the part of `checkpoint` in `root` (a directory, or an object-store URL): `own`
+    records of its own, then `referenced`."""
     files = sorted({(r.checkpoint, r.records_file, r.file_bytes) for r in referenced})
     index = {f: i for i, f in enumerate(files)}
     lines = [own_line(checkpoint, i) for i in range(own)]
@@ -85,7 +91,7 @@ def write(
         else None
     )
     part = (storage or LocalStorage()).write_part(
-        str(root / checkpoint), KIND, INSTANCE, checkpoint, data, WriteFence(), chain
+        f"{root}/{checkpoint}", KIND, INSTANCE, checkpoint, data, WriteFence(), chain
     )
     manifest = part.manifest
     offsets, offset = [], 0

@@ -37,8 +37,10 @@ from rollout_checkpoint.client.checkpointing.publication import (
 from rollout_checkpoint.client.checkpointing.publication.object_root import ObjectCheckpointRoot
 from rollout_checkpoint.server.core.checkpoint_storage import PartStorage
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
 from rollout_checkpoint.server.core.object_store import ObjectLocation, client_for
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.v1 import types_pb2
 
 from .conftest import TOKEN, drain, refused, start_harness, stop_harness
@@ -535,13 +537,14 @@ async def test_a_resume_during_an_object_store_write_stops_it_before_the_manifes
     assert "participants/resources/double/manifest.json" not in keys_below(s3_env, checkpoint_dir)
 
 
-async def test_a_referencing_part_copied_to_the_store_fails_verification_as_it_fails_restore(
+async def test_a_referencing_part_copied_to_the_store_verifies_exactly_when_it_restores(
     s3_env: S3Connection, url: str, tmp_path: Path
 ) -> None:
-    """An operator copies a local root holding incremental parts to a bucket (a backup): a
-    part that references earlier parts cannot be read from a store, so `inspect` and
-    publication's verification refuse it, as a restore would (before, it verified and then
-    failed to restore)."""
+    """An operator copies a local root holding incremental parts to a bucket (a backup): its
+    references name sibling checkpoints, which the copy holds too, so `inspect` on the store
+    verifies every reference and a restore from the store reads the same records as from the
+    disk. A copy missing a referenced object fails both, naming it: never one without the
+    other (before incremental parts on stores, it verified and then failed to restore)."""
     from .test_incremental_retention import INSTANCE, KIND, T0, write
 
     local = tmp_path / "root"
@@ -563,5 +566,21 @@ async def test_a_referencing_part_copied_to_the_store_fails_verification_as_it_f
         obstore.put(store, f"{prefix}/{path.relative_to(local)}", path.read_bytes())
     root = open_checkpoint_root(url)
     assert (await asyncio.to_thread(root.inspect, "c0")).checkpoint_id == "c0"
-    with pytest.raises(CheckpointCorrupt, match="referenc"):
+    (participant,) = (await asyncio.to_thread(root.inspect, "c1")).participants
+    assert (participant.referenced_records, participant.chain_length) == (2, 2)
+
+    def records(storage: LocalStorage | ObjectPartStorage, location: str) -> list[object]:
+        return storage.read_part(f"{location}/c1", KIND, INSTANCE, lambda r: True)[1]
+
+    assert await asyncio.to_thread(records, ObjectPartStorage(), url) == records(
+        LocalStorage(), str(local)
+    )
+    obstore.delete(
+        store, f"{prefix}/c0/participants/{KIND}/{INSTANCE}/{full.manifest.records_file}"
+    )
+    with pytest.raises(CheckpointCorrupt, match="referenced records file is missing"):
         await asyncio.to_thread(root.inspect, "c1")
+    with pytest.raises(CheckpointError) as refused:
+        await asyncio.to_thread(records, ObjectPartStorage(), url)
+    assert refused.value.reason.value == "INVALID_CHECKPOINT_STATE"
+    assert f"{url}/c0/participants" in refused.value.metadata["path"]

@@ -192,6 +192,34 @@ async def test_commit_writes_the_records_one_process_writes_and_restores_into_fe
     assert all(q.bridges[i].retired.is_retired(EpisodeId("r0", 0)) for i in range(2))
 
 
+async def test_the_pool_decodes_the_workers_records_off_the_loop(
+    pools: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full export decodes every worker's lines (JSON of the whole state): on the event
+    loop it would stall the sidecar and every worker's bridge for the whole commit."""
+    from rollout_checkpoint.server.runtime import worker_pool
+
+    decoded_on: list[bool] = []
+    decode = worker_pool.decoded_records
+
+    def spy(lines: Any) -> Any:
+        try:
+            asyncio.get_running_loop()
+            decoded_on.append(True)
+        except RuntimeError:
+            decoded_on.append(False)
+        return decode(lines)
+
+    monkeypatch.setattr(worker_pool, "decoded_records", spy)
+    p = await pools(workers=2)
+    for index in range(2):
+        p.worker(index).seed(EpisodeId(f"r{index}"), {"n": index})
+    assert (await p.client.prepare_until_final("c1", deadline())).state == PREPARED
+    committed = await p.client.commit("c1", deadline(), str(tmp_path))
+    assert sorted(committed.exported) == ["r0", "r1"]
+    assert decoded_on == [False, False], "a worker's share was decoded on the event loop"
+
+
 async def test_a_restored_record_is_claimed_exactly_once_and_never_while_closed(
     pools: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -34,7 +34,9 @@ _VERBS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "every member's state, admission, readiness and lease",
         "Show every member: state, active checkpoint, admission, readiness (the "
         f"`{READINESS_HEALTH}` health answer: may new traffic come here?), prepare blockers and "
-        "lease. A member that cannot be reached is a row saying so (and the exit code is 5).",
+        "lease, and the last part it published (records written, records referenced in "
+        "earlier parts, chain length). A member that cannot be reached is a row saying so "
+        "(and the exit code is 5).",
         "rollout-checkpoint status --fleet fleet.toml",
         (),
     ),

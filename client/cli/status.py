@@ -30,6 +30,7 @@ from rollout_checkpoint.client.participant import (
     SERVER_HEALTH,
 )
 from rollout_checkpoint.server.core.errors import Reason
+from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
@@ -95,9 +96,34 @@ async def _member_row(spec: FleetSpec, member: MemberSpec) -> dict[str, Any]:
             "lease_expires_at": status.lease_expires_at.ToJsonString()
             if status.HasField("lease_expires_at")
             else None,
+            "last_part": _last_part(status.last_part) if status.HasField("last_part") else None,
         }
     )
     return row
+
+
+def _last_part(part: pb.PublishedPart) -> dict[str, Any]:
+    """The last part the member published: what it wrote, what it references in earlier
+    parts, and how many parts a restore of it reads."""
+    return {
+        "checkpoint_id": part.checkpoint_id,
+        "checkpoint_dir": part.checkpoint_dir,
+        "asynchronous": part.asynchronous,
+        "record_count": part.record_count,
+        "records_written": part.records_written,
+        "records_referenced": part.records_referenced,
+        "chain_length": part.chain_length,
+        "bytes": part.bytes,
+    }
+
+
+def _last_part_cell(part: dict[str, Any] | None) -> str:
+    """Records written of the part's records, and its chain length, in a cell narrow
+    enough that a fleet's table still fits a terminal (a wide cell squeezes the name and
+    readiness columns to nothing); the id and the rest are in `--json`."""
+    if part is None:
+        return "-"
+    return f"{part['records_written']}/{part['record_count']} new, chain {part['chain_length']}"
 
 
 async def status_verb(args: argparse.Namespace, spec: FleetSpec) -> int:
@@ -133,12 +159,12 @@ async def status_verb(args: argparse.Namespace, spec: FleetSpec) -> int:
 def _print_status_table(rows: Sequence[dict[str, Any]]) -> None:
     table = Table(title="fleet status")
     columns = ("name", "kind", "instance", "state", "checkpoint", "admission", "ready")
-    for column in (*columns, "blockers", "lease expires", "counts"):
+    for column in (*columns, "blockers", "lease expires", "counts", "last part"):
         table.add_column(column, no_wrap=True)
     for row in rows:
         if "error" in row:
             table.add_row(
-                row["name"], "-", "-", row["state"], "-", "-", "-", "-", "-", row["address"]
+                row["name"], "-", "-", row["state"], "-", "-", "-", "-", "-", row["address"], "-"
             )
             continue
         counts = " ".join(f"{k}={v}" for k, v in sorted(row["counts"].items()))
@@ -153,6 +179,7 @@ def _print_status_table(rows: Sequence[dict[str, Any]]) -> None:
             str(row["blockers"]),
             row["lease_expires_at"] or "-",
             counts,
+            _last_part_cell(row["last_part"]),
         )
     make_console().print(table)
 

@@ -191,6 +191,21 @@ _CHAIN_FIELDS = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
+class PartRecords:
+    """What a part's records cost and what a restore of it reads: the records it `written`
+    itself, those it `referenced` in earlier parts, and the parts a restore reads at most
+    (`chain_length`, 1 for a full part). What a Commit reply and GetStatus report."""
+
+    written: int
+    referenced: int
+    chain_length: int
+
+    @property
+    def record_count(self) -> int:
+        return self.written + self.referenced
+
+
+@dataclass(frozen=True, slots=True)
 class StoredManifest:
     """A part's `manifest.json`: which records file is the part, and its digest, count, size."""
 
@@ -217,6 +232,10 @@ class StoredManifest:
     def chain_length(self) -> int:
         """How many parts a restore of this one reads at most (1: a full part)."""
         return 1 if self.chain is None else self.chain.chain_length
+
+    @property
+    def records(self) -> PartRecords:
+        return PartRecords(self.own_records, self.referenced_records, self.chain_length)
 
     def encode(self) -> builtins.bytes:
         """The canonical bytes (sorted keys): the same manifest is always the same file. A

@@ -26,6 +26,11 @@ backend (`part_storage`) has an object-store counterpart, and the order is the s
 * **Reads are streamed and verified**: the records object's size is checked against the
   manifest before its body is read, then every chunk is hashed and every line checked by the
   one part reader (`part_reader.scan_record_chunks`), so the format has one implementation.
+* **A chained part (incremental) references only published parts in sibling prefixes of the
+  same root**, as on disk: its references are checked before a byte is written (plain sibling
+  names; every referenced manifest published, of this participant, naming that object with
+  that size), and resolved on every read by `object_references` with the checks of
+  `part_references`, so a restore and a verification accept exactly the same parts.
 
 Everything here blocks (network I/O, hashing): callers run it in a thread.
 """
@@ -50,9 +55,13 @@ from rollout_checkpoint.server.core.extras import MissingExtra
 from rollout_checkpoint.server.core.layout import (
     MANIFEST_LIMIT,
     MANIFEST_NAME,
-    SCHEMA_VERSION,
+    REFERENCE_FIELD,
     PartChain,
     StoredManifest,
+)
+from rollout_checkpoint.server.core.object_references import (
+    ObjectReferenceReader,
+    read_object_manifest,
 )
 from rollout_checkpoint.server.core.object_store import (
     ObjectLocation,
@@ -63,10 +72,15 @@ from rollout_checkpoint.server.core.object_store import (
 )
 from rollout_checkpoint.server.core.part_reader import (
     check_owner,
-    decode_manifest,
     scan_record_chunks,
 )
-from rollout_checkpoint.server.core.part_storage import PublishedPart, WriteFence
+from rollout_checkpoint.server.core.part_references import RecordPointer, check_resolved
+from rollout_checkpoint.server.core.part_storage import (
+    ManifestHeader,
+    PublishedPart,
+    WriteFence,
+    check_chain,
+)
 
 CrashHook = Callable[[str], None]
 """Called with the name of each step of a write (`before_records_put`, `before_publish`,
@@ -119,17 +133,19 @@ class ObjectPartStorage:
     ) -> PublishedPart:
         """Write and publish this participant's part below the URL `checkpoint_dir`.
 
-        A `chain` (a part referencing earlier parts) is refused: the runtime writes only full
-        parts to an object store, and refusing here keeps a manifest that no object-store
-        reader resolves from ever being published."""
-        if chain is not None:
-            raise invalid_request(
-                "checkpoint_dir", "parts referencing earlier parts are not stored on object stores"
-            )
+        A `chain` (a part referencing earlier parts) must name sibling checkpoints of the
+        URL (`check_chain`: plain names, never its own; a URL at the top of a bucket has no
+        siblings), and every part it references must be published with the records object it
+        names (`ObjectReferenceReader.check_files`): checked before a byte is written, so a
+        manifest that a reader would refuse, or whose references were deleted meanwhile, is
+        never published (INVALID_REQUEST, DATA_LOSS naming the referenced object)."""
         part = _part_location(checkpoint_dir, kind, instance)
+        header = ManifestHeader(kind, instance, checkpoint_id, chain)
         try:
             client = self._client(part)
-            return self._write(client, part, kind, instance, checkpoint_id, lines, fence)
+            if chain is not None:
+                _check_references(client, checkpoint_dir, kind, instance, chain)
+            return self._write(client, part, header, lines, fence)
         except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None
 
@@ -137,9 +153,7 @@ class ObjectPartStorage:
         self,
         client: ObjectStoreClient,
         part: ObjectLocation,
-        kind: str,
-        instance: str,
-        checkpoint_id: str,
+        header: ManifestHeader,
         lines: Iterable[bytes],
         fence: WriteFence,
     ) -> PublishedPart:
@@ -162,17 +176,7 @@ class ObjectPartStorage:
         if pending:
             chunks.append(b"".join(pending))
         fence.check()
-        digest = hasher.hexdigest()
-        manifest = StoredManifest(
-            SCHEMA_VERSION,
-            kind,
-            instance,
-            checkpoint_id,
-            layout.records_name(digest),
-            digest,
-            count,
-            size,
-        )
+        manifest = header.manifest(hasher.hexdigest(), count, size)
         manifest_bytes = manifest.encode()
         manifest_key = part.key(MANIFEST_NAME)
         existing = _published_manifest(client, manifest_key)
@@ -199,51 +203,80 @@ class ObjectPartStorage:
         instance: str,
         select: Callable[[dict[str, Any]], bool],
     ) -> tuple[StoredManifest, list[dict[str, Any]]]:
-        """The part's manifest and the selected records, every byte verified."""
+        """The part's manifest and the selected records, every byte verified (a chained
+        part's references resolved below the same root, `scan_part_records`)."""
         part = _part_location(checkpoint_dir, kind, instance)
         try:
             client = self._client(part)
             manifest = read_object_manifest(client, part)
             check_owner(manifest, part.url, kind, instance)
-            if manifest.chain is not None:
-                raise corrupt_checkpoint(
-                    "a part referencing earlier parts cannot be read from an object store",
-                    part.url,
-                )
             kept: list[dict[str, Any]] = []
 
             def keep(record: dict[str, Any], number: int) -> None:
                 if select(record):
                     kept.append(record)
 
-            scan_object_records(client, part, manifest, keep)
+            scan_part_records(client, parse_object_url(checkpoint_dir), manifest, keep)
             return manifest, kept
         except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None
 
 
-def read_object_manifest(client: ObjectStoreClient, part: ObjectLocation) -> StoredManifest:
-    """The part's decoded manifest; DATA_LOSS when missing, too large or invalid."""
-    try:
-        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
-    except ValueError as exc:
-        raise corrupt_checkpoint(
-            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
-        ) from exc
-    if stored is None:
-        raise corrupt_checkpoint("the part has no manifest (never published)", part.url)
-    return decode_manifest(stored.data, part.url)
+def scan_part_records(
+    client: ObjectStoreClient,
+    checkpoint: ObjectLocation,
+    manifest: StoredManifest,
+    on_record: Callable[[dict[str, Any], int], None],
+    *,
+    size_only: bool = False,
+) -> None:
+    """Every record of the part below `checkpoint` in its order, verified (`on_record` sees
+    each): a full part's records object streamed (`scan_object_records`); a chained part's own
+    object streamed and checked whole first, then each reference line replaced by the record
+    it stands for in an earlier part (`object_references`), so `on_record` sees exactly what
+    a full part of the same cut holds. `size_only` checks sizes (and the referenced parts)
+    without reading records."""
+    part = checkpoint.child(*layout.part_components(manifest.kind, manifest.instance))
+    if manifest.chain is None:
+        scan_object_records(client, part, manifest, on_record, size_only=size_only)
+        return
+    reader = ObjectReferenceReader.of(client, checkpoint, manifest)
+    if size_only:
+        scan_object_records(client, part, manifest, on_record, size_only=True)
+        reader.check_files()
+        return
+    records: list[dict[str, Any]] = []
+    pointed: list[tuple[RecordPointer, dict[str, Any]]] = []
+    places: list[int] = []
+
+    def collect(record: dict[str, Any], number: int) -> None:
+        if REFERENCE_FIELD in record:
+            pointed.append((reader.lines.pointer(record), record))
+            places.append(len(records))
+        records.append(record)
+
+    scan_object_records(client, part, manifest, collect)
+    check_resolved(len(pointed), manifest, part.url)
+    for place, record in reader.read_lines(pointed).items():
+        records[places[place]] = record
+    for number, record in enumerate(records, 1):
+        on_record(record, number)
 
 
-def read_object_manifest_bytes(client: ObjectStoreClient, part: ObjectLocation) -> bytes | None:
-    """The raw manifest (None when missing); DATA_LOSS when larger than any manifest."""
-    try:
-        stored = client.get(part.key(MANIFEST_NAME), limit=MANIFEST_LIMIT)
-    except ValueError as exc:
-        raise corrupt_checkpoint(
-            f"manifest.json is larger than {MANIFEST_LIMIT} bytes", part.url
-        ) from exc
-    return None if stored is None else stored.data
+def _check_references(
+    client: ObjectStoreClient, checkpoint_dir: str, kind: str, instance: str, chain: PartChain
+) -> None:
+    """A chained part's references, before it is written: siblings only, every referenced
+    part published with the object it names (the size of each object checked)."""
+    checkpoint = parse_object_url(checkpoint_dir)
+    shown = layout.part_path(checkpoint.url, kind, instance)
+    if checkpoint.split() is None:
+        raise invalid_request(
+            "checkpoint_dir",
+            f"{shown}: a part at the top of a bucket has no sibling checkpoints to reference",
+        )
+    check_chain(chain, checkpoint.url, shown)
+    ObjectReferenceReader(client, checkpoint, kind, instance, chain.references).check_files()
 
 
 def scan_object_records(

@@ -112,6 +112,14 @@ class ObjectLocation:
             or other.prefix.startswith(self.prefix + "/")
         )
 
+    def split(self) -> tuple[ObjectLocation, str] | None:
+        """The location this one lies in and its own name; None at the top of a bucket,
+        which lies in no location of that bucket (so has no siblings)."""
+        if not self.prefix:
+            return None
+        parent, _, name = self.prefix.rpartition("/")
+        return ObjectLocation(self.scheme, self.bucket, parent), name
+
     def __str__(self) -> str:
         return self.url
 
@@ -297,25 +305,30 @@ class ObjectStoreClient:
 
         return size, chunks()
 
-    def exists(self, key: str) -> bool:
+    def _head(self, key: str) -> Any:
+        """The object's metadata, read by one HEAD (no body); None when there is no such object."""
         try:
-            self._obstore.head(self._store, key)
+            return self._obstore.head(self._store, key)
         except (FileNotFoundError, self._exceptions.NotFoundError):
-            return False
+            return None
         except Exception as exc:
             raise self._failure("HEAD", key, exc) from None
-        return True
+
+    def exists(self, key: str) -> bool:
+        return self._head(key) is not None
+
+    def size(self, key: str) -> int | None:
+        """The object's size (one HEAD); None when there is no such object."""
+        meta = self._head(key)
+        return None if meta is None else int(meta["size"])
 
     def tag(self, key: str) -> str | None:
         """What changes with every write of the object, read by one HEAD (no body): its ETag,
         else its version, else its modification time and size (a store that reports neither
         must still never look unchanged after a write); None when there is no such object."""
-        try:
-            meta = self._obstore.head(self._store, key)
-        except (FileNotFoundError, self._exceptions.NotFoundError):
+        meta = self._head(key)
+        if meta is None:
             return None
-        except Exception as exc:
-            raise self._failure("HEAD", key, exc) from None
         tag = meta.get("e_tag") or meta.get("version")
         return str(tag) if tag else f"{meta.get('last_modified')}/{meta.get('size')}"
 

@@ -20,8 +20,10 @@ each keep a restore from installing anything but what was exported:
   `episode_id` the reference names. A reference line holds exactly the fields of its
   version: a version 3 line with an episode, or a version 2 line without, is refused.
 
-Any failure is DATA_LOSS naming the referenced file. Everything here blocks: callers run it
-in a thread.
+Any failure is DATA_LOSS naming the referenced file. The checks of the lines themselves
+(`ReferenceLines`, `check_reference_name`, `check_names_file`) are shared with the object-store
+reader (`object_references`), so a part restores and verifies alike wherever it is stored.
+Everything here blocks: callers run it in a thread.
 """
 
 from __future__ import annotations
@@ -81,6 +83,78 @@ def reference_line(pointer: RecordPointer) -> bytes:
     ).encode()
 
 
+class ReferenceLines:
+    """The checks of a chained part's reference lines and of the lines they point at, the
+    same whichever storage holds the referenced files (`ReferenceReader` on disk,
+    `object_references` on an object store)."""
+
+    def __init__(
+        self, references: tuple[PartReference, ...], shown: str, *, names_episode: bool
+    ) -> None:
+        self.references = references
+        self._shown = shown
+        self.fields = {"episode_id", REFERENCE_FIELD} if names_episode else {REFERENCE_FIELD}
+        """The exact fields of a reference line: version 2 names the episode, 3 does not."""
+
+    def pointer(self, line: dict[str, Any]) -> RecordPointer:
+        """Where the record a reference line stands for lies; DATA_LOSS when the line is not
+        exactly a reference of this part's version."""
+        if set(line) != self.fields:
+            raise corrupt_checkpoint(
+                f"a reference line holds exactly {' and '.join(sorted(self.fields))}",
+                self._shown,
+            )
+        try:
+            return RecordPointer.from_json(line[REFERENCE_FIELD], len(self.references))
+        except ValueError as exc:
+            raise corrupt_checkpoint(f"invalid reference: {exc}", self._shown) from exc
+
+    @staticmethod
+    def check_within(pointer: RecordPointer, reference: PartReference, shown: str) -> None:
+        """A pointer past its file's recorded size is refused before a byte is read (no
+        read of a hostile offset, on disk or as a ranged GET)."""
+        if pointer.offset + pointer.length + 1 > reference.bytes:
+            raise corrupt_checkpoint("a reference points past the end of its records file", shown)
+
+    def record(
+        self, data: bytes, pointer: RecordPointer, line: dict[str, Any], shown: str
+    ) -> dict[str, Any]:
+        """The referenced record from the bytes read at the pointer (the line and its
+        newline): its sha256 is checked before it is parsed, and it must be a record (never
+        another reference: chains are flattened), in version 2 of the episode named."""
+        if len(data) != pointer.length + 1 or data[-1:] != b"\n":
+            raise corrupt_checkpoint("a reference does not point at one whole line", shown)
+        if hashlib.sha256(data[:-1]).hexdigest() != pointer.sha256:
+            raise corrupt_checkpoint(
+                f"referenced record digest mismatch at offset {pointer.offset}", shown
+            )
+        try:
+            record = load_json(data[:-1])
+        except ValueError as exc:
+            raise corrupt_checkpoint("a referenced line is not valid JSON", shown) from exc
+        if not isinstance(record, dict) or REFERENCE_FIELD in record:
+            raise corrupt_checkpoint("a referenced line is not a record", shown)
+        if "episode_id" in self.fields and record.get("episode_id") != line["episode_id"]:
+            raise corrupt_checkpoint("a referenced record holds another episode", shown)
+        return record
+
+
+def check_reference_name(reference: PartReference, own: str, shown: str) -> None:
+    """A reference names one plain sibling (never `..`, a path, a key with a slash, nor the
+    part's own checkpoint): whatever a manifest says, a reader stays below the root."""
+    if not layout.is_reference_name(reference.checkpoint) or reference.checkpoint == own:
+        raise corrupt_checkpoint("a reference names an invalid checkpoint directory", shown)
+
+
+def check_names_file(manifest: StoredManifest, reference: PartReference, shown: str) -> None:
+    """The referenced part's manifest names exactly the referenced records file and size: a
+    file no manifest names (a dead writer's leftover) is never read as a record's source."""
+    if (manifest.records_file, manifest.bytes) != (reference.records_file, reference.bytes):
+        raise corrupt_checkpoint(
+            "the referenced part's manifest does not name this records file", shown
+        )
+
+
 def reader_for(root_fd: int, root_path: str, own: str, manifest: StoredManifest) -> ReferenceReader:
     """The reader of a chained part's references."""
     assert manifest.chain is not None
@@ -112,9 +186,8 @@ class ReferenceReader:
         names_episode: bool = False,
     ) -> None:
         self._root_fd = root_fd
-        self._fields = {"episode_id", REFERENCE_FIELD} if names_episode else {REFERENCE_FIELD}
-        """The exact fields of a reference line: version 2 names the episode, 3 does not."""
         self._root_path = root_path.rstrip("/")
+        self.lines = ReferenceLines(references, self._root_path, names_episode=names_episode)
         self._own = own
         self._kind = kind
         self._instance = instance
@@ -136,35 +209,13 @@ class ReferenceReader:
 
     def resolve(self, line: dict[str, Any]) -> dict[str, Any]:
         """The record a reference line stands for, read and verified."""
-        if set(line) != self._fields:
-            raise corrupt_checkpoint(
-                f"a reference line holds exactly {' and '.join(sorted(self._fields))}",
-                self._root_path,
-            )
-        try:
-            pointer = RecordPointer.from_json(line[REFERENCE_FIELD], len(self._references))
-        except ValueError as exc:
-            raise corrupt_checkpoint(f"invalid reference: {exc}", self._root_path) from exc
+        pointer = self.lines.pointer(line)
         reference = self._references[pointer.reference]
         shown = self._shown(reference)
         fd = self._records_fd(pointer.reference, reference)
-        if pointer.offset + pointer.length + 1 > reference.bytes:
-            raise corrupt_checkpoint("a reference points past the end of its records file", shown)
+        self.lines.check_within(pointer, reference, shown)
         data = os.pread(fd, pointer.length + 1, pointer.offset)
-        if len(data) != pointer.length + 1 or data[-1:] != b"\n":
-            raise corrupt_checkpoint("a reference does not point at one whole line", shown)
-        if hashlib.sha256(data[:-1]).hexdigest() != pointer.sha256:
-            raise corrupt_checkpoint(
-                f"referenced record digest mismatch at offset {pointer.offset}", shown
-            )
-        try:
-            record = load_json(data[:-1])
-        except ValueError as exc:
-            raise corrupt_checkpoint("a referenced line is not valid JSON", shown) from exc
-        if not isinstance(record, dict) or REFERENCE_FIELD in record:
-            raise corrupt_checkpoint("a referenced line is not a record", shown)
-        if "episode_id" in self._fields and record.get("episode_id") != line["episode_id"]:
-            raise corrupt_checkpoint("a referenced record holds another episode", shown)
+        record = self.lines.record(data, pointer, line, shown)
         self.resolved += 1
         self.resolved_bytes += len(data)
         return record
@@ -186,8 +237,7 @@ class ReferenceReader:
         """Open a referenced records file after checking that a published part of this
         participant names it, with the size the reference records."""
         shown = self._shown(reference)
-        if not layout.is_reference_name(reference.checkpoint) or reference.checkpoint == self._own:
-            raise corrupt_checkpoint("a reference names an invalid checkpoint directory", shown)
+        check_reference_name(reference, self._own, shown)
         part_path = layout.part_path(
             f"{self._root_path}/{reference.checkpoint}", self._kind, self._instance
         )
@@ -204,10 +254,7 @@ class ReferenceReader:
             raise
         with safe_files.closing(part_fd):
             manifest = _referenced_manifest(part_fd, part_path, self._kind, self._instance)
-            if (manifest.records_file, manifest.bytes) != (reference.records_file, reference.bytes):
-                raise corrupt_checkpoint(
-                    "the referenced part's manifest does not name this records file", shown
-                )
+            check_names_file(manifest, reference, shown)
             try:
                 fd = safe_files.open_regular(part_fd, reference.records_file)
             except FileNotFoundError as exc:
@@ -236,12 +283,12 @@ def _referenced_manifest(part_fd: int, part_path: str, kind: str, instance: str)
         raise corrupt_checkpoint(f"the referenced part is unusable: {error}", part_path) from error
 
 
-def check_resolved(reader: ReferenceReader, manifest: StoredManifest, part_path: str) -> None:
+def check_resolved(resolved: int, manifest: StoredManifest, part_path: str) -> None:
     """A chained part's reference lines must be exactly as many as its manifest says."""
     assert manifest.chain is not None
-    if reader.resolved != manifest.chain.referenced_records:
+    if resolved != manifest.chain.referenced_records:
         raise corrupt_checkpoint(
-            f"the part holds {reader.resolved} reference lines, its manifest says "
+            f"the part holds {resolved} reference lines, its manifest says "
             f"{manifest.chain.referenced_records}",
             part_path,
         )

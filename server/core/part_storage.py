@@ -269,7 +269,7 @@ class LocalStorage:
             raise _storage_error(exc, part_path) from exc
         try:
             part = _Part(part_fd, part_path)
-            header = _Header(kind, instance, checkpoint_id, chain)
+            header = ManifestHeader(kind, instance, checkpoint_id, chain)
             return self._write_in(part, header, lines, fence)
         except OSError as exc:
             raise _storage_error(exc, part_path) from exc
@@ -277,7 +277,7 @@ class LocalStorage:
             os.close(part_fd)
 
     def _write_in(
-        self, part: _Part, header: _Header, lines: Iterable[bytes], fence: WriteFence
+        self, part: _Part, header: ManifestHeader, lines: Iterable[bytes], fence: WriteFence
     ) -> PublishedPart:
         self._step("before_sweep")
         with self._locked(part, fence):
@@ -514,7 +514,7 @@ def _read_chained(
 
     try:
         scan_records(part_fd, part_path, manifest, keep)
-        check_resolved(reader, manifest, part_path)
+        check_resolved(reader.resolved, manifest, part_path)
     finally:
         reader.close()
         os.close(root_fd)
@@ -522,7 +522,7 @@ def _read_chained(
 
 
 @dataclass(frozen=True, slots=True)
-class _Header:
+class ManifestHeader:
     """What a part's manifest says besides its records file's digest, count and size."""
 
     kind: str

@@ -22,7 +22,6 @@ from rollout_checkpoint.server.resources.ended_sessions import ENDED_SESSIONS_KE
 from rollout_checkpoint.server.resources.session_table import (
     TrackedSession,
     export_order,
-    identity_order,
     session_identity,
 )
 from rollout_checkpoint.server.runtime.participant import (
@@ -330,7 +329,7 @@ class ResourcesParticipant(SessionDataPlane, Participant):
         if kept + len(changed) != len(sessions) - len(excluded):
             return None
         changed.sort(key=export_order)
-        return changed, KeptRecords(frozenset(dropped), kept, identity_order)
+        return changed, KeptRecords(frozenset(dropped), kept)
 
     def _unchanged(
         self, candidates: Sequence[TrackedSession], base: ExportBase | None

@@ -14,9 +14,8 @@ notifies no one: `ResourcesParticipant` decides when a session starts, ends or i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import cast
 
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.resources.ended_sessions import EndedSessions
@@ -359,8 +358,3 @@ def session_identity(episode: EpisodeId, session_id: str | None) -> tuple[str, i
     through its generated `__hash__`, a Python call for every record an incremental export
     looks up in its base."""
     return (episode.rollout_id, episode.attempt, session_id)
-
-
-def identity_order(identity: Hashable) -> tuple[str, int, str]:
-    """`export_order` of a session's record identity (`session_identity`): itself."""
-    return cast(tuple[str, int, str], identity)

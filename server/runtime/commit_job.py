@@ -42,7 +42,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId
-from rollout_checkpoint.server.core.layout import StoredManifest
+from rollout_checkpoint.server.core.layout import PartRecords, StoredManifest
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     PublishedPart,
@@ -75,16 +75,23 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
-    """What a Commit published: the part's manifest and its digest, the episodes exported
-    and the attempts retired with it. An asynchronous commit answers at the snapshot: no
-    manifest yet (`manifest` None), the snapshot's size instead."""
+    """What a Commit published: the part's manifest and its digest, its records (written,
+    referenced), the episodes exported and the attempts retired with it. An asynchronous
+    commit answers at the snapshot: no manifest yet (`manifest` None), the snapshot's size
+    instead, and the records the durable part will hold (known at the cut)."""
 
     manifest: StoredManifest | None
     manifest_sha256: str
     exported: tuple[str, ...]
     retired: tuple[str, ...]
-    snapshot_records: int = 0
+    records: PartRecords
     snapshot_bytes: int = 0
+
+    @property
+    def snapshot_records(self) -> int:
+        """Every record the snapshot cut, written or referenced (0 for a synchronous commit,
+        whose `manifest` says it)."""
+        return 0 if self.manifest is not None else self.records.record_count
 
     @property
     def snapshot_only(self) -> bool:
@@ -107,6 +114,13 @@ class CommitHost(ControlParts, Protocol):
     def retired_attempts(self) -> RetiredAttempts: ...
 
     def changed(self) -> None: ...
+
+    def part_published(
+        self, checkpoint_dir: str, part: PublishedPart, asynchronous: bool, generation: int
+    ) -> None:
+        """Note the last part this process published (GetStatus's `last_part`), cut in
+        restore `generation`."""
+        ...
 
 
 @dataclass(eq=False)
@@ -215,12 +229,21 @@ class CommitJob:
             retired = await _retire_unscoped_pending(host, self.scope)
             _release_committed(host, self.checkpoint_id, self.scope)
             self.retired = retired
+        # Only now: a Commit whose cleanup fails is a failed Commit, whose part no status
+        # may show as the last published (the asynchronous job starts its write only here).
+        host.part_published(
+            self.checkpoint_dir,
+            self.published,
+            asynchronous=False,
+            generation=host.part_chains.generation,
+        )
         self.phase = "done"
         return CommitResult(
             manifest=self.published.manifest,
             manifest_sha256=self.published.manifest_sha256,
             exported=self._exported(records),
             retired=self.retired,
+            records=self.published.manifest.records,
         )
 
     def _exported(self, records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[str, ...]:
@@ -286,6 +309,7 @@ class CommitJob:
                 participant.kind.value,
                 participant.instance,
                 self.snapshot,
+                host.part_chains.generation,
             )
         self.phase = "done"
         return CommitResult(
@@ -293,7 +317,7 @@ class CommitJob:
             manifest_sha256="",
             exported=self._exported(records),
             retired=self.retired,
-            snapshot_records=self.snapshot.record_count,
+            records=self.snapshot.records,
             snapshot_bytes=self.snapshot.size,
         )
 

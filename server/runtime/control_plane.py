@@ -43,14 +43,18 @@ from rollout_checkpoint.server.core.clock import Clock, SystemClock
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.episodes import EpisodeId, is_valid_id
 from rollout_checkpoint.server.core.errors import invalid_request
-from rollout_checkpoint.server.core.part_storage import CheckpointStorage
+from rollout_checkpoint.server.core.part_storage import CheckpointStorage, PublishedPart
 from rollout_checkpoint.server.core.receipts import Receipt
 from rollout_checkpoint.server.runtime import resumption
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.call_checks import check_checkpoint_id, check_deadline
 from rollout_checkpoint.server.runtime.changes import ChangeSignals
 from rollout_checkpoint.server.runtime.commit_job import CommitResult
-from rollout_checkpoint.server.runtime.control_views import ControlViews, StatusSnapshot
+from rollout_checkpoint.server.runtime.control_views import (
+    ControlViews,
+    LastPart,
+    StatusSnapshot,
+)
 from rollout_checkpoint.server.runtime.duties import Duties
 from rollout_checkpoint.server.runtime.lease import Lease, open_after_start_closed
 from rollout_checkpoint.server.runtime.observe import ControlObserver
@@ -77,6 +81,7 @@ __all__ = [
     "CommitResult",
     "ControlPlane",
     "ControlSettings",
+    "LastPart",
     "PrepareUpdate",
     "RestoreResult",
     "State",
@@ -118,12 +123,8 @@ class ControlPlane(ControlViews, ChangeSignals):
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()
-        self.part_writes = PartWrites(
-            self.storage,
-            self.changed,
-            # An asynchronous commit counts (records, bytes) once its part is durable.
-            lambda part: self.observer.committed(part.manifest.record_count, part.manifest.bytes),
-        )
+        self._last_part: LastPart | None = None
+        self.part_writes = PartWrites(self.storage, self.changed, self._part_durable)
         self.part_chains = PartChains(
             ChainSettings(
                 full_every=self.settings.incremental_full_every,
@@ -312,6 +313,22 @@ class ControlPlane(ControlViews, ChangeSignals):
         if remaining > 0 and not write.task.done():
             await asyncio.wait([write.task], timeout=remaining)
         return write
+
+    def part_published(
+        self, checkpoint_dir: str, part: PublishedPart, asynchronous: bool, generation: int
+    ) -> None:
+        """Note the last part this process published (GetStatus's `last_part`), cut in
+        restore `generation`: once durable and its commit done, whatever the controller does
+        with its checkpoint afterwards."""
+        self._last_part = LastPart(checkpoint_dir, asynchronous, part.manifest, generation)
+
+    def _part_durable(self, write: PartWrite, part: PublishedPart) -> None:
+        """An asynchronous commit counts (records, bytes), and is the last part published,
+        only once its part is durable: a snapshot whose write fails published nothing."""
+        self.observer.committed(part.manifest.record_count, part.manifest.bytes)
+        self.part_published(
+            write.checkpoint_dir, part, asynchronous=True, generation=write.generation
+        )
 
     async def restore(
         self,

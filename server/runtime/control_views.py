@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollout_checkpoint.server.core.layout import StoredManifest
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.paging import page_by_key, page_of
+from rollout_checkpoint.server.runtime.part_chain import PartChains
 from rollout_checkpoint.server.runtime.participant import (
     EpisodeInfo,
     Participant,
@@ -20,6 +22,18 @@ from rollout_checkpoint.server.runtime.participant import (
 )
 from rollout_checkpoint.server.runtime.result_outbox import HeldResult
 from rollout_checkpoint.server.runtime.state_machine import State, StateMachine
+
+
+@dataclass(frozen=True, slots=True)
+class LastPart:
+    """The last part this process published (GetStatus's `last_part`): where, by which mode
+    of commit, and its manifest; `generation` is the restore boundary it was cut in
+    (`PartChains.generation`)."""
+
+    checkpoint_dir: str
+    asynchronous: bool
+    manifest: StoredManifest
+    generation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +47,7 @@ class StatusSnapshot:
     restored_pending: int
     facts: dict[str, str]
     counters: dict[str, int]
+    last_part: LastPart | None
 
 
 RESULTS_PAGE_SIZE = 100
@@ -45,7 +60,18 @@ class ControlViews:
 
     participant: Participant
     retired_attempts: RetiredAttempts
+    part_chains: PartChains
+    _last_part: LastPart | None
     _machine: StateMachine
+
+    @property
+    def last_part(self) -> LastPart | None:
+        """The last part published since the last Restore: a Restore abandons the history
+        before it (a fresh process restored from the same checkpoint has published nothing),
+        and an asynchronous write cut before the Restore that ends after it is not this
+        history's part either."""
+        last = self._last_part
+        return last if last is not None and last.generation == self.part_chains.generation else None
 
     @property
     def state(self) -> State:
@@ -101,6 +127,7 @@ class ControlViews:
             restored_pending=len(self.participant.restored_pending()),
             facts=dict(self.participant.facts()),
             counters=dict(self.participant.counters()),
+            last_part=self.last_part,
         )
 
     async def list_episodes(self, page_size: int, page_token: str) -> tuple[list[EpisodeInfo], str]:

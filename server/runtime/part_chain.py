@@ -14,8 +14,9 @@ keep a published checkpoint restorable, byte for byte as a full part would be:
   changed for the next commit.
 * References never cross a restore boundary (`reset`): the first part after a Restore is
   full. A plan made before the reset never becomes the base afterwards (`generation`).
-* References stay below the same root: the base must be a sibling directory of the new part
-  (object stores and another root get a full part), and they are flattened (a reference
+* References stay below the same root: the base must be a sibling directory of the new part,
+  or on an object store a sibling prefix in the same bucket (another root, or a URL at the
+  top of a bucket, gets a full part), and they are flattened (a reference
   points at the line holding the state, never at another reference), so a restore reads at
   most `full_every` parts.
 * The chain is bounded: a full part every `full_every` parts, or sooner when more than
@@ -45,7 +46,7 @@ from rollout_checkpoint.server.core.layout import (
     PartReference,
     is_reference_name,
 )
-from rollout_checkpoint.server.core.object_store import is_object_url
+from rollout_checkpoint.server.core.object_store import is_object_url, parse_object_url
 from rollout_checkpoint.server.core.part_references import RecordPointer, reference_line
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
@@ -132,6 +133,12 @@ class PartChains:
     def latest(self) -> PublishedChain | None:
         return self._latest
 
+    @property
+    def generation(self) -> int:
+        """How many restore boundaries this process crossed: what was published before the
+        last one belongs to an abandoned history."""
+        return self._generation
+
     def reset(self) -> None:
         """A restore boundary: nothing published before it is referenced after it."""
         self._latest = None
@@ -151,9 +158,10 @@ class PartChains:
     def base_for(self, checkpoint_dir: str) -> PublishedChain | None:
         """The part a commit into `checkpoint_dir` may reference, or None for a full part."""
         base = self._latest
-        if base is None or is_object_url(checkpoint_dir):
+        sibling = _root_and_name(checkpoint_dir)
+        if base is None or sibling is None:
             return None
-        root, name = os.path.split(checkpoint_dir.rstrip("/"))
+        root, name = sibling
         if base.root != root or base.checkpoint == name:
             return None
         if not is_reference_name(base.checkpoint):
@@ -172,7 +180,7 @@ class PartChains:
         rather than referencing, again, files that may be what made it fail (deleted by an
         operator, refused by `write_part`'s check); a failure costs one full part, never a
         chain that can no longer publish."""
-        if plan.generation != self._generation or is_object_url(plan.checkpoint_dir):
+        if plan.generation != self._generation or _root_and_name(plan.checkpoint_dir) is None:
             return
         if part is not None:
             assert plan.published is not None, "settled before the plan's write noted it"
@@ -212,6 +220,11 @@ class PartPlan:
         )
         """Whether the part references its base (a chained part), known without locating."""
         self.record_count = len(self.changes.items) + (kept.count if kept is not None else 0)
+        base = self.base
+        self.chain_length = (
+            base.chain_length + 1 if base is not None and self.references_base else 1
+        )
+        """How many parts a restore of this one reads at most (1: a full part)."""
         self.published: PublishedChain | None = None
         """What the next part may reference, once `write` published this one."""
         self._items: Sequence[ExportRecord | UnchangedRecord] | None = None
@@ -238,10 +251,11 @@ class PartPlan:
             for identity, location in self.base.locations.items()
             if identity not in dropped
         ]
-        order, identity = kept.order, self.identity
+        identity = self.identity
 
         def key(item: ExportRecord | UnchangedRecord) -> Any:
-            return order(item.identity if isinstance(item, UnchangedRecord) else identity(item))
+            # `KeptRecords`: a kept record's identity is its export-order key.
+            return item.identity if isinstance(item, UnchangedRecord) else identity(item)
 
         return list(heapq.merge(unchanged, self.changes.items, key=key))
 
@@ -279,11 +293,11 @@ class PartPlan:
         after the cut), so its references must still be siblings of the new directory."""
         if self.references_base:
             assert self.base is not None
-            root, name = os.path.split(checkpoint_dir.rstrip("/"))
+            sibling = _root_and_name(checkpoint_dir)
             if (
-                is_object_url(checkpoint_dir)
-                or root != self.base.root
-                or name == self.base.checkpoint
+                sibling is None
+                or sibling[0] != self.base.root
+                or sibling[1] == self.base.checkpoint
             ):
                 raise invalid_request(
                     "checkpoint_dir",
@@ -342,7 +356,7 @@ class PartPlan:
             own_records=len(self.items) - len(located),
             referenced_records=len(located),
             referenced_bytes=sum(loc.length + 1 for loc in located),
-            chain_length=self.base.chain_length + 1,
+            chain_length=self.chain_length,
             references=layout.references,
         )
 
@@ -379,8 +393,11 @@ class PartPlan:
             )
         return encode_record(record)
 
-    def _published_chain(self, part: PublishedPart) -> PublishedChain:
-        root, name = os.path.split(self.checkpoint_dir.rstrip("/"))
+    def _published_chain(self, part: PublishedPart) -> PublishedChain | None:
+        sibling = _root_and_name(self.checkpoint_dir)
+        if sibling is None:
+            return None  # no sibling can reference it (`settled` makes it no base)
+        root, name = sibling
         manifest = part.manifest
         own_file = PartReference(name, manifest.records_file, manifest.bytes)
         layout = self._located()
@@ -439,6 +456,16 @@ class _Layout:
         files = {id(loc.file): loc.file for loc in located.values()}
         references = tuple(sorted(files.values(), key=lambda f: (f.checkpoint, f.records_file)))
         return cls(located, references, {id(f): i for i, f in enumerate(references)}, [])
+
+
+def _root_and_name(checkpoint_dir: str) -> tuple[str, str] | None:
+    """The root a checkpoint location lies in and its name there: a directory's parent, or
+    an object URL's parent prefix (same bucket). None for a URL at the top of a bucket, which
+    has no siblings: its part is full and references nothing (a reference names a sibling)."""
+    if not is_object_url(checkpoint_dir):
+        return os.path.split(checkpoint_dir.rstrip("/"))
+    split = parse_object_url(checkpoint_dir).split()
+    return None if split is None else (split[0].url, split[1])
 
 
 def exported_keys(records: Sequence[ExportRecord | UnchangedRecord]) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from rollout_checkpoint.server.core.daemon_threads import run_in_daemon_thread
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
+from rollout_checkpoint.server.core.layout import PartRecords
 from rollout_checkpoint.server.core.part_storage import (
     CheckpointStorage,
     PublishedPart,
@@ -69,14 +70,19 @@ class PartSnapshot:
     settled: Callable[[PublishedPart | None], None] | None = None
 
     @property
-    def record_count(self) -> int:
-        return len(self.lines) if self.plan is None else self.plan.record_count
-
-    @property
     def size(self) -> int:
         """The bytes the snapshot holds: an incremental part's own records (its reference
         lines are composed by the write)."""
         return sum(len(line) + 1 for line in self.lines)
+
+    @property
+    def records(self) -> PartRecords:
+        """What the durable part will hold, known at the cut: its own records are the
+        snapshot's lines, every other record of the plan a reference."""
+        written = len(self.lines)
+        if self.plan is None:
+            return PartRecords(written, 0, 1)
+        return PartRecords(written, self.plan.record_count - written, self.plan.chain_length)
 
 
 @dataclass(eq=False)
@@ -85,6 +91,8 @@ class PartWrite:
 
     checkpoint_id: str
     checkpoint_dir: str
+    generation: int
+    """The restore boundary its snapshot was cut in (`PartChains.generation`)."""
     fence: WriteFence = field(default_factory=WriteFence)
     task: asyncio.Task[PublishedPart] | None = None
     published: PublishedPart | None = None
@@ -106,7 +114,7 @@ class PartWrites:
         self,
         storage: CheckpointStorage,
         changed: Callable[[], None],
-        durable: Callable[[PublishedPart], None] | None = None,
+        durable: Callable[[PartWrite, PublishedPart], None] | None = None,
     ) -> None:
         self._storage = storage
         self._changed = changed
@@ -132,12 +140,14 @@ class PartWrites:
         kind: str,
         instance: str,
         snapshot: PartSnapshot,
+        generation: int,
     ) -> PartWrite:
-        """Start writing `snapshot` (once per id: a second start returns the first write)."""
+        """Start writing `snapshot`, cut in restore `generation` (once per id: a second
+        start returns the first write)."""
         existing = self._writes.get(checkpoint_id)
         if existing is not None:
             return existing
-        write = PartWrite(checkpoint_id, checkpoint_dir)
+        write = PartWrite(checkpoint_id, checkpoint_dir, generation)
         self._writes[checkpoint_id] = write
         while len(self._writes) > OUTCOMES_KEPT:
             self._writes.popitem(last=False)
@@ -173,7 +183,7 @@ class PartWrites:
             if snapshot.settled is not None:
                 snapshot.settled(published)
             if self._durable is not None:
-                self._durable(published)
+                self._durable(write, published)
         except StopRequested:
             write.error = CheckpointError(
                 Reason.STORAGE_FAILED,

@@ -163,15 +163,17 @@ class ExportBase(Protocol):
 class KeptRecords:
     """What an incremental export keeps of its base without naming each record: every record
     the base holds, except the `dropped` identities (changed since, or no longer exported),
-    is unchanged and part of this export too. `count` of them are kept; `order` is the
-    export-order key of an identity, to merge them with the changed records.
+    is unchanged and part of this export too. `count` of them are kept.
+
+    The kept records are merged with the changed ones by their identities
+    (`record_identity`), which must therefore sort in export order: the part's lines must
+    come in the order a full export of the same cut writes them, or the two would differ.
 
     A participant that knows what changed since the base's cut says so in O(changed): naming
     each unchanged record (an `UnchangedRecord` each) costs the pause O(everything held)."""
 
     dropped: frozenset[Hashable]
     count: int
-    order: Callable[[Hashable], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,8 +270,9 @@ class Participant(abc.ABC):
 
     incremental: bool = False
     """True for a participant whose `export_changes` leaves out what did not change (a
-    resources server that declares `checkpoint_incremental`): its checkpoints may reference
-    records of earlier parts instead of storing them again."""
+    resources server that declares `checkpoint_incremental`, in one process or several
+    workers): its checkpoints may reference records of earlier parts instead of storing them
+    again."""
 
     def change_clock(self) -> int:
         """A counter that every change of checkpointed state raises (only an `incremental`

@@ -22,6 +22,7 @@ from rollout_checkpoint.server.core.rpc.wire import deadline_of, duration, episo
 from rollout_checkpoint.server.runtime.control_plane import (
     CommitResult,
     ControlPlane,
+    LastPart,
     PrepareUpdate,
     RestoreResult,
     State,
@@ -113,6 +114,8 @@ class ParticipantServicer:
         )
         if status.lease_expires_at is not None:
             response.lease_expires_at.CopyFrom(timestamp(status.lease_expires_at))
+        if status.last_part is not None:
+            response.last_part.CopyFrom(_published_part(status.last_part))
         return response
 
     async def list_episodes(self, request: pb.ListEpisodesRequest) -> pb.ListEpisodesResponse:
@@ -302,6 +305,21 @@ def _manifest(manifest: StoredManifest, kind: Kind) -> types_pb2.Manifest:
     return message
 
 
+def _published_part(part: LastPart) -> pb.PublishedPart:
+    manifest = part.manifest
+    records = manifest.records
+    return pb.PublishedPart(
+        checkpoint_id=manifest.checkpoint_id,
+        checkpoint_dir=part.checkpoint_dir,
+        asynchronous=part.asynchronous,
+        record_count=manifest.record_count,
+        records_written=records.written,
+        records_referenced=records.referenced,
+        chain_length=records.chain_length,
+        bytes=manifest.bytes,
+    )
+
+
 def _commit_response(result: CommitResult, kind: Kind) -> pb.CommitResponse:
     response = pb.CommitResponse(
         state=types_pb2.PARTICIPANT_STATE_COMMITTED,
@@ -311,6 +329,9 @@ def _commit_response(result: CommitResult, kind: Kind) -> pb.CommitResponse:
         snapshot_only=result.snapshot_only,
         snapshot_records=result.snapshot_records,
         snapshot_bytes=result.snapshot_bytes,
+        records_written=result.records.written,
+        records_referenced=result.records.referenced,
+        chain_length=result.records.chain_length,
     )
     if result.manifest is not None:
         response.manifest.CopyFrom(_manifest(result.manifest, kind))

@@ -33,6 +33,7 @@ from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
 from rollout_checkpoint.server.runtime.participant import Participant, RestoredRecord
 from rollout_checkpoint.server.runtime.records_codec import serialize_records
 from rollout_checkpoint.server.runtime.result_outbox import Lookup, Produced, unbridged_result
+from rollout_checkpoint.server.runtime.worker_changes import WorkerShares
 from rollout_checkpoint.server.runtime.worker_link import Link, LinkClosed, WorkerCallFailed
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class WorkerBridge:
         self._reader_task: asyncio.Task[None] | None = None
         self._push_handle: asyncio.Handle | None = None
         self._report_handle: asyncio.Handle | None = None
+        self._shares = WorkerShares(participant)
         participant.attach(self)
 
     # -- ParticipantContext --------------------------------------------------------------
@@ -157,7 +159,13 @@ class WorkerBridge:
         self._link = link
         self._reader_task = asyncio.get_running_loop().create_task(self._read(link))
         reply = await link.call(
-            "register", {"index": self.index, "pid": os.getpid(), "facts": self._facts()}
+            "register",
+            {
+                "index": self.index,
+                "pid": os.getpid(),
+                "facts": self._facts(),
+                "incremental": self.participant.incremental,
+            },
         )
         self._apply_marks(reply.get("marks") or {})
         if reply.get("closed"):
@@ -219,6 +227,13 @@ class WorkerBridge:
             # and the main process stores exactly these lines' content.
             lines = await asyncio.to_thread(lambda: list(serialize_records(records)))
             return [line.decode() for line in lines]
+        elif op == "export_changes":
+            scope = body.get("scope")
+            return await self._shares.export(
+                None if scope is None else frozenset(episodes_from(scope)),
+                int(body["cut"]),
+                body.get("base"),
+            )
         elif op == "install":
             self._apply_marks(body.get("marks") or {})
             await participant.install(_records(body["records"]))

@@ -16,7 +16,9 @@ bridge (worker_link.py, worker_bridge.py):
   change reaches the controller's stream without anyone asking.
 * Commit collects every worker's records into the one part, each as the worker's participant
   wrote it: the same records a one-process server writes, so a checkpoint restores into any
-  number of workers, one included (records_codec.py).
+  number of workers, one included (records_codec.py). A resources server that declares
+  `checkpoint_incremental` sends only the records its workers' change clocks say changed,
+  and the part references the rest of the last one (worker_changes.py).
 * Restore puts the state back where requests will find it. Sessions (`Placement.SESSIONS`,
   resources: state that spans requests, routed by their id) go to worker
   `session_owner(id) % workers`, the worker their cookie routes to. Episodes
@@ -34,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 import uuid
 import zlib
@@ -49,7 +50,9 @@ from rollout_checkpoint.server.runtime.participant import (
     MAX_LISTED_BLOCKERS,
     Blocker,
     BlockerReason,
+    ChangeSet,
     EpisodeInfo,
+    ExportBase,
     ExportRecord,
     Kind,
     Participant,
@@ -62,6 +65,7 @@ from rollout_checkpoint.server.runtime.result_outbox import (
     restored_results,
 )
 from rollout_checkpoint.server.runtime.worker_bridge import episode_keys
+from rollout_checkpoint.server.runtime.worker_changes import PoolChanges, decoded_records
 from rollout_checkpoint.server.runtime.worker_link import Link, WorkerCallFailed
 
 log = logging.getLogger(__name__)
@@ -138,9 +142,15 @@ def bridged(record: RestoredRecord) -> dict[str, Any]:
 
 
 def record_identity_by_session(episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
-    """A resources server's record identity (one record per session)."""
+    """A resources server's record identity (one record per session): the one its workers'
+    participants give the record (`session_identity`), so the identities a worker names
+    across the bridge are the main process's (worker_changes.py)."""
     session_id = record.get("session_id")
-    return (episode, session_id if isinstance(session_id, str) else None)
+    return (
+        episode.rollout_id,
+        episode.attempt,
+        session_id if isinstance(session_id, str) else None,
+    )
 
 
 class WorkerPool(Participant):
@@ -172,6 +182,8 @@ class WorkerPool(Participant):
         self.restarts = 0
         """Workers that registered in the place of one that was there before."""
         self._ever: set[int] = set()
+        self.changes = PoolChanges()
+        """Incremental parts: which cut each worker's share belongs to (worker_changes.py)."""
 
     def attach(self, context: Any) -> None:
         super().attach(context)
@@ -236,6 +248,8 @@ class WorkerPool(Participant):
         self._ever.add(index)
         worker = Worker(index, int(body["pid"]), link, dict(body.get("facts") or {}))
         self.workers[index] = worker
+        self.changes.workers_changed()
+        self.incremental = self.placement is Placement.SESSIONS and bool(body.get("incremental"))
         log.info("worker %d (pid %d) registered", index, worker.pid)
         self._registered.set()
         self._registered = asyncio.Event()
@@ -246,6 +260,7 @@ class WorkerPool(Participant):
         if self.workers.get(worker.index) is not worker:
             return
         del self.workers[worker.index]
+        self.changes.workers_changed()
         if self._closed:
             self._lost_while_closed.add(worker.index)
         log.warning("worker %d (pid %d) is gone", worker.index, worker.pid)
@@ -361,6 +376,33 @@ class WorkerPool(Participant):
         )
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        self._every_worker_running()
+        replies = await self._call_all("export", {"scope": episode_keys(scope)})
+        # Decoding every worker's lines is JSON of the whole state (50 MB at 10,000 x 5 KB
+        # sessions): on the loop it would stall the sidecar and every worker's bridge for
+        # the whole commit.
+        records = await asyncio.to_thread(_every_share, replies)
+        for key, record in self._held.items():
+            episode = EpisodeId.from_capture_key(key)
+            if scope is None or episode in scope:
+                records.append(ExportRecord(episode, dict(record.fields)))
+        records.extend(self.outbox.export())
+        return records
+
+    def change_clock(self) -> int:
+        return self.changes.cut()
+
+    async def export_changes(
+        self, scope: frozenset[EpisodeId] | None, base: ExportBase | None
+    ) -> ChangeSet:
+        """Each worker's share, decided by its own change clock (worker_changes.py). Only
+        resources servers are incremental: their records are all in the workers."""
+        self._every_worker_running()
+        return await self.changes.export(
+            self._call_all, episode_keys(scope), base, self.record_identity
+        )
+
+    def _every_worker_running(self) -> None:
         missing = [i for i in range(self.configured) if i not in self.workers]
         if missing:
             raise CheckpointError(
@@ -368,19 +410,6 @@ class WorkerPool(Participant):
                 f"workers {missing} are not running: their share cannot be exported",
                 code="FAILED_PRECONDITION",
             )
-        replies = await self._call_all("export", {"scope": episode_keys(scope)})
-        records: list[ExportRecord] = []
-        for _, lines in sorted(replies.items()):
-            for line in lines:
-                fields = json.loads(line)  # key order and big integers kept
-                episode = EpisodeId.from_json(fields.pop("episode_id"))
-                records.append(ExportRecord(episode, fields))
-        for key, record in self._held.items():
-            episode = EpisodeId.from_capture_key(key)
-            if scope is None or episode in scope:
-                records.append(ExportRecord(episode, dict(record.fields)))
-        records.extend(self.outbox.export())
-        return records
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         try:
@@ -396,33 +425,8 @@ class WorkerPool(Participant):
             await self._hold(own)
             self.outbox.install(held)
             return
-        by_worker: dict[int, list[dict[str, Any]]] = {}
-        for record in records:
-            session_id = record.fields.get("session_id")
-            # A record without a session id is the worker's participant's to refuse: any
-            # worker will do, as long as it is one.
-            owner = session_owner(session_id) if isinstance(session_id, str) else 0
-            by_worker.setdefault(owner % self.configured, []).append(bridged(record))
         marks = self.context.retired.snapshot()
-        installed: list[Worker] = []
-
-        async def install_on(worker: Worker) -> None:
-            await worker.link.call(
-                "install", {"records": by_worker.get(worker.index, []), "marks": marks}
-            )
-            installed.append(worker)
-
-        results = await asyncio.gather(
-            *(install_on(w) for w in list(self.workers.values())), return_exceptions=True
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            episodes = episode_keys([r.restored_as for r in records])
-            await asyncio.gather(
-                *(w.link.call("discard", {"episodes": episodes}) for w in installed),
-                return_exceptions=True,
-            )
-            raise failures[0]
+        await install_sessions(list(self.workers.values()), self.configured, records, marks)
 
     async def _hold(self, records: Sequence[RestoredRecord]) -> None:
         """Claims placement: validate every record on a worker (the kind's own rules), then
@@ -543,6 +547,40 @@ class WorkerPool(Participant):
         return totals
 
 
+async def install_sessions(
+    workers: Sequence[Worker],
+    configured: int,
+    records: Sequence[RestoredRecord],
+    marks: dict[str, int],
+) -> None:
+    """Sessions placement: each record to the worker that owns its session, all or nothing
+    (what some workers installed is discarded when another refused)."""
+    by_worker: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        session_id = record.fields.get("session_id")
+        # A record without a session id is the worker's participant's to refuse: any
+        # worker will do, as long as it is one.
+        owner = session_owner(session_id) if isinstance(session_id, str) else 0
+        by_worker.setdefault(owner % configured, []).append(bridged(record))
+    installed: list[Worker] = []
+
+    async def install_on(worker: Worker) -> None:
+        await worker.link.call(
+            "install", {"records": by_worker.get(worker.index, []), "marks": marks}
+        )
+        installed.append(worker)
+
+    results = await asyncio.gather(*(install_on(w) for w in workers), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        episodes = episode_keys([r.restored_as for r in records])
+        await asyncio.gather(
+            *(w.link.call("discard", {"episodes": episodes}) for w in installed),
+            return_exceptions=True,
+        )
+        raise failures[0]
+
+
 def _report_into(state: WorkerState, body: Any) -> None:
     state.generation = int(body["generation"])
     state.closed = bool(body["closed"])
@@ -569,3 +607,11 @@ def _state_from(body: Any) -> WorkerState:
     )
     _report_into(state, body)
     return state
+
+
+def _every_share(replies: Mapping[int, Sequence[str]]) -> list[ExportRecord]:
+    """Every worker's exported lines as records, worker by worker (blocks: JSON)."""
+    records: list[ExportRecord] = []
+    for _, lines in sorted(replies.items()):
+        records.extend(decoded_records(lines))
+    return records

@@ -20,7 +20,9 @@ Each step of the local publication (see the package doc) has its object-store fo
 5. **Retention last, deleting only what no `LATEST` names**: `LATEST` is read again right
    before each deletion, and a published checkpoint loses its `checkpoint.json` first, so a
    deletion cut short never leaves a checkpoint that looks published but lost parts (the
-   object-store form of the rename to a trash name).
+   object-store form of the rename to a trash name). Never a checkpoint whose records a kept
+   one references (incremental parts), transitively; and nothing at all when a part's manifest
+   cannot be read, since what it references is then unknown (`retention.referenced_closure`).
 
 Everything here blocks (network I/O, hashing): run it in a thread from asyncio code.
 """
@@ -48,6 +50,10 @@ from rollout_checkpoint.client.checkpointing.publication.manifest import (
     PublishedParticipant,
     parse_time,
 )
+from rollout_checkpoint.client.checkpointing.publication.retention import (
+    manifest_references,
+    referenced_closure,
+)
 from rollout_checkpoint.client.checkpointing.publication.root import (
     PendingRetention,
     PublishedCheckpoint,
@@ -66,14 +72,13 @@ from rollout_checkpoint.server.core.extras import MissingExtra
 from rollout_checkpoint.server.core.layout import (
     FLEET_MANIFEST_NAME,
     LATEST_NAME,
+    MANIFEST_LIMIT,
     MANIFEST_NAME,
     PARTICIPANTS_DIR,
     load_json,
 )
-from rollout_checkpoint.server.core.object_parts import (
-    read_object_manifest_bytes,
-    scan_object_records,
-)
+from rollout_checkpoint.server.core.object_parts import scan_part_records
+from rollout_checkpoint.server.core.object_references import read_object_manifest_bytes
 from rollout_checkpoint.server.core.object_store import (
     ObjectLocation,
     ObjectStoreClient,
@@ -292,16 +297,8 @@ class ObjectCheckpointRoot:
                 )
             manifest = decode_manifest(raw, part.url)
             check_owner(manifest, part.url, entry.kind, entry.instance, checkpoint_id)
-            if manifest.chain is not None:
-                # Written locally and copied here (a backup): its reference lines would
-                # count as records, and a restore from the store refuses the part.
-                raise CheckpointCorrupt(
-                    part.url, "a part referencing earlier parts cannot be read from an object store"
-                )
             self._call(
-                lambda: scan_object_records(
-                    self._client, part, manifest, episode, size_only=not full
-                )
+                lambda: scan_part_records(self._client, ckpt, manifest, episode, size_only=not full)
             )
         except CheckpointError as error:
             if error.reason == Reason.STORAGE_FAILED:
@@ -318,6 +315,8 @@ class ObjectCheckpointRoot:
             record_count=manifest.record_count,
             bytes=manifest.bytes,
             episodes=unique,
+            referenced_records=manifest.referenced_records,
+            chain_length=manifest.chain_length,
         )
         return summary, len(keys) - len(unique)
 
@@ -329,7 +328,7 @@ class ObjectCheckpointRoot:
         """`retention.apply_retention`'s rules on the store. Never raises for a failed
         deletion (the publication succeeded; the next one retries what is left)."""
         try:
-            published, unpublished = self._scan()
+            published, unpublished, manifests = self._scan()
         except PublicationError:
             return ()
         newest_first = sorted(published, reverse=True)
@@ -338,6 +337,17 @@ class ObjectCheckpointRoot:
         doomed += [
             name for name, first in unpublished if first < reference and name != just_published
         ]
+        kept = {name for _, name in published} | {name for name, _ in unpublished}
+        try:
+            referenced = referenced_closure(
+                kept - set(doomed),
+                lambda name: self._call(
+                    lambda: _references_in(self._client, manifests.get(name, ()))
+                ),
+            )
+        except PublicationError:
+            return ()  # a manifest that cannot be read: delete nothing a kept one may need
+        doomed = [name for name in doomed if name not in referenced]
         deleted: list[str] = []
         for name in doomed:
             if daemon_threads.abandoned():
@@ -359,21 +369,26 @@ class ObjectCheckpointRoot:
                 continue
         return tuple(sorted(deleted))
 
-    def _scan(self) -> tuple[list[tuple[datetime, str]], list[tuple[str, datetime]]]:
-        """Published checkpoints (created_at, id) and unpublished ones (id, first write): only
-        prefixes named like checkpoint ids whose objects are what a checkpoint holds."""
+    def _scan(
+        self,
+    ) -> tuple[list[tuple[datetime, str]], list[tuple[str, datetime]], dict[str, list[str]]]:
+        """Published checkpoints (created_at, id), unpublished ones (id, first write), and
+        the keys of every checkpoint's part manifests: only prefixes named like checkpoint ids
+        whose objects are what a checkpoint holds."""
         published: list[tuple[datetime, str]] = []
         unpublished: list[tuple[str, datetime]] = []
+        manifests: dict[str, list[str]] = {}
         for name in self._call(lambda: self._client.children(self.root.prefix)):
             if name == LATEST_NAME or not is_valid_id(name):
                 continue
             objects = self._call(functools.partial(self._client.list_below, self.root.key(name)))
             relative = {o.key.removeprefix(self.root.key(name) + "/") for o in objects}
+            manifests[name] = [self.root.key(name, r) for r in sorted(relative) if _is_part(r)]
             if FLEET_MANIFEST_NAME in relative:
                 published.append((self._created_at(name), name))
             elif objects and all(r.startswith(PARTICIPANTS_DIR + "/") for r in relative):
                 unpublished.append((name, min(o.last_modified for o in objects)))
-        return published, unpublished
+        return published, unpublished, manifests
 
     def _delete_checkpoint(self, name: str) -> None:
         """checkpoint.json first (from then on it is no longer published), then the rest."""
@@ -498,6 +513,33 @@ def verify_object_checkpoint(url: str) -> tuple[CheckpointSummary, str | None]:
         )
     note = f"{location.url} is a checkpoint root: LATEST names {latest}"
     return root.inspect(latest), note
+
+
+def _references_in(client: ObjectStoreClient, manifest_keys: Sequence[str]) -> set[str]:
+    """The checkpoints the part manifests under `manifest_keys` reference (ObjectStoreFailure
+    when one cannot be read; one larger than any manifest is nobody's and references nothing,
+    as one that does not parse)."""
+    references: set[str] = set()
+    for key in manifest_keys:
+        try:
+            stored = client.get(key, limit=MANIFEST_LIMIT)
+        except ValueError:
+            continue
+        if stored is not None:
+            references |= manifest_references(stored.data)
+    return references
+
+
+def _is_part(relative: str) -> bool:
+    """Whether a key below a checkpoint is a part's manifest
+    (`participants/<kind>/<instance>/manifest.json`)."""
+    components = relative.split("/")
+    return (
+        len(components) == 4
+        and components[0] == PARTICIPANTS_DIR
+        and components[3] == MANIFEST_NAME
+        and all(is_valid_id(c) for c in components[1:3])
+    )
 
 
 def _latest_id(stored: StoredObject | None) -> str | None:

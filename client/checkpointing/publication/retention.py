@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -118,7 +120,9 @@ def apply_retention(
     ]
     kept = {name for _, name in scan.published} | {name for name, _ in scan.unpublished}
     try:
-        referenced = referenced_closure(root_fd, kept - set(doomed))
+        referenced = referenced_closure(
+            kept - set(doomed), functools.partial(_references_of, root_fd)
+        )
     except OSError as exc:
         log.warning("retention skipped: cannot read the references in %s: %s", root, exc)
         return ()
@@ -146,19 +150,20 @@ def apply_retention(
     return tuple(sorted(deleted))
 
 
-def referenced_closure(root_fd: int, kept: set[str]) -> set[str]:
-    """Every checkpoint directory whose records a part in `kept` references, and the ones
-    those reference in turn (a kept checkpoint restores only with them, and so does each
-    directory retention keeps for it, so none of them looks published yet cannot restore).
+def referenced_closure(kept: set[str], references_of: Callable[[str], set[str]]) -> set[str]:
+    """Every checkpoint (directory, or prefix on an object store) whose records a part in
+    `kept` references, and the ones those reference in turn (a kept checkpoint restores only
+    with them, and so does each one retention keeps for it, so none of them looks published
+    yet cannot restore). `references_of(name)`: the checkpoints the parts of `name` reference.
 
-    Raises OSError when a manifest cannot be read: retention then deletes nothing rather
-    than a file a kept checkpoint may need. A manifest that does not parse references
-    nothing (its part cannot be restored anyway)."""
+    `references_of` raises (OSError, a store's failure) when a manifest cannot be read:
+    retention then deletes nothing rather than a file a kept checkpoint may need. A manifest
+    that does not parse references nothing (its part cannot be restored anyway)."""
     found: set[str] = set()
     pending = sorted(kept)
     while pending:
         name = pending.pop()
-        for referenced in _references_of(root_fd, name):
+        for referenced in references_of(name):
             if referenced not in found:
                 found.add(referenced)
                 pending.append(referenced)
@@ -214,6 +219,11 @@ def _manifest_references(part_fd: int) -> set[str]:
         raw = safe_files.read_regular(part_fd, MANIFEST_NAME, MANIFEST_LIMIT)
     except (FileNotFoundError, safe_files.NotRegular, safe_files.TooLarge):
         return set()
+    return manifest_references(raw)
+
+
+def manifest_references(raw: bytes) -> set[str]:
+    """The checkpoints a part's raw manifest references (none when it does not parse)."""
     try:
         chain = StoredManifest.decode(raw).chain
     except ValueError:

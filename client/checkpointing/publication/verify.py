@@ -359,7 +359,7 @@ def _scan_chained(
             on_record(reader.resolve(record) if REFERENCE_FIELD in record else record, number)
 
         part_reader.scan_records(part_fd, shown, manifest, resolved, check)
-        check_resolved(reader, manifest, shown)
+        check_resolved(reader.resolved, manifest, shown)
     finally:
         reader.close()
         os.close(root_fd)

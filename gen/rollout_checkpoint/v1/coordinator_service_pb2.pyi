@@ -1575,9 +1575,15 @@ class Attempt(_message.Message):
     members: _builtins.int
     """Members of the fleet."""
     records: _builtins.int
-    """Records written (checkpoints) over all members."""
+    """Records of the members' parts (checkpoints) over all members: each
+    part's `Manifest.record_count`, which for an incremental part counts the
+    records it references in earlier parts too.
+    """
     bytes: _builtins.int
-    """Bytes of records written (checkpoints) over all members."""
+    """Bytes of the members' records files (checkpoints) over all members: each
+    part's `Manifest.bytes` (an incremental part's own records and its
+    reference lines).
+    """
     source: _builtins.str
     """Restores: the published checkpoint restored."""
     continued: _builtins.int
@@ -1663,9 +1669,11 @@ class AttemptMember(_message.Message):
     part: _builtins.str
     """Where its part is (checkpoints)."""
     records: _builtins.int
-    """Records it wrote."""
+    """Records its part holds (`Manifest.record_count`: for an incremental
+    part, those it wrote and those it references).
+    """
     bytes: _builtins.int
-    """Bytes of records it wrote."""
+    """The size of its part's records file (`Manifest.bytes`)."""
     prepared_seconds: _builtins.float
     """Seconds from the prepare's start until it reported PREPARED (unset: it
     never did).

@@ -304,6 +304,7 @@ class GetStatusResponse(_message.Message):
     FACTS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     BOOT_ID_FIELD_NUMBER: _builtins.int
+    LAST_PART_FIELD_NUMBER: _builtins.int
     state: _types_pb2.ParticipantState.ValueType
     """The control-plane state."""
     checkpoint_id: _builtins.str
@@ -334,6 +335,16 @@ class GetStatusResponse(_message.Message):
         `weight_version` (see SetWeightVersion).
         """
 
+    @_builtins.property
+    def last_part(self) -> Global___PublishedPart:
+        """The last part this process published since its last Restore (a
+        synchronous Commit's once the Commit succeeded, or an asynchronous
+        commit's once its write is durable), whatever became of its checkpoint
+        since. Unset while this process published none (a new process, a
+        replacement) and after a Restore: a rejoining Restore abandons what the
+        process published before it, even a write cut before it that ends after.
+        """
+
     def __init__(
         self,
         *,
@@ -347,14 +358,78 @@ class GetStatusResponse(_message.Message):
         facts: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         boot_id: _builtins.str = ...,
+        last_part: Global___PublishedPart | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at", "readiness", b"readiness"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_part", b"last_part", "lease_expires_at", b"lease_expires_at", "readiness", b"readiness"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_open", b"admission_open", "boot_id", b"boot_id", "checkpoint_id", b"checkpoint_id", "counters", b"counters", "facts", b"facts", "lease_expires_at", b"lease_expires_at", "readiness", b"readiness", "restored_pending", b"restored_pending", "retired_rollouts", b"retired_rollouts", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_open", b"admission_open", "boot_id", b"boot_id", "checkpoint_id", b"checkpoint_id", "counters", b"counters", "facts", b"facts", "last_part", b"last_part", "lease_expires_at", b"lease_expires_at", "readiness", b"readiness", "restored_pending", b"restored_pending", "retired_rollouts", b"retired_rollouts", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class PublishedPart(_message.Message):
+    """A part a participant published, with what it wrote and what a restore of it
+    reads (GetStatus).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_DIR_FIELD_NUMBER: _builtins.int
+    ASYNCHRONOUS_FIELD_NUMBER: _builtins.int
+    RECORD_COUNT_FIELD_NUMBER: _builtins.int
+    RECORDS_WRITTEN_FIELD_NUMBER: _builtins.int
+    RECORDS_REFERENCED_FIELD_NUMBER: _builtins.int
+    CHAIN_LENGTH_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    checkpoint_id: _builtins.str
+    """The checkpoint id of the part."""
+    checkpoint_dir: _builtins.str
+    """The checkpoint directory it was written into: the Commit's, with symlinks
+    resolved (an object-store URL in its canonical form, without a trailing
+    slash).
+    """
+    asynchronous: _builtins.bool
+    """True when an asynchronous commit wrote it (durable since)."""
+    record_count: _builtins.int
+    """The part's records: `records_written` plus `records_referenced`
+    (`Manifest.record_count`).
+    """
+    records_written: _builtins.int
+    """The records this part stored itself, as CommitResponse.records_written."""
+    records_referenced: _builtins.int
+    """The records it references in earlier parts, as
+    CommitResponse.records_referenced.
+    """
+    chain_length: _builtins.int
+    """How many parts a restore of it reads at most, as
+    CommitResponse.chain_length (1: a full part).
+    """
+    bytes: _builtins.int
+    """The size of its records file in bytes (`Manifest.bytes`): the own
+    records' lines and one reference line per referenced record.
+    """
+    def __init__(
+        self,
+        *,
+        checkpoint_id: _builtins.str = ...,
+        checkpoint_dir: _builtins.str = ...,
+        asynchronous: _builtins.bool = ...,
+        record_count: _builtins.int = ...,
+        records_written: _builtins.int = ...,
+        records_referenced: _builtins.int = ...,
+        chain_length: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asynchronous", b"asynchronous", "bytes", b"bytes", "chain_length", b"chain_length", "checkpoint_dir", b"checkpoint_dir", "checkpoint_id", b"checkpoint_id", "record_count", b"record_count", "records_referenced", b"records_referenced", "records_written", b"records_written"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishedPart: _TypeAlias = PublishedPart  # noqa: Y015
 
 @_typing.final
 class ListEpisodesRequest(_message.Message):
@@ -634,6 +709,9 @@ class CommitResponse(_message.Message):
     SNAPSHOT_ONLY_FIELD_NUMBER: _builtins.int
     SNAPSHOT_RECORDS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_BYTES_FIELD_NUMBER: _builtins.int
+    RECORDS_WRITTEN_FIELD_NUMBER: _builtins.int
+    RECORDS_REFERENCED_FIELD_NUMBER: _builtins.int
+    CHAIN_LENGTH_FIELD_NUMBER: _builtins.int
     state: _types_pb2.ParticipantState.ValueType
     """COMMITTED."""
     manifest_sha256: _builtins.str
@@ -646,15 +724,40 @@ class CommitResponse(_message.Message):
     unset until AwaitPart reports it durable.
     """
     snapshot_records: _builtins.int
-    """The number of records in the snapshot (asynchronous commits; for a
-    synchronous one `manifest.record_count`).
+    """Asynchronous commits (0 for a synchronous one: see `manifest`): the
+    records of the part the snapshot cut, the ones it wrote and the ones it
+    references alike (`records_written` plus `records_referenced`), which is
+    the durable part's `manifest.record_count`.
     """
     snapshot_bytes: _builtins.int
-    """The size in bytes of the snapshot's serialized records (asynchronous
-    commits; for a synchronous one `manifest.bytes`). For an incremental part
-    it counts only the changed records the snapshot holds: the lines that
-    reference unchanged ones are composed by the background write, so the
-    durable part's `manifest.bytes` is larger.
+    """Asynchronous commits (0 for a synchronous one): the bytes the snapshot
+    serialized and holds until the write ends, the lines of the
+    `records_written` records (each with its newline). For a full part that
+    is the durable part's `manifest.bytes`; for an incremental part it is
+    less, by the reference lines the background write composes for the
+    `records_referenced` records.
+    """
+    records_written: _builtins.int
+    """The records this part stores itself: every record for a full part
+    (`manifest.record_count`); for an incremental part the changed and new
+    ones (`manifest.own_records`). Set by every participant, synchronous or
+    asynchronous (known at the snapshot: equal to the durable part's). A
+    participant that never writes incremental parts (a NeMo Gym server, an
+    agent or environment, the model, a resources server that does not opt
+    in, one with several workers) always writes full parts.
+    """
+    records_referenced: _builtins.int
+    """The records this part references in earlier parts of the same
+    participant instead of storing them again (unchanged since the part that
+    holds them; `manifest.referenced_records`): 0 for a full part.
+    """
+    chain_length: _builtins.int
+    """How many parts a restore of this one reads at most: 1 for a full part
+    (read alone), the base's length plus one for an incremental part (see
+    `Manifest.chain_length`, which a full part's manifest leaves unset).
+    Never 0 from a participant of this version: 0 means the participant
+    predates these fields (then `records_written` and `records_referenced`
+    are 0 too and say nothing).
     """
     @_builtins.property
     def manifest(self) -> _types_pb2.Manifest:
@@ -683,10 +786,13 @@ class CommitResponse(_message.Message):
         snapshot_only: _builtins.bool = ...,
         snapshot_records: _builtins.int = ...,
         snapshot_bytes: _builtins.int = ...,
+        records_written: _builtins.int = ...,
+        records_referenced: _builtins.int = ...,
+        chain_length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exported", b"exported", "manifest", b"manifest", "manifest_sha256", b"manifest_sha256", "retired", b"retired", "snapshot_bytes", b"snapshot_bytes", "snapshot_only", b"snapshot_only", "snapshot_records", b"snapshot_records", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_length", b"chain_length", "exported", b"exported", "manifest", b"manifest", "manifest_sha256", b"manifest_sha256", "records_referenced", b"records_referenced", "records_written", b"records_written", "retired", b"retired", "snapshot_bytes", b"snapshot_bytes", "snapshot_only", b"snapshot_only", "snapshot_records", b"snapshot_records", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -125,7 +125,8 @@ class ParticipantServiceServicer:
         """Reports the control-plane state, lease and readiness.
 
         Idempotent and read-only; allowed in every state. The polling fallback for
-        a controller that cannot read the Prepare stream.
+        a controller that cannot read the Prepare stream. Also says what the last
+        part this process published wrote and references (`last_part`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -247,7 +248,11 @@ class ParticipantServiceServicer:
         releases nothing more.
 
         State COMMITTED; admission stays closed until Resume. Idempotent with the
-        same directory and scope: the identical reply.
+        same directory and scope: the identical reply. A participant that writes
+        incremental parts stores only the records changed since the last part it
+        published and references the others (full parts still come first, after
+        a Restore and every few parts): `records_written`, `records_referenced`
+        and `chain_length` say which, in both modes.
 
         Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
         `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now

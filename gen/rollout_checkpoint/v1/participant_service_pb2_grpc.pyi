@@ -89,7 +89,8 @@ class ParticipantServiceStub:
     """Reports the control-plane state, lease and readiness.
 
     Idempotent and read-only; allowed in every state. The polling fallback for
-    a controller that cannot read the Prepare stream.
+    a controller that cannot read the Prepare stream. Also says what the last
+    part this process published wrote and references (`last_part`).
     """
     ListEpisodes: _grpc.UnaryUnaryMultiCallable[_participant_service_pb2.ListEpisodesRequest, _participant_service_pb2.ListEpisodesResponse]
     """Lists every live episode this participant holds, sorted by capture key.
@@ -195,7 +196,11 @@ class ParticipantServiceStub:
     releases nothing more.
 
     State COMMITTED; admission stays closed until Resume. Idempotent with the
-    same directory and scope: the identical reply.
+    same directory and scope: the identical reply. A participant that writes
+    incremental parts stores only the records changed since the last part it
+    published and references the others (full parts still come first, after
+    a Restore and every few parts): `records_written`, `records_referenced`
+    and `chain_length` say which, in both modes.
 
     Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
     `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
@@ -464,7 +469,8 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     """Reports the control-plane state, lease and readiness.
 
     Idempotent and read-only; allowed in every state. The polling fallback for
-    a controller that cannot read the Prepare stream.
+    a controller that cannot read the Prepare stream. Also says what the last
+    part this process published wrote and references (`last_part`).
     """
     ListEpisodes: _aio.UnaryUnaryMultiCallable[_participant_service_pb2.ListEpisodesRequest, _participant_service_pb2.ListEpisodesResponse]  # type: ignore[assignment]
     """Lists every live episode this participant holds, sorted by capture key.
@@ -570,7 +576,11 @@ class ParticipantServiceAsyncStub(ParticipantServiceStub):
     releases nothing more.
 
     State COMMITTED; admission stays closed until Resume. Idempotent with the
-    same directory and scope: the identical reply.
+    same directory and scope: the identical reply. A participant that writes
+    incremental parts stores only the records changed since the last part it
+    published and references the others (full parts still come first, after
+    a Restore and every few parts): `records_written`, `records_referenced`
+    and `chain_length` say which, in both modes.
 
     Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
     `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
@@ -848,7 +858,8 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         """Reports the control-plane state, lease and readiness.
 
         Idempotent and read-only; allowed in every state. The polling fallback for
-        a controller that cannot read the Prepare stream.
+        a controller that cannot read the Prepare stream. Also says what the last
+        part this process published wrote and references (`last_part`).
         """
 
     @_abc_1.abstractmethod
@@ -978,7 +989,11 @@ class ParticipantServiceServicer(metaclass=_abc_1.ABCMeta):
         releases nothing more.
 
         State COMMITTED; admission stays closed until Resume. Idempotent with the
-        same directory and scope: the identical reply.
+        same directory and scope: the identical reply. A participant that writes
+        incremental parts stores only the records changed since the last part it
+        published and references the others (full parts still come first, after
+        a Restore and every few parts): `records_written`, `records_referenced`
+        and `chain_length` say which, in both modes.
 
         Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
         `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now

@@ -27,7 +27,7 @@ import (
 // Version is the semantic version of this module (tagged gen/go/vX.Y.Z in the repository).
 // Its major stays 1 while the wire is rollout_checkpoint.v1: a removed or renamed exported
 // name is a major bump, an added one a minor bump (gen/public-api.json records the names).
-const Version = "1.1.0"
+const Version = "1.2.0"
 
 // The values read from descriptors are functions, not package variables: Go initializes
 // every package variable before any init function, and the generated init functions are

@@ -2957,9 +2957,13 @@ type Attempt struct {
 	Stages []*AttemptStage `protobuf:"bytes,12,rep,name=stages,proto3" json:"stages,omitempty"`
 	// Members of the fleet.
 	Members uint32 `protobuf:"varint,13,opt,name=members,proto3" json:"members,omitempty"`
-	// Records written (checkpoints) over all members.
+	// Records of the members' parts (checkpoints) over all members: each
+	// part's `Manifest.record_count`, which for an incremental part counts the
+	// records it references in earlier parts too.
 	Records uint64 `protobuf:"varint,14,opt,name=records,proto3" json:"records,omitempty"`
-	// Bytes of records written (checkpoints) over all members.
+	// Bytes of the members' records files (checkpoints) over all members: each
+	// part's `Manifest.bytes` (an incremental part's own records and its
+	// reference lines).
 	Bytes uint64 `protobuf:"varint,15,opt,name=bytes,proto3" json:"bytes,omitempty"`
 	// Restores: the published checkpoint restored.
 	Source string `protobuf:"bytes,16,opt,name=source,proto3" json:"source,omitempty"`
@@ -3148,9 +3152,10 @@ type AttemptMember struct {
 	Instance string `protobuf:"bytes,3,opt,name=instance,proto3" json:"instance,omitempty"`
 	// Where its part is (checkpoints).
 	Part string `protobuf:"bytes,4,opt,name=part,proto3" json:"part,omitempty"`
-	// Records it wrote.
+	// Records its part holds (`Manifest.record_count`: for an incremental
+	// part, those it wrote and those it references).
 	Records uint64 `protobuf:"varint,5,opt,name=records,proto3" json:"records,omitempty"`
-	// Bytes of records it wrote.
+	// The size of its part's records file (`Manifest.bytes`).
 	Bytes uint64 `protobuf:"varint,6,opt,name=bytes,proto3" json:"bytes,omitempty"`
 	// Seconds from the prepare's start until it reported PREPARED (unset: it
 	// never did).

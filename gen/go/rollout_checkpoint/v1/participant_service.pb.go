@@ -403,7 +403,14 @@ type GetStatusResponse struct {
 	// `weight_version` (see SetWeightVersion).
 	Counters map[string]int64 `protobuf:"bytes,9,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	// A random id, new for every process.
-	BootId        string `protobuf:"bytes,10,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	BootId string `protobuf:"bytes,10,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	// The last part this process published since its last Restore (a
+	// synchronous Commit's once the Commit succeeded, or an asynchronous
+	// commit's once its write is durable), whatever became of its checkpoint
+	// since. Unset while this process published none (a new process, a
+	// replacement) and after a Restore: a rejoining Restore abandons what the
+	// process published before it, even a write cut before it that ends after.
+	LastPart      *PublishedPart `protobuf:"bytes,11,opt,name=last_part,json=lastPart,proto3" json:"last_part,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -508,6 +515,129 @@ func (x *GetStatusResponse) GetBootId() string {
 	return ""
 }
 
+func (x *GetStatusResponse) GetLastPart() *PublishedPart {
+	if x != nil {
+		return x.LastPart
+	}
+	return nil
+}
+
+// A part a participant published, with what it wrote and what a restore of it
+// reads (GetStatus).
+type PublishedPart struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint id of the part.
+	CheckpointId string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// The checkpoint directory it was written into: the Commit's, with symlinks
+	// resolved (an object-store URL in its canonical form, without a trailing
+	// slash).
+	CheckpointDir string `protobuf:"bytes,2,opt,name=checkpoint_dir,json=checkpointDir,proto3" json:"checkpoint_dir,omitempty"`
+	// True when an asynchronous commit wrote it (durable since).
+	Asynchronous bool `protobuf:"varint,3,opt,name=asynchronous,proto3" json:"asynchronous,omitempty"`
+	// The part's records: `records_written` plus `records_referenced`
+	// (`Manifest.record_count`).
+	RecordCount uint64 `protobuf:"varint,4,opt,name=record_count,json=recordCount,proto3" json:"record_count,omitempty"`
+	// The records this part stored itself, as CommitResponse.records_written.
+	RecordsWritten uint64 `protobuf:"varint,5,opt,name=records_written,json=recordsWritten,proto3" json:"records_written,omitempty"`
+	// The records it references in earlier parts, as
+	// CommitResponse.records_referenced.
+	RecordsReferenced uint64 `protobuf:"varint,6,opt,name=records_referenced,json=recordsReferenced,proto3" json:"records_referenced,omitempty"`
+	// How many parts a restore of it reads at most, as
+	// CommitResponse.chain_length (1: a full part).
+	ChainLength uint32 `protobuf:"varint,7,opt,name=chain_length,json=chainLength,proto3" json:"chain_length,omitempty"`
+	// The size of its records file in bytes (`Manifest.bytes`): the own
+	// records' lines and one reference line per referenced record.
+	Bytes         uint64 `protobuf:"varint,8,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishedPart) Reset() {
+	*x = PublishedPart{}
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishedPart) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishedPart) ProtoMessage() {}
+
+func (x *PublishedPart) ProtoReflect() protoreflect.Message {
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishedPart.ProtoReflect.Descriptor instead.
+func (*PublishedPart) Descriptor() ([]byte, []int) {
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *PublishedPart) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *PublishedPart) GetCheckpointDir() string {
+	if x != nil {
+		return x.CheckpointDir
+	}
+	return ""
+}
+
+func (x *PublishedPart) GetAsynchronous() bool {
+	if x != nil {
+		return x.Asynchronous
+	}
+	return false
+}
+
+func (x *PublishedPart) GetRecordCount() uint64 {
+	if x != nil {
+		return x.RecordCount
+	}
+	return 0
+}
+
+func (x *PublishedPart) GetRecordsWritten() uint64 {
+	if x != nil {
+		return x.RecordsWritten
+	}
+	return 0
+}
+
+func (x *PublishedPart) GetRecordsReferenced() uint64 {
+	if x != nil {
+		return x.RecordsReferenced
+	}
+	return 0
+}
+
+func (x *PublishedPart) GetChainLength() uint32 {
+	if x != nil {
+		return x.ChainLength
+	}
+	return 0
+}
+
+func (x *PublishedPart) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
 // Request of ListEpisodes.
 type ListEpisodesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -522,7 +652,7 @@ type ListEpisodesRequest struct {
 
 func (x *ListEpisodesRequest) Reset() {
 	*x = ListEpisodesRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[4]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -534,7 +664,7 @@ func (x *ListEpisodesRequest) String() string {
 func (*ListEpisodesRequest) ProtoMessage() {}
 
 func (x *ListEpisodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[4]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -547,7 +677,7 @@ func (x *ListEpisodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEpisodesRequest.ProtoReflect.Descriptor instead.
 func (*ListEpisodesRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{4}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ListEpisodesRequest) GetPageSize() int32 {
@@ -577,7 +707,7 @@ type ListEpisodesResponse struct {
 
 func (x *ListEpisodesResponse) Reset() {
 	*x = ListEpisodesResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[5]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -589,7 +719,7 @@ func (x *ListEpisodesResponse) String() string {
 func (*ListEpisodesResponse) ProtoMessage() {}
 
 func (x *ListEpisodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[5]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -602,7 +732,7 @@ func (x *ListEpisodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEpisodesResponse.ProtoReflect.Descriptor instead.
 func (*ListEpisodesResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{5}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ListEpisodesResponse) GetEpisodes() []*Episode {
@@ -639,7 +769,7 @@ type PrepareRequest struct {
 
 func (x *PrepareRequest) Reset() {
 	*x = PrepareRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[6]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -651,7 +781,7 @@ func (x *PrepareRequest) String() string {
 func (*PrepareRequest) ProtoMessage() {}
 
 func (x *PrepareRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[6]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -664,7 +794,7 @@ func (x *PrepareRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrepareRequest.ProtoReflect.Descriptor instead.
 func (*PrepareRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{6}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *PrepareRequest) GetCheckpointId() string {
@@ -717,7 +847,7 @@ type PrepareResponse struct {
 
 func (x *PrepareResponse) Reset() {
 	*x = PrepareResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[7]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -729,7 +859,7 @@ func (x *PrepareResponse) String() string {
 func (*PrepareResponse) ProtoMessage() {}
 
 func (x *PrepareResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[7]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -742,7 +872,7 @@ func (x *PrepareResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrepareResponse.ProtoReflect.Descriptor instead.
 func (*PrepareResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{7}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PrepareResponse) GetState() ParticipantState {
@@ -829,7 +959,7 @@ type RenewRequest struct {
 
 func (x *RenewRequest) Reset() {
 	*x = RenewRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[8]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -841,7 +971,7 @@ func (x *RenewRequest) String() string {
 func (*RenewRequest) ProtoMessage() {}
 
 func (x *RenewRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[8]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -854,7 +984,7 @@ func (x *RenewRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewRequest.ProtoReflect.Descriptor instead.
 func (*RenewRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{8}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *RenewRequest) GetCheckpointId() string {
@@ -882,7 +1012,7 @@ type RenewResponse struct {
 
 func (x *RenewResponse) Reset() {
 	*x = RenewResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[9]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -894,7 +1024,7 @@ func (x *RenewResponse) String() string {
 func (*RenewResponse) ProtoMessage() {}
 
 func (x *RenewResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[9]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -907,7 +1037,7 @@ func (x *RenewResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenewResponse.ProtoReflect.Descriptor instead.
 func (*RenewResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{9}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *RenewResponse) GetLeaseExpiresAt() *timestamppb.Timestamp {
@@ -943,7 +1073,7 @@ type CommitRequest struct {
 
 func (x *CommitRequest) Reset() {
 	*x = CommitRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[10]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -955,7 +1085,7 @@ func (x *CommitRequest) String() string {
 func (*CommitRequest) ProtoMessage() {}
 
 func (x *CommitRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[10]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -968,7 +1098,7 @@ func (x *CommitRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitRequest.ProtoReflect.Descriptor instead.
 func (*CommitRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{10}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CommitRequest) GetCheckpointId() string {
@@ -1026,22 +1156,44 @@ type CommitResponse struct {
 	// being written in the background; `manifest` and `manifest_sha256` are
 	// unset until AwaitPart reports it durable.
 	SnapshotOnly bool `protobuf:"varint,6,opt,name=snapshot_only,json=snapshotOnly,proto3" json:"snapshot_only,omitempty"`
-	// The number of records in the snapshot (asynchronous commits; for a
-	// synchronous one `manifest.record_count`).
+	// Asynchronous commits (0 for a synchronous one: see `manifest`): the
+	// records of the part the snapshot cut, the ones it wrote and the ones it
+	// references alike (`records_written` plus `records_referenced`), which is
+	// the durable part's `manifest.record_count`.
 	SnapshotRecords int64 `protobuf:"varint,7,opt,name=snapshot_records,json=snapshotRecords,proto3" json:"snapshot_records,omitempty"`
-	// The size in bytes of the snapshot's serialized records (asynchronous
-	// commits; for a synchronous one `manifest.bytes`). For an incremental part
-	// it counts only the changed records the snapshot holds: the lines that
-	// reference unchanged ones are composed by the background write, so the
-	// durable part's `manifest.bytes` is larger.
+	// Asynchronous commits (0 for a synchronous one): the bytes the snapshot
+	// serialized and holds until the write ends, the lines of the
+	// `records_written` records (each with its newline). For a full part that
+	// is the durable part's `manifest.bytes`; for an incremental part it is
+	// less, by the reference lines the background write composes for the
+	// `records_referenced` records.
 	SnapshotBytes int64 `protobuf:"varint,8,opt,name=snapshot_bytes,json=snapshotBytes,proto3" json:"snapshot_bytes,omitempty"`
+	// The records this part stores itself: every record for a full part
+	// (`manifest.record_count`); for an incremental part the changed and new
+	// ones (`manifest.own_records`). Set by every participant, synchronous or
+	// asynchronous (known at the snapshot: equal to the durable part's). A
+	// participant that never writes incremental parts (a NeMo Gym server, an
+	// agent or environment, the model, a resources server that does not opt
+	// in, one with several workers) always writes full parts.
+	RecordsWritten uint64 `protobuf:"varint,9,opt,name=records_written,json=recordsWritten,proto3" json:"records_written,omitempty"`
+	// The records this part references in earlier parts of the same
+	// participant instead of storing them again (unchanged since the part that
+	// holds them; `manifest.referenced_records`): 0 for a full part.
+	RecordsReferenced uint64 `protobuf:"varint,10,opt,name=records_referenced,json=recordsReferenced,proto3" json:"records_referenced,omitempty"`
+	// How many parts a restore of this one reads at most: 1 for a full part
+	// (read alone), the base's length plus one for an incremental part (see
+	// `Manifest.chain_length`, which a full part's manifest leaves unset).
+	// Never 0 from a participant of this version: 0 means the participant
+	// predates these fields (then `records_written` and `records_referenced`
+	// are 0 too and say nothing).
+	ChainLength   uint32 `protobuf:"varint,11,opt,name=chain_length,json=chainLength,proto3" json:"chain_length,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CommitResponse) Reset() {
 	*x = CommitResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[11]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1053,7 +1205,7 @@ func (x *CommitResponse) String() string {
 func (*CommitResponse) ProtoMessage() {}
 
 func (x *CommitResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[11]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1066,7 +1218,7 @@ func (x *CommitResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitResponse.ProtoReflect.Descriptor instead.
 func (*CommitResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{11}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CommitResponse) GetState() ParticipantState {
@@ -1125,6 +1277,27 @@ func (x *CommitResponse) GetSnapshotBytes() int64 {
 	return 0
 }
 
+func (x *CommitResponse) GetRecordsWritten() uint64 {
+	if x != nil {
+		return x.RecordsWritten
+	}
+	return 0
+}
+
+func (x *CommitResponse) GetRecordsReferenced() uint64 {
+	if x != nil {
+		return x.RecordsReferenced
+	}
+	return 0
+}
+
+func (x *CommitResponse) GetChainLength() uint32 {
+	if x != nil {
+		return x.ChainLength
+	}
+	return 0
+}
+
 // Request of AwaitPart.
 type AwaitPartRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1139,7 +1312,7 @@ type AwaitPartRequest struct {
 
 func (x *AwaitPartRequest) Reset() {
 	*x = AwaitPartRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[12]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1151,7 +1324,7 @@ func (x *AwaitPartRequest) String() string {
 func (*AwaitPartRequest) ProtoMessage() {}
 
 func (x *AwaitPartRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[12]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1164,7 +1337,7 @@ func (x *AwaitPartRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AwaitPartRequest.ProtoReflect.Descriptor instead.
 func (*AwaitPartRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{12}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *AwaitPartRequest) GetCheckpointId() string {
@@ -1202,7 +1375,7 @@ type AwaitPartResponse struct {
 
 func (x *AwaitPartResponse) Reset() {
 	*x = AwaitPartResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[13]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1214,7 +1387,7 @@ func (x *AwaitPartResponse) String() string {
 func (*AwaitPartResponse) ProtoMessage() {}
 
 func (x *AwaitPartResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[13]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1227,7 +1400,7 @@ func (x *AwaitPartResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AwaitPartResponse.ProtoReflect.Descriptor instead.
 func (*AwaitPartResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{13}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *AwaitPartResponse) GetState() PartWriteState {
@@ -1290,7 +1463,7 @@ type RestoreRequest struct {
 
 func (x *RestoreRequest) Reset() {
 	*x = RestoreRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[14]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1302,7 +1475,7 @@ func (x *RestoreRequest) String() string {
 func (*RestoreRequest) ProtoMessage() {}
 
 func (x *RestoreRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[14]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1315,7 +1488,7 @@ func (x *RestoreRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreRequest.ProtoReflect.Descriptor instead.
 func (*RestoreRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{14}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RestoreRequest) GetCheckpointId() string {
@@ -1368,7 +1541,7 @@ type RestoreResponse struct {
 
 func (x *RestoreResponse) Reset() {
 	*x = RestoreResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[15]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1380,7 +1553,7 @@ func (x *RestoreResponse) String() string {
 func (*RestoreResponse) ProtoMessage() {}
 
 func (x *RestoreResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[15]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1393,7 +1566,7 @@ func (x *RestoreResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreResponse.ProtoReflect.Descriptor instead.
 func (*RestoreResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{15}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RestoreResponse) GetState() ParticipantState {
@@ -1430,7 +1603,7 @@ type ResumeRequest struct {
 
 func (x *ResumeRequest) Reset() {
 	*x = ResumeRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[16]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1442,7 +1615,7 @@ func (x *ResumeRequest) String() string {
 func (*ResumeRequest) ProtoMessage() {}
 
 func (x *ResumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[16]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1455,7 +1628,7 @@ func (x *ResumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeRequest.ProtoReflect.Descriptor instead.
 func (*ResumeRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{16}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ResumeRequest) GetCheckpointId() string {
@@ -1487,7 +1660,7 @@ type ResumeResponse struct {
 
 func (x *ResumeResponse) Reset() {
 	*x = ResumeResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[17]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1499,7 +1672,7 @@ func (x *ResumeResponse) String() string {
 func (*ResumeResponse) ProtoMessage() {}
 
 func (x *ResumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[17]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1512,7 +1685,7 @@ func (x *ResumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeResponse.ProtoReflect.Descriptor instead.
 func (*ResumeResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{17}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ResumeResponse) GetState() ParticipantState {
@@ -1545,7 +1718,7 @@ type RetireRequest struct {
 
 func (x *RetireRequest) Reset() {
 	*x = RetireRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[18]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1557,7 +1730,7 @@ func (x *RetireRequest) String() string {
 func (*RetireRequest) ProtoMessage() {}
 
 func (x *RetireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[18]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1570,7 +1743,7 @@ func (x *RetireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetireRequest.ProtoReflect.Descriptor instead.
 func (*RetireRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{18}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RetireRequest) GetCheckpointId() string {
@@ -1605,7 +1778,7 @@ type RetireResponse struct {
 
 func (x *RetireResponse) Reset() {
 	*x = RetireResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[19]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1617,7 +1790,7 @@ func (x *RetireResponse) String() string {
 func (*RetireResponse) ProtoMessage() {}
 
 func (x *RetireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[19]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1630,7 +1803,7 @@ func (x *RetireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetireResponse.ProtoReflect.Descriptor instead.
 func (*RetireResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{19}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RetireResponse) GetRetired() []string {
@@ -1655,7 +1828,7 @@ type ForgetRequest struct {
 
 func (x *ForgetRequest) Reset() {
 	*x = ForgetRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[20]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1667,7 +1840,7 @@ func (x *ForgetRequest) String() string {
 func (*ForgetRequest) ProtoMessage() {}
 
 func (x *ForgetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[20]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1680,7 +1853,7 @@ func (x *ForgetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetRequest.ProtoReflect.Descriptor instead.
 func (*ForgetRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{20}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ForgetRequest) GetCheckpointId() string {
@@ -1715,7 +1888,7 @@ type ForgetResponse struct {
 
 func (x *ForgetResponse) Reset() {
 	*x = ForgetResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[21]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1727,7 +1900,7 @@ func (x *ForgetResponse) String() string {
 func (*ForgetResponse) ProtoMessage() {}
 
 func (x *ForgetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[21]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1740,7 +1913,7 @@ func (x *ForgetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetResponse.ProtoReflect.Descriptor instead.
 func (*ForgetResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{21}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ForgetResponse) GetForgotten() []string {
@@ -1772,7 +1945,7 @@ type ResultReceipt struct {
 
 func (x *ResultReceipt) Reset() {
 	*x = ResultReceipt{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[22]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1784,7 +1957,7 @@ func (x *ResultReceipt) String() string {
 func (*ResultReceipt) ProtoMessage() {}
 
 func (x *ResultReceipt) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[22]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1797,7 +1970,7 @@ func (x *ResultReceipt) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResultReceipt.ProtoReflect.Descriptor instead.
 func (*ResultReceipt) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{22}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ResultReceipt) GetRolloutId() string {
@@ -1850,7 +2023,7 @@ type HeldResult struct {
 
 func (x *HeldResult) Reset() {
 	*x = HeldResult{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[23]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1862,7 +2035,7 @@ func (x *HeldResult) String() string {
 func (*HeldResult) ProtoMessage() {}
 
 func (x *HeldResult) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[23]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1875,7 +2048,7 @@ func (x *HeldResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldResult.ProtoReflect.Descriptor instead.
 func (*HeldResult) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{23}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *HeldResult) GetReceipt() *ResultReceipt {
@@ -1927,7 +2100,7 @@ type ListResultsRequest struct {
 
 func (x *ListResultsRequest) Reset() {
 	*x = ListResultsRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[24]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1939,7 +2112,7 @@ func (x *ListResultsRequest) String() string {
 func (*ListResultsRequest) ProtoMessage() {}
 
 func (x *ListResultsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[24]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1952,7 +2125,7 @@ func (x *ListResultsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResultsRequest.ProtoReflect.Descriptor instead.
 func (*ListResultsRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{24}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListResultsRequest) GetPageSize() int32 {
@@ -1987,7 +2160,7 @@ type ListResultsResponse struct {
 
 func (x *ListResultsResponse) Reset() {
 	*x = ListResultsResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[25]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1999,7 +2172,7 @@ func (x *ListResultsResponse) String() string {
 func (*ListResultsResponse) ProtoMessage() {}
 
 func (x *ListResultsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[25]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2012,7 +2185,7 @@ func (x *ListResultsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResultsResponse.ProtoReflect.Descriptor instead.
 func (*ListResultsResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{25}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListResultsResponse) GetResults() []*HeldResult {
@@ -2057,7 +2230,7 @@ type AcknowledgeResultsRequest struct {
 
 func (x *AcknowledgeResultsRequest) Reset() {
 	*x = AcknowledgeResultsRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[26]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2069,7 +2242,7 @@ func (x *AcknowledgeResultsRequest) String() string {
 func (*AcknowledgeResultsRequest) ProtoMessage() {}
 
 func (x *AcknowledgeResultsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[26]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2082,7 +2255,7 @@ func (x *AcknowledgeResultsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcknowledgeResultsRequest.ProtoReflect.Descriptor instead.
 func (*AcknowledgeResultsRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{26}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *AcknowledgeResultsRequest) GetDeadline() *timestamppb.Timestamp {
@@ -2112,7 +2285,7 @@ type AcknowledgeResultsResponse struct {
 
 func (x *AcknowledgeResultsResponse) Reset() {
 	*x = AcknowledgeResultsResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[27]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2124,7 +2297,7 @@ func (x *AcknowledgeResultsResponse) String() string {
 func (*AcknowledgeResultsResponse) ProtoMessage() {}
 
 func (x *AcknowledgeResultsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[27]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2137,7 +2310,7 @@ func (x *AcknowledgeResultsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AcknowledgeResultsResponse.ProtoReflect.Descriptor instead.
 func (*AcknowledgeResultsResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{27}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *AcknowledgeResultsResponse) GetReleased() uint32 {
@@ -2168,7 +2341,7 @@ type SetWeightVersionRequest struct {
 
 func (x *SetWeightVersionRequest) Reset() {
 	*x = SetWeightVersionRequest{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[28]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2180,7 +2353,7 @@ func (x *SetWeightVersionRequest) String() string {
 func (*SetWeightVersionRequest) ProtoMessage() {}
 
 func (x *SetWeightVersionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[28]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2193,7 +2366,7 @@ func (x *SetWeightVersionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetWeightVersionRequest.ProtoReflect.Descriptor instead.
 func (*SetWeightVersionRequest) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{28}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SetWeightVersionRequest) GetDeadline() *timestamppb.Timestamp {
@@ -2222,7 +2395,7 @@ type SetWeightVersionResponse struct {
 
 func (x *SetWeightVersionResponse) Reset() {
 	*x = SetWeightVersionResponse{}
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[29]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2234,7 +2407,7 @@ func (x *SetWeightVersionResponse) String() string {
 func (*SetWeightVersionResponse) ProtoMessage() {}
 
 func (x *SetWeightVersionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[29]
+	mi := &file_rollout_checkpoint_v1_participant_service_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2247,7 +2420,7 @@ func (x *SetWeightVersionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetWeightVersionResponse.ProtoReflect.Descriptor instead.
 func (*SetWeightVersionResponse) Descriptor() ([]byte, []int) {
-	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{29}
+	return file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *SetWeightVersionResponse) GetPrevious() uint64 {
@@ -2277,7 +2450,7 @@ const file_rollout_checkpoint_v1_participant_service_proto_rawDesc = "" +
 	"FactsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x12\n" +
-	"\x10GetStatusRequest\"\xaf\x05\n" +
+	"\x10GetStatusRequest\"\xf2\x05\n" +
 	"\x11GetStatusResponse\x12=\n" +
 	"\x05state\x18\x01 \x01(\x0e2'.rollout_checkpoint.v1.ParticipantStateR\x05state\x12#\n" +
 	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\x12D\n" +
@@ -2289,14 +2462,24 @@ const file_rollout_checkpoint_v1_participant_service_proto_rawDesc = "" +
 	"\x05facts\x18\b \x03(\v23.rollout_checkpoint.v1.GetStatusResponse.FactsEntryR\x05facts\x12R\n" +
 	"\bcounters\x18\t \x03(\v26.rollout_checkpoint.v1.GetStatusResponse.CountersEntryR\bcounters\x12\x17\n" +
 	"\aboot_id\x18\n" +
-	" \x01(\tR\x06bootId\x1a8\n" +
+	" \x01(\tR\x06bootId\x12A\n" +
+	"\tlast_part\x18\v \x01(\v2$.rollout_checkpoint.v1.PublishedPartR\blastPart\x1a8\n" +
 	"\n" +
 	"FactsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n" +
 	"\rCountersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"Q\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xb3\x02\n" +
+	"\rPublishedPart\x12#\n" +
+	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12%\n" +
+	"\x0echeckpoint_dir\x18\x02 \x01(\tR\rcheckpointDir\x12\"\n" +
+	"\fasynchronous\x18\x03 \x01(\bR\fasynchronous\x12!\n" +
+	"\frecord_count\x18\x04 \x01(\x04R\vrecordCount\x12'\n" +
+	"\x0frecords_written\x18\x05 \x01(\x04R\x0erecordsWritten\x12-\n" +
+	"\x12records_referenced\x18\x06 \x01(\x04R\x11recordsReferenced\x12!\n" +
+	"\fchain_length\x18\a \x01(\rR\vchainLength\x12\x14\n" +
+	"\x05bytes\x18\b \x01(\x04R\x05bytes\"Q\n" +
 	"\x13ListEpisodesRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
@@ -2331,7 +2514,7 @@ const file_rollout_checkpoint_v1_participant_service_proto_rawDesc = "" +
 	"\bdeadline\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\x12%\n" +
 	"\x0echeckpoint_dir\x18\x03 \x01(\tR\rcheckpointDir\x129\n" +
 	"\x05scope\x18\x04 \x01(\v2#.rollout_checkpoint.v1.EpisodeScopeR\x05scope\x12\"\n" +
-	"\fasynchronous\x18\x05 \x01(\bR\fasynchronous\"\xe2\x02\n" +
+	"\fasynchronous\x18\x05 \x01(\bR\fasynchronous\"\xdd\x03\n" +
 	"\x0eCommitResponse\x12=\n" +
 	"\x05state\x18\x01 \x01(\x0e2'.rollout_checkpoint.v1.ParticipantStateR\x05state\x12;\n" +
 	"\bmanifest\x18\x02 \x01(\v2\x1f.rollout_checkpoint.v1.ManifestR\bmanifest\x12'\n" +
@@ -2340,7 +2523,11 @@ const file_rollout_checkpoint_v1_participant_service_proto_rawDesc = "" +
 	"\aretired\x18\x05 \x03(\tR\aretired\x12#\n" +
 	"\rsnapshot_only\x18\x06 \x01(\bR\fsnapshotOnly\x12)\n" +
 	"\x10snapshot_records\x18\a \x01(\x03R\x0fsnapshotRecords\x12%\n" +
-	"\x0esnapshot_bytes\x18\b \x01(\x03R\rsnapshotBytes\"o\n" +
+	"\x0esnapshot_bytes\x18\b \x01(\x03R\rsnapshotBytes\x12'\n" +
+	"\x0frecords_written\x18\t \x01(\x04R\x0erecordsWritten\x12-\n" +
+	"\x12records_referenced\x18\n" +
+	" \x01(\x04R\x11recordsReferenced\x12!\n" +
+	"\fchain_length\x18\v \x01(\rR\vchainLength\"o\n" +
 	"\x10AwaitPartRequest\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x126\n" +
 	"\bdeadline\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\"\x86\x02\n" +
@@ -2459,7 +2646,7 @@ func file_rollout_checkpoint_v1_participant_service_proto_rawDescGZIP() []byte {
 }
 
 var file_rollout_checkpoint_v1_participant_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_rollout_checkpoint_v1_participant_service_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_rollout_checkpoint_v1_participant_service_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_rollout_checkpoint_v1_participant_service_proto_goTypes = []any{
 	(PrepareUpdateKind)(0),             // 0: rollout_checkpoint.v1.PrepareUpdateKind
 	(PartWriteState)(0),                // 1: rollout_checkpoint.v1.PartWriteState
@@ -2467,115 +2654,117 @@ var file_rollout_checkpoint_v1_participant_service_proto_goTypes = []any{
 	(*GetParticipantResponse)(nil),     // 3: rollout_checkpoint.v1.GetParticipantResponse
 	(*GetStatusRequest)(nil),           // 4: rollout_checkpoint.v1.GetStatusRequest
 	(*GetStatusResponse)(nil),          // 5: rollout_checkpoint.v1.GetStatusResponse
-	(*ListEpisodesRequest)(nil),        // 6: rollout_checkpoint.v1.ListEpisodesRequest
-	(*ListEpisodesResponse)(nil),       // 7: rollout_checkpoint.v1.ListEpisodesResponse
-	(*PrepareRequest)(nil),             // 8: rollout_checkpoint.v1.PrepareRequest
-	(*PrepareResponse)(nil),            // 9: rollout_checkpoint.v1.PrepareResponse
-	(*RenewRequest)(nil),               // 10: rollout_checkpoint.v1.RenewRequest
-	(*RenewResponse)(nil),              // 11: rollout_checkpoint.v1.RenewResponse
-	(*CommitRequest)(nil),              // 12: rollout_checkpoint.v1.CommitRequest
-	(*CommitResponse)(nil),             // 13: rollout_checkpoint.v1.CommitResponse
-	(*AwaitPartRequest)(nil),           // 14: rollout_checkpoint.v1.AwaitPartRequest
-	(*AwaitPartResponse)(nil),          // 15: rollout_checkpoint.v1.AwaitPartResponse
-	(*RestoreRequest)(nil),             // 16: rollout_checkpoint.v1.RestoreRequest
-	(*RestoreResponse)(nil),            // 17: rollout_checkpoint.v1.RestoreResponse
-	(*ResumeRequest)(nil),              // 18: rollout_checkpoint.v1.ResumeRequest
-	(*ResumeResponse)(nil),             // 19: rollout_checkpoint.v1.ResumeResponse
-	(*RetireRequest)(nil),              // 20: rollout_checkpoint.v1.RetireRequest
-	(*RetireResponse)(nil),             // 21: rollout_checkpoint.v1.RetireResponse
-	(*ForgetRequest)(nil),              // 22: rollout_checkpoint.v1.ForgetRequest
-	(*ForgetResponse)(nil),             // 23: rollout_checkpoint.v1.ForgetResponse
-	(*ResultReceipt)(nil),              // 24: rollout_checkpoint.v1.ResultReceipt
-	(*HeldResult)(nil),                 // 25: rollout_checkpoint.v1.HeldResult
-	(*ListResultsRequest)(nil),         // 26: rollout_checkpoint.v1.ListResultsRequest
-	(*ListResultsResponse)(nil),        // 27: rollout_checkpoint.v1.ListResultsResponse
-	(*AcknowledgeResultsRequest)(nil),  // 28: rollout_checkpoint.v1.AcknowledgeResultsRequest
-	(*AcknowledgeResultsResponse)(nil), // 29: rollout_checkpoint.v1.AcknowledgeResultsResponse
-	(*SetWeightVersionRequest)(nil),    // 30: rollout_checkpoint.v1.SetWeightVersionRequest
-	(*SetWeightVersionResponse)(nil),   // 31: rollout_checkpoint.v1.SetWeightVersionResponse
-	nil,                                // 32: rollout_checkpoint.v1.GetParticipantResponse.FactsEntry
-	nil,                                // 33: rollout_checkpoint.v1.GetStatusResponse.FactsEntry
-	nil,                                // 34: rollout_checkpoint.v1.GetStatusResponse.CountersEntry
-	(ParticipantKind)(0),               // 35: rollout_checkpoint.v1.ParticipantKind
-	(ParticipantState)(0),              // 36: rollout_checkpoint.v1.ParticipantState
-	(*timestamppb.Timestamp)(nil),      // 37: google.protobuf.Timestamp
-	(*ReadinessReport)(nil),            // 38: rollout_checkpoint.v1.ReadinessReport
-	(*Episode)(nil),                    // 39: rollout_checkpoint.v1.Episode
-	(*durationpb.Duration)(nil),        // 40: google.protobuf.Duration
-	(*EpisodeScope)(nil),               // 41: rollout_checkpoint.v1.EpisodeScope
-	(*Manifest)(nil),                   // 42: rollout_checkpoint.v1.Manifest
-	(*EpisodeId)(nil),                  // 43: rollout_checkpoint.v1.EpisodeId
+	(*PublishedPart)(nil),              // 6: rollout_checkpoint.v1.PublishedPart
+	(*ListEpisodesRequest)(nil),        // 7: rollout_checkpoint.v1.ListEpisodesRequest
+	(*ListEpisodesResponse)(nil),       // 8: rollout_checkpoint.v1.ListEpisodesResponse
+	(*PrepareRequest)(nil),             // 9: rollout_checkpoint.v1.PrepareRequest
+	(*PrepareResponse)(nil),            // 10: rollout_checkpoint.v1.PrepareResponse
+	(*RenewRequest)(nil),               // 11: rollout_checkpoint.v1.RenewRequest
+	(*RenewResponse)(nil),              // 12: rollout_checkpoint.v1.RenewResponse
+	(*CommitRequest)(nil),              // 13: rollout_checkpoint.v1.CommitRequest
+	(*CommitResponse)(nil),             // 14: rollout_checkpoint.v1.CommitResponse
+	(*AwaitPartRequest)(nil),           // 15: rollout_checkpoint.v1.AwaitPartRequest
+	(*AwaitPartResponse)(nil),          // 16: rollout_checkpoint.v1.AwaitPartResponse
+	(*RestoreRequest)(nil),             // 17: rollout_checkpoint.v1.RestoreRequest
+	(*RestoreResponse)(nil),            // 18: rollout_checkpoint.v1.RestoreResponse
+	(*ResumeRequest)(nil),              // 19: rollout_checkpoint.v1.ResumeRequest
+	(*ResumeResponse)(nil),             // 20: rollout_checkpoint.v1.ResumeResponse
+	(*RetireRequest)(nil),              // 21: rollout_checkpoint.v1.RetireRequest
+	(*RetireResponse)(nil),             // 22: rollout_checkpoint.v1.RetireResponse
+	(*ForgetRequest)(nil),              // 23: rollout_checkpoint.v1.ForgetRequest
+	(*ForgetResponse)(nil),             // 24: rollout_checkpoint.v1.ForgetResponse
+	(*ResultReceipt)(nil),              // 25: rollout_checkpoint.v1.ResultReceipt
+	(*HeldResult)(nil),                 // 26: rollout_checkpoint.v1.HeldResult
+	(*ListResultsRequest)(nil),         // 27: rollout_checkpoint.v1.ListResultsRequest
+	(*ListResultsResponse)(nil),        // 28: rollout_checkpoint.v1.ListResultsResponse
+	(*AcknowledgeResultsRequest)(nil),  // 29: rollout_checkpoint.v1.AcknowledgeResultsRequest
+	(*AcknowledgeResultsResponse)(nil), // 30: rollout_checkpoint.v1.AcknowledgeResultsResponse
+	(*SetWeightVersionRequest)(nil),    // 31: rollout_checkpoint.v1.SetWeightVersionRequest
+	(*SetWeightVersionResponse)(nil),   // 32: rollout_checkpoint.v1.SetWeightVersionResponse
+	nil,                                // 33: rollout_checkpoint.v1.GetParticipantResponse.FactsEntry
+	nil,                                // 34: rollout_checkpoint.v1.GetStatusResponse.FactsEntry
+	nil,                                // 35: rollout_checkpoint.v1.GetStatusResponse.CountersEntry
+	(ParticipantKind)(0),               // 36: rollout_checkpoint.v1.ParticipantKind
+	(ParticipantState)(0),              // 37: rollout_checkpoint.v1.ParticipantState
+	(*timestamppb.Timestamp)(nil),      // 38: google.protobuf.Timestamp
+	(*ReadinessReport)(nil),            // 39: rollout_checkpoint.v1.ReadinessReport
+	(*Episode)(nil),                    // 40: rollout_checkpoint.v1.Episode
+	(*durationpb.Duration)(nil),        // 41: google.protobuf.Duration
+	(*EpisodeScope)(nil),               // 42: rollout_checkpoint.v1.EpisodeScope
+	(*Manifest)(nil),                   // 43: rollout_checkpoint.v1.Manifest
+	(*EpisodeId)(nil),                  // 44: rollout_checkpoint.v1.EpisodeId
 }
 var file_rollout_checkpoint_v1_participant_service_proto_depIdxs = []int32{
-	35, // 0: rollout_checkpoint.v1.GetParticipantResponse.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
-	32, // 1: rollout_checkpoint.v1.GetParticipantResponse.facts:type_name -> rollout_checkpoint.v1.GetParticipantResponse.FactsEntry
-	36, // 2: rollout_checkpoint.v1.GetStatusResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
-	37, // 3: rollout_checkpoint.v1.GetStatusResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	38, // 4: rollout_checkpoint.v1.GetStatusResponse.readiness:type_name -> rollout_checkpoint.v1.ReadinessReport
-	33, // 5: rollout_checkpoint.v1.GetStatusResponse.facts:type_name -> rollout_checkpoint.v1.GetStatusResponse.FactsEntry
-	34, // 6: rollout_checkpoint.v1.GetStatusResponse.counters:type_name -> rollout_checkpoint.v1.GetStatusResponse.CountersEntry
-	39, // 7: rollout_checkpoint.v1.ListEpisodesResponse.episodes:type_name -> rollout_checkpoint.v1.Episode
-	37, // 8: rollout_checkpoint.v1.PrepareRequest.deadline:type_name -> google.protobuf.Timestamp
-	36, // 9: rollout_checkpoint.v1.PrepareResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
-	38, // 10: rollout_checkpoint.v1.PrepareResponse.readiness:type_name -> rollout_checkpoint.v1.ReadinessReport
-	37, // 11: rollout_checkpoint.v1.PrepareResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	40, // 12: rollout_checkpoint.v1.PrepareResponse.elapsed:type_name -> google.protobuf.Duration
-	0,  // 13: rollout_checkpoint.v1.PrepareResponse.update_kind:type_name -> rollout_checkpoint.v1.PrepareUpdateKind
-	37, // 14: rollout_checkpoint.v1.RenewRequest.deadline:type_name -> google.protobuf.Timestamp
-	37, // 15: rollout_checkpoint.v1.RenewResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	37, // 16: rollout_checkpoint.v1.CommitRequest.deadline:type_name -> google.protobuf.Timestamp
-	41, // 17: rollout_checkpoint.v1.CommitRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
-	36, // 18: rollout_checkpoint.v1.CommitResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
-	42, // 19: rollout_checkpoint.v1.CommitResponse.manifest:type_name -> rollout_checkpoint.v1.Manifest
-	37, // 20: rollout_checkpoint.v1.AwaitPartRequest.deadline:type_name -> google.protobuf.Timestamp
-	1,  // 21: rollout_checkpoint.v1.AwaitPartResponse.state:type_name -> rollout_checkpoint.v1.PartWriteState
-	42, // 22: rollout_checkpoint.v1.AwaitPartResponse.manifest:type_name -> rollout_checkpoint.v1.Manifest
-	37, // 23: rollout_checkpoint.v1.RestoreRequest.deadline:type_name -> google.protobuf.Timestamp
-	41, // 24: rollout_checkpoint.v1.RestoreRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
-	36, // 25: rollout_checkpoint.v1.RestoreResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
-	37, // 26: rollout_checkpoint.v1.ResumeRequest.deadline:type_name -> google.protobuf.Timestamp
-	36, // 27: rollout_checkpoint.v1.ResumeResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
-	37, // 28: rollout_checkpoint.v1.RetireRequest.deadline:type_name -> google.protobuf.Timestamp
-	43, // 29: rollout_checkpoint.v1.RetireRequest.episodes:type_name -> rollout_checkpoint.v1.EpisodeId
-	37, // 30: rollout_checkpoint.v1.ForgetRequest.deadline:type_name -> google.protobuf.Timestamp
-	24, // 31: rollout_checkpoint.v1.HeldResult.receipt:type_name -> rollout_checkpoint.v1.ResultReceipt
-	25, // 32: rollout_checkpoint.v1.ListResultsResponse.results:type_name -> rollout_checkpoint.v1.HeldResult
-	37, // 33: rollout_checkpoint.v1.AcknowledgeResultsRequest.deadline:type_name -> google.protobuf.Timestamp
-	24, // 34: rollout_checkpoint.v1.AcknowledgeResultsRequest.receipts:type_name -> rollout_checkpoint.v1.ResultReceipt
-	37, // 35: rollout_checkpoint.v1.SetWeightVersionRequest.deadline:type_name -> google.protobuf.Timestamp
-	2,  // 36: rollout_checkpoint.v1.ParticipantService.GetParticipant:input_type -> rollout_checkpoint.v1.GetParticipantRequest
-	4,  // 37: rollout_checkpoint.v1.ParticipantService.GetStatus:input_type -> rollout_checkpoint.v1.GetStatusRequest
-	6,  // 38: rollout_checkpoint.v1.ParticipantService.ListEpisodes:input_type -> rollout_checkpoint.v1.ListEpisodesRequest
-	8,  // 39: rollout_checkpoint.v1.ParticipantService.Prepare:input_type -> rollout_checkpoint.v1.PrepareRequest
-	10, // 40: rollout_checkpoint.v1.ParticipantService.Renew:input_type -> rollout_checkpoint.v1.RenewRequest
-	12, // 41: rollout_checkpoint.v1.ParticipantService.Commit:input_type -> rollout_checkpoint.v1.CommitRequest
-	14, // 42: rollout_checkpoint.v1.ParticipantService.AwaitPart:input_type -> rollout_checkpoint.v1.AwaitPartRequest
-	16, // 43: rollout_checkpoint.v1.ParticipantService.Restore:input_type -> rollout_checkpoint.v1.RestoreRequest
-	18, // 44: rollout_checkpoint.v1.ParticipantService.Resume:input_type -> rollout_checkpoint.v1.ResumeRequest
-	20, // 45: rollout_checkpoint.v1.ParticipantService.Retire:input_type -> rollout_checkpoint.v1.RetireRequest
-	22, // 46: rollout_checkpoint.v1.ParticipantService.Forget:input_type -> rollout_checkpoint.v1.ForgetRequest
-	26, // 47: rollout_checkpoint.v1.ParticipantService.ListResults:input_type -> rollout_checkpoint.v1.ListResultsRequest
-	28, // 48: rollout_checkpoint.v1.ParticipantService.AcknowledgeResults:input_type -> rollout_checkpoint.v1.AcknowledgeResultsRequest
-	30, // 49: rollout_checkpoint.v1.ParticipantService.SetWeightVersion:input_type -> rollout_checkpoint.v1.SetWeightVersionRequest
-	3,  // 50: rollout_checkpoint.v1.ParticipantService.GetParticipant:output_type -> rollout_checkpoint.v1.GetParticipantResponse
-	5,  // 51: rollout_checkpoint.v1.ParticipantService.GetStatus:output_type -> rollout_checkpoint.v1.GetStatusResponse
-	7,  // 52: rollout_checkpoint.v1.ParticipantService.ListEpisodes:output_type -> rollout_checkpoint.v1.ListEpisodesResponse
-	9,  // 53: rollout_checkpoint.v1.ParticipantService.Prepare:output_type -> rollout_checkpoint.v1.PrepareResponse
-	11, // 54: rollout_checkpoint.v1.ParticipantService.Renew:output_type -> rollout_checkpoint.v1.RenewResponse
-	13, // 55: rollout_checkpoint.v1.ParticipantService.Commit:output_type -> rollout_checkpoint.v1.CommitResponse
-	15, // 56: rollout_checkpoint.v1.ParticipantService.AwaitPart:output_type -> rollout_checkpoint.v1.AwaitPartResponse
-	17, // 57: rollout_checkpoint.v1.ParticipantService.Restore:output_type -> rollout_checkpoint.v1.RestoreResponse
-	19, // 58: rollout_checkpoint.v1.ParticipantService.Resume:output_type -> rollout_checkpoint.v1.ResumeResponse
-	21, // 59: rollout_checkpoint.v1.ParticipantService.Retire:output_type -> rollout_checkpoint.v1.RetireResponse
-	23, // 60: rollout_checkpoint.v1.ParticipantService.Forget:output_type -> rollout_checkpoint.v1.ForgetResponse
-	27, // 61: rollout_checkpoint.v1.ParticipantService.ListResults:output_type -> rollout_checkpoint.v1.ListResultsResponse
-	29, // 62: rollout_checkpoint.v1.ParticipantService.AcknowledgeResults:output_type -> rollout_checkpoint.v1.AcknowledgeResultsResponse
-	31, // 63: rollout_checkpoint.v1.ParticipantService.SetWeightVersion:output_type -> rollout_checkpoint.v1.SetWeightVersionResponse
-	50, // [50:64] is the sub-list for method output_type
-	36, // [36:50] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	36, // 0: rollout_checkpoint.v1.GetParticipantResponse.kind:type_name -> rollout_checkpoint.v1.ParticipantKind
+	33, // 1: rollout_checkpoint.v1.GetParticipantResponse.facts:type_name -> rollout_checkpoint.v1.GetParticipantResponse.FactsEntry
+	37, // 2: rollout_checkpoint.v1.GetStatusResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
+	38, // 3: rollout_checkpoint.v1.GetStatusResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	39, // 4: rollout_checkpoint.v1.GetStatusResponse.readiness:type_name -> rollout_checkpoint.v1.ReadinessReport
+	34, // 5: rollout_checkpoint.v1.GetStatusResponse.facts:type_name -> rollout_checkpoint.v1.GetStatusResponse.FactsEntry
+	35, // 6: rollout_checkpoint.v1.GetStatusResponse.counters:type_name -> rollout_checkpoint.v1.GetStatusResponse.CountersEntry
+	6,  // 7: rollout_checkpoint.v1.GetStatusResponse.last_part:type_name -> rollout_checkpoint.v1.PublishedPart
+	40, // 8: rollout_checkpoint.v1.ListEpisodesResponse.episodes:type_name -> rollout_checkpoint.v1.Episode
+	38, // 9: rollout_checkpoint.v1.PrepareRequest.deadline:type_name -> google.protobuf.Timestamp
+	37, // 10: rollout_checkpoint.v1.PrepareResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
+	39, // 11: rollout_checkpoint.v1.PrepareResponse.readiness:type_name -> rollout_checkpoint.v1.ReadinessReport
+	38, // 12: rollout_checkpoint.v1.PrepareResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	41, // 13: rollout_checkpoint.v1.PrepareResponse.elapsed:type_name -> google.protobuf.Duration
+	0,  // 14: rollout_checkpoint.v1.PrepareResponse.update_kind:type_name -> rollout_checkpoint.v1.PrepareUpdateKind
+	38, // 15: rollout_checkpoint.v1.RenewRequest.deadline:type_name -> google.protobuf.Timestamp
+	38, // 16: rollout_checkpoint.v1.RenewResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	38, // 17: rollout_checkpoint.v1.CommitRequest.deadline:type_name -> google.protobuf.Timestamp
+	42, // 18: rollout_checkpoint.v1.CommitRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
+	37, // 19: rollout_checkpoint.v1.CommitResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
+	43, // 20: rollout_checkpoint.v1.CommitResponse.manifest:type_name -> rollout_checkpoint.v1.Manifest
+	38, // 21: rollout_checkpoint.v1.AwaitPartRequest.deadline:type_name -> google.protobuf.Timestamp
+	1,  // 22: rollout_checkpoint.v1.AwaitPartResponse.state:type_name -> rollout_checkpoint.v1.PartWriteState
+	43, // 23: rollout_checkpoint.v1.AwaitPartResponse.manifest:type_name -> rollout_checkpoint.v1.Manifest
+	38, // 24: rollout_checkpoint.v1.RestoreRequest.deadline:type_name -> google.protobuf.Timestamp
+	42, // 25: rollout_checkpoint.v1.RestoreRequest.scope:type_name -> rollout_checkpoint.v1.EpisodeScope
+	37, // 26: rollout_checkpoint.v1.RestoreResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
+	38, // 27: rollout_checkpoint.v1.ResumeRequest.deadline:type_name -> google.protobuf.Timestamp
+	37, // 28: rollout_checkpoint.v1.ResumeResponse.state:type_name -> rollout_checkpoint.v1.ParticipantState
+	38, // 29: rollout_checkpoint.v1.RetireRequest.deadline:type_name -> google.protobuf.Timestamp
+	44, // 30: rollout_checkpoint.v1.RetireRequest.episodes:type_name -> rollout_checkpoint.v1.EpisodeId
+	38, // 31: rollout_checkpoint.v1.ForgetRequest.deadline:type_name -> google.protobuf.Timestamp
+	25, // 32: rollout_checkpoint.v1.HeldResult.receipt:type_name -> rollout_checkpoint.v1.ResultReceipt
+	26, // 33: rollout_checkpoint.v1.ListResultsResponse.results:type_name -> rollout_checkpoint.v1.HeldResult
+	38, // 34: rollout_checkpoint.v1.AcknowledgeResultsRequest.deadline:type_name -> google.protobuf.Timestamp
+	25, // 35: rollout_checkpoint.v1.AcknowledgeResultsRequest.receipts:type_name -> rollout_checkpoint.v1.ResultReceipt
+	38, // 36: rollout_checkpoint.v1.SetWeightVersionRequest.deadline:type_name -> google.protobuf.Timestamp
+	2,  // 37: rollout_checkpoint.v1.ParticipantService.GetParticipant:input_type -> rollout_checkpoint.v1.GetParticipantRequest
+	4,  // 38: rollout_checkpoint.v1.ParticipantService.GetStatus:input_type -> rollout_checkpoint.v1.GetStatusRequest
+	7,  // 39: rollout_checkpoint.v1.ParticipantService.ListEpisodes:input_type -> rollout_checkpoint.v1.ListEpisodesRequest
+	9,  // 40: rollout_checkpoint.v1.ParticipantService.Prepare:input_type -> rollout_checkpoint.v1.PrepareRequest
+	11, // 41: rollout_checkpoint.v1.ParticipantService.Renew:input_type -> rollout_checkpoint.v1.RenewRequest
+	13, // 42: rollout_checkpoint.v1.ParticipantService.Commit:input_type -> rollout_checkpoint.v1.CommitRequest
+	15, // 43: rollout_checkpoint.v1.ParticipantService.AwaitPart:input_type -> rollout_checkpoint.v1.AwaitPartRequest
+	17, // 44: rollout_checkpoint.v1.ParticipantService.Restore:input_type -> rollout_checkpoint.v1.RestoreRequest
+	19, // 45: rollout_checkpoint.v1.ParticipantService.Resume:input_type -> rollout_checkpoint.v1.ResumeRequest
+	21, // 46: rollout_checkpoint.v1.ParticipantService.Retire:input_type -> rollout_checkpoint.v1.RetireRequest
+	23, // 47: rollout_checkpoint.v1.ParticipantService.Forget:input_type -> rollout_checkpoint.v1.ForgetRequest
+	27, // 48: rollout_checkpoint.v1.ParticipantService.ListResults:input_type -> rollout_checkpoint.v1.ListResultsRequest
+	29, // 49: rollout_checkpoint.v1.ParticipantService.AcknowledgeResults:input_type -> rollout_checkpoint.v1.AcknowledgeResultsRequest
+	31, // 50: rollout_checkpoint.v1.ParticipantService.SetWeightVersion:input_type -> rollout_checkpoint.v1.SetWeightVersionRequest
+	3,  // 51: rollout_checkpoint.v1.ParticipantService.GetParticipant:output_type -> rollout_checkpoint.v1.GetParticipantResponse
+	5,  // 52: rollout_checkpoint.v1.ParticipantService.GetStatus:output_type -> rollout_checkpoint.v1.GetStatusResponse
+	8,  // 53: rollout_checkpoint.v1.ParticipantService.ListEpisodes:output_type -> rollout_checkpoint.v1.ListEpisodesResponse
+	10, // 54: rollout_checkpoint.v1.ParticipantService.Prepare:output_type -> rollout_checkpoint.v1.PrepareResponse
+	12, // 55: rollout_checkpoint.v1.ParticipantService.Renew:output_type -> rollout_checkpoint.v1.RenewResponse
+	14, // 56: rollout_checkpoint.v1.ParticipantService.Commit:output_type -> rollout_checkpoint.v1.CommitResponse
+	16, // 57: rollout_checkpoint.v1.ParticipantService.AwaitPart:output_type -> rollout_checkpoint.v1.AwaitPartResponse
+	18, // 58: rollout_checkpoint.v1.ParticipantService.Restore:output_type -> rollout_checkpoint.v1.RestoreResponse
+	20, // 59: rollout_checkpoint.v1.ParticipantService.Resume:output_type -> rollout_checkpoint.v1.ResumeResponse
+	22, // 60: rollout_checkpoint.v1.ParticipantService.Retire:output_type -> rollout_checkpoint.v1.RetireResponse
+	24, // 61: rollout_checkpoint.v1.ParticipantService.Forget:output_type -> rollout_checkpoint.v1.ForgetResponse
+	28, // 62: rollout_checkpoint.v1.ParticipantService.ListResults:output_type -> rollout_checkpoint.v1.ListResultsResponse
+	30, // 63: rollout_checkpoint.v1.ParticipantService.AcknowledgeResults:output_type -> rollout_checkpoint.v1.AcknowledgeResultsResponse
+	32, // 64: rollout_checkpoint.v1.ParticipantService.SetWeightVersion:output_type -> rollout_checkpoint.v1.SetWeightVersionResponse
+	51, // [51:65] is the sub-list for method output_type
+	37, // [37:51] is the sub-list for method input_type
+	37, // [37:37] is the sub-list for extension type_name
+	37, // [37:37] is the sub-list for extension extendee
+	0,  // [0:37] is the sub-list for field type_name
 }
 
 func init() { file_rollout_checkpoint_v1_participant_service_proto_init() }
@@ -2590,7 +2779,7 @@ func file_rollout_checkpoint_v1_participant_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_rollout_checkpoint_v1_participant_service_proto_rawDesc), len(file_rollout_checkpoint_v1_participant_service_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   33,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

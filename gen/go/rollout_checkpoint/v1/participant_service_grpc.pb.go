@@ -96,7 +96,8 @@ type ParticipantServiceClient interface {
 	// Reports the control-plane state, lease and readiness.
 	//
 	// Idempotent and read-only; allowed in every state. The polling fallback for
-	// a controller that cannot read the Prepare stream.
+	// a controller that cannot read the Prepare stream. Also says what the last
+	// part this process published wrote and references (`last_part`).
 	GetStatus(ctx context.Context, in *GetStatusRequest, opts ...grpc.CallOption) (*GetStatusResponse, error)
 	// Lists every live episode this participant holds, sorted by capture key.
 	//
@@ -198,7 +199,11 @@ type ParticipantServiceClient interface {
 	// releases nothing more.
 	//
 	// State COMMITTED; admission stays closed until Resume. Idempotent with the
-	// same directory and scope: the identical reply.
+	// same directory and scope: the identical reply. A participant that writes
+	// incremental parts stores only the records changed since the last part it
+	// published and references the others (full parts still come first, after
+	// a Restore and every few parts): `records_written`, `records_referenced`
+	// and `chain_length` say which, in both modes.
 	//
 	// Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
 	// `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
@@ -616,7 +621,8 @@ type ParticipantServiceServer interface {
 	// Reports the control-plane state, lease and readiness.
 	//
 	// Idempotent and read-only; allowed in every state. The polling fallback for
-	// a controller that cannot read the Prepare stream.
+	// a controller that cannot read the Prepare stream. Also says what the last
+	// part this process published wrote and references (`last_part`).
 	GetStatus(context.Context, *GetStatusRequest) (*GetStatusResponse, error)
 	// Lists every live episode this participant holds, sorted by capture key.
 	//
@@ -718,7 +724,11 @@ type ParticipantServiceServer interface {
 	// releases nothing more.
 	//
 	// State COMMITTED; admission stays closed until Resume. Idempotent with the
-	// same directory and scope: the identical reply.
+	// same directory and scope: the identical reply. A participant that writes
+	// incremental parts stores only the records changed since the last part it
+	// published and references the others (full parts still come first, after
+	// a Restore and every few parts): `records_written`, `records_referenced`
+	// and `chain_length` say which, in both modes.
 	//
 	// Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
 	// `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now

@@ -1011,11 +1011,19 @@ export interface Attempt {
   members?:
     | number
     | undefined;
-  /** Records written (checkpoints) over all members. */
+  /**
+   * Records of the members' parts (checkpoints) over all members: each
+   * part's `Manifest.record_count`, which for an incremental part counts the
+   * records it references in earlier parts too.
+   */
   records?:
     | string
     | undefined;
-  /** Bytes of records written (checkpoints) over all members. */
+  /**
+   * Bytes of the members' records files (checkpoints) over all members: each
+   * part's `Manifest.bytes` (an incremental part's own records and its
+   * reference lines).
+   */
   bytes?:
     | string
     | undefined;
@@ -1056,11 +1064,14 @@ export interface AttemptMember {
   part?:
     | string
     | undefined;
-  /** Records it wrote. */
+  /**
+   * Records its part holds (`Manifest.record_count`: for an incremental
+   * part, those it wrote and those it references).
+   */
   records?:
     | string
     | undefined;
-  /** Bytes of records it wrote. */
+  /** The size of its part's records file (`Manifest.bytes`). */
   bytes?:
     | string
     | undefined;
@@ -12119,7 +12130,7 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36],
-        "span": [725, 0, 766, 1],
+        "span": [725, 0, 770, 1],
         "leadingComments": " One checkpoint or restore attempted, as a list shows it (no member details).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
@@ -12204,265 +12215,268 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36, 2, 13],
-        "span": [754, 2, 22],
-        "leadingComments": " Records written (checkpoints) over all members.\n",
+        "span": [756, 2, 22],
+        "leadingComments":
+          " Records of the members' parts (checkpoints) over all members: each\n part's `Manifest.record_count`, which for an incremental part counts the\n records it references in earlier parts too.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36, 2, 14],
-        "span": [756, 2, 20],
-        "leadingComments": " Bytes of records written (checkpoints) over all members.\n",
+        "span": [760, 2, 20],
+        "leadingComments":
+          " Bytes of the members' records files (checkpoints) over all members: each\n part's `Manifest.bytes` (an incremental part's own records and its\n reference lines).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36, 2, 15],
-        "span": [758, 2, 21],
+        "span": [762, 2, 21],
         "leadingComments": " Restores: the published checkpoint restored.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36, 2, 16],
-        "span": [761, 2, 24],
+        "span": [765, 2, 24],
         "leadingComments": " Episodes continued (checkpoints: published as continued; restores:\n restored).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36, 2, 17],
-        "span": [763, 2, 24],
+        "span": [767, 2, 24],
         "leadingComments": " Restores by recovery: rollouts in flight that restart from their inputs.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 36, 2, 18],
-        "span": [765, 2, 24],
+        "span": [769, 2, 24],
         "leadingComments": " Whether its per-member details are still kept (the newest 100 attempts).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37],
-        "span": [769, 0, 800, 1],
+        "span": [773, 0, 805, 1],
         "leadingComments": " One member's part in one attempt.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 0],
-        "span": [771, 2, 18],
+        "span": [775, 2, 18],
         "leadingComments": " The member's name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 1],
-        "span": [773, 2, 27],
+        "span": [777, 2, 27],
         "leadingComments": " Its kind.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 2],
-        "span": [775, 2, 22],
+        "span": [779, 2, 22],
         "leadingComments": " Its instance name.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 3],
-        "span": [777, 2, 18],
+        "span": [781, 2, 18],
         "leadingComments": " Where its part is (checkpoints).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 4],
-        "span": [779, 2, 21],
-        "leadingComments": " Records it wrote.\n",
+        "span": [784, 2, 21],
+        "leadingComments":
+          " Records its part holds (`Manifest.record_count`: for an incremental\n part, those it wrote and those it references).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 5],
-        "span": [781, 2, 19],
-        "leadingComments": " Bytes of records it wrote.\n",
+        "span": [786, 2, 19],
+        "leadingComments": " The size of its part's records file (`Manifest.bytes`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 6],
-        "span": [784, 2, 39],
+        "span": [789, 2, 39],
         "leadingComments": " Seconds from the prepare's start until it reported PREPARED (unset: it\n never did).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 7],
-        "span": [786, 2, 26],
+        "span": [791, 2, 26],
         "leadingComments": " The most blockers it reported at once while preparing.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 8],
-        "span": [788, 2, 29],
+        "span": [793, 2, 29],
         "leadingComments": " Seconds it reported blockers: from the first report until it prepared.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 9],
-        "span": [790, 2, 20],
+        "span": [795, 2, 20],
         "leadingComments": " Its typed reason when it caused the failure.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 10],
-        "span": [793, 2, 38],
+        "span": [798, 2, 38],
         "leadingComments": " Seconds from the commit call to its reply (checkpoints; unset: it never\n replied).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 11],
-        "span": [796, 2, 39],
+        "span": [801, 2, 39],
         "leadingComments":
           " Seconds from the commit call until its part was durable (asynchronous\n commits; unset: not asynchronous, or it never became durable).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 37, 2, 12],
-        "span": [799, 2, 39],
+        "span": [804, 2, 39],
         "leadingComments": " Seconds from the restore call to its reply (restores; unset: it never\n replied).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38],
-        "span": [804, 0, 813, 1],
+        "span": [809, 0, 818, 1],
         "leadingComments":
           " Attempts of the whole history by how they ended (checkpoints), and\n restores of any status.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 0],
-        "span": [806, 2, 23],
+        "span": [811, 2, 23],
         "leadingComments": " Checkpoints completed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 1],
-        "span": [808, 2, 20],
+        "span": [813, 2, 20],
         "leadingComments": " Checkpoints failed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 2],
-        "span": [810, 2, 21],
+        "span": [815, 2, 21],
         "leadingComments": " Checkpoints aborted.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 38, 2, 3],
-        "span": [812, 2, 22],
+        "span": [817, 2, 22],
         "leadingComments": " Restores attempted (any status).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39],
-        "span": [816, 0, 827, 1],
+        "span": [821, 0, 832, 1],
         "leadingComments": " Request of ListCheckpoints.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 0],
-        "span": [819, 2, 22],
+        "span": [824, 2, 22],
         "leadingComments":
           " The most attempts to return: 0 means 50, more than 1000 means 1000.\n Negative is `INVALID_REQUEST`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 1],
-        "span": [822, 2, 24],
+        "span": [827, 2, 24],
         "leadingComments":
           " `next_page_token` of the previous page, with the same filters; empty for\n the first page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 2],
-        "span": [824, 2, 27],
+        "span": [829, 2, 27],
         "leadingComments": " Only attempts that ended so (UNSPECIFIED: any).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 39, 2, 3],
-        "span": [826, 2, 33],
+        "span": [831, 2, 33],
         "leadingComments": " Only attempts of this operation (UNSPECIFIED: any).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40],
-        "span": [830, 0, 842, 1],
+        "span": [835, 0, 847, 1],
         "leadingComments": " Reply of ListCheckpoints.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 0],
-        "span": [832, 2, 35],
+        "span": [837, 2, 35],
         "leadingComments": " The attempts of this page, newest first, without member details.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 1],
-        "span": [834, 2, 29],
+        "span": [839, 2, 29],
         "leadingComments": " The token of the next page; empty on the last page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 2],
-        "span": [836, 2, 24],
+        "span": [841, 2, 24],
         "leadingComments": " Attempts matching the filters in the whole history.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 3],
-        "span": [838, 2, 27],
+        "span": [843, 2, 27],
         "leadingComments": " Counts over the whole history (the filters do not apply).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 40, 2, 4],
-        "span": [841, 2, 29],
+        "span": [846, 2, 29],
         "leadingComments":
           " Set when the history's index could not be read (corrupt, or of a newer\n format): why; the list is then empty.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 41],
-        "span": [845, 0, 848, 1],
+        "span": [850, 0, 853, 1],
         "leadingComments": " Request of GetCheckpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 41, 2, 0],
-        "span": [847, 2, 16],
+        "span": [852, 2, 16],
         "leadingComments": " The checkpoint's id, or the restore's control id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42],
-        "span": [851, 0, 862, 1],
+        "span": [856, 0, 867, 1],
         "leadingComments": " Reply of GetCheckpoint.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 0],
-        "span": [853, 2, 25],
+        "span": [858, 2, 25],
         "leadingComments": " The attempt (the newest of that id).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 1],
-        "span": [856, 2, 37],
+        "span": [861, 2, 37],
         "leadingComments":
           " Its members' details, in the fleet's order; empty when they were\n dropped, cannot be read, or the attempt recorded none.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 2],
-        "span": [859, 2, 27],
+        "span": [864, 2, 27],
         "leadingComments": " True when the attempt is older than the newest 100, whose details alone\n are kept.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 42, 2, 3],
-        "span": [861, 2, 29],
+        "span": [866, 2, 29],
         "leadingComments": " Set when its details exist but cannot be read: why.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],

@@ -301,7 +301,18 @@ export interface GetStatusResponse {
     | { [key: string]: string }
     | undefined;
   /** A random id, new for every process. */
-  bootId?: string | undefined;
+  bootId?:
+    | string
+    | undefined;
+  /**
+   * The last part this process published since its last Restore (a
+   * synchronous Commit's once the Commit succeeded, or an asynchronous
+   * commit's once its write is durable), whatever became of its checkpoint
+   * since. Unset while this process published none (a new process, a
+   * replacement) and after a Restore: a rejoining Restore abandons what the
+   * process published before it, even a write cut before it that ends after.
+   */
+  lastPart?: PublishedPart | undefined;
 }
 
 export interface GetStatusResponse_FactsEntry {
@@ -312,6 +323,59 @@ export interface GetStatusResponse_FactsEntry {
 export interface GetStatusResponse_CountersEntry {
   key: string;
   value: string;
+}
+
+/**
+ * A part a participant published, with what it wrote and what a restore of it
+ * reads (GetStatus).
+ */
+export interface PublishedPart {
+  /** The checkpoint id of the part. */
+  checkpointId?:
+    | string
+    | undefined;
+  /**
+   * The checkpoint directory it was written into: the Commit's, with symlinks
+   * resolved (an object-store URL in its canonical form, without a trailing
+   * slash).
+   */
+  checkpointDir?:
+    | string
+    | undefined;
+  /** True when an asynchronous commit wrote it (durable since). */
+  asynchronous?:
+    | boolean
+    | undefined;
+  /**
+   * The part's records: `records_written` plus `records_referenced`
+   * (`Manifest.record_count`).
+   */
+  recordCount?:
+    | string
+    | undefined;
+  /** The records this part stored itself, as CommitResponse.records_written. */
+  recordsWritten?:
+    | string
+    | undefined;
+  /**
+   * The records it references in earlier parts, as
+   * CommitResponse.records_referenced.
+   */
+  recordsReferenced?:
+    | string
+    | undefined;
+  /**
+   * How many parts a restore of it reads at most, as
+   * CommitResponse.chain_length (1: a full part).
+   */
+  chainLength?:
+    | number
+    | undefined;
+  /**
+   * The size of its records file in bytes (`Manifest.bytes`): the own
+   * records' lines and one reference line per referenced record.
+   */
+  bytes?: string | undefined;
 }
 
 /** Request of ListEpisodes. */
@@ -494,20 +558,54 @@ export interface CommitResponse {
     | boolean
     | undefined;
   /**
-   * The number of records in the snapshot (asynchronous commits; for a
-   * synchronous one `manifest.record_count`).
+   * Asynchronous commits (0 for a synchronous one: see `manifest`): the
+   * records of the part the snapshot cut, the ones it wrote and the ones it
+   * references alike (`records_written` plus `records_referenced`), which is
+   * the durable part's `manifest.record_count`.
    */
   snapshotRecords?:
     | string
     | undefined;
   /**
-   * The size in bytes of the snapshot's serialized records (asynchronous
-   * commits; for a synchronous one `manifest.bytes`). For an incremental part
-   * it counts only the changed records the snapshot holds: the lines that
-   * reference unchanged ones are composed by the background write, so the
-   * durable part's `manifest.bytes` is larger.
+   * Asynchronous commits (0 for a synchronous one): the bytes the snapshot
+   * serialized and holds until the write ends, the lines of the
+   * `records_written` records (each with its newline). For a full part that
+   * is the durable part's `manifest.bytes`; for an incremental part it is
+   * less, by the reference lines the background write composes for the
+   * `records_referenced` records.
    */
-  snapshotBytes?: string | undefined;
+  snapshotBytes?:
+    | string
+    | undefined;
+  /**
+   * The records this part stores itself: every record for a full part
+   * (`manifest.record_count`); for an incremental part the changed and new
+   * ones (`manifest.own_records`). Set by every participant, synchronous or
+   * asynchronous (known at the snapshot: equal to the durable part's). A
+   * participant that never writes incremental parts (a NeMo Gym server, an
+   * agent or environment, the model, a resources server that does not opt
+   * in, one with several workers) always writes full parts.
+   */
+  recordsWritten?:
+    | string
+    | undefined;
+  /**
+   * The records this part references in earlier parts of the same
+   * participant instead of storing them again (unchanged since the part that
+   * holds them; `manifest.referenced_records`): 0 for a full part.
+   */
+  recordsReferenced?:
+    | string
+    | undefined;
+  /**
+   * How many parts a restore of this one reads at most: 1 for a full part
+   * (read alone), the base's length plus one for an incremental part (see
+   * `Manifest.chain_length`, which a full part's manifest leaves unset).
+   * Never 0 from a participant of this version: 0 means the participant
+   * predates these fields (then `records_written` and `records_referenced`
+   * are 0 too and say nothing).
+   */
+  chainLength?: number | undefined;
 }
 
 /** Request of AwaitPart. */
@@ -1244,6 +1342,7 @@ function createBaseGetStatusResponse(): GetStatusResponse {
     facts: {},
     counters: {},
     bootId: "",
+    lastPart: undefined,
   };
 }
 
@@ -1278,6 +1377,9 @@ export const GetStatusResponse: MessageFns<GetStatusResponse> = {
     });
     if (message.bootId !== undefined && message.bootId !== "") {
       writer.uint32(82).string(message.bootId);
+    }
+    if (message.lastPart !== undefined) {
+      PublishedPart.encode(message.lastPart, writer.uint32(90).fork()).join();
     }
     return writer;
   },
@@ -1381,6 +1483,14 @@ export const GetStatusResponse: MessageFns<GetStatusResponse> = {
             message.bootId = reader.string();
             continue;
           }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            message.lastPart = PublishedPart.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1455,6 +1565,11 @@ export const GetStatusResponse: MessageFns<GetStatusResponse> = {
         : isSet(object.boot_id)
         ? globalThis.String(object.boot_id)
         : "",
+      lastPart: isSet(object.lastPart)
+        ? PublishedPart.fromJSON(object.lastPart)
+        : isSet(object.last_part)
+        ? PublishedPart.fromJSON(object.last_part)
+        : undefined,
     };
   },
 
@@ -1502,6 +1617,9 @@ export const GetStatusResponse: MessageFns<GetStatusResponse> = {
     if (message.bootId !== undefined && message.bootId !== "") {
       obj.bootId = message.bootId;
     }
+    if (message.lastPart !== undefined) {
+      obj.lastPart = PublishedPart.toJSON(message.lastPart);
+    }
     return obj;
   },
 
@@ -1540,6 +1658,9 @@ export const GetStatusResponse: MessageFns<GetStatusResponse> = {
       {},
     );
     message.bootId = object.bootId ?? "";
+    message.lastPart = (object.lastPart !== undefined && object.lastPart !== null)
+      ? PublishedPart.fromPartial(object.lastPart)
+      : undefined;
     return message;
   },
 };
@@ -1712,6 +1833,220 @@ export const GetStatusResponse_CountersEntry: MessageFns<GetStatusResponse_Count
     const message = createBaseGetStatusResponse_CountersEntry();
     message.key = object.key ?? "";
     message.value = object.value ?? "0";
+    return message;
+  },
+};
+
+function createBasePublishedPart(): PublishedPart {
+  return {
+    checkpointId: "",
+    checkpointDir: "",
+    asynchronous: false,
+    recordCount: "0",
+    recordsWritten: "0",
+    recordsReferenced: "0",
+    chainLength: 0,
+    bytes: "0",
+  };
+}
+
+export const PublishedPart: MessageFns<PublishedPart> = {
+  encode(message: PublishedPart, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.checkpointId !== undefined && message.checkpointId !== "") {
+      writer.uint32(10).string(message.checkpointId);
+    }
+    if (message.checkpointDir !== undefined && message.checkpointDir !== "") {
+      writer.uint32(18).string(message.checkpointDir);
+    }
+    if (message.asynchronous !== undefined && message.asynchronous !== false) {
+      writer.uint32(24).bool(message.asynchronous);
+    }
+    if (message.recordCount !== undefined && message.recordCount !== "0") {
+      writer.uint32(32).uint64(message.recordCount);
+    }
+    if (message.recordsWritten !== undefined && message.recordsWritten !== "0") {
+      writer.uint32(40).uint64(message.recordsWritten);
+    }
+    if (message.recordsReferenced !== undefined && message.recordsReferenced !== "0") {
+      writer.uint32(48).uint64(message.recordsReferenced);
+    }
+    if (message.chainLength !== undefined && message.chainLength !== 0) {
+      writer.uint32(56).uint32(message.chainLength);
+    }
+    if (message.bytes !== undefined && message.bytes !== "0") {
+      writer.uint32(64).uint64(message.bytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): PublishedPart {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBasePublishedPart();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.checkpointId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.checkpointDir = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.asynchronous = reader.bool();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.recordCount = reader.uint64().toString();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.recordsWritten = reader.uint64().toString();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.recordsReferenced = reader.uint64().toString();
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.chainLength = reader.uint32();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.bytes = reader.uint64().toString();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  fromJSON(object: any): PublishedPart {
+    return {
+      checkpointId: isSet(object.checkpointId)
+        ? globalThis.String(object.checkpointId)
+        : isSet(object.checkpoint_id)
+        ? globalThis.String(object.checkpoint_id)
+        : "",
+      checkpointDir: isSet(object.checkpointDir)
+        ? globalThis.String(object.checkpointDir)
+        : isSet(object.checkpoint_dir)
+        ? globalThis.String(object.checkpoint_dir)
+        : "",
+      asynchronous: isSet(object.asynchronous) ? globalThis.Boolean(object.asynchronous) : false,
+      recordCount: isSet(object.recordCount)
+        ? globalThis.String(object.recordCount)
+        : isSet(object.record_count)
+        ? globalThis.String(object.record_count)
+        : "0",
+      recordsWritten: isSet(object.recordsWritten)
+        ? globalThis.String(object.recordsWritten)
+        : isSet(object.records_written)
+        ? globalThis.String(object.records_written)
+        : "0",
+      recordsReferenced: isSet(object.recordsReferenced)
+        ? globalThis.String(object.recordsReferenced)
+        : isSet(object.records_referenced)
+        ? globalThis.String(object.records_referenced)
+        : "0",
+      chainLength: isSet(object.chainLength)
+        ? globalThis.Number(object.chainLength)
+        : isSet(object.chain_length)
+        ? globalThis.Number(object.chain_length)
+        : 0,
+      bytes: isSet(object.bytes) ? globalThis.String(object.bytes) : "0",
+    };
+  },
+
+  toJSON(message: PublishedPart): unknown {
+    const obj: any = {};
+    if (message.checkpointId !== undefined && message.checkpointId !== "") {
+      obj.checkpointId = message.checkpointId;
+    }
+    if (message.checkpointDir !== undefined && message.checkpointDir !== "") {
+      obj.checkpointDir = message.checkpointDir;
+    }
+    if (message.asynchronous !== undefined && message.asynchronous !== false) {
+      obj.asynchronous = message.asynchronous;
+    }
+    if (message.recordCount !== undefined && message.recordCount !== "0") {
+      obj.recordCount = message.recordCount;
+    }
+    if (message.recordsWritten !== undefined && message.recordsWritten !== "0") {
+      obj.recordsWritten = message.recordsWritten;
+    }
+    if (message.recordsReferenced !== undefined && message.recordsReferenced !== "0") {
+      obj.recordsReferenced = message.recordsReferenced;
+    }
+    if (message.chainLength !== undefined && message.chainLength !== 0) {
+      obj.chainLength = Math.round(message.chainLength);
+    }
+    if (message.bytes !== undefined && message.bytes !== "0") {
+      obj.bytes = message.bytes;
+    }
+    return obj;
+  },
+
+  create<I extends Exact<DeepPartial<PublishedPart>, I>>(base?: I): PublishedPart {
+    return PublishedPart.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<PublishedPart>, I>>(object: I): PublishedPart {
+    const message = createBasePublishedPart();
+    message.checkpointId = object.checkpointId ?? "";
+    message.checkpointDir = object.checkpointDir ?? "";
+    message.asynchronous = object.asynchronous ?? false;
+    message.recordCount = object.recordCount ?? "0";
+    message.recordsWritten = object.recordsWritten ?? "0";
+    message.recordsReferenced = object.recordsReferenced ?? "0";
+    message.chainLength = object.chainLength ?? 0;
+    message.bytes = object.bytes ?? "0";
     return message;
   },
 };
@@ -2581,6 +2916,9 @@ function createBaseCommitResponse(): CommitResponse {
     snapshotOnly: false,
     snapshotRecords: "0",
     snapshotBytes: "0",
+    recordsWritten: "0",
+    recordsReferenced: "0",
+    chainLength: 0,
   };
 }
 
@@ -2613,6 +2951,15 @@ export const CommitResponse: MessageFns<CommitResponse> = {
     }
     if (message.snapshotBytes !== undefined && message.snapshotBytes !== "0") {
       writer.uint32(64).int64(message.snapshotBytes);
+    }
+    if (message.recordsWritten !== undefined && message.recordsWritten !== "0") {
+      writer.uint32(72).uint64(message.recordsWritten);
+    }
+    if (message.recordsReferenced !== undefined && message.recordsReferenced !== "0") {
+      writer.uint32(80).uint64(message.recordsReferenced);
+    }
+    if (message.chainLength !== undefined && message.chainLength !== 0) {
+      writer.uint32(88).uint32(message.chainLength);
     }
     return writer;
   },
@@ -2700,6 +3047,30 @@ export const CommitResponse: MessageFns<CommitResponse> = {
             message.snapshotBytes = reader.int64().toString();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.recordsWritten = reader.uint64().toString();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.recordsReferenced = reader.uint64().toString();
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.chainLength = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2738,6 +3109,21 @@ export const CommitResponse: MessageFns<CommitResponse> = {
         : isSet(object.snapshot_bytes)
         ? globalThis.String(object.snapshot_bytes)
         : "0",
+      recordsWritten: isSet(object.recordsWritten)
+        ? globalThis.String(object.recordsWritten)
+        : isSet(object.records_written)
+        ? globalThis.String(object.records_written)
+        : "0",
+      recordsReferenced: isSet(object.recordsReferenced)
+        ? globalThis.String(object.recordsReferenced)
+        : isSet(object.records_referenced)
+        ? globalThis.String(object.records_referenced)
+        : "0",
+      chainLength: isSet(object.chainLength)
+        ? globalThis.Number(object.chainLength)
+        : isSet(object.chain_length)
+        ? globalThis.Number(object.chain_length)
+        : 0,
     };
   },
 
@@ -2767,6 +3153,15 @@ export const CommitResponse: MessageFns<CommitResponse> = {
     if (message.snapshotBytes !== undefined && message.snapshotBytes !== "0") {
       obj.snapshotBytes = message.snapshotBytes;
     }
+    if (message.recordsWritten !== undefined && message.recordsWritten !== "0") {
+      obj.recordsWritten = message.recordsWritten;
+    }
+    if (message.recordsReferenced !== undefined && message.recordsReferenced !== "0") {
+      obj.recordsReferenced = message.recordsReferenced;
+    }
+    if (message.chainLength !== undefined && message.chainLength !== 0) {
+      obj.chainLength = Math.round(message.chainLength);
+    }
     return obj;
   },
 
@@ -2785,6 +3180,9 @@ export const CommitResponse: MessageFns<CommitResponse> = {
     message.snapshotOnly = object.snapshotOnly ?? false;
     message.snapshotRecords = object.snapshotRecords ?? "0";
     message.snapshotBytes = object.snapshotBytes ?? "0";
+    message.recordsWritten = object.recordsWritten ?? "0";
+    message.recordsReferenced = object.recordsReferenced ?? "0";
+    message.chainLength = object.chainLength ?? 0;
     return message;
   },
 };
@@ -4699,7 +5097,8 @@ export const ParticipantServiceService = {
    * Reports the control-plane state, lease and readiness.
    *
    * Idempotent and read-only; allowed in every state. The polling fallback for
-   * a controller that cannot read the Prepare stream.
+   * a controller that cannot read the Prepare stream. Also says what the last
+   * part this process published wrote and references (`last_part`).
    */
   getStatus: {
     path: "/rollout_checkpoint.v1.ParticipantService/GetStatus" as const,
@@ -4842,7 +5241,11 @@ export const ParticipantServiceService = {
    * releases nothing more.
    *
    * State COMMITTED; admission stays closed until Resume. Idempotent with the
-   * same directory and scope: the identical reply.
+   * same directory and scope: the identical reply. A participant that writes
+   * incremental parts stores only the records changed since the last part it
+   * published and references the others (full parts still come first, after
+   * a Restore and every few parts): `records_written`, `records_referenced`
+   * and `chain_length` say which, in both modes.
    *
    * Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
    * `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
@@ -5194,7 +5597,8 @@ export interface ParticipantServiceServer extends UntypedServiceImplementation {
    * Reports the control-plane state, lease and readiness.
    *
    * Idempotent and read-only; allowed in every state. The polling fallback for
-   * a controller that cannot read the Prepare stream.
+   * a controller that cannot read the Prepare stream. Also says what the last
+   * part this process published wrote and references (`last_part`).
    */
   getStatus: handleUnaryCall<GetStatusRequest, GetStatusResponse>;
   /**
@@ -5304,7 +5708,11 @@ export interface ParticipantServiceServer extends UntypedServiceImplementation {
    * releases nothing more.
    *
    * State COMMITTED; admission stays closed until Resume. Idempotent with the
-   * same directory and scope: the identical reply.
+   * same directory and scope: the identical reply. A participant that writes
+   * incremental parts stores only the records changed since the last part it
+   * published and references the others (full parts still come first, after
+   * a Restore and every few parts): `records_written`, `records_referenced`
+   * and `chain_length` say which, in both modes.
    *
    * Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
    * `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
@@ -5594,7 +6002,8 @@ export interface ParticipantServiceClient extends Client {
    * Reports the control-plane state, lease and readiness.
    *
    * Idempotent and read-only; allowed in every state. The polling fallback for
-   * a controller that cannot read the Prepare stream.
+   * a controller that cannot read the Prepare stream. Also says what the last
+   * part this process published wrote and references (`last_part`).
    */
   getStatus(
     request: GetStatusRequest,
@@ -5751,7 +6160,11 @@ export interface ParticipantServiceClient extends Client {
    * releases nothing more.
    *
    * State COMMITTED; admission stays closed until Resume. Idempotent with the
-   * same directory and scope: the identical reply.
+   * same directory and scope: the identical reply. A participant that writes
+   * incremental parts stores only the records changed since the last part it
+   * published and references the others (full parts still come first, after
+   * a Restore and every few parts): `records_written`, `records_referenced`
+   * and `chain_length` say which, in both modes.
    *
    * Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),
    * `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now
@@ -6484,6 +6897,18 @@ export const protoMetadata: ProtoMetadata = {
         "jsonName": "bootId",
         "options": undefined,
         "proto3Optional": false,
+      }, {
+        "name": "last_part",
+        "number": 11,
+        "label": 1,
+        "type": 11,
+        "typeName": ".rollout_checkpoint.v1.PublishedPart",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "lastPart",
+        "options": undefined,
+        "proto3Optional": false,
       }],
       "extension": [],
       "nestedType": [{
@@ -6575,6 +7000,114 @@ export const protoMetadata: ProtoMetadata = {
         "reservedName": [],
         "visibility": 0,
       }],
+      "enumType": [],
+      "extensionRange": [],
+      "oneofDecl": [],
+      "options": undefined,
+      "reservedRange": [],
+      "reservedName": [],
+      "visibility": 0,
+    }, {
+      "name": "PublishedPart",
+      "field": [{
+        "name": "checkpoint_id",
+        "number": 1,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "checkpointId",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "checkpoint_dir",
+        "number": 2,
+        "label": 1,
+        "type": 9,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "checkpointDir",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "asynchronous",
+        "number": 3,
+        "label": 1,
+        "type": 8,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "asynchronous",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "record_count",
+        "number": 4,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "recordCount",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "records_written",
+        "number": 5,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "recordsWritten",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "records_referenced",
+        "number": 6,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "recordsReferenced",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "chain_length",
+        "number": 7,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "chainLength",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "bytes",
+        "number": 8,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "bytes",
+        "options": undefined,
+        "proto3Optional": false,
+      }],
+      "extension": [],
+      "nestedType": [],
       "enumType": [],
       "extensionRange": [],
       "oneofDecl": [],
@@ -7062,6 +7595,42 @@ export const protoMetadata: ProtoMetadata = {
         "defaultValue": "",
         "oneofIndex": 0,
         "jsonName": "snapshotBytes",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "records_written",
+        "number": 9,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "recordsWritten",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "records_referenced",
+        "number": 10,
+        "label": 1,
+        "type": 4,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "recordsReferenced",
+        "options": undefined,
+        "proto3Optional": false,
+      }, {
+        "name": "chain_length",
+        "number": 11,
+        "label": 1,
+        "type": 13,
+        "typeName": "",
+        "extendee": "",
+        "defaultValue": "",
+        "oneofIndex": 0,
+        "jsonName": "chainLength",
         "options": undefined,
         "proto3Optional": false,
       }],
@@ -8043,7 +8612,7 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0],
-        "span": [61, 0, 430, 1],
+        "span": [61, 0, 435, 1],
         "leadingComments": " The checkpoint control plane of one participant process.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
@@ -8056,972 +8625,1059 @@ export const protoMetadata: ProtoMetadata = {
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 1],
-        "span": [72, 2, 62],
+        "span": [73, 2, 62],
         "leadingComments":
-          " Reports the control-plane state, lease and readiness.\n\n Idempotent and read-only; allowed in every state. The polling fallback for\n a controller that cannot read the Prepare stream.\n",
+          " Reports the control-plane state, lease and readiness.\n\n Idempotent and read-only; allowed in every state. The polling fallback for\n a controller that cannot read the Prepare stream. Also says what the last\n part this process published wrote and references (`last_part`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 2],
-        "span": [98, 2, 71],
+        "span": [99, 2, 71],
         "leadingComments":
           " Lists every live episode this participant holds, sorted by capture key.\n\n Idempotent and read-only; allowed in every state. Blockers are capped at\n 100, so a controller that derives a commit scope unions these pages\n across the fleet. Pages are consistent per page, not across pages: an\n episode that starts or ends between two calls may be missed or seen.\n\n Live means in flight here now, never merely served once, so a derived\n scope (and a checkpoint's `continued` list) holds what is in flight, not\n the fleet's history. An episode owner (agent, environment) lists a\n running episode, a restored one not yet claimed, and a finished one whose\n reply is still on the wire (at its boundary: its outcome); once the reply\n was handed to its HTTP server the episode is no longer listed. A policy\n model lists an episode with a call in flight or held, and a restored\n ledger not yet claimed: an episode between two calls is listed by its\n agent. What a finished episode leaves is released by the participant\n itself: an owner's outcome at its next Commit or Resume after delivery,\n a model's ledger as soon as the episode's owner reports it finished (a\n data-plane POST to `/ng-rollout/<capture_key>/ng-checkpoint/episode-finished`\n once its final reply left; the example agent sends it), else at the first\n Commit whose scope leaves it out (see Commit); a controller never has to\n Forget for the fleet to stay bounded.\n Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this\n participant did not issue.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 3],
-        "span": [129, 2, 63],
+        "span": [130, 2, 63],
         "leadingComments":
           " Closes admission and streams progress until the participant is ready or\n the deadline passes.\n\n Allowed in IDLE (starts the checkpoint: state PREPARING, lease renewed,\n admission closed), in PREPARING with the same id (renews the lease and\n waits again; this is how a controller retries after a missed deadline or\n re-attaches after a dropped stream), and in PREPARED with the same id\n (answers PREPARED at once). A Prepare whose result was recorded (it reached\n PREPARED, even if the checkpoint was committed since) replays: one final\n message with the current state and `replayed = true`.\n\n The stream is a view of the participant's state: the first message is\n the current state; then one message whenever readiness changes (coalesced,\n at most one per 20 ms); a heartbeat every `heartbeat_seconds` (default 1\n s); and exactly one message with `final = true`, after which the stream\n ends with OK. Final outcomes: PREPARED; PREPARING when the deadline passed\n first (`readiness.ready` false, blockers listed, admission *stays closed*:\n the controller must Resume, or Prepare again with a later deadline); IDLE\n when a Resume or lease expiry ended the checkpoint while it waited.\n\n Cancelling the stream does not abort the checkpoint: the lease and the\n deadline govern, and Resume is the explicit abort.\n\n Errors (before the first message): `STALE_CHECKPOINT`,\n `CHECKPOINT_CONFLICT`, `INVALID_PHASE` (COMMITTED or RESTORED without a\n recorded Prepare for this id), `CHECKPOINT_DEADLINE_EXCEEDED` (deadline\n already past), `INVALID_REQUEST`, `HOOK_FAILED` (closing admission raised;\n the participant reopened and is IDLE again), `BOOT_ID_MISMATCH`\n (`expected_boot_id` names another process: nothing changed).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 4],
-        "span": [138, 2, 50],
+        "span": [139, 2, 50],
         "leadingComments":
           " Extends the lease of the active checkpoint.\n\n Idempotent. Allowed in PREPARING, PREPARED, COMMITTED and RESTORED with\n the active id: `lease := max(lease, deadline + lease_grace_seconds)`; a\n lease never shrinks. Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`,\n `INVALID_PHASE` (IDLE), `CHECKPOINT_DEADLINE_EXCEEDED`,\n `INVALID_REQUEST`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 5],
-        "span": [208, 2, 53],
+        "span": [213, 2, 53],
         "leadingComments":
-          " Exports the participant's state and publishes its part of the checkpoint.\n\n Allowed in PREPARED with the active id. Renews the lease, then re-checks\n readiness: if it regressed, `INVALID_PHASE` (\"no longer ready\") and\n nothing is written. Exports once per checkpoint id (a retry awaits the\n same export, or stores the same records again if storing failed; it never\n exports later state), writes\n `<checkpoint_dir>/participants/<kind>/<instance>/records-<sha256>.jsonl`\n (fsynced), then creates `manifest.json` next to it without ever replacing\n one (of two racing writers exactly one publishes), then fsyncs the\n directory. The write runs off the event loop and is never cancelled: if\n it outlives the deadline the call fails with\n `CHECKPOINT_DEADLINE_EXCEEDED` and a retry with the same id awaits that\n same write. Only a running commit holds its directory and scope: after a\n failed one (`STORAGE_FAILED`, say; the state stays PREPARED) the same id\n may commit into a corrected directory, storing the same export. A Resume\n (or lease expiry) during the commit stops it: the waiting call answers\n `STALE_CHECKPOINT` and nothing is published afterwards.\n\n Then restored state whose replacement never started here and that the\n scope leaves out is retired exactly as a Retire would: freed through the\n participant *and* its attempt marked retired (refused with\n `stale_attempt` until forgotten), because the controller no longer\n continues it and will restart that rollout from its input as a later\n attempt. (A later upstream revision freed such state without the mark;\n this API keeps the mark so a late request of that attempt cannot recreate\n state nothing would free.)\n\n Once the part is published, the participant also releases what the\n checkpoint no longer needs: the scope is every episode the controller\n continues, so a policy model drops the ledgers it leaves out (unless a call\n of that episode still runs or is held), and an episode owner drops the\n outcomes of finished episodes whose reply was delivered, and those the\n scope leaves out. A failed commit releases nothing; a replayed one\n releases nothing more.\n\n State COMMITTED; admission stays closed until Resume. Idempotent with the\n same directory and scope: the identical reply.\n\n Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),\n `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now\n committing with, another directory or scope), `INVALID_PHASE`,\n `SCOPE_REQUIRED` (unscoped commit to a policy model),\n `CHECKPOINT_DEADLINE_EXCEEDED`, `UNSERIALIZABLE_STATE`, `HOOK_FAILED`,\n `STORAGE_FAILED`, `INVALID_CHECKPOINT_STATE` (the directory already holds\n a different commit of this participant), `INVALID_REQUEST` (a directory\n that is not absolute and normalized, contains `..`, lies outside the\n allowed roots, or whose participant subdirectory is a symlink).\n\n Asynchronous mode (`asynchronous` set): the same checks, lease renewal\n and export (once per id, under the deadline), but the exported records\n are serialized at once into an immutable in-memory snapshot (bytes, never\n live objects the data plane could change afterwards), the restored state\n the scope leaves out is retired and what the checkpoint no longer needs\n is released (both at the snapshot, since admission may reopen right\n after), and the reply comes as soon as the snapshot is taken: state\n COMMITTED, `snapshot_only` true, no `manifest` and no `manifest_sha256`\n yet. The write, fsync or upload and the manifest then run in the\n background, with the same rules as a synchronous commit (records first,\n a manifest created without ever replacing one, so a crash at any moment\n leaves nothing or a complete part). A Resume (or lease expiry) of the id\n no longer stops that write: it reopens admission at once and the write\n goes on to its end, durable or failed; AwaitPart tells which. At most one\n background write per participant: a Commit of either mode that arrives\n while one runs waits for it to end (under its own deadline, before it\n exports, so at most one snapshot is held), and answers\n `CHECKPOINT_DEADLINE_EXCEEDED` if it does not end in time (retry). Part\n of the commit's arguments: a retry must repeat `asynchronous`.\n",
+          " Exports the participant's state and publishes its part of the checkpoint.\n\n Allowed in PREPARED with the active id. Renews the lease, then re-checks\n readiness: if it regressed, `INVALID_PHASE` (\"no longer ready\") and\n nothing is written. Exports once per checkpoint id (a retry awaits the\n same export, or stores the same records again if storing failed; it never\n exports later state), writes\n `<checkpoint_dir>/participants/<kind>/<instance>/records-<sha256>.jsonl`\n (fsynced), then creates `manifest.json` next to it without ever replacing\n one (of two racing writers exactly one publishes), then fsyncs the\n directory. The write runs off the event loop and is never cancelled: if\n it outlives the deadline the call fails with\n `CHECKPOINT_DEADLINE_EXCEEDED` and a retry with the same id awaits that\n same write. Only a running commit holds its directory and scope: after a\n failed one (`STORAGE_FAILED`, say; the state stays PREPARED) the same id\n may commit into a corrected directory, storing the same export. A Resume\n (or lease expiry) during the commit stops it: the waiting call answers\n `STALE_CHECKPOINT` and nothing is published afterwards.\n\n Then restored state whose replacement never started here and that the\n scope leaves out is retired exactly as a Retire would: freed through the\n participant *and* its attempt marked retired (refused with\n `stale_attempt` until forgotten), because the controller no longer\n continues it and will restart that rollout from its input as a later\n attempt. (A later upstream revision freed such state without the mark;\n this API keeps the mark so a late request of that attempt cannot recreate\n state nothing would free.)\n\n Once the part is published, the participant also releases what the\n checkpoint no longer needs: the scope is every episode the controller\n continues, so a policy model drops the ledgers it leaves out (unless a call\n of that episode still runs or is held), and an episode owner drops the\n outcomes of finished episodes whose reply was delivered, and those the\n scope leaves out. A failed commit releases nothing; a replayed one\n releases nothing more.\n\n State COMMITTED; admission stays closed until Resume. Idempotent with the\n same directory and scope: the identical reply. A participant that writes\n incremental parts stores only the records changed since the last part it\n published and references the others (full parts still come first, after\n a Restore and every few parts): `records_written`, `records_referenced`\n and `chain_length` say which, in both modes.\n\n Errors: `STALE_CHECKPOINT` (also when a Resume stopped this commit),\n `CHECKPOINT_CONFLICT` (another id, or this id committed with, or now\n committing with, another directory or scope), `INVALID_PHASE`,\n `SCOPE_REQUIRED` (unscoped commit to a policy model),\n `CHECKPOINT_DEADLINE_EXCEEDED`, `UNSERIALIZABLE_STATE`, `HOOK_FAILED`,\n `STORAGE_FAILED`, `INVALID_CHECKPOINT_STATE` (the directory already holds\n a different commit of this participant), `INVALID_REQUEST` (a directory\n that is not absolute and normalized, contains `..`, lies outside the\n allowed roots, or whose participant subdirectory is a symlink).\n\n Asynchronous mode (`asynchronous` set): the same checks, lease renewal\n and export (once per id, under the deadline), but the exported records\n are serialized at once into an immutable in-memory snapshot (bytes, never\n live objects the data plane could change afterwards), the restored state\n the scope leaves out is retired and what the checkpoint no longer needs\n is released (both at the snapshot, since admission may reopen right\n after), and the reply comes as soon as the snapshot is taken: state\n COMMITTED, `snapshot_only` true, no `manifest` and no `manifest_sha256`\n yet. The write, fsync or upload and the manifest then run in the\n background, with the same rules as a synchronous commit (records first,\n a manifest created without ever replacing one, so a crash at any moment\n leaves nothing or a complete part). A Resume (or lease expiry) of the id\n no longer stops that write: it reopens admission at once and the write\n goes on to its end, durable or failed; AwaitPart tells which. At most one\n background write per participant: a Commit of either mode that arrives\n while one runs waits for it to end (under its own deadline, before it\n exports, so at most one snapshot is held), and answers\n `CHECKPOINT_DEADLINE_EXCEEDED` if it does not end in time (retry). Part\n of the commit's arguments: a retry must repeat `asynchronous`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 6],
-        "span": [226, 2, 62],
+        "span": [231, 2, 62],
         "leadingComments":
           " Reports, or waits for, the outcome of an asynchronous commit's\n background write: durable (with its manifest and digest) or failed (with\n the typed reason a synchronous Commit would have answered).\n\n Idempotent and read-only; allowed in every state, also after the id was\n resumed (that is the point: the fleet runs on while the part is\n written). With `deadline` set, waits until the write ended or the\n deadline passed, then answers the state at that moment (WRITING when it\n is still running: call again); unset, or already past, answers at once.\n The outcomes of the last 64 asynchronous commits are kept. UNKNOWN means\n this process never took that snapshot (a replaced process, a synchronous\n commit, or an outcome no longer kept): a controller that saw the snapshot\n reply and then reads UNKNOWN must treat the part as failed.\n\n Errors: `INVALID_REQUEST` (an invalid id, or a deadline further ahead\n than `max_deadline_seconds`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 7],
-        "span": [297, 2, 56],
+        "span": [302, 2, 56],
         "leadingComments":
           " Installs a checkpointed part as attempt N+1 of every episode in scope.\n\n Allowed in IDLE, in a process that has served no session and no episode\n (`FRESH_PROCESS_REQUIRED` otherwise), or, with `rejoin`, in one that has\n (see below). The request carries a fresh control id of its own; the\n manifest's checkpoint id comes back as `source_checkpoint_id`. Reads the\n part off the event loop, streaming, and verifies manifest fields, kind,\n instance, digest and count over the *whole* records file; keeps only the\n records whose episode is in the scope and validates those; the read is\n bounded by the deadline. Then closes admission and installs them all\n through the participant, all or nothing, shielded from the deadline. On\n any failure nothing stays installed: an install that outlived the\n deadline (or that a Resume raced) is undone once it ends, before\n admission reopens; the state stays IDLE, the process stays fresh, and a\n retry of the same restore works. \"Served\" means tracked a session or an\n episode: a request refused or failed before any existed does not make a\n process unfit. On success: attempts <= N of every restored rollout are\n marked retired (a late request of the crashed attempt gets\n `stale_attempt`, as after a Retire), state RESTORED, the active id is\n this request's id, the lease is renewed, and admission stays closed until\n Resume.\n\n A rejoining restore (`rejoin`) is for a survivor: a process of a fleet\n one of whose members was replaced, which the controller restores whole\n from the last checkpoint. Without it such a process could never be\n restored, and the fleet could only be restarted from scratch. On the\n first call admission closes at once and the data plane refuses\n everything new with `awaiting_restore`, as in a `start_closed` process,\n until the restore fails or is resumed (a seed admitted after the discard\n would be served state that no checkpoint holds). Restored-pending\n episodes (installed by an earlier restore, never used by a request) are\n dropped without a mark: no request of them can be late, and a mark would\n refuse the very attempts a second try of the same recovery installs\n again. Every other episode the process holds (what ListEpisodes lists) is\n retired exactly as by Retire: its attempt and every earlier one are\n marked retired first (late requests of them get `stale_attempt`), its\n work is cancelled and its state freed, and the restore waits until that\n ended (a discard cut short by the deadline leaves the rollouts\n `RETIRE_INCOMPLETE` for Forget, as a Retire would). Then the process\n drops its memory of having served (finished outcomes, ledgers, retired\n sessions; never the attempt marks) and counts as fresh: it reads and\n installs like a fresh process. A kind that cannot forget, or a process\n still serving something it did not list (a seed that was already\n running), refuses `FRESH_PROCESS_REQUIRED`; a retry may then succeed.\n With `rejoin`, a fresh process restores as without it (it holds nothing\n to discard; only its data plane is sealed, as above). If the restore\n fails after the discard, the discarded episodes stay retired (they are\n not coming back) and admission reopens as after any failed restore.\n\n Idempotent with the same directory, scope and `rejoin`: a retry must\n repeat `rejoin`, and another value is `CHECKPOINT_CONFLICT` like any\n other argument change (a retry without it would be refused\n `FRESH_PROCESS_REQUIRED` by the process the first call made fresh).\n\n A Resume of this id during the discard or the read abandons the restore\n at once, as a Resume during the read always did: admission reopens, the\n discard's retires go on to their end like a Retire's and its episodes\n stay retired, nothing is forgotten or installed, and the Restore answers\n `STALE_CHECKPOINT`.\n\n Errors: `STALE_CHECKPOINT`, `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,\n `FRESH_PROCESS_REQUIRED` (a process that served, without `rejoin`; with\n it, one still serving after the discard), `CHECKPOINT_DEADLINE_EXCEEDED`\n (also a discard that did not end in time),\n `INVALID_CHECKPOINT_STATE` (DATA_LOSS: missing or corrupt part, digest or\n count mismatch; FAILED_PRECONDITION: another kind or instance, a record\n the participant rejects, naming the episode), `TASK_MISMATCH`,\n `HOOK_FAILED` (also a retire of the discard), `STORAGE_FAILED`,\n `INVALID_REQUEST`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 8],
-        "span": [322, 2, 53],
+        "span": [327, 2, 53],
         "leadingComments":
           " Reopens admission; also the abort of an unfinished checkpoint.\n\n Allowed in every state. An id already resumed answers\n `{state: IDLE, idempotent: true}`. In IDLE with no active id (the Prepare\n never reached this participant) the id is remembered as resumed and the\n reply is idempotent: this fences a delayed Prepare of an aborted\n checkpoint. The exception is the first Resume of a `start_closed` process\n (before any Restore): it opens admission, so it answers\n `idempotent: false`. A Restore of this id still reading, or still\n discarding (a `rejoin`), is abandoned (nothing was installed; admission\n reopens; the Restore answers `STALE_CHECKPOINT`); one installing is\n waited for, and then resumed like any restore; a Restore of another id\n under way is `CHECKPOINT_CONFLICT`. Otherwise (the id must be the active\n one, else `CHECKPOINT_CONFLICT`): stops any write so it never publishes\n (no wait: a write not yet publishing is fenced off at once), cancels an\n export nothing will use, opens admission, remembers the id as resumed,\n drops its recorded results, state IDLE, lease cleared. It waits, never\n holding up other RPCs, for a publication already under way and for a\n cancelled export only until its deadline, then reopens regardless: a\n Resume always reopens admission within its deadline, whatever storage\n does. A deadline already past does not refuse a Resume; it bounds the\n waits for a running install or cleanup (`CHECKPOINT_DEADLINE_EXCEEDED`\n when such a wait runs out: nothing changed, retry later).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 9],
-        "span": [345, 2, 53],
+        "span": [350, 2, 53],
         "leadingComments":
           " Refuses, stops and frees the listed attempts and every earlier attempt of\n the same rollouts.\n\n Allowed in IDLE (any valid `checkpoint_id`: Retire in IDLE is fenced only\n by the attempt marks, not by the resumed ids) and in RESTORED with the\n restore's id (the lease is renewed). Refused while a checkpoint is open\n (PREPARING, PREPARED, COMMITTED) with `INVALID_PHASE`: resume first.\n\n First *marks* the attempts: per rollout, the highest retired attempt;\n marks only rise; a data-plane request of an attempt at or below the mark\n is refused with HTTP 409 `stale_attempt` from then on. Then waits for an\n install still running, then asks the participant to stop and free each\n episode, all under the deadline, and answers only when everything is\n stopped and freed. A Retire cut short by its deadline\n (`CHECKPOINT_DEADLINE_EXCEEDED`) leaves its attempts refused and what\n still runs tracked, so a retry stops it again. Idempotent: retiring an\n attempt already retired, or unknown, succeeds.\n\n Errors: `CHECKPOINT_CONFLICT` (RESTORED with another id),\n `INVALID_PHASE`, `CHECKPOINT_DEADLINE_EXCEEDED`, `HOOK_FAILED`,\n `INVALID_REQUEST` (no episodes, or an invalid episode id).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 10],
-        "span": [357, 2, 53],
+        "span": [362, 2, 53],
         "leadingComments":
           " Drops the retired marks of rollouts that can no longer run anywhere.\n\n Allowed in IDLE (any valid id) and in RESTORED with the restore's id (the\n lease is renewed). Call it once nothing of any attempt of these rollouts\n can still send a request; afterwards a new attempt of the rollout is\n admitted again. Idempotent: forgetting unknown rollouts is harmless.\n\n Errors: `RETIRE_INCOMPLETE` (a Retire of one of them has not freed\n everything yet), `CHECKPOINT_CONFLICT`, `INVALID_PHASE`,\n `CHECKPOINT_DEADLINE_EXCEEDED`, `INVALID_REQUEST`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 11],
-        "span": [382, 2, 68],
+        "span": [387, 2, 68],
         "leadingComments":
           " Lists the finished results this entry participant holds until their\n receipts are acknowledged (its result outbox), sorted by capture key.\n\n Idempotent and read-only; allowed in every state. A data-plane request\n under a rollout prefix that carries the header `x-rollout-receipt:\n request` and is answered 200 with a JSON body has its result kept here,\n and the reply carries its receipt in the header `x-rollout-receipt` (the\n JSON of a `ResultReceipt` with the field names of this file). The outbox\n is part of every checkpoint this participant commits, whatever the\n scope: after a Restore, the results that finished before the crash and\n were never acknowledged are listed here again (keyed by the restored\n attempt N+1, the receipt unchanged), so a trainer that lost them takes\n them from this list instead of running the rollouts again. A later\n request of the same rollout and route with the receipt header gets the\n held result, not a new run (reply header `x-rollout-result-source:\n outbox`), if it is the same request (the SHA-256 of its body's canonical\n JSON equals `request_sha256`); another one is refused HTTP 409\n `request_mismatch`, nothing run. Participants that are no episode owner (model, resources)\n always answer an empty list. Pages are consistent per page, as in\n ListEpisodes.\n\n Errors: `INVALID_REQUEST` for a negative `page_size` or a page token this\n participant did not issue.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 12],
-        "span": [402, 2, 89],
+        "span": [407, 2, 89],
         "leadingComments":
           " Acknowledges receipts: the trainer persisted these results, so the\n participant releases them from its outbox at once.\n\n Idempotent: a receipt already acknowledged, or unknown here (released by\n a Retire or Forget of its rollout, or never issued), changes nothing and\n succeeds. All or nothing: one receipt that names a held rollout and\n attempt with another `result_sha256` than the one issued refuses the\n whole call with `RECEIPT_MISMATCH` and releases none (the trainer holds\n a result this fleet did not produce for that attempt). Allowed in every\n state, during a checkpoint and after SIGTERM too (it only releases\n memory): an acknowledgement that reaches the participant between a\n Prepare and its Commit leaves the result out of that checkpoint, which is\n right, since the trainer holds it.\n\n Errors: `RECEIPT_MISMATCH`, `CHECKPOINT_DEADLINE_EXCEEDED` (deadline\n already past), `INVALID_REQUEST` (no receipts or more than 10000, an\n invalid rollout id or attempt, a digest that is not 64 lowercase hex\n characters).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [6, 0, 2, 13],
-        "span": [429, 2, 83],
+        "span": [434, 2, 83],
         "leadingComments":
           " Sets the weight version of the policy model: the version every model\n call admitted from now on is stamped with.\n\n A trainer that updates the policy weights while rollouts are in flight\n calls it once the new weights serve. Every generation call records the\n version current when it was admitted with its delivered response in the\n episode's ledger (and so in every checkpoint of it), and its reply carries\n the header `x-weight-version: <n>`; ListEpisodes reports an episode's\n `oldest_weight_version`, which a controller reads after a Restore to tell\n how stale a cut rollout is. GetStatus reports the current version in\n `counters[\"weight_version\"]` (0 until set: a new process starts at 0).\n\n Idempotent: setting the current value again changes nothing. Any value\n from 0 to 2^63-1 (the largest `counters` carries) is accepted, lower ones\n than the current too: a trainer that restored an older checkpoint of its\n own goes back to its weights. Allowed in every state, during a\n checkpoint and after SIGTERM too: it changes what calls admitted later\n are stamped with, never a call already admitted or recorded (a response\n held across the checkpoint keeps the version it was admitted under).\n\n Errors: `INVALID_REQUEST` (field `weight_version`) from a participant\n that holds no policy weights (any kind but the policy model), or for a\n value above 2^63-1;\n `CHECKPOINT_DEADLINE_EXCEEDED` (deadline already past); `INVALID_REQUEST`\n (a deadline missing or further ahead than `max_deadline_seconds`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 0],
-        "span": [433, 0, 32],
+        "span": [438, 0, 32],
         "leadingComments": " Request of GetParticipant.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1],
-        "span": [436, 0, 457, 1],
+        "span": [441, 0, 462, 1],
         "leadingComments": " Reply of GetParticipant.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 0],
-        "span": [438, 2, 27],
+        "span": [443, 2, 27],
         "leadingComments": " The participant's kind.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 1],
-        "span": [440, 2, 22],
+        "span": [445, 2, 22],
         "leadingComments": " The participant's instance name (the server's configured name).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 2],
-        "span": [442, 2, 21],
+        "span": [447, 2, 21],
         "leadingComments": " A random id, new for every process. A change means a replaced process.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 3],
-        "span": [444, 2, 25],
+        "span": [449, 2, 25],
         "leadingComments": " The API version served, `rollout_checkpoint.v1`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 4],
-        "span": [446, 2, 28],
+        "span": [451, 2, 28],
         "leadingComments": " The storage schema version this participant writes and reads (1).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 5],
-        "span": [448, 2, 29],
+        "span": [453, 2, 29],
         "leadingComments": " The version of the rollout-checkpoint runtime.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 6],
-        "span": [451, 2, 32],
+        "span": [456, 2, 32],
         "leadingComments":
           " Kind-specific facts. Resources: `mode` (`restart_only`, `stateless` or\n `exported`) and `verify` (`wait` or `replay`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 1, 2, 7],
-        "span": [456, 2, 25],
+        "span": [461, 2, 25],
         "leadingComments":
           " True when this participant honours `PrepareRequest.expected_boot_id`\n (another process's Prepare is refused with `BOOT_ID_MISMATCH`, nothing\n changed). Only then may a controller keep what it read of this process's\n status across checkpoints; without it, read the status before each one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 2],
-        "span": [460, 0, 27],
+        "span": [465, 0, 27],
         "leadingComments": " Request of GetStatus.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3],
-        "span": [463, 0, 485, 1],
+        "span": [468, 0, 497, 1],
         "leadingComments": " Reply of GetStatus.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 0],
-        "span": [465, 2, 29],
+        "span": [470, 2, 29],
         "leadingComments": " The control-plane state.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 1],
-        "span": [467, 2, 27],
+        "span": [472, 2, 27],
         "leadingComments": " The active checkpoint id; empty in IDLE.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 2],
-        "span": [469, 2, 49],
+        "span": [474, 2, 49],
         "leadingComments": " When the lease runs out; unset when there is no lease.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 3],
-        "span": [471, 2, 26],
+        "span": [476, 2, 26],
         "leadingComments": " Whether the data plane takes new work.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 4],
-        "span": [473, 2, 32],
+        "span": [478, 2, 32],
         "leadingComments": " The current readiness.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 5],
-        "span": [475, 2, 30],
+        "span": [480, 2, 30],
         "leadingComments": " Rollouts that carry a retired-attempt mark.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 6],
-        "span": [477, 2, 30],
+        "span": [482, 2, 30],
         "leadingComments": " Episodes installed by a Restore that no request has used yet.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 7],
-        "span": [479, 2, 32],
+        "span": [484, 2, 32],
         "leadingComments": " Kind-specific facts, as in GetParticipantResponse.facts.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 8],
-        "span": [482, 2, 34],
+        "span": [487, 2, 34],
         "leadingComments":
           " Kind-specific counters. Resources: `retired_sessions`. Policy model:\n `weight_version` (see SetWeightVersion).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 3, 2, 9],
-        "span": [484, 2, 22],
+        "span": [489, 2, 22],
         "leadingComments": " A random id, new for every process.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
+        "path": [4, 3, 2, 10],
+        "span": [496, 2, 31],
+        "leadingComments":
+          " The last part this process published since its last Restore (a\n synchronous Commit's once the Commit succeeded, or an asynchronous\n commit's once its write is durable), whatever became of its checkpoint\n since. Unset while this process published none (a new process, a\n replacement) and after a Restore: a rejoining Restore abandons what the\n process published before it, even a write cut before it that ends after.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
         "path": [4, 4],
-        "span": [488, 0, 494, 1],
-        "leadingComments": " Request of ListEpisodes.\n",
+        "span": [501, 0, 524, 1],
+        "leadingComments":
+          " A part a participant published, with what it wrote and what a restore of it\n reads (GetStatus).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 0],
-        "span": [491, 2, 22],
-        "leadingComments": " The most episodes to return; 0 means 500, larger values are capped at\n 1000.\n",
+        "span": [503, 2, 27],
+        "leadingComments": " The checkpoint id of the part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 4, 2, 1],
-        "span": [493, 2, 24],
-        "leadingComments": " The `next_page_token` of the previous page; empty for the first page.\n",
+        "span": [507, 2, 28],
+        "leadingComments":
+          " The checkpoint directory it was written into: the Commit's, with symlinks\n resolved (an object-store URL in its canonical form, without a trailing\n slash).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 2],
+        "span": [509, 2, 24],
+        "leadingComments": " True when an asynchronous commit wrote it (durable since).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 3],
+        "span": [512, 2, 26],
+        "leadingComments":
+          " The part's records: `records_written` plus `records_referenced`\n (`Manifest.record_count`).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 4],
+        "span": [514, 2, 29],
+        "leadingComments": " The records this part stored itself, as CommitResponse.records_written.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 5],
+        "span": [517, 2, 32],
+        "leadingComments": " The records it references in earlier parts, as\n CommitResponse.records_referenced.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 6],
+        "span": [520, 2, 26],
+        "leadingComments":
+          " How many parts a restore of it reads at most, as\n CommitResponse.chain_length (1: a full part).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 4, 2, 7],
+        "span": [523, 2, 19],
+        "leadingComments":
+          " The size of its records file in bytes (`Manifest.bytes`): the own\n records' lines and one reference line per referenced record.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5],
-        "span": [497, 0, 502, 1],
-        "leadingComments": " Reply of ListEpisodes.\n",
+        "span": [527, 0, 533, 1],
+        "leadingComments": " Request of ListEpisodes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 0],
-        "span": [499, 2, 32],
-        "leadingComments": " The episodes of this page, sorted by capture key.\n",
+        "span": [530, 2, 22],
+        "leadingComments": " The most episodes to return; 0 means 500, larger values are capped at\n 1000.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 5, 2, 1],
-        "span": [501, 2, 29],
-        "leadingComments": " The token of the next page; empty on the last page.\n",
+        "span": [532, 2, 24],
+        "leadingComments": " The `next_page_token` of the previous page; empty for the first page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6],
-        "span": [505, 0, 517, 1],
-        "leadingComments": " Request of Prepare.\n",
+        "span": [536, 0, 541, 1],
+        "leadingComments": " Reply of ListEpisodes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6, 2, 0],
-        "span": [507, 2, 27],
-        "leadingComments": " The checkpoint id.\n",
+        "span": [538, 2, 32],
+        "leadingComments": " The episodes of this page, sorted by capture key.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [4, 6, 2, 1],
-        "span": [509, 2, 41],
+        "span": [540, 2, 29],
+        "leadingComments": " The token of the next page; empty on the last page.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 7],
+        "span": [544, 0, 556, 1],
+        "leadingComments": " Request of Prepare.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 7, 2, 0],
+        "span": [546, 2, 27],
+        "leadingComments": " The checkpoint id.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 7, 2, 1],
+        "span": [548, 2, 41],
         "leadingComments": " Absolute deadline for reaching PREPARED. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 6, 2, 2],
-        "span": [516, 2, 30],
+        "path": [4, 7, 2, 2],
+        "span": [555, 2, 30],
         "leadingComments":
           " Optional fence: the `boot_id` (GetParticipant, GetStatus) of the process\n the caller means to prepare. A participant with another boot id refuses\n with `BOOT_ID_MISMATCH` before anything changes: it is a replacement\n that holds none of that process's state (perhaps started closed awaiting\n its restore), and preparing it would commit an empty part in its place.\n Empty: no check.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0],
-        "span": [520, 0, 531, 1],
+        "span": [559, 0, 570, 1],
         "leadingComments": " Why a PrepareResponse was sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 0],
-        "span": [522, 2, 38],
+        "span": [561, 2, 38],
         "leadingComments": " Never sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 1],
-        "span": [524, 2, 34],
+        "span": [563, 2, 34],
         "leadingComments": " The first message of a stream: the state when the call arrived.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 2],
-        "span": [526, 2, 33],
+        "span": [565, 2, 33],
         "leadingComments": " Readiness or state changed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 3],
-        "span": [528, 2, 36],
+        "span": [567, 2, 36],
         "leadingComments": " Nothing changed for `heartbeat_seconds`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 0, 2, 4],
-        "span": [530, 2, 32],
+        "span": [569, 2, 32],
         "leadingComments": " The last message of the stream (`final` is true).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7],
-        "span": [534, 0, 555, 1],
+        "path": [4, 8],
+        "span": [573, 0, 594, 1],
         "leadingComments": " One message of the Prepare stream.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 0],
-        "span": [536, 2, 29],
+        "path": [4, 8, 2, 0],
+        "span": [575, 2, 29],
         "leadingComments": " The participant's state when the message was built.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 1],
-        "span": [538, 2, 27],
+        "path": [4, 8, 2, 1],
+        "span": [577, 2, 27],
         "leadingComments": " The active checkpoint id (empty once the checkpoint ended).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 2],
-        "span": [540, 2, 32],
+        "path": [4, 8, 2, 2],
+        "span": [579, 2, 32],
         "leadingComments": " Readiness, with at most 100 blockers listed.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 3],
-        "span": [542, 2, 49],
+        "path": [4, 8, 2, 3],
+        "span": [581, 2, 49],
         "leadingComments": " When the lease runs out; unset when there is no lease.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 4],
-        "span": [544, 2, 22],
+        "path": [4, 8, 2, 4],
+        "span": [583, 2, 22],
         "leadingComments": " 1 for the first message of this stream, then +1 per message.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 5],
-        "span": [546, 2, 39],
+        "path": [4, 8, 2, 5],
+        "span": [585, 2, 39],
         "leadingComments": " Time since this Prepare call arrived.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 6],
-        "span": [548, 2, 36],
+        "path": [4, 8, 2, 6],
+        "span": [587, 2, 36],
         "leadingComments": " Why this message was sent.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 7],
-        "span": [550, 2, 17],
+        "path": [4, 8, 2, 7],
+        "span": [589, 2, 17],
         "leadingComments": " True on the last message of the stream.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 8],
-        "span": [552, 2, 20],
+        "path": [4, 8, 2, 8],
+        "span": [591, 2, 20],
         "leadingComments": " True when this stream replays a recorded Prepare of this id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 7, 2, 9],
-        "span": [554, 2, 27],
+        "path": [4, 8, 2, 9],
+        "span": [593, 2, 27],
         "leadingComments": " Whether the data plane takes new work.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 8],
-        "span": [558, 0, 564, 1],
+        "path": [4, 9],
+        "span": [597, 0, 603, 1],
         "leadingComments": " Request of Renew.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 8, 2, 0],
-        "span": [560, 2, 27],
+        "path": [4, 9, 2, 0],
+        "span": [599, 2, 27],
         "leadingComments": " The active checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 8, 2, 1],
-        "span": [563, 2, 41],
+        "path": [4, 9, 2, 1],
+        "span": [602, 2, 41],
         "leadingComments": " Absolute deadline; the lease runs to at least this plus the grace.\n Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 9],
-        "span": [567, 0, 570, 1],
+        "path": [4, 10],
+        "span": [606, 0, 609, 1],
         "leadingComments": " Reply of Renew.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 9, 2, 0],
-        "span": [569, 2, 49],
+        "path": [4, 10, 2, 0],
+        "span": [608, 2, 49],
         "leadingComments": " When the lease now runs out.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 10],
-        "span": [573, 0, 591, 1],
+        "path": [4, 11],
+        "span": [612, 0, 630, 1],
         "leadingComments": " Request of Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 10, 2, 0],
-        "span": [575, 2, 27],
+        "path": [4, 11, 2, 0],
+        "span": [614, 2, 27],
         "leadingComments": " The active checkpoint id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 10, 2, 1],
-        "span": [577, 2, 41],
+        "path": [4, 11, 2, 1],
+        "span": [616, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 10, 2, 2],
-        "span": [582, 2, 28],
+        "path": [4, 11, 2, 2],
+        "span": [621, 2, 28],
         "leadingComments":
           " The controller's checkpoint directory: an absolute, normalized path with\n no `..` component, under one of the participant's allowed roots when it\n has any. The participant writes only below\n `<checkpoint_dir>/participants/<kind>/<instance>/`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 10, 2, 3],
-        "span": [586, 2, 25],
+        "path": [4, 11, 2, 3],
+        "span": [625, 2, 25],
         "leadingComments":
           " The episodes the controller continues. Unset: every live episode\n (unscoped; the policy model refuses it with `SCOPE_REQUIRED`). Set and\n empty: none.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 10, 2, 4],
-        "span": [590, 2, 24],
+        "path": [4, 11, 2, 4],
+        "span": [629, 2, 24],
         "leadingComments":
           " Answer once the snapshot is taken, and write the part in the background\n (see Commit); AwaitPart reports when it is durable. False: the\n synchronous commit, which answers once the part is published.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11],
-        "span": [594, 0, 621, 1],
+        "path": [4, 12],
+        "span": [633, 0, 682, 1],
         "leadingComments": " Reply of Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 0],
-        "span": [596, 2, 29],
+        "path": [4, 12, 2, 0],
+        "span": [635, 2, 29],
         "leadingComments": " COMMITTED.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 1],
-        "span": [598, 2, 24],
+        "path": [4, 12, 2, 1],
+        "span": [637, 2, 24],
         "leadingComments": " The published manifest.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 2],
-        "span": [601, 2, 29],
+        "path": [4, 12, 2, 2],
+        "span": [640, 2, 29],
         "leadingComments":
           " Lower-case hex SHA-256 of the `manifest.json` bytes, for a fleet\n manifest that pins every part.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 3],
-        "span": [604, 2, 31],
+        "path": [4, 12, 2, 3],
+        "span": [643, 2, 31],
         "leadingComments":
           " The sorted capture keys of the exported episodes, each once (an episode\n may hold several records: a resources server's several sessions).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 4],
-        "span": [607, 2, 30],
+        "path": [4, 12, 2, 4],
+        "span": [646, 2, 30],
         "leadingComments":
           " The sorted capture keys of restored-pending episodes that the scope left\n out and that were therefore retired.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 5],
-        "span": [611, 2, 25],
+        "path": [4, 12, 2, 5],
+        "span": [650, 2, 25],
         "leadingComments":
           " True for an asynchronous commit: the snapshot is taken and the part is\n being written in the background; `manifest` and `manifest_sha256` are\n unset until AwaitPart reports it durable.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 6],
-        "span": [614, 2, 29],
+        "path": [4, 12, 2, 6],
+        "span": [655, 2, 29],
         "leadingComments":
-          " The number of records in the snapshot (asynchronous commits; for a\n synchronous one `manifest.record_count`).\n",
+          " Asynchronous commits (0 for a synchronous one: see `manifest`): the\n records of the part the snapshot cut, the ones it wrote and the ones it\n references alike (`records_written` plus `records_referenced`), which is\n the durable part's `manifest.record_count`.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 11, 2, 7],
-        "span": [620, 2, 27],
+        "path": [4, 12, 2, 7],
+        "span": [662, 2, 27],
         "leadingComments":
-          " The size in bytes of the snapshot's serialized records (asynchronous\n commits; for a synchronous one `manifest.bytes`). For an incremental part\n it counts only the changed records the snapshot holds: the lines that\n reference unchanged ones are composed by the background write, so the\n durable part's `manifest.bytes` is larger.\n",
+          " Asynchronous commits (0 for a synchronous one): the bytes the snapshot\n serialized and holds until the write ends, the lines of the\n `records_written` records (each with its newline). For a full part that\n is the durable part's `manifest.bytes`; for an incremental part it is\n less, by the reference lines the background write composes for the\n `records_referenced` records.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 12],
-        "span": [624, 0, 630, 1],
+        "path": [4, 12, 2, 8],
+        "span": [670, 2, 29],
+        "leadingComments":
+          " The records this part stores itself: every record for a full part\n (`manifest.record_count`); for an incremental part the changed and new\n ones (`manifest.own_records`). Set by every participant, synchronous or\n asynchronous (known at the snapshot: equal to the durable part's). A\n participant that never writes incremental parts (a NeMo Gym server, an\n agent or environment, the model, a resources server that does not opt\n in, one with several workers) always writes full parts.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 12, 2, 9],
+        "span": [674, 2, 33],
+        "leadingComments":
+          " The records this part references in earlier parts of the same\n participant instead of storing them again (unchanged since the part that\n holds them; `manifest.referenced_records`): 0 for a full part.\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 12, 2, 10],
+        "span": [681, 2, 27],
+        "leadingComments":
+          " How many parts a restore of this one reads at most: 1 for a full part\n (read alone), the base's length plus one for an incremental part (see\n `Manifest.chain_length`, which a full part's manifest leaves unset).\n Never 0 from a participant of this version: 0 means the participant\n predates these fields (then `records_written` and `records_referenced`\n are 0 too and say nothing).\n",
+        "trailingComments": "",
+        "leadingDetachedComments": [],
+      }, {
+        "path": [4, 13],
+        "span": [685, 0, 691, 1],
         "leadingComments": " Request of AwaitPart.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 12, 2, 0],
-        "span": [626, 2, 27],
+        "path": [4, 13, 2, 0],
+        "span": [687, 2, 27],
         "leadingComments": " The id of an asynchronous commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 12, 2, 1],
-        "span": [629, 2, 41],
+        "path": [4, 13, 2, 1],
+        "span": [690, 2, 41],
         "leadingComments":
           " Absolute time until which to wait for the write to end. Optional: unset\n answers at once.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1],
-        "span": [633, 0, 645, 1],
+        "span": [694, 0, 706, 1],
         "leadingComments": " Where the background write of an asynchronous commit stands.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 0],
-        "span": [635, 2, 35],
+        "span": [696, 2, 35],
         "leadingComments": " Never sent by a participant.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 1],
-        "span": [637, 2, 31],
+        "span": [698, 2, 31],
         "leadingComments": " This process holds no snapshot or outcome of that id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 2],
-        "span": [639, 2, 31],
+        "span": [700, 2, 31],
         "leadingComments": " The part is being written.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 3],
-        "span": [641, 2, 31],
+        "span": [702, 2, 31],
         "leadingComments": " The part is published (manifest created, fsynced or uploaded).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
         "path": [5, 1, 2, 4],
-        "span": [644, 2, 30],
+        "span": [705, 2, 30],
         "leadingComments":
           " The write failed; nothing was published (or a part another writer\n published differs: `INVALID_CHECKPOINT_STATE`).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 13],
-        "span": [648, 0, 661, 1],
+        "path": [4, 14],
+        "span": [709, 0, 722, 1],
         "leadingComments": " Reply of AwaitPart.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 13, 2, 0],
-        "span": [650, 2, 27],
+        "path": [4, 14, 2, 0],
+        "span": [711, 2, 27],
         "leadingComments": " Where the write stands.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 13, 2, 1],
-        "span": [652, 2, 24],
+        "path": [4, 14, 2, 1],
+        "span": [713, 2, 24],
         "leadingComments": " DURABLE: the published manifest.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 13, 2, 2],
-        "span": [654, 2, 29],
+        "path": [4, 14, 2, 2],
+        "span": [715, 2, 29],
         "leadingComments": " DURABLE: lower-case hex SHA-256 of the `manifest.json` bytes.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 13, 2, 3],
-        "span": [658, 2, 28],
+        "path": [4, 14, 2, 3],
+        "span": [719, 2, 28],
         "leadingComments":
           " FAILED: the error reason's wire value (`STORAGE_FAILED`,\n `INVALID_CHECKPOINT_STATE`, ...), as a synchronous Commit would have\n answered it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 13, 2, 4],
-        "span": [660, 2, 29],
+        "path": [4, 14, 2, 4],
+        "span": [721, 2, 29],
         "leadingComments": " FAILED: what went wrong, for an operator.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 14],
-        "span": [664, 0, 681, 1],
+        "path": [4, 15],
+        "span": [725, 0, 742, 1],
         "leadingComments": " Request of Restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 14, 2, 0],
-        "span": [666, 2, 27],
+        "path": [4, 15, 2, 0],
+        "span": [727, 2, 27],
         "leadingComments": " A fresh control id for this restore (not the checkpointed id).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 14, 2, 1],
-        "span": [668, 2, 41],
+        "path": [4, 15, 2, 1],
+        "span": [729, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 14, 2, 2],
-        "span": [670, 2, 28],
+        "path": [4, 15, 2, 2],
+        "span": [731, 2, 28],
         "leadingComments": " The checkpoint directory to read, with the same rules as Commit.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 14, 2, 3],
-        "span": [673, 2, 25],
+        "path": [4, 15, 2, 3],
+        "span": [734, 2, 25],
         "leadingComments":
           " The checkpointed episodes (attempt N) the controller continues; each is\n installed as attempt N+1. Required; may be empty.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 14, 2, 4],
-        "span": [680, 2, 18],
+        "path": [4, 15, 2, 4],
+        "span": [741, 2, 18],
         "leadingComments":
           " Restore into a process that may have served (a survivor of a fleet one\n of whose members was replaced): first retire every episode it holds and\n forget having served, then restore as a fresh process would (see\n Restore). False: a process that has served refuses\n `FRESH_PROCESS_REQUIRED`. Part of the restore's arguments: a retry must\n repeat it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 15],
-        "span": [684, 0, 691, 1],
+        "path": [4, 16],
+        "span": [745, 0, 752, 1],
         "leadingComments": " Reply of Restore.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 15, 2, 0],
-        "span": [686, 2, 29],
+        "path": [4, 16, 2, 0],
+        "span": [747, 2, 29],
         "leadingComments": " RESTORED.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 15, 2, 1],
-        "span": [688, 2, 34],
+        "path": [4, 16, 2, 1],
+        "span": [749, 2, 34],
         "leadingComments": " The checkpoint id stored in the manifest that was read.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 15, 2, 2],
-        "span": [690, 2, 31],
+        "path": [4, 16, 2, 2],
+        "span": [751, 2, 31],
         "leadingComments": " The sorted capture keys installed (attempt N+1), each episode once.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 16],
-        "span": [694, 0, 699, 1],
+        "path": [4, 17],
+        "span": [755, 0, 760, 1],
         "leadingComments": " Request of Resume.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 16, 2, 0],
-        "span": [696, 2, 27],
+        "path": [4, 17, 2, 0],
+        "span": [757, 2, 27],
         "leadingComments": " The checkpoint id to end.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 16, 2, 1],
-        "span": [698, 2, 41],
+        "path": [4, 17, 2, 1],
+        "span": [759, 2, 41],
         "leadingComments": " Absolute deadline; bounds only the wait for a running cleanup. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 17],
-        "span": [702, 0, 709, 1],
+        "path": [4, 18],
+        "span": [763, 0, 770, 1],
         "leadingComments": " Reply of Resume.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 17, 2, 0],
-        "span": [704, 2, 29],
+        "path": [4, 18, 2, 0],
+        "span": [765, 2, 29],
         "leadingComments": " IDLE.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 17, 2, 1],
-        "span": [708, 2, 22],
+        "path": [4, 18, 2, 1],
+        "span": [769, 2, 22],
         "leadingComments":
           " True when this Resume changed nothing: the id had already been resumed,\n or never reached this participant (fenced only). False when it ended a\n checkpoint or a restore, or opened a `start_closed` process.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 18],
-        "span": [712, 0, 720, 1],
+        "path": [4, 19],
+        "span": [773, 0, 781, 1],
         "leadingComments": " Request of Retire.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 18, 2, 0],
-        "span": [714, 2, 27],
+        "path": [4, 19, 2, 0],
+        "span": [775, 2, 27],
         "leadingComments": " In IDLE any valid id; in RESTORED the restore's id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 18, 2, 1],
-        "span": [716, 2, 41],
+        "path": [4, 19, 2, 1],
+        "span": [777, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 18, 2, 2],
-        "span": [719, 2, 34],
+        "path": [4, 19, 2, 2],
+        "span": [780, 2, 34],
         "leadingComments":
           " The attempts to retire (each also retires the earlier attempts of its\n rollout). At least one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 19],
-        "span": [723, 0, 726, 1],
+        "path": [4, 20],
+        "span": [784, 0, 787, 1],
         "leadingComments": " Reply of Retire.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 19, 2, 0],
-        "span": [725, 2, 30],
+        "path": [4, 20, 2, 0],
+        "span": [786, 2, 30],
         "leadingComments": " The capture keys of the requested attempts, in request order.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 20],
-        "span": [729, 0, 736, 1],
+        "path": [4, 21],
+        "span": [790, 0, 797, 1],
         "leadingComments": " Request of Forget.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 20, 2, 0],
-        "span": [731, 2, 27],
+        "path": [4, 21, 2, 0],
+        "span": [792, 2, 27],
         "leadingComments": " In IDLE any valid id; in RESTORED the restore's id.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 20, 2, 1],
-        "span": [733, 2, 41],
+        "path": [4, 21, 2, 1],
+        "span": [794, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 20, 2, 2],
-        "span": [735, 2, 34],
+        "path": [4, 21, 2, 2],
+        "span": [796, 2, 34],
         "leadingComments": " The rollouts whose marks to drop. At least one.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 21],
-        "span": [739, 0, 742, 1],
+        "path": [4, 22],
+        "span": [800, 0, 803, 1],
         "leadingComments": " Reply of Forget.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 21, 2, 0],
-        "span": [741, 2, 32],
+        "path": [4, 22, 2, 0],
+        "span": [802, 2, 32],
         "leadingComments": " The sorted rollout ids forgotten.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 22],
-        "span": [746, 0, 759, 1],
+        "path": [4, 23],
+        "span": [807, 0, 820, 1],
         "leadingComments":
           " The receipt of one finished result: what a trainer acknowledges once it\n persisted the result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 22, 2, 0],
-        "span": [748, 2, 24],
+        "path": [4, 23, 2, 0],
+        "span": [809, 2, 24],
         "leadingComments": " The rollout whose result this is.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 22, 2, 1],
-        "span": [750, 2, 21],
+        "path": [4, 23, 2, 1],
+        "span": [811, 2, 21],
         "leadingComments": " The attempt that produced it (0 for the first).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 22, 2, 2],
-        "span": [754, 2, 27],
+        "path": [4, 23, 2, 2],
+        "span": [815, 2, 27],
         "leadingComments":
           " The SHA-256, 64 lowercase hex characters, of the result's canonical JSON:\n keys sorted, no whitespace (`,` and `:` separators), UTF-8. Opaque to a\n trainer: echo it, never recompute it.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 22, 2, 3],
-        "span": [758, 2, 30],
+        "path": [4, 23, 2, 3],
+        "span": [819, 2, 30],
         "leadingComments":
           " The checkpoints the fleet state that produced the result was restored\n from, oldest first; empty for a result of a fleet never restored.\n Informational: an acknowledgement may leave it empty.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 23],
-        "span": [762, 0, 776, 1],
+        "path": [4, 24],
+        "span": [823, 0, 837, 1],
         "leadingComments": " One result held in the outbox.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 23, 2, 0],
-        "span": [764, 2, 28],
+        "path": [4, 24, 2, 0],
+        "span": [825, 2, 28],
         "leadingComments": " The receipt issued with the result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 23, 2, 1],
-        "span": [767, 2, 25],
+        "path": [4, 24, 2, 1],
+        "span": [828, 2, 25],
         "leadingComments":
           " The capture key it is held under: the producing attempt's, or after a\n Restore the restored attempt N+1's.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 23, 2, 2],
-        "span": [769, 2, 19],
+        "path": [4, 24, 2, 2],
+        "span": [830, 2, 19],
         "leadingComments": " The data-plane route that produced it (`/run`), after the rollout prefix.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 23, 2, 3],
-        "span": [771, 2, 24],
+        "path": [4, 24, 2, 3],
+        "span": [832, 2, 24],
         "leadingComments": " The result: its canonical JSON, UTF-8.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 23, 2, 4],
-        "span": [775, 2, 28],
+        "path": [4, 24, 2, 4],
+        "span": [836, 2, 28],
         "leadingComments":
           " The SHA-256 of the canonical JSON of the request that produced it (of\n its bytes when it is no JSON): the request a late run must repeat to get\n this result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 24],
-        "span": [779, 0, 785, 1],
+        "path": [4, 25],
+        "span": [840, 0, 846, 1],
         "leadingComments": " Request of ListResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 24, 2, 0],
-        "span": [782, 2, 22],
+        "path": [4, 25, 2, 0],
+        "span": [843, 2, 22],
         "leadingComments": " The most results to return; 0 means 100, larger values are capped at\n 1000.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 24, 2, 1],
-        "span": [784, 2, 24],
+        "path": [4, 25, 2, 1],
+        "span": [845, 2, 24],
         "leadingComments": " The `next_page_token` of the previous page; empty for the first page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 25],
-        "span": [788, 0, 798, 1],
+        "path": [4, 26],
+        "span": [849, 0, 859, 1],
         "leadingComments": " Reply of ListResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 25, 2, 0],
-        "span": [790, 2, 34],
+        "path": [4, 26, 2, 0],
+        "span": [851, 2, 34],
         "leadingComments": " The results of this page, sorted by capture key.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 25, 2, 1],
-        "span": [792, 2, 29],
+        "path": [4, 26, 2, 1],
+        "span": [853, 2, 29],
         "leadingComments": " The token of the next page; empty on the last page.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 25, 2, 2],
-        "span": [794, 2, 18],
+        "path": [4, 26, 2, 2],
+        "span": [855, 2, 18],
         "leadingComments": " How many results the outbox holds in all.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 25, 2, 3],
-        "span": [797, 2, 17],
+        "path": [4, 26, 2, 3],
+        "span": [858, 2, 17],
         "leadingComments":
           " The outbox's cap: past it, new runs that ask for a receipt are refused\n (HTTP 429 `outbox_full`, retryable).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 26],
-        "span": [801, 0, 807, 1],
+        "path": [4, 27],
+        "span": [862, 0, 868, 1],
         "leadingComments": " Request of AcknowledgeResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 26, 2, 0],
-        "span": [803, 2, 41],
+        "path": [4, 27, 2, 0],
+        "span": [864, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 26, 2, 1],
-        "span": [806, 2, 38],
+        "path": [4, 27, 2, 1],
+        "span": [867, 2, 38],
         "leadingComments":
           " The receipts to acknowledge, as issued (`lineage` may be left empty). At\n least one, at most 10000.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 27],
-        "span": [810, 0, 815, 1],
+        "path": [4, 28],
+        "span": [871, 0, 876, 1],
         "leadingComments": " Reply of AcknowledgeResults.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 27, 2, 0],
-        "span": [812, 2, 22],
+        "path": [4, 28, 2, 0],
+        "span": [873, 2, 22],
         "leadingComments": " How many receipts released a held result.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 27, 2, 1],
-        "span": [814, 2, 22],
+        "path": [4, 28, 2, 1],
+        "span": [875, 2, 22],
         "leadingComments": " How many named nothing held (already acknowledged, released, unknown).\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 28],
-        "span": [818, 0, 824, 1],
+        "path": [4, 29],
+        "span": [879, 0, 885, 1],
         "leadingComments": " Request of SetWeightVersion.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 28, 2, 0],
-        "span": [820, 2, 41],
+        "path": [4, 29, 2, 0],
+        "span": [881, 2, 41],
         "leadingComments": " Absolute deadline. Required.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 28, 2, 1],
-        "span": [823, 2, 28],
+        "path": [4, 29, 2, 1],
+        "span": [884, 2, 28],
         "leadingComments":
           " The version of the policy weights that serve from now on. Opaque to the\n participant (a trainer's step counter, say); 0 to 2^63-1.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 29],
-        "span": [827, 0, 831, 1],
+        "path": [4, 30],
+        "span": [888, 0, 892, 1],
         "leadingComments": " Reply of SetWeightVersion.\n",
         "trailingComments": "",
         "leadingDetachedComments": [],
       }, {
-        "path": [4, 29, 2, 0],
-        "span": [830, 2, 22],
+        "path": [4, 30, 2, 0],
+        "span": [891, 2, 22],
         "leadingComments":
           " The version current before this call (equal to `weight_version` when the\n call changed nothing).\n",
         "trailingComments": "",
@@ -9041,6 +9697,7 @@ export const protoMetadata: ProtoMetadata = {
     ".rollout_checkpoint.v1.GetStatusResponse": GetStatusResponse,
     ".rollout_checkpoint.v1.GetStatusResponse.FactsEntry": GetStatusResponse_FactsEntry,
     ".rollout_checkpoint.v1.GetStatusResponse.CountersEntry": GetStatusResponse_CountersEntry,
+    ".rollout_checkpoint.v1.PublishedPart": PublishedPart,
     ".rollout_checkpoint.v1.ListEpisodesRequest": ListEpisodesRequest,
     ".rollout_checkpoint.v1.ListEpisodesResponse": ListEpisodesResponse,
     ".rollout_checkpoint.v1.PrepareRequest": PrepareRequest,

@@ -32,7 +32,7 @@ class RolloutCheckpointTest {
     assertEquals("rollout-checkpoint.dev", RolloutCheckpoint.DOMAIN);
     assertEquals("rollout_checkpoint.v1", RolloutCheckpoint.API_PACKAGE);
     assertEquals("v1", RolloutCheckpoint.API_VERSION);
-    assertEquals("1.1.0", RolloutCheckpoint.VERSION);
+    assertEquals("1.2.0", RolloutCheckpoint.VERSION);
     assertEquals(
         "participant-readiness",
         RolloutCheckpoint.wireValue(HealthServiceName.HEALTH_SERVICE_NAME_PARTICIPANT_READINESS));
