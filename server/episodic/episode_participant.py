@@ -35,11 +35,14 @@ from rollout_checkpoint.server.episodic.episode_steps import (
 from rollout_checkpoint.server.episodic.receipts import OutboxAccess, ResultReceiptMiddleware
 from rollout_checkpoint.server.runtime.participant import (
     AsgiWrapper,
+    ChangeSet,
+    ExportBase,
     ExportRecord,
     Kind,
     Participant,
     ReadinessReport,
     RestoredRecord,
+    UnchangedRecord,
 )
 from rollout_checkpoint.server.runtime.result_outbox import (
     Lookup,
@@ -65,9 +68,13 @@ class EpisodeParticipant(Participant):
     once the control plane has attached it; every `Participant` method delegates there.
     """
 
-    def __init__(self, kind: Kind, instance: str) -> None:
+    def __init__(self, kind: Kind, instance: str, *, incremental: bool = False) -> None:
+        """`incremental`: the server declares that its episodes' records change only through
+        this participant (see `export_changes`); its checkpoints then reference unchanged
+        records in earlier parts."""
         self.kind = kind
         self.instance = instance
+        self.incremental = incremental
         self.steps: EpisodeSteps | None = None
         self.outbox: ResultOutbox | None = None
         """The results held under receipts here; None in a worker, whose outbox is the main
@@ -109,13 +116,37 @@ class EpisodeParticipant(Participant):
         return ReadinessReport(report.ready, report.blockers, count, report.counts)
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
-        records = [
-            ExportRecord(episode_id, self.record_fields(episode_id, _json_copy(boundary)))
-            for episode_id, boundary in self.episodes_tracker.export(scope)
-        ]
+        changes = await self.export_changes(scope, None)
+        return cast(Sequence[ExportRecord], changes.items)
+
+    def change_clock(self) -> int:
+        return self.episodes_tracker.stamps.clock
+
+    async def export_changes(
+        self, scope: frozenset[EpisodeId] | None, base: ExportBase | None
+    ) -> ChangeSet:
+        """Every episode's record, the ones unchanged since the `base` part's cut as
+        `UnchangedRecord`s (no copy of their boundary, no line written: the JSON copy and
+        the encoding are the cost of a part). Held results are exported whole every time:
+        the outbox holds only what its callers have not acknowledged yet.
+
+        Unchanged means that no `EpisodeSteps` method stamped the episode's key since the
+        cut (episode_steps.py). That holds only while the server changes a boundary by
+        recording it again (`boundary`), never by mutating the object it recorded: the
+        project's environment and agent record a fresh value each time, which is what an
+        `incremental` server declares too."""
+        tracker = self.episodes_tracker
+        stamps = tracker.stamps
+        items: list[ExportRecord | UnchangedRecord] = []
+        for episode_id, boundary in tracker.export(scope):
+            if stamps.unchanged(episode_id.capture_key, episode_id, base):
+                items.append(UnchangedRecord(episode_id, episode_id))
+            else:
+                fields = self.record_fields(episode_id, _json_copy(boundary))
+                items.append(ExportRecord(episode_id, fields))
         if self.outbox is not None:
-            records.extend(self.outbox.export())
-        return records
+            items.extend(self.outbox.export())
+        return ChangeSet(items)
 
     def record_identity(self, episode: EpisodeId, record: Mapping[str, Any]) -> Hashable:
         return outbox_identity(episode, record) or episode
@@ -261,8 +292,8 @@ class EpisodeParticipant(Participant):
 class EnvironmentParticipant(EpisodeParticipant):
     """An environment's episodes also pin their task: a replacement must run the same task."""
 
-    def __init__(self, instance: str) -> None:
-        super().__init__(Kind.ENVIRONMENT, instance)
+    def __init__(self, instance: str, *, incremental: bool = False) -> None:
+        super().__init__(Kind.ENVIRONMENT, instance, incremental=incremental)
         self.digests: dict[str, str] = {}
         self._restored_digests: dict[str, str] = {}
 
