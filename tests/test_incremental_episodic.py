@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from rollout_checkpoint.client.checkpointing import fanout
@@ -38,7 +37,7 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .test_fleet_episodes import InProcessFleet, deadline, in_process_fleet
 from .test_generation_cuts import Model, TokenGate, final_call, model
-from .test_policy_model import CLINIC, after, chat, rollouts
+from .test_policy_model import CLINIC, WAIT, after, chat, rollouts
 
 MODEL = ("model", "policy_model")
 AGENT = ("agent", "agent")
@@ -225,3 +224,191 @@ async def test_a_ledger_stored_with_a_generation_cut_is_stored_again_once_the_cu
     (record,) = read_records(incremental, *MODEL)
     assert "generation_cut" not in record
     assert read_records(incremental, *MODEL) == read_records(full, *MODEL)
+
+
+# -- the agent and the environment, in a whole fleet ---------------------------------------------
+
+
+class StepGate:
+    """Holds chosen rollouts' generations of one step (before their first token), until
+    released: the agent then waits in its model call, the environment in its relay, both
+    at their last boundary."""
+
+    def __init__(self) -> None:
+        self.holds: dict[tuple[str, int], tuple[asyncio.Event, asyncio.Event]] = {}
+
+    def hold(self, rollout: str, step: int) -> asyncio.Event:
+        reached, release = asyncio.Event(), asyncio.Event()
+        self.holds[(rollout, step)] = (reached, release)
+        return release
+
+    async def reached(self, rollout: str, step: int) -> None:
+        async with asyncio.timeout(WAIT):
+            await self.holds[(rollout, step)][0].wait()
+
+    async def __call__(self, point: GatePoint) -> None:
+        held = self.holds.get((point.rollout_id, point.step)) if point.phase == "generate" else None
+        if held is not None:
+            held[0].set()
+            await held[1].wait()
+
+    def release_all(self) -> None:
+        for _, release in self.holds.values():
+            release.set()
+
+
+MEMBERS = {"agent": AGENT, "environment": ENVIRONMENT, "policy_model": MODEL}
+"""The members whose parts are incremental here (the resources server's stay full)."""
+
+
+class FleetRounds:
+    """An in-process fleet, its rollouts in flight, and its checkpoints."""
+
+    def __init__(self, f: InProcessFleet, root: Path, rollout_ids: Sequence[str]) -> None:
+        self.f = f
+        self.root = root
+        self.rollout_ids = list(rollout_ids)
+        self.taken = 0
+        self.incremental(True)
+
+    def incremental(self, on: bool) -> None:
+        for name in MEMBERS:
+            self.f.servers[name].participant.incremental = on
+
+    async def checkpoint(self, scope: Sequence[EpisodeId], *, full: bool = False) -> Path:
+        """Prepare the fleet, commit `scope` into a new sibling directory, resume; `full`
+        commits this cut as full parts."""
+        directory, _ = await self.commit(scope, full=full)
+        await fanout.resume(self.f.fleet, directory.name, deadline())
+        return directory
+
+    async def commit(
+        self, scope: Sequence[EpisodeId], *, full: bool = False, asynchronous: bool = False
+    ) -> tuple[Path, fanout.FleetCommit]:
+        """Prepare the fleet and commit `scope` into a new sibling directory (left prepared)."""
+        self.taken += 1
+        checkpoint_id = f"c{self.taken}"
+        directory = self.root / checkpoint_id
+        fleet = self.f.fleet
+        assert (await fanout.prepare_until_done(fleet, checkpoint_id, deadline())).prepared
+        self.incremental(not full)
+        try:
+            committed = await fanout.commit(
+                fleet, checkpoint_id, deadline(), str(directory), scope, asynchronous=asynchronous
+            )
+        finally:
+            self.incremental(True)
+        return directory, committed
+
+
+@contextlib.asynccontextmanager
+async def gated_fleet(gate: StepGate) -> AsyncIterator[InProcessFleet]:
+    async with in_process_fleet(model_gate=gate) as f:
+        try:
+            yield f
+        finally:
+            gate.release_all()
+
+
+async def restored_fleet_parts(source: Path, root: Path, scope: list[EpisodeId]) -> list[bytes]:
+    """Restore `source` into a fresh fleet and checkpoint it twice: the records files of its
+    first parts (full: the first after a Restore), which hold exactly what was installed."""
+    async with in_process_fleet() as fresh:
+        root.mkdir()
+        rounds = FleetRounds(fresh, root, [])
+        await fanout.restore(fresh.fleet, "restore-1", deadline(), str(source), scope)
+        await fanout.resume(fresh.fleet, "restore-1", deadline())
+        restored = [episode.next_attempt() for episode in scope]
+        first = await rounds.checkpoint(restored)
+        second = await rounds.checkpoint(restored)
+        for kind, instance in MEMBERS.values():
+            assert manifest_of(second, kind, instance)["own_records"] == 0, kind
+        return [records_bytes(first, kind, instance) for kind, instance in MEMBERS.values()]
+
+
+async def test_agent_and_environment_parts_store_only_the_episodes_that_moved(
+    tmp_path: Path,
+) -> None:
+    """Three rollouts wait on the model; one takes a step. The next parts store only its
+    agent boundary and its ledger, and reference the rest (the environment's records did
+    not change: its episodes still relay). Restores of that cut's incremental and full
+    parts install the same state in fresh fleets, byte for byte."""
+    tasks = [task for task in load_tasks() if len(task["reference_plan"]) >= 2]
+    rollout_ids = [f"q{i}" for i in range(3)]
+    scope = [EpisodeId(r) for r in rollout_ids]
+    gate = StepGate()
+    async with gated_fleet(gate) as f:
+        for rollout in rollout_ids:  # each has a ledger (step 0 delivered) and waits in step 1
+            gate.hold(rollout, 1)
+        runs = [asyncio.ensure_future(f.run(r, tasks[i])) for i, r in enumerate(rollout_ids)]
+        try:
+            for rollout in rollout_ids:
+                await gate.reached(rollout, 1)
+            rounds = FleetRounds(f, tmp_path, rollout_ids)
+            await rounds.checkpoint(scope)
+            gate.hold(rollout_ids[0], 2)
+            gate.holds[(rollout_ids[0], 1)][1].set()
+            await gate.reached(rollout_ids[0], 2)
+            incremental = await rounds.checkpoint(scope)
+            full = await rounds.checkpoint(scope, full=True)
+        finally:
+            gate.release_all()
+            await asyncio.gather(*runs, return_exceptions=True)
+    stored = {
+        name: (manifest["own_records"], manifest["referenced_records"])
+        for name, manifest in (
+            (name, manifest_of(incremental, kind, instance))
+            for name, (kind, instance) in MEMBERS.items()
+        )
+    }
+    assert stored == {"agent": (1, 2), "environment": (0, 3), "policy_model": (1, 2)}
+    for kind, instance in MEMBERS.values():
+        assert read_records(incremental, kind, instance) == read_records(full, kind, instance)
+    restored = [
+        await restored_fleet_parts(part, tmp_path / f"restored-{part.name}", scope)
+        for part in (incremental, full)
+    ]
+    assert restored[0] == restored[1]
+
+
+async def test_a_step_during_an_async_write_stays_changed_and_a_retired_episode_goes(
+    tmp_path: Path,
+) -> None:
+    """A rollout takes a step after the cut of an asynchronous commit (while its parts may
+    still be written): the next parts store it again. A retired rollout is in no later part:
+    its records are not referenced."""
+    tasks = [task for task in load_tasks() if len(task["reference_plan"]) >= 2]
+    rollout_ids = [f"q{i}" for i in range(3)]
+    scope = [EpisodeId(r) for r in rollout_ids]
+    gate = StepGate()
+    async with gated_fleet(gate) as f:
+        for rollout in rollout_ids:
+            gate.hold(rollout, 1)
+        runs = [asyncio.ensure_future(f.run(r, tasks[i])) for i, r in enumerate(rollout_ids)]
+        try:
+            for rollout in rollout_ids:
+                await gate.reached(rollout, 1)
+            rounds = FleetRounds(f, tmp_path, rollout_ids)
+            await rounds.checkpoint(scope)
+            written, snapshots = await rounds.commit(scope, asynchronous=True)
+            await fanout.resume(f.fleet, written.name, deadline())
+            gate.hold(rollout_ids[1], 2)
+            gate.holds[(rollout_ids[1], 1)][1].set()  # after the cut
+            await gate.reached(rollout_ids[1], 2)
+            durable = await fanout.await_parts(f.fleet, written.name, snapshots, deadline())
+            for name in MEMBERS:
+                assert durable.members[name].manifest.own_records == 0, name
+            await fanout.retire(f.fleet, written.name, deadline(), [scope[2]])
+            kept = scope[:2]
+            incremental = await rounds.checkpoint(kept)
+            full = await rounds.checkpoint(kept, full=True)
+        finally:
+            gate.release_all()
+            await asyncio.gather(*runs, return_exceptions=True)
+    for name, (kind, instance) in MEMBERS.items():
+        manifest = manifest_of(incremental, kind, instance)
+        own = 0 if name == "environment" else 1  # q1's boundary and its ledger
+        assert (manifest["own_records"], manifest["referenced_records"]) == (own, 2 - own), name
+        records = read_records(incremental, kind, instance)
+        assert records == read_records(full, kind, instance)
+        assert {r["episode_id"]["rollout_id"] for r in records} == {"q0", "q1"}
