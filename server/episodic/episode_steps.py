@@ -265,12 +265,9 @@ class EpisodeSteps:
         scope names: release delivered outcomes, and with an explicit scope every outcome it
         leaves out (the controller no longer continues those episodes)."""
         self._outcomes.committed(scope, len(self.episodes))
-        self.stamps.keep_only(self._holds)
+        held = (self.episodes, self._restored, self._outcomes)  # what may still be exported
+        self.stamps.keep_only(lambda key: any(key in records for records in held))
         self._notify()
-
-    def _holds(self, key: str) -> bool:
-        """Whether a record of `key` may still be exported: live, restored, or an outcome."""
-        return key in self.episodes or key in self._restored or key in self._outcomes
 
     def end(self, episode: TrackedEpisode) -> None:
         """Stop tracking `episode` (no outcome kept: a checkpoint no longer exports it).
