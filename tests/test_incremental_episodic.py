@@ -37,7 +37,7 @@ from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .test_fleet_episodes import InProcessFleet, deadline, in_process_fleet
 from .test_generation_cuts import Model, TokenGate, final_call, model
-from .test_policy_model import CLINIC, WAIT, after, chat, rollouts
+from .test_policy_model import CLINIC, after, chat, rollouts
 
 MODEL = ("model", "policy_model")
 AGENT = ("agent", "agent")
@@ -128,6 +128,15 @@ class ModelRounds:
             participant.incremental = True
 
 
+async def delivered_once(m: Model, root: Path, names: Sequence[str]) -> ModelRounds:
+    """The model made incremental, with one delivered call in each rollout's ledger."""
+    m.participant.incremental = True
+    rounds = ModelRounds(m, root, names)
+    for name in names:
+        await rounds.deliver(name)
+    return rounds
+
+
 async def restored_model_part(source: Path, root: Path, names: Sequence[str]) -> bytes:
     """Restore `source` into a fresh model and commit it: the records file of that part
     (full, the first after a Restore), which holds exactly what the Restore installed."""
@@ -151,10 +160,7 @@ async def test_a_model_part_stores_only_the_ledgers_a_delivery_changed(tmp_path:
     byte for byte; the first part after each Restore is full."""
     names = rollouts(CLINIC, falls=False, count=3)
     async with model() as m:
-        m.participant.incremental = True
-        rounds = ModelRounds(m, tmp_path, names)
-        for name in names:
-            await rounds.deliver(name)
+        rounds = await delivered_once(m, tmp_path, names)
         first = await rounds.checkpoint()
         assert manifest_of(first, *MODEL)["schema_version"] == 1  # the first part is full
         await rounds.deliver(names[0])
@@ -174,10 +180,7 @@ async def test_a_model_part_stores_only_the_ledgers_a_delivery_changed(tmp_path:
 async def test_a_reply_delivered_during_an_async_write_stays_changed(tmp_path: Path) -> None:
     names = rollouts(CLINIC, falls=False, count=2)
     async with model() as m:
-        m.participant.incremental = True
-        rounds = ModelRounds(m, tmp_path, names)
-        for name in names:
-            await rounds.deliver(name)
+        rounds = await delivered_once(m, tmp_path, names)
         await rounds.checkpoint()
         await rounds.commit("c2", tmp_path / "c2", asynchronous=True)
         await m.client.resume("c2", m.deadline())
@@ -229,22 +232,10 @@ async def test_a_ledger_stored_with_a_generation_cut_is_stored_again_once_the_cu
 # -- the agent and the environment, in a whole fleet ---------------------------------------------
 
 
-class StepGate:
-    """Holds chosen rollouts' generations of one step (before their first token), until
-    released: the agent then waits in its model call, the environment in its relay, both
-    at their last boundary."""
-
-    def __init__(self) -> None:
-        self.holds: dict[tuple[str, int], tuple[asyncio.Event, asyncio.Event]] = {}
-
-    def hold(self, rollout: str, step: int) -> asyncio.Event:
-        reached, release = asyncio.Event(), asyncio.Event()
-        self.holds[(rollout, step)] = (reached, release)
-        return release
-
-    async def reached(self, rollout: str, step: int) -> None:
-        async with asyncio.timeout(WAIT):
-            await self.holds[(rollout, step)][0].wait()
+class StepGate(TokenGate):
+    """Holds chosen rollouts' generations of one step (`hold(rollout, step)`), before their
+    first token, until released: the agent then waits in its model call, the environment in
+    its relay, both at their last boundary."""
 
     async def __call__(self, point: GatePoint) -> None:
         held = self.holds.get((point.rollout_id, point.step)) if point.phase == "generate" else None
@@ -252,22 +243,17 @@ class StepGate:
             held[0].set()
             await held[1].wait()
 
-    def release_all(self) -> None:
-        for _, release in self.holds.values():
-            release.set()
-
 
 MEMBERS = {"agent": AGENT, "environment": ENVIRONMENT, "policy_model": MODEL}
 """The members whose parts are incremental here (the resources server's stay full)."""
 
 
 class FleetRounds:
-    """An in-process fleet, its rollouts in flight, and its checkpoints."""
+    """An in-process fleet and its checkpoints."""
 
-    def __init__(self, f: InProcessFleet, root: Path, rollout_ids: Sequence[str]) -> None:
+    def __init__(self, f: InProcessFleet, root: Path) -> None:
         self.f = f
         self.root = root
-        self.rollout_ids = list(rollout_ids)
         self.taken = 0
         self.incremental(True)
 
@@ -301,13 +287,33 @@ class FleetRounds:
         return directory, committed
 
 
+ROLLOUTS = [f"q{i}" for i in range(3)]
+
+
 @contextlib.asynccontextmanager
-async def gated_fleet(gate: StepGate) -> AsyncIterator[InProcessFleet]:
+async def waiting_fleet(root: Path) -> AsyncIterator[tuple[FleetRounds, StepGate]]:
+    """A fleet whose rollouts `ROLLOUTS` each delivered their first model call and wait in
+    the second (every member holds a record of each); the runs end as the fleet does."""
+    tasks = [task for task in load_tasks() if len(task["reference_plan"]) >= 2]
+    gate = StepGate()
     async with in_process_fleet(model_gate=gate) as f:
+        for rollout in ROLLOUTS:
+            gate.hold(rollout, 1)
+        runs = [asyncio.ensure_future(f.run(r, tasks[i])) for i, r in enumerate(ROLLOUTS)]
         try:
-            yield f
+            for rollout in ROLLOUTS:
+                await gate.reached(rollout, 1)
+            yield FleetRounds(f, root), gate
         finally:
             gate.release_all()
+            await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def step(gate: StepGate, rollout: str, done: int) -> None:
+    """Let `rollout` finish step `done` and wait in the next one."""
+    gate.hold(rollout, done + 1)
+    gate.holds[(rollout, done)][1].set()
+    await gate.reached(rollout, done + 1)
 
 
 async def restored_fleet_parts(source: Path, root: Path, scope: list[EpisodeId]) -> list[bytes]:
@@ -315,7 +321,7 @@ async def restored_fleet_parts(source: Path, root: Path, scope: list[EpisodeId])
     first parts (full: the first after a Restore), which hold exactly what was installed."""
     async with in_process_fleet() as fresh:
         root.mkdir()
-        rounds = FleetRounds(fresh, root, [])
+        rounds = FleetRounds(fresh, root)
         await fanout.restore(fresh.fleet, "restore-1", deadline(), str(source), scope)
         await fanout.resume(fresh.fleet, "restore-1", deadline())
         restored = [episode.next_attempt() for episode in scope]
@@ -333,27 +339,12 @@ async def test_agent_and_environment_parts_store_only_the_episodes_that_moved(
     agent boundary and its ledger, and reference the rest (the environment's records did
     not change: its episodes still relay). Restores of that cut's incremental and full
     parts install the same state in fresh fleets, byte for byte."""
-    tasks = [task for task in load_tasks() if len(task["reference_plan"]) >= 2]
-    rollout_ids = [f"q{i}" for i in range(3)]
-    scope = [EpisodeId(r) for r in rollout_ids]
-    gate = StepGate()
-    async with gated_fleet(gate) as f:
-        for rollout in rollout_ids:  # each has a ledger (step 0 delivered) and waits in step 1
-            gate.hold(rollout, 1)
-        runs = [asyncio.ensure_future(f.run(r, tasks[i])) for i, r in enumerate(rollout_ids)]
-        try:
-            for rollout in rollout_ids:
-                await gate.reached(rollout, 1)
-            rounds = FleetRounds(f, tmp_path, rollout_ids)
-            await rounds.checkpoint(scope)
-            gate.hold(rollout_ids[0], 2)
-            gate.holds[(rollout_ids[0], 1)][1].set()
-            await gate.reached(rollout_ids[0], 2)
-            incremental = await rounds.checkpoint(scope)
-            full = await rounds.checkpoint(scope, full=True)
-        finally:
-            gate.release_all()
-            await asyncio.gather(*runs, return_exceptions=True)
+    scope = [EpisodeId(r) for r in ROLLOUTS]
+    async with waiting_fleet(tmp_path) as (rounds, gate):
+        await rounds.checkpoint(scope)
+        await step(gate, ROLLOUTS[0], 1)
+        incremental = await rounds.checkpoint(scope)
+        full = await rounds.checkpoint(scope, full=True)
     stored = {
         name: (manifest["own_records"], manifest["referenced_records"])
         for name, manifest in (
@@ -377,34 +368,20 @@ async def test_a_step_during_an_async_write_stays_changed_and_a_retired_episode_
     """A rollout takes a step after the cut of an asynchronous commit (while its parts may
     still be written): the next parts store it again. A retired rollout is in no later part:
     its records are not referenced."""
-    tasks = [task for task in load_tasks() if len(task["reference_plan"]) >= 2]
-    rollout_ids = [f"q{i}" for i in range(3)]
-    scope = [EpisodeId(r) for r in rollout_ids]
-    gate = StepGate()
-    async with gated_fleet(gate) as f:
-        for rollout in rollout_ids:
-            gate.hold(rollout, 1)
-        runs = [asyncio.ensure_future(f.run(r, tasks[i])) for i, r in enumerate(rollout_ids)]
-        try:
-            for rollout in rollout_ids:
-                await gate.reached(rollout, 1)
-            rounds = FleetRounds(f, tmp_path, rollout_ids)
-            await rounds.checkpoint(scope)
-            written, snapshots = await rounds.commit(scope, asynchronous=True)
-            await fanout.resume(f.fleet, written.name, deadline())
-            gate.hold(rollout_ids[1], 2)
-            gate.holds[(rollout_ids[1], 1)][1].set()  # after the cut
-            await gate.reached(rollout_ids[1], 2)
-            durable = await fanout.await_parts(f.fleet, written.name, snapshots, deadline())
-            for name in MEMBERS:
-                assert durable.members[name].manifest.own_records == 0, name
-            await fanout.retire(f.fleet, written.name, deadline(), [scope[2]])
-            kept = scope[:2]
-            incremental = await rounds.checkpoint(kept)
-            full = await rounds.checkpoint(kept, full=True)
-        finally:
-            gate.release_all()
-            await asyncio.gather(*runs, return_exceptions=True)
+    scope = [EpisodeId(r) for r in ROLLOUTS]
+    async with waiting_fleet(tmp_path) as (rounds, gate):
+        fleet = rounds.f.fleet
+        await rounds.checkpoint(scope)
+        written, snapshots = await rounds.commit(scope, asynchronous=True)
+        await fanout.resume(fleet, written.name, deadline())
+        await step(gate, ROLLOUTS[1], 1)  # after the cut
+        durable = await fanout.await_parts(fleet, written.name, snapshots, deadline())
+        for name in MEMBERS:
+            assert durable.members[name].manifest.own_records == 0, name
+        await fanout.retire(fleet, written.name, deadline(), [scope[2]])
+        kept = scope[:2]
+        incremental = await rounds.checkpoint(kept)
+        full = await rounds.checkpoint(kept, full=True)
     for name, (kind, instance) in MEMBERS.items():
         manifest = manifest_of(incremental, kind, instance)
         own = 0 if name == "environment" else 1  # q1's boundary and its ledger
