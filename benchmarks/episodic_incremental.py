@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import random
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -265,6 +266,20 @@ def ratio(runs: dict[str, list[float]], name: str) -> float:
     )
 
 
+async def shares(episodes: int, rounds: int, step_seconds: float, interval: float) -> None:
+    with tempfile.TemporaryDirectory(prefix="episodic-unchanged-") as work:
+        for kind in (Kind.AGENT, Kind.ENVIRONMENT, Kind.MODEL):
+            root = Path(work) / kind.value
+            root.mkdir()
+            found = await unchanged_share(kind, episodes, step_seconds, interval, rounds, root)
+            print(
+                f"{kind.value:11} {episodes} episodes, steps of {step_seconds:g} s, checkpoints "
+                f"{interval:g} s apart: unchanged share per part "
+                f"{', '.join(f'{share:.2f}' for share in found)}",
+                flush=True,
+            )
+
+
 async def main(episodes: int, rounds: int, touched: list[int]) -> None:
     with tempfile.TemporaryDirectory(prefix="episodic-incremental-") as work:
         for kind in (Kind.AGENT, Kind.ENVIRONMENT, Kind.MODEL):
@@ -284,10 +299,59 @@ async def main(episodes: int, rounds: int, touched: list[int]) -> None:
                 )
 
 
+async def unchanged_share(
+    kind: Kind, count: int, step_seconds: float, interval: float, rounds: int, root: Path
+) -> list[float]:
+    """Episodes whose steps take `step_seconds` on average (exponential: mostly the model's
+    generation), checkpointed every `interval` seconds: the share of each incremental part's
+    records it referenced (unchanged since the part before). An environment's record moves
+    only when its episode ends (after `STEPS_PER_EPISODE` steps) and another begins."""
+    fleet = await (model_fleet(count) if kind is Kind.MODEL else episodic_fleet(kind, count))
+    mean = step_seconds * (STEPS_PER_EPISODE if kind is Kind.ENVIRONMENT else 1)
+    moved = [0] * count
+
+    async def run_slot(number: int) -> None:
+        while True:
+            await asyncio.sleep(random.expovariate(1 / mean))
+            moved[number] += 1
+            fleet.touch(number, moved[number])
+
+    movers = [asyncio.create_task(run_slot(i)) for i in range(count)]
+    shares: list[float] = []
+    try:
+        await checkpoint(fleet, root / "base", full=False, scope=fleet.scope())
+        for number in range(rounds):
+            await asyncio.sleep(interval)
+            _, manifest = await checkpoint(
+                fleet, root / f"c{number}", full=False, scope=fleet.scope()
+            )
+            records = manifest.record_count
+            shares.append(manifest.referenced_records / records if records else 0.0)
+    finally:
+        for task in [*movers, *fleet.tasks]:
+            task.cancel()
+        await fleet.control.close()
+    return shares
+
+
+STEPS_PER_EPISODE = 4
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--touched", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument(
+        "--unchanged",
+        type=float,
+        nargs=2,
+        metavar=("STEP_SECONDS", "INTERVAL"),
+        help="instead: the share of records unchanged between checkpoints INTERVAL seconds "
+        "apart, with steps of STEP_SECONDS on average",
+    )
     arguments = parser.parse_args()
-    asyncio.run(main(arguments.episodes, arguments.rounds, arguments.touched))
+    if arguments.unchanged is None:
+        asyncio.run(main(arguments.episodes, arguments.rounds, arguments.touched))
+    else:
+        asyncio.run(shares(arguments.episodes, arguments.rounds, *arguments.unchanged))
