@@ -139,7 +139,11 @@ class ModelParticipant(Participant):
     ) -> None:
         """`incremental`: reference the ledgers unchanged since the last published part
         instead of storing them again (`export_changes` says why that is safe for this
-        participant whatever the server behind it does)."""
+        participant whatever the server behind it does). Measured at 2,000 episodes of three
+        delivered calls, 10 % with a new delivery: pause 0.22x, bytes 0.16x
+        (benchmarks/episodic_incremental.py). Off by default like every opt-in: a reader of
+        the model's records files that does not resolve reference lines (a tool reading
+        them raw) would misread a chained part."""
         self.kind = Kind.MODEL
         self.instance = instance
         self.incremental = incremental
