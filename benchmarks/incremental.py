@@ -101,8 +101,11 @@ class Case:
         self.runs.setdefault(name, []).append(value)
 
 
-async def checkpoint(server: Server, directory: Path, *, full: bool) -> tuple[float, Any]:
-    """One asynchronous checkpoint: its pause and its durable manifest."""
+async def checkpoint(
+    server: Any, directory: Path, *, full: bool, scope: frozenset[EpisodeId] | None = None
+) -> tuple[float, Any]:
+    """One asynchronous checkpoint of `server` (its `control` plane and its `participant`):
+    its pause and its durable manifest."""
     control = server.control
     checkpoint_id = directory.name
     deadline = time.time() + DEADLINE_SECONDS
@@ -112,7 +115,7 @@ async def checkpoint(server: Server, directory: Path, *, full: bool) -> tuple[fl
         async for update in await control.prepare(checkpoint_id, deadline):
             if update.final:
                 break
-        await control.commit(checkpoint_id, deadline, str(directory), None, asynchronous=True)
+        await control.commit(checkpoint_id, deadline, str(directory), scope, asynchronous=True)
         await control.resume(checkpoint_id, deadline)
         pause = time.perf_counter() - started
     finally:

@@ -45,6 +45,7 @@ from rollout_checkpoint.server.runtime.participant import (
     BlockerReason,
     EpisodeInfo,
 )
+from rollout_checkpoint.server.runtime.record_stamps import RecordStamps
 from rollout_checkpoint.server.runtime.request_endings import cancel_request
 
 
@@ -147,6 +148,10 @@ class EpisodeSteps:
         self._opened = asyncio.Event()
         self._opened.set()
         self._changes = asyncio.Event()
+        self.stamps: RecordStamps[str] = RecordStamps()
+        """The last change of each capture key's record (an incremental export's test of
+        what it may reference): every method that changes what `export` returns for a key
+        stamps it."""
 
     # -- admission ------------------------------------------------------------------------
 
@@ -204,6 +209,7 @@ class EpisodeSteps:
             episode.boundary = restored
         episode.task = asyncio.current_task()
         self.episodes[key] = episode
+        self.stamps.touch(key)
         self._outcomes.saw_live(len(self.episodes))
         self._set_blocking(episode, True)
         self._notify()
@@ -222,6 +228,7 @@ class EpisodeSteps:
         in memory and in every later derived scope (outcomes.py states the whole rule).
         """
         self._outcomes.finished(episode.episode_id.capture_key, outcome)
+        self.stamps.touch(episode.episode_id.capture_key)
         self.end(episode)
 
     def delivered(self, episode_id: EpisodeId) -> None:
@@ -258,6 +265,8 @@ class EpisodeSteps:
         scope names: release delivered outcomes, and with an explicit scope every outcome it
         leaves out (the controller no longer continues those episodes)."""
         self._outcomes.committed(scope, len(self.episodes))
+        held = (self.episodes, self._restored, self._outcomes)  # what may still be exported
+        self.stamps.keep_only(lambda key: any(key in records for records in held))
         self._notify()
 
     def end(self, episode: TrackedEpisode) -> None:
@@ -267,12 +276,14 @@ class EpisodeSteps:
         if self.episodes.get(episode.episode_id.capture_key) is episode:
             self._set_blocking(episode, False)
             del self.episodes[episode.episode_id.capture_key]
+            self.stamps.touch(episode.episode_id.capture_key)
             self._notify()
 
     async def boundary(self, episode: TrackedEpisode, value: Any) -> None:
         """Record a boundary; park there while admission is closed."""
         self._check_live(episode)
         episode.boundary = value
+        self.stamps.touch(episode.episode_id.capture_key)
         await self._park_while_closed(episode)
         self._set_phase(episode, Phase.RUNNING)
 
@@ -421,6 +432,7 @@ class EpisodeSteps:
         """Hold restored boundaries until each replacement's start claims its own, once."""
         for episode_id, boundary in restored.items():
             self._restored[episode_id.capture_key] = boundary
+            self.stamps.touch(episode_id.capture_key)
         self._notify()
 
     def restored_pending(self) -> frozenset[EpisodeId]:

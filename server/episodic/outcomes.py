@@ -53,6 +53,9 @@ class FinishedOutcomes:
     def __len__(self) -> int:
         return len(self._on_wire) + len(self._delivered) + len(self._failed)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._on_wire or key in self._delivered or key in self._failed
+
     def saw_live(self, count: int) -> None:
         """`count` episodes are live now (called as one begins)."""
         self._peak_live = max(self._peak_live, count)

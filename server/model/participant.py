@@ -67,7 +67,7 @@ import asyncio
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -93,13 +93,17 @@ from rollout_checkpoint.server.runtime.participant import (
     AWAITING_RESTORE_DETAIL,
     Blocker,
     BlockerReason,
+    ChangeSet,
     EpisodeInfo,
+    ExportBase,
     ExportRecord,
     Kind,
     Participant,
     ReadinessReport,
     RestoredRecord,
+    UnchangedRecord,
 )
+from rollout_checkpoint.server.runtime.record_stamps import RecordStamps
 from rollout_checkpoint.server.runtime.refusals_http import send_refusal
 from rollout_checkpoint.server.runtime.request_endings import cancel_request
 from rollout_checkpoint.server.runtime.rollout_prefix import episode_of
@@ -126,9 +130,26 @@ class ModelParticipant(Participant):
 
     requires_scope = True
 
-    def __init__(self, instance: str, *, backend: GenerationBackend | None = None) -> None:
+    def __init__(
+        self,
+        instance: str,
+        *,
+        backend: GenerationBackend | None = None,
+        incremental: bool = False,
+    ) -> None:
+        """`incremental`: reference the ledgers unchanged since the last published part
+        instead of storing them again (`export_changes` says why that is safe for this
+        participant whatever the server behind it does). Measured at 2,000 episodes of three
+        delivered calls, 10 % with a new delivery: pause 0.22x, bytes 0.16x
+        (benchmarks/episodic_incremental.py). Off by default like every opt-in: a reader of
+        the model's records files that does not resolve reference lines (a tool reading
+        them raw) would misread a chained part."""
         self.kind = Kind.MODEL
         self.instance = instance
+        self.incremental = incremental
+        self._stamps: RecordStamps[EpisodeId] = RecordStamps()
+        """The last change of each episode's record: a delivery into its ledger, a claim of
+        its restored ledger, an install, or the end of a generation cut exported with it."""
         self.backend = backend
         """The inference backend that stages generation cuts (None: no cuts; a cut call is
         generated again from scratch after a restore)."""
@@ -192,6 +213,7 @@ class ModelParticipant(Participant):
             # The replacement's first call claims the restored ledger: its lineage continues.
             ledger = self.ledgers[episode] = self.restored.pop(episode)
             cut, ledger.cut = ledger.cut, None
+            self._stamps.touch(episode)
             if cut is not None and conversation_digest(request_body) == cut.conversation_sha256:
                 call.prefix = cut.prefix  # the re-issued call: its backend continues the prefix
         self.context.changed()
@@ -227,6 +249,7 @@ class ModelParticipant(Participant):
         except ValueError:
             response = {"raw_sha256": hashlib.sha256(response_body).hexdigest()}
         ledger = self.ledgers.setdefault(call.episode, Ledger())
+        self._stamps.touch(call.episode)
         ledger.append(
             {
                 "request_sha256": call.request_sha256,
@@ -239,6 +262,8 @@ class ModelParticipant(Participant):
         """Stop tracking the call, however it ended; idempotent."""
         self.calls.discard(call)
         episode = call.episode
+        if call.staged is not None and episode is not None:
+            self._stamps.touch(episode)  # its record loses the cut it may be stored with
         if episode in self._finished_while_busy and not self._busy(episode):
             self._finished_while_busy.discard(episode)
             self._release(episode)
@@ -272,6 +297,8 @@ class ModelParticipant(Participant):
     def open_admission(self) -> None:
         self._staging.stop()
         for call in self.calls:
+            if call.staged is not None and call.episode is not None:
+                self._stamps.touch(call.episode)  # its record loses the cut
             call.staged = None  # the call goes on and delivers: nothing to continue
         self._open = True
         self._opened.set()
@@ -333,8 +360,26 @@ class ModelParticipant(Participant):
         )
 
     async def export(self, scope: frozenset[EpisodeId] | None) -> Sequence[ExportRecord]:
+        changes = await self.export_changes(scope, None)
+        return cast(Sequence[ExportRecord], changes.items)
+
+    def change_clock(self) -> int:
+        return self._stamps.clock
+
+    async def export_changes(
+        self, scope: frozenset[EpisodeId] | None, base: ExportBase | None
+    ) -> ChangeSet:
+        """The ledger of every episode in scope, those unchanged since the `base` part's cut
+        as `UnchangedRecord`s (not decoded, not encoded again).
+
+        Safe for any server behind the middleware: a ledger is this participant's own (rows
+        of bytes, appended only by `delivered`), so every change of a record goes through a
+        method that stamps it. A record with a generation cut is always exported whole: a cut
+        is staged at this checkpoint's close and gone at its resume, so it is never the same
+        as what an earlier part holds; the end of a cut is stamped (`open_admission`,
+        `call_finished`), so the ledger stored with a cut is never referenced after it."""
         assert scope is not None  # the control plane refuses unscoped commits (requires_scope)
-        records = []
+        items: list[ExportRecord | UnchangedRecord] = []
         for episode in sorted(scope):
             if self.context.retired.is_retired(episode):
                 continue
@@ -342,11 +387,14 @@ class ModelParticipant(Participant):
             cut = self.cut_of(episode)
             if ledger is None and cut is None:
                 continue
+            if cut is None and self._stamps.unchanged(episode, episode, base):
+                items.append(UnchangedRecord(episode, episode))
+                continue
             fields: dict[str, Any] = {"calls": ledger.calls if ledger is not None else []}
             if cut is not None:
                 fields["generation_cut"] = cut.to_json()
-            records.append(ExportRecord(episode, fields))
-        return records
+            items.append(ExportRecord(episode, fields))
+        return ChangeSet(items)
 
     async def install(self, records: Sequence[RestoredRecord]) -> None:
         if self.has_served():
@@ -354,6 +402,8 @@ class ModelParticipant(Participant):
         restored = {record.restored_as: restored_ledger(record) for record in records}
         self.restored = restored
         self._installed = set(restored)
+        for episode in restored:
+            self._stamps.touch(episode)
         self.context.changed()
 
     async def discard_installed(self, episodes: Sequence[EpisodeId]) -> None:
@@ -432,6 +482,7 @@ class ModelParticipant(Participant):
         for episode in [e for e in self.ledgers if e not in scope and e not in busy]:
             del self.ledgers[episode]
             self._installed.discard(episode)
+        self._stamps.keep_only(lambda e: e in self.ledgers or e in self.restored)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         """The controller is done with these rollouts: their ledgers go too."""

@@ -271,8 +271,8 @@ class Participant(abc.ABC):
     incremental: bool = False
     """True for a participant whose `export_changes` leaves out what did not change (a
     resources server that declares `checkpoint_incremental`, in one process or several
-    workers): its checkpoints may reference records of earlier parts instead of storing them
-    again."""
+    workers; an environment, agent or policy model constructed with `incremental=True`): its
+    checkpoints may reference records of earlier parts instead of storing them again."""
 
     def change_clock(self) -> int:
         """A counter that every change of checkpointed state raises (only an `incremental`
