@@ -28,7 +28,14 @@ class NoArgs(BaseModel):
 
 
 class CounterServer(ResourcesServer):
+    """Incremental (`checkpoint_incremental`): a counter changes only in `/seed_session`,
+    `/increment_counter`, `/verify` (it reads) and `/close_session`, each a request on its
+    session, and no task runs beside them; so a checkpoint that writes only the sessions
+    those touched, and references the others' earlier records, restores exactly the
+    counters a full one would."""
+
     checkpoint_mode = CheckpointMode.EXPORTED
+    checkpoint_incremental = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

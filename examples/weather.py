@@ -17,6 +17,10 @@ class WeatherArgs(BaseModel):
 
 
 class WeatherServer(ResourcesServer):
+    """Not incremental: a `stateless` server exports no session state, so a checkpoint of it
+    writes no records for a later one to reference (`checkpoint_incremental` applies to
+    `exported` servers only)."""
+
     checkpoint_mode = CheckpointMode.STATELESS
     checkpoint_verify = VerifyMode.REPLAY
 

@@ -205,22 +205,27 @@ def test_a_replay_of_a_call_the_baseline_never_made_is_a_miss_not_a_failed_basel
     assert all(path == "/v1/chat/completions" for _, path in second.model_misses)
 
 
-async def exported_after_a_verify(setup: CertifySetup, directory: Path) -> dict[str, Any]:
-    """Certify's export of the fleet after a counter session of rollout `ended.0` verified
-    (the session ended): the fleet started as certify starts it."""
+async def exported_counter_session(
+    setup: CertifySetup, directory: Path, rollout_id: str, *, verified: bool, times: int = 1
+) -> list[dict[str, Any]]:
+    """Certify's export of the fleet, `times` times into one root, after a counter session of
+    `rollout_id` counted to 3 (and, if `verified`, verified: the session ended): the fleet
+    started as certify starts it."""
     processes = FleetProcesses(setup.spec, directory / "logs")
     try:
         await processes.start_all()
         counter = next(m for m in setup.spec.members if m.name == "counter")
-        async with httpx.AsyncClient(base_url=f"{http_url(counter)}/ng-rollout/ended.0") as http:
+        url = f"{http_url(counter)}/ng-rollout/{rollout_id}"
+        async with httpx.AsyncClient(base_url=url) as http:
             seeded = await http.post("/seed_session", json={"initial_count": 1})
             assert seeded.status_code == 200
             added = await http.post("/increment_counter", json={"count": 2})
             assert added.status_code == 200
-            verified = await http.post("/verify", json={"expected_count": 3})
-            assert verified.json()["reward"] == 1.0
-        finished = [{"rollout_id": "ended.0", "attempt": 0, "status": "ok"}]
-        return await collect_exports(setup, finished, directory / "exports")
+            if verified:
+                checked = await http.post("/verify", json={"expected_count": 3})
+                assert checked.json()["reward"] == 1.0
+        finished = [{"rollout_id": rollout_id, "attempt": 0, "status": "ok"}]
+        return [await collect_exports(setup, finished, directory / "exports") for _ in range(times)]
     finally:
         await processes.close()
 
@@ -234,8 +239,29 @@ def test_certify_exports_the_state_of_a_session_that_ended_at_its_verify(
     fleet's tasks never use the counter, and prompt_injection frees its state at verify, so
     the baselines' exports stay `{}`: this drives the counter directly.)"""
     monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
-    exports = asyncio.run(exported_after_a_verify(certified.setup, tmp_path))
+    (exports,) = asyncio.run(
+        exported_counter_session(certified.setup, tmp_path, "ended.0", verified=True)
+    )
     assert exports == {"counter": {"ended.0": {"count": 3}}}
+
+
+def test_certify_reads_an_incremental_part_through_its_references(
+    certified: Certified, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Certify's export twice into one root, the counter's session of `held.0` live and
+    untouched between them: the incremental counter's second part references the first's
+    record, and reads as the records a restore would install. Read raw, its reference line
+    (no episode, no state) broke the export."""
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_TOKEN", TOKEN)
+    exports = asyncio.run(
+        exported_counter_session(certified.setup, tmp_path, "held.0", verified=False, times=2)
+    )
+    assert exports == [{"counter": {"held.0": {"count": 3}}}] * 2
+    manifests = [
+        json.loads(path.read_text())
+        for path in (tmp_path / "exports").glob("*/participants/resources/counter/manifest.json")
+    ]
+    assert any(m.get("referenced_records", 0) == 1 for m in manifests), manifests
 
 
 # -- trials ----------------------------------------------------------------------------------

@@ -92,14 +92,17 @@ class FleetPool:
         for closed in (False, True):
             self.ahead[closed].append(self._submit(closed))
 
-    def take(self, *, closed: bool, workers: int = 1) -> Future[RealFleet]:
+    def take(
+        self, *, closed: bool, workers: int = 1, latency: float = LATENCY
+    ) -> Future[RealFleet]:
         """A fleet (started closed: a replacement waiting for its restore, or open); with
         `workers` > 1 its resources, agent and environment servers run that many workers,
-        booted on demand (no pool keeps such fleets ahead)."""
-        if workers > 1:
+        and with another `latency` its model answers that slowly: both booted on demand (no
+        pool keeps such fleets ahead)."""
+        if workers > 1 or latency != LATENCY:
             self.count += 1
             label = f"fleet{self.count}"
-            return self.executor.submit(self._start, label, closed, workers)
+            return self.executor.submit(self._start, label, closed, workers, latency)
         taken = self.ahead[closed].pop(0) if self.ahead[closed] else self._submit(closed)
         if self.left[closed] > 0 and not self.ahead[closed]:
             self.ahead[closed].append(self._submit(closed))
@@ -110,8 +113,10 @@ class FleetPool:
         self.count += 1
         return self.executor.submit(self._start, f"fleet{self.count}", closed)
 
-    def _start(self, label: str, closed: bool, workers: int = 1) -> RealFleet:
-        options = Options(latency=LATENCY, workers=workers)
+    def _start(
+        self, label: str, closed: bool, workers: int = 1, latency: float = LATENCY
+    ) -> RealFleet:
+        options = Options(latency=latency, workers=workers)
         processes = asyncio.run(
             start_fleet(label, self.work / "logs", TOKEN, options, start_closed=closed)
         )
@@ -139,8 +144,10 @@ class Fleets:
         self.used: list[Future[RealFleet]] = []
         self.collectors: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *, closed: bool = False, workers: int = 1) -> Future[RealFleet]:
-        future = self.pool.take(closed=closed, workers=workers)
+    def start(
+        self, *, closed: bool = False, workers: int = 1, latency: float = LATENCY
+    ) -> Future[RealFleet]:
+        future = self.pool.take(closed=closed, workers=workers, latency=latency)
         self.used.append(future)
         return future
 

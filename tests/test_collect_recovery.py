@@ -75,8 +75,12 @@ class FleetBoots:
         self.booting = [self.executor.submit(self._boot, f"fleet{n}") for n in range(FLEETS)]
         self.started: list[RealFleet] = []
 
-    def take(self, *, closed: bool, workers: int = 1) -> Future[RealFleet]:
-        assert not closed and workers == 1 and self.booting, "this module boots open fleets only"
+    def take(
+        self, *, closed: bool, workers: int = 1, latency: float = LATENCY
+    ) -> Future[RealFleet]:
+        assert not closed and workers == 1 and latency == LATENCY and self.booting, (
+            "this module boots open fleets of one worker and the usual latency only"
+        )
         return self.booting.pop(0)
 
     def _boot(self, label: str) -> RealFleet:

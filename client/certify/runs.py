@@ -38,6 +38,7 @@ from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.keep_alive import client_limits
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 
 Mode = Literal["record", "replay"]
 RUN_SECONDS = 600.0
@@ -198,14 +199,19 @@ async def held_after(spec: FleetSpec) -> dict[str, int]:
 def _read_exports(
     directory: Path, instances: dict[str, tuple[str, str]], members: set[str]
 ) -> dict[str, dict[str, Any]]:
+    """Each member's exported state per rollout, read with the runtime's own reader
+    (`LocalStorage.read_part`): a member that checkpoints incrementally writes reference lines
+    for sessions unchanged since its last part, and only that reader resolves them (verified
+    by digest) into the records a restore would install. Read raw, a reference line would be
+    taken for a record (it has no episode or state)."""
     exports: dict[str, dict[str, Any]] = {}
+    storage = LocalStorage()
     for name in sorted(members):
         kind, instance = instances[name]
+        _, records = storage.read_part(str(directory), kind, instance, lambda _record: True)
         states: dict[str, list[Any]] = {}
-        for path in sorted((directory / "participants" / kind / instance).glob("records-*.jsonl")):
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                states.setdefault(record["episode_id"]["rollout_id"], []).append(record["state"])
+        for record in records:
+            states.setdefault(record["episode_id"]["rollout_id"], []).append(record["state"])
         if states:
             exports[name] = {
                 rollout: found[0] if len(found) == 1 else _canonical_order(found)

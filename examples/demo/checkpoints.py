@@ -186,9 +186,10 @@ class CheckpointSteps:
         if not self.options.async_commit:
             await client.resume(fleet, checkpoint_id, deadline)
         mismatches = []
-        for part in (Path(first["directory"]) / "participants").glob("*/*"):
-            before = records_by_rollout(part)
-            after = records_by_rollout(directory / "participants" / part.parent.name / part.name)
+        first_directory = Path(first["directory"])
+        for part in (first_directory / "participants").glob("*/*"):
+            before = records_by_rollout(first_directory, part.parent.name, part.name)
+            after = records_by_rollout(directory, part.parent.name, part.name)
             if before != after:
                 mismatches.append(f"{part.parent.name}/{part.name}")
         self.report.check(

@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rollout_checkpoint.server.core.part_storage import LocalStorage
+
 from .report import Report
 from .rollouts import Rollout
 
@@ -34,9 +36,7 @@ ID_COUNTERS = "_id_counters"
 def finished_during_the_cut(first: dict[str, Any], in_scope: set[str]) -> int:
     """Rollouts in scope that the agent's boundary records as done: they finished while the
     fleet was being cut, so they are answered from the checkpoint, not continued."""
-    agent_records = records_by_rollout(
-        Path(first["directory"]) / "participants" / "agent" / "agent"
-    )
+    agent_records = records_by_rollout(Path(first["directory"]), "agent", "agent")
     return sum(
         1
         for rollout_id in in_scope
@@ -44,14 +44,19 @@ def finished_during_the_cut(first: dict[str, Any], in_scope: set[str]) -> int:
     )
 
 
-def records_by_rollout(part: Path) -> dict[str, str]:
-    """rollout id -> the record without its episode id, as canonical text (order kept)."""
+def records_by_rollout(directory: Path, kind: str, instance: str) -> dict[str, str]:
+    """rollout id -> the record without its episode id, as canonical text (order kept), of
+    one member's part of the checkpoint in `directory`. Read with the runtime's own reader
+    (`LocalStorage.read_part`), which resolves the reference lines an incremental member
+    writes for sessions unchanged since its last part: read raw, those lines hold no record.
+    No part there (no checkpoint was taken): no records."""
+    if not (directory / "participants" / kind / instance).is_dir():
+        return {}
+    _, found = LocalStorage().read_part(str(directory), kind, instance, lambda _record: True)
     records: dict[str, str] = {}
-    for path in part.glob("records-*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            episode = record.pop("episode_id")
-            records[episode["rollout_id"]] = json.dumps(record, ensure_ascii=False)
+    for record in found:
+        episode = record.pop("episode_id")
+        records[episode["rollout_id"]] = json.dumps(record, ensure_ascii=False)
     return records
 
 
@@ -115,9 +120,7 @@ def compare_with_baseline(
         bool(rewards) and report.numbers["mean_reward"] == report.numbers["baseline_mean_reward"],
         "mean rewards differ",
     )
-    agent_records = records_by_rollout(
-        Path(first["directory"]) / "participants" / "agent" / "agent"
-    )
+    agent_records = records_by_rollout(Path(first["directory"]), "agent", "agent")
     prefix_problems = []
     restarted = []
     finished_during = 0
@@ -160,9 +163,7 @@ def check_exports(
     change it, with the seeded key order kept: a restore that replayed, lost or reordered
     state would show here, not only in a final reward."""
     tasks = {r.rollout_id: r.task for r in rollouts}
-    exports = records_by_rollout(
-        Path(first["directory"]) / "participants" / "resources" / "prompt_injection"
-    )
+    exports = records_by_rollout(Path(first["directory"]), "resources", "prompt_injection")
     problems = []
     for rollout_id, raw in exports.items():
         environment = json.loads(raw)["state"]["environment"]

@@ -28,9 +28,17 @@ from .scoring import score
 
 
 class PromptInjectionServer(ClinicTools, HiringTools, ResourcesServer):
+    """Incremental (`checkpoint_incremental`): an environment is created by `/seed_session`,
+    changed only by a tool call on its session (ids and times come from the environment
+    itself, never from a clock or a task running beside the requests) and dropped by
+    `/verify` or `/close_session`; so a checkpoint that writes only the sessions those
+    touched, and references the others' earlier records, restores exactly the environments
+    a full one would."""
+
     checkpoint_mode = CheckpointMode.EXPORTED
     checkpoint_verify = VerifyMode.WAIT
     """`/verify` drops the environment: it cannot run twice, so a checkpoint waits for it."""
+    checkpoint_incremental = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
