@@ -1172,9 +1172,10 @@ type CommitResponse struct {
 	// (`manifest.record_count`); for an incremental part the changed and new
 	// ones (`manifest.own_records`). Set by every participant, synchronous or
 	// asynchronous (known at the snapshot: equal to the durable part's). A
-	// participant that never writes incremental parts (a NeMo Gym server, an
-	// agent or environment, the model, a resources server that does not opt
-	// in, one with several workers) always writes full parts.
+	// participant that does not opt in to incremental parts (a NeMo Gym
+	// server; a resources server without `checkpoint_incremental`; an agent,
+	// environment or model participant built without `incremental`) always
+	// writes full parts.
 	RecordsWritten uint64 `protobuf:"varint,9,opt,name=records_written,json=recordsWritten,proto3" json:"records_written,omitempty"`
 	// The records this part references in earlier parts of the same
 	// participant instead of storing them again (unchanged since the part that
