@@ -135,10 +135,16 @@ async def test_an_async_reply_knows_at_the_snapshot_what_the_durable_part_holds(
         assert (status.record_count, status.bytes) == (6, manifest.bytes)
 
 
+class FullCounter(CounterServer):
+    """The counter example without its opt-in: every part full."""
+
+    checkpoint_incremental = False
+
+
 async def test_a_server_that_does_not_opt_in_writes_every_record_each_time(
     tmp_path: Path,
 ) -> None:
-    async with running(CounterServer) as r:
+    async with running(FullCounter) as r:
         fleet = Fleet(r, tmp_path)
         await fleet.seed(4)
         first, _ = await commit(r, "c1", tmp_path / "c1")
@@ -246,7 +252,7 @@ async def test_a_synchronous_commit_whose_cleanup_fails_is_not_the_last_part(
 
 def test_status_shows_the_last_part_each_member_published(tmp_path: Path) -> None:
     """`rollout-checkpoint status` (JSON and table) names each member's last part with what it
-    wrote and referenced; the example servers do not opt in, so their parts are full."""
+    wrote and referenced (a first checkpoint: every part full)."""
     with real_fleet(tmp_path) as fleet:
         seeded = httpx.post(
             fleet.http("counter") + "/ng-rollout/r1/seed_session", json={"initial_count": 1}
