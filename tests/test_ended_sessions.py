@@ -5,7 +5,6 @@ the setting."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import httpx
 
 from rollout_checkpoint.examples.counter import CounterServer
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.server.resources import VerifyMode
 from rollout_checkpoint.server.resources.session_table import SessionTable
 from rollout_checkpoint.server.runtime.attempts import RetiredAttempts
@@ -50,10 +50,10 @@ async def committed(
 
 
 def states_in(directory: Path) -> list[Any]:
-    part = directory / "participants" / "resources" / "counter"
-    manifest = json.loads((part / "manifest.json").read_text())
-    lines = (part / manifest["records_file"]).read_text().splitlines()
-    return [json.loads(line)["state"] for line in lines]
+    """The part's states in part order, through the runtime's reader: the counter checkpoints
+    incrementally, so a later part may reference records of an earlier one."""
+    _, records = LocalStorage().read_part(str(directory), "resources", "counter", lambda _: True)
+    return [record["state"] for record in records]
 
 
 async def test_a_verified_session_is_exported_only_by_a_scope_naming_it(tmp_path: Path) -> None:
