@@ -328,3 +328,21 @@ async def test_an_unscoped_commit_keeps_outcomes_on_the_wire_and_a_new_run_super
     assert listed(steps) == [("r1", False)]
     steps.finish(tracked, {"done": "second"})
     assert steps.export(frozenset({r1})) == [(r1, {"done": "second"})]
+
+
+async def test_change_stamps_stay_bounded_by_what_is_held_without_any_commit() -> None:
+    """The change stamps of an incremental export are pruned at every commit, and also when
+    they outgrow what the last pruning kept: a server that never commits (or whose commits
+    keep failing) must not keep a stamp for every episode it ever ran."""
+    bound = 2 * 1024 + 1  # twice what the last pruning kept, plus the floor
+    steps, _, _ = make()
+    for index in range(20_000):
+        episode, _ = steps.begin(EpisodeId(f"r{index}"))
+        steps.end(episode)
+    assert len(steps.stamps) <= bound
+    steps.begin(EpisodeId("live"))
+    for index in range(5_000):
+        episode, _ = steps.begin(EpisodeId(f"s{index}"))
+        steps.end(episode)
+    assert len(steps.stamps) <= bound
+    assert "live" in steps.stamps  # a held episode keeps its stamp through every pruning

@@ -148,7 +148,7 @@ class EpisodeSteps:
         self._opened = asyncio.Event()
         self._opened.set()
         self._changes = asyncio.Event()
-        self.stamps: RecordStamps[str] = RecordStamps()
+        self.stamps: RecordStamps[str] = RecordStamps(self._exportable)
         """The last change of each capture key's record (an incremental export's test of
         what it may reference): every method that changes what `export` returns for a key
         stamps it."""
@@ -265,9 +265,12 @@ class EpisodeSteps:
         scope names: release delivered outcomes, and with an explicit scope every outcome it
         leaves out (the controller no longer continues those episodes)."""
         self._outcomes.committed(scope, len(self.episodes))
-        held = (self.episodes, self._restored, self._outcomes)  # what may still be exported
-        self.stamps.keep_only(lambda key: any(key in records for records in held))
+        self.stamps.keep_only(self._exportable)
         self._notify()
+
+    def _exportable(self, key: str) -> bool:
+        """Whether a checkpoint may still export a record of `key` (its stamp matters)."""
+        return key in self.episodes or key in self._restored or key in self._outcomes
 
     def end(self, episode: TrackedEpisode) -> None:
         """Stop tracking `episode` (no outcome kept: a checkpoint no longer exports it).
