@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from rollout_checkpoint.client.errors import ControlError
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
@@ -273,3 +274,33 @@ async def test_a_worker_sigkilled_between_incremental_checkpoints_makes_the_next
     await served.client.close()
     await restored_counts(target, counters, root / "c4")
     await target.client.close()
+
+
+async def test_a_failed_full_commit_elsewhere_does_not_wedge_the_next_commits(
+    serve_workers: Callable[..., Served], tmp_path: Path
+) -> None:
+    """A full export into another root (here one that cannot be written) replaces every
+    worker's pending share: the latest published part is then no base the workers can
+    serve. The next commits beside it must succeed (full, then chained again), not fail
+    every export until a restart (`PoolChanges.usable`)."""
+    served = await asyncio.to_thread(serve, serve_workers)
+    counters = Counters(served)
+    await counters.seed_on_both_workers("w", 1)
+    root = tmp_path / "chain"
+    root.mkdir()
+    await counters.checkpoint(root / "c1", asynchronous=False)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    client = served.client
+    assert (await client.prepare_until_final("c2", deadline())).state == PREPARED
+    with pytest.raises(ControlError):
+        await client.commit("c2", deadline(), str(blocker / "c2"), None)
+    await client.resume("c2", deadline())
+    counters.taken = 2
+    await counters.increment(counters.owned_by(0)[0])
+    third = await counters.checkpoint(root / "c3", asynchronous=False)
+    assert third.get("chain_length") is None  # full: the workers hold no share of c1 now
+    await counters.increment(counters.owned_by(1)[0])
+    fourth = await counters.checkpoint(root / "c4", asynchronous=True)
+    assert fourth["chain_length"] == 2 and fourth["own_records"] == 1
+    await counters.holds_the_counts(root / "c4")

@@ -83,6 +83,12 @@ class PoolChanges:
         self._cut = 0
         self._membership = 0
         self._membership_at: OrderedDict[int, int] = OrderedDict()
+        self._named: int | None = None
+        self._exported: int | None = None
+        """The cuts whose shares every worker holds (`WorkerShares`): the base it was last
+        named, and the share it last exported. A part of any other cut is no base, whatever
+        the chain says: a full export elsewhere (another root, a commit that then failed)
+        replaced the workers' pending share, and naming that cut would fail every export."""
 
     def workers_changed(self) -> None:
         """A worker registered or was lost: no part from before may be a base any more."""
@@ -97,8 +103,11 @@ class PoolChanges:
         return self._cut
 
     def usable(self, base: ExportBase | None) -> ExportBase | None:
-        """`base`, unless a worker joined or left since its cut (then the part is full)."""
+        """`base`, unless a worker joined or left since its cut, or the workers no longer
+        hold their shares of it (then the part is full)."""
         if base is None or self._membership_at.get(base.cut) != self._membership:
+            return None
+        if base.cut not in (self._named, self._exported):
             return None
         return base
 
@@ -109,7 +118,12 @@ class PoolChanges:
         `scope_keys`: the commit's scope as the bridge carries it."""
         base = self.usable(base)
         body = {"scope": scope_keys, "cut": self._cut, "base": None if base is None else base.cut}
+        named = self._named if base is None else base.cut
+        # Until every worker answered, which shares each holds is unknown (one may have
+        # exported while another failed, or still be exporting): only a full part is safe.
+        self._named = self._exported = None
         replies = await call_all("export_changes", body)
+        self._named, self._exported = named, self._cut
         return await asyncio.to_thread(_merged, replies, base is not None, identity)
 
 
@@ -184,8 +198,8 @@ class WorkerShares:
         """This worker's share of the part of `pool_cut` (None: a full share).
 
         Named as a base, the pending share was published: it becomes the base, its delta
-        applied in place (O(changed)). A share neither pending nor the base cannot be one the
-        main process bases a part on while this worker lives (`PoolChanges.usable`)."""
+        applied in place (O(changed)). The main process names only a share every worker
+        holds (`PoolChanges.usable`); a worker that still has none refuses the export."""
         if pool_cut is None:
             return None
         pending = self._pending
