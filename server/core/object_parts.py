@@ -61,6 +61,8 @@ from rollout_checkpoint.server.core.layout import (
 )
 from rollout_checkpoint.server.core.object_references import (
     ObjectReferenceReader,
+    PendingReference,
+    generated_chunks,
     read_object_manifest,
 )
 from rollout_checkpoint.server.core.object_store import (
@@ -74,7 +76,7 @@ from rollout_checkpoint.server.core.part_reader import (
     check_owner,
     scan_record_chunks,
 )
-from rollout_checkpoint.server.core.part_references import RecordPointer, check_resolved
+from rollout_checkpoint.server.core.part_references import check_resolved
 from rollout_checkpoint.server.core.part_storage import (
     ManifestHeader,
     PublishedPart,
@@ -216,7 +218,9 @@ class ObjectPartStorage:
                 if select(record):
                     kept.append(record)
 
-            scan_part_records(client, parse_object_url(checkpoint_dir), manifest, keep)
+            scan_part_records(
+                client, parse_object_url(checkpoint_dir), manifest, keep, in_part_order=True
+            )
             return manifest, kept
         except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None
@@ -229,13 +233,23 @@ def scan_part_records(
     on_record: Callable[[dict[str, Any], int], None],
     *,
     size_only: bool = False,
+    read_references: bool = True,
+    in_part_order: bool = False,
 ) -> None:
-    """Every record of the part below `checkpoint` in its order, verified (`on_record` sees
-    each): a full part's records object streamed (`scan_object_records`); a chained part's own
-    object streamed and checked whole first, then each reference line replaced by the record
-    it stands for in an earlier part (`object_references`), so `on_record` sees exactly what
-    a full part of the same cut holds. `size_only` checks sizes (and the referenced parts)
-    without reading records."""
+    """Every record of the part below `checkpoint`, verified (`on_record` sees each with its
+    line number in the part): a full part's records object streamed (`scan_object_records`);
+    a chained part's own object streamed and checked whole, then the records its reference
+    lines stand for read from the earlier parts (`object_references`), each handed on as it
+    is read, so no more than one record is held whatever the part's size.
+
+    A chained part's records come own lines first, then each referenced object's in offset
+    order, unless `in_part_order` (a restore: the records of a full part of the same cut, in
+    its order), which keeps each referenced line's checked bytes (never decoded records)
+    until the lines before it are handed on. `read_references=False` (a publication: every
+    referenced part was verified when it was published) checks each reference line, and each
+    referenced part as published with the object of that size, without reading that object;
+    `on_record` then sees the own records only. `size_only` checks sizes without reading a
+    record."""
     part = checkpoint.child(*layout.part_components(manifest.kind, manifest.instance))
     if manifest.chain is None:
         scan_object_records(client, part, manifest, on_record, size_only=size_only)
@@ -245,22 +259,58 @@ def scan_part_records(
         scan_object_records(client, part, manifest, on_record, size_only=True)
         reader.check_files()
         return
-    records: list[dict[str, Any]] = []
-    pointed: list[tuple[RecordPointer, dict[str, Any]]] = []
-    places: list[int] = []
+    if in_part_order:
+        _scan_in_part_order(client, part, manifest, reader, on_record)
+        return
+    pending: list[PendingReference] = []
 
-    def collect(record: dict[str, Any], number: int) -> None:
+    def own_or_pending(record: dict[str, Any], number: int) -> None:
         if REFERENCE_FIELD in record:
-            pointed.append((reader.lines.pointer(record), record))
-            places.append(len(records))
-        records.append(record)
+            pending.append(reader.pending(record, number))
+        else:
+            on_record(record, number)
 
-    scan_object_records(client, part, manifest, collect)
-    check_resolved(len(pointed), manifest, part.url)
-    for place, record in reader.read_lines(pointed).items():
-        records[places[place]] = record
-    for number, record in enumerate(records, 1):
-        on_record(record, number)
+    scan_object_records(client, part, manifest, own_or_pending)
+    check_resolved(len(pending), manifest, part.url)
+    if not read_references:
+        reader.check_files()
+        return
+    reader.read_lines(pending, lambda line, data: on_record(reader.decode(line, data), line.number))
+
+
+def _scan_in_part_order(
+    client: ObjectStoreClient,
+    part: ObjectLocation,
+    manifest: StoredManifest,
+    reader: ObjectReferenceReader,
+    on_record: Callable[[dict[str, Any], int], None],
+) -> None:
+    """`scan_part_records` in the part's order: own records before the first reference line
+    are handed on as they stream; from there each line waits (an own record decoded, a
+    reference as its checked bytes) until the referenced objects are read, then every
+    waiting line is decoded and handed on in order, its bytes released as it goes."""
+    waiting: list[tuple[int, dict[str, Any] | PendingReference]] = []
+
+    def own_or_waiting(record: dict[str, Any], number: int) -> None:
+        if REFERENCE_FIELD in record:
+            waiting.append((number, reader.pending(record, number)))
+        elif waiting:
+            waiting.append((number, record))
+        else:
+            on_record(record, number)
+
+    scan_object_records(client, part, manifest, own_or_waiting)
+    pending = [line for _, line in waiting if isinstance(line, PendingReference)]
+    check_resolved(len(pending), manifest, part.url)
+    lines: dict[int, bytes] = {}
+    reader.read_lines(pending, lambda line, data: lines.__setitem__(line.number, data))
+    pending.clear()
+    for number, line in waiting:
+        if isinstance(line, PendingReference):
+            on_record(reader.decode(line, lines.pop(number)), number)
+        else:
+            on_record(line, number)
+    waiting.clear()
 
 
 def _check_references(
@@ -294,15 +344,16 @@ def scan_object_records(
     if streamed is None:
         raise corrupt_checkpoint("the records file named by the manifest is missing", part.url)
     size, chunks = streamed
-    if size != manifest.bytes:
-        raise corrupt_checkpoint(
-            f"records digest mismatch: the records file has {size} bytes, "
-            f"the manifest says {manifest.bytes}",
-            part.url,
-        )
-    if size_only:
-        return
-    scan_record_chunks(chunks, part.url, manifest, on_record)
+    # Closed however the scan ends: a GET left open holds a connection until collected.
+    with contextlib.closing(generated_chunks(chunks)) as stream:
+        if size != manifest.bytes:
+            raise corrupt_checkpoint(
+                f"records digest mismatch: the records file has {size} bytes, "
+                f"the manifest says {manifest.bytes}",
+                part.url,
+            )
+        if not size_only:
+            scan_record_chunks(stream, part.url, manifest, on_record)
 
 
 def _published_manifest(client: ObjectStoreClient, key: str) -> bytes | None:

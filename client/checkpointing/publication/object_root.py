@@ -193,7 +193,9 @@ class ObjectCheckpointRoot:
             # checkpoints with (those started before this one are abandoned attempts).
             reference = min(o.last_modified for o in objects)
             for entry in entries:
-                self._verify_part(ckpt, entry, checkpoint_id, full=verify_records)
+                self._verify_part(
+                    ckpt, entry, checkpoint_id, full=verify_records, read_references=False
+                )
             self._step("after_verify")
             fleet_key = ckpt.key(FLEET_MANIFEST_NAME)
             existing = self._call(lambda: self._client.get(fleet_key))
@@ -271,8 +273,20 @@ class ObjectCheckpointRoot:
         return _created_at_of(stored) or _OLDEST
 
     def _verify_part(
-        self, ckpt: ObjectLocation, entry: PublishedParticipant, checkpoint_id: str, *, full: bool
+        self,
+        ckpt: ObjectLocation,
+        entry: PublishedParticipant,
+        checkpoint_id: str,
+        *,
+        full: bool,
+        read_references: bool = True,
     ) -> tuple[ParticipantSummary, int]:
+        """One participant's part checked against its fleet entry. A publication passes
+        `read_references=False`: the parts a chained part references were verified when
+        they were published, so it checks they still are (published, of this participant,
+        naming that object with that size) without downloading them again, which would cost
+        about every participant's live bytes at each checkpoint, inside the pause of a
+        synchronous commit; `inspect` reads and hashes every referenced line."""
         part = ckpt.child(*layout.part_components(entry.kind, entry.instance))
         keys: list[str] = []
 
@@ -298,7 +312,14 @@ class ObjectCheckpointRoot:
             manifest = decode_manifest(raw, part.url)
             check_owner(manifest, part.url, entry.kind, entry.instance, checkpoint_id)
             self._call(
-                lambda: scan_part_records(self._client, ckpt, manifest, episode, size_only=not full)
+                lambda: scan_part_records(
+                    self._client,
+                    ckpt,
+                    manifest,
+                    episode,
+                    size_only=not full,
+                    read_references=read_references,
+                )
             )
         except CheckpointError as error:
             if error.reason == Reason.STORAGE_FAILED:
