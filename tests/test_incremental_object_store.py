@@ -39,6 +39,7 @@ from rollout_checkpoint.client.checkpointing.publication import (
 from rollout_checkpoint.client.checkpointing.publication.object_root import ObjectCheckpointRoot
 from rollout_checkpoint.client.participant import ControlError
 from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core.checkpoint_storage import PartStorage
 from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.core.layout import PartChain, PartReference, StoredManifest
 from rollout_checkpoint.server.core.object_parts import ObjectPartStorage, scan_part_records
@@ -50,7 +51,7 @@ from rollout_checkpoint.server.core.object_store import (
     client_for,
     parse_object_url,
 )
-from rollout_checkpoint.server.core.part_storage import WriteFence
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 
 from .s3_server import S3Connection
 from .test_incremental import ROLLOUTS, Fleet, IncrementalCounter, _episode, restored_states
@@ -659,3 +660,28 @@ def publish_part(
 ) -> None:
     entry = PublishedParticipant("counter", KIND, INSTANCE, manifest_sha256)
     root.publish(checkpoint, [entry], [], b"", created_at=T0 + timedelta(hours=hour))
+
+
+@pytest.mark.parametrize("backend", ["object_store", "disk"])
+def test_a_part_at_an_allowed_root_itself_never_reads_or_writes_references_beside_it(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> None:
+    """Allowed roots `<root>/tenantA`: a checkpoint at `tenantA` itself is accepted, but its
+    sibling references would resolve beside it (`tenantB`, another tenant): a chained part
+    there is refused on write and on read, before anything of `tenantB` is read, on both
+    backends; a chain strictly below the root reads as usual."""
+    root = request.getfixturevalue("url") if backend == "object_store" else str(tmp_path)
+    unrestricted = ObjectPartStorage() if backend == "object_store" else LocalStorage()
+    confined = PartStorage(allowed_roots=[f"{root}/tenantA"])
+    _, other_tenant = write(root, "tenantB", 2, [], unrestricted)
+    write(root, "tenantA", 0, other_tenant, unrestricted)  # as a store without roots would
+    with pytest.raises(CheckpointError) as unread:
+        confined.read_part(f"{root}/tenantA", KIND, INSTANCE, lambda r: True)
+    assert unread.value.reason.value == "INVALID_CHECKPOINT_STATE"
+    with pytest.raises(CheckpointError) as unwritten:
+        write(root, "tenantA", 0, other_tenant, confined)
+    assert unwritten.value.reason.value == "INVALID_REQUEST"
+    _, own = write(f"{root}/tenantA", "c1", 2, [], confined)
+    write(f"{root}/tenantA", "c2", 0, own, confined)
+    _, records = confined.read_part(f"{root}/tenantA/c2", KIND, INSTANCE, lambda r: True)
+    assert [json.dumps(r["episode_id"]).encode() for r in records] == [line.episode for line in own]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rollout_checkpoint.server.core import layout
@@ -71,6 +71,7 @@ from rollout_checkpoint.server.core.object_store import (
     ObjectStoreFailure,
     client_for,
     parse_object_url,
+    strictly_below_allowed_root,
 )
 from rollout_checkpoint.server.core.part_reader import (
     check_owner,
@@ -82,6 +83,8 @@ from rollout_checkpoint.server.core.part_storage import (
     PublishedPart,
     WriteFence,
     check_chain,
+    references_outside_roots,
+    unreadable_references,
 )
 
 CrashHook = Callable[[str], None]
@@ -115,9 +118,11 @@ class ObjectPartStorage:
         self,
         crash_hook: CrashHook | None = None,
         client: Callable[[ObjectLocation], ObjectStoreClient] = client_for,
+        allowed_roots: Sequence[str] = (),
     ) -> None:
         self._crash_hook = crash_hook
         self._client = client
+        self._allowed_roots = tuple(allowed_roots)
 
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
@@ -146,6 +151,10 @@ class ObjectPartStorage:
         try:
             client = self._client(part)
             if chain is not None:
+                if not strictly_below_allowed_root(
+                    parse_object_url(checkpoint_dir), self._allowed_roots
+                ):
+                    raise references_outside_roots(part.url)
                 _check_references(client, checkpoint_dir, kind, instance, chain)
             return self._write(client, part, header, lines, fence)
         except (ObjectStoreFailure, MissingExtra) as exc:
@@ -212,15 +221,18 @@ class ObjectPartStorage:
             client = self._client(part)
             manifest = read_object_manifest(client, part)
             check_owner(manifest, part.url, kind, instance)
+            checkpoint = parse_object_url(checkpoint_dir)
+            if manifest.chain is not None and not strictly_below_allowed_root(
+                checkpoint, self._allowed_roots
+            ):
+                raise unreadable_references(part.url)
             kept: list[dict[str, Any]] = []
 
             def keep(record: dict[str, Any], number: int) -> None:
                 if select(record):
                     kept.append(record)
 
-            scan_part_records(
-                client, parse_object_url(checkpoint_dir), manifest, keep, in_part_order=True
-            )
+            scan_part_records(client, checkpoint, manifest, keep, in_part_order=True)
             return manifest, kept
         except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None

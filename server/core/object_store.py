@@ -167,6 +167,25 @@ def allowed_url(location: ObjectLocation, allowed_roots: Sequence[str]) -> bool:
     return False
 
 
+def strictly_below_allowed_root(location: ObjectLocation, allowed_roots: Sequence[str]) -> bool:
+    """Whether `location` lies strictly below an allowed root (any location when none are
+    set): then its parent prefix, where a chained part's sibling references resolve, is
+    inside that root. A checkpoint at a root itself would send its references beside it,
+    outside every allowed root (another tenant's prefix)."""
+    if not allowed_roots:
+        return True
+    for root in allowed_roots:
+        if not is_object_url(root):
+            continue
+        try:
+            parsed = parse_object_url(root)
+        except ValueError:
+            continue
+        if parsed.contains(location) and parsed.prefix != location.prefix:
+            return True
+    return False
+
+
 class ObjectStoreFailure(Exception):
     """An object-store operation failed (unreachable, refused credentials, a server error).
 
