@@ -25,12 +25,17 @@ backend (`part_storage`) has an object-store counterpart, and the order is the s
   manifest create, so a Resume either stops the write before it publishes or waits for it.
 * **Reads are streamed and verified**: the records object's size is checked against the
   manifest before its body is read, then every chunk is hashed and every line checked by the
-  one part reader (`part_reader.scan_record_chunks`), so the format has one implementation.
+  one part reader (`part_reader.scan_record_chunks`), so the format has one implementation; a
+  chained part's referenced records are streamed too and handed on one at a time
+  (`scan_part_records`), never all held at once.
 * **A chained part (incremental) references only published parts in sibling prefixes of the
   same root**, as on disk: its references are checked before a byte is written (plain sibling
   names; every referenced manifest published, of this participant, naming that object with
   that size), and resolved on every read by `object_references` with the checks of
-  `part_references`, so a restore and a verification accept exactly the same parts.
+  `part_references`, so a restore and `inspect` accept exactly the same parts (a publication
+  checks the referenced parts without downloading them: they were verified when published).
+  It is read and written only strictly below an allowed root: at a root itself its siblings
+  would lie outside every allowed root.
 
 Everything here blocks (network I/O, hashing): callers run it in a thread.
 """

@@ -16,10 +16,14 @@ differs from the disk is how the referenced bytes are found and read:
   from the end of a chain needs lines spread over each file (at 5 KB a record, ranged GETs of
   the lines are merged by the client into reads of nearly the whole object anyway, and
   measured no faster on SeaweedFS); the GET's size is checked against the reference before a
-  byte is used, the stream stops after the last line needed, and memory holds the lines kept,
-  never an object. Every line's sha256 is checked before it is parsed. Unlike the disk (one
-  `pread` per line), a restore from the end of a chain thus downloads about what retention
-  keeps for it: up to 1 / (1 - `incremental_max_stale_share`) of the live records.
+  byte is used, the stream stops after the last line needed (never asking for one more chunk),
+  is closed however the read ends, and each line is handed on as it is cut: memory holds a
+  chunk, never an object or a part's records. Every line's sha256 is checked before it is
+  parsed. Unlike the disk (one `pread` per line), a restore from the end of a chain thus
+  downloads about what retention keeps for it: up to 1 / (1 - `incremental_max_stale_share`)
+  of the live records. A publication reads none of it (`check_files`: the referenced parts
+  were verified when they were published; each is checked still published, naming an object
+  of that size).
 
 Any failure is INVALID_CHECKPOINT_STATE (DATA_LOSS) naming the referenced object; a store that
 fails is the caller's STORAGE_FAILED (`ObjectStoreFailure` propagates). Everything here blocks:
