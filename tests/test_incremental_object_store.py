@@ -21,6 +21,8 @@ import asyncio
 import hashlib
 import json
 import secrets
+import tracemalloc
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,16 +39,19 @@ from rollout_checkpoint.client.checkpointing.publication import (
 from rollout_checkpoint.client.checkpointing.publication.object_root import ObjectCheckpointRoot
 from rollout_checkpoint.client.participant import ControlError
 from rollout_checkpoint.server.core import layout
+from rollout_checkpoint.server.core.checkpoint_storage import PartStorage
 from rollout_checkpoint.server.core.errors import CheckpointError
 from rollout_checkpoint.server.core.layout import PartChain, PartReference, StoredManifest
-from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
+from rollout_checkpoint.server.core.object_parts import ObjectPartStorage, scan_part_records
+from rollout_checkpoint.server.core.object_references import read_object_manifest
 from rollout_checkpoint.server.core.object_store import (
+    READ_CHUNK,
     ObjectStoreClient,
     ObjectStoreFailure,
     client_for,
     parse_object_url,
 )
-from rollout_checkpoint.server.core.part_storage import WriteFence
+from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 
 from .s3_server import S3Connection
 from .test_incremental import ROLLOUTS, Fleet, IncrementalCounter, _episode, restored_states
@@ -383,7 +388,8 @@ from pathlib import Path
 
 from rollout_checkpoint.client.checkpointing.publication import PublishedParticipant
 from rollout_checkpoint.client.checkpointing.publication.object_root import ObjectCheckpointRoot
-from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
+from rollout_checkpoint.server.core.object_parts import ObjectPartStorage, scan_part_records
+from rollout_checkpoint.server.core.object_references import read_object_manifest
 from rollout_checkpoint.server.core.object_store import ObjectStoreClient
 from tests.test_incremental_retention import INSTANCE, KIND, T0, write
 from tests.test_incremental_object_store import object_lines_of
@@ -483,3 +489,199 @@ def test_retention_on_the_store_killed_while_deleting_keeps_every_referenced_che
     assert checkpoints_on_store(s3_env, url) == {"c0", "c4"}
     for kept in root.published():
         assert object_restorable(url, kept)
+
+
+# -- what reading a chained part costs ------------------------------------------------------
+
+
+def large_base(root_url: str, count: int, state_bytes: int) -> list[Line]:
+    """Publish the part of `c1` below `root_url`: `count` records of about `state_bytes`
+    each; its lines, as a later part references them."""
+    pad = "x" * state_bytes
+    data, episodes = [], []
+    for index in range(count):
+        episode = json.dumps({"rollout_id": f"c1-{index}", "attempt": 0}).encode()
+        data.append(b'{"episode_id":' + episode + f',"state":"{pad}"}}'.encode())
+        episodes.append(episode)
+    part = ObjectPartStorage().write_part(
+        f"{root_url}/c1", KIND, INSTANCE, "c1", data, WriteFence()
+    )
+    lines, offset = [], 0
+    for line, episode in zip(data, episodes, strict=True):
+        manifest = part.manifest
+        lines.append(Line("c1", manifest.records_file, manifest.bytes, offset, line, episode))
+        offset += len(line) + 1
+    return lines
+
+
+class Streams:
+    """Every streamed GET of the store's client in this test: the bytes it delivered by key,
+    and whether it was closed (a GET left open holds a connection until it is collected)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.delivered: dict[str, list[int]] = {}
+        """The size of each chunk delivered, by key."""
+        self.opened: list[TrackedStream] = []
+        real_stream = ObjectStoreClient.stream
+
+        def stream(client: ObjectStoreClient, key: str) -> tuple[int, Iterator[bytes]] | None:
+            streamed = real_stream(client, key)
+            if streamed is None:
+                return None
+            tracked = TrackedStream(self, key, streamed[1])
+            self.opened.append(tracked)
+            return streamed[0], tracked
+
+        monkeypatch.setattr(ObjectStoreClient, "stream", stream)
+
+    def unclosed(self) -> list[str]:
+        return [stream.key for stream in self.opened if not stream.closed]
+
+    def below(self, part_url: str) -> list[int]:
+        """The chunks delivered from the objects below `part_url`."""
+        prefix = part_url.split("/", 3)[3]
+        return [
+            size
+            for key, sizes in self.delivered.items()
+            if key.startswith(prefix)
+            for size in sizes
+        ]
+
+
+class TrackedStream(Iterator[bytes]):
+    def __init__(self, streams: Streams, key: str, chunks: Iterator[bytes]) -> None:
+        self.streams, self.key, self.chunks, self.closed = streams, key, chunks, False
+
+    def __next__(self) -> bytes:
+        chunk = next(self.chunks)
+        self.streams.delivered.setdefault(self.key, []).append(len(chunk))
+        return chunk
+
+    def close(self) -> None:
+        self.closed = True
+        getattr(self.chunks, "close", lambda: None)()
+
+
+def peak_bytes(operation: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        operation()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_scanning_a_chained_part_holds_one_chunk_not_its_records(
+    s3_env: S3Connection, url: str
+) -> None:
+    """Verifying (`inspect`) a part that references 3,000 records of 5 KB (15 MB) holds
+    about a chunk of the referenced object, not every record; a restore's read in the part's
+    order holds the referenced lines' bytes, never every record decoded at once."""
+    lines = large_base(url, 3000, 5000)
+    write(url, "c2", 0, lines, ObjectPartStorage())
+    checkpoint = parse_object_url(f"{url}/c2")
+    client = client_for(checkpoint)
+    manifest = read_object_manifest(
+        client, checkpoint.child(*layout.part_components(KIND, INSTANCE))
+    )
+    data_bytes = sum(len(line.data) + 1 for line in lines)
+    seen: list[int] = []
+    scanned = peak_bytes(
+        lambda: scan_part_records(client, checkpoint, manifest, lambda r, n: seen.append(n))
+    )
+    assert sorted(seen) == list(range(1, 3001))
+    assert scanned < 3 * READ_CHUNK < data_bytes
+    restored = peak_bytes(
+        lambda: ObjectPartStorage().read_part(f"{url}/c2", KIND, INSTANCE, lambda r: False)
+    )
+    assert restored < data_bytes + 3 * READ_CHUNK
+
+
+def test_one_reference_downloads_the_chunk_holding_its_line_and_every_stream_is_closed(
+    s3_env: S3Connection, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = large_base(url, 3000, 5000)  # a 15 MB object: four chunks
+    write(url, "c2", 0, lines[:1], ObjectPartStorage())
+    streams = Streams(monkeypatch)
+    _, records = ObjectPartStorage().read_part(f"{url}/c2", KIND, INSTANCE, lambda r: True)
+    assert [json.dumps(r["episode_id"]).encode() for r in records] == [lines[0].episode]
+    (chunk,) = streams.below(f"{url}/c1")  # of a 15 MB object
+    assert chunk < 2 * READ_CHUNK
+    assert streams.unclosed() == []
+
+
+def test_a_referenced_object_of_another_size_is_refused_with_its_stream_closed(
+    s3_env: S3Connection, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, lines = write(url, "c1", 3, [], ObjectPartStorage())
+    write(url, "c2", 0, lines, ObjectPartStorage())
+    records = f"{url}/c1/{PART}/{lines[0].records_file}"
+    put_object(s3_env, records, get_object(s3_env, records) + b"\n")
+    streams = Streams(monkeypatch)
+    with pytest.raises(CheckpointError) as refused:
+        ObjectPartStorage().read_part(f"{url}/c2", KIND, INSTANCE, lambda r: True)
+    assert refused.value.reason.value == "INVALID_CHECKPOINT_STATE"
+    assert records in refused.value.metadata["path"]
+    assert streams.opened and streams.unclosed() == []
+
+
+def test_publication_checks_references_without_downloading_them_and_inspect_reads_them(
+    s3_env: S3Connection, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parts a chained part references were verified when they were published: its
+    publication checks they still are (manifest, object size) and reads only its own
+    records object; `inspect` still hashes every referenced line, so damage made after the
+    base's publication (same size, other bytes) is found by `inspect` and by a restore."""
+    root = ObjectCheckpointRoot(url)
+    base, lines = write(url, "c1", 3, [], ObjectPartStorage())
+    publish_part(root, "c1", base.manifest_sha256, 1)
+    chained, _ = write(url, "c2", 1, lines, ObjectPartStorage())
+    later, _ = write(url, "c3", 0, lines[1:], ObjectPartStorage())
+    records = f"{url}/c1/{PART}/{lines[0].records_file}"
+    data = bytearray(get_object(s3_env, records))
+    data[-3] ^= 0x01
+    put_object(s3_env, records, bytes(data))
+    streams = Streams(monkeypatch)
+    publish_part(root, "c2", chained.manifest_sha256, 2)
+    assert streams.below(f"{url}/c1") == []
+    assert streams.below(f"{url}/c2") != []
+    with pytest.raises(CheckpointCorrupt) as corrupt:
+        root.inspect("c2")
+    assert records in str(corrupt.value)
+    # A referenced part no longer published is refused: the check of references remains.
+    delete_object(s3_env, f"{url}/c1/{PART}/manifest.json")
+    with pytest.raises(CheckpointCorrupt) as unpublished:
+        publish_part(root, "c3", later.manifest_sha256, 3)
+    assert f"{url}/c1/{PART}" in str(unpublished.value)
+
+
+def publish_part(
+    root: ObjectCheckpointRoot, checkpoint: str, manifest_sha256: str, hour: int
+) -> None:
+    entry = PublishedParticipant("counter", KIND, INSTANCE, manifest_sha256)
+    root.publish(checkpoint, [entry], [], b"", created_at=T0 + timedelta(hours=hour))
+
+
+@pytest.mark.parametrize("backend", ["object_store", "disk"])
+def test_a_part_at_an_allowed_root_itself_never_reads_or_writes_references_beside_it(
+    request: pytest.FixtureRequest, backend: str, tmp_path: Path
+) -> None:
+    """Allowed roots `<root>/tenantA`: a checkpoint at `tenantA` itself is accepted, but its
+    sibling references would resolve beside it (`tenantB`, another tenant): a chained part
+    there is refused on write and on read, before anything of `tenantB` is read, on both
+    backends; a chain strictly below the root reads as usual."""
+    root = request.getfixturevalue("url") if backend == "object_store" else str(tmp_path)
+    unrestricted = ObjectPartStorage() if backend == "object_store" else LocalStorage()
+    confined = PartStorage(allowed_roots=[f"{root}/tenantA"])
+    _, other_tenant = write(root, "tenantB", 2, [], unrestricted)
+    write(root, "tenantA", 0, other_tenant, unrestricted)  # as a store without roots would
+    with pytest.raises(CheckpointError) as unread:
+        confined.read_part(f"{root}/tenantA", KIND, INSTANCE, lambda r: True)
+    assert unread.value.reason.value == "INVALID_CHECKPOINT_STATE"
+    with pytest.raises(CheckpointError) as unwritten:
+        write(root, "tenantA", 0, other_tenant, confined)
+    assert unwritten.value.reason.value == "INVALID_REQUEST"
+    _, own = write(f"{root}/tenantA", "c1", 2, [], confined)
+    write(f"{root}/tenantA", "c2", 0, own, confined)
+    _, records = confined.read_part(f"{root}/tenantA/c2", KIND, INSTANCE, lambda r: True)
+    assert [json.dumps(r["episode_id"]).encode() for r in records] == [line.episode for line in own]

@@ -56,9 +56,12 @@ class PartStorage:
         self,
         local: CheckpointStorage | None = None,
         objects: CheckpointStorage | None = None,
+        allowed_roots: Sequence[str] = (),
     ) -> None:
-        self.local: CheckpointStorage = local or LocalStorage()
-        self.objects: CheckpointStorage = objects or ObjectPartStorage()
+        """`allowed_roots`: the roots checkpoint locations were validated against; a chained
+        part is read and written only strictly below one (its references resolve beside it)."""
+        self.local: CheckpointStorage = local or LocalStorage(allowed_roots=allowed_roots)
+        self.objects: CheckpointStorage = objects or ObjectPartStorage(allowed_roots=allowed_roots)
 
     def _backend(self, checkpoint_dir: str) -> CheckpointStorage:
         return self.objects if is_object_url(checkpoint_dir) else self.local

@@ -25,12 +25,17 @@ backend (`part_storage`) has an object-store counterpart, and the order is the s
   manifest create, so a Resume either stops the write before it publishes or waits for it.
 * **Reads are streamed and verified**: the records object's size is checked against the
   manifest before its body is read, then every chunk is hashed and every line checked by the
-  one part reader (`part_reader.scan_record_chunks`), so the format has one implementation.
+  one part reader (`part_reader.scan_record_chunks`), so the format has one implementation; a
+  chained part's referenced records are streamed too and handed on one at a time
+  (`scan_part_records`), never all held at once.
 * **A chained part (incremental) references only published parts in sibling prefixes of the
   same root**, as on disk: its references are checked before a byte is written (plain sibling
   names; every referenced manifest published, of this participant, naming that object with
   that size), and resolved on every read by `object_references` with the checks of
-  `part_references`, so a restore and a verification accept exactly the same parts.
+  `part_references`, so a restore and `inspect` accept exactly the same parts (a publication
+  checks the referenced parts without downloading them: they were verified when published).
+  It is read and written only strictly below an allowed root: at a root itself its siblings
+  would lie outside every allowed root.
 
 Everything here blocks (network I/O, hashing): callers run it in a thread.
 """
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rollout_checkpoint.server.core import layout
@@ -61,6 +66,8 @@ from rollout_checkpoint.server.core.layout import (
 )
 from rollout_checkpoint.server.core.object_references import (
     ObjectReferenceReader,
+    PendingReference,
+    generated_chunks,
     read_object_manifest,
 )
 from rollout_checkpoint.server.core.object_store import (
@@ -69,17 +76,20 @@ from rollout_checkpoint.server.core.object_store import (
     ObjectStoreFailure,
     client_for,
     parse_object_url,
+    strictly_below_allowed_root,
 )
 from rollout_checkpoint.server.core.part_reader import (
     check_owner,
     scan_record_chunks,
 )
-from rollout_checkpoint.server.core.part_references import RecordPointer, check_resolved
+from rollout_checkpoint.server.core.part_references import check_resolved
 from rollout_checkpoint.server.core.part_storage import (
     ManifestHeader,
     PublishedPart,
     WriteFence,
     check_chain,
+    references_outside_roots,
+    unreadable_references,
 )
 
 CrashHook = Callable[[str], None]
@@ -113,9 +123,11 @@ class ObjectPartStorage:
         self,
         crash_hook: CrashHook | None = None,
         client: Callable[[ObjectLocation], ObjectStoreClient] = client_for,
+        allowed_roots: Sequence[str] = (),
     ) -> None:
         self._crash_hook = crash_hook
         self._client = client
+        self._allowed_roots = tuple(allowed_roots)
 
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
@@ -144,6 +156,10 @@ class ObjectPartStorage:
         try:
             client = self._client(part)
             if chain is not None:
+                if not strictly_below_allowed_root(
+                    parse_object_url(checkpoint_dir), self._allowed_roots
+                ):
+                    raise references_outside_roots(part.url)
                 _check_references(client, checkpoint_dir, kind, instance, chain)
             return self._write(client, part, header, lines, fence)
         except (ObjectStoreFailure, MissingExtra) as exc:
@@ -210,13 +226,18 @@ class ObjectPartStorage:
             client = self._client(part)
             manifest = read_object_manifest(client, part)
             check_owner(manifest, part.url, kind, instance)
+            checkpoint = parse_object_url(checkpoint_dir)
+            if manifest.chain is not None and not strictly_below_allowed_root(
+                checkpoint, self._allowed_roots
+            ):
+                raise unreadable_references(part.url)
             kept: list[dict[str, Any]] = []
 
             def keep(record: dict[str, Any], number: int) -> None:
                 if select(record):
                     kept.append(record)
 
-            scan_part_records(client, parse_object_url(checkpoint_dir), manifest, keep)
+            scan_part_records(client, checkpoint, manifest, keep, in_part_order=True)
             return manifest, kept
         except (ObjectStoreFailure, MissingExtra) as exc:
             raise storage_failed(exc) from None
@@ -229,13 +250,23 @@ def scan_part_records(
     on_record: Callable[[dict[str, Any], int], None],
     *,
     size_only: bool = False,
+    read_references: bool = True,
+    in_part_order: bool = False,
 ) -> None:
-    """Every record of the part below `checkpoint` in its order, verified (`on_record` sees
-    each): a full part's records object streamed (`scan_object_records`); a chained part's own
-    object streamed and checked whole first, then each reference line replaced by the record
-    it stands for in an earlier part (`object_references`), so `on_record` sees exactly what
-    a full part of the same cut holds. `size_only` checks sizes (and the referenced parts)
-    without reading records."""
+    """Every record of the part below `checkpoint`, verified (`on_record` sees each with its
+    line number in the part): a full part's records object streamed (`scan_object_records`);
+    a chained part's own object streamed and checked whole, then the records its reference
+    lines stand for read from the earlier parts (`object_references`), each handed on as it
+    is read, so no more than one record is held whatever the part's size.
+
+    A chained part's records come own lines first, then each referenced object's in offset
+    order, unless `in_part_order` (a restore: the records of a full part of the same cut, in
+    its order), which keeps each referenced line's checked bytes (never decoded records)
+    until the lines before it are handed on. `read_references=False` (a publication: every
+    referenced part was verified when it was published) checks each reference line, and each
+    referenced part as published with the object of that size, without reading that object;
+    `on_record` then sees the own records only. `size_only` checks sizes without reading a
+    record."""
     part = checkpoint.child(*layout.part_components(manifest.kind, manifest.instance))
     if manifest.chain is None:
         scan_object_records(client, part, manifest, on_record, size_only=size_only)
@@ -245,22 +276,58 @@ def scan_part_records(
         scan_object_records(client, part, manifest, on_record, size_only=True)
         reader.check_files()
         return
-    records: list[dict[str, Any]] = []
-    pointed: list[tuple[RecordPointer, dict[str, Any]]] = []
-    places: list[int] = []
+    if in_part_order:
+        _scan_in_part_order(client, part, manifest, reader, on_record)
+        return
+    pending: list[PendingReference] = []
 
-    def collect(record: dict[str, Any], number: int) -> None:
+    def own_or_pending(record: dict[str, Any], number: int) -> None:
         if REFERENCE_FIELD in record:
-            pointed.append((reader.lines.pointer(record), record))
-            places.append(len(records))
-        records.append(record)
+            pending.append(reader.pending(record, number))
+        else:
+            on_record(record, number)
 
-    scan_object_records(client, part, manifest, collect)
-    check_resolved(len(pointed), manifest, part.url)
-    for place, record in reader.read_lines(pointed).items():
-        records[places[place]] = record
-    for number, record in enumerate(records, 1):
-        on_record(record, number)
+    scan_object_records(client, part, manifest, own_or_pending)
+    check_resolved(len(pending), manifest, part.url)
+    if not read_references:
+        reader.check_files()
+        return
+    reader.read_lines(pending, lambda line, data: on_record(reader.decode(line, data), line.number))
+
+
+def _scan_in_part_order(
+    client: ObjectStoreClient,
+    part: ObjectLocation,
+    manifest: StoredManifest,
+    reader: ObjectReferenceReader,
+    on_record: Callable[[dict[str, Any], int], None],
+) -> None:
+    """`scan_part_records` in the part's order: own records before the first reference line
+    are handed on as they stream; from there each line waits (an own record decoded, a
+    reference as its checked bytes) until the referenced objects are read, then every
+    waiting line is decoded and handed on in order, its bytes released as it goes."""
+    waiting: list[tuple[int, dict[str, Any] | PendingReference]] = []
+
+    def own_or_waiting(record: dict[str, Any], number: int) -> None:
+        if REFERENCE_FIELD in record:
+            waiting.append((number, reader.pending(record, number)))
+        elif waiting:
+            waiting.append((number, record))
+        else:
+            on_record(record, number)
+
+    scan_object_records(client, part, manifest, own_or_waiting)
+    pending = [line for _, line in waiting if isinstance(line, PendingReference)]
+    check_resolved(len(pending), manifest, part.url)
+    lines: dict[int, bytes] = {}
+    reader.read_lines(pending, lambda line, data: lines.__setitem__(line.number, data))
+    pending.clear()
+    for number, line in waiting:
+        if isinstance(line, PendingReference):
+            on_record(reader.decode(line, lines.pop(number)), number)
+        else:
+            on_record(line, number)
+    waiting.clear()
 
 
 def _check_references(
@@ -294,15 +361,16 @@ def scan_object_records(
     if streamed is None:
         raise corrupt_checkpoint("the records file named by the manifest is missing", part.url)
     size, chunks = streamed
-    if size != manifest.bytes:
-        raise corrupt_checkpoint(
-            f"records digest mismatch: the records file has {size} bytes, "
-            f"the manifest says {manifest.bytes}",
-            part.url,
-        )
-    if size_only:
-        return
-    scan_record_chunks(chunks, part.url, manifest, on_record)
+    # Closed however the scan ends: a GET left open holds a connection until collected.
+    with contextlib.closing(generated_chunks(chunks)) as stream:
+        if size != manifest.bytes:
+            raise corrupt_checkpoint(
+                f"records digest mismatch: the records file has {size} bytes, "
+                f"the manifest says {manifest.bytes}",
+                part.url,
+            )
+        if not size_only:
+            scan_record_chunks(stream, part.url, manifest, on_record)
 
 
 def _published_manifest(client: ObjectStoreClient, key: str) -> bytes | None:

@@ -16,10 +16,14 @@ differs from the disk is how the referenced bytes are found and read:
   from the end of a chain needs lines spread over each file (at 5 KB a record, ranged GETs of
   the lines are merged by the client into reads of nearly the whole object anyway, and
   measured no faster on SeaweedFS); the GET's size is checked against the reference before a
-  byte is used, the stream stops after the last line needed, and memory holds the lines kept,
-  never an object. Every line's sha256 is checked before it is parsed. Unlike the disk (one
-  `pread` per line), a restore from the end of a chain thus downloads about what retention
-  keeps for it: up to 1 / (1 - `incremental_max_stale_share`) of the live records.
+  byte is used, the stream stops after the last line needed (never asking for one more chunk),
+  is closed however the read ends, and each line is handed on as it is cut: memory holds a
+  chunk, never an object or a part's records. Every line's sha256 is checked before it is
+  parsed. Unlike the disk (one `pread` per line), a restore from the end of a chain thus
+  downloads about what retention keeps for it: up to 1 / (1 - `incremental_max_stale_share`)
+  of the live records. A publication reads none of it (`check_files`: the referenced parts
+  were verified when they were published; each is checked still published, naming an object
+  of that size).
 
 Any failure is INVALID_CHECKPOINT_STATE (DATA_LOSS) naming the referenced object; a store that
 fails is the caller's STORAGE_FAILED (`ObjectStoreFailure` propagates). Everything here blocks:
@@ -28,7 +32,9 @@ callers run it in a thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_checkpoint.server.core import layout
@@ -48,6 +54,16 @@ from rollout_checkpoint.server.core.part_references import (
     check_names_file,
     check_reference_name,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReference:
+    """A reference line of the part being read, kept until its record is read: the line's
+    number in the part, where the record lies, and the episode a version 2 line names."""
+
+    number: int
+    pointer: RecordPointer
+    episode: object
 
 
 class ObjectReferenceReader:
@@ -98,43 +114,65 @@ class ObjectReferenceReader:
             size = self._client.size(self._records_key(index))
             self._check_size(index, size)
 
+    def pending(self, line: dict[str, Any], number: int) -> PendingReference:
+        """What a reference line (line `number` of the part) needs kept until it is resolved:
+        its pointer, checked against the referenced object's recorded size, and in version 2
+        the episode it names; never the line itself (a part's worth of decoded lines is what
+        a chained part's read must not hold)."""
+        pointer = self.lines.pointer(line)
+        reference = self._references[pointer.reference]
+        self.lines.check_within(pointer, reference, self._records_shown(reference))
+        return PendingReference(number, pointer, line.get("episode_id"))
+
     def read_lines(
-        self, pointed: list[tuple[RecordPointer, dict[str, Any]]]
-    ) -> dict[int, dict[str, Any]]:
-        """The records the reference lines stand for, by the line's place in `pointed`
-        (pointer, reference line): one referenced object at a time, every line checked.
+        self,
+        pending: Iterable[PendingReference],
+        on_line: Callable[[PendingReference, bytes], None],
+    ) -> None:
+        """Hand each reference's line to `on_line` as its bytes arrive, whole and of the
+        sha256 the reference carries (`decode` parses it): one referenced object at a time,
+        its lines in offset order, so memory holds one line, never an object or a part.
         (Reading a chain's objects concurrently was measured no faster on SeaweedFS: the
         bytes, hashing and parsing bound a restore, not one stream's latency.)"""
-        by_file: dict[int, list[int]] = {}
-        for place, (pointer, _) in enumerate(pointed):
-            by_file.setdefault(pointer.reference, []).append(place)
-        records: dict[int, dict[str, Any]] = {}
-        for index, places in sorted(by_file.items()):
-            records.update(self._read_file(index, places, pointed))
-        return records
+        by_file: dict[int, list[PendingReference]] = {}
+        for reference in pending:
+            by_file.setdefault(reference.pointer.reference, []).append(reference)
+        for index, lines in sorted(by_file.items()):
+            self._read_file(index, sorted(lines, key=lambda p: p.pointer.offset), on_line)
+
+    def decode(self, reference: PendingReference, data: bytes) -> dict[str, Any]:
+        """The record in a line `read_lines` handed on (its bytes already checked)."""
+        line = {"episode_id": reference.episode}
+        return self.lines.parse(data, line, self._shown_of(reference))
 
     def _read_file(
-        self, index: int, places: list[int], pointed: list[tuple[RecordPointer, dict[str, Any]]]
-    ) -> dict[int, dict[str, Any]]:
-        """The records of one referenced object the lines at `places` point at."""
-        reference = self._references[index]
-        shown = self._records_shown(reference)
-        places = sorted(places, key=lambda place: pointed[place][0].offset)
-        for place in places:
-            self.lines.check_within(pointed[place][0], reference, shown)
-        chunks = self._stream(index)
-        wanted = ((pointed[place][0].offset, pointed[place][0].length + 1) for place in places)
-        records: dict[int, dict[str, Any]] = {}
-        for place, data in zip(places, _picked(chunks, wanted), strict=True):
-            pointer, line = pointed[place]
-            records[place] = self.lines.record(data, pointer, line, shown)
-        return records
+        self,
+        index: int,
+        lines: list[PendingReference],
+        on_line: Callable[[PendingReference, bytes], None],
+    ) -> None:
+        """The lines of one referenced object, by one streamed GET closed when they are
+        read or a check fails (a GET left open holds a connection until it is collected)."""
+        shown = self._records_shown(self._references[index])
+        with contextlib.closing(self._stream(index)) as chunks:
+            wanted = [(p.pointer.offset, p.pointer.length + 1) for p in lines]
+            for reference, data in zip(lines, _picked(chunks, wanted), strict=True):
+                self.lines.check_bytes(data, reference.pointer, shown)
+                on_line(reference, data)
 
-    def _stream(self, index: int) -> Iterator[bytes]:
-        streamed = self._client.stream(self._records_key(index))
+    def _shown_of(self, reference: PendingReference) -> str:
+        return self._records_shown(self._references[reference.pointer.reference])
+
+    def _stream(self, index: int) -> Generator[bytes, None, None]:
+        """The referenced object's chunks, once its size matched the reference (checked
+        before a byte is read; the refused GET is closed)."""
+        key = self._records_key(index)
+        streamed = self._client.stream(key)
+        if streamed is not None and streamed[0] != self._references[index].bytes:
+            _close(streamed[1])
         self._check_size(index, None if streamed is None else streamed[0])
         assert streamed is not None
-        return streamed[1]
+        return generated_chunks(streamed[1])
 
     def _check_size(self, index: int, size: int | None) -> None:
         reference = self._references[index]
@@ -214,18 +252,33 @@ def _picked(chunks: Iterable[bytes], wanted: Iterable[tuple[int, int]]) -> Itera
     it holds of the next range: a short line, which its check refuses."""
     ranges = iter(wanted)
     following = next(ranges, None)
+    if following is None:
+        return
     held = bytearray()
     start = 0  # the object's offset of held[0]
     for chunk in chunks:
-        if following is None:
-            return
         held += chunk
         while following is not None and following[0] + following[1] <= start + len(held):
             offset, length = following
             yield bytes(held[offset - start : offset - start + length])
             following = next(ranges, None)
-        drop = len(held) if following is None else min(following[0] - start, len(held))
+        if following is None:
+            return  # never ask the stream for another chunk: it would be downloaded whole
+        drop = min(following[0] - start, len(held))
         del held[:drop]
         start += drop
-    if following is not None:
-        yield bytes(held[following[0] - start :])
+    yield bytes(held[following[0] - start :])
+
+
+def generated_chunks(chunks: Iterator[bytes]) -> Generator[bytes, None, None]:
+    """`chunks` as a generator whose `close` closes the stream beneath it."""
+    try:
+        yield from chunks
+    finally:
+        _close(chunks)
+
+
+def _close(chunks: Iterator[bytes]) -> None:
+    close = getattr(chunks, "close", None)
+    if close is not None:
+        close()

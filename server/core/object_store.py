@@ -156,15 +156,30 @@ def allowed_url(location: ObjectLocation, allowed_roots: Sequence[str]) -> bool:
     (as for paths); otherwise only below a root that is itself an object URL."""
     if not allowed_roots:
         return True
+    return any(root.contains(location) for root in _url_roots(allowed_roots))
+
+
+def _url_roots(allowed_roots: Sequence[str]) -> Iterator[ObjectLocation]:
+    """The allowed roots that are valid object URLs (a path root never admits a URL)."""
     for root in allowed_roots:
-        if not is_object_url(root):
-            continue
-        try:
-            if parse_object_url(root).contains(location):
-                return True
-        except ValueError:
-            continue
-    return False
+        if is_object_url(root):
+            try:
+                yield parse_object_url(root)
+            except ValueError:
+                continue
+
+
+def strictly_below_allowed_root(location: ObjectLocation, allowed_roots: Sequence[str]) -> bool:
+    """Whether `location` lies strictly below an allowed root (any location when none are
+    set): then its parent prefix, where a chained part's sibling references resolve, is
+    inside that root. A checkpoint at a root itself would send its references beside it,
+    outside every allowed root (another tenant's prefix)."""
+    if not allowed_roots:
+        return True
+    return any(
+        root.contains(location) and root.prefix != location.prefix
+        for root in _url_roots(allowed_roots)
+    )
 
 
 class ObjectStoreFailure(Exception):

@@ -122,12 +122,23 @@ class ReferenceLines:
         """The referenced record from the bytes read at the pointer (the line and its
         newline): its sha256 is checked before it is parsed, and it must be a record (never
         another reference: chains are flattened), in version 2 of the episode named."""
+        self.check_bytes(data, pointer, shown)
+        return self.parse(data, line, shown)
+
+    @staticmethod
+    def check_bytes(data: bytes, pointer: RecordPointer, shown: str) -> None:
+        """The bytes read at the pointer are one whole line with the sha256 the reference
+        carries: checked before they are parsed, or kept to be parsed later."""
         if len(data) != pointer.length + 1 or data[-1:] != b"\n":
             raise corrupt_checkpoint("a reference does not point at one whole line", shown)
         if hashlib.sha256(data[:-1]).hexdigest() != pointer.sha256:
             raise corrupt_checkpoint(
                 f"referenced record digest mismatch at offset {pointer.offset}", shown
             )
+
+    def parse(self, data: bytes, line: dict[str, Any], shown: str) -> dict[str, Any]:
+        """The record in bytes `check_bytes` accepted: a record (never another reference:
+        chains are flattened), in version 2 of the episode the reference `line` names."""
         try:
             record = load_json(data[:-1])
         except ValueError as exc:

@@ -88,6 +88,7 @@ from rollout_checkpoint.server.core.layout import (
     StoredManifest,
     load_json,
 )
+from rollout_checkpoint.server.core.object_store import is_object_url
 from rollout_checkpoint.server.core.part_reader import read_manifest, scan_records
 from rollout_checkpoint.server.core.part_references import (
     ReferenceReader,
@@ -208,6 +209,20 @@ def validate_checkpoint_dir(raw: str, allowed_roots: Sequence[str]) -> str:
     return real
 
 
+def strictly_below_allowed_root(path: str, allowed_roots: Sequence[str]) -> bool:
+    """Whether the real path `path` lies strictly below an allowed directory root (any path
+    when no roots are set): then its parent, where a chained part's sibling references
+    resolve, is inside that root. A checkpoint at a root itself would send its references
+    beside it, outside every allowed root. Blocks (realpath)."""
+    if not allowed_roots:
+        return True
+    return any(
+        _is_within(path, root) and path != os.path.realpath(root)
+        for root in allowed_roots
+        if not is_object_url(root)
+    )
+
+
 def _is_within(path: str, root: str) -> bool:
     real_root = os.path.realpath(root)
     return path == real_root or path.startswith(real_root.rstrip("/") + "/")
@@ -231,9 +246,15 @@ class LocalStorage:
     and the commit fails (retryably) instead of its thread waiting forever.
     """
 
-    def __init__(self, crash_hook: CrashHook | None = None, lock_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        crash_hook: CrashHook | None = None,
+        lock_timeout: float = 60.0,
+        allowed_roots: Sequence[str] = (),
+    ) -> None:
         self._crash_hook = crash_hook
         self._lock_timeout = lock_timeout
+        self._allowed_roots = tuple(allowed_roots)
 
     def _step(self, name: str) -> None:
         if self._crash_hook is not None:
@@ -262,6 +283,8 @@ class LocalStorage:
         part_path = layout.part_path(checkpoint_dir, kind, instance)
         check_chain(chain, checkpoint_dir, part_path)
         if chain is not None:
+            if not strictly_below_allowed_root(checkpoint_dir, self._allowed_roots):
+                raise references_outside_roots(part_path)
             _check_referenced(checkpoint_dir, kind, instance, chain)
         try:
             part_fd = _open_part_dir(checkpoint_dir, kind, instance, create=True)
@@ -441,6 +464,8 @@ class LocalStorage:
         try:
             manifest = read_manifest(part_fd, part_path, kind, instance)
             if manifest.chain is not None:
+                if not strictly_below_allowed_root(checkpoint_dir, self._allowed_roots):
+                    raise unreadable_references(part_path)
                 return manifest, _read_chained(checkpoint_dir, part_fd, part_path, manifest, select)
             kept: list[dict[str, Any]] = []
 
@@ -454,6 +479,26 @@ class LocalStorage:
             raise _storage_error(exc, part_path) from exc
         finally:
             os.close(part_fd)
+
+
+def references_outside_roots(part_path: str) -> CheckpointError:
+    """INVALID_REQUEST for a chained part written at an allowed root itself: its references
+    would name checkpoints beside the root, outside every allowed root."""
+    return invalid_request(
+        "checkpoint_dir",
+        f"{part_path}: a part at an allowed checkpoint root itself cannot reference earlier "
+        "checkpoints: they would lie outside the allowed roots",
+    )
+
+
+def unreadable_references(part_path: str) -> CheckpointError:
+    """DATA_LOSS for a chained part read at an allowed root itself: no reference of it can
+    be read without leaving the allowed roots, so it is refused before any is."""
+    return corrupt_checkpoint(
+        "the part references checkpoints beside an allowed checkpoint root, outside the "
+        "allowed roots",
+        part_path,
+    )
 
 
 def check_chain(chain: PartChain | None, checkpoint_dir: str, part_path: str) -> None:

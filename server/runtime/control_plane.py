@@ -119,7 +119,9 @@ class ControlPlane(ControlViews, ChangeSignals):
         super().__init__()
         self.participant = participant
         self.settings = settings or ControlSettings()
-        self.storage: CheckpointStorage = storage or PartStorage()
+        self.storage: CheckpointStorage = storage or PartStorage(
+            allowed_roots=self.settings.allowed_checkpoint_roots
+        )
         self.clock: Clock = clock or SystemClock()
         self.observer = observer or ControlObserver()
         self.retired_attempts = RetiredAttempts()

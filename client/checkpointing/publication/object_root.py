@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any, TypeVar
 
 from rollout_checkpoint.client.checkpointing.publication.errors import (
@@ -91,6 +92,28 @@ from rollout_checkpoint.server.core.part_reader import check_owner, decode_manif
 
 CrashHook = Callable[[str], None]
 _T = TypeVar("_T")
+
+
+class _Depth(Enum):
+    """How much of a part a verification reads."""
+
+    SIZES = "sizes"
+    """Sizes only (`verify_records=False`)."""
+    OWN_RECORDS = "own records"
+    """A publication's: the part's own records object hashed whole; the parts a chained part
+    references checked still published, of this participant, naming that object with that
+    size, but not downloaded: each was verified when it was published, and reading them
+    again would cost about every participant's live bytes at every checkpoint (inside the
+    pause of a synchronous commit)."""
+    EVERY_LINE = "every line"
+    """`inspect`'s: every referenced line read and hashed too, as a Restore does."""
+
+    def scan_options(self) -> dict[str, bool]:
+        return {
+            "size_only": self is _Depth.SIZES,
+            "read_references": self is _Depth.EVERY_LINE,
+        }
+
 
 _OLDEST = datetime.min.replace(tzinfo=UTC)
 _LATEST_SWAPS = 16
@@ -193,7 +216,8 @@ class ObjectCheckpointRoot:
             # checkpoints with (those started before this one are abandoned attempts).
             reference = min(o.last_modified for o in objects)
             for entry in entries:
-                self._verify_part(ckpt, entry, checkpoint_id, full=verify_records)
+                depth = _Depth.OWN_RECORDS if verify_records else _Depth.SIZES
+                self._verify_part(ckpt, entry, checkpoint_id, depth=depth)
             self._step("after_verify")
             fleet_key = ckpt.key(FLEET_MANIFEST_NAME)
             existing = self._call(lambda: self._client.get(fleet_key))
@@ -271,7 +295,7 @@ class ObjectCheckpointRoot:
         return _created_at_of(stored) or _OLDEST
 
     def _verify_part(
-        self, ckpt: ObjectLocation, entry: PublishedParticipant, checkpoint_id: str, *, full: bool
+        self, ckpt: ObjectLocation, entry: PublishedParticipant, checkpoint_id: str, depth: _Depth
     ) -> tuple[ParticipantSummary, int]:
         part = ckpt.child(*layout.part_components(entry.kind, entry.instance))
         keys: list[str] = []
@@ -298,7 +322,9 @@ class ObjectCheckpointRoot:
             manifest = decode_manifest(raw, part.url)
             check_owner(manifest, part.url, entry.kind, entry.instance, checkpoint_id)
             self._call(
-                lambda: scan_part_records(self._client, ckpt, manifest, episode, size_only=not full)
+                lambda: scan_part_records(
+                    self._client, ckpt, manifest, episode, **depth.scan_options()
+                )
             )
         except CheckpointError as error:
             if error.reason == Reason.STORAGE_FAILED:
@@ -461,7 +487,9 @@ class ObjectCheckpointRoot:
             )
         summaries: list[ParticipantSummary] = []
         for entry in manifest.participants:
-            summary, duplicates = self._verify_part(ckpt, entry, manifest.checkpoint_id, full=True)
+            summary, duplicates = self._verify_part(
+                ckpt, entry, manifest.checkpoint_id, depth=_Depth.EVERY_LINE
+            )
             summaries.append(summary)
             if duplicates:
                 warnings.append(
