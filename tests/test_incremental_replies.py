@@ -279,3 +279,18 @@ def test_status_shows_the_last_part_each_member_published(tmp_path: Path) -> Non
 
 def figures_of(part: dict[str, Any]) -> tuple[int, int, int]:
     return (part["records_written"], part["records_referenced"], part["chain_length"])
+
+
+async def test_a_commit_at_an_allowed_root_itself_is_full_not_refused(tmp_path: Path) -> None:
+    """Allowed roots `a` and `b`, siblings: a part at `b` itself, then one at `a` itself.
+    Storage refuses a chained part at a root itself (its references would resolve beside it,
+    outside every allowed root), so the second part must be full, not a refused Commit."""
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    async with running(IncrementalCounter, allowed_checkpoint_roots=roots) as r:
+        fleet = Fleet(r, tmp_path)
+        await fleet.seed(3)
+        first, _ = await commit(r, "c1", tmp_path / "b")
+        await fleet.increment(0)
+        second, manifest = await commit(r, "c2", tmp_path / "a")
+        assert figures(first) == figures(second) == (3, 0, 1)
+        assert manifest.schema_version == 1

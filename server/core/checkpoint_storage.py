@@ -9,6 +9,7 @@ and read to the backend the checked location belongs to. The guarantees are the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -47,6 +48,17 @@ def validate_checkpoint_location(raw: str, allowed_roots: Sequence[str]) -> str:
     if allowed_roots and not local_roots:
         raise invalid_request("checkpoint_dir", "lies outside the allowed checkpoint roots")
     return validate_checkpoint_dir(raw, local_roots)
+
+
+def allowed_root_locations(allowed_roots: Sequence[str]) -> frozenset[str]:
+    """The allowed roots in the form `validate_checkpoint_location` returns a location
+    (real paths, canonical URLs): a checkpoint at one of them has no sibling inside any
+    allowed root, so its part must be full (`PartChains`). Blocks (realpath): call it once,
+    at start."""
+    return frozenset(
+        parse_object_url(root).url if is_object_url(root) else os.path.realpath(root)
+        for root in allowed_roots
+    )
 
 
 class PartStorage:

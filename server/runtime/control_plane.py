@@ -37,6 +37,7 @@ from typing import Any
 
 from rollout_checkpoint.server.core.checkpoint_storage import (
     PartStorage,
+    allowed_root_locations,
     validate_checkpoint_location,
 )
 from rollout_checkpoint.server.core.clock import Clock, SystemClock
@@ -131,7 +132,8 @@ class ControlPlane(ControlViews, ChangeSignals):
             ChainSettings(
                 full_every=self.settings.incremental_full_every,
                 max_stale_share=self.settings.incremental_max_stale_share,
-            )
+            ),
+            allowed_root_locations(self.settings.allowed_checkpoint_roots),
         )
         self._duties = Duties()
         lease = Lease(

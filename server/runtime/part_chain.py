@@ -124,8 +124,14 @@ def _stale_share(locations: Mapping[Hashable, RecordLocation]) -> float:
 class PartChains:
     """The participant's latest published part, the base of its next incremental part."""
 
-    def __init__(self, settings: ChainSettings | None = None) -> None:
+    def __init__(
+        self, settings: ChainSettings | None = None, allowed_roots: frozenset[str] = frozenset()
+    ) -> None:
         self.settings = settings or ChainSettings()
+        self._allowed_roots = allowed_roots
+        """The allowed checkpoint roots (`allowed_root_locations`): a part at one of them
+        is full, since its siblings lie outside every allowed root and storage refuses a
+        reference there."""
         self._latest: PublishedChain | None = None
         self._generation = 0
 
@@ -159,7 +165,7 @@ class PartChains:
         """The part a commit into `checkpoint_dir` may reference, or None for a full part."""
         base = self._latest
         sibling = _root_and_name(checkpoint_dir)
-        if base is None or sibling is None:
+        if base is None or sibling is None or checkpoint_dir in self._allowed_roots:
             return None
         root, name = sibling
         if base.root != root or base.checkpoint == name:
