@@ -148,10 +148,11 @@ class EpisodeSteps:
         self._opened = asyncio.Event()
         self._opened.set()
         self._changes = asyncio.Event()
-        self.stamps: RecordStamps[str] = RecordStamps(self._exportable)
-        """The last change of each capture key's record (an incremental export's test of
-        what it may reference): every method that changes what `export` returns for a key
-        stamps it."""
+        self.stamps: RecordStamps[str] = RecordStamps(
+            lambda key: key in self.episodes or key in self._restored or key in self._outcomes
+        )
+        """The last change of each key's record (what an incremental export may reference):
+        every method that changes what `export` returns for a key stamps it."""
 
     # -- admission ------------------------------------------------------------------------
 
@@ -265,12 +266,8 @@ class EpisodeSteps:
         scope names: release delivered outcomes, and with an explicit scope every outcome it
         leaves out (the controller no longer continues those episodes)."""
         self._outcomes.committed(scope, len(self.episodes))
-        self.stamps.keep_only(self._exportable)
+        self.stamps.prune()
         self._notify()
-
-    def _exportable(self, key: str) -> bool:
-        """Whether a checkpoint may still export a record of `key` (its stamp matters)."""
-        return key in self.episodes or key in self._restored or key in self._outcomes
 
     def end(self, episode: TrackedEpisode) -> None:
         """Stop tracking `episode` (no outcome kept: a checkpoint no longer exports it).

@@ -147,7 +147,9 @@ class ModelParticipant(Participant):
         self.kind = Kind.MODEL
         self.instance = instance
         self.incremental = incremental
-        self._stamps: RecordStamps[EpisodeId] = RecordStamps(self._exportable)
+        self._stamps: RecordStamps[EpisodeId] = RecordStamps(
+            lambda e: e in self.ledgers or e in self.restored
+        )
         """The last change of each episode's record: a delivery into its ledger, a claim of
         its restored ledger, an install, or the end of a generation cut exported with it."""
         self.backend = backend
@@ -482,11 +484,7 @@ class ModelParticipant(Participant):
         for episode in [e for e in self.ledgers if e not in scope and e not in busy]:
             del self.ledgers[episode]
             self._installed.discard(episode)
-        self._stamps.keep_only(self._exportable)
-
-    def _exportable(self, episode: EpisodeId) -> bool:
-        """Whether a checkpoint may still export the record of `episode` (its stamp matters)."""
-        return episode in self.ledgers or episode in self.restored
+        self._stamps.prune()
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         """The controller is done with these rollouts: their ledgers go too."""

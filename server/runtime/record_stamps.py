@@ -9,7 +9,7 @@ stamps the record's key with the next value of one clock, which `change_clock` r
 cut. The rules each keep a changed record from being taken for an unchanged one:
 
 * A key that was never stamped, or whose stamp was forgotten, is changed: forgetting
-  (`keep_only`) can cost a record stored again, never a change missed.
+  (`prune`) can cost a record stored again, never a change missed.
 * The clock is read at the cut before the export, so a change during the export or during
   an asynchronous write is stamped above the cut and stays changed for the next part.
 * Stamps only rise; a key that leaves and comes back (a new run of a capture key) is stamped
@@ -53,7 +53,7 @@ class RecordStamps(Generic[Key]):
         self.clock += 1
         self._stamps[key] = self.clock
         if len(self._stamps) > self._limit:
-            self.keep_only(self._held)
+            self.prune()
 
     def unchanged(self, key: Key, identity: Hashable, base: ExportBase | None) -> bool:
         """Whether the base part holds the record `identity` of `key` and nothing changed
@@ -63,9 +63,10 @@ class RecordStamps(Generic[Key]):
         stamp = self._stamps.get(key)
         return stamp is not None and stamp <= base.cut and base.holds(identity)
 
-    def keep_only(self, held: Callable[[Key], bool]) -> None:
-        """Forget the stamps of keys no longer `held`: bounded by what is held, and a key
-        that comes back is stamped again (or counts as changed)."""
+    def prune(self) -> None:
+        """Forget the stamps of keys the owner no longer holds (`held`): bounded by what is
+        held, and a key that comes back is stamped again (or counts as changed)."""
+        held = self._held
         for key in [k for k in self._stamps if not held(k)]:
             del self._stamps[key]
         self._limit = 2 * len(self._stamps) + PRUNE_FLOOR
