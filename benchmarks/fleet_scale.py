@@ -95,11 +95,13 @@ async def run(ctx: Any) -> BenchResult:
                 checkpoint_id = f"bench-fleet-{size}-{repeat + 1}"
                 directory = root / checkpoint_id
                 timing = await cycle(fleets[size], checkpoint_id, str(directory), scopes[size])
-                shutil.rmtree(directory, ignore_errors=True)
                 if repeat >= 0:
                     timings[size].append(timing)
     finally:
         await asyncio.gather(*(f.close() for f in fleets.values()))
+        # Only at the end: the counter checkpoints incrementally, so a later checkpoint may
+        # reference any earlier one of the run (a commit whose references are gone is refused).
+        await asyncio.to_thread(shutil.rmtree, ctx.workdir / "fleet-checkpoints", True)
         processes.stop_servers([s for g in groups for s in g.servers])
     for size in sizes:
         for phase in ("total", "prepare", "commit", "resume"):
