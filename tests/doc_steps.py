@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from rollout_checkpoint.examples.demo.ports import restartable_ports
 
 from .processes import REPO, run_shell_script
 
@@ -35,10 +36,8 @@ HEREDOC = re.compile(r"<<-?\s*(['\"]?)(?P<word>\w+)\1")
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A port below the ephemeral range: a page may restart a server on its port."""
+    return restartable_ports(1)[0]
 
 
 @dataclass

@@ -46,7 +46,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -55,6 +54,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+
+from rollout_checkpoint.examples.demo.ports import restartable_ports
 
 REPO = Path(__file__).resolve().parent.parent
 SEAWEEDFS_SCRIPT = REPO / "scripts" / "seaweedfs"
@@ -166,14 +167,11 @@ def weed_binary() -> Path:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports that were free on 127.0.0.1 a moment ago. All are bound at once
-    (so they differ), then released for weed to bind. The gRPC ports are chosen too: weed's
-    default (HTTP port + 10000) overflows 65535 for ports from the ephemeral range."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+    """`count` distinct ports that were free on 127.0.0.1 a moment ago, below the ephemeral
+    range (`examples/demo/ports.py`: a server restarted on its port must find it free again).
+    The gRPC ports are chosen too: weed's default (HTTP port + 10000) overflows 65535 for
+    ports from the ephemeral range."""
+    return restartable_ports(count)
 
 
 def _sha256(data: bytes) -> str:

@@ -56,7 +56,7 @@ from rollout_checkpoint.server.core.part_storage import LocalStorage, WriteFence
 from .s3_server import S3Connection
 from .test_incremental import ROLLOUTS, Fleet, IncrementalCounter, _episode, restored_states
 from .test_incremental_crash import run_until_marker
-from .test_incremental_retention import INSTANCE, KIND, T0, Line, write
+from .test_incremental_retention import INSTANCE, KIND, T0, Line, draw_part_contents, write
 from .test_object_store import get_object, keys_below, s3_env, url
 from .test_resources import Running, running
 from .test_s3_server import store_for
@@ -299,13 +299,7 @@ def test_retention_on_the_store_keeps_every_checkpoint_a_kept_one_references(
     for number in range(data.draw(st.integers(2, 7), label="checkpoints")):
         checkpoint = f"c{number}"
         present = checkpoints_on_store(s3_env, root_url)
-        on_store = [line for line in lines if line.checkpoint in present]
-        referenced = (
-            data.draw(st.lists(st.sampled_from(on_store), unique=True, max_size=6), label="refs")
-            if on_store
-            else []
-        )
-        own = data.draw(st.integers(0 if referenced else 1, 3), label="own")
+        referenced, own = draw_part_contents(data, lines, present.__contains__)
         part, written = write(root_url, checkpoint, own, referenced, storage)
         lines += written
         if data.draw(st.booleans(), label="publication fails"):

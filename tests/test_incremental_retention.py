@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -110,6 +111,25 @@ def restorable(root: Path, checkpoint: str) -> bool:
     return True
 
 
+def draw_part_contents(
+    data: st.DataObject, lines: list[Line], still_there: Callable[[str], bool]
+) -> tuple[list[Line], int]:
+    """References and an own-record count for the next part. What is still on disk or on the
+    store depends on wall-clock time (retention deletes an unpublished checkpoint only when it
+    was started before the one being published, compared at the storage's mtime resolution: a
+    second on S3), so the draws must not: hypothesis replays a choice sequence and refuses one
+    whose draws changed (FlakyStrategyDefinition). Draw from every line written so far, then
+    keep those whose checkpoint is `still_there`."""
+    picks = (
+        data.draw(st.lists(st.sampled_from(lines), unique=True, max_size=6), label="refs")
+        if lines
+        else []
+    )
+    referenced = [line for line in picks if still_there(line.checkpoint)]
+    own = data.draw(st.integers(0, 3), label="own")
+    return referenced, own if referenced else max(own, 1)
+
+
 @settings(
     max_examples=40,
     deadline=None,
@@ -124,13 +144,9 @@ def test_retention_keeps_every_directory_a_kept_checkpoint_references(
     lines: list[Line] = []
     for number in range(data.draw(st.integers(2, 9), label="checkpoints")):
         checkpoint = f"c{number}"
-        on_disk = [line for line in lines if (root_dir / line.checkpoint).exists()]
-        referenced = (
-            data.draw(st.lists(st.sampled_from(on_disk), unique=True, max_size=6), label="refs")
-            if on_disk
-            else []
+        referenced, own = draw_part_contents(
+            data, lines, lambda checkpoint: (root_dir / checkpoint).exists()
         )
-        own = data.draw(st.integers(0 if referenced else 1, 3), label="own")
         part, written = write(root_dir, checkpoint, own, referenced)
         lines += written
         if data.draw(st.booleans(), label="publication fails"):

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from rollout_checkpoint.client.participant import ParticipantClient
+from rollout_checkpoint.examples.demo.ports import restartable_addresses
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.rollout_prefix import rollout_path
 
@@ -189,7 +190,16 @@ async def test_checkpoint_kill_restore_continue_equals_uninterrupted(
     work = tmp_path / "work"
     work.mkdir()
 
-    first = Process(beside_nemo_gym, server, work)
+    http_address, grpc_address = restartable_addresses(2)  # `second` listens on them again
+    first = Process(
+        beside_nemo_gym,
+        server,
+        work,
+        "--http-address",
+        http_address,
+        "--grpc-address",
+        grpc_address,
+    )
     processes.append(first)
     episode = EpisodeId("r1")
     async with httpx.AsyncClient(timeout=30) as http:

@@ -45,6 +45,7 @@ from rollout_checkpoint.client.coordinator.supervisor import (
     SupervisorSettings,
 )
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
+from rollout_checkpoint.examples.demo.ports import restartable_addresses
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
@@ -80,9 +81,12 @@ class CounterFleet:
         name: str,
         *,
         start_closed: bool = False,
-        http: str = "127.0.0.1:0",
-        grpc: str = "127.0.0.1:0",
+        http: str | None = None,
+        grpc: str | None = None,
     ) -> Counter:
+        """Below the ephemeral range unless given: `replace` listens on them again."""
+        if http is None or grpc is None:
+            http, grpc = restartable_addresses(2)
         self._generation += 1
         log = self.logs / f"{name}-{self._generation}.log"
         command = [*SERVE, "--instance", name, "--http-address", http, "--grpc-address", grpc]

@@ -1,7 +1,7 @@
 """The demo's fleet as local processes: start it callee-first, stop it, kill it callers-first.
 
 Each server is a real `serve` process in its own process group with its sidecar on a free
-loopback port, announced by one JSON line: the demo drives the same processes an operator
+loopback port below the ephemeral range (`ports.py`), announced by one JSON line: the demo drives the same processes an operator
 would run, so a SIGKILL here is the crash it claims to survive.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 from rollout_checkpoint.client import FleetSpec, MemberSpec
 
 from .options import Options
+from .ports import restartable_addresses
 
 
 @dataclass
@@ -141,8 +142,12 @@ async def start_fleet(
 
 
 async def _start(fleet: FleetProcesses, logs: Path, name: str, kind: str, args: list[str]) -> None:
+    """Start one server on addresses below the ephemeral range (`ports.py`): a replacement
+    after a SIGKILL must be able to listen on them again."""
+    http, grpc = restartable_addresses(2)
+    addresses = ["--http-address", http, "--grpc-address", grpc]
     fleet.servers[name] = await asyncio.to_thread(
-        launch_server, fleet.label, logs, name, kind, args
+        launch_server, fleet.label, logs, name, kind, [*args, *addresses]
     )
 
 
