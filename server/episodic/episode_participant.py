@@ -44,6 +44,7 @@ from rollout_checkpoint.server.runtime.participant import (
     RestoredRecord,
     UnchangedRecord,
 )
+from rollout_checkpoint.server.runtime.record_stamps import PRUNE_FLOOR
 from rollout_checkpoint.server.runtime.result_outbox import (
     Lookup,
     Produced,
@@ -304,15 +305,35 @@ class EnvironmentParticipant(EpisodeParticipant):
         super().__init__(Kind.ENVIRONMENT, instance, incremental=incremental)
         self.digests: dict[str, str] = {}
         self._restored_digests: dict[str, str] = {}
+        self._outcome_digests: dict[str, str] = {}
+        """The task pins of ended episodes whose outcome is still held (`end_task` keeps
+        them): the outcome's record names its task too, whatever the outcome holds."""
+        self._outcome_digests_limit = PRUNE_FLOOR
 
     def record_fields(self, episode_id: EpisodeId, boundary: Any) -> dict[str, Any]:
         """`{"task_digest", "boundary"}`: the digest pins the task a replacement must run
-        (the running episode's, a restored one's, or a finished outcome's own)."""
+        (the running episode's, a restored one's, or a finished outcome's).
+
+        A record without it would make the whole checkpoint unrestorable (`validate_record`
+        refuses it, and a restore installs all or nothing), found only at the restore that
+        needed it: an episode whose task is unknown (begun with `begin`, not `begin_task`)
+        fails the Commit instead, typed and naming the episode, with nothing written."""
         key = episode_id.capture_key
-        digest = self.digests.get(key) or self._restored_digests.get(key)
+        digest = (
+            self.digests.get(key)
+            or self._restored_digests.get(key)
+            or self._outcome_digests.get(key)
+        )
         if digest is None and isinstance(boundary, dict):
-            digest = boundary.get("task_digest")  # a finished episode's outcome carries it
-        return {"task_digest": digest or "", "boundary": boundary}
+            digest = boundary.get("task_digest")  # an outcome restored from an older part
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise CheckpointError(
+                Reason.HOOK_FAILED,
+                f"environment episode {key} has no task: begin environment episodes with "
+                "begin_task (a record without its task could not be restored)",
+                metadata={"captureKey": key},
+            )
+        return {"task_digest": digest, "boundary": boundary}
 
     def validate_record(self, record: RestoredRecord) -> Any:
         fields = record.fields
@@ -368,10 +389,26 @@ class EnvironmentParticipant(EpisodeParticipant):
         """End an episode begun with `begin_task` and drop its task pin; call it in a
         `finally`, so a failed or retired episode stops blocking and being tracked."""
         key = episode.episode_id.capture_key
-        self.digests.pop(key, None)
-        # A finished episode's outcome record took its digest from here until now.
-        self.episodes_tracker.stamps.touch(key)
+        digest = self.digests.pop(key, None)
+        stamps = self.episodes_tracker.stamps
+        stamps.touch(key)
         self.episodes_tracker.end(episode)
+        if digest is not None and stamps.holds(key):  # its outcome is held: keep the pin
+            self._outcome_digests[key] = digest
+            if len(self._outcome_digests) > self._outcome_digests_limit:
+                self._prune_outcome_digests()
+
+    def _prune_outcome_digests(self) -> None:
+        """Drop the pins of outcomes no longer held: bounded by the outcomes held (which
+        bound themselves), pruned at every commit and when grown past twice the last
+        pruning's (as `RecordStamps`)."""
+        holds = self.episodes_tracker.stamps.holds
+        self._outcome_digests = {k: d for k, d in self._outcome_digests.items() if holds(k)}
+        self._outcome_digests_limit = 2 * len(self._outcome_digests) + PRUNE_FLOOR
+
+    def committed(self, scope: frozenset[EpisodeId] | None) -> None:
+        super().committed(scope)
+        self._prune_outcome_digests()
 
     def facts(self) -> Mapping[str, str]:
         return {"relay_step": "replay"}

@@ -71,6 +71,10 @@ class RecordStamps(Generic[Key]):
             del self._stamps[key]
         self._limit = 2 * len(self._stamps) + PRUNE_FLOOR
 
+    def holds(self, key: Key) -> bool:
+        """Whether the owner may still export a record of `key` (its `held` test)."""
+        return self._held(key)
+
     def __len__(self) -> int:
         return len(self._stamps)
 
