@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_checkpoint.examples.demo.ports import restartable_ports
+from rollout_checkpoint.client.fleet.ports import restartable_ports
 
 from .processes import REPO, run_shell_script
 

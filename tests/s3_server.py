@@ -55,7 +55,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_checkpoint.examples.demo.ports import restartable_ports
+from rollout_checkpoint.client.fleet.ports import restartable_ports
 
 REPO = Path(__file__).resolve().parent.parent
 SEAWEEDFS_SCRIPT = REPO / "scripts" / "seaweedfs"
@@ -168,7 +168,7 @@ def weed_binary() -> Path:
 
 def free_ports(count: int) -> list[int]:
     """`count` distinct ports that were free on 127.0.0.1 a moment ago, below the ephemeral
-    range (`examples/demo/ports.py`: a server restarted on its port must find it free again).
+    range (`client/fleet/ports.py`: a server restarted on its port must find it free again).
     The gRPC ports are chosen too: weed's default (HTTP port + 10000) overflows 65535 for
     ports from the ephemeral range."""
     return restartable_ports(count)

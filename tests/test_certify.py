@@ -32,6 +32,7 @@ import pytest
 from rollout_checkpoint.client.certify.findings import REPORT_FORMAT, Fault
 from rollout_checkpoint.client.certify.plan import plan_trials
 from rollout_checkpoint.client.cli.console import ExitCode
+from rollout_checkpoint.client.fleet.ports import ephemeral_range
 
 from .certify_fleet import example_fleet, load, tasks_file
 from .conftest import TOKEN
@@ -185,6 +186,29 @@ def test_a_member_that_cannot_start_ends_the_run_with_one_line_and_exit_5(tmp_pa
     (line,) = completed.stderr.strip().splitlines()
     assert "environment" in line and "no-such-server" in line
     assert "Traceback" not in completed.stderr
+
+
+def test_a_member_on_an_ephemeral_port_is_noted_before_the_run(tmp_path: Path) -> None:
+    """Certify restarts members on their fleet-file addresses; one inside the kernel's
+    ephemeral range may be taken by any outgoing connection while its member is down (a
+    replacement that cannot listen ends the run). Noted, naming the member and address,
+    before anything starts; the run itself goes on (here: to a member that cannot start)."""
+    fleet, _ = example_fleet(tmp_path)
+    members = load(fleet).members
+    participants = [
+        {"name": m.name, "address": m.address, "command": list(m.command)} for m in members
+    ]
+    risky = f"127.0.0.1:{ephemeral_range()[0] + 7}"
+    participants[1]["address"] = risky
+    participants[0]["command"] = [str(tmp_path / "no-such-server")]
+    noted = write_fleet(tmp_path / "noted.toml", participants)
+    tasks = tasks_file(tmp_path, 2)
+    completed = certify("--fleet", str(noted), "--tasks", str(tasks), cwd=tmp_path)
+    assert completed.returncode == ExitCode.UNREACHABLE, completed.stderr
+    # (the live progress line, transient, leaves an empty line behind it)
+    note, line = [text for text in completed.stderr.splitlines() if text.strip()]
+    assert note.startswith("note: ") and participants[1]["name"] in note and risky in note
+    assert "no-such-server" in line
 
 
 def test_a_baseline_whose_rollouts_fail_is_refused_in_one_line(tmp_path: Path) -> None:

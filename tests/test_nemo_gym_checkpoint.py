@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout_checkpoint.client.fleet.ports import restartable_addresses
 from rollout_checkpoint.client.participant import ParticipantClient
-from rollout_checkpoint.examples.demo.ports import restartable_addresses
 from rollout_checkpoint.server.core.episodes import EpisodeId
 from rollout_checkpoint.server.runtime.rollout_prefix import rollout_path
 

@@ -5,7 +5,7 @@ outgoing connection on the machine; its replacement (closed, on the same address
 not listen. It happened in a full run: the supervisor's recovery never came, since the
 replacement never started. The demo's fleet (which `--self-heal`, `collect` and several tests
 replace members of) and the tests' own restartable servers take their ports from
-`examples/demo/ports.py` instead.
+`client/fleet/ports.py` instead.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from rollout_checkpoint.examples.demo.fleet import start_fleet
-from rollout_checkpoint.examples.demo.options import Options
-from rollout_checkpoint.examples.demo.ports import (
+from rollout_checkpoint.client.fleet import ports
+from rollout_checkpoint.client.fleet.ports import (
     LOWEST_PORT,
+    ephemeral_range,
     ephemeral_start,
+    in_ephemeral_range,
     restartable_ports,
 )
+from rollout_checkpoint.examples.demo.fleet import start_fleet
+from rollout_checkpoint.examples.demo.options import Options
 
 from .s3_server import free_ports
 
@@ -51,15 +54,16 @@ def test_the_tests_free_ports_are_restartable_ones() -> None:
     assert all(port < ephemeral_start() for port in free_ports(4))
 
 
-def test_ephemeral_start_reads_the_kernels_range(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollout_checkpoint.examples.demo import ports
-
+def test_the_ephemeral_range_is_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     if not ports.LINUX_EPHEMERAL_RANGE.exists():
         pytest.skip("not Linux")
-    low = int(ports.LINUX_EPHEMERAL_RANGE.read_text().split()[0])
-    assert ephemeral_start() == (low if low > LOWEST_PORT + 1000 else ports.DEFAULT_EPHEMERAL_START)
+    start, end = (int(w) for w in ports.LINUX_EPHEMERAL_RANGE.read_text().split())
+    assert ephemeral_range() == (start, end)
+    assert in_ephemeral_range(f"127.0.0.1:{start}") and in_ephemeral_range(f"[::1]:{end}")
+    assert not in_ephemeral_range(f"127.0.0.1:{start - 1}")
+    assert not in_ephemeral_range("127.0.0.1") and not in_ephemeral_range("unix:/tmp/x")
     monkeypatch.setattr(ports, "LINUX_EPHEMERAL_RANGE", Path("/nonexistent/range"))
-    assert ephemeral_start() == ports.DEFAULT_EPHEMERAL_START
+    assert ephemeral_range() == ports.DEFAULT_EPHEMERAL_RANGE
 
 
 async def test_every_demo_fleet_member_listens_below_the_ephemeral_range(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from rollout_checkpoint.client.coordinator.supervisor import (
     SupervisorSettings,
 )
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.examples.demo.ports import restartable_addresses
+from rollout_checkpoint.client.fleet.ports import restartable_addresses
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc

@@ -28,6 +28,7 @@ from rollout_checkpoint.client.certify.run import (
     Certification,
     CertifyOptions,
     certifiable,
+    restart_port_notes,
 )
 from rollout_checkpoint.client.certify.runs import RunFailed
 from rollout_checkpoint.client.cli.console import (
@@ -130,6 +131,8 @@ def run_certify(args: argparse.Namespace) -> int:
 
     def certify() -> int:
         spec = certifiable(options)
+        for note in restart_port_notes(spec):
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
         with _progress(console) as progress:
             task = progress.add_task("starting", total=None)
 

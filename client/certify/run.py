@@ -66,6 +66,7 @@ from rollout_checkpoint.client.certify.trial import restore_check, run_trial
 from rollout_checkpoint.client.collect.errors import UsageError
 from rollout_checkpoint.client.collect.inputs import load_input
 from rollout_checkpoint.client.fleet import FleetSpec, load_fleet_file
+from rollout_checkpoint.client.fleet.ports import ephemeral_range, in_ephemeral_range
 
 PROBE_SECONDS = 120.0
 """The bound of one stateless server's probe (its fresh process and every replayed call)."""
@@ -398,6 +399,27 @@ def certifiable(options: CertifyOptions) -> FleetSpec:
             "the fleet file (the argv that starts it)"
         )
     return spec
+
+
+def restart_port_notes(spec: FleetSpec) -> list[str]:
+    """One line per member address inside the kernel's ephemeral range. Certify restarts a
+    killed member on the addresses of its fleet file; while it is down, an outgoing
+    connection of any process may get that port as its own, and the replacement then cannot
+    listen (the trial ends as certify unable to run the fleet, not as a finding). Not refused:
+    the range differs between machines and a port is taken only sometimes."""
+    start, end = ephemeral_range()
+    notes = []
+    for member in spec.members:
+        url = http_url(member)
+        addresses = [member.address, *([url.removeprefix("http://")] if url else [])]
+        for address in addresses:
+            if in_ephemeral_range(address):
+                notes.append(
+                    f"{member.name} listens on {address}, inside this machine's ephemeral "
+                    f"port range ({start}-{end}): a replacement may find it taken; ports "
+                    f"below {start} are safer"
+                )
+    return notes
 
 
 def _entry_url(spec: FleetSpec, facts: Sequence[ServerFacts]) -> str:

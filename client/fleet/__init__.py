@@ -1,5 +1,6 @@
 """The fleet: its file (`spec`), its members found live (`discovery`), who is in it right now
-(`membership`), its members started from their commands (`launch`).
+(`membership`), its members started from their commands (`launch`), and ports a member can be
+restarted on (`ports`).
 
 The fleet file's model and the discovered fleet are imported together so often (every
 controller reads a file, then discovers it) that this package hands their names on: `from

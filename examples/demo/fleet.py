@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout_checkpoint.client import FleetSpec, MemberSpec
+from rollout_checkpoint.client.fleet.ports import restartable_addresses
 
 from .options import Options
-from .ports import restartable_addresses
 
 
 @dataclass

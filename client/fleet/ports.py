@@ -1,11 +1,13 @@
-"""Loopback ports for servers that are restarted on the same address.
+"""Ports for servers that are restarted on the same address.
 
 A server started on port 0 gets a port from the kernel's ephemeral range, the range it also
 hands out as the source port of every outgoing connection on the machine. Once that server is
 SIGKILLed, its port is free for any of them, and its replacement (started closed on the same
 address, as Kubernetes restarts a pod) then fails to listen: the demo's self-healing run
 failed that way on a busy machine. A port below the ephemeral range is never handed out
-implicitly, so only a process that asks for that very port can take it.
+implicitly, so only a process that asks for that very port can take it. The demo's fleet and
+the tests' restartable servers take their ports here; `certify`, which restarts the user's
+members on the addresses of their fleet file, notes a port inside the range.
 """
 
 from __future__ import annotations
@@ -19,17 +21,24 @@ LOWEST_PORT = 10000
 """Below it live the well-known services a developer machine runs (databases, caches, 8000s)."""
 
 LINUX_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-DEFAULT_EPHEMERAL_START = 32768
-"""Linux's default start; macOS starts at 49152, so this is below it as well."""
+DEFAULT_EPHEMERAL_RANGE = (32768, 65535)
+"""Where the kernel's range cannot be read: Linux's default start (macOS starts at 49152, so
+this is below it as well) up to the last port."""
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The first and last port the kernel hands out implicitly."""
+    try:
+        start, end = (int(word) for word in LINUX_EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_RANGE
+    if not LOWEST_PORT + 1000 < start <= end:
+        return DEFAULT_EPHEMERAL_RANGE  # too little room below it: use the default's
+    return start, end
 
 
 def ephemeral_start() -> int:
-    """The first port the kernel hands out implicitly."""
-    try:
-        start = int(LINUX_EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return DEFAULT_EPHEMERAL_START
-    return start if start > LOWEST_PORT + 1000 else DEFAULT_EPHEMERAL_START
+    return ephemeral_range()[0]
 
 
 def restartable_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -55,3 +64,16 @@ def restartable_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def restartable_addresses(count: int, host: str = "127.0.0.1") -> list[str]:
     return [f"{host}:{port}" for port in restartable_ports(count, host)]
+
+
+def port_of(address: str) -> int | None:
+    """The port of `HOST:PORT` (IPv6 `[::1]:PORT` too); None when there is none."""
+    _, colon, port = address.rpartition(":")
+    return int(port) if colon and port.isdigit() else None
+
+
+def in_ephemeral_range(address: str) -> bool:
+    """Whether `address` listens on a port the kernel may hand out implicitly."""
+    port = port_of(address)
+    start, end = ephemeral_range()
+    return port is not None and start <= port <= end
