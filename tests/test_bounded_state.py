@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from rollout_checkpoint.client.checkpointing.fanout import DERIVE
 from rollout_checkpoint.examples.policy_model import GatePoint
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.server.episodic.delivery import ReplyDeliveryMiddleware
 from rollout_checkpoint.server.runtime.rollout_prefix import EPISODE_KEY, RolloutPrefixMiddleware
 from rollout_checkpoint.v1 import types_pb2
@@ -258,9 +258,8 @@ async def test_a_reply_delivered_to_a_caller_already_closed_is_still_in_its_chec
 
 
 def records(checkpoint: Any, kind: str, instance: str) -> list[dict[str, Any]]:
-    part = checkpoint / "participants" / kind / instance
-    return [
-        json.loads(line)
-        for path in part.glob("records-*.jsonl")
-        for line in path.read_text().splitlines()
-    ]
+    if not (checkpoint / "participants" / kind / instance).is_dir():
+        return []
+    # The runtime's reader: the example agent and model checkpoint incrementally.
+    _, found = LocalStorage().read_part(str(checkpoint), kind, instance, lambda _r: True)
+    return found

@@ -45,6 +45,7 @@ from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_flee
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.v1 import participant_service_pb2 as pb
 
 from .doc_pages import commands
@@ -263,14 +264,16 @@ def latest(work: Path) -> dict[str, Any] | None:
 
 def mid_episode(work: Path, manifest: dict[str, Any]) -> dict[str, int]:
     """Rollouts the checkpoint cut mid-episode: rollout id -> the agent's checkpointed step."""
-    part = work / "checkpoints" / manifest["checkpoint_id"] / "participants" / "agent" / "agent"
+    directory = work / "checkpoints" / manifest["checkpoint_id"]
+    if not (directory / "participants" / "agent" / "agent").is_dir():
+        return {}
+    # The runtime's reader: the agent checkpoints incrementally (reference lines).
+    _, records = LocalStorage().read_part(str(directory), "agent", "agent", lambda _r: True)
     steps: dict[str, int] = {}
-    for records in part.glob("records-*.jsonl"):
-        for line in records.read_text().splitlines():
-            record = json.loads(line)
-            boundary = record["boundary"]
-            if isinstance(boundary, dict) and "step" in boundary:
-                steps[record["episode_id"]["rollout_id"]] = boundary["step"]
+    for record in records:
+        boundary = record["boundary"]
+        if isinstance(boundary, dict) and "step" in boundary:
+            steps[record["episode_id"]["rollout_id"]] = boundary["step"]
     return steps
 
 

@@ -29,6 +29,8 @@ import obstore
 import pytest
 
 from rollout_checkpoint.examples.demo import FleetProcesses, Options, start_fleet
+from rollout_checkpoint.server.core.errors import CheckpointError
+from rollout_checkpoint.server.core.object_parts import ObjectPartStorage
 
 from .s3_server import S3Connection, SeaweedS3
 from .test_collect import (
@@ -49,6 +51,7 @@ class Store:
     """Reads what the collector published below `prefix` (the test's own client)."""
 
     def __init__(self, connection: S3Connection, prefix: str) -> None:
+        self.connection = connection
         self.store = store_for(connection)
         self.prefix = prefix
 
@@ -70,15 +73,21 @@ class Store:
         return manifest
 
     def mid_episode(self, manifest: dict[str, Any]) -> dict[str, int]:
-        """Rollouts the checkpoint cut mid-episode: rollout id -> the agent's step."""
-        part = f"{manifest['checkpoint_id']}/participants/agent/agent"
-        raw = self.read(f"{part}/manifest.json")
-        if raw is None:
-            return {}
-        records = self.read(f"{part}/{json.loads(raw)['records_file']}") or b""
+        """Rollouts the checkpoint cut mid-episode: rollout id -> the agent's step. Read
+        with the runtime's reader (the agent checkpoints incrementally: reference lines),
+        with the store's credentials in this process's environment, as the product reads."""
+        checkpoint = self.connection.url(f"{self.prefix}/{manifest['checkpoint_id']}")
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in self.connection.environment().items():
+                env.setenv(name, value)
+            try:
+                _, records = ObjectPartStorage().read_part(
+                    checkpoint, "agent", "agent", lambda _record: True
+                )
+            except CheckpointError:
+                return {}  # retention removed it while we read: a newer one is out
         steps: dict[str, int] = {}
-        for line in records.decode().splitlines():
-            record = json.loads(line)
+        for record in records:
             boundary = record["boundary"]
             if isinstance(boundary, dict) and "step" in boundary:
                 steps[record["episode_id"]["rollout_id"]] = boundary["step"]

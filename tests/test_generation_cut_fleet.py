@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from rollout_checkpoint.examples.demo import FleetProcesses, launch_server, serv
 from rollout_checkpoint.examples.policy_model import ScriptedPolicy
 from rollout_checkpoint.examples.prompt_injection import load_tasks
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 
 from .conftest import TOKEN
 
@@ -105,10 +105,9 @@ async def final_generation_begun(http: httpx.AsyncClient, fleet: FleetProcesses)
 
 
 def model_record(directory: Path) -> dict[str, Any]:
-    part = directory / "participants" / "model" / "policy_model"
-    manifest = json.loads((part / "manifest.json").read_text())
-    (line,) = (part / manifest["records_file"]).read_text().splitlines()
-    record: dict[str, Any] = json.loads(line)
+    # The runtime's reader: the model checkpoints incrementally (reference lines).
+    _, records = LocalStorage().read_part(str(directory), "model", "policy_model", lambda _r: True)
+    (record,) = records
     return record
 
 

@@ -29,6 +29,7 @@ from rollout_checkpoint.examples.policy_model import (
 )
 from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.server.model.generation_cuts import (
     GenerationCut,
     GenerationPrefix,
@@ -143,11 +144,10 @@ async def model(upstream: str | None = None, gate: TokenGate | None = None) -> A
 
 
 def records(ckpt: Path) -> dict[str, dict[str, Any]]:
-    part = ckpt / "participants" / "model" / "policy_model"
-    manifest = json.loads((part / "manifest.json").read_text())
+    # The runtime's reader: the model checkpoints incrementally (reference lines).
+    _, records = LocalStorage().read_part(str(ckpt), "model", "policy_model", lambda _r: True)
     found = {}
-    for line in (part / manifest["records_file"]).read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         found[EpisodeId.from_json(record.pop("episode_id")).capture_key] = record
     return found
 

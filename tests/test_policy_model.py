@@ -33,6 +33,7 @@ from rollout_checkpoint.examples.policy_model import (
 from rollout_checkpoint.examples.prompt_injection import PromptInjectionServer, load_tasks
 from rollout_checkpoint.server.core.clock import ManualClock
 from rollout_checkpoint.server.core.episodes import EpisodeId
+from rollout_checkpoint.server.core.part_storage import LocalStorage
 from rollout_checkpoint.server.model.participant import EPISODE_FINISHED_PATH, ModelParticipant
 from rollout_checkpoint.server.resources import ResourcesServerConfig
 from rollout_checkpoint.server.runtime.settings import CheckpointSettings
@@ -277,11 +278,10 @@ def after(
 
 def exported(ckpt: str, instance: str = "policy_model") -> dict[str, list[dict[str, Any]]]:
     """The committed model records: capture key -> ledger rows."""
-    part = Path(ckpt, "participants", "model", instance)
-    manifest = json.loads((part / "manifest.json").read_text())
+    # The runtime's reader: the model checkpoints incrementally (reference lines).
+    _, stored = LocalStorage().read_part(ckpt, "model", instance, lambda _r: True)
     records: dict[str, list[dict[str, Any]]] = {}
-    for line in (part / manifest["records_file"]).read_text().splitlines():
-        record = json.loads(line)
+    for record in stored:
         key = EpisodeId.from_json(record.pop("episode_id")).capture_key
         assert set(record) == {"calls"}
         records[key] = record["calls"]

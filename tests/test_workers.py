@@ -156,20 +156,36 @@ def test_the_pages_workers_block_prints_what_it_shows(tmp_path: Path) -> None:
 # -- resources: cookie routing, checkpoint, SIGKILL, restore, continue -------------------
 
 
+SEED_BATCH = 2 * WORKERS
+SEEDS_AT_MOST = 360
+
+
 async def seed_on_every_worker(base_url: str) -> dict[str, dict[str, str]]:
     """Seed counter sessions (rollout r<i>, initial count i) until every worker owns at
-    least two; returns rollout -> cookies."""
+    least two; returns rollout -> cookies.
+
+    The workers share one accept queue (workers.py), and on a quiet machine the worker
+    woken first takes nearly every connection (60 seeds one at a time once gave 52/7/1, and
+    a full run failed there). Seeds go in concurrent batches, each on a connection of its
+    own, so a worker busy with one leaves the next to another, up to `SEEDS_AT_MOST`."""
     sessions: dict[str, dict[str, str]] = {}
     owners: dict[int, int] = {}
-    for i in range(60):
-        reply = await post(base_url, f"/ng-rollout/r{i}/seed_session", {"initial_count": i})
-        assert reply.status_code == 200, reply.text
-        cookie = reply.cookies[COOKIE]
-        sessions[f"r{i}"] = {COOKIE: cookie}
-        owners[owner_of(cookie)] = owners.get(owner_of(cookie), 0) + 1
+    for start in range(0, SEEDS_AT_MOST, SEED_BATCH):
+        numbers = range(start, start + SEED_BATCH)
+        replies = await asyncio.gather(
+            *(
+                post(base_url, f"/ng-rollout/r{i}/seed_session", {"initial_count": i})
+                for i in numbers
+            )
+        )
+        for i, reply in zip(numbers, replies, strict=True):
+            assert reply.status_code == 200, reply.text
+            cookie = reply.cookies[COOKIE]
+            sessions[f"r{i}"] = {COOKIE: cookie}
+            owners[owner_of(cookie)] = owners.get(owner_of(cookie), 0) + 1
         if len(owners) == WORKERS and min(owners.values()) >= 2:
             return sessions
-    raise AssertionError(f"60 seeds did not reach every worker twice: {owners}")
+    raise AssertionError(f"{SEEDS_AT_MOST} seeds did not reach every worker twice: {owners}")
 
 
 async def test_resources_workers_checkpoint_sigkill_restore_continue(

@@ -99,7 +99,11 @@ class PolicyModelServer:
         if self.checkpoint_enabled:
             assert self.config.checkpoint is not None
             cuts = not self.proxy or self.config.upstream_continuation == "vllm"
-            self.participant = ModelParticipant(self.instance, backend=self if cuts else None)
+            # Incremental: a ledger without a new delivery is referenced in the last part
+            # (safe whatever the server behind it does: `ModelParticipant.export_changes`).
+            self.participant = ModelParticipant(
+                self.instance, backend=self if cuts else None, incremental=True
+            )
             app.add_middleware(ModelAdmissionMiddleware, participant=self.participant)
             app.add_middleware(RolloutPrefixMiddleware)
             self.runtime = install_checkpointing(
