@@ -305,6 +305,20 @@ CRASHING_CLI = [sys.executable, "-m", "tests.collect_crash"]
 
 TRIES = 4
 """Crash-and-resume runs a test makes until one continues an episode (see below)."""
+MODEL_LATENCY = "0.15"
+"""Seconds per scripted generation in the crash-and-resume fleet: an episode (eight steps)
+then lasts over a second, so the first batch of episodes is mid-episode at both the first
+checkpoint (0.3 s in) and the second, where the crash comes. With the default 0.05 s an
+episode ended between the two on a quiet machine, which left nothing to continue: 2 runs
+in 5 failed all their tries."""
+
+
+def slow_model(fleet: Path) -> None:
+    """The policy model of `fleet` generates at `MODEL_LATENCY` (see there)."""
+    text = fleet.read_text()
+    tasks = '"--tasks", "tasks.jsonl",'
+    assert text.count(tasks) == 1, "the policy model's command changed"
+    fleet.write_text(text.replace(tasks, f'{tasks} "--latency", "{MODEL_LATENCY}",'))
 
 
 async def crashed_and_resumed(fleet: Path, work: Path) -> list[dict[str, Any]]:
@@ -359,6 +373,7 @@ async def test_the_products_own_recovery_meets_the_bugs(tmp_path: Path) -> None:
     runs again on the same fleet, `TRIES` times at most, until one continued an episode of
     each of the two faulty counters and of the honest one."""
     fleet = free_port_fleet(tmp_path / "fleet")
+    slow_model(fleet)
     spec = load(fleet)
     launched = await start_fleet(spec, tmp_path / "logs")
     wanted = (*RECOVERY_BUGS, HONEST)
