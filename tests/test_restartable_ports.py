@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_checkpoint.client.cli.console import ExitCode
 from rollout_checkpoint.client.fleet import ports
 from rollout_checkpoint.client.fleet.ports import (
     LOWEST_PORT,
@@ -23,6 +24,7 @@ from rollout_checkpoint.client.fleet.ports import (
     in_ephemeral_range,
     restartable_ports,
 )
+from rollout_checkpoint.examples.demo import fleet as demo_fleet
 from rollout_checkpoint.examples.demo.fleet import start_fleet
 from rollout_checkpoint.examples.demo.options import Options
 
@@ -75,3 +77,74 @@ async def test_every_demo_fleet_member_listens_below_the_ephemeral_range(tmp_pat
     assert len(addresses) == 5
     for name, pair in addresses.items():
         assert all(port_of(a) < ephemeral_start() for a in pair), (name, pair)
+
+
+def test_the_address_in_use_exit_is_the_clis() -> None:
+    assert ports.ADDRESS_IN_USE_EXIT == ExitCode.ADDRESS_IN_USE
+
+
+async def test_a_member_whose_address_was_taken_meanwhile_starts_on_fresh_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chosen free, a port can be taken before the server binds it (another process chose
+    it at that moment): a member given a taken port starts again on fresh addresses rather
+    than failing the fleet."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        handed: list[list[str]] = []
+
+        def choose(count: int) -> list[str]:
+            """Every other choice hands out the taken port (three servers start at once)."""
+            chosen = ports.restartable_addresses(count)
+            if len(handed) % 2 == 0:
+                chosen = [taken, *chosen[1:]]
+            handed.append(chosen)
+            return chosen
+
+        monkeypatch.setattr(demo_fleet, "restartable_addresses", choose)
+        fleet = await start_fleet("ports", tmp_path, "token", Options(), start_closed=True)
+        try:
+            addresses = {n: (s.http, s.grpc) for n, s in fleet.servers.items()}
+        finally:
+            fleet.kill()
+    assert len(addresses) == 5 and all(http != taken for http, _ in addresses.values())
+    assert sum(1 for chosen in handed if chosen[0] == taken) >= 3, handed
+
+
+def test_a_taken_address_is_told_from_other_start_failures() -> None:
+    check = "rollout-checkpoint serve: cannot listen on HTTP address 127.0.0.1:18565: in use"
+    bind = "ERROR uvicorn.error: [Errno 98] error while attempting to bind on address "
+    bind += "('127.0.0.1', 18565): address already in use"
+    assert ports.address_was_taken(8, "")
+    assert ports.address_was_taken(1, f"starting\n{check}\n")
+    assert ports.address_was_taken(3, f"a\n{bind}\nb")
+    assert not ports.address_was_taken(2, "rollout-checkpoint serve: --token is required")
+    assert not ports.address_was_taken(None, "cannot listen on HTTP address x:1: Permission denied")
+
+
+def test_a_restartable_counter_whose_address_was_taken_starts_on_fresh_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor tests' counters choose their addresses the same way (and again)."""
+    from . import test_supervisor
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        handed: list[list[str]] = []
+
+        def choose(count: int) -> list[str]:
+            chosen = ports.restartable_addresses(count)
+            handed.append([taken, *chosen[1:]] if not handed else chosen)
+            return handed[-1]
+
+        monkeypatch.setattr(test_supervisor, "restartable_addresses", choose)
+        counters = test_supervisor.CounterFleet(tmp_path)
+        try:
+            member = counters.start("c0")
+        finally:
+            counters.stop()
+    assert len(handed) == 2 and member.http == handed[1][0] != taken

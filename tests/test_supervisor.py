@@ -45,7 +45,7 @@ from rollout_checkpoint.client.coordinator.supervisor import (
     SupervisorSettings,
 )
 from rollout_checkpoint.client.fleet import Fleet, FleetSpec, MemberSpec
-from rollout_checkpoint.client.fleet.ports import restartable_addresses
+from rollout_checkpoint.client.fleet.ports import address_was_taken, restartable_addresses
 from rollout_checkpoint.server.core.errors import CheckpointError, Reason
 from rollout_checkpoint.v1 import coordinator_service_pb2 as cpb
 from rollout_checkpoint.v1 import coordinator_service_pb2_grpc as cpb_grpc
@@ -84,15 +84,23 @@ class CounterFleet:
         http: str | None = None,
         grpc: str | None = None,
     ) -> Counter:
-        """Below the ephemeral range unless given: `replace` listens on them again."""
-        if http is None or grpc is None:
-            http, grpc = restartable_addresses(2)
-        self._generation += 1
-        log = self.logs / f"{name}-{self._generation}.log"
-        command = [*SERVE, "--instance", name, "--http-address", http, "--grpc-address", grpc]
-        if start_closed:
-            command.append("--start-closed")
-        process, announced = started(command, f"counter {name}", log=log)
+        """Below the ephemeral range unless given: `replace` listens on them again. Chosen
+        here, addresses taken before the counter bound them are chosen again."""
+        chosen = http is None or grpc is None
+        for attempt in range(1, 6):
+            if chosen:
+                http, grpc = restartable_addresses(2)
+            assert http is not None and grpc is not None
+            self._generation += 1
+            log = self.logs / f"{name}-{self._generation}.log"
+            command = [*SERVE, "--instance", name, "--http-address", http]
+            command += ["--grpc-address", grpc, *(["--start-closed"] if start_closed else [])]
+            try:
+                process, announced = started(command, f"counter {name}", log=log)
+                break
+            except AssertionError:  # `announcement`'s failure
+                if not chosen or attempt == 5 or not address_was_taken(None, log.read_text()):
+                    raise
         member = Counter(name, process, announced["http"], announced["grpc"], log)
         self.members[name] = member
         return member

@@ -20,6 +20,9 @@ from pathlib import Path
 LOWEST_PORT = 10000
 """Below it live the well-known services a developer machine runs (databases, caches, 8000s)."""
 
+ADDRESS_IN_USE_EXIT = 8
+"""`rollout-checkpoint serve`'s exit code for an address it cannot listen on."""
+
 LINUX_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 DEFAULT_EPHEMERAL_RANGE = (32768, 65535)
 """Where the kernel's range cannot be read: Linux's default start (macOS starts at 49152, so
@@ -77,3 +80,15 @@ def in_ephemeral_range(address: str) -> bool:
     port = port_of(address)
     start, end = ephemeral_range()
     return port is not None and start <= port <= end
+
+
+def address_was_taken(exit_code: int | None, log_text: str) -> bool:
+    """Whether a server that exited before it announced itself lost its address to another
+    process between `restartable_ports` and its own bind: `serve`'s own check says so with
+    exit 8 (`ADDRESS_IN_USE`) and a `cannot listen on ...: in use` line, a bind that lost
+    the race after that check with `address already in use` in its log."""
+    return exit_code == ADDRESS_IN_USE_EXIT or any(
+        "address already in use" in line
+        or ("cannot listen on" in line and line.endswith(": in use"))
+        for line in log_text.splitlines()
+    )

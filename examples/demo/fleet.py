@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_checkpoint.client import FleetSpec, MemberSpec
-from rollout_checkpoint.client.fleet.ports import restartable_addresses
+from rollout_checkpoint.client.fleet.ports import address_was_taken, restartable_addresses
 
 from .options import Options
 
@@ -141,14 +141,30 @@ async def start_fleet(
     return fleet
 
 
+ADDRESS_TRIES = 5
+"""Fresh addresses a server's first start gets when another process took the ones chosen."""
+
+
 async def _start(fleet: FleetProcesses, logs: Path, name: str, kind: str, args: list[str]) -> None:
-    """Start one server on addresses below the ephemeral range (`ports.py`): a replacement
-    after a SIGKILL must be able to listen on them again."""
-    http, grpc = restartable_addresses(2)
-    addresses = ["--http-address", http, "--grpc-address", grpc]
-    fleet.servers[name] = await asyncio.to_thread(
-        launch_server, fleet.label, logs, name, kind, [*args, *addresses]
-    )
+    """Start one server on addresses below the ephemeral range (`client/fleet/ports.py`): a
+    replacement after a SIGKILL must be able to listen on them again. Chosen free, they can
+    still be taken before the server binds them (another process choosing at that moment):
+    then the server starts again on fresh ones."""
+    for attempt in range(1, ADDRESS_TRIES + 1):
+        http, grpc = restartable_addresses(2)
+        addresses = ["--http-address", http, "--grpc-address", grpc]
+        try:
+            fleet.servers[name] = await asyncio.to_thread(
+                launch_server, fleet.label, logs, name, kind, [*args, *addresses]
+            )
+            return
+        except AddressTaken:
+            if attempt == ADDRESS_TRIES:
+                raise
+
+
+class AddressTaken(RuntimeError):
+    """A server exited before it announced itself because its address was taken."""
 
 
 def launch_server(label: str, logs: Path, name: str, kind: str, args: list[str]) -> Server:
@@ -179,9 +195,17 @@ def start_announcing(
     line = process.stdout.readline() if ready else ""
     if not line:
         signal_group(process, signal.SIGKILL)
-        raise RuntimeError(
-            f"{name} did not start within {ANNOUNCE_TIMEOUT_SECONDS:g} s "
-            f"(exit {process.wait()}); see {log}"
+        code = process.wait()
+        failure = AddressTaken if address_was_taken(code, _read(log)) else RuntimeError
+        raise failure(
+            f"{name} did not start within {ANNOUNCE_TIMEOUT_SECONDS:g} s (exit {code}); see {log}"
         )
     announced: dict[str, Any] = json.loads(line)
     return process, announced
+
+
+def _read(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")
+    except OSError:
+        return ""

@@ -193,6 +193,11 @@ class WorkerShares:
         self._participant = participant
         self._base: Share | None = None
         self._pending: PendingShare | None = None
+        self._exports_started = 0
+        """Only the export started last leaves its share pending: one the main process gave
+        up on (its commit failed or ended at its deadline) may still end after the next
+        commit's export here, and its older share would replace the one that commit names
+        as its base next (that commit then failed once, `HOOK_FAILED`)."""
 
     def _base_of(self, pool_cut: int | None) -> Share | None:
         """This worker's share of the part of `pool_cut` (None: a full share).
@@ -222,19 +227,22 @@ class WorkerShares:
     ) -> dict[str, Any]:
         """This worker's share of the main process's cut `pool_cut`, in the kept form."""
         participant = self._participant
+        self._exports_started += 1
+        started = self._exports_started
         base = self._base_of(base_cut)
         clock = participant.change_clock()
         changes = await participant.export_changes(scope, base)
         own = [item for item in changes.items if isinstance(item, ExportRecord)]
         dropped, kept = _dropped_and_kept(changes, base)
-        self._pending = PendingShare(
-            pool_cut,
-            clock,
-            scope is None,
-            None if base is None else base.pool_cut,
-            dropped,
-            {participant.record_identity(r.episode_id, r.fields) for r in own},
-        )
+        if started == self._exports_started:
+            self._pending = PendingShare(
+                pool_cut,
+                clock,
+                scope is None,
+                None if base is None else base.pool_cut,
+                dropped,
+                {participant.record_identity(r.episode_id, r.fields) for r in own},
+            )
         # Encoded here, in a thread, with the part's own codec (as a full export is).
         lines = await asyncio.to_thread(lambda: [line.decode() for line in serialize_records(own)])
         return {
