@@ -1,8 +1,9 @@
 """The demo's fleet as local processes: start it callee-first, stop it, kill it callers-first.
 
 Each server is a real `serve` process in its own process group with its sidecar on a free
-loopback port below the ephemeral range (`ports.py`), announced by one JSON line: the demo drives the same processes an operator
-would run, so a SIGKILL here is the crash it claims to survive.
+loopback port below the ephemeral range (`client/fleet/ports.py`), announced by one JSON line:
+the demo drives the same processes an operator would run, so a SIGKILL here is the crash it
+claims to survive.
 """
 
 from __future__ import annotations
