@@ -11,6 +11,7 @@ replace members of) and the tests' own restartable servers take their ports from
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -83,32 +84,46 @@ def test_the_address_in_use_exit_is_the_clis() -> None:
     assert ports.ADDRESS_IN_USE_EXIT == ExitCode.ADDRESS_IN_USE
 
 
-async def test_a_member_whose_address_was_taken_meanwhile_starts_on_fresh_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Chosen free, a port can be taken before the server binds it (another process chose
-    it at that moment): a member given a taken port starts again on fresh addresses rather
-    than failing the fleet."""
+@pytest.fixture
+def taken() -> Iterator[str]:
+    """An address another process listens on (this test, on a kernel-chosen port)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        taken = f"127.0.0.1:{held.getsockname()[1]}"
-        handed: list[list[str]] = []
+        yield f"127.0.0.1:{held.getsockname()[1]}"
 
-        def choose(count: int) -> list[str]:
-            """Every other choice hands out the taken port (three servers start at once)."""
-            chosen = ports.restartable_addresses(count)
-            if len(handed) % 2 == 0:
-                chosen = [taken, *chosen[1:]]
-            handed.append(chosen)
-            return chosen
 
-        monkeypatch.setattr(demo_fleet, "restartable_addresses", choose)
-        fleet = await start_fleet("ports", tmp_path, "token", Options(), start_closed=True)
-        try:
-            addresses = {n: (s.http, s.grpc) for n, s in fleet.servers.items()}
-        finally:
-            fleet.kill()
+def choosing(
+    taken: str, hand_out_taken: Callable[[int], bool]
+) -> tuple[Callable[[int], list[str]], list[list[str]]]:
+    """A `restartable_addresses` that hands out `taken` as the first address of the n-th
+    choice when `hand_out_taken(n)`, and what it handed out."""
+    handed: list[list[str]] = []
+
+    def choose(count: int) -> list[str]:
+        chosen = ports.restartable_addresses(count)
+        if hand_out_taken(len(handed)):
+            chosen = [taken, *chosen[1:]]
+        handed.append(chosen)
+        return chosen
+
+    return choose, handed
+
+
+async def test_a_member_whose_address_was_taken_meanwhile_starts_on_fresh_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: str
+) -> None:
+    """Chosen free, a port can be taken before the server binds it (another process chose
+    it at that moment): a member given a taken port starts again on fresh addresses rather
+    than failing the fleet. Every other choice hands out the taken port (three servers start
+    at once)."""
+    choose, handed = choosing(taken, lambda number: number % 2 == 0)
+    monkeypatch.setattr(demo_fleet, "restartable_addresses", choose)
+    fleet = await start_fleet("ports", tmp_path, "token", Options(), start_closed=True)
+    try:
+        addresses = {n: (s.http, s.grpc) for n, s in fleet.servers.items()}
+    finally:
+        fleet.kill()
     assert len(addresses) == 5 and all(http != taken for http, _ in addresses.values())
     assert sum(1 for chosen in handed if chosen[0] == taken) >= 3, handed
 
@@ -125,26 +140,16 @@ def test_a_taken_address_is_told_from_other_start_failures() -> None:
 
 
 def test_a_restartable_counter_whose_address_was_taken_starts_on_fresh_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: str
 ) -> None:
     """The supervisor tests' counters choose their addresses the same way (and again)."""
     from . import test_supervisor
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        taken = f"127.0.0.1:{held.getsockname()[1]}"
-        handed: list[list[str]] = []
-
-        def choose(count: int) -> list[str]:
-            chosen = ports.restartable_addresses(count)
-            handed.append([taken, *chosen[1:]] if not handed else chosen)
-            return handed[-1]
-
-        monkeypatch.setattr(test_supervisor, "restartable_addresses", choose)
-        counters = test_supervisor.CounterFleet(tmp_path)
-        try:
-            member = counters.start("c0")
-        finally:
-            counters.stop()
+    choose, handed = choosing(taken, lambda number: number == 0)
+    monkeypatch.setattr(test_supervisor, "restartable_addresses", choose)
+    counters = test_supervisor.CounterFleet(tmp_path)
+    try:
+        member = counters.start("c0")
+    finally:
+        counters.stop()
     assert len(handed) == 2 and member.http == handed[1][0] != taken
