@@ -32,10 +32,6 @@ from rollout_checkpoint.examples.demo.options import Options
 from .s3_server import free_ports
 
 
-def port_of(address: str) -> int:
-    return int(address.rsplit(":", 1)[1])
-
-
 def test_restartable_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
     ports = restartable_ports(8)
     assert len(set(ports)) == 8
@@ -77,7 +73,8 @@ async def test_every_demo_fleet_member_listens_below_the_ephemeral_range(tmp_pat
         fleet.kill()
     assert len(addresses) == 5
     for name, pair in addresses.items():
-        assert all(port_of(a) < ephemeral_start() for a in pair), (name, pair)
+        found = [ports.port_of(a) for a in pair]
+        assert all(p is not None and p < ephemeral_start() for p in found), (name, pair)
 
 
 def test_the_address_in_use_exit_is_the_clis() -> None:

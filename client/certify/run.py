@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rollout_checkpoint.client.certify.aftermath import RestoreBench
 from rollout_checkpoint.client.certify.baseline import run_baseline, run_folder
@@ -411,7 +412,7 @@ def restart_port_notes(spec: FleetSpec) -> list[str]:
     notes = []
     for member in spec.members:
         url = http_url(member)
-        addresses = [member.address, *([url.removeprefix("http://")] if url else [])]
+        addresses = [member.address, *([urlsplit(url).netloc] if url else [])]
         for address in addresses:
             if in_ephemeral_range(address):
                 notes.append(
